@@ -1,0 +1,109 @@
+//! One error type for the whole library. Every variant names the file (or the argument) and the
+//! rule that was broken, so a message can be shown to a user as it is.
+
+use std::path::{Path, PathBuf};
+
+/// Everything that can go wrong in shardkit.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An operating-system I/O error while touching `path`.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory being accessed.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file or directory that should exist does not.
+    #[error("{}: {what}", path.display())]
+    NotFound {
+        /// The missing path.
+        path: PathBuf,
+        /// What was expected there.
+        what: String,
+    },
+    /// A file's content breaks a rule of its format.
+    #[error("{}: {rule}", path.display())]
+    Format {
+        /// The offending file.
+        path: PathBuf,
+        /// The violated rule, in words.
+        rule: String,
+    },
+    /// A dataset that is not completely written; reading it would serve missing data.
+    #[error(
+        "{}: incomplete dataset: {present} of {total} examples are present ({detail})",
+        path.display()
+    )]
+    Incomplete {
+        /// The dataset directory.
+        path: PathBuf,
+        /// Examples durably present.
+        present: u64,
+        /// Examples the metadata promises.
+        total: u64,
+        /// Why it is incomplete.
+        detail: String,
+    },
+    /// The destination already holds something that must not be overwritten.
+    #[error("{}: {why}", path.display())]
+    Exists {
+        /// The existing path.
+        path: PathBuf,
+        /// What is there and why it is kept.
+        why: String,
+    },
+    /// A caller-supplied argument is invalid (shape, range, option).
+    #[error("{0}")]
+    Invalid(String),
+    /// An index is outside the valid range.
+    #[error("{what} {index} is out of range (valid: 0..{len})")]
+    OutOfRange {
+        /// What was indexed ("example", "token", ...).
+        what: &'static str,
+        /// The index given.
+        index: i64,
+        /// The number of valid indices.
+        len: u64,
+    },
+    /// A recorded key (layer value, tensor name) is absent.
+    #[error("{0}")]
+    Missing(String),
+}
+
+/// Shorthand for results in shardkit.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// An I/O error on `path`.
+    pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
+        let path = path.as_ref().to_path_buf();
+        if source.kind() == std::io::ErrorKind::NotFound {
+            return Error::NotFound {
+                path,
+                what: "no such file or directory".into(),
+            };
+        }
+        Error::Io { path, source }
+    }
+
+    /// A format violation in `path`.
+    pub fn format(path: impl AsRef<Path>, rule: impl Into<String>) -> Self {
+        Error::Format {
+            path: path.as_ref().to_path_buf(),
+            rule: rule.into(),
+        }
+    }
+}
+
+/// Attaches a path to `std::io::Result`s.
+pub(crate) trait IoContext<T> {
+    fn at(self, path: impl AsRef<Path>) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn at(self, path: impl AsRef<Path>) -> Result<T> {
+        self.map_err(|e| Error::io(path, e))
+    }
+}

@@ -1,0 +1,21 @@
+//! shardkit: exact, crash-safe and fast access to the on-disk caches ML training reads.
+//!
+//! Formats:
+//! * [`saev`]: the saev Sharded Activation File Protocol (transformer activations for
+//!   sparse-autoencoder training), every protocol version in use.
+//!
+//! Conventions shared by every format: all input from disk or from a caller is validated once,
+//! at parse time, and errors name the file and the rule it breaks ([`Error`]); writers publish a
+//! file under its final name only when it is complete ([`fsutil`]); JSON that another
+//! implementation hashes is emitted byte-identically ([`json`]).
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod fsutil;
+pub mod json;
+pub mod saev;
+
+pub use error::{Error, Result};
+
+/// The version of this library.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

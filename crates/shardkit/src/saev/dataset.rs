@@ -1,0 +1,525 @@
+//! Random access to a complete saev directory.
+//!
+//! Opening checks completeness once (saev.md §12): shards.json exists, its counts sum to
+//! `n_examples`, and every shard holding examples exists at full size. A crashed or half-copied
+//! directory is refused with the number of examples actually present, never served with zeros.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+use crate::saev::layout::{parse_shards_json, Layout, ShardEntry};
+use crate::saev::Metadata;
+
+/// Which tokens of each example a flat index enumerates (saev's `tokens` option).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenMode {
+    /// Content tokens only: index `i` is example `i / P`, content token `i % P`.
+    Content,
+    /// The CLS token of each example: index `i` is example `i` (needs `cls_token`).
+    Special,
+    /// Every stored token: index `i` is example `i / T`, token slot `i % T`.
+    All,
+}
+
+impl FromStr for TokenMode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "content" | "image" | "patches" => Ok(TokenMode::Content),
+            "special" | "cls" => Ok(TokenMode::Special),
+            "all" => Ok(TokenMode::All),
+            _ => Err(Error::Invalid(format!(
+                "unknown token mode {s:?}: expected content, special or all"
+            ))),
+        }
+    }
+}
+
+impl TokenMode {
+    /// The option's canonical name.
+    pub fn name(self) -> &'static str {
+        match self {
+            TokenMode::Content => "content",
+            TokenMode::Special => "special",
+            TokenMode::All => "all",
+        }
+    }
+
+    /// Rows this mode selects per example, or an error when the dataset has no CLS token.
+    pub fn rows_per_example(self, layout: &Layout) -> Result<u64> {
+        match self {
+            TokenMode::Content => Ok(layout.content_tokens),
+            TokenMode::Special if !layout.cls => Err(Error::Invalid(
+                "tokens=\"special\" needs a CLS token, but this dataset has cls_token = false"
+                    .into(),
+            )),
+            TokenMode::Special => Ok(1),
+            TokenMode::All => Ok(layout.tokens),
+        }
+    }
+
+    /// For the `j`-th selected row of an example: (stored token slot, reported token index).
+    /// The reported index is the content token `c` (0-based), or -1 for CLS.
+    pub fn token_of(self, layout: &Layout, j: u64) -> (u64, i64) {
+        let cls = u64::from(layout.cls);
+        match self {
+            TokenMode::Content => (j + cls, j as i64),
+            TokenMode::Special => (0, -1),
+            TokenMode::All => (j, j as i64 - cls as i64),
+        }
+    }
+}
+
+/// How complete a directory is; see [`check_complete`].
+pub(crate) fn check_complete(dir: &Path, md: &Metadata, layout: &Layout) -> Result<()> {
+    let sj = dir.join("shards.json");
+    let n = layout.n_examples;
+    let bytes = match std::fs::read(&sj) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let k = leading_full_files(dir, layout);
+            return Err(Error::Incomplete {
+                path: dir.to_path_buf(),
+                present: (k * layout.examples_per_shard).min(n),
+                total: n,
+                detail: format!(
+                    "shards.json is missing (it is written last); {k} leading shard files are \
+                     full size"
+                ),
+            });
+        }
+        Err(e) => return Err(Error::io(&sj, e)),
+    };
+    let entries = parse_shards_json(&bytes, &sj)?;
+    check_entries(&entries, &sj, layout)?;
+    let _ = md;
+    for s in 0..layout.n_shards {
+        let name = Layout::shard_name(s);
+        let path = dir.join(&name);
+        match std::fs::metadata(&path) {
+            Err(_) => {
+                return Err(Error::format(
+                    &path,
+                    "listed in shards.json but missing".to_string(),
+                ))
+            }
+            Ok(m) if !m.is_file() => return Err(Error::format(&path, "not a regular file")),
+            Ok(m) if m.len() != layout.shard_bytes() => {
+                return Err(Error::format(
+                    &path,
+                    format!(
+                        "shard is {} bytes, expected {} ({} examples x {} bytes); truncated or \
+                         not written by this metadata",
+                        m.len(),
+                        layout.shard_bytes(),
+                        layout.examples_per_shard,
+                        layout.example_bytes()
+                    ),
+                ))
+            }
+            Ok(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// Checks shards.json entries against the layout: names, counts, a possible spurious trailing
+/// empty entry (saev bug, accepted), and completeness.
+pub(crate) fn check_entries(entries: &[ShardEntry], sj: &Path, layout: &Layout) -> Result<()> {
+    let n_shards = layout.n_shards as usize;
+    let dir = fsutil::parent_of(sj);
+    if entries.len() > n_shards + 1
+        || (entries.len() == n_shards + 1 && entries[n_shards].count != 0)
+    {
+        return Err(Error::format(
+            sj,
+            format!(
+                "lists {} shards, but metadata implies {n_shards} (plus at most one empty \
+                 trailing entry)",
+                entries.len()
+            ),
+        ));
+    }
+    for (i, e) in entries.iter().enumerate() {
+        let want = Layout::shard_name(i as u64);
+        if e.name != want {
+            return Err(Error::format(
+                sj,
+                format!("entry {i} names {:?}; expected {want:?}", e.name),
+            ));
+        }
+    }
+    let sum: u64 = entries.iter().map(|e| e.count).fold(0, u64::saturating_add);
+    if sum < layout.n_examples {
+        return Err(Error::Incomplete {
+            path: dir.to_path_buf(),
+            present: sum,
+            total: layout.n_examples,
+            detail: format!("shards.json lists {} shard(s)", entries.len()),
+        });
+    }
+    for (i, e) in entries.iter().take(n_shards).enumerate() {
+        let want = layout.shard_count(i as u64);
+        if e.count != want {
+            return Err(Error::format(
+                sj,
+                format!(
+                    "entry {i} ({}) holds {} examples; expected {want} ({} per shard, {} in all)",
+                    e.name, e.count, layout.examples_per_shard, layout.n_examples
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Number of leading shard files that exist at full size.
+pub(crate) fn leading_full_files(dir: &Path, layout: &Layout) -> u64 {
+    (0..layout.n_shards)
+        .take_while(|&s| {
+            fsutil::regular_file_len(&dir.join(Layout::shard_name(s))) == Some(layout.shard_bytes())
+        })
+        .count() as u64
+}
+
+/// Reads `out.len()` float32 values at `offset`, failing (with the file named) on a short read.
+pub(crate) fn read_f32_at(file: &File, path: &Path, offset: u64, out: &mut [f32]) -> Result<()> {
+    // SAFETY: every bit pattern is a valid f32, and the byte view covers exactly `out`.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
+    };
+    file.read_exact_at(bytes, offset).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            Error::format(
+                path,
+                format!(
+                    "file ended before byte {}; it shrank after the dataset was opened",
+                    offset + bytes.len() as u64
+                ),
+            )
+        } else {
+            Error::io(path, e)
+        }
+    })?;
+    if cfg!(target_endian = "big") {
+        for v in out.iter_mut() {
+            *v = f32::from_bits(v.to_bits().swap_bytes());
+        }
+    }
+    Ok(())
+}
+
+/// A complete saev directory opened for reading.
+#[derive(Debug)]
+pub struct Dataset {
+    dir: PathBuf,
+    md: Metadata,
+    layout: Layout,
+    warnings: Vec<String>,
+    shards: Vec<OnceLock<File>>,
+    labels: Option<File>,
+}
+
+impl Dataset {
+    /// Opens `dir`, refusing an incomplete or inconsistent dataset.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Dataset> {
+        let dir = dir.as_ref().to_path_buf();
+        if !dir.is_dir() {
+            return Err(Error::NotFound {
+                path: dir,
+                what: "not a directory; expected a saev dataset directory holding metadata.json"
+                    .into(),
+            });
+        }
+        let (md, warnings) = Metadata::read(&dir)?;
+        let layout = Layout::new(&md, &dir.join("metadata.json"))?;
+        check_complete(&dir, &md, &layout)?;
+        fsutil::raise_open_file_limit();
+        let labels_path = dir.join("labels.bin");
+        let labels = match fsutil::regular_file_len(&labels_path) {
+            Some(len) if len == layout.n_examples * layout.content_tokens => {
+                Some(File::open(&labels_path).at(&labels_path)?)
+            }
+            _ => None,
+        };
+        Ok(Dataset {
+            shards: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
+            dir,
+            md,
+            layout,
+            warnings,
+            labels,
+        })
+    }
+
+    /// The dataset directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+    /// The parsed metadata.
+    pub fn metadata(&self) -> &Metadata {
+        &self.md
+    }
+    /// The index arithmetic.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// Warnings from parsing metadata.json (unknown minor version, foreign key names, ...).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+    /// Whether a usable labels.bin (`N·P` bytes) is present.
+    pub fn has_labels(&self) -> bool {
+        self.labels.is_some()
+    }
+
+    /// The path of shard `s`.
+    pub fn shard_path(&self, s: u64) -> PathBuf {
+        self.dir.join(Layout::shard_name(s))
+    }
+
+    /// The open file of shard `s`.
+    pub fn shard_file(&self, s: u64) -> Result<&File> {
+        let cell = self.shards.get(s as usize).ok_or(Error::OutOfRange {
+            what: "shard",
+            index: s as i64,
+            len: self.layout.n_shards,
+        })?;
+        if let Some(f) = cell.get() {
+            return Ok(f);
+        }
+        let path = self.shard_path(s);
+        let f = File::open(&path).at(&path)?;
+        let _ = cell.set(f);
+        Ok(cell.get().expect("just set"))
+    }
+
+    fn check_example(&self, example: u64) -> Result<()> {
+        if example >= self.layout.n_examples {
+            return Err(Error::OutOfRange {
+                what: "example",
+                index: example as i64,
+                len: self.layout.n_examples,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_token(&self, token: u64) -> Result<()> {
+        if token >= self.layout.tokens {
+            return Err(Error::OutOfRange {
+                what: "token slot",
+                index: token as i64,
+                len: self.layout.tokens,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads the vector of (`example`, layer `slot`, token `slot t`) into `out` (`D` values).
+    pub fn read_vector_into(
+        &self,
+        example: u64,
+        slot: usize,
+        t: u64,
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.check_example(example)?;
+        self.check_token(t)?;
+        if out.len() as u64 != self.layout.d_model || slot as u64 >= self.layout.n_layers {
+            return Err(Error::Invalid(format!(
+                "read_vector_into: need a buffer of d_model = {} values and a slot below {}",
+                self.layout.d_model, self.layout.n_layers
+            )));
+        }
+        let (s, _) = self.layout.locate(example);
+        let off = self.layout.offset(example, slot as u64, t);
+        read_f32_at(self.shard_file(s)?, &self.shard_path(s), off, out)
+    }
+
+    /// Reads one example's contiguous slab of layer `slot` (`T·D` values) into `out`.
+    pub fn read_slab_into(&self, example: u64, slot: usize, out: &mut [f32]) -> Result<()> {
+        self.check_example(example)?;
+        if out.len() as u64 != self.layout.tokens * self.layout.d_model
+            || slot as u64 >= self.layout.n_layers
+        {
+            return Err(Error::Invalid(format!(
+                "read_slab_into: need a buffer of T*D = {} values and a slot below {}",
+                self.layout.tokens * self.layout.d_model,
+                self.layout.n_layers
+            )));
+        }
+        let (s, _) = self.layout.locate(example);
+        let off = self.layout.offset(example, slot as u64, 0);
+        read_f32_at(self.shard_file(s)?, &self.shard_path(s), off, out)
+    }
+
+    /// One vector: `example`, recorded layer value `layer`, stored token slot `token` (slot 0 is
+    /// CLS when the dataset has one).
+    pub fn get(&self, example: u64, layer: i64, token: u64) -> Result<Vec<f32>> {
+        let slot = self.md.layer_slot(layer)?;
+        let mut out = vec![0f32; self.layout.d_model as usize];
+        self.read_vector_into(example, slot, token, &mut out)?;
+        Ok(out)
+    }
+
+    /// Many vectors at once, `(example, layer value, token slot)` each, returned row-major
+    /// (`coords.len() × D`). Reads run in parallel, in file order.
+    pub fn take(&self, coords: &[(u64, i64, u64)]) -> Result<Vec<f32>> {
+        let d = self.layout.d_model as usize;
+        let mut resolved = Vec::with_capacity(coords.len());
+        for (i, &(e, layer, t)) in coords.iter().enumerate() {
+            self.check_example(e)?;
+            self.check_token(t)?;
+            let slot = self.md.layer_slot(layer)? as u64;
+            let (s, _) = self.layout.locate(e);
+            resolved.push((s, self.layout.offset(e, slot, t), i));
+        }
+        resolved.sort_unstable();
+        let mut out = vec![0f32; coords.len() * d];
+        // Hand each thread a contiguous run of the sorted requests; scatter by original index.
+        let threads = std::thread::available_parallelism()
+            .map_or(4, |n| n.get() * 4)
+            .clamp(1, 16)
+            .min(coords.len().div_ceil(64).max(1));
+        let per = resolved.len().div_ceil(threads).max(1);
+        let out_ptr = SendPtr(out.as_mut_ptr());
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = resolved
+                .chunks(per)
+                .map(|chunk| {
+                    let out_ptr = out_ptr;
+                    scope.spawn(move || -> Result<()> {
+                        for &(s, off, i) in chunk {
+                            // SAFETY: each original index appears once, so the row slices
+                            // written by different threads never overlap, and `out` outlives
+                            // the scope.
+                            let row = unsafe {
+                                std::slice::from_raw_parts_mut(out_ptr.get().add(i * d), d)
+                            };
+                            read_f32_at(self.shard_file(s)?, &self.shard_path(s), off, row)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Invalid("reader thread panicked".into())))
+            })
+        })?;
+        Ok(out)
+    }
+
+    /// The labels of one example's content tokens (`P` values), if labels.bin exists.
+    pub fn read_labels_into(&self, example: u64, out: &mut [u8]) -> Result<bool> {
+        self.check_example(example)?;
+        let Some(f) = &self.labels else {
+            return Ok(false);
+        };
+        if out.len() as u64 != self.layout.content_tokens {
+            return Err(Error::Invalid("labels buffer must hold P values".into()));
+        }
+        let path = self.dir.join("labels.bin");
+        f.read_exact_at(out, example * self.layout.content_tokens)
+            .map_err(|e| Error::io(&path, e))?;
+        Ok(true)
+    }
+
+    /// saev's indexed view: flat index → one row of `layer` under `mode`.
+    pub fn indexed(&self, layer: i64, mode: TokenMode) -> Result<Indexed<'_>> {
+        let slot = self.md.layer_slot(layer)?;
+        let per_example = mode.rows_per_example(&self.layout)?;
+        Ok(Indexed {
+            ds: self,
+            slot,
+            mode,
+            per_example,
+            len: self.layout.n_examples * per_example,
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: used only for disjoint writes inside a thread scope (see `take`).
+unsafe impl Send for SendPtr {}
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// One row of an indexed view.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// The activation (`D` values).
+    pub act: Vec<f32>,
+    /// Global example index.
+    pub example_idx: u64,
+    /// Content token index, -1 for CLS.
+    pub token_idx: i64,
+    /// The labels.bin value of a content token, when labels exist.
+    pub token_label: Option<u8>,
+}
+
+/// saev's indexed semantics over one layer and token mode (see [`Dataset::indexed`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Indexed<'a> {
+    ds: &'a Dataset,
+    slot: usize,
+    mode: TokenMode,
+    per_example: u64,
+    len: u64,
+}
+
+impl Indexed<'_> {
+    /// Number of rows.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// (example, stored token slot, reported token index) of row `i`.
+    pub fn locate(&self, i: u64) -> Result<(u64, u64, i64)> {
+        if i >= self.len {
+            return Err(Error::OutOfRange {
+                what: "index",
+                index: i.min(i64::MAX as u64) as i64,
+                len: self.len,
+            });
+        }
+        let e = i / self.per_example;
+        let (t, token_idx) = self.mode.token_of(&self.ds.layout, i % self.per_example);
+        Ok((e, t, token_idx))
+    }
+    /// Row `i`.
+    pub fn get(&self, i: u64) -> Result<Row> {
+        let (e, t, token_idx) = self.locate(i)?;
+        let mut act = vec![0f32; self.ds.layout.d_model as usize];
+        self.ds.read_vector_into(e, self.slot, t, &mut act)?;
+        let token_label = match (&self.ds.labels, token_idx) {
+            (Some(f), c) if c >= 0 => {
+                let mut b = [0u8];
+                let path = self.ds.dir.join("labels.bin");
+                f.read_exact_at(&mut b, e * self.ds.layout.content_tokens + c as u64)
+                    .map_err(|err| Error::io(&path, err))?;
+                Some(b[0])
+            }
+            _ => None,
+        };
+        Ok(Row {
+            act,
+            example_idx: e,
+            token_idx,
+            token_label,
+        })
+    }
+}

@@ -1,0 +1,348 @@
+//! `validate` and `inspect`: every problem of a saev directory in one report, and a summary.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use crate::error::Error;
+use crate::fsutil;
+use crate::json::Value;
+use crate::saev::dataset::{check_complete, check_entries, leading_full_files};
+use crate::saev::layout::{parse_shards_json, Layout};
+use crate::saev::Metadata;
+
+/// How serious a finding is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    /// The directory cannot be served exactly.
+    Error,
+    /// Worth knowing; reading still works.
+    Warning,
+}
+
+/// One finding of [`validate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Error or warning.
+    pub severity: Severity,
+    /// The file concerned.
+    pub file: PathBuf,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Everything [`validate`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    /// The directory checked.
+    pub dir: PathBuf,
+    /// Findings in the order they were made.
+    pub problems: Vec<Problem>,
+}
+
+impl Report {
+    /// True when no finding is an error.
+    pub fn is_valid(&self) -> bool {
+        !self.problems.iter().any(|p| p.severity == Severity::Error)
+    }
+    /// The report as JSON (what `shardkit saev validate --json` prints).
+    pub fn to_json(&self) -> Value {
+        let list = |sev: Severity| {
+            Value::Array(
+                self.problems
+                    .iter()
+                    .filter(|p| p.severity == sev)
+                    .map(|p| {
+                        Value::Object(vec![
+                            ("file".into(), Value::String(p.file.display().to_string())),
+                            ("message".into(), Value::String(p.message.clone())),
+                        ])
+                    })
+                    .collect(),
+            )
+        };
+        Value::Object(vec![
+            ("path".into(), Value::String(self.dir.display().to_string())),
+            ("valid".into(), Value::Bool(self.is_valid())),
+            ("errors".into(), list(Severity::Error)),
+            ("warnings".into(), list(Severity::Warning)),
+        ])
+    }
+}
+
+/// Checks a saev directory and collects every problem: metadata, directory name, shards.json
+/// against metadata, each shard file (missing, empty, not regular, unreadable, wrong size),
+/// completeness, labels.bin, and leftovers of an interrupted write.
+pub fn validate(dir: impl AsRef<Path>) -> Report {
+    let dir = dir.as_ref().to_path_buf();
+    let mut r = Report {
+        dir: dir.clone(),
+        problems: Vec::new(),
+    };
+    let mut push = |sev, file: &Path, msg: String| {
+        r.problems.push(Problem {
+            severity: sev,
+            file: file.to_path_buf(),
+            message: msg,
+        })
+    };
+    if !dir.is_dir() {
+        push(Severity::Error, &dir, "not a directory".into());
+        return r;
+    }
+    let md_path = dir.join("metadata.json");
+    let md = match Metadata::read(&dir) {
+        Ok((md, warnings)) => {
+            for w in warnings {
+                push(Severity::Warning, &md_path, w);
+            }
+            md
+        }
+        Err(e) => {
+            push(Severity::Error, &md_path, strip_path(&e, &md_path));
+            return r;
+        }
+    };
+    let layout = match Layout::new(&md, &md_path) {
+        Ok(l) => l,
+        Err(e) => {
+            push(Severity::Error, &md_path, strip_path(&e, &md_path));
+            return r;
+        }
+    };
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    match md.matching_recipe(&name) {
+        Some(rc) if rc != md.recipe() => push(
+            Severity::Warning,
+            &dir,
+            format!(
+                "directory name matches recipe {} although protocol {} uses {}",
+                rc.label(),
+                md.protocol(),
+                md.recipe().label()
+            ),
+        ),
+        Some(_) => {}
+        None => push(
+            Severity::Warning,
+            &dir,
+            format!(
+                "directory name {name:?} matches no saev hash recipe of this metadata \
+                 (expected {:?} by {})",
+                md.dir_name(),
+                md.recipe().label()
+            ),
+        ),
+    }
+
+    let sj = dir.join("shards.json");
+    let mut listed = 0u64;
+    match std::fs::read(&sj) {
+        Err(_) if !sj.exists() => {
+            let k = leading_full_files(&dir, &layout);
+            push(
+                Severity::Error,
+                &sj,
+                format!(
+                    "missing: the dataset is incomplete ({} of {} examples in {k} leading \
+                     full-size shard files)",
+                    (k * layout.examples_per_shard).min(layout.n_examples),
+                    layout.n_examples
+                ),
+            );
+        }
+        Err(e) => push(Severity::Error, &sj, format!("unreadable: {e}")),
+        Ok(bytes) => match parse_shards_json(&bytes, &sj) {
+            Err(e) => push(Severity::Error, &sj, strip_path(&e, &sj)),
+            Ok(entries) => {
+                listed = entries.len() as u64;
+                if entries.len() as u64 == layout.n_shards + 1
+                    && entries.last().is_some_and(|e| e.count == 0)
+                {
+                    push(
+                        Severity::Warning,
+                        &sj,
+                        "a trailing entry with 0 examples (saev's spurious empty shard); ignored"
+                            .into(),
+                    );
+                }
+                if let Err(e) = check_entries(&entries, &sj, &layout) {
+                    let file = match &e {
+                        Error::Incomplete { .. } => dir.clone(),
+                        _ => sj.clone(),
+                    };
+                    push(Severity::Error, &file, strip_path(&e, &file));
+                }
+            }
+        },
+    }
+
+    // Every shard the metadata implies (and any extra listed one) is checked on its own.
+    let mut missing = Vec::new();
+    for s in 0..layout.n_shards.max(listed) {
+        let p = dir.join(Layout::shard_name(s));
+        let extra = s >= layout.n_shards;
+        match std::fs::symlink_metadata(&p).and_then(|_| std::fs::metadata(&p)) {
+            Err(_) => missing.push(s),
+            Ok(m) if !m.is_file() => push(Severity::Error, &p, "not a regular file".into()),
+            Ok(m) if m.len() == 0 && !extra => push(Severity::Error, &p, "empty file".into()),
+            Ok(m) if m.len() != layout.shard_bytes() && !extra => push(
+                Severity::Error,
+                &p,
+                format!(
+                    "{} bytes; every shard must be {} ({} examples x {} bytes)",
+                    m.len(),
+                    layout.shard_bytes(),
+                    layout.examples_per_shard,
+                    layout.example_bytes()
+                ),
+            ),
+            Ok(_) => {
+                if let Err(e) = File::open(&p) {
+                    push(Severity::Error, &p, format!("unreadable: {e}"));
+                }
+            }
+        }
+    }
+    for s in missing {
+        let p = dir.join(Layout::shard_name(s));
+        let sev = if s >= layout.n_shards {
+            Severity::Warning
+        } else {
+            Severity::Error
+        };
+        push(sev, &p, "missing".into());
+    }
+
+    let labels = dir.join("labels.bin");
+    if let Some(len) = fsutil::regular_file_len(&labels) {
+        let want = layout.n_examples * layout.content_tokens;
+        if len != want {
+            let hint = if len == layout.n_examples * layout.tokens && layout.cls {
+                " (N x (P+1): saev's 1.1/2.0 CLS-column bug)"
+            } else {
+                ""
+            };
+            push(
+                Severity::Error,
+                &labels,
+                format!("{len} bytes; labels.bin must be N x P = {want} bytes{hint}"),
+            );
+        }
+    }
+    if let Ok(rd) = std::fs::read_dir(&dir) {
+        let leftovers: Vec<String> = rd
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| fsutil::is_temp_name(n) || n == ".shardkit-writing")
+            .collect();
+        if !leftovers.is_empty() {
+            push(
+                Severity::Warning,
+                &dir,
+                format!(
+                    "leftovers of an interrupted shardkit write: {}",
+                    leftovers.join(", ")
+                ),
+            );
+        }
+    }
+    r
+}
+
+/// A message without the leading "path: " that the report already shows separately.
+fn strip_path(e: &Error, path: &Path) -> String {
+    let s = e.to_string();
+    let prefix = format!("{}: ", path.display());
+    s.strip_prefix(&prefix).map(str::to_owned).unwrap_or(s)
+}
+
+/// A summary of a saev directory (what `shardkit saev inspect --json` prints): version, shapes,
+/// layers, counts, sizes, completeness and hash recipe.
+pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
+    let dir = dir.as_ref();
+    let (md, warnings) = Metadata::read(dir)?;
+    let layout = Layout::new(&md, &dir.join("metadata.json"))?;
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let complete = check_complete(dir, &md, &layout);
+    let present = match &complete {
+        Ok(()) => Some(layout.n_examples),
+        Err(Error::Incomplete { present, .. }) => Some(*present),
+        Err(_) => None,
+    };
+    let labels = fsutil::regular_file_len(&dir.join("labels.bin"));
+    let int = |v: u64| Value::int(v);
+    let opt_str = |s: Option<&str>| s.map_or(Value::Null, |s| Value::String(s.into()));
+    Ok(Value::Object(vec![
+        ("path".into(), Value::String(dir.display().to_string())),
+        ("protocol".into(), Value::String(md.protocol().into())),
+        ("family".into(), Value::String(md.family().into())),
+        ("ckpt".into(), Value::String(md.ckpt().into())),
+        ("dataset".into(), opt_str(md.dataset())),
+        ("pixel_agg".into(), opt_str(md.pixel_agg())),
+        (
+            "layers".into(),
+            Value::Array(md.layers().iter().map(|&l| Value::int(l)).collect()),
+        ),
+        ("n_examples".into(), int(layout.n_examples)),
+        (
+            "content_tokens_per_example".into(),
+            int(layout.content_tokens),
+        ),
+        ("cls_token".into(), Value::Bool(layout.cls)),
+        ("tokens_per_example".into(), int(layout.tokens)),
+        ("d_model".into(), int(layout.d_model)),
+        (
+            "max_tokens_per_shard".into(),
+            int(md.max_tokens_per_shard()),
+        ),
+        ("examples_per_shard".into(), int(layout.examples_per_shard)),
+        ("n_shards".into(), int(layout.n_shards)),
+        ("shard_bytes".into(), int(layout.shard_bytes())),
+        (
+            "total_bytes".into(),
+            int(layout.shard_bytes() * layout.n_shards),
+        ),
+        (
+            "shape".into(),
+            Value::Array(
+                [
+                    layout.n_examples,
+                    layout.n_layers,
+                    layout.tokens,
+                    layout.d_model,
+                ]
+                .into_iter()
+                .map(int)
+                .collect(),
+            ),
+        ),
+        ("labels".into(), Value::Bool(labels.is_some())),
+        ("complete".into(), Value::Bool(complete.is_ok())),
+        ("examples_present".into(), present.map_or(Value::Null, int)),
+        (
+            "problem".into(),
+            complete
+                .err()
+                .map_or(Value::Null, |e| Value::String(e.to_string())),
+        ),
+        (
+            "hash_recipe".into(),
+            Value::String(md.recipe().label().into()),
+        ),
+        (
+            "name_matches".into(),
+            md.matching_recipe(&name)
+                .map_or(Value::Null, |r| Value::String(r.label().into())),
+        ),
+        (
+            "warnings".into(),
+            Value::Array(warnings.into_iter().map(Value::String).collect()),
+        ),
+    ]))
+}

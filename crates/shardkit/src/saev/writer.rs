@@ -1,0 +1,453 @@
+//! Crash-safe, resumable writer of saev directories.
+//!
+//! Order of durable events (saev.md §12): `metadata.json` first; each shard when it is full (the
+//! last one at the end), through a temporary sibling that is fsynced and renamed; `labels.bin`
+//! (kept as a temporary and fsynced before every shard is published) renamed at the end; and
+//! `shards.json` last, as the commit record. A marker file `.shardkit-writing` says the directory
+//! is a shardkit write in progress, so resume can trust final-named full-size shards even before
+//! shards.json exists. A killed writer therefore leaves a directory that readers refuse as
+//! incomplete and that [`Writer::create`] with `resume` continues byte-identically.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+use crate::saev::dataset::check_complete;
+use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
+use crate::saev::Metadata;
+
+const MARKER: &str = ".shardkit-writing";
+const LABELS_TMP: &str = ".labels.bin.tmp";
+
+/// What [`Writer::create`] found at the destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteStart {
+    /// A new directory; writing starts at example 0.
+    Fresh,
+    /// An interrupted write of the same dataset; writing continues at `from`.
+    Resumed {
+        /// The first example still to be written.
+        from: u64,
+    },
+    /// The same dataset is already complete; writes are accepted and discarded.
+    AlreadyComplete,
+}
+
+/// Options of [`Writer::create`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriterOptions {
+    /// Continue an interrupted write of the same dataset instead of refusing it.
+    pub resume: bool,
+}
+
+struct OpenShard {
+    index: u64,
+    file: File,
+    tmp: PathBuf,
+    rows: u64,
+}
+
+/// Streams examples, in global order, into `root/<name>/`.
+pub struct Writer {
+    dir: PathBuf,
+    md: Metadata,
+    layout: Layout,
+    start: WriteStart,
+    next: u64,
+    shard: Option<OpenShard>,
+    /// `Some` once the dataset is known to carry labels (temporary labels file open).
+    labels: Option<File>,
+    labels_decided: bool,
+    finished: bool,
+}
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writer")
+            .field("dir", &self.dir)
+            .field("start", &self.start)
+            .field("next", &self.next)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Writer {
+    /// Opens `root/<dir_name(md)>` for writing.
+    ///
+    /// * absent or empty: a fresh write;
+    /// * the same metadata, complete: [`WriteStart::AlreadyComplete`] (nothing is touched);
+    /// * the same metadata, incomplete: refused unless `opts.resume`, then resumed from the
+    ///   first missing shard (everything after it is removed first);
+    /// * anything else (different metadata.json bytes, foreign files): refused, never overwritten.
+    pub fn create(root: impl AsRef<Path>, md: Metadata, opts: WriterOptions) -> Result<Writer> {
+        let root = root.as_ref();
+        let layout = Layout::new(&md, Path::new("metadata.json"))?;
+        let dir = root.join(md.dir_name());
+        let ours = md.file_bytes();
+        fs::create_dir_all(root).at(root)?;
+
+        let mut w = Writer {
+            dir: dir.clone(),
+            md,
+            layout,
+            start: WriteStart::Fresh,
+            next: 0,
+            shard: None,
+            labels: None,
+            labels_decided: false,
+            finished: false,
+        };
+        let md_path = dir.join("metadata.json");
+        match fs::read(&md_path) {
+            Ok(existing) if existing == ours => {
+                match check_complete(&dir, &w.md, &w.layout) {
+                    Ok(()) => {
+                        w.start = WriteStart::AlreadyComplete;
+                        w.next = w.layout.n_examples;
+                        w.finished = true;
+                        // A crash between shards.json and the marker's removal leaves it behind.
+                        let _ = fs::remove_file(dir.join(MARKER));
+                        return Ok(w);
+                    }
+                    Err(Error::Incomplete { present, total, .. }) if !opts.resume => {
+                        return Err(Error::Exists {
+                            path: dir,
+                            why: format!(
+                                "holds an interrupted write of this dataset ({present} of {total} \
+                                 examples present); resume it or delete the directory"
+                            ),
+                        })
+                    }
+                    Err(Error::Incomplete { .. }) => w.prepare_resume()?,
+                    Err(e) => {
+                        return Err(Error::Exists {
+                            path: dir,
+                            why: format!(
+                                "holds this dataset's metadata.json but its shards are \
+                                 inconsistent ({e}); refusing to overwrite it"
+                            ),
+                        })
+                    }
+                }
+            }
+            Ok(_) => {
+                return Err(Error::Exists {
+                    path: md_path,
+                    why: "holds a different dataset (metadata.json differs from the one being \
+                          written); refusing to overwrite it"
+                        .into(),
+                })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if dir.exists() {
+                    let foreign: Vec<String> = list_dir(&dir)?
+                        .into_iter()
+                        .filter(|n| n != MARKER && !fsutil::is_temp_name(n))
+                        .collect();
+                    if !foreign.is_empty() {
+                        return Err(Error::Exists {
+                            path: dir,
+                            why: format!(
+                                "exists without metadata.json but holds {} other file(s) ({}); \
+                                 refusing to write into it",
+                                foreign.len(),
+                                foreign.join(", ")
+                            ),
+                        });
+                    }
+                    for n in list_dir(&dir)? {
+                        let p = dir.join(n);
+                        fs::remove_file(&p).at(&p)?;
+                    }
+                } else {
+                    fs::create_dir(&dir).at(&dir)?;
+                    fsutil::fsync_dir(root)?;
+                }
+                File::create(dir.join(MARKER)).at(dir.join(MARKER))?;
+                fsutil::atomic_write(&md_path, &ours)?;
+            }
+            Err(e) => return Err(Error::io(&md_path, e)),
+        }
+        Ok(w)
+    }
+
+    /// Finds the resume point and removes everything written after it.
+    fn prepare_resume(&mut self) -> Result<()> {
+        let dir = self.dir.clone();
+        let full = |s: u64| {
+            fsutil::regular_file_len(&dir.join(Layout::shard_name(s)))
+                == Some(self.layout.shard_bytes())
+        };
+        let eps = self.layout.examples_per_shard;
+        let k = if dir.join(MARKER).exists() {
+            // shardkit publishes a shard under its final name only once it is complete.
+            (0..self.layout.n_shards).take_while(|&s| full(s)).count() as u64
+        } else {
+            // saev rewrites shards.json after each full shard; trust only entries holding eps.
+            let sj = dir.join("shards.json");
+            match fs::read(&sj) {
+                Ok(b) => parse_shards_json(&b, &sj)
+                    .map(|entries| {
+                        entries
+                            .iter()
+                            .enumerate()
+                            .take_while(|(i, e)| {
+                                e.name == Layout::shard_name(*i as u64)
+                                    && e.count == eps
+                                    && full(*i as u64)
+                            })
+                            .count() as u64
+                    })
+                    .unwrap_or(0),
+                Err(_) => 0,
+            }
+            .min(self.layout.n_shards)
+        };
+        let mut from = (k * eps).min(self.layout.n_examples);
+
+        // Labels: keep those of the kept shards, from our temporary or from a full-size labels.bin.
+        let labels_len = self.layout.n_examples * self.layout.content_tokens;
+        let tmp_labels = dir.join(LABELS_TMP);
+        let final_labels = dir.join("labels.bin");
+        if fsutil::regular_file_len(&final_labels) == Some(labels_len)
+            && fsutil::regular_file_len(&tmp_labels).is_none()
+        {
+            fs::rename(&final_labels, &tmp_labels).at(&final_labels)?;
+        }
+        if from > 0 && fsutil::regular_file_len(&tmp_labels) == Some(labels_len) {
+            let f = fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&tmp_labels)
+                .at(&tmp_labels)?;
+            self.labels = Some(f);
+            self.labels_decided = true;
+        } else if from > 0 && fsutil::regular_file_len(&tmp_labels).is_some() {
+            // Labels of the kept shards are not recoverable: start over.
+            from = 0;
+        } else if from > 0 {
+            self.labels_decided = true; // kept shards were written without labels
+        }
+        let keep_shards = from / eps;
+
+        for name in list_dir(&dir)? {
+            let remove = match name.as_str() {
+                "metadata.json" => false,
+                MARKER => false,
+                LABELS_TMP => !self.labels_decided || self.labels.is_none(),
+                "shards.json" | "labels.bin" => true,
+                n if fsutil::is_temp_name(n) => true,
+                n => shard_index(n).is_some_and(|i| i >= keep_shards),
+            };
+            if remove {
+                let p = dir.join(&name);
+                fs::remove_file(&p).at(&p)?;
+            }
+        }
+        File::create(dir.join(MARKER)).at(dir.join(MARKER))?;
+        fsutil::fsync_dir(&dir)?;
+        self.next = from;
+        self.start = WriteStart::Resumed { from };
+        Ok(())
+    }
+
+    /// The dataset directory (`root/<name>`).
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+    /// The metadata being written.
+    pub fn metadata(&self) -> &Metadata {
+        &self.md
+    }
+    /// The layout being written.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// What was found at the destination.
+    pub fn start(&self) -> WriteStart {
+        self.start
+    }
+    /// The first example still to be written (`n_examples` when done or already complete).
+    pub fn next_example(&self) -> u64 {
+        self.next
+    }
+
+    /// Writes the next `b` examples: `acts` holds `b·L·T·D` float32 values, C order
+    /// `(b, L, T, D)`; `labels`, when the dataset has labels, `b·P` bytes `(b, P)`. The first
+    /// call decides whether the dataset has labels; later calls must agree. On an
+    /// already-complete dataset the data are discarded.
+    pub fn write(&mut self, acts: &[f32], labels: Option<&[u8]>) -> Result<()> {
+        let ev = self.layout.example_values() as usize;
+        if acts.len() % ev != 0 {
+            return Err(Error::Invalid(format!(
+                "acts holds {} values, not a multiple of one example (L*T*D = {ev})",
+                acts.len()
+            )));
+        }
+        let b = (acts.len() / ev) as u64;
+        let p = self.layout.content_tokens;
+        if let Some(l) = labels {
+            if l.len() as u64 != b * p {
+                return Err(Error::Invalid(format!(
+                    "labels hold {} values; {b} examples need {} (b x P = {b} x {p})",
+                    l.len(),
+                    b * p
+                )));
+            }
+        }
+        if self.start == WriteStart::AlreadyComplete {
+            return Ok(());
+        }
+        if self.finished {
+            return Err(Error::Invalid("the writer is already finished".into()));
+        }
+        if self.next + b > self.layout.n_examples {
+            return Err(Error::Invalid(format!(
+                "{b} more examples would exceed n_examples = {} ({} already written)",
+                self.layout.n_examples, self.next
+            )));
+        }
+        self.decide_labels(labels.is_some())?;
+        if let (Some(f), Some(l)) = (&self.labels, labels) {
+            let tmp = self.dir.join(LABELS_TMP);
+            f.write_all_at(l, self.next * p).at(&tmp)?;
+        }
+        // SAFETY: f32 has no padding; the byte view covers exactly `acts`.
+        let bytes: &[u8] = unsafe {
+            std::slice::from_raw_parts(acts.as_ptr().cast::<u8>(), std::mem::size_of_val(acts))
+        };
+        let eb = self.layout.example_bytes() as usize;
+        let eps = self.layout.examples_per_shard;
+        let mut done = 0u64;
+        while done < b {
+            let shard = self.open_shard()?;
+            let n = (eps - shard.rows).min(b - done);
+            let chunk = &bytes[done as usize * eb..(done + n) as usize * eb];
+            write_le(&mut shard.file, chunk).at(&shard.tmp)?;
+            shard.rows += n;
+            let shard_full = shard.rows == eps;
+            done += n;
+            self.next += n;
+            if shard_full || self.next == self.layout.n_examples {
+                self.publish_shard()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn decide_labels(&mut self, has: bool) -> Result<()> {
+        if !self.labels_decided {
+            self.labels_decided = true;
+            if has {
+                let tmp = self.dir.join(LABELS_TMP);
+                let len = self.layout.n_examples * self.layout.content_tokens;
+                self.labels = Some(fsutil::create_sized(&tmp, len)?);
+            }
+            return Ok(());
+        }
+        match (self.labels.is_some(), has) {
+            (true, false) => Err(Error::Invalid(
+                "this dataset has labels: every batch must come with labels".into(),
+            )),
+            (false, true) => Err(Error::Invalid(
+                "this dataset was started without labels: labels cannot be added later".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn open_shard(&mut self) -> Result<&mut OpenShard> {
+        let index = self.next / self.layout.examples_per_shard;
+        if self.shard.is_none() {
+            let tmp = fsutil::temp_sibling(&self.dir.join(Layout::shard_name(index)));
+            let file = fsutil::create_sized(&tmp, self.layout.shard_bytes())?;
+            self.shard = Some(OpenShard {
+                index,
+                file,
+                tmp,
+                rows: 0,
+            });
+        }
+        Ok(self.shard.as_mut().expect("opened above"))
+    }
+
+    fn publish_shard(&mut self) -> Result<()> {
+        let Some(shard) = self.shard.take() else {
+            return Ok(());
+        };
+        shard.file.sync_data().at(&shard.tmp)?;
+        drop(shard.file);
+        if let Some(l) = &self.labels {
+            // The labels of a published shard must be durable before it is.
+            l.sync_data().at(self.dir.join(LABELS_TMP))?;
+        }
+        fsutil::publish(&shard.tmp, &self.dir.join(Layout::shard_name(shard.index)))
+    }
+
+    /// Completes the dataset: publishes labels.bin, then writes shards.json (the commit record).
+    /// Fails, leaving the directory resumable, if fewer than `n_examples` were written.
+    pub fn finish(mut self) -> Result<PathBuf> {
+        if self.start == WriteStart::AlreadyComplete {
+            return Ok(self.dir.clone());
+        }
+        if self.next < self.layout.n_examples {
+            return Err(Error::Incomplete {
+                path: self.dir.clone(),
+                present: self.next,
+                total: self.layout.n_examples,
+                detail: "finish() called early; the directory is left resumable".into(),
+            });
+        }
+        if let Some(l) = self.labels.take() {
+            l.sync_all().at(self.dir.join(LABELS_TMP))?;
+            fsutil::publish(&self.dir.join(LABELS_TMP), &self.dir.join("labels.bin"))?;
+        }
+        let counts: Vec<u64> = (0..self.layout.n_shards)
+            .map(|s| self.layout.shard_count(s))
+            .collect();
+        let count_key = self.md.count_key();
+        fsutil::atomic_write(
+            &self.dir.join("shards.json"),
+            &shards_json_bytes(&counts, count_key),
+        )?;
+        let marker = self.dir.join(MARKER);
+        fs::remove_file(&marker).at(&marker)?;
+        fsutil::fsync_dir(&self.dir)?;
+        self.finished = true;
+        Ok(self.dir.clone())
+    }
+}
+
+/// Writes native float32 bytes as little-endian.
+fn write_le(f: &mut File, bytes: &[u8]) -> std::io::Result<()> {
+    if cfg!(target_endian = "little") {
+        return f.write_all(bytes);
+    }
+    let swapped: Vec<u8> = bytes
+        .chunks_exact(4)
+        .flat_map(|c| [c[3], c[2], c[1], c[0]])
+        .collect();
+    f.write_all(&swapped)
+}
+
+fn list_dir(dir: &Path) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    for entry in fs::read_dir(dir).at(dir)? {
+        let entry = entry.at(dir)?;
+        names.push(entry.file_name().to_string_lossy().into_owned());
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// The shard index of a final shard name `acts%06d.bin` (any number of digits).
+fn shard_index(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("acts")?.strip_suffix(".bin")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
