@@ -1,1 +1,63 @@
-fn main() {}
+//! `shardkit`: the command-line tool over the shardkit library.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod npy;
+mod saev_cmd;
+
+/// Exact, crash-safe, fast access to ML training caches.
+#[derive(Parser)]
+#[command(name = "shardkit", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// saev Sharded Activation File Protocol directories.
+    #[command(subcommand)]
+    Saev(saev_cmd::SaevCmd),
+    /// Measurements that print JSON with the ceiling measured in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+}
+
+fn main() -> ExitCode {
+    env_logger_lite();
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Saev(c) => saev_cmd::run(c),
+        Cmd::Bench(c) => bench::run(c).map(|_| true),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Library warnings (unknown protocol minor, foreign key names) go to stderr.
+fn env_logger_lite() {
+    struct Stderr;
+    impl log::Log for Stderr {
+        fn enabled(&self, m: &log::Metadata) -> bool {
+            m.level() <= log::Level::Warn
+        }
+        fn log(&self, r: &log::Record) {
+            if self.enabled(r.metadata()) {
+                eprintln!("warning: {}", r.args());
+            }
+        }
+        fn flush(&self) {}
+    }
+    static LOGGER: Stderr = Stderr;
+    let _ = log::set_logger(&LOGGER);
+    log::set_max_level(log::LevelFilter::Warn);
+}

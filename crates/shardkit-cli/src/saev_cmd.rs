@@ -1,0 +1,505 @@
+//! `shardkit saev ...`: validate, inspect, write, export, get, synth.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use shardkit::json::{self, Escape, Value};
+use shardkit::saev::{
+    inspect, validate, Dataset, Metadata, Severity, TokenMode, WriteStart, Writer, WriterOptions,
+};
+use shardkit::{Error, Result};
+
+use crate::npy::{self, Dtype, NpyArray, NpzWriter};
+
+/// Subcommands of `shardkit saev`.
+#[derive(Subcommand)]
+pub enum SaevCmd {
+    /// Check a directory and list every problem; exit 0 only when it is valid.
+    Validate {
+        /// The dataset directory (the one holding metadata.json).
+        dir: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Summarise a directory: version, shapes, layers, counts, sizes, completeness, hash recipe.
+    Inspect {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write ROOT/<hash>/ from a metadata JSON file and .npy arrays; prints the directory.
+    Write(WriteArgs),
+    /// Export the ordered stream of one layer as an .npz (act, example_idx, token_idx).
+    Export {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// Recorded layer value (negative values are labels, e.g. -2).
+        #[arg(long, allow_hyphen_values = true)]
+        layer: i64,
+        /// Which tokens: content, special (CLS) or all.
+        #[arg(long, default_value = "content")]
+        tokens: String,
+        /// Output .npz path (written atomically).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print one vector as JSON.
+    Get {
+        /// The dataset directory.
+        dir: PathBuf,
+        /// Global example index.
+        #[arg(long)]
+        example: u64,
+        /// Recorded layer value.
+        #[arg(long, allow_hyphen_values = true)]
+        layer: i64,
+        /// Stored token slot (0 is CLS when the dataset has one).
+        #[arg(long)]
+        token: u64,
+    },
+    /// Make a synthetic dataset with coded values v[e,l,t,d] = 1000e + 100l + t + d/16.
+    Synth(SynthArgs),
+}
+
+/// Arguments of `saev write`.
+#[derive(Args)]
+pub struct WriteArgs {
+    /// Root directory; the dataset goes to ROOT/<hash of metadata>/.
+    #[arg(long)]
+    out: PathBuf,
+    /// metadata.json content as the caller has it (any key order); its protocol selects the
+    /// version written (1.0.0, 2.0 or 2.1; default 2.1).
+    #[arg(long)]
+    metadata: PathBuf,
+    /// float32 array of shape (n_examples, n_layers, tokens_per_example, d_model).
+    #[arg(long)]
+    acts: PathBuf,
+    /// Optional uint8 array of shape (n_examples, content_tokens_per_example).
+    #[arg(long)]
+    labels: Option<PathBuf>,
+    /// Continue an interrupted write of the same dataset.
+    #[arg(long)]
+    resume: bool,
+}
+
+/// Arguments of `saev synth`.
+#[derive(Args)]
+pub struct SynthArgs {
+    /// Root directory of the dataset (or, with --npy, the folder for metadata.json/acts.npy).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Number of examples.
+    #[arg(long, default_value_t = 64)]
+    pub examples: u64,
+    /// Recorded layer values, comma-separated.
+    #[arg(
+        long,
+        default_value = "-2,-1",
+        allow_hyphen_values = true,
+        value_delimiter = ','
+    )]
+    pub layers: Vec<i64>,
+    /// Content tokens per example.
+    #[arg(long, default_value_t = 256)]
+    pub content_tokens: u64,
+    /// Store no CLS token.
+    #[arg(long)]
+    pub no_cls: bool,
+    /// Width.
+    #[arg(long, default_value_t = 1024)]
+    pub d_model: u64,
+    /// Shard budget in vectors (default: about 256 MiB shards).
+    #[arg(long)]
+    pub budget: Option<u64>,
+    /// Protocol to write.
+    #[arg(long, default_value = "2.1")]
+    pub protocol: String,
+    /// Also write labels.bin with labels[e, c] = (10e + c) % 7.
+    #[arg(long)]
+    pub labels: bool,
+    /// Write metadata.json, acts.npy (and labels.npy) into --out instead of a dataset.
+    #[arg(long)]
+    pub npy: bool,
+    /// Continue an interrupted synthetic write.
+    #[arg(long)]
+    pub resume: bool,
+}
+
+pub fn run(cmd: SaevCmd) -> Result<bool> {
+    match cmd {
+        SaevCmd::Validate { dir, json } => {
+            let report = validate(&dir);
+            if json {
+                println!("{}", json::to_pretty(&report.to_json(), 2, Escape::Utf8));
+            } else {
+                for p in &report.problems {
+                    let sev = match p.severity {
+                        Severity::Error => "error",
+                        Severity::Warning => "warning",
+                    };
+                    println!("{sev}: {}: {}", p.file.display(), p.message);
+                }
+                let errors = report
+                    .problems
+                    .iter()
+                    .filter(|p| p.severity == Severity::Error)
+                    .count();
+                if report.is_valid() {
+                    println!("{}: valid", dir.display());
+                } else {
+                    println!("{}: INVALID ({errors} error(s))", dir.display());
+                }
+            }
+            Ok(report.is_valid())
+        }
+        SaevCmd::Inspect { dir, json } => {
+            let v = inspect(&dir)?;
+            if json {
+                println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
+            } else if let Value::Object(members) = v {
+                for (k, v) in members {
+                    let text = match &v {
+                        Value::String(s) => s.clone(),
+                        other => json::to_compact(other, false, Escape::Utf8),
+                    };
+                    println!("{k:<28} {text}");
+                }
+            }
+            Ok(true)
+        }
+        SaevCmd::Write(args) => write_cmd(args).map(|_| true),
+        SaevCmd::Export {
+            dir,
+            layer,
+            tokens,
+            out,
+        } => export(&dir, layer, tokens.parse()?, &out).map(|_| true),
+        SaevCmd::Get {
+            dir,
+            example,
+            layer,
+            token,
+        } => {
+            let ds = Dataset::open(&dir)?;
+            let v = ds.get(example, layer, token)?;
+            let text: Vec<String> = v.iter().map(|x| format!("{x:?}")).collect();
+            println!("[{}]", text.join(", "));
+            Ok(true)
+        }
+        SaevCmd::Synth(args) => synth(&args).map(|p| {
+            println!("{}", p.display());
+            true
+        }),
+    }
+}
+
+fn progress(total: u64, what: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    pb.set_message(what.to_string());
+    pb
+}
+
+/// Reads `bytes` (little-endian float32) as f32s, borrowing when aligned.
+fn as_f32(bytes: &[u8]) -> std::borrow::Cow<'_, [f32]> {
+    if cfg!(target_endian = "little") && bytes.as_ptr().align_offset(4) == 0 {
+        // SAFETY: aligned, length a multiple of 4 (checked by the caller's shapes), and every
+        // bit pattern is a valid f32.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(bytes.as_ptr().cast::<f32>(), bytes.len() / 4)
+        })
+    } else {
+        std::borrow::Cow::Owned(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        )
+    }
+}
+
+fn read_metadata(path: &Path) -> Result<Metadata> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let v = json::parse(&bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    Metadata::for_writing(&v).map_err(|e| Error::format(path, e.to_string()))
+}
+
+fn write_cmd(args: WriteArgs) -> Result<()> {
+    let md = read_metadata(&args.metadata)?;
+    let (n, l, t, d, p) = (
+        md.n_examples(),
+        md.layers().len() as u64,
+        md.tokens_per_example(),
+        md.d_model(),
+        md.content_tokens_per_example(),
+    );
+    let acts = NpyArray::open(&args.acts)?;
+    if acts.dtype != Dtype::F32 || acts.shape != [n, l, t, d] {
+        return Err(Error::format(
+            &args.acts,
+            format!(
+                "must be float32 of shape ({n}, {l}, {t}, {d}) = (n_examples, layers, \
+                 tokens_per_example, d_model) to match the metadata; found {:?} of shape {:?}",
+                acts.dtype, acts.shape
+            ),
+        ));
+    }
+    let labels = match &args.labels {
+        None => None,
+        Some(path) => {
+            let a = NpyArray::open(path)?;
+            if a.dtype != Dtype::U8 || a.shape != [n, p] {
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "must be uint8 of shape ({n}, {p}) = (n_examples, content tokens); \
+                         found {:?} of shape {:?}",
+                        a.dtype, a.shape
+                    ),
+                ));
+            }
+            Some(a)
+        }
+    };
+    let mut w = Writer::create(
+        &args.out,
+        md,
+        WriterOptions {
+            resume: args.resume,
+        },
+    )?;
+    match w.start() {
+        WriteStart::AlreadyComplete => {
+            eprintln!(
+                "already complete: {} holds this dataset; nothing written",
+                w.path().display()
+            );
+            println!("{}", w.path().display());
+            return Ok(());
+        }
+        WriteStart::Resumed { from } => eprintln!("resuming at example {from} of {n}"),
+        WriteStart::Fresh => {}
+    }
+    let eb = (l * t * d * 4) as usize;
+    let batch = ((64usize << 20) / eb).max(1) as u64;
+    let pb = progress(n * eb as u64, "writing");
+    pb.set_position(w.next_example() * eb as u64);
+    let mut e = w.next_example();
+    while e < n {
+        let b = batch.min(n - e);
+        let chunk = &acts.bytes()[e as usize * eb..(e + b) as usize * eb];
+        let lab = labels
+            .as_ref()
+            .map(|a| &a.bytes()[(e * p) as usize..((e + b) * p) as usize]);
+        w.write(&as_f32(chunk), lab)?;
+        e += b;
+        pb.set_position(e * eb as u64);
+    }
+    let path = w.finish()?;
+    pb.finish_and_clear();
+    println!("{}", path.display());
+    Ok(())
+}
+
+fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
+    let ds = Dataset::open(dir)?;
+    let view = ds.indexed(layer, mode)?;
+    let slot = ds.metadata().layer_slot(layer)?;
+    let layout = *ds.layout();
+    let per = mode.rows_per_example(&layout)?;
+    let n = view.len();
+    let d = layout.d_model as usize;
+    let mut npz = NpzWriter::create(out)?;
+    let tmp = npz.tmp().to_path_buf();
+    let io = |e| Error::io(&tmp, e);
+    let pb = progress(n * layout.vector_bytes(), "exporting");
+    {
+        let w = npz.start("act", Dtype::F32, &[n, d as u64])?;
+        let mut slab = vec![0f32; (layout.tokens * layout.d_model) as usize];
+        let mut rows: Vec<u8> = Vec::with_capacity(per as usize * d * 4);
+        for e in 0..layout.n_examples {
+            ds.read_slab_into(e, slot, &mut slab)?;
+            rows.clear();
+            for j in 0..per {
+                let (t, _) = mode.token_of(&layout, j);
+                let v = &slab[t as usize * d..(t as usize + 1) * d];
+                rows.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            }
+            w.write_all(&rows).map_err(io)?;
+            pb.inc(rows.len() as u64);
+        }
+    }
+    let ints = |f: &dyn Fn(u64, u64) -> i64| -> Vec<u8> {
+        (0..layout.n_examples)
+            .flat_map(|e| (0..per).map(move |j| (e, j)))
+            .flat_map(|(e, j)| f(e, j).to_le_bytes())
+            .collect()
+    };
+    let example_idx = ints(&|e, _| e as i64);
+    npz.start("example_idx", Dtype::I64, &[n])?
+        .write_all(&example_idx)
+        .map_err(io)?;
+    let token_idx = ints(&|_, j| mode.token_of(&layout, j).1);
+    npz.start("token_idx", Dtype::I64, &[n])?
+        .write_all(&token_idx)
+        .map_err(io)?;
+    if ds.has_labels() {
+        let mut labels = Vec::with_capacity(n as usize * 8);
+        let mut row = vec![0u8; layout.content_tokens as usize];
+        for e in 0..layout.n_examples {
+            ds.read_labels_into(e, &mut row)?;
+            for j in 0..per {
+                let c = mode.token_of(&layout, j).1;
+                let v = if c >= 0 {
+                    i64::from(row[c as usize])
+                } else {
+                    -1
+                };
+                labels.extend(v.to_le_bytes());
+            }
+        }
+        npz.start("token_label", Dtype::I64, &[n])?
+            .write_all(&labels)
+            .map_err(io)?;
+    }
+    npz.finish()?;
+    pb.finish_and_clear();
+    eprintln!(
+        "exported {n} rows of layer {layer} ({} tokens) to {}",
+        mode.name(),
+        out.display()
+    );
+    Ok(())
+}
+
+/// The synthetic metadata of `args`, as the JSON a caller would pass.
+pub fn synth_metadata(args: &SynthArgs) -> Result<Metadata> {
+    let t = args.content_tokens + u64::from(!args.no_cls);
+    let per_example = t * args.layers.len() as u64;
+    // Default budget: shards of about 256 MiB.
+    let budget = args.budget.unwrap_or_else(|| {
+        let eps = ((256u64 << 20) / (per_example * args.d_model * 4).max(1)).max(1);
+        eps * per_example
+    });
+    let text = format!(
+        r#"{{"family": "clip", "ckpt": "synthetic", "layers": {:?}, "content_tokens_per_example": {},
+            "cls_token": {}, "d_model": {}, "n_examples": {}, "max_tokens_per_shard": {},
+            "data": {{"n_examples": {}, "__class__": "Synthetic"}}, "dataset": "synthetic",
+            "pixel_agg": null, "protocol": "{}"}}"#,
+        args.layers,
+        args.content_tokens,
+        !args.no_cls,
+        args.d_model,
+        args.examples,
+        budget,
+        args.examples,
+        args.protocol
+    );
+    let mut v = json::parse(text.as_bytes()).map_err(|e| Error::Invalid(e.to_string()))?;
+    if args.protocol.starts_with('1') {
+        // 1.0.0 has neither dataset nor pixel_agg.
+        if let Value::Object(m) = &mut v {
+            m.retain(|(k, _)| k != "dataset" && k != "pixel_agg");
+        }
+    }
+    Metadata::for_writing(&v)
+}
+
+/// Coded activations of examples `first..first+n` (C order (n, L, T, D)).
+pub fn coded_block(first: u64, n: u64, l: u64, t: u64, d: u64, out: &mut Vec<f32>) {
+    out.clear();
+    for e in first..first + n {
+        for li in 0..l {
+            for ti in 0..t {
+                let base = (1000 * e + 100 * li + ti) as f32;
+                out.extend((0..d).map(|di| base + di as f32 / 16.0));
+            }
+        }
+    }
+}
+
+fn coded_labels(first: u64, n: u64, p: u64) -> Vec<u8> {
+    (first..first + n)
+        .flat_map(|e| (0..p).map(move |c| ((10 * e + c) % 7) as u8))
+        .collect()
+}
+
+fn synth(args: &SynthArgs) -> Result<PathBuf> {
+    let md = synth_metadata(args)?;
+    let (n, l, t, d, p) = (
+        md.n_examples(),
+        md.layers().len() as u64,
+        md.tokens_per_example(),
+        md.d_model(),
+        md.content_tokens_per_example(),
+    );
+    let eb = l * t * d * 4;
+    let batch = ((32u64 << 20) / eb).max(1);
+    let mut buf = Vec::new();
+    if args.npy {
+        std::fs::create_dir_all(&args.out).map_err(|e| Error::io(&args.out, e))?;
+        let md_path = args.out.join("metadata.json");
+        shardkit::fsutil::atomic_write(&md_path, &md.file_bytes())?;
+        let acts_path = args.out.join("acts.npy");
+        let tmp = shardkit::fsutil::temp_sibling(&acts_path);
+        let mut f =
+            std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?);
+        f.write_all(&npy::header(Dtype::F32, &[n, l, t, d]))
+            .map_err(|e| Error::io(&tmp, e))?;
+        let mut e = 0;
+        while e < n {
+            let b = batch.min(n - e);
+            coded_block(e, b, l, t, d, &mut buf);
+            let bytes: Vec<u8> = buf.iter().flat_map(|x| x.to_le_bytes()).collect();
+            f.write_all(&bytes).map_err(|e| Error::io(&tmp, e))?;
+            e += b;
+        }
+        let f = f
+            .into_inner()
+            .map_err(|e| Error::io(&tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io(&tmp, e))?;
+        shardkit::fsutil::publish(&tmp, &acts_path)?;
+        if args.labels {
+            npy::write_npy(
+                &args.out.join("labels.npy"),
+                Dtype::U8,
+                &[n, p],
+                &coded_labels(0, n, p),
+            )?;
+        }
+        return Ok(args.out.clone());
+    }
+    let mut w = Writer::create(
+        &args.out,
+        md,
+        WriterOptions {
+            resume: args.resume,
+        },
+    )?;
+    let pb = progress(n * eb, "writing");
+    let mut e = w.next_example();
+    while e < n {
+        let b = batch.min(n - e);
+        coded_block(e, b, l, t, d, &mut buf);
+        let labels = args.labels.then(|| coded_labels(e, b, p));
+        w.write(&buf, labels.as_deref())?;
+        e += b;
+        pb.set_position(e * eb);
+    }
+    pb.finish_and_clear();
+    w.finish()
+}
