@@ -79,9 +79,11 @@ impl NpyArray {
             "<f4" | "=f4" => Dtype::F32,
             "|u1" | "<u1" | "=u1" | "u1" => Dtype::U8,
             "<i8" | "=i8" => Dtype::I64,
-            other => return Err(bad(format!(
+            other => {
+                return Err(bad(format!(
                 "dtype {other} is not supported here (float32 '<f4', uint8 '|u1' or int64 '<i8')"
-            ))),
+            )))
+            }
         };
         if dict_value(header, "fortran_order").map(str::trim) != Some("False") {
             return Err(bad(

@@ -393,7 +393,6 @@ impl Dataset {
             let handles: Vec<_> = resolved
                 .chunks(per)
                 .map(|chunk| {
-                    let out_ptr = out_ptr;
                     scope.spawn(move || -> Result<()> {
                         for &(s, off, i) in chunk {
                             // SAFETY: each original index appears once, so the row slices
