@@ -355,7 +355,7 @@ pub fn to_pretty(v: &Value, indent: usize, esc: Escape) -> String {
 fn pretty(out: &mut String, v: &Value, indent: usize, level: usize, esc: Escape) {
     let pad = |out: &mut String, level: usize| {
         out.push('\n');
-        out.extend(std::iter::repeat(' ').take(indent * level));
+        out.extend(std::iter::repeat_n(' ', indent * level));
     };
     match v {
         Value::Array(items) if !items.is_empty() => {

@@ -10,6 +10,7 @@
 //! implementation hashes is emitted byte-identically ([`json`]).
 #![deny(missing_docs)]
 
+pub mod engine;
 pub mod error;
 pub mod fsutil;
 pub mod json;

@@ -14,12 +14,16 @@
 
 mod dataset;
 mod layout;
+mod loader;
 mod metadata;
 mod validate;
 mod writer;
 
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
 pub use layout::{parse_shards_json, shards_json_bytes, Layout, ShardEntry, VALUE_BYTES};
+pub use loader::{
+    Batch, Batches, LayerSel, Loader, LoaderOptions, LoaderState, SaevSource, DEFAULT_MEMORY_BUDGET,
+};
 pub use metadata::{Metadata, Recipe, WriteVersion};
 pub use validate::{inspect, validate, Problem, Report, Severity};
 pub use writer::{WriteStart, Writer, WriterOptions};

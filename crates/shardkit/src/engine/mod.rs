@@ -1,0 +1,12 @@
+//! The format-agnostic read engine: orders decided before any I/O ([`order`]), many large
+//! reads in flight ([`reader`]), and batches gathered with one copy per row under a memory
+//! budget ([`stream`]).
+
+pub mod batch;
+pub mod order;
+pub mod reader;
+pub mod stream;
+
+pub use batch::Buffer;
+pub use order::{EpochOrder, Order};
+pub use stream::{BlockSource, RawBatch, Stream, StreamConfig};

@@ -1,0 +1,174 @@
+//! Many reads in flight: a set of byte ranges, possibly from many files, read in parallel into
+//! one destination buffer. Ranges adjacent in a file and in the buffer are merged into one large
+//! read; large reads are split into pieces of at most `MAX_READ` so threads share the work.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::error::{Error, Result};
+
+/// Largest single read issued.
+pub const MAX_READ: u64 = 8 << 20;
+
+/// One range to read: `len` bytes of file `file` at `offset`, into the buffer at `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ReadRange {
+    /// Index of the file (see [`Files`]).
+    pub file: u32,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes to read.
+    pub len: u64,
+    /// Byte offset in the destination buffer.
+    pub dst: u64,
+}
+
+/// The files a reader may touch, with their paths for error messages.
+pub trait Files: Sync {
+    /// The open file `i`.
+    fn file(&self, i: u32) -> Result<&File>;
+    /// The path of file `i`.
+    fn path(&self, i: u32) -> std::path::PathBuf;
+}
+
+/// Sorts, merges adjacent ranges and splits long ones into pieces of at most [`MAX_READ`].
+pub fn plan_reads(mut ranges: Vec<ReadRange>) -> Vec<ReadRange> {
+    ranges.sort_unstable();
+    let mut merged: Vec<ReadRange> = Vec::with_capacity(ranges.len());
+    for r in ranges {
+        if let Some(last) = merged.last_mut() {
+            if last.file == r.file
+                && last.offset + last.len == r.offset
+                && last.dst + last.len == r.dst
+                && last.len + r.len <= MAX_READ
+            {
+                last.len += r.len;
+                continue;
+            }
+        }
+        merged.push(r);
+    }
+    let mut out = Vec::with_capacity(merged.len());
+    for r in merged {
+        let mut done = 0;
+        while done < r.len {
+            let n = (r.len - done).min(MAX_READ);
+            out.push(ReadRange {
+                file: r.file,
+                offset: r.offset + done,
+                len: n,
+                dst: r.dst + done,
+            });
+            done += n;
+        }
+    }
+    out
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: used only for disjoint writes inside a thread scope (see `read_all`).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+/// Reads every range into `buf` using up to `threads` threads. Ranges must not overlap in the
+/// destination and must lie inside `buf` (checked). A short read (a file that shrank) is an
+/// error naming the file.
+pub fn read_all(
+    files: &dyn Files,
+    ranges: &[ReadRange],
+    buf: &mut [u8],
+    threads: usize,
+) -> Result<()> {
+    for r in ranges {
+        if r.dst
+            .checked_add(r.len)
+            .is_none_or(|end| end > buf.len() as u64)
+        {
+            return Err(Error::Invalid(format!(
+                "read of {} bytes at buffer offset {} exceeds the buffer",
+                r.len, r.dst
+            )));
+        }
+    }
+    let next = AtomicUsize::new(0);
+    let base = SendPtr(buf.as_mut_ptr());
+    let threads = threads.clamp(1, ranges.len().max(1));
+    let work = |base: SendPtr| -> Result<()> {
+        loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(r) = ranges.get(i) else {
+                return Ok(());
+            };
+            // SAFETY: bounds checked above; destination ranges are disjoint by contract, so no
+            // two threads write the same bytes, and `buf` outlives the scope.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(base.0.add(r.dst as usize), r.len as usize)
+            };
+            read_exact(files.file(r.file)?, &files.path(r.file), r.offset, dst)?;
+        }
+    };
+    if threads == 1 {
+        return work(base);
+    }
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(move || work(base))).collect();
+        let mut result = Ok(());
+        for h in handles {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err(Error::Invalid("an I/O thread panicked".into())));
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result
+    })
+}
+
+/// `read_exact_at` with an error that names the file and says it shrank.
+pub fn read_exact(file: &File, path: &Path, offset: u64, dst: &mut [u8]) -> Result<()> {
+    file.read_exact_at(dst, offset).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            Error::format(
+                path,
+                format!(
+                    "file ended before byte {}: it shrank or was replaced while being read",
+                    offset + dst.len() as u64
+                ),
+            )
+        } else {
+            Error::io(path, e)
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merges_adjacent_and_splits_long_ranges() {
+        let r = |file, offset, len, dst| ReadRange {
+            file,
+            offset,
+            len,
+            dst,
+        };
+        let plan = plan_reads(vec![
+            r(0, 100, 50, 100),
+            r(0, 0, 100, 0),
+            r(1, 0, 10, 150),
+            r(0, 150, 10, 300),
+        ]);
+        assert_eq!(
+            plan,
+            vec![r(0, 0, 150, 0), r(0, 150, 10, 300), r(1, 0, 10, 150)]
+        );
+        let plan = plan_reads(vec![r(0, 0, MAX_READ * 2 + 1, 0)]);
+        assert_eq!(plan.len(), 3);
+        assert_eq!(plan[2], r(0, MAX_READ * 2, 1, MAX_READ * 2));
+    }
+}
