@@ -31,6 +31,26 @@ pub enum BenchCmd {
         #[arg(long)]
         json: bool,
     },
+    /// saev loaders (ordered, block, exact; cold and warm) against sequential and random-4K
+    /// read ceilings measured on the same files in the same run.
+    SaevRead {
+        /// Directory for the synthetic dataset (reused when already there).
+        #[arg(long, default_value = "bench-data")]
+        dir: PathBuf,
+        /// Dataset size in GiB.
+        #[arg(long, default_value_t = 8.0)]
+        size_gib: f64,
+        /// Rounds (the best of each is reported).
+        #[arg(long, default_value_t = 2)]
+        rounds: u32,
+        /// Print JSON (always printed; kept for symmetry with other benches).
+        #[arg(long)]
+        json: bool,
+        /// Run only these measurements (comma-separated: seq, rand4k, ordered, block, exact,
+        /// warm); ratios need their ceiling in the same run.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+    },
 }
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
@@ -41,6 +61,17 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             rounds,
             json: as_json,
         } => saev_write(&dir, size_mib, rounds.max(1), as_json),
+        BenchCmd::SaevRead {
+            dir,
+            size_gib,
+            rounds,
+            json: _,
+            only,
+        } => {
+            let v = saev_read(&dir, size_gib, rounds.max(1), &only)?;
+            println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
+            Ok(())
+        }
     }
 }
 
@@ -157,4 +188,282 @@ fn saev_write(dir: &Path, size_mib: u64, rounds: u32, as_json: bool) -> Result<(
         );
     }
     Ok(())
+}
+
+/// Drops a file's pages from the page cache (clean pages only; the dataset is fsynced).
+fn evict(path: &Path) -> Result<()> {
+    let f = File::open(path).map_err(|e| Error::io(path, e))?;
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: advisory syscall on an open descriptor.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    }
+    Ok(())
+}
+
+/// Opens `path` for O_DIRECT reads, if the file system allows it.
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()
+}
+
+/// Reads every file sequentially in `chunk`-byte reads with `inflight` threads; bytes/s.
+/// `direct` uses O_DIRECT with page-aligned buffers; otherwise buffered reads after eviction.
+fn seq_read(files: &[PathBuf], chunk: u64, inflight: usize, direct: bool) -> Result<Option<f64>> {
+    let mut handles = Vec::new();
+    for p in files {
+        evict(p)?;
+        let f = if direct {
+            match open_direct(p) {
+                Some(f) => f,
+                None => return Ok(None),
+            }
+        } else {
+            File::open(p).map_err(|e| Error::io(p, e))?
+        };
+        let len = f.metadata().map_err(|e| Error::io(p, e))?.len();
+        handles.push((f, len));
+    }
+    let jobs: Vec<(usize, u64)> = handles
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (_, len))| (0..len.div_ceil(chunk)).map(move |k| (i, k * chunk)))
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let total: u64 = handles.iter().map(|(_, l)| l).sum();
+    let t0 = Instant::now();
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        for _ in 0..inflight {
+            s.spawn(|| {
+                use std::os::unix::fs::FileExt;
+                let mut buf = shardkit::engine::Buffer::zeroed(chunk as usize);
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(&(fi, off)) = jobs.get(i) else {
+                        return;
+                    };
+                    let (f, len) = &handles[fi];
+                    let n = chunk.min(len - off) as usize;
+                    // O_DIRECT needs an aligned length: read the rounded-up tail.
+                    let n = if direct { n.div_ceil(4096) * 4096 } else { n };
+                    if f.read_at(&mut buf.as_mut_bytes()[..n.min(chunk as usize)], off)
+                        .is_err()
+                    {
+                        failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    if failed.into_inner() {
+        return Ok(None);
+    }
+    Ok(Some(total as f64 / t0.elapsed().as_secs_f64()))
+}
+
+/// Random 4 KiB O_DIRECT reads (buffered after eviction if O_DIRECT is refused), 16 in flight.
+fn rand4k(files: &[PathBuf], reads: usize) -> Result<f64> {
+    let mut handles = Vec::new();
+    for p in files {
+        evict(p)?;
+        let f = match open_direct(p) {
+            Some(f) => f,
+            None => File::open(p).map_err(|e| Error::io(p, e))?,
+        };
+        let len = f.metadata().map_err(|e| Error::io(p, e))?.len();
+        handles.push((f, len / 4096));
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..16u64 {
+            let (handles, next) = (&handles, &next);
+            s.spawn(move || {
+                use std::os::unix::fs::FileExt;
+                let mut rng = shardkit::engine::order::SplitMix64(t * 7919 + 1);
+                let mut buf = shardkit::engine::Buffer::zeroed(4096);
+                while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < reads {
+                    let (f, pages) = &handles[rng.below(handles.len() as u64) as usize];
+                    let off = rng.below(*pages) * 4096;
+                    let _ = f.read_at(buf.as_mut_bytes(), off);
+                }
+            });
+        }
+    });
+    Ok(reads as f64 * 4096.0 / t0.elapsed().as_secs_f64())
+}
+
+/// Payload bytes/s of a loader over at most `max_bytes` of payload, after `warmup_epochs`
+/// unmeasured passes (which also fill the loader's buffer pools).
+fn loader_run(
+    dir: &Path,
+    order: shardkit::engine::Order,
+    files: &[PathBuf],
+    max_bytes: u64,
+    evict_first: bool,
+    warmup_epochs: u32,
+) -> Result<f64> {
+    use shardkit::saev::{LayerSel, Loader, LoaderOptions};
+    let mut o = LoaderOptions::new(LayerSel::Value(-1));
+    o.order = order;
+    o.seed = 1;
+    let mut loader = Loader::new(dir, o)?;
+    for e in 0..warmup_epochs {
+        loader.set_epoch(100 + e as u64)?;
+        for b in loader.iter()? {
+            b?;
+        }
+    }
+    loader.set_epoch(0)?;
+    if evict_first {
+        for p in files {
+            evict(p)?;
+        }
+    }
+    let t0 = Instant::now();
+    let mut bytes = 0u64;
+    for b in loader.iter()? {
+        let b = b?;
+        bytes += (b.n * b.d_model * 4) as u64;
+        if bytes >= max_bytes {
+            break;
+        }
+    }
+    Ok(bytes as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// `shardkit bench saev-read`.
+pub fn saev_read(dir: &Path, size_gib: f64, rounds: u32, only: &[String]) -> Result<Value> {
+    let run = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
+    use shardkit::engine::Order;
+    let example_bytes = 2 * 257 * 1024 * 4u64;
+    let examples = ((size_gib * (1u64 << 30) as f64) as u64 / example_bytes).max(1);
+    let args = SynthArgs {
+        out: dir.join("saev/shards"),
+        examples,
+        layers: vec![-2, -1],
+        content_tokens: 256,
+        no_cls: false,
+        d_model: 1024,
+        budget: None,
+        protocol: "2.1".into(),
+        labels: false,
+        npy: false,
+        resume: true,
+    };
+    let md = synth_metadata(&args)?;
+    let ds_dir = args.out.join(md.dir_name());
+    if shardkit::saev::Dataset::open(&ds_dir).is_err() {
+        eprintln!(
+            "writing the {size_gib} GiB benchmark dataset to {}",
+            ds_dir.display()
+        );
+        crate::saev_cmd::synth(&args)?;
+    }
+    let ds = shardkit::saev::Dataset::open(&ds_dir)?;
+    let files: Vec<PathBuf> = (0..ds.layout().n_shards)
+        .map(|s| ds.shard_path(s))
+        .collect();
+    let total: u64 = ds.layout().shard_bytes() * ds.layout().n_shards;
+    let best = |v: &mut Vec<f64>, x: f64| v.push(x);
+    let (mut seq_ways, mut r4k, mut ord, mut blk, mut ex, mut warm) = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    let mut ways_report = Vec::new();
+    for round in 0..rounds {
+        if run("seq") {
+            for (name, chunk, inflight, direct) in [
+                ("odirect_1mib_x16", 1u64 << 20, 16, true),
+                ("odirect_8mib_x8", 8 << 20, 8, true),
+                ("buffered_8mib_x2", 8 << 20, 2, false),
+            ] {
+                if let Some(x) = seq_read(&files, chunk, inflight, direct)? {
+                    best(&mut seq_ways, x);
+                    if round == 0 {
+                        ways_report.push((name, x));
+                    }
+                }
+            }
+        }
+        if run("rand4k") {
+            best(&mut r4k, rand4k(&files, 20_000)?);
+        }
+        if run("ordered") {
+            best(
+                &mut ord,
+                loader_run(&ds_dir, Order::Sequential, &files, u64::MAX, true, 0)?,
+            );
+        }
+        if run("block") {
+            best(
+                &mut blk,
+                loader_run(&ds_dir, Order::Block, &files, u64::MAX, true, 0)?,
+            );
+        }
+        if run("exact") {
+            best(
+                &mut ex,
+                loader_run(&ds_dir, Order::Exact, &files, 256 << 20, true, 0)?,
+            );
+        }
+    }
+    if run("warm") {
+        // Warm: the whole dataset in the page cache first, and one unmeasured epoch.
+        for p in &files {
+            let _ = std::fs::read(p);
+        }
+        best(
+            &mut warm,
+            loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 1)?,
+        );
+    }
+    let max = |v: &[f64]| v.iter().cloned().fold(0f64, f64::max);
+    let (seq, rnd) = (max(&seq_ways), max(&r4k));
+    let num = |x: f64| Value::Number(format!("{x:.0}"));
+    let ratio = |x: f64, c: f64| Value::Number(format!("{:.3}", x / c));
+    Ok(Value::Object(vec![
+        ("bench".into(), Value::String("saev-read".into())),
+        ("dir".into(), Value::String(ds_dir.display().to_string())),
+        ("dataset_bytes".into(), Value::int(total)),
+        (
+            "shape".into(),
+            Value::String(format!(
+                "({examples}, 2, 257, 1024) float32; loaders read layer -1, content tokens"
+            )),
+        ),
+        (
+            "cores".into(),
+            Value::int(std::thread::available_parallelism().map_or(1, |n| n.get()) as u64),
+        ),
+        ("rounds".into(), Value::int(rounds)),
+        ("seq_ceiling_bytes_per_s".into(), num(seq)),
+        (
+            "seq_ceiling_ways_bytes_per_s".into(),
+            Value::Object(
+                ways_report
+                    .iter()
+                    .map(|(n, x)| (n.to_string(), num(*x)))
+                    .collect(),
+            ),
+        ),
+        ("rand4k_ceiling_bytes_per_s".into(), num(rnd)),
+        ("ordered_bytes_per_s".into(), num(max(&ord))),
+        ("ordered_ratio".into(), ratio(max(&ord), seq)),
+        ("block_bytes_per_s".into(), num(max(&blk))),
+        ("block_ratio".into(), ratio(max(&blk), seq)),
+        ("exact_bytes_per_s".into(), num(max(&ex))),
+        ("exact_ratio".into(), ratio(max(&ex), rnd)),
+        ("block_warm_bytes_per_s".into(), num(max(&warm))),
+    ]))
 }

@@ -5,9 +5,11 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use shardkit::engine::quality::shuffle_quality;
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{
-    inspect, validate, Dataset, Metadata, Severity, TokenMode, WriteStart, Writer, WriterOptions,
+    inspect, validate, Dataset, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, Severity,
+    TokenMode, WriteStart, Writer, WriterOptions,
 };
 use shardkit::{Error, Result};
 
@@ -64,6 +66,96 @@ pub enum SaevCmd {
     },
     /// Make a synthetic dataset with coded values v[e,l,t,d] = 1000e + 100l + t + d/16.
     Synth(SynthArgs),
+    /// Run a loader over one epoch (from a saved state) and write what it yields to an .npz:
+    /// example_idx, token_idx (and act with --with-acts), plus the final state.
+    Stream {
+        /// The dataset directory.
+        dir: PathBuf,
+        #[command(flatten)]
+        loader: LoaderArgs,
+        /// Resume from a state JSON written by an earlier run (--state-out).
+        #[arg(long)]
+        resume: Option<PathBuf>,
+        /// Output .npz.
+        #[arg(long)]
+        out: PathBuf,
+        /// Also store the activations.
+        #[arg(long)]
+        with_acts: bool,
+        /// Stop after this many batches (to simulate an interruption).
+        #[arg(long)]
+        max_batches: Option<u64>,
+        /// Where to write the final state as JSON (default: OUT with .state.json).
+        #[arg(long)]
+        state_out: Option<PathBuf>,
+    },
+    /// Measure shuffle quality of a loader's epoch (MosaicML entropy, distinct examples/batch).
+    Quality {
+        /// The dataset directory.
+        dir: PathBuf,
+        #[command(flatten)]
+        loader: LoaderArgs,
+    },
+}
+
+/// Loader options shared by `stream` and `quality`.
+#[derive(Args, Clone)]
+pub struct LoaderArgs {
+    /// Recorded layer value, or "all".
+    #[arg(long, allow_hyphen_values = true)]
+    pub layer: String,
+    /// content, special or all.
+    #[arg(long, default_value = "content")]
+    pub tokens: String,
+    /// sequential, block or exact.
+    #[arg(long, default_value = "block")]
+    pub order: String,
+    /// Shuffle seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Epoch.
+    #[arg(long, default_value_t = 0)]
+    pub epoch: u64,
+    /// Rows per batch on this rank.
+    #[arg(long, default_value_t = 16384)]
+    pub batch_size: u64,
+    /// This rank (default $RANK or 0).
+    #[arg(long)]
+    pub rank: Option<u64>,
+    /// Number of ranks (default $WORLD_SIZE or 1).
+    #[arg(long)]
+    pub world_size: Option<u64>,
+    /// Drop the final partial global batch.
+    #[arg(long)]
+    pub drop_last: bool,
+    /// Memory budget in MiB (default 1024).
+    #[arg(long)]
+    pub memory_budget_mib: Option<u64>,
+    /// Skip content tokens with these labels (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub ignore_labels: Vec<u8>,
+    /// Reads in flight.
+    #[arg(long, default_value_t = 16)]
+    pub io_threads: usize,
+}
+
+impl LoaderArgs {
+    /// The library options these arguments describe.
+    pub fn options(&self) -> Result<LoaderOptions> {
+        let mut o = LoaderOptions::new(self.layer.parse::<LayerSel>()?);
+        o.tokens = self.tokens.parse()?;
+        o.order = self.order.parse()?;
+        o.seed = self.seed;
+        o.epoch = self.epoch;
+        o.batch_size = self.batch_size;
+        o.rank = self.rank;
+        o.world_size = self.world_size;
+        o.drop_last = self.drop_last;
+        o.memory_budget = self.memory_budget_mib.map(|m| m << 20);
+        o.ignore_labels = self.ignore_labels.clone();
+        o.io_threads = self.io_threads;
+        Ok(o)
+    }
 }
 
 /// Arguments of `saev write`.
@@ -191,6 +283,25 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
             println!("[{}]", text.join(", "));
             Ok(true)
         }
+        SaevCmd::Stream {
+            dir,
+            loader,
+            resume,
+            out,
+            with_acts,
+            max_batches,
+            state_out,
+        } => stream_cmd(
+            &dir,
+            &loader,
+            resume.as_deref(),
+            &out,
+            with_acts,
+            max_batches,
+            state_out,
+        )
+        .map(|_| true),
+        SaevCmd::Quality { dir, loader } => quality_cmd(&dir, &loader).map(|_| true),
         SaevCmd::Synth(args) => synth(&args).map(|p| {
             println!("{}", p.display());
             true
@@ -438,7 +549,8 @@ fn coded_labels(first: u64, n: u64, p: u64) -> Vec<u8> {
         .collect()
 }
 
-fn synth(args: &SynthArgs) -> Result<PathBuf> {
+/// Writes the synthetic dataset (or .npy inputs) of `args` and returns where it went.
+pub fn synth(args: &SynthArgs) -> Result<PathBuf> {
     let md = synth_metadata(args)?;
     let (n, l, t, d, p) = (
         md.n_examples(),
@@ -502,4 +614,130 @@ fn synth(args: &SynthArgs) -> Result<PathBuf> {
     }
     pb.finish_and_clear();
     w.finish()
+}
+
+/// A loader state as JSON: `{"seed": s, "epoch": e, "cursor": c, "global_batch_size": g}`.
+pub fn state_json(st: &LoaderState) -> Value {
+    Value::Object(vec![
+        ("seed".into(), Value::int(st.seed)),
+        ("epoch".into(), Value::int(st.epoch)),
+        ("cursor".into(), Value::int(st.cursor)),
+        ("global_batch_size".into(), Value::int(st.global_batch_size)),
+    ])
+}
+
+fn read_state(path: &Path) -> Result<LoaderState> {
+    let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let v = json::parse(&bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    let field = |k: &str| {
+        v.get(k)
+            .and_then(Value::as_i64)
+            .filter(|&x| x >= 0)
+            .map(|x| x as u64)
+            .ok_or_else(|| Error::format(path, format!("state needs a non-negative integer {k:?}")))
+    };
+    Ok(LoaderState {
+        seed: field("seed")?,
+        epoch: field("epoch")?,
+        cursor: field("cursor")?,
+        global_batch_size: field("global_batch_size")?,
+    })
+}
+
+fn stream_cmd(
+    dir: &Path,
+    args: &LoaderArgs,
+    resume: Option<&Path>,
+    out: &Path,
+    with_acts: bool,
+    max_batches: Option<u64>,
+    state_out: Option<PathBuf>,
+) -> Result<()> {
+    let mut loader = Loader::new(dir, args.options()?)?;
+    if let Some(p) = resume {
+        loader.load_state(read_state(p)?)?;
+    }
+    let d = loader.dataset().layout().d_model;
+    let (mut ex, mut tok, mut acts) = (Vec::new(), Vec::new(), Vec::new());
+    let mut n_batches = 0u64;
+    for batch in loader
+        .iter()?
+        .take(max_batches.unwrap_or(u64::MAX) as usize)
+    {
+        let b = batch?;
+        ex.extend(b.example_idx.iter().flat_map(|x| x.to_le_bytes()));
+        tok.extend(b.token_idx.iter().flat_map(|x| x.to_le_bytes()));
+        if with_acts {
+            acts.extend(b.act().iter().flat_map(|x| x.to_le_bytes()));
+        }
+        n_batches += 1;
+    }
+    let n = (ex.len() / 8) as u64;
+    let st = loader.state();
+    let mut npz = NpzWriter::create(out)?;
+    let tmp = npz.tmp().to_path_buf();
+    let io = |e| Error::io(&tmp, e);
+    npz.start("example_idx", Dtype::I64, &[n])?
+        .write_all(&ex)
+        .map_err(io)?;
+    npz.start("token_idx", Dtype::I64, &[n])?
+        .write_all(&tok)
+        .map_err(io)?;
+    if with_acts {
+        npz.start("act", Dtype::F32, &[n, d])?
+            .write_all(&acts)
+            .map_err(io)?;
+    }
+    let state_arr: Vec<u8> = [st.seed, st.epoch, st.cursor, st.global_batch_size]
+        .iter()
+        .flat_map(|x| (*x as i64).to_le_bytes())
+        .collect();
+    npz.start("state", Dtype::I64, &[4])?
+        .write_all(&state_arr)
+        .map_err(io)?;
+    npz.finish()?;
+    let state_path = state_out.unwrap_or_else(|| out.with_extension("state.json"));
+    let text = json::to_pretty(&state_json(&st), 2, Escape::Utf8);
+    shardkit::fsutil::atomic_write(&state_path, text.as_bytes())?;
+    eprintln!(
+        "{n_batches} batches, {n} rows; state in {}",
+        state_path.display()
+    );
+    println!(
+        "{}",
+        json::to_compact(&state_json(&st), false, Escape::Utf8)
+    );
+    Ok(())
+}
+
+fn quality_cmd(dir: &Path, args: &LoaderArgs) -> Result<()> {
+    let loader = Loader::new(dir, args.options()?)?;
+    let layout = *loader.dataset().layout();
+    let (mut rows, mut examples) = (Vec::new(), Vec::new());
+    for batch in loader.iter()? {
+        let b = batch?;
+        for (&e, &c) in b.example_idx.iter().zip(&b.token_idx) {
+            // Storage-order row id: example-major, then token slot.
+            let t = (c + i64::from(layout.cls)) as u64;
+            rows.push(e as u64 * layout.tokens + t);
+            examples.push(e as u64);
+        }
+    }
+    let q = shuffle_quality(&rows, &examples, args.batch_size);
+    let f = |x: f64| Value::Number(format!("{x:.3}"));
+    let v = Value::Object(vec![
+        ("order".into(), Value::String(args.order.clone())),
+        ("rows".into(), Value::int(q.rows)),
+        ("batch_size".into(), Value::int(q.batch_size)),
+        ("window_blocks".into(), Value::int(loader.window_blocks())),
+        ("entropy_bits".into(), f(q.entropy_bits)),
+        ("row_entropy_bits".into(), f(q.row_entropy_bits)),
+        ("example_entropy_bits".into(), f(q.example_entropy_bits)),
+        (
+            "mean_distinct_examples_per_batch".into(),
+            f(q.mean_distinct_examples_per_batch),
+        ),
+    ]);
+    println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
+    Ok(())
 }

@@ -4,9 +4,10 @@
 
 pub mod batch;
 pub mod order;
+pub mod quality;
 pub mod reader;
 pub mod stream;
 
-pub use batch::Buffer;
+pub use batch::{Buffer, BufferPool};
 pub use order::{EpochOrder, Order};
 pub use stream::{BlockSource, RawBatch, Stream, StreamConfig};

@@ -14,10 +14,14 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use crate::engine::batch::Buffer;
+use crate::engine::batch::{Buffer, BufferPool};
+
 use crate::engine::order::{rank_batches, EpochOrder, Order};
 use crate::engine::reader::{plan_reads, read_all, Files, ReadRange};
 use crate::error::{Error, Result};
+
+/// Free batch buffers kept for reuse (queued + in the consumer's hands + one being built).
+const BATCH_POOL: usize = 6;
 
 /// Data laid out as blocks of rows (e.g. one example's slab of one layer).
 pub trait BlockSource: Files + Send + 'static {
@@ -125,10 +129,30 @@ pub fn plan(order: &EpochOrder, cfg: &StreamConfig) -> Result<Vec<(u64, u64, u64
 }
 
 /// Starts streaming `source` under `order` and `cfg`.
+/// Buffers a stream draws from; keep them across epochs so memory is allocated once.
+#[derive(Clone)]
+pub struct Pools {
+    /// Window buffers (three are live at most).
+    pub windows: BufferPool,
+    /// Batch buffers.
+    pub batches: BufferPool,
+}
+
+impl Default for Pools {
+    fn default() -> Pools {
+        Pools {
+            windows: BufferPool::new(3),
+            batches: BufferPool::new(BATCH_POOL),
+        }
+    }
+}
+
+/// Starts streaming `source` under `order` and `cfg`, with buffers from `pools`.
 pub fn start<S: BlockSource>(
     source: Arc<S>,
     order: Arc<EpochOrder>,
     cfg: StreamConfig,
+    pools: Pools,
 ) -> Result<Stream> {
     let batches = plan(&order, &cfg)?;
     let stop = Arc::new(AtomicBool::new(false));
@@ -146,7 +170,9 @@ pub fn start<S: BlockSource>(
             threads.push(
                 std::thread::Builder::new()
                     .name("shardkit-exact".into())
-                    .spawn(move || exact_producer(&*source, &order, &cfg, batches, &tx, &stop2))
+                    .spawn(move || {
+                        exact_producer(&*source, &order, &cfg, batches, &pools.batches, &tx, &stop2)
+                    })
                     .map_err(|e| Error::Invalid(format!("cannot start a reader thread: {e}")))?,
             );
         }
@@ -155,17 +181,20 @@ pub fn start<S: BlockSource>(
             let (wtx, wrx) = sync_channel::<Result<LoadedWindow>>(0);
             let (src2, order2, stop2, threads_n) =
                 (source.clone(), order.clone(), stop.clone(), cfg.io_threads);
+            let (wpool, bpool) = (pools.windows.clone(), pools.batches);
             threads.push(
                 std::thread::Builder::new()
                     .name("shardkit-read".into())
-                    .spawn(move || window_reader(&*src2, &order2, needed, threads_n, &wtx, &stop2))
+                    .spawn(move || {
+                        window_reader(&*src2, &order2, needed, threads_n, &wpool, &wtx, &stop2)
+                    })
                     .map_err(|e| Error::Invalid(format!("cannot start a reader thread: {e}")))?,
             );
             let stop3 = stop.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name("shardkit-gather".into())
-                    .spawn(move || gatherer(&*source, &order, batches, wrx, &tx, &stop3))
+                    .spawn(move || gatherer(&*source, &order, batches, &bpool, wrx, &tx, &stop3))
                     .map_err(|e| Error::Invalid(format!("cannot start a gather thread: {e}")))?,
             );
         }
@@ -192,7 +221,7 @@ fn windows_needed(order: &EpochOrder, batches: &[(u64, u64, u64)]) -> Vec<usize>
 
 struct LoadedWindow {
     index: usize,
-    buf: Vec<u8>,
+    buf: Buffer,
     /// Buffer offset of each of the window's blocks, in window order.
     block_dst: Vec<u64>,
     perm: Vec<u32>,
@@ -203,6 +232,7 @@ fn window_reader<S: BlockSource>(
     order: &EpochOrder,
     needed: Vec<usize>,
     threads: usize,
+    pool: &BufferPool,
     tx: &SyncSender<Result<LoadedWindow>>,
     stop: &AtomicBool,
 ) {
@@ -225,12 +255,14 @@ fn window_reader<S: BlockSource>(
             block_dst.push(dst);
             dst += len;
         }
-        let mut buf = vec![0u8; dst as usize];
-        let result = read_all(src, &plan_reads(ranges), &mut buf, threads).map(|()| LoadedWindow {
-            index: w,
-            buf,
-            block_dst,
-            perm: order.window_permutation(w),
+        let mut buf = pool.get(dst as usize);
+        let result = read_all(src, &plan_reads(ranges), buf.as_mut_bytes(), threads).map(|()| {
+            LoadedWindow {
+                index: w,
+                buf,
+                block_dst,
+                perm: order.window_permutation(w),
+            }
         });
         let failed = result.is_err();
         if tx.send(result).is_err() || failed {
@@ -243,6 +275,7 @@ fn gatherer<S: BlockSource>(
     src: &S,
     order: &EpochOrder,
     batches: Vec<(u64, u64, u64)>,
+    pool: &BufferPool,
     wrx: Receiver<Result<LoadedWindow>>,
     tx: &SyncSender<Result<RawBatch>>,
     stop: &AtomicBool,
@@ -268,22 +301,31 @@ fn gatherer<S: BlockSource>(
             }
         }
         let n = (e - s) as usize;
-        let mut data = Buffer::zeroed(n * rb);
+        let mut data = pool.get(n * rb);
         let out = data.as_mut_bytes();
         let mut rows = Vec::with_capacity(n);
-        for (k, p) in (s..e).enumerate() {
+        let mut k = 0usize;
+        let mut p = s;
+        while p < e {
+            // One window lookup per contiguous segment of the batch.
             let wi = order.window_of(p);
+            let win = &order.windows()[wi];
+            let seg_end = e.min(win.start + win.rows());
             let lw = resident
                 .iter()
                 .find(|w| w.index == wi)
                 .expect("windows of the batch are resident");
-            let win = &order.windows()[wi];
-            let q = lw.perm[(p - win.start) as usize] as u64;
-            let i = win.row_prefix.partition_point(|&x| x <= q) - 1;
-            let (b, j) = (win.blocks[i], q - win.row_prefix[i]);
-            let at = (lw.block_dst[i] + src.row_offset(b, j)) as usize;
-            out[k * rb..(k + 1) * rb].copy_from_slice(&lw.buf[at..at + rb]);
-            rows.push((b, j as u32));
+            let window = lw.buf.as_bytes();
+            for &q in &lw.perm[(p - win.start) as usize..(seg_end - win.start) as usize] {
+                let q = q as u64;
+                let i = win.row_prefix.partition_point(|&x| x <= q) - 1;
+                let (b, j) = (win.blocks[i], q - win.row_prefix[i]);
+                let at = (lw.block_dst[i] + src.row_offset(b, j)) as usize;
+                out[k * rb..(k + 1) * rb].copy_from_slice(&window[at..at + rb]);
+                rows.push((b, j as u32));
+                k += 1;
+            }
+            p = seg_end;
         }
         if tx.send(Ok(RawBatch { data, rows, cursor })).is_err() {
             return;
@@ -296,6 +338,7 @@ fn exact_producer<S: BlockSource>(
     order: &EpochOrder,
     cfg: &StreamConfig,
     batches: Vec<(u64, u64, u64)>,
+    pool: &BufferPool,
     tx: &SyncSender<Result<RawBatch>>,
     stop: &AtomicBool,
 ) {
@@ -318,7 +361,7 @@ fn exact_producer<S: BlockSource>(
             });
             rows.push((b, j as u32));
         }
-        let mut data = Buffer::zeroed(n * rb as usize);
+        let mut data = pool.get(n * rb as usize);
         let result = read_all(
             src,
             &plan_reads(ranges),

@@ -232,6 +232,7 @@ pub struct Loader {
     window_blocks: u64,
     order: Arc<EpochOrder>,
     cursor: Arc<AtomicU64>,
+    pools: stream::Pools,
 }
 
 impl std::fmt::Debug for Loader {
@@ -350,6 +351,7 @@ impl Loader {
             window_blocks,
             order,
             cursor: Arc::new(AtomicU64::new(0)),
+            pools: stream::Pools::default(),
         })
     }
 
@@ -477,7 +479,12 @@ impl Loader {
             io_threads: self.opts.io_threads.max(1),
             cursor,
         };
-        let stream = stream::start(self.src.clone(), self.order.clone(), cfg)?;
+        let stream = stream::start(
+            self.src.clone(),
+            self.order.clone(),
+            cfg,
+            self.pools.clone(),
+        )?;
         Ok(Batches {
             stream,
             src: self.src.clone(),
