@@ -285,22 +285,3 @@ fn bad_options_are_clear_errors() {
     st.global_batch_size = 9;
     assert!(l.load_state(st).is_err());
 }
-
-#[test]
-fn dropping_a_stream_mid_epoch_stops_its_threads() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = dataset(tmp.path());
-    let loader = Loader::new(&dir, opts(Order::Block)).unwrap();
-    for _ in 0..50 {
-        let mut it = loader.iter().unwrap();
-        it.next().unwrap().unwrap();
-        drop(it); // joins the reader and gather threads
-    }
-    let threads = std::fs::read_dir("/proc/self/task")
-        .map(|d| d.count())
-        .unwrap_or(0);
-    assert!(
-        threads < 10,
-        "{threads} threads alive after dropping 50 streams"
-    );
-}

@@ -75,7 +75,9 @@ pub struct RawBatch {
 
 /// A running epoch; iterate it for batches.
 pub struct Stream {
-    rx: Option<Receiver<Result<RawBatch>>>,
+    /// One channel per producer; producer `i` serves batches `i, i + n, i + 2n, ...`.
+    rx: Vec<Receiver<Result<RawBatch>>>,
+    next: usize,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -83,14 +85,19 @@ pub struct Stream {
 impl Iterator for Stream {
     type Item = Result<RawBatch>;
     fn next(&mut self) -> Option<Self::Item> {
-        self.rx.as_ref()?.recv().ok()
+        if self.rx.is_empty() {
+            return None;
+        }
+        let i = self.next % self.rx.len();
+        self.next += 1;
+        self.rx[i].recv().ok()
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        drop(self.rx.take()); // unblocks a producer waiting to send
+        self.rx.clear(); // unblocks producers waiting to send
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -162,21 +169,40 @@ pub fn start<S: BlockSource>(
     let depth = (cfg.memory_budget / 4 / batch_bytes.max(1))
         .saturating_sub(2)
         .clamp(1, 4) as usize;
-    let (tx, rx) = sync_channel(depth);
     let mut threads = Vec::new();
+    let mut receivers = Vec::new();
     match order.order() {
         Order::Exact => {
-            let stop2 = stop.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name("shardkit-exact".into())
-                    .spawn(move || {
-                        exact_producer(&*source, &order, &cfg, batches, &pools.batches, &tx, &stop2)
-                    })
-                    .map_err(|e| Error::Invalid(format!("cannot start a reader thread: {e}")))?,
-            );
+            // Two producers on alternating batches keep the next batch's small reads in flight
+            // while the current one completes.
+            const PRODUCERS: usize = 2;
+            let cfg = Arc::new(cfg);
+            for w in 0..PRODUCERS {
+                let (tx, rx) = sync_channel(depth.div_ceil(PRODUCERS));
+                receivers.push(rx);
+                let mine: Vec<_> = batches.iter().copied().skip(w).step_by(PRODUCERS).collect();
+                let (src, order, cfg, stop2, pool) = (
+                    source.clone(),
+                    order.clone(),
+                    cfg.clone(),
+                    stop.clone(),
+                    pools.batches.clone(),
+                );
+                threads.push(
+                    std::thread::Builder::new()
+                        .name("shardkit-exact".into())
+                        .spawn(move || {
+                            exact_producer(&*src, &order, &cfg, mine, &pool, &tx, &stop2)
+                        })
+                        .map_err(|e| {
+                            Error::Invalid(format!("cannot start a reader thread: {e}"))
+                        })?,
+                );
+            }
         }
         Order::Block | Order::Sequential => {
+            let (tx, rx) = sync_channel(depth);
+            receivers.push(rx);
             let needed = windows_needed(&order, &batches);
             let (wtx, wrx) = sync_channel::<Result<LoadedWindow>>(0);
             let (src2, order2, stop2, threads_n) =
@@ -200,7 +226,8 @@ pub fn start<S: BlockSource>(
         }
     }
     Ok(Stream {
-        rx: Some(rx),
+        rx: receivers,
+        next: 0,
         stop,
         threads,
     })
@@ -256,14 +283,15 @@ fn window_reader<S: BlockSource>(
             dst += len;
         }
         let mut buf = pool.get(dst as usize);
-        let result = read_all(src, &plan_reads(ranges), buf.as_mut_bytes(), threads).map(|()| {
-            LoadedWindow {
-                index: w,
-                buf,
-                block_dst,
-                perm: order.window_permutation(w),
-            }
-        });
+        let result =
+            read_all(src, &plan_reads(ranges), buf.as_mut_bytes(), threads, false).map(|()| {
+                LoadedWindow {
+                    index: w,
+                    buf,
+                    block_dst,
+                    perm: order.window_permutation(w),
+                }
+            });
         let failed = result.is_err();
         if tx.send(result).is_err() || failed {
             return;
@@ -367,6 +395,7 @@ fn exact_producer<S: BlockSource>(
             &plan_reads(ranges),
             data.as_mut_bytes(),
             cfg.io_threads,
+            true,
         )
         .map(|()| RawBatch { data, rows, cursor });
         let failed = result.is_err();

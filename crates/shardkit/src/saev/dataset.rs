@@ -222,6 +222,7 @@ pub struct Dataset {
     layout: Layout,
     warnings: Vec<String>,
     shards: Vec<OnceLock<File>>,
+    direct: Vec<OnceLock<Option<File>>>,
     labels: Option<File>,
 }
 
@@ -249,6 +250,7 @@ impl Dataset {
         };
         Ok(Dataset {
             shards: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
+            direct: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
             dir,
             md,
             layout,
@@ -297,6 +299,14 @@ impl Dataset {
         let f = File::open(&path).at(&path)?;
         let _ = cell.set(f);
         Ok(cell.get().expect("just set"))
+    }
+
+    /// Shard `s` opened with O_DIRECT, when the file system allows it (opened once, lazily).
+    pub fn shard_file_direct(&self, s: u64) -> Option<&File> {
+        self.direct
+            .get(s as usize)?
+            .get_or_init(|| crate::engine::reader::open_direct(&self.shard_path(s)))
+            .as_ref()
     }
 
     fn check_example(&self, example: u64) -> Result<()> {

@@ -143,6 +143,9 @@ impl Files for SaevSource {
     fn path(&self, i: u32) -> std::path::PathBuf {
         self.ds.shard_path(i as u64)
     }
+    fn direct(&self, i: u32) -> Option<&std::fs::File> {
+        self.ds.shard_file_direct(i as u64)
+    }
 }
 
 impl BlockSource for SaevSource {

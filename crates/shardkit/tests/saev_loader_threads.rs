@@ -1,0 +1,48 @@
+//! In a process of its own (other tests would add threads): dropping a stream joins its threads.
+
+use shardkit::engine::Order;
+use shardkit::json;
+use shardkit::saev::{LayerSel, Loader, LoaderOptions, Metadata, Writer, WriterOptions};
+
+fn shardkit_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|name| name.starts_with("shardkit-"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn dropping_a_stream_mid_epoch_stops_its_threads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let md = Metadata::for_writing(
+        &json::parse(
+            br#"{"family": "clip", "ckpt": "x", "layers": [0], "content_tokens_per_example": 8,
+            "cls_token": false, "d_model": 4, "n_examples": 64, "max_tokens_per_shard": 64,
+            "data": "d", "dataset": "t", "protocol": "2.1"}"#,
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let mut w = Writer::create(tmp.path(), md, WriterOptions::default()).unwrap();
+    w.write(&vec![1.0f32; 64 * 8 * 4], None).unwrap();
+    let dir = w.finish().unwrap();
+    for order in [Order::Sequential, Order::Block, Order::Exact] {
+        let mut o = LoaderOptions::new(LayerSel::Value(0));
+        o.order = order;
+        o.batch_size = 4;
+        o.memory_budget = Some(4096);
+        o.rank = Some(0);
+        o.world_size = Some(1);
+        let loader = Loader::new(&dir, o).unwrap();
+        for _ in 0..20 {
+            let mut it = loader.iter().unwrap();
+            it.next().unwrap().unwrap();
+            assert!(shardkit_threads() > 0);
+            drop(it); // stops and joins the reader, gather and producer threads
+            assert_eq!(shardkit_threads(), 0, "{order:?}");
+        }
+    }
+}
