@@ -46,6 +46,9 @@ pub enum BenchCmd {
         /// Print JSON (always printed; kept for symmetry with other benches).
         #[arg(long)]
         json: bool,
+        /// Draw each loader's throughput over time against the ceilings into this PNG.
+        #[arg(long)]
+        plot: Option<PathBuf>,
         /// Run only these measurements (comma-separated: seq, rand4k, ordered, block, exact,
         /// warm); ratios need their ceiling in the same run.
         #[arg(long, value_delimiter = ',')]
@@ -67,8 +70,9 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             rounds,
             json: _,
             only,
+            plot,
         } => {
-            let v = saev_read(&dir, size_gib, rounds.max(1), &only)?;
+            let v = saev_read(&dir, size_gib, rounds.max(1), &only, plot.as_deref())?;
             println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             Ok(())
         }
@@ -308,7 +312,7 @@ fn loader_run(
     max_bytes: u64,
     evict_first: bool,
     warmup_epochs: u32,
-) -> Result<f64> {
+) -> Result<(f64, Vec<(f64, u64)>)> {
     use shardkit::saev::{LayerSel, Loader, LoaderOptions};
     let mut o = LoaderOptions::new(LayerSel::Value(-1));
     o.order = order;
@@ -328,18 +332,26 @@ fn loader_run(
     }
     let t0 = Instant::now();
     let mut bytes = 0u64;
+    let mut samples = vec![(0.0, 0u64)];
     for b in loader.iter()? {
         let b = b?;
         bytes += (b.n * b.d_model * 4) as u64;
+        samples.push((t0.elapsed().as_secs_f64(), bytes));
         if bytes >= max_bytes {
             break;
         }
     }
-    Ok(bytes as f64 / t0.elapsed().as_secs_f64())
+    Ok((bytes as f64 / t0.elapsed().as_secs_f64(), samples))
 }
 
 /// `shardkit bench saev-read`.
-pub fn saev_read(dir: &Path, size_gib: f64, rounds: u32, only: &[String]) -> Result<Value> {
+pub fn saev_read(
+    dir: &Path,
+    size_gib: f64,
+    rounds: u32,
+    only: &[String],
+    plot: Option<&Path>,
+) -> Result<Value> {
     let run = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
     use shardkit::engine::Order;
     let example_bytes = 2 * 257 * 1024 * 4u64;
@@ -372,6 +384,16 @@ pub fn saev_read(dir: &Path, size_gib: f64, rounds: u32, only: &[String]) -> Res
         .collect();
     let total: u64 = ds.layout().shard_bytes() * ds.layout().n_shards;
     let best = |v: &mut Vec<f64>, x: f64| v.push(x);
+    // The last round's time series of each loader, for --plot.
+    let mut series: Vec<crate::plot::Series> = Vec::new();
+    let mut keep = |name: &str, (rate, samples): (f64, Vec<(f64, u64)>)| -> f64 {
+        series.retain(|s| s.name != name);
+        series.push(crate::plot::Series {
+            name: name.to_string(),
+            samples,
+        });
+        rate
+    };
     let (mut seq_ways, mut r4k, mut ord, mut blk, mut ex, mut warm) = (
         Vec::new(),
         Vec::new(),
@@ -402,19 +424,28 @@ pub fn saev_read(dir: &Path, size_gib: f64, rounds: u32, only: &[String]) -> Res
         if run("ordered") {
             best(
                 &mut ord,
-                loader_run(&ds_dir, Order::Sequential, &files, u64::MAX, true, 0)?,
+                keep(
+                    "ordered (cold)",
+                    loader_run(&ds_dir, Order::Sequential, &files, u64::MAX, true, 0)?,
+                ),
             );
         }
         if run("block") {
             best(
                 &mut blk,
-                loader_run(&ds_dir, Order::Block, &files, u64::MAX, true, 0)?,
+                keep(
+                    "block shuffle (cold)",
+                    loader_run(&ds_dir, Order::Block, &files, u64::MAX, true, 0)?,
+                ),
             );
         }
         if run("exact") {
             best(
                 &mut ex,
-                loader_run(&ds_dir, Order::Exact, &files, 256 << 20, true, 0)?,
+                keep(
+                    "exact shuffle (cold)",
+                    loader_run(&ds_dir, Order::Exact, &files, 256 << 20, true, 0)?,
+                ),
             );
         }
     }
@@ -425,11 +456,26 @@ pub fn saev_read(dir: &Path, size_gib: f64, rounds: u32, only: &[String]) -> Res
         }
         best(
             &mut warm,
-            loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 1)?,
+            keep(
+                "block shuffle (page cache)",
+                loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 1)?,
+            ),
         );
     }
     let max = |v: &[f64]| v.iter().cloned().fold(0f64, f64::max);
     let (seq, rnd) = (max(&seq_ways), max(&r4k));
+    if let Some(p) = plot {
+        crate::plot::draw(
+            p,
+            "shardkit saev loaders vs. disk ceilings",
+            &series,
+            &[
+                ("sequential-read ceiling", seq),
+                ("random 4 KiB ceiling", rnd),
+            ],
+        )?;
+        eprintln!("plot written to {}", p.display());
+    }
     let num = |x: f64| Value::Number(format!("{x:.0}"));
     let ratio = |x: f64, c: f64| Value::Number(format!("{:.3}", x / c));
     Ok(Value::Object(vec![

@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod npy;
+mod plot;
 mod saev_cmd;
 
 /// Exact, crash-safe, fast access to ML training caches.

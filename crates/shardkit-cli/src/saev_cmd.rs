@@ -137,6 +137,9 @@ pub struct LoaderArgs {
     /// Reads in flight.
     #[arg(long, default_value_t = 16)]
     pub io_threads: usize,
+    /// Read windows with O_DIRECT (skips the page cache; see the README).
+    #[arg(long)]
+    pub direct_io: bool,
 }
 
 impl LoaderArgs {
@@ -154,6 +157,7 @@ impl LoaderArgs {
         o.memory_budget = self.memory_budget_mib.map(|m| m << 20);
         o.ignore_labels = self.ignore_labels.clone();
         o.io_threads = self.io_threads;
+        o.direct_io = self.direct_io;
         Ok(o)
     }
 }

@@ -58,6 +58,8 @@ pub struct StreamConfig {
     pub memory_budget: u64,
     /// Reads in flight.
     pub io_threads: usize,
+    /// Read windows with O_DIRECT where ranges are aligned (the exact order always tries it).
+    pub direct_io: bool,
     /// Global stream positions already consumed (a multiple of `batch_size · world_size`).
     pub cursor: u64,
 }
@@ -205,14 +207,21 @@ pub fn start<S: BlockSource>(
             receivers.push(rx);
             let needed = windows_needed(&order, &batches);
             let (wtx, wrx) = sync_channel::<Result<LoadedWindow>>(0);
-            let (src2, order2, stop2, threads_n) =
-                (source.clone(), order.clone(), stop.clone(), cfg.io_threads);
+            let (src2, order2, stop2, threads_n, direct) = (
+                source.clone(),
+                order.clone(),
+                stop.clone(),
+                cfg.io_threads,
+                cfg.direct_io,
+            );
             let (wpool, bpool) = (pools.windows.clone(), pools.batches);
             threads.push(
                 std::thread::Builder::new()
                     .name("shardkit-read".into())
                     .spawn(move || {
-                        window_reader(&*src2, &order2, needed, threads_n, &wpool, &wtx, &stop2)
+                        window_reader(
+                            &*src2, &order2, needed, threads_n, direct, &wpool, &wtx, &stop2,
+                        )
                     })
                     .map_err(|e| Error::Invalid(format!("cannot start a reader thread: {e}")))?,
             );
@@ -259,6 +268,7 @@ fn window_reader<S: BlockSource>(
     order: &EpochOrder,
     needed: Vec<usize>,
     threads: usize,
+    direct: bool,
     pool: &BufferPool,
     tx: &SyncSender<Result<LoadedWindow>>,
     stop: &AtomicBool,
@@ -283,15 +293,19 @@ fn window_reader<S: BlockSource>(
             dst += len;
         }
         let mut buf = pool.get(dst as usize);
-        let result =
-            read_all(src, &plan_reads(ranges), buf.as_mut_bytes(), threads, false).map(|()| {
-                LoadedWindow {
-                    index: w,
-                    buf,
-                    block_dst,
-                    perm: order.window_permutation(w),
-                }
-            });
+        let result = read_all(
+            src,
+            &plan_reads(ranges),
+            buf.as_mut_bytes(),
+            threads,
+            direct,
+        )
+        .map(|()| LoadedWindow {
+            index: w,
+            buf,
+            block_dst,
+            perm: order.window_permutation(w),
+        });
         let failed = result.is_err();
         if tx.send(result).is_err() || failed {
             return;

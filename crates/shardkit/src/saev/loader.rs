@@ -66,6 +66,12 @@ pub struct LoaderOptions {
     pub ignore_labels: Vec<u8>,
     /// Reads in flight (default 16).
     pub io_threads: usize,
+    /// Read windows (sequential and block orders) with O_DIRECT where the file system allows
+    /// it and ranges are 4 KiB-aligned: data goes straight from the disk into the loader's
+    /// buffers, skipping the page-cache copy, but data already in the page cache is read from
+    /// disk again. Default false. The exact order always uses O_DIRECT for aligned rows;
+    /// anything refused falls back to buffered reads.
+    pub direct_io: bool,
 }
 
 impl LoaderOptions {
@@ -84,6 +90,7 @@ impl LoaderOptions {
             memory_budget: None,
             ignore_labels: Vec::new(),
             io_threads: 16,
+            direct_io: false,
         }
     }
 }
@@ -480,6 +487,7 @@ impl Loader {
             drop_last: self.opts.drop_last,
             memory_budget: self.budget,
             io_threads: self.opts.io_threads.max(1),
+            direct_io: self.opts.direct_io,
             cursor,
         };
         let stream = stream::start(
