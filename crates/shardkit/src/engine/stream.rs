@@ -207,21 +207,14 @@ pub fn start<S: BlockSource>(
             receivers.push(rx);
             let needed = windows_needed(&order, &batches);
             let (wtx, wrx) = sync_channel::<Result<LoadedWindow>>(0);
-            let (src2, order2, stop2, threads_n, direct) = (
-                source.clone(),
-                order.clone(),
-                stop.clone(),
-                cfg.io_threads,
-                cfg.direct_io,
-            );
+            let (src2, order2, stop2, cfg2) =
+                (source.clone(), order.clone(), stop.clone(), cfg.clone());
             let (wpool, bpool) = (pools.windows.clone(), pools.batches);
             threads.push(
                 std::thread::Builder::new()
                     .name("shardkit-read".into())
                     .spawn(move || {
-                        window_reader(
-                            &*src2, &order2, needed, threads_n, direct, &wpool, &wtx, &stop2,
-                        )
+                        window_reader(&*src2, &order2, needed, &cfg2, &wpool, &wtx, &stop2)
                     })
                     .map_err(|e| Error::Invalid(format!("cannot start a reader thread: {e}")))?,
             );
@@ -267,8 +260,7 @@ fn window_reader<S: BlockSource>(
     src: &S,
     order: &EpochOrder,
     needed: Vec<usize>,
-    threads: usize,
-    direct: bool,
+    cfg: &StreamConfig,
     pool: &BufferPool,
     tx: &SyncSender<Result<LoadedWindow>>,
     stop: &AtomicBool,
@@ -297,8 +289,8 @@ fn window_reader<S: BlockSource>(
             src,
             &plan_reads(ranges),
             buf.as_mut_bytes(),
-            threads,
-            direct,
+            cfg.io_threads,
+            cfg.direct_io,
         )
         .map(|()| LoadedWindow {
             index: w,
