@@ -41,6 +41,7 @@ impl Dtype {
 }
 
 /// A memory-mapped `.npy` array.
+#[derive(Debug)]
 pub struct NpyArray {
     map: Mmap,
     offset: usize,
