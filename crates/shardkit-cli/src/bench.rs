@@ -444,7 +444,7 @@ pub fn saev_read(
                 &mut ex,
                 keep(
                     "exact shuffle (cold)",
-                    loader_run(&ds_dir, Order::Exact, &files, 256 << 20, true, 0)?,
+                    loader_run(&ds_dir, Order::Exact, &files, 1 << 30, true, 0)?,
                 ),
             );
         }

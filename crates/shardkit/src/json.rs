@@ -237,12 +237,14 @@ impl Parser<'_> {
         ))
     }
     fn hex4(&mut self) -> Result<u32, ParseError> {
+        // Exactly four hex digits (from_str_radix alone would also take a sign).
         let h = self
             .s
             .get(self.i..self.i + 4)
+            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
             .and_then(|h| std::str::from_utf8(h).ok())
             .and_then(|h| u32::from_str_radix(h, 16).ok())
-            .ok_or_else(|| self.err("invalid \\u escape"))?;
+            .ok_or_else(|| self.err("invalid \\u escape: expected four hex digits"))?;
         self.i += 4;
         Ok(h)
     }

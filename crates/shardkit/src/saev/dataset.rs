@@ -75,8 +75,10 @@ impl TokenMode {
     }
 }
 
-/// How complete a directory is; see [`check_complete`].
-pub(crate) fn check_complete(dir: &Path, md: &Metadata, layout: &Layout) -> Result<()> {
+/// Ok when the directory is complete (saev.md §12): shards.json lists counts summing to
+/// `n_examples` and every shard holding examples exists at full size. Otherwise
+/// `Error::Incomplete` with the examples present, or `Error::Format` naming the broken file.
+pub(crate) fn check_complete(dir: &Path, layout: &Layout) -> Result<()> {
     let sj = dir.join("shards.json");
     let n = layout.n_examples;
     let bytes = match std::fs::read(&sj) {
@@ -97,7 +99,6 @@ pub(crate) fn check_complete(dir: &Path, md: &Metadata, layout: &Layout) -> Resu
     };
     let entries = parse_shards_json(&bytes, &sj)?;
     check_entries(&entries, &sj, layout)?;
-    let _ = md;
     for s in 0..layout.n_shards {
         let name = Layout::shard_name(s);
         let path = dir.join(&name);
@@ -239,7 +240,7 @@ impl Dataset {
         }
         let (md, warnings) = Metadata::read(&dir)?;
         let layout = Layout::new(&md, &dir.join("metadata.json"))?;
-        check_complete(&dir, &md, &layout)?;
+        check_complete(&dir, &layout)?;
         fsutil::raise_open_file_limit();
         let labels_path = dir.join("labels.bin");
         let labels = match fsutil::regular_file_len(&labels_path) {

@@ -61,13 +61,16 @@ impl Layout {
         let rows = md
             .n_examples()
             .checked_mul(t.max(md.content_tokens_per_example()));
-        if shard.is_none() || rows.is_none() {
+        let total = shard.and_then(|b| b.checked_mul(layout.n_shards));
+        if shard.is_none() || rows.is_none() || total.is_none() {
             return Err(Error::format(
                 src,
                 format!(
                     "sizes overflow: {eps} examples per shard x {l} layers x {t} tokens x {} \
-                     dims x 4 bytes (or {} examples x {t} tokens) does not fit in 63 bits",
+                     dims x 4 bytes per shard, {} shards in all (or {} examples x {t} tokens) \
+                     does not fit in 63 bits",
                     md.d_model(),
+                    layout.n_shards,
                     md.n_examples()
                 ),
             ));
@@ -86,6 +89,10 @@ impl Layout {
     /// Bytes of one whole example (`L·T·D·4`), contiguous on disk.
     pub fn example_bytes(&self) -> u64 {
         self.n_layers * self.slab_bytes()
+    }
+    /// Bytes of all shard files (`n_shards · shard_bytes`; checked at construction).
+    pub fn total_bytes(&self) -> u64 {
+        self.n_shards * self.shard_bytes()
     }
     /// Size of every shard file (`eps·L·T·D·4`).
     pub fn shard_bytes(&self) -> u64 {

@@ -312,7 +312,7 @@ impl Metadata {
             }
         }
 
-        let field = |f: &Field, warnings: &mut Vec<String>| -> Result<&Value> {
+        let field = |f: &Field, warnings: &mut Vec<String>| -> Result<(&'static str, &Value)> {
             let present: Vec<&str> =
                 f.v1.iter()
                     .chain(f.v2)
@@ -335,7 +335,7 @@ impl Metadata {
                             3 - major
                         ));
                     }
-                    Ok(v.get(k).expect("present"))
+                    Ok((*k, v.get(k).expect("present")))
                 }
                 many => Err(bad(
                     src,
@@ -372,12 +372,18 @@ impl Metadata {
             }
         };
 
-        let family = string(FAMILY.what, field(&FAMILY, &mut warnings)?)?;
-        let ckpt = string(CKPT.what, field(&CKPT, &mut warnings)?)?;
-        let content = positive(CONTENT.what, field(&CONTENT, &mut warnings)?)?;
-        let d_model = positive(D_MODEL.what, field(&D_MODEL, &mut warnings)?)?;
-        let n_examples = positive(N_EXAMPLES.what, field(&N_EXAMPLES, &mut warnings)?)?;
-        let budget = positive(BUDGET.what, field(&BUDGET, &mut warnings)?)?;
+        let (k, x) = field(&FAMILY, &mut warnings)?;
+        let family = string(k, x)?;
+        let (k, x) = field(&CKPT, &mut warnings)?;
+        let ckpt = string(k, x)?;
+        let (k, x) = field(&CONTENT, &mut warnings)?;
+        let content = positive(k, x)?;
+        let (k, x) = field(&D_MODEL, &mut warnings)?;
+        let d_model = positive(k, x)?;
+        let (k, x) = field(&N_EXAMPLES, &mut warnings)?;
+        let n_examples = positive(k, x)?;
+        let (k, x) = field(&BUDGET, &mut warnings)?;
+        let budget = positive(k, x)?;
 
         let layers = match v.get("layers") {
             Some(Value::Array(items)) if !items.is_empty() => items

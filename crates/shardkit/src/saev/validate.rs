@@ -179,13 +179,23 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
         },
     }
 
-    // Every shard the metadata implies (and any extra listed one) is checked on its own.
-    let mut missing = Vec::new();
-    for s in 0..layout.n_shards.max(listed) {
+    // Every shard the metadata implies (and any extra listed one) is checked. Files that exist
+    // are found by listing the directory, so a metadata.json claiming absurdly many shards costs
+    // no more than the files present; missing ones are reported as ranges.
+    let expected = layout.n_shards.max(listed);
+    let present: std::collections::BTreeSet<u64> = std::fs::read_dir(&dir)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter_map(|e| shard_index(&e.file_name().to_string_lossy()))
+                .filter(|&s| s < expected)
+                .collect()
+        })
+        .unwrap_or_default();
+    for &s in &present {
         let p = dir.join(Layout::shard_name(s));
         let extra = s >= layout.n_shards;
-        match std::fs::symlink_metadata(&p).and_then(|_| std::fs::metadata(&p)) {
-            Err(_) => missing.push(s),
+        match std::fs::metadata(&p) {
+            Err(e) => push(Severity::Error, &p, format!("unreadable: {e}")),
             Ok(m) if !m.is_file() => push(Severity::Error, &p, "not a regular file".into()),
             Ok(m) if m.len() == 0 && !extra => push(Severity::Error, &p, "empty file".into()),
             Ok(m) if m.len() != layout.shard_bytes() && !extra => push(
@@ -206,17 +216,39 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
             }
         }
     }
-    for s in missing {
-        let p = dir.join(Layout::shard_name(s));
-        let sev = if s >= layout.n_shards {
-            Severity::Warning
-        } else {
-            Severity::Error
-        };
-        push(sev, &p, "missing".into());
+    let mut start = 0u64;
+    for gap_end in present.iter().copied().chain(std::iter::once(expected)) {
+        if gap_end > start {
+            let (first, last) = (start, gap_end - 1);
+            // A missing spurious trailing shard (beyond the metadata's count) is only a warning.
+            let sev = if first >= layout.n_shards {
+                Severity::Warning
+            } else {
+                Severity::Error
+            };
+            let p = dir.join(Layout::shard_name(first));
+            let msg = if first == last {
+                "missing".to_string()
+            } else {
+                format!(
+                    "missing, with every shard through {} ({} files)",
+                    Layout::shard_name(last),
+                    last - first + 1
+                )
+            };
+            push(sev, &p, msg);
+        }
+        start = gap_end + 1;
     }
 
     let labels = dir.join("labels.bin");
+    if labels.symlink_metadata().is_ok() && fsutil::regular_file_len(&labels).is_none() {
+        push(
+            Severity::Error,
+            &labels,
+            "not a regular file (or unreadable)".into(),
+        );
+    }
     if let Some(len) = fsutil::regular_file_len(&labels) {
         let want = layout.n_examples * layout.content_tokens;
         if len != want {
@@ -269,7 +301,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let complete = check_complete(dir, &md, &layout);
+    let complete = check_complete(dir, &layout);
     let present = match &complete {
         Ok(()) => Some(layout.n_examples),
         Err(Error::Incomplete { present, .. }) => Some(*present),
@@ -304,10 +336,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
         ("examples_per_shard".into(), int(layout.examples_per_shard)),
         ("n_shards".into(), int(layout.n_shards)),
         ("shard_bytes".into(), int(layout.shard_bytes())),
-        (
-            "total_bytes".into(),
-            int(layout.shard_bytes() * layout.n_shards),
-        ),
+        ("total_bytes".into(), int(layout.total_bytes())),
         (
             "shape".into(),
             Value::Array(
@@ -345,4 +374,13 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
             Value::Array(warnings.into_iter().map(Value::String).collect()),
         ),
     ]))
+}
+
+/// The index of a shard file name `acts%06d.bin` (any number of digits).
+pub(crate) fn shard_index(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("acts")?.strip_suffix(".bin")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
 }

@@ -17,6 +17,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
+use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
 
 const MARKER: &str = ".shardkit-writing";
@@ -103,7 +104,7 @@ impl Writer {
         let md_path = dir.join("metadata.json");
         match fs::read(&md_path) {
             Ok(existing) if existing == ours => {
-                match check_complete(&dir, &w.md, &w.layout) {
+                match check_complete(&dir, &w.layout) {
                     Ok(()) => {
                         w.start = WriteStart::AlreadyComplete;
                         w.next = w.layout.n_examples;
@@ -231,7 +232,8 @@ impl Writer {
         } else if from > 0 {
             self.labels_decided = true; // kept shards were written without labels
         }
-        let keep_shards = from / eps;
+        // Every shard holding examples below `from` is complete, the last partial one included.
+        let keep_shards = from.div_ceil(eps);
 
         for name in list_dir(&dir)? {
             let remove = match name.as_str() {
@@ -310,6 +312,9 @@ impl Writer {
                 self.layout.n_examples, self.next
             )));
         }
+        if b == 0 {
+            return Ok(()); // an empty batch decides nothing
+        }
         self.decide_labels(labels.is_some())?;
         if let (Some(f), Some(l)) = (&self.labels, labels) {
             let tmp = self.dir.join(LABELS_TMP);
@@ -340,6 +345,13 @@ impl Writer {
     }
 
     fn decide_labels(&mut self, has: bool) -> Result<()> {
+        if has && self.md.major() == 1 {
+            return Err(Error::Invalid(
+                "protocol 1.0.0 has no labels.bin (labels arrived with 1.1); write protocol 2.0 \
+                 or 2.1 to store labels"
+                    .into(),
+            ));
+        }
         if !self.labels_decided {
             self.labels_decided = true;
             if has {
@@ -462,13 +474,4 @@ fn list_dir(dir: &Path) -> Result<Vec<String>> {
     }
     names.sort();
     Ok(names)
-}
-
-/// The shard index of a final shard name `acts%06d.bin` (any number of digits).
-fn shard_index(name: &str) -> Option<u64> {
-    let digits = name.strip_prefix("acts")?.strip_suffix(".bin")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    digits.parse().ok()
 }

@@ -1,0 +1,2008 @@
+//! Robustness of the saev module: every bad input is a clear `shardkit::Error` that names the
+//! file and the rule (never a panic); the writer never overwrites what it does not own; and a
+//! write interrupted after any number of examples resumes to a directory byte-identical to an
+//! uninterrupted one. Property tests check that no input makes the parsers panic and that the
+//! index arithmetic is consistent.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use proptest::prelude::*;
+use shardkit::json::{self, Escape, Value};
+use shardkit::saev::{
+    inspect, parse_shards_json, shards_json_bytes, validate, Dataset, Layout, Metadata, Report,
+    Severity, TokenMode, WriteStart, Writer, WriterOptions,
+};
+use shardkit::Error;
+
+// ---------------------------------------------------------------------------------------------
+// Fixtures and helpers
+// ---------------------------------------------------------------------------------------------
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/saev")
+}
+
+const A_100: &str = "v1.0.0/bc87c00f08bd7bd69b6e64ca1b636ebf86e1ad452a520fa6032818b728a53b47";
+const B_100: &str = "v1.0.0/abbe30ad92e85b5b2346422cd3fe5d77198b6eb50315ea9f9fac35305004416a";
+const A_20: &str = "v2.0/eec1d7ba782d48ff23cf8e88b9a79fe637f800b9d56a9b16f2bd03bfcb7a8401";
+const CRASHED_20: &str = "v2.0/36f76cd85cfb77f6ae191c8994a7e313994553017475db89e31564e3464623af";
+const A_21: &str = "v2.1/aa57b80c";
+const B_21: &str = "v2.1/1acdd127";
+const C_21: &str = "v2.1/e64e5d2c";
+const ALL_FIXTURES: [&str; 7] = [A_100, B_100, A_20, CRASHED_20, A_21, B_21, C_21];
+
+/// Copies a fixture directory (read-only files) into `root`, writable, under its own name.
+fn copy_fixture(dir: &str, root: &Path) -> PathBuf {
+    let src = fixtures().join(dir);
+    let dst = root.join(src.file_name().unwrap());
+    fs::create_dir_all(&dst).unwrap();
+    for e in fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        let to = dst.join(e.file_name());
+        fs::copy(e.path(), &to).unwrap();
+        fs::set_permissions(&to, fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    dst
+}
+
+/// Where `Metadata::parse` is told its bytes came from.
+const SRC: &str = "/data/saev/shards/x/metadata.json";
+
+/// The keys of the 2.1 case-A fixture, values as JSON text.
+const BASE_21: [(&str, &str); 13] = [
+    ("family", r#""clip""#),
+    (
+        "ckpt",
+        r#""hf-hub:hf-internal-testing/tiny-open-clip-model""#,
+    ),
+    ("layers", "[-2, -1]"),
+    ("content_tokens_per_example", "4"),
+    ("cls_token", "true"),
+    ("d_model", "8"),
+    ("n_examples", "7"),
+    ("max_tokens_per_shard", "30"),
+    ("data", r#""gASV""#),
+    ("dataset", r#""fake""#),
+    ("pixel_agg", r#""majority""#),
+    ("dtype", r#""float32""#),
+    ("protocol", r#""2.1""#),
+];
+
+/// The 2.1 case-A metadata with `set` replacing (or appending) keys and `remove` dropping keys.
+fn md21(set: &[(&str, &str)], remove: &[&str]) -> String {
+    let mut members: Vec<(String, String)> = BASE_21
+        .iter()
+        .filter(|(k, _)| !remove.contains(k))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    for (k, v) in set {
+        match members.iter_mut().find(|m| m.0 == *k) {
+            Some(m) => m.1 = v.to_string(),
+            None => members.push((k.to_string(), v.to_string())),
+        }
+    }
+    let body: Vec<String> = members
+        .iter()
+        .map(|(k, v)| format!("\"{k}\": {v}"))
+        .collect();
+    format!("{{{}}}", body.join(", "))
+}
+
+fn parse_md(text: &str) -> shardkit::Result<(Metadata, Vec<String>)> {
+    Metadata::parse(text.as_bytes(), Path::new(SRC))
+}
+
+/// Asserts that `err` is `Error::Format` about exactly `file`, that its rule contains every
+/// needle, and that the displayed message names the file and the rule.
+#[track_caller]
+fn assert_format(err: &Error, file: &Path, needles: &[&str]) {
+    match err {
+        Error::Format { path, rule } => {
+            assert_eq!(path, file, "wrong file in {err}");
+            for n in needles {
+                assert!(rule.contains(n), "rule {rule:?} does not mention {n:?}");
+            }
+        }
+        other => panic!(
+            "expected Error::Format about {}, got {other:?}",
+            file.display()
+        ),
+    }
+    let shown = err.to_string();
+    assert!(
+        shown.starts_with(&format!("{}: ", file.display())),
+        "message does not name the file: {shown}"
+    );
+}
+
+/// Asserts that `err` is `Error::Invalid` mentioning every needle.
+#[track_caller]
+fn assert_invalid(err: &Error, needles: &[&str]) {
+    let Error::Invalid(msg) = err else {
+        panic!("expected Error::Invalid, got {err:?}");
+    };
+    for n in needles {
+        assert!(msg.contains(n), "{msg:?} does not mention {n:?}");
+    }
+}
+
+/// Asserts that `err` is `Error::Exists` about `file` and its reason mentions every needle.
+#[track_caller]
+fn assert_exists(err: &Error, file: &Path, needles: &[&str]) {
+    let Error::Exists { path, why } = err else {
+        panic!("expected Error::Exists, got {err:?}");
+    };
+    assert_eq!(path, file, "{err}");
+    for n in needles {
+        assert!(why.contains(n), "{why:?} does not mention {n:?}");
+    }
+    assert!(err.to_string().contains(&file.display().to_string()));
+}
+
+/// Asserts that `r` holds a finding of `sev` about `file` whose message contains every needle.
+#[track_caller]
+fn assert_problem(r: &Report, sev: Severity, file: &Path, needles: &[&str]) {
+    let found = r.problems.iter().any(|p| {
+        p.severity == sev && p.file == file && needles.iter().all(|n| p.message.contains(n))
+    });
+    assert!(
+        found,
+        "no {sev:?} about {} mentioning {needles:?} in {:#?}",
+        file.display(),
+        r.problems
+    );
+}
+
+/// Every entry of `dir` (hidden ones included): name -> bytes (directories as `None`).
+fn snapshot(dir: &Path) -> BTreeMap<String, Option<Vec<u8>>> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            let bytes = e
+                .file_type()
+                .unwrap()
+                .is_file()
+                .then(|| fs::read(e.path()).unwrap());
+            (name, bytes)
+        })
+        .collect()
+}
+
+/// Every file of `dir` with its bytes, inode and modification time: anything rewritten (even
+/// atomically, with the same bytes) changes the inode or the mtime.
+fn identity(dir: &Path) -> BTreeMap<String, (Vec<u8>, u64, i64, i64)> {
+    fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let m = e.metadata().unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                (
+                    fs::read(e.path()).unwrap(),
+                    m.ino(),
+                    m.mtime(),
+                    m.mtime_nsec(),
+                ),
+            )
+        })
+        .collect()
+}
+
+/// `replace_all` on byte vectors, for editing fixture bytes.
+trait ReplaceAll {
+    fn replace_all(&self, from: &[u8], to: &[u8]) -> Vec<u8>;
+}
+impl ReplaceAll for Vec<u8> {
+    fn replace_all(&self, from: &[u8], to: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.len() {
+            if self[i..].starts_with(from) {
+                out.extend_from_slice(to);
+                i += from.len();
+            } else {
+                out.push(self[i]);
+                i += 1;
+            }
+        }
+        out
+    }
+}
+
+// A small dataset for the writer tests: layers [5, -1] (L = 2), P = 3 with CLS (T = 4), D = 4,
+// budget 26 tokens, so eps = 26 // 8 = 3.
+const L: u64 = 2;
+const T: u64 = 4;
+const P: u64 = 3;
+const D: u64 = 4;
+const EPS: u64 = 3;
+
+/// Writer metadata of the small dataset with `n` examples, as protocol `protocol`. The 2.x
+/// variants carry non-ASCII strings so that both escaping rules are exercised.
+fn small_md(protocol: &str, n: u64) -> Metadata {
+    let text = if protocol == "1.0.0" {
+        format!(
+            r#"{{"vit_family": "clip", "vit_ckpt": "ckpt/ü", "layers": [5, -1],
+            "n_patches_per_img": 3, "cls_token": true, "d_vit": 4, "n_imgs": {n},
+            "max_patches_per_shard": 26, "data": {{"n_imgs": {n}, "__class__": "Fake"}},
+            "protocol": "1.0.0"}}"#
+        )
+    } else {
+        // Keys deliberately out of order: the writer restores its version's order.
+        format!(
+            r#"{{"protocol": "{protocol}", "family": "clip", "ckpt": "ckpt/ü", "layers": [5, -1],
+            "content_tokens_per_example": 3, "cls_token": true, "d_model": 4, "n_examples": {n},
+            "max_tokens_per_shard": 26, "data": "gASVOA==", "dataset": "/data/imágenes"}}"#
+        )
+    };
+    Metadata::for_writing(&json::parse(text.as_bytes()).unwrap()).unwrap()
+}
+
+/// v[e, l, t, d] = 1000e + 100l + t + d/16 for examples `first..first + n`.
+fn acts(first: u64, n: u64) -> Vec<f32> {
+    let mut v = Vec::new();
+    for e in first..first + n {
+        for l in 0..L {
+            for t in 0..T {
+                for d in 0..D {
+                    v.push((1000 * e + 100 * l + t) as f32 + d as f32 / 16.0);
+                }
+            }
+        }
+    }
+    v
+}
+
+/// labels[e, c] = (10e + c) % 7 for examples `first..first + n`.
+fn labels(first: u64, n: u64) -> Vec<u8> {
+    (first..first + n)
+        .flat_map(|e| (0..P).map(move |c| ((10 * e + c) % 7) as u8))
+        .collect()
+}
+
+/// Writes examples `from..to` in batches of `batch`.
+fn write_range(w: &mut Writer, from: u64, to: u64, batch: u64, with_labels: bool) {
+    let mut e = from;
+    while e < to {
+        let b = batch.min(to - e);
+        let l = with_labels.then(|| labels(e, b));
+        w.write(&acts(e, b), l.as_deref()).unwrap();
+        e += b;
+    }
+}
+
+/// An uninterrupted write of the small dataset into `root`; returns the dataset directory.
+fn write_uninterrupted(root: &Path, md: &Metadata, with_labels: bool) -> PathBuf {
+    let mut w = Writer::create(root, md.clone(), WriterOptions::default()).unwrap();
+    assert_eq!(w.start(), WriteStart::Fresh);
+    write_range(&mut w, 0, md.n_examples(), 5, with_labels);
+    w.finish().unwrap()
+}
+
+/// Asserts that `out` holds exactly the files of `reference`, byte for byte, and nothing
+/// temporary, and that it opens and validates cleanly.
+#[track_caller]
+fn assert_identical(out: &Path, reference: &Path, what: &str) {
+    let got = snapshot(out);
+    let want = snapshot(reference);
+    assert_eq!(
+        got.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>(),
+        "{what}: file names differ"
+    );
+    for (name, bytes) in &want {
+        assert!(got[name] == *bytes, "{what}: {name} differs");
+    }
+    assert!(
+        got.keys().all(|n| !n.starts_with('.')),
+        "{what}: temporary or marker files remain: {:?}",
+        got.keys()
+    );
+    Dataset::open(out).unwrap();
+    let r = validate(out);
+    assert!(r.problems.is_empty(), "{what}: {r:#?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Bad inputs
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn truncated_shard_is_refused_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let shard = dir.join("acts000001.bin");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(500)
+        .unwrap();
+    let err = Dataset::open(&dir).unwrap_err();
+    assert_format(&err, &shard, &["500 bytes", "expected 960", "truncated"]);
+    let r = validate(&dir);
+    assert!(!r.is_valid());
+    assert_problem(&r, Severity::Error, &shard, &["500 bytes", "960"]);
+
+    // A last shard cut to its valid rows (what saev's documentation describes) is refused too.
+    let dir = copy_fixture(A_100, tmp.path());
+    let last = dir.join("acts000002.bin");
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&last)
+        .unwrap()
+        .set_len(320)
+        .unwrap();
+    assert_format(
+        &Dataset::open(&dir).unwrap_err(),
+        &last,
+        &["320 bytes", "expected 960"],
+    );
+}
+
+#[test]
+fn corrupt_metadata_json_is_a_format_error() {
+    let dup = md21(&[], &[]).replacen('{', r#"{"d_model": 16, "#, 1);
+    let cases: [(&[u8], &[&str]); 7] = [
+        (b"", &["invalid JSON at byte 0", "end of input"]),
+        (br#"{"family": "clip","#, &["invalid JSON at byte 18"]),
+        (b"[1, 2]", &["must be a JSON object", "found an array"]),
+        (br#""2.1""#, &["must be a JSON object", "found a string"]),
+        (b"null", &["must be a JSON object", "found null"]),
+        (
+            dup.as_bytes(),
+            &["invalid JSON", "duplicate key \"d_model\""],
+        ),
+        (
+            b"{\"family\": \"clip\"} trailing",
+            &["after the JSON value"],
+        ),
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    for (bytes, needles) in cases {
+        let err = Metadata::parse(bytes, Path::new(SRC)).unwrap_err();
+        assert_format(&err, Path::new(SRC), needles);
+
+        let dir = copy_fixture(A_21, tmp.path());
+        let md_path = dir.join("metadata.json");
+        fs::write(&md_path, bytes).unwrap();
+        assert_format(&Dataset::open(&dir).unwrap_err(), &md_path, needles);
+        let r = validate(&dir);
+        assert_eq!(r.problems.len(), 1, "{r:#?}");
+        assert_problem(&r, Severity::Error, &md_path, needles);
+        assert!(inspect(&dir).is_err());
+    }
+    // Wrong types of individual fields name the field.
+    for (set, needle) in [
+        (("layers", "[1, 2.5]"), "`layers` must hold integers"),
+        (("layers", "[]"), "`layers` must not be empty"),
+        (("layers", "3"), "`layers` must be an array, found a number"),
+        (("cls_token", "1"), "`cls_token` must be a boolean"),
+        (
+            ("protocol", "2.1"),
+            "`protocol` must be a string, found a number",
+        ),
+        (("dataset", "7"), "`dataset` must be a string"),
+    ] {
+        let err = parse_md(&md21(&[set], &[])).unwrap_err();
+        assert_format(&err, Path::new(SRC), &[needle]);
+    }
+    let err = parse_md(&md21(&[], &["cls_token"])).unwrap_err();
+    assert_format(&err, Path::new(SRC), &["missing the `cls_token` key"]);
+    let err = parse_md(&md21(&[], &["n_examples"])).unwrap_err();
+    assert_format(&err, Path::new(SRC), &["missing", "n_ex or n_examples"]);
+}
+
+#[test]
+fn dtype_other_than_float32_is_refused() {
+    for dtype in [
+        r#""float16""#,
+        r#""bfloat16""#,
+        r#""float64""#,
+        "null",
+        "32",
+    ] {
+        let err = parse_md(&md21(&[("dtype", dtype)], &[])).unwrap_err();
+        assert_format(
+            &err,
+            Path::new(SRC),
+            &["unsupported dtype", dtype, "float32"],
+        );
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let md_path = dir.join("metadata.json");
+    fs::write(&md_path, md21(&[("dtype", r#""float16""#)], &[])).unwrap();
+    assert_format(
+        &Dataset::open(&dir).unwrap_err(),
+        &md_path,
+        &["\"float16\""],
+    );
+    // An absent dtype is read as float32, with a warning.
+    let (_, warnings) = parse_md(&md21(&[], &["dtype"])).unwrap();
+    assert!(
+        warnings.iter().any(|w| w.contains("no `dtype`")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn negative_zero_and_huge_counts_are_refused() {
+    for (key, value, needles) in [
+        ("n_examples", "-1", &["must be at least 1", "found -1"][..]),
+        ("n_examples", "0", &["must be at least 1", "found 0"]),
+        (
+            "n_examples",
+            "9223372036854775808",
+            &["fits in 64 bits", "9223372036854775808"],
+        ),
+        (
+            "n_examples",
+            "18446744073709551616",
+            &["fits in 64 bits", "18446744073709551616"],
+        ),
+        ("n_examples", "7.0", &["integer", "7.0"]),
+        ("n_examples", "7e0", &["integer", "7e0"]),
+        ("n_examples", r#""7""#, &["integer", "\"7\""]),
+        ("d_model", "-8", &["must be at least 1", "found -8"]),
+        ("d_model", "0", &["must be at least 1"]),
+        ("content_tokens_per_example", "-4", &["found -4"]),
+        ("max_tokens_per_shard", "0", &["found 0"]),
+        (
+            "max_tokens_per_shard",
+            "99999999999999999999",
+            &["fits in 64 bits"],
+        ),
+    ] {
+        let err = parse_md(&md21(&[(key, value)], &[])).unwrap_err();
+        assert_format(&err, Path::new(SRC), needles);
+    }
+    // Tokens x layers overflowing 64 bits is caught while parsing.
+    let err = parse_md(&md21(
+        &[("content_tokens_per_example", "9223372036854775807")],
+        &[],
+    ))
+    .unwrap_err();
+    assert_format(&err, Path::new(SRC), &["overflows 64 bits"]);
+
+    // Sizes that overflow (shard bytes, or N x T) parse but have no layout: a Format error
+    // naming metadata.json from every entry point, never a panic.
+    let tmp = tempfile::tempdir().unwrap();
+    for set in [
+        &[("d_model", "4611686018427387904")][..],
+        &[("d_model", "9223372036854775807")],
+        &[
+            ("max_tokens_per_shard", "9223372036854775807"),
+            ("n_examples", "9223372036854775807"),
+        ],
+        &[("n_examples", "9223372036854775807")],
+    ] {
+        let text = md21(set, &[]);
+        let (md, _) = parse_md(&text).unwrap();
+        let err = Layout::new(&md, Path::new(SRC)).unwrap_err();
+        assert_format(&err, Path::new(SRC), &["sizes overflow", "63 bits"]);
+
+        let dir = copy_fixture(A_21, tmp.path());
+        let md_path = dir.join("metadata.json");
+        fs::write(&md_path, &text).unwrap();
+        assert_format(
+            &Dataset::open(&dir).unwrap_err(),
+            &md_path,
+            &["sizes overflow"],
+        );
+        assert_problem(
+            &validate(&dir),
+            Severity::Error,
+            &md_path,
+            &["sizes overflow"],
+        );
+        assert_format(&inspect(&dir).unwrap_err(), &md_path, &["sizes overflow"]);
+
+        let md = Metadata::for_writing(&json::parse(text.as_bytes()).unwrap()).unwrap();
+        let root = tmp.path().join("out");
+        let err = Writer::create(&root, md, WriterOptions::default()).unwrap_err();
+        assert!(
+            matches!(&err, Error::Format { rule, .. } if rule.contains("sizes overflow")),
+            "{err:?}"
+        );
+        assert!(!root.exists() || fs::read_dir(&root).unwrap().count() == 0);
+    }
+}
+
+#[test]
+fn budget_smaller_than_one_example_is_refused() {
+    // T = 5 tokens x 2 layers = 10 tokens per example.
+    let err = parse_md(&md21(&[("max_tokens_per_shard", "9")], &[])).unwrap_err();
+    assert_format(
+        &err,
+        Path::new(SRC),
+        &["budget of 9 tokens is too small for one example", "= 10"],
+    );
+    assert!(parse_md(&md21(&[("max_tokens_per_shard", "10")], &[])).is_ok());
+    let v = json::parse(md21(&[("max_tokens_per_shard", "9")], &[]).as_bytes()).unwrap();
+    assert_invalid(
+        &Metadata::for_writing(&v).unwrap_err(),
+        &["metadata:", "too small for one example"],
+    );
+}
+
+#[test]
+fn unknown_major_protocol_is_refused_naming_it() {
+    for p in ["3.0", "0.9", "10.1", "", "two"] {
+        let err = parse_md(&md21(&[("protocol", &format!("\"{p}\""))], &[])).unwrap_err();
+        assert_format(
+            &err,
+            Path::new(SRC),
+            &["unsupported saev protocol version", &format!("{p:?}")],
+        );
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let md_path = dir.join("metadata.json");
+    fs::write(&md_path, md21(&[("protocol", r#""3.0""#)], &[])).unwrap();
+    assert_format(&Dataset::open(&dir).unwrap_err(), &md_path, &["\"3.0\""]);
+    assert_problem(&validate(&dir), Severity::Error, &md_path, &["\"3.0\""]);
+    let v = json::parse(md21(&[("protocol", r#""3.0""#)], &[]).as_bytes()).unwrap();
+    assert_invalid(&Metadata::for_writing(&v).unwrap_err(), &["\"3.0\""]);
+}
+
+#[test]
+fn unknown_minor_protocol_is_read_with_a_warning() {
+    let text = md21(&[("protocol", r#""2.2""#)], &[]);
+    let (md, warnings) = parse_md(&text).unwrap();
+    assert_eq!((md.protocol(), md.major()), ("2.2", 2));
+    assert_eq!(md.n_examples(), 7);
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(
+        warnings[0].contains("unknown minor") && warnings[0].contains("\"2.2\""),
+        "{warnings:?}"
+    );
+    // A whole directory reads, with the warning, and validates (the name then matches no
+    // recipe, which is a warning too).
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    fs::write(dir.join("metadata.json"), &text).unwrap();
+    let ds = Dataset::open(&dir).unwrap();
+    assert!(ds.warnings().iter().any(|w| w.contains("\"2.2\"")));
+    assert_eq!(ds.get(4, -1, 3).unwrap()[..2], [4103.0, 4103.0625]);
+    let r = validate(&dir);
+    assert!(r.is_valid(), "{r:#?}");
+    assert_problem(
+        &r,
+        Severity::Warning,
+        &dir.join("metadata.json"),
+        &["\"2.2\""],
+    );
+    // 1.x likewise.
+    let (_, w) = Metadata::parse(
+        &fs::read(fixtures().join(A_100).join("metadata.json"))
+            .unwrap()
+            .replace_all(b"\"1.0.0\"", b"\"1.7\""),
+        Path::new(SRC),
+    )
+    .unwrap();
+    assert!(w.iter().any(|w| w.contains("\"1.7\"")), "{w:?}");
+}
+
+const V0: &str = r#"{"vit_family": "clip", "vit_ckpt": "ViT-B-16/openai", "layers": [-2],
+    "n_patches_per_img": 196, "cls_token": true, "d_vit": 768, "seed": 42, "n_imgs": 1000,
+    "n_patches_per_shard": 2400000, "data": "Imagenet(split='train')"}"#;
+
+#[test]
+fn v0_metadata_is_refused_as_pre_protocol() {
+    let err = parse_md(V0).unwrap_err();
+    assert_format(&err, Path::new(SRC), &["pre-protocol (v0)", "protocol"]);
+    // Either v0-only key identifies it.
+    let no_seed = V0.replace(r#""seed": 42, "#, "");
+    assert_format(&parse_md(&no_seed).unwrap_err(), Path::new(SRC), &["v0"]);
+    // A v0 directory (no shards.json either) is refused as v0, not reported as incomplete.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("v0dir");
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("metadata.json"), V0).unwrap();
+    fs::write(dir.join("acts000000.bin"), [0u8; 16]).unwrap();
+    let md_path = dir.join("metadata.json");
+    assert_format(&Dataset::open(&dir).unwrap_err(), &md_path, &["v0"]);
+    let r = validate(&dir);
+    assert_eq!(r.problems.len(), 1, "{r:#?}");
+    assert_problem(&r, Severity::Error, &md_path, &["pre-protocol"]);
+}
+
+#[test]
+fn metadata_without_protocol_or_v0_keys_is_not_saev() {
+    for text in [
+        md21(&[], &["protocol"]),
+        "{}".to_string(),
+        r#"{"seed": 1, "n_patches_per_shard": 5}"#.to_string(),
+        r#"{"name": "resnet", "epochs": 90}"#.to_string(),
+    ] {
+        let err = parse_md(&text).unwrap_err();
+        assert_format(&err, Path::new(SRC), &["not saev metadata", "protocol"]);
+    }
+}
+
+#[test]
+fn key_of_the_other_major_is_read_with_a_warning() {
+    let text = md21(&[("vit_family", r#""siglip""#)], &["family"]);
+    let (md, warnings) = parse_md(&text).unwrap();
+    assert_eq!(md.family(), "siglip");
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("\"vit_family\"") && w.contains("1.x") && w.contains("2.1")),
+        "{warnings:?}"
+    );
+    // Under 1.x, a 2.x name likewise.
+    let text = fs::read_to_string(fixtures().join(A_100).join("metadata.json"))
+        .unwrap()
+        .replace("\"d_vit\"", "\"d_model\"");
+    let (md, warnings) = parse_md(&text).unwrap();
+    assert_eq!(md.d_model(), 8);
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("\"d_model\"") && w.contains("2.x")),
+        "{warnings:?}"
+    );
+    // Both names at once is a conflict, not a guess.
+    let text = md21(&[("vit_family", r#""siglip""#)], &[]);
+    assert_format(
+        &parse_md(&text).unwrap_err(),
+        Path::new(SRC),
+        &["conflicting keys", "\"vit_family\"", "\"family\""],
+    );
+    // Unknown keys are kept and reported.
+    let (_, warnings) = parse_md(&md21(&[("colour", r#""blue""#)], &[])).unwrap();
+    assert!(warnings
+        .iter()
+        .any(|w| w.contains("unknown key \"colour\"")));
+}
+
+/// shards.json text with `entries` as (name, count).
+fn shards_json(entries: &[(&str, u64)]) -> String {
+    let body: Vec<String> = entries
+        .iter()
+        .map(|(n, c)| format!(r#"{{"name": "{n}", "n_examples": {c}}}"#))
+        .collect();
+    format!("[{}]", body.join(", "))
+}
+
+#[test]
+fn shards_json_with_a_path_traversing_name_is_refused() {
+    let src = Path::new("/d/shards.json");
+    for name in [
+        "../x.bin",
+        "../acts000000.bin",
+        "sub/acts000000.bin",
+        "/etc/passwd",
+        "..",
+        ".",
+        "",
+        r"..\\x.bin",
+    ] {
+        let text = shards_json(&[(name, 3), ("acts000001.bin", 3), ("acts000002.bin", 1)]);
+        let err = parse_shards_json(text.as_bytes(), src).unwrap_err();
+        assert_format(&err, src, &["entry 0", "not a plain file name"]);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let sj = dir.join("shards.json");
+    fs::write(
+        &sj,
+        shards_json(&[
+            ("acts000000.bin", 3),
+            ("../x.bin", 3),
+            ("acts000002.bin", 1),
+        ]),
+    )
+    .unwrap();
+    assert_format(
+        &Dataset::open(&dir).unwrap_err(),
+        &sj,
+        &["entry 1", "\"../x.bin\"", "not a plain file name"],
+    );
+    assert_problem(&validate(&dir), Severity::Error, &sj, &["\"../x.bin\""]);
+    // Other malformed shards.json files are Format errors naming the file too.
+    for (text, needle) in [
+        ("{}", "must be a JSON array"),
+        ("[1]", "entry 0 has no string `name`"),
+        (r#"[{"name": "acts000000.bin"}]"#, "entry 0 has no count"),
+        (
+            r#"[{"name": "acts000000.bin", "n_ex": 3, "n_examples": 3}]"#,
+            "more than one count key",
+        ),
+        (
+            r#"[{"name": "acts000000.bin", "n_examples": -3}]"#,
+            "non-negative integer",
+        ),
+        (
+            r#"[{"name": "acts000000.bin", "n_examples": 3.0}]"#,
+            "non-negative integer",
+        ),
+        ("[", "invalid JSON"),
+    ] {
+        fs::write(&sj, text).unwrap();
+        assert_format(&Dataset::open(&dir).unwrap_err(), &sj, &[needle]);
+        assert_problem(&validate(&dir), Severity::Error, &sj, &[needle]);
+    }
+}
+
+#[test]
+fn shards_json_counts_that_disagree_with_metadata_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let sj = dir.join("shards.json");
+    let names = ["acts000000.bin", "acts000001.bin", "acts000002.bin"];
+    // Right total, wrong split.
+    fs::write(
+        &sj,
+        shards_json(&[(names[0], 3), (names[1], 2), (names[2], 2)]),
+    )
+    .unwrap();
+    assert_format(
+        &Dataset::open(&dir).unwrap_err(),
+        &sj,
+        &["entry 1 (acts000001.bin) holds 2 examples; expected 3"],
+    );
+    assert_problem(&validate(&dir), Severity::Error, &sj, &["entry 1"]);
+    // Too many in all.
+    fs::write(
+        &sj,
+        shards_json(&[(names[0], 3), (names[1], 3), (names[2], 2)]),
+    )
+    .unwrap();
+    assert_format(
+        &Dataset::open(&dir).unwrap_err(),
+        &sj,
+        &["entry 2", "holds 2 examples; expected 1"],
+    );
+    // Too few: incomplete, with the count present.
+    fs::write(&sj, shards_json(&[(names[0], 3), (names[1], 3)])).unwrap();
+    match Dataset::open(&dir).unwrap_err() {
+        Error::Incomplete {
+            path,
+            present,
+            total,
+            ..
+        } => assert_eq!((path, present, total), (dir.clone(), 6, 7)),
+        other => panic!("{other:?}"),
+    }
+    let r = validate(&dir);
+    assert_problem(&r, Severity::Error, &dir, &["6 of 7 examples"]);
+    // An entry naming the wrong file.
+    fs::write(
+        &sj,
+        shards_json(&[(names[0], 3), ("acts000005.bin", 3), (names[2], 1)]),
+    )
+    .unwrap();
+    assert_format(
+        &Dataset::open(&dir).unwrap_err(),
+        &sj,
+        &[
+            "entry 1 names \"acts000005.bin\"",
+            "expected \"acts000001.bin\"",
+        ],
+    );
+}
+
+#[test]
+fn extra_shards_json_entries_are_refused_except_one_empty_trailing_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let sj = dir.join("shards.json");
+    let e = |i: u64, c: u64| (format!("acts{i:06}.bin"), c);
+    for (counts, n) in [
+        (&[3, 3, 1, 1][..], 4),
+        (&[3, 3, 1, 0, 0], 5),
+        (&[3, 3, 1, 3], 4),
+    ] {
+        let entries: Vec<(String, u64)> = counts
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| e(i as u64, c))
+            .collect();
+        let refs: Vec<(&str, u64)> = entries.iter().map(|(n, c)| (n.as_str(), *c)).collect();
+        fs::write(&sj, shards_json(&refs)).unwrap();
+        assert_format(
+            &Dataset::open(&dir).unwrap_err(),
+            &sj,
+            &[&format!("lists {n} shards"), "metadata implies 3"],
+        );
+        assert_problem(&validate(&dir), Severity::Error, &sj, &["lists"]);
+    }
+    // saev's spurious empty trailing shard is accepted (with a warning), even without its file.
+    fs::write(
+        &sj,
+        shards_json(&[
+            ("acts000000.bin", 3),
+            ("acts000001.bin", 3),
+            ("acts000002.bin", 1),
+            ("acts000003.bin", 0),
+        ]),
+    )
+    .unwrap();
+    let ds = Dataset::open(&dir).unwrap();
+    assert_eq!(ds.layout().n_shards, 3);
+    let r = validate(&dir);
+    assert!(r.is_valid(), "{r:#?}");
+    assert_problem(&r, Severity::Warning, &sj, &["spurious"]);
+}
+
+#[test]
+fn labels_of_the_wrong_size_are_reported_and_not_used() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Case A: N = 7, P = 4, CLS.
+    let dir = copy_fixture(A_21, tmp.path());
+    let lb = dir.join("labels.bin");
+    // N x (P+1): saev's CLS-column bug.
+    fs::write(&lb, [1u8; 35]).unwrap();
+    let r = validate(&dir);
+    assert!(!r.is_valid());
+    assert_problem(
+        &r,
+        Severity::Error,
+        &lb,
+        &["35 bytes", "N x P = 28", "N x (P+1)"],
+    );
+    let ds = Dataset::open(&dir).unwrap();
+    assert!(!ds.has_labels());
+    let row = ds.indexed(-2, TokenMode::Content).unwrap().get(5).unwrap();
+    assert_eq!(row.token_label, None);
+    let mut buf = [0u8; 4];
+    assert!(!ds.read_labels_into(0, &mut buf).unwrap());
+    // Any other wrong size: no hint.
+    fs::write(&lb, [1u8; 13]).unwrap();
+    let r = validate(&dir);
+    assert_problem(&r, Severity::Error, &lb, &["13 bytes", "N x P = 28"]);
+    assert!(
+        r.problems.iter().all(|p| !p.message.contains("P+1")),
+        "{r:#?}"
+    );
+    assert!(!Dataset::open(&dir).unwrap().has_labels());
+    // The right size is used.
+    fs::write(&lb, [6u8; 28]).unwrap();
+    assert!(validate(&dir).is_valid());
+    let ds = Dataset::open(&dir).unwrap();
+    assert!(ds.has_labels());
+    let row = ds.indexed(-2, TokenMode::Content).unwrap().get(5).unwrap();
+    assert_eq!(row.token_label, Some(6));
+
+    // Case C (no CLS): N x T equals N x P, so a wrong size never gets the CLS hint.
+    let dir = copy_fixture(C_21, tmp.path());
+    let lb = dir.join("labels.bin");
+    fs::write(&lb, [0u8; 25]).unwrap();
+    let r = validate(&dir);
+    assert_problem(&r, Severity::Error, &lb, &["25 bytes", "N x P = 20"]);
+    assert!(
+        r.problems.iter().all(|p| !p.message.contains("P+1")),
+        "{r:#?}"
+    );
+    assert!(!Dataset::open(&dir).unwrap().has_labels());
+}
+
+#[test]
+fn validate_collects_every_problem_in_one_report() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let s0 = dir.join("acts000000.bin");
+    let s1 = dir.join("acts000001.bin");
+    let s2 = dir.join("acts000002.bin");
+    let lb = dir.join("labels.bin");
+    fs::remove_file(&s0).unwrap();
+    fs::write(&s1, b"").unwrap();
+    fs::remove_file(&s2).unwrap();
+    fs::create_dir(&s2).unwrap();
+    fs::write(&lb, [0u8; 35]).unwrap();
+    fs::write(dir.join(".acts000003.bin.tmp"), b"x").unwrap();
+    let r = validate(&dir);
+    assert!(!r.is_valid());
+    assert_problem(&r, Severity::Error, &s0, &["missing"]);
+    assert_problem(&r, Severity::Error, &s1, &["empty file"]);
+    assert_problem(&r, Severity::Error, &s2, &["not a regular file"]);
+    assert_problem(&r, Severity::Error, &lb, &["N x (P+1)"]);
+    assert_problem(&r, Severity::Warning, &dir, &[".acts000003.bin.tmp"]);
+    let errors = r
+        .problems
+        .iter()
+        .filter(|p| p.severity == Severity::Error)
+        .count();
+    assert_eq!(errors, 4, "{r:#?}");
+    let j = r.to_json();
+    assert_eq!(j.get("valid"), Some(&Value::Bool(false)));
+    // Reading stops at the first problem, naming its file.
+    assert_format(&Dataset::open(&dir).unwrap_err(), &s0, &["missing"]);
+
+    // A shards.json problem and a shard problem together.
+    let dir = copy_fixture(A_100, tmp.path());
+    let sj = dir.join("shards.json");
+    fs::write(
+        &sj,
+        r#"[{"name": "acts000000.bin", "n_imgs": 3}, {"name": "acts000001.bin", "n_imgs": 1},
+            {"name": "acts000002.bin", "n_imgs": 3}]"#,
+    )
+    .unwrap();
+    fs::remove_file(dir.join("acts000001.bin")).unwrap();
+    let r = validate(&dir);
+    assert_problem(&r, Severity::Error, &sj, &["entry 1", "expected 3"]);
+    assert_problem(
+        &r,
+        Severity::Error,
+        &dir.join("acts000001.bin"),
+        &["missing"],
+    );
+
+    // Not a directory at all.
+    let nowhere = tmp.path().join("nowhere");
+    let r = validate(&nowhere);
+    assert_problem(&r, Severity::Error, &nowhere, &["not a directory"]);
+    assert!(matches!(
+        Dataset::open(&nowhere).unwrap_err(),
+        Error::NotFound { path, .. } if path == nowhere
+    ));
+    // metadata.json missing.
+    let empty = tmp.path().join("empty");
+    fs::create_dir(&empty).unwrap();
+    let err = Dataset::open(&empty).unwrap_err();
+    assert!(
+        matches!(&err, Error::NotFound { path, .. } if *path == empty.join("metadata.json")),
+        "{err:?}"
+    );
+}
+
+/// BUG: `inspect` multiplies `shard_bytes * n_shards` unchecked. `Layout::new` only checks that
+/// one shard and `N x T` fit, so a metadata.json with a huge `n_examples` (here 2^60, one
+/// example per shard) overflows: a panic in debug builds, a wrapped `total_bytes` in release.
+#[test]
+fn inspect_of_a_huge_dataset_does_not_overflow() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("huge");
+    fs::create_dir(&dir).unwrap();
+    let text = md21(
+        &[
+            ("n_examples", "1152921504606846976"),
+            ("layers", "[0]"),
+            ("content_tokens_per_example", "1"),
+            ("cls_token", "false"),
+            ("max_tokens_per_shard", "1"),
+        ],
+        &[],
+    );
+    fs::write(dir.join("metadata.json"), &text).unwrap();
+    let (md, _) = Metadata::read(&dir).unwrap();
+    // 2^60 shards of 32 bytes: the dataset's total size overflows, refused at parse time.
+    let err = Layout::new(&md, Path::new(SRC)).unwrap_err();
+    assert!(err.to_string().contains("sizes overflow"), "{err}");
+    assert!(matches!(
+        Dataset::open(&dir).unwrap_err(),
+        Error::Format { .. }
+    ));
+    let result = std::panic::catch_unwind(|| inspect(&dir));
+    let Ok(result) = result else {
+        panic!("inspect panicked");
+    };
+    assert!(result.unwrap_err().to_string().contains("sizes overflow"));
+}
+
+/// BUG (robustness): `validate` stats every shard that metadata.json implies, one at a time,
+/// and records one "missing" finding per absent shard, however many there are. A 400-byte
+/// metadata.json claiming `n_examples = 2^60` (one example per shard) with no shard files makes
+/// it loop ~2^60 times, growing the report without bound: it never returns. This test uses
+/// 2^20 implied shards (none present) so that it terminates, and asks for a bounded report.
+#[test]
+fn validate_of_a_huge_claimed_dataset_is_bounded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("huge");
+    fs::create_dir(&dir).unwrap();
+    let text = md21(
+        &[
+            ("n_examples", "1048576"),
+            ("layers", "[0]"),
+            ("content_tokens_per_example", "1"),
+            ("cls_token", "false"),
+            ("max_tokens_per_shard", "1"),
+        ],
+        &[],
+    );
+    fs::write(dir.join("metadata.json"), &text).unwrap();
+    let r = validate(&dir);
+    assert!(!r.is_valid());
+    assert!(
+        r.problems.len() <= 64,
+        "{} findings for a directory holding one file",
+        r.problems.len()
+    );
+    assert!(r.problems.iter().any(|p| p
+        .message
+        .contains("through acts1048575.bin (1048576 files)")));
+    // 2^40 implied shards (the largest claim whose total size still fits in 63 bits here)
+    // costs no more than the files present.
+    fs::write(
+        dir.join("metadata.json"),
+        md21(
+            &[
+                ("n_examples", "1099511627776"),
+                ("layers", "[0]"),
+                ("content_tokens_per_example", "1"),
+                ("cls_token", "false"),
+                ("max_tokens_per_shard", "1"),
+            ],
+            &[],
+        ),
+    )
+    .unwrap();
+    let r = validate(&dir);
+    assert!(!r.is_valid() && r.problems.len() <= 64, "{:?}", r.problems);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Writer refusals and argument checks
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn writer_refuses_a_directory_holding_different_metadata() {
+    let tmp = tempfile::tempdir().unwrap();
+    let md = small_md("2.1", 11);
+    let dir = tmp.path().join(md.dir_name());
+    fs::create_dir(&dir).unwrap();
+    let md_path = dir.join("metadata.json");
+    let other = fs::read(fixtures().join(A_21).join("metadata.json")).unwrap();
+    fs::write(&md_path, &other).unwrap();
+    let before = snapshot(&dir);
+    for resume in [false, true] {
+        let err = Writer::create(tmp.path(), md.clone(), WriterOptions { resume }).unwrap_err();
+        assert_exists(
+            &err,
+            &md_path,
+            &["different dataset", "refusing to overwrite"],
+        );
+        assert_eq!(snapshot(&dir), before);
+    }
+    // Even a semantically equal metadata.json with other bytes (whitespace) is not ours.
+    let ours = md.file_bytes();
+    let mut reformatted = ours.clone();
+    reformatted.push(b'\n');
+    fs::write(&md_path, &reformatted).unwrap();
+    let err = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap_err();
+    assert_exists(&err, &md_path, &["different dataset"]);
+    assert_eq!(fs::read(&md_path).unwrap(), reformatted);
+}
+
+#[test]
+fn writer_refuses_a_directory_with_foreign_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let md = small_md("2.1", 11);
+    let dir = tmp.path().join(md.dir_name());
+    fs::create_dir(&dir).unwrap();
+    fs::write(dir.join("notes.txt"), b"mine").unwrap();
+    fs::write(dir.join("acts000000.bin"), [7u8; 384]).unwrap();
+    let before = snapshot(&dir);
+    for resume in [false, true] {
+        let err = Writer::create(tmp.path(), md.clone(), WriterOptions { resume }).unwrap_err();
+        assert_exists(
+            &err,
+            &dir,
+            &[
+                "without metadata.json",
+                "2 other file(s)",
+                "notes.txt",
+                "acts000000.bin",
+            ],
+        );
+        assert_eq!(snapshot(&dir), before);
+    }
+    // A directory holding only leftovers of a shardkit write that died before metadata.json
+    // (marker and temporaries) is taken over as fresh.
+    fs::remove_file(dir.join("notes.txt")).unwrap();
+    fs::remove_file(dir.join("acts000000.bin")).unwrap();
+    fs::write(dir.join(".shardkit-writing"), b"").unwrap();
+    fs::write(dir.join(".metadata.json.tmp"), b"{").unwrap();
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap();
+    assert_eq!(w.start(), WriteStart::Fresh);
+    write_range(&mut w, 0, 11, 4, true);
+    let out = w.finish().unwrap();
+    let ref_tmp = tempfile::tempdir().unwrap();
+    let reference = write_uninterrupted(ref_tmp.path(), &md, true);
+    assert_identical(&out, &reference, "taken-over directory");
+}
+
+#[test]
+fn writer_leaves_a_complete_dataset_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let md = small_md("2.1", 11);
+    let dir = write_uninterrupted(tmp.path(), &md, true);
+    let before = identity(&dir);
+    for resume in [false, true] {
+        let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume }).unwrap();
+        assert_eq!(w.start(), WriteStart::AlreadyComplete);
+        assert_eq!(w.next_example(), 11);
+        assert_eq!(w.path(), dir);
+        // Writes are accepted and discarded, even more than N.
+        w.write(&acts(0, 11), Some(&labels(0, 11))).unwrap();
+        w.write(&acts(0, 11), Some(&labels(0, 11))).unwrap();
+        // Shape errors are still errors.
+        assert_invalid(&w.write(&[0.0; 3], None).unwrap_err(), &["not a multiple"]);
+        assert_eq!(w.finish().unwrap(), dir);
+        assert_eq!(identity(&dir), before);
+    }
+    // The saev-written fixtures, too.
+    for fixture in [A_100, B_100, A_20, A_21, B_21, C_21] {
+        let dir = copy_fixture(fixture, tmp.path());
+        let before = identity(&dir);
+        let (md, _) = Metadata::read(&dir).unwrap();
+        let md = Metadata::for_writing(md.raw()).unwrap();
+        let w = Writer::create(tmp.path(), md, WriterOptions::default()).unwrap();
+        assert_eq!(w.start(), WriteStart::AlreadyComplete, "{fixture}");
+        w.finish().unwrap();
+        assert_eq!(identity(&dir), before, "{fixture}");
+    }
+}
+
+#[test]
+fn writer_rejects_bad_batches_and_stays_usable() {
+    let ref_tmp = tempfile::tempdir().unwrap();
+    let md = small_md("2.1", 11);
+    let reference = write_uninterrupted(ref_tmp.path(), &md, true);
+    let ev = (L * T * D) as usize;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap();
+    // acts not a whole number of examples.
+    for len in [1, ev - 1, ev + 1, 2 * ev + 3] {
+        let err = w.write(&vec![0.0; len], None).unwrap_err();
+        assert_invalid(
+            &err,
+            &[
+                &format!("acts holds {len} values"),
+                &format!("L*T*D = {ev}"),
+            ],
+        );
+    }
+    // labels of the wrong length.
+    let err = w.write(&acts(0, 2), Some(&labels(0, 1))).unwrap_err();
+    assert_invalid(&err, &["labels hold 3 values", "2 examples need 6"]);
+    let err = w.write(&acts(0, 2), Some(&[0u8; 7])).unwrap_err();
+    assert_invalid(&err, &["labels hold 7 values"]);
+    // More than N examples at once.
+    let err = w.write(&acts(0, 12), Some(&labels(0, 12))).unwrap_err();
+    assert_invalid(&err, &["12 more examples would exceed n_examples = 11"]);
+    assert_eq!(w.next_example(), 0);
+    // None of that wrote anything; now a valid start with labels.
+    write_range(&mut w, 0, 4, 4, true);
+    // Labels must then come with every batch.
+    let err = w.write(&acts(4, 1), None).unwrap_err();
+    assert_invalid(&err, &["has labels", "every batch"]);
+    let err = w.write(&acts(4, 8), Some(&labels(4, 8))).unwrap_err();
+    assert_invalid(
+        &err,
+        &["8 more examples would exceed n_examples = 11", "4 already"],
+    );
+    assert_eq!(w.next_example(), 4);
+    write_range(&mut w, 4, 11, 3, true);
+    let err = w.write(&acts(11, 1), Some(&labels(11, 1))).unwrap_err();
+    assert_invalid(&err, &["exceed n_examples = 11"]);
+    let out = w.finish().unwrap();
+    assert_identical(&out, &reference, "after rejected batches");
+
+    // A label-less first batch: labels cannot be added later.
+    let ref_tmp2 = tempfile::tempdir().unwrap();
+    let reference = write_uninterrupted(ref_tmp2.path(), &md, false);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap();
+    write_range(&mut w, 0, 2, 2, false);
+    let err = w.write(&acts(2, 1), Some(&labels(2, 1))).unwrap_err();
+    assert_invalid(&err, &["started without labels", "cannot be added later"]);
+    write_range(&mut w, 2, 11, 9, false);
+    let out = w.finish().unwrap();
+    assert!(!out.join("labels.bin").exists());
+    assert_identical(&out, &reference, "label-less");
+    assert!(!Dataset::open(&out).unwrap().has_labels());
+}
+
+/// BUG candidate: saev.md §12 says labels.bin is written for 2.0 and 2.1 only ("it postdates
+/// 1.0.0"), but the writer accepts labels for a 1.0.0 dataset and writes labels.bin into it.
+#[test]
+fn writer_refuses_labels_for_protocol_1_0_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let md = small_md("1.0.0", 11);
+    let mut w = Writer::create(tmp.path(), md, WriterOptions::default()).unwrap();
+    let result = w.write(&acts(0, 11), Some(&labels(0, 11)));
+    let dir = w.path().to_path_buf();
+    if result.is_ok() {
+        let _ = w.finish();
+    }
+    assert!(
+        !dir.join("labels.bin").exists(),
+        "a 1.0.0 directory got a labels.bin"
+    );
+    assert!(
+        matches!(&result, Err(Error::Invalid(m)) if m.contains("1.0.0")),
+        "{result:?}"
+    );
+}
+
+#[test]
+fn finish_early_is_incomplete_and_leaves_the_directory_resumable() {
+    let ref_tmp = tempfile::tempdir().unwrap();
+    let md = small_md("2.1", 11);
+    let reference = write_uninterrupted(ref_tmp.path(), &md, true);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap();
+    let dir = w.path().to_path_buf();
+    write_range(&mut w, 0, 5, 5, true);
+    let err = w.finish().unwrap_err();
+    match &err {
+        Error::Incomplete {
+            path,
+            present,
+            total,
+            detail,
+        } => {
+            assert_eq!((path, *present, *total), (&dir, 5, 11));
+            assert!(detail.contains("finish() called early") && detail.contains("resumable"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().contains("5 of 11 examples"), "{err}");
+    assert!(!dir.join("shards.json").exists());
+    // Durable: one full shard.
+    assert!(matches!(
+        Dataset::open(&dir).unwrap_err(),
+        Error::Incomplete {
+            present: 3,
+            total: 11,
+            ..
+        }
+    ));
+    let err = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap_err();
+    assert_exists(&err, &dir, &["interrupted write", "3 of 11"]);
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+    assert_eq!(w.start(), WriteStart::Resumed { from: 3 });
+    write_range(&mut w, 3, 11, 2, true);
+    let out = w.finish().unwrap();
+    assert_identical(&out, &reference, "resumed after early finish");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Crash and resume at every interruption point
+// ---------------------------------------------------------------------------------------------
+
+/// Simulates a crash after `k` examples of `md`, plus stale leftovers, checks how readers and
+/// writers see the directory, resumes, and compares with `reference`.
+fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) {
+    let n = md.n_examples();
+    let what = format!("protocol {} k={k}", md.protocol());
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap();
+    let dir = w.path().to_path_buf();
+    write_range(&mut w, 0, k, 2, with_labels);
+    if k % 2 == 0 {
+        drop(w);
+    } else {
+        // Like a kill: nothing at all runs on the way out.
+        std::mem::forget(w);
+    }
+    // Leftovers: a stale temporary, and a partial final-named shard beyond the resume point.
+    fs::write(dir.join(".acts000009.bin.tmp"), [0xABu8; 100]).unwrap();
+    let partial = (k / EPS..)
+        .map(|s| dir.join(Layout::shard_name(s)))
+        .find(|p| !p.exists())
+        .unwrap();
+    fs::write(&partial, [0xCDu8; 100]).unwrap();
+
+    let expected = if k == n { n } else { k / EPS * EPS };
+
+    // Readers refuse it, saying how much is durably there.
+    let err = Dataset::open(&dir).unwrap_err();
+    match &err {
+        Error::Incomplete {
+            path,
+            present,
+            total,
+            detail,
+        } => {
+            assert_eq!(path, &dir, "{what}");
+            assert_eq!((*present, *total), (expected, n), "{what}");
+            assert!(*present <= k, "{what}");
+            assert!(
+                detail.contains("shards.json is missing"),
+                "{what}: {detail}"
+            );
+        }
+        other => panic!("{what}: {other:?}"),
+    }
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}: incomplete dataset: {expected} of {n} examples are present (shards.json is \
+             missing (it is written last); {} leading shard files are full size)",
+            dir.display(),
+            expected.div_ceil(EPS)
+        ),
+        "{what}"
+    );
+    let r = validate(&dir);
+    assert!(!r.is_valid(), "{what}");
+    assert_problem(
+        &r,
+        Severity::Error,
+        &dir.join("shards.json"),
+        &["incomplete", &format!("{expected} of {n} examples")],
+    );
+    assert_problem(
+        &r,
+        Severity::Warning,
+        &dir,
+        &[".acts000009.bin.tmp", ".shardkit-writing"],
+    );
+
+    // A writer without resume refuses and touches nothing.
+    let before = snapshot(&dir);
+    let err = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap_err();
+    assert_exists(
+        &err,
+        &dir,
+        &["interrupted write", &format!("{expected} of {n}")],
+    );
+    assert!(snapshot(&dir) == before, "{what}: refusal changed files");
+
+    // Resume: from a shard boundary (or N), at most k, with the leftovers gone.
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+    let WriteStart::Resumed { from } = w.start() else {
+        panic!("{what}: {:?}", w.start());
+    };
+    assert_eq!(from, expected, "{what}");
+    assert!(from <= k && (from % EPS == 0 || from == n), "{what}");
+    assert_eq!(w.next_example(), from, "{what}");
+    assert!(!dir.join(".acts000009.bin.tmp").exists(), "{what}");
+    for (name, _) in snapshot(&dir) {
+        if let Some(s) = name
+            .strip_prefix("acts")
+            .and_then(|x| x.strip_suffix(".bin"))
+        {
+            let s: u64 = s.parse().unwrap();
+            assert!(
+                s * EPS < from,
+                "{what}: {name} kept beyond the resume point"
+            );
+            assert_eq!(
+                fs::metadata(dir.join(&name)).unwrap().len(),
+                EPS * L * T * D * 4,
+                "{what}: {name}"
+            );
+        }
+    }
+
+    // Crash once more in the middle of the rest, then resume again.
+    // (Not when that would write the last example: see the ignored k = N tests.)
+    if from + 2 < n {
+        write_range(&mut w, from, from + 2, 1, with_labels);
+        drop(w);
+        w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+        let again = (from + 2) / EPS * EPS;
+        assert_eq!(w.start(), WriteStart::Resumed { from: again }, "{what}");
+    }
+    let from = w.next_example();
+    write_range(&mut w, from, n, 4, with_labels);
+    let out = w.finish().unwrap();
+    assert_eq!(out, dir);
+    assert_identical(&out, reference, &what);
+}
+
+fn crash_everywhere(protocol: &str, n: u64, with_labels: bool, ks: impl Iterator<Item = u64>) {
+    let md = small_md(protocol, n);
+    let ref_tmp = tempfile::tempdir().unwrap();
+    let reference = write_uninterrupted(ref_tmp.path(), &md, with_labels);
+    assert_eq!(
+        fs::read_dir(&reference).unwrap().count(),
+        2 + n.div_ceil(EPS) as usize + usize::from(with_labels)
+    );
+    for k in ks {
+        crash_and_resume(&md, with_labels, k, &reference);
+    }
+}
+
+#[test]
+fn resume_after_a_crash_at_every_example_2_1_with_labels() {
+    crash_everywhere("2.1", 11, true, 0..11);
+}
+
+#[test]
+fn resume_after_a_crash_at_every_example_1_0_0() {
+    crash_everywhere("1.0.0", 11, false, 0..11);
+}
+
+#[test]
+fn resume_after_a_crash_at_every_example_2_0_with_labels() {
+    crash_everywhere("2.0", 11, true, 0..11);
+}
+
+#[test]
+fn resume_after_a_crash_at_every_example_when_eps_divides_n() {
+    // N = 12 = 4 x eps: the last shard is full, so k = N resumes cleanly.
+    crash_everywhere("2.1", 12, true, 0..=12);
+    crash_everywhere("1.0.0", 12, false, [0, 5, 11, 12].into_iter());
+}
+
+/// BUG: when every shard was published but `finish()` did not run (a kill between the last
+/// `write` and `finish`, or during `finish` before shards.json), `Writer::prepare_resume`
+/// computes `from = N` but keeps only shards `< from / eps` (integer division). With
+/// `N % eps != 0` that deletes the last, complete shard (`acts000003.bin` for N = 11, eps = 3),
+/// and `finish()` then commits a shards.json listing a file that no longer exists: the "complete"
+/// directory cannot be opened (`acts000003.bin: listed in shards.json but missing`).
+#[test]
+fn resume_after_a_crash_after_the_last_example() {
+    crash_everywhere("2.1", 11, true, [11].into_iter());
+    crash_everywhere("1.0.0", 11, false, [11].into_iter());
+}
+
+/// Simulates a crash inside `finish()`: labels.bin published, shards.json not yet written.
+fn crash_inside_finish(n: u64) {
+    let md = small_md("2.1", n);
+    let ref_tmp = tempfile::tempdir().unwrap();
+    let reference = write_uninterrupted(ref_tmp.path(), &md, true);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write_uninterrupted(tmp.path(), &md, true);
+    fs::remove_file(dir.join("shards.json")).unwrap();
+    fs::write(dir.join(".shardkit-writing"), b"").unwrap();
+    assert!(matches!(
+        Dataset::open(&dir).unwrap_err(),
+        Error::Incomplete { present, total, .. } if present == n && total == n
+    ));
+    let w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+    assert_eq!(w.start(), WriteStart::Resumed { from: n });
+    let out = w.finish().unwrap();
+    assert_identical(&out, &reference, &format!("finish crash, N={n}"));
+}
+
+#[test]
+fn resume_after_a_crash_inside_finish_when_eps_divides_n() {
+    crash_inside_finish(12);
+}
+
+#[test]
+fn resume_after_a_crash_inside_finish() {
+    crash_inside_finish(11);
+}
+
+#[test]
+fn crash_after_shards_json_is_already_complete() {
+    // Killed between shards.json and the marker's removal: complete; only the marker goes.
+    let md = small_md("2.1", 11);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write_uninterrupted(tmp.path(), &md, true);
+    let before = identity(&dir);
+    fs::write(dir.join(".shardkit-writing"), b"").unwrap();
+    Dataset::open(&dir).unwrap();
+    assert_problem(
+        &validate(&dir),
+        Severity::Warning,
+        &dir,
+        &[".shardkit-writing"],
+    );
+    let w = Writer::create(tmp.path(), md, WriterOptions::default()).unwrap();
+    assert_eq!(w.start(), WriteStart::AlreadyComplete);
+    assert_eq!(identity(&dir), before);
+}
+
+/// A saev-written directory killed after `entries` full shards: saev rewrites shards.json after
+/// each shard and creates every shard (and labels.bin) full-size up front, so the shard after
+/// the last listed one exists at full size holding a partial, unlisted write.
+fn saev_crash(fixture: &str, root: &Path, entries: u64) -> PathBuf {
+    let dir = copy_fixture(fixture, root);
+    let (md, _) = Metadata::read(&dir).unwrap();
+    let layout = Layout::new(&md, Path::new(SRC)).unwrap();
+    let counts: Vec<u64> = (0..entries).map(|_| layout.examples_per_shard).collect();
+    fs::write(
+        dir.join("shards.json"),
+        shards_json_bytes(&counts, md.count_key()),
+    )
+    .unwrap();
+    // The shard being written: full size, half garbage.
+    let open = dir.join(Layout::shard_name(entries));
+    let mut bytes = fs::read(&open).unwrap();
+    bytes[..8].copy_from_slice(&[0xEE; 8]);
+    fs::write(&open, &bytes).unwrap();
+    for s in entries + 1..layout.n_shards {
+        fs::remove_file(dir.join(Layout::shard_name(s))).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn resume_of_a_saev_written_crash_trusts_only_shards_json() {
+    for (fixture, entries, labelled) in [(A_21, 1, false), (A_100, 2, false), (C_21, 2, true)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = saev_crash(fixture, tmp.path(), entries);
+        let (md, _) = Metadata::read(&dir).unwrap();
+        let layout = Layout::new(&md, Path::new(SRC)).unwrap();
+        let eps = layout.examples_per_shard;
+        let n = layout.n_examples;
+        match Dataset::open(&dir).unwrap_err() {
+            Error::Incomplete { present, total, .. } => {
+                assert_eq!((present, total), (entries * eps, n), "{fixture}")
+            }
+            other => panic!("{fixture}: {other:?}"),
+        }
+        let md = Metadata::for_writing(md.raw()).unwrap();
+        let err = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap_err();
+        assert_exists(
+            &err,
+            &dir,
+            &[&format!("{} of {n}", entries * eps), "interrupted write"],
+        );
+        let mut w = Writer::create(tmp.path(), md, WriterOptions { resume: true }).unwrap();
+        let from = entries * eps;
+        assert_eq!(w.start(), WriteStart::Resumed { from }, "{fixture}");
+        let (l, t, d) = (layout.n_layers, layout.tokens, layout.d_model);
+        let mut coded = Vec::new();
+        for e in from..n {
+            for li in 0..l {
+                for ti in 0..t {
+                    for di in 0..d {
+                        coded.push((1000 * e + 100 * li + ti) as f32 + di as f32 / 16.0);
+                    }
+                }
+            }
+        }
+        let labels: Vec<u8> = (from..n)
+            .flat_map(|e| (0..4).map(move |c| ((10 * e + c) % 7) as u8))
+            .collect();
+        w.write(&coded, labelled.then_some(&labels[..])).unwrap();
+        let out = w.finish().unwrap();
+        assert_identical(&out, &fixtures().join(fixture), fixture);
+    }
+}
+
+/// Gap: validate reports a labels.bin of the wrong size, but one that is not a regular file
+/// (here a directory) is silently ignored, although validate promises every problem.
+#[test]
+fn validate_reports_a_labels_bin_that_is_not_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    fs::create_dir(dir.join("labels.bin")).unwrap();
+    assert!(!Dataset::open(&dir).unwrap().has_labels());
+    let r = validate(&dir);
+    assert!(
+        r.problems.iter().any(|p| p.file == dir.join("labels.bin")),
+        "{r:#?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Properties
+// ---------------------------------------------------------------------------------------------
+
+/// The metadata.json and shards.json files of every fixture.
+fn fixture_jsons() -> &'static [Vec<u8>] {
+    static FILES: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+    FILES.get_or_init(|| {
+        let mut v = Vec::new();
+        for d in ALL_FIXTURES {
+            for f in ["metadata.json", "shards.json"] {
+                v.push(fs::read(fixtures().join(d).join(f)).unwrap());
+            }
+        }
+        v
+    })
+}
+
+#[derive(Debug, Clone)]
+enum Mutation {
+    /// XOR one byte.
+    Flip(usize, u8),
+    /// Overwrite one byte.
+    Set(usize, u8),
+    /// Replace the i-th ASCII digit of the text by another digit (keeps most files valid JSON,
+    /// so the semantic checks behind the parser get exercised).
+    Digit(usize, u8),
+    /// Insert a JSON-ish snippet.
+    Splice(usize, &'static str),
+    /// Delete one byte.
+    Remove(usize),
+    /// Cut the text.
+    Truncate(usize),
+}
+
+const SNIPPETS: &[&str] = &[
+    "-",
+    "0",
+    "9",
+    "99999999999999999999",
+    "9223372036854775",
+    ".5",
+    "e9",
+    "\"",
+    ",",
+    ":",
+    "null",
+    "[",
+    "]",
+    "{}",
+    "\\u0000",
+    "\\ud800",
+    "\u{e9}",
+    "../",
+];
+
+const JSON_BYTES: &[u8] = b"{}[]\":,.-+eE0123456789\\/ubfnrtal \n\x01\xc3\xa9\xed\xa0\x80";
+
+fn json_byte() -> impl Strategy<Value = u8> {
+    prop_oneof![any::<u8>(), proptest::sample::select(JSON_BYTES)]
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        1 => (any::<usize>(), 1..=255u8).prop_map(|(i, b)| Mutation::Flip(i, b)),
+        1 => (any::<usize>(), json_byte()).prop_map(|(i, b)| Mutation::Set(i, b)),
+        4 => (any::<usize>(), b'0'..=b'9').prop_map(|(i, d)| Mutation::Digit(i, d)),
+        2 => (any::<usize>(), proptest::sample::select(SNIPPETS))
+            .prop_map(|(i, t)| Mutation::Splice(i, t)),
+        1 => any::<usize>().prop_map(Mutation::Remove),
+        1 => any::<usize>().prop_map(Mutation::Truncate),
+    ]
+}
+
+fn mutate(mut bytes: Vec<u8>, muts: &[Mutation]) -> Vec<u8> {
+    for m in muts {
+        let len = bytes.len();
+        match *m {
+            Mutation::Flip(i, b) if len > 0 => bytes[i % len] ^= b,
+            Mutation::Set(i, b) if len > 0 => bytes[i % len] = b,
+            Mutation::Digit(i, d) => {
+                let digits: Vec<usize> = (0..len).filter(|&j| bytes[j].is_ascii_digit()).collect();
+                if !digits.is_empty() {
+                    bytes[digits[i % digits.len()]] = d;
+                }
+            }
+            Mutation::Splice(i, t) => {
+                let at = i % (len + 1);
+                bytes.splice(at..at, t.bytes());
+            }
+            Mutation::Remove(i) if len > 0 => {
+                bytes.remove(i % len);
+            }
+            Mutation::Truncate(i) => bytes.truncate(i % (len + 1)),
+            _ => {}
+        }
+    }
+    bytes
+}
+
+/// A mutated fixture JSON file.
+fn mutated_fixture() -> impl Strategy<Value = Vec<u8>> {
+    (
+        0..fixture_jsons().len(),
+        proptest::collection::vec(mutation(), 1..4),
+    )
+        .prop_map(|(f, muts)| mutate(fixture_jsons()[f].clone(), &muts))
+}
+
+/// parse never panics; what parses re-emits (compact or pretty, either escaping) to text that
+/// parses to the same value.
+fn check_json_round_trip(bytes: &[u8]) -> Result<(), TestCaseError> {
+    if let Ok(v) = json::parse(bytes) {
+        for esc in [Escape::Utf8, Escape::Ascii] {
+            let compact = json::to_compact(&v, false, esc);
+            prop_assert_eq!(json::parse(compact.as_bytes()), Ok(v.clone()));
+            let pretty = json::to_pretty(&v, 4, esc);
+            prop_assert_eq!(json::parse(pretty.as_bytes()), Ok(v.clone()));
+            if esc == Escape::Ascii {
+                prop_assert!(compact.is_ascii());
+            }
+        }
+        let py = json::to_python_default(&v);
+        prop_assert!(json::parse(py.as_bytes()).is_ok());
+    }
+    Ok(())
+}
+
+/// Metadata and shards.json parsing never panic; metadata that parses has a layout or a
+/// Format error, and a layout whose arithmetic stays within bounds.
+fn check_saev_parsers(bytes: &[u8]) -> Result<(), TestCaseError> {
+    let src = Path::new(SRC);
+    match Metadata::parse(bytes, src) {
+        Ok((md, _)) => {
+            if let Ok(layout) = Layout::new(&md, src) {
+                check_layout_bounds(&layout)?;
+            }
+            if let Ok(v) = json::parse(bytes) {
+                // Canonicalising for writing never panics; what it produces parses back.
+                if let Ok(w) = Metadata::for_writing(&v) {
+                    let (back, _) = Metadata::parse(&w.file_bytes(), src).unwrap();
+                    prop_assert_eq!(back.n_examples(), md.n_examples());
+                    prop_assert_eq!(back.layers(), md.layers());
+                    prop_assert_eq!(back.dir_name(), w.dir_name());
+                }
+            }
+        }
+        Err(e) => prop_assert!(
+            matches!(&e, Error::Format { path, .. } if path == src),
+            "{:?}",
+            e
+        ),
+    }
+    if let Err(e) = parse_shards_json(bytes, src) {
+        prop_assert!(
+            matches!(&e, Error::Format { path, .. } if path == src),
+            "{:?}",
+            e
+        );
+    }
+    Ok(())
+}
+
+/// Bounds that hold for any valid layout, computed in 128 bits so the test itself cannot
+/// overflow.
+fn check_layout_bounds(l: &Layout) -> Result<(), TestCaseError> {
+    let (n, eps) = (l.n_examples as u128, l.examples_per_shard as u128);
+    prop_assert!(eps >= 1);
+    prop_assert_eq!(l.n_shards as u128, n.div_ceil(eps));
+    let shard = eps * l.n_layers as u128 * l.tokens as u128 * l.d_model as u128 * 4;
+    prop_assert!(shard <= i64::MAX as u128);
+    prop_assert_eq!(l.shard_bytes() as u128, shard);
+    let last = l.n_examples - 1;
+    let (s, r) = l.locate(last);
+    prop_assert_eq!(s + 1, l.n_shards);
+    prop_assert!(r < l.shard_count(s));
+    let end = l.offset(last, l.n_layers - 1, l.tokens - 1) as u128 + l.vector_bytes() as u128;
+    prop_assert!(end <= shard);
+    Ok(())
+}
+
+/// Numeric texts that probe signs, zero, fractions, exponents and 64-bit limits.
+const TRICKY: &[&str] = &[
+    "0",
+    "1",
+    "-1",
+    "2",
+    "3",
+    "7",
+    "30",
+    "1e3",
+    "1.0",
+    "-0",
+    "4294967296",
+    "4611686018427387904",
+    "9223372036854775807",
+    "9223372036854775808",
+    "-9223372036854775808",
+    "18446744073709551615",
+    "18446744073709551616",
+    "\"4\"",
+    "null",
+    "true",
+    "[]",
+];
+
+/// Mostly small valid counts, often a tricky one.
+fn tricky() -> impl Strategy<Value = String> {
+    prop_oneof![
+        2 => (1u64..40).prop_map(|i| i.to_string()),
+        1 => proptest::sample::select(TRICKY).prop_map(str::to_owned),
+    ]
+}
+
+/// Arbitrary JSON values: any Unicode in strings and keys, numbers of every syntactic shape.
+fn arb_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::Bool),
+        any::<i64>().prop_map(Value::int),
+        "-?(0|[1-9][0-9]{0,24})(\\.[0-9]{1,6})?([eE][+-]?[0-9]{1,3})?".prop_map(Value::Number),
+        any::<String>().prop_map(Value::String),
+    ];
+    leaf.prop_recursive(4, 48, 6, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+            proptest::collection::vec((any::<String>(), inner), 0..6).prop_map(|members| {
+                let mut seen = std::collections::HashSet::new();
+                Value::Object(
+                    members
+                        .into_iter()
+                        .filter(|(k, _)| seen.insert(k.clone()))
+                        .collect(),
+                )
+            }),
+        ]
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn json_parse_never_panics_on_arbitrary_bytes(
+        bytes in proptest::collection::vec(any::<u8>(), 0..256)
+    ) {
+        check_json_round_trip(&bytes)?;
+    }
+
+    #[test]
+    fn json_parse_never_panics_on_json_like_bytes(
+        bytes in proptest::collection::vec(json_byte(), 0..128)
+    ) {
+        check_json_round_trip(&bytes)?;
+    }
+
+    #[test]
+    fn json_parse_never_panics_on_mutated_fixtures(bytes in mutated_fixture()) {
+        check_json_round_trip(&bytes)?;
+    }
+
+    #[test]
+    fn json_emitters_round_trip_generated_values(
+        v in arb_json(),
+        muts in proptest::collection::vec(mutation(), 0..3),
+    ) {
+        for (indent, esc) in [(2, Escape::Utf8), (4, Escape::Ascii)] {
+            let text = json::to_pretty(&v, indent, esc);
+            prop_assert_eq!(json::parse(text.as_bytes()), Ok(v.clone()));
+            let text = json::to_compact(&v, false, esc);
+            prop_assert_eq!(json::parse(text.as_bytes()), Ok(v.clone()));
+            check_json_round_trip(&mutate(text.into_bytes(), &muts))?;
+        }
+    }
+
+    #[test]
+    fn saev_parsers_never_panic_on_arbitrary_bytes(
+        bytes in proptest::collection::vec(any::<u8>(), 0..256)
+    ) {
+        check_saev_parsers(&bytes)?;
+    }
+
+    #[test]
+    fn saev_parsers_never_panic_on_mutated_fixtures(bytes in mutated_fixture()) {
+        check_saev_parsers(&bytes)?;
+    }
+
+    #[test]
+    fn metadata_with_tricky_numbers_never_panics(
+        p in tricky(), d in tricky(), n in tricky(), m in tricky(),
+        layer in tricky(), n_layers in prop_oneof![1 => Just(0usize), 6 => 1usize..4],
+        cls in any::<bool>(),
+        v1 in any::<bool>(),
+    ) {
+        let layers = vec![layer.as_str(); n_layers].join(", ");
+        let cls = if cls { "true" } else { "false" };
+        let text = if v1 {
+            format!(
+                r#"{{"vit_family": "clip", "vit_ckpt": "c", "layers": [{layers}],
+                "n_patches_per_img": {p}, "cls_token": {cls}, "d_vit": {d}, "n_imgs": {n},
+                "max_patches_per_shard": {m}, "data": {{}}, "dtype": "float32",
+                "protocol": "1.0.0"}}"#
+            )
+        } else {
+            md21(
+                &[
+                    ("layers", &format!("[{layers}]")),
+                    ("content_tokens_per_example", &p),
+                    ("cls_token", cls),
+                    ("d_model", &d),
+                    ("n_examples", &n),
+                    ("max_tokens_per_shard", &m),
+                ],
+                &[],
+            )
+        };
+        check_saev_parsers(text.as_bytes())?;
+    }
+
+    #[test]
+    fn layout_index_maths_is_consistent(
+        n in 1u64..60,
+        n_layers in 1u64..4,
+        p in 1u64..6,
+        cls in any::<bool>(),
+        d in 1u64..6,
+        extra in 0u64..40,
+    ) {
+        let t = p + u64::from(cls);
+        let budget = t * n_layers + extra;
+        let layers: Vec<String> = (0..n_layers).map(|i| (3 * i as i64 - 2).to_string()).collect();
+        let text = md21(
+            &[
+                ("layers", &format!("[{}]", layers.join(", "))),
+                ("content_tokens_per_example", &p.to_string()),
+                ("cls_token", if cls { "true" } else { "false" }),
+                ("d_model", &d.to_string()),
+                ("n_examples", &n.to_string()),
+                ("max_tokens_per_shard", &budget.to_string()),
+            ],
+            &[],
+        );
+        let (md, _) = parse_md(&text).unwrap();
+        let l = Layout::new(&md, Path::new(SRC)).unwrap();
+        let eps = budget / (t * n_layers);
+        prop_assert_eq!(l.examples_per_shard, eps);
+        prop_assert_eq!(l.n_shards, n.div_ceil(eps));
+        prop_assert_eq!((l.tokens, l.n_layers, l.d_model), (t, n_layers, d));
+        prop_assert_eq!(l.example_bytes(), n_layers * t * d * 4);
+        prop_assert_eq!(l.shard_bytes(), eps * l.example_bytes());
+        prop_assert_eq!(l.example_values() * 4, l.example_bytes());
+        check_layout_bounds(&l)?;
+
+        // Counts: eps for all but the last shard, which is non-empty; the sum is N.
+        let counts: Vec<u64> = (0..l.n_shards).map(|s| l.shard_count(s)).collect();
+        prop_assert_eq!(counts.iter().sum::<u64>(), n);
+        prop_assert!(counts[..counts.len() - 1].iter().all(|&c| c == eps));
+        prop_assert!((1..=eps).contains(counts.last().unwrap()));
+        prop_assert_eq!(l.shard_count(l.n_shards), 0);
+
+        // Every example lies inside its shard, rows in order, no two vectors overlap.
+        let mut seen = std::collections::HashSet::new();
+        for g in 0..n {
+            let (s, r) = l.locate(g);
+            prop_assert!(s < l.n_shards);
+            prop_assert!(r < l.shard_count(s));
+            prop_assert_eq!(s * eps + r, g);
+            prop_assert_eq!(l.offset(g, 0, 0), r * l.example_bytes());
+            prop_assert!(l.offset(g, 0, 0) + l.example_bytes() <= l.shard_bytes());
+            for slot in 0..n_layers {
+                prop_assert_eq!(
+                    l.offset(g, slot, 0),
+                    r * l.example_bytes() + slot * l.slab_bytes()
+                );
+                for tok in 0..t {
+                    let off = l.offset(g, slot, tok);
+                    prop_assert!(off + l.vector_bytes() <= l.shard_bytes());
+                    prop_assert_eq!(off % l.vector_bytes(), 0);
+                    prop_assert!(seen.insert((s, off)));
+                }
+            }
+        }
+
+        // shards.json written for this layout parses back to the same entries and checks out.
+        let sj = shards_json_bytes(&counts, md.count_key());
+        let entries = parse_shards_json(&sj, Path::new("/d/shards.json")).unwrap();
+        prop_assert_eq!(entries.len() as u64, l.n_shards);
+        for (i, e) in entries.iter().enumerate() {
+            prop_assert_eq!(&e.name, &Layout::shard_name(i as u64));
+            prop_assert_eq!(e.count, counts[i]);
+        }
+    }
+}
+
+/// BUG: the JSON parser claims to be strict RFC 8259, but `\u` escapes go through
+/// `u32::from_str_radix`, which accepts a leading `+`: `"\u+041"` parses as `"A"`.
+#[test]
+fn json_rejects_a_sign_in_unicode_escapes() {
+    for bad in [&br#""\u+041""#[..], br#""\u+0e9""#, br#"{"\u+06b": 1}"#] {
+        assert!(
+            json::parse(bad).is_err(),
+            "{:?} parsed as {:?}",
+            String::from_utf8_lossy(bad),
+            json::parse(bad)
+        );
+    }
+}
+
+#[test]
+fn json_rejects_malformed_unicode_escapes() {
+    for bad in [
+        &br#""\u12""#[..],
+        br#""\u12g4""#,
+        br#""\ud800""#,
+        br#""\udc00""#,
+        br#""\ud800\u0041""#,
+        br#""\u""#,
+        b"\"\xff\"",
+        b"\"\xed\xa0\x80\"",
+    ] {
+        assert!(
+            json::parse(bad).is_err(),
+            "{:?} parsed",
+            String::from_utf8_lossy(bad)
+        );
+    }
+    assert_eq!(
+        json::parse(br#""\ud83d\ude00\u00e9""#).unwrap(),
+        Value::String("😀é".into())
+    );
+}
