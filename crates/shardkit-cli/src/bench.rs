@@ -451,14 +451,17 @@ pub fn saev_read(
     }
     if run("warm") {
         // Warm: the whole dataset in the page cache first, and one unmeasured epoch.
+        let mut buf = vec![0u8; 8 << 20];
         for p in &files {
-            let _ = std::fs::read(p);
+            use std::io::Read;
+            let mut f = File::open(p).map_err(|e| Error::io(p, e))?;
+            while f.read(&mut buf).map_err(|e| Error::io(p, e))? > 0 {}
         }
         best(
             &mut warm,
             keep(
                 "block shuffle (page cache)",
-                loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 1)?,
+                loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2)?,
             ),
         );
     }

@@ -141,7 +141,7 @@ pub fn plan(order: &EpochOrder, cfg: &StreamConfig) -> Result<Vec<(u64, u64, u64
 /// Buffers a stream draws from; keep them across epochs so memory is allocated once.
 #[derive(Clone)]
 pub struct Pools {
-    /// Window buffers (three are live at most).
+    /// Window buffers (three are live at most: one being read, two being gathered).
     pub windows: BufferPool,
     /// Batch buffers.
     pub batches: BufferPool,
