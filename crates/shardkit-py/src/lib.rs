@@ -1,7 +1,649 @@
-//! Python bindings of shardkit. This crate builds today so the workspace layout is final;
-//! the PyO3 module arrives with the Python-package issue.
+//! `shardkit._shardkit`: the compiled core of the `shardkit` Python package.
+//!
+//! The public Python API lives in `python/shardkit/` (thin wrappers with docstrings and types);
+//! this module exposes the Rust library with three rules: the GIL is released for every read,
+//! wait and write; Rust errors become the natural Python exception with the same message; and
+//! arrays cross the boundary without a copy, through the buffer protocol of [`RustBuffer`].
 
-/// The version of the shardkit library these bindings wrap.
-pub fn shardkit_version() -> &'static str {
-    shardkit::VERSION
+use std::ffi::{c_int, CStr};
+use std::sync::Arc;
+
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{
+    PyFileExistsError, PyFileNotFoundError, PyIndexError, PyKeyError, PyOSError, PyRuntimeError,
+    PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use shardkit::engine::{Buffer, Order};
+use shardkit::json;
+use shardkit::saev;
+
+pyo3::create_exception!(
+    _shardkit,
+    IncompleteDatasetError,
+    PyValueError,
+    "The dataset is not completely written; the message says how many examples are present."
+);
+
+/// A Rust error as the Python exception a Python user expects.
+fn to_py(e: shardkit::Error) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        shardkit::Error::NotFound { .. } => PyFileNotFoundError::new_err(msg),
+        shardkit::Error::Io { .. } => PyOSError::new_err(msg),
+        shardkit::Error::Exists { .. } => PyFileExistsError::new_err(msg),
+        shardkit::Error::Incomplete { .. } => IncompleteDatasetError::new_err(msg),
+        shardkit::Error::OutOfRange { .. } => PyIndexError::new_err(msg),
+        shardkit::Error::Format { .. }
+        | shardkit::Error::Invalid(_)
+        | shardkit::Error::Missing(_) => PyValueError::new_err(msg),
+    }
+}
+
+enum Storage {
+    Engine(Buffer),
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+/// Memory owned by Rust, exported to Python through the buffer protocol (numpy wraps it
+/// without a copy; the array keeps this object alive).
+#[pyclass(module = "shardkit._shardkit")]
+pub struct RustBuffer {
+    storage: Storage,
+    shape: Vec<isize>,
+    strides: Vec<isize>,
+}
+
+impl RustBuffer {
+    fn new(storage: Storage, shape: &[usize]) -> RustBuffer {
+        let item = match storage {
+            Storage::Engine(_) | Storage::F32(_) => 4,
+            Storage::I64(_) => 8,
+        };
+        let mut strides = vec![item as isize; shape.len()];
+        for i in (0..shape.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * shape[i + 1] as isize;
+        }
+        RustBuffer {
+            storage,
+            shape: shape.iter().map(|&s| s as isize).collect(),
+            strides,
+        }
+    }
+    fn parts(&self) -> (*const u8, usize, &'static CStr, isize) {
+        match &self.storage {
+            Storage::Engine(b) => (b.as_ptr(), b.len(), c"f", 4),
+            Storage::F32(v) => (v.as_ptr().cast(), v.len() * 4, c"f", 4),
+            Storage::I64(v) => (v.as_ptr().cast(), v.len() * 8, c"q", 8),
+        }
+    }
+}
+
+#[pymethods]
+impl RustBuffer {
+    /// Fills a Py_buffer view over this object's memory (C-contiguous, writable).
+    ///
+    /// # Safety
+    /// Called by CPython with a valid `view` pointer.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        _flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyValueError::new_err("null Py_buffer"));
+        }
+        let this = slf.borrow();
+        let (ptr, len, format, item) = this.parts();
+        let ptr = if len == 0 {
+            std::ptr::NonNull::<u64>::dangling().as_ptr().cast::<u8>()
+        } else {
+            ptr
+        };
+        let v = &mut *view;
+        v.obj = slf.clone().into_any().into_ptr();
+        v.buf = ptr as *mut std::ffi::c_void;
+        v.len = len as isize;
+        v.readonly = 0;
+        v.itemsize = item;
+        v.format = format.as_ptr() as *mut _;
+        v.ndim = this.shape.len() as c_int;
+        v.shape = this.shape.as_ptr() as *mut isize;
+        v.strides = this.strides.as_ptr() as *mut isize;
+        v.suboffsets = std::ptr::null_mut();
+        v.internal = std::ptr::null_mut();
+        Ok(())
+    }
+
+    /// Nothing to release: the memory lives as long as this object.
+    ///
+    /// # Safety
+    /// Called by CPython.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    /// Bytes held.
+    fn __len__(&self) -> usize {
+        self.parts().1
+    }
+}
+
+fn json_of(v: &json::Value) -> String {
+    json::to_compact(v, false, json::Escape::Utf8)
+}
+
+/// A C-contiguous buffer of `T` from any exporter (numpy array, memoryview, ...).
+fn contiguous<T: pyo3::buffer::Element>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+) -> PyResult<PyBuffer<T>> {
+    let buf = PyBuffer::<T>::get(obj).map_err(|e| {
+        PyValueError::new_err(format!(
+            "{what}: {e} (convert with numpy.ascontiguousarray)"
+        ))
+    })?;
+    if !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "{what} must be C-contiguous (use numpy.ascontiguousarray)"
+        )));
+    }
+    Ok(buf)
+}
+
+/// Raw pointer that may cross `allow_threads`; the exporter keeps the memory alive meanwhile.
+struct SendSlice<T>(*const T, usize);
+// SAFETY: only read while the PyBuffer that owns the view is alive (see `Writer::write`).
+unsafe impl<T> Send for SendSlice<T> {}
+// SAFETY: as above; the slice is only read.
+unsafe impl<T> Sync for SendSlice<T> {}
+impl<T> SendSlice<T> {
+    unsafe fn get(&self) -> &[T] {
+        if self.1 == 0 {
+            &[]
+        } else {
+            std::slice::from_raw_parts(self.0, self.1)
+        }
+    }
+}
+
+/// Streaming, crash-safe writer of one saev directory.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Writer {
+    inner: Option<saev::Writer>,
+    path: String,
+    start: String,
+    shape: (usize, usize, usize, usize),
+    content_tokens: usize,
+}
+
+#[pymethods]
+impl Writer {
+    #[new]
+    #[pyo3(signature = (root, metadata_json, resume=false))]
+    fn new(
+        py: Python<'_>,
+        root: std::path::PathBuf,
+        metadata_json: &str,
+        resume: bool,
+    ) -> PyResult<Self> {
+        let v = json::parse(metadata_json.as_bytes())
+            .map_err(|e| PyValueError::new_err(format!("metadata: {e}")))?;
+        let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
+        let shape = (
+            md.n_examples() as usize,
+            md.layers().len(),
+            md.tokens_per_example() as usize,
+            md.d_model() as usize,
+        );
+        let content_tokens = md.content_tokens_per_example() as usize;
+        let w = py
+            .allow_threads(|| saev::Writer::create(root, md, saev::WriterOptions { resume }))
+            .map_err(to_py)?;
+        let start = match w.start() {
+            saev::WriteStart::Fresh => "fresh".to_string(),
+            saev::WriteStart::Resumed { from } => format!("resumed:{from}"),
+            saev::WriteStart::AlreadyComplete => "complete".to_string(),
+        };
+        Ok(Writer {
+            path: w.path().display().to_string(),
+            inner: Some(w),
+            start,
+            shape,
+            content_tokens,
+        })
+    }
+
+    /// The dataset directory.
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+    /// "fresh", "resumed:<first example>" or "complete".
+    #[getter]
+    fn start(&self) -> &str {
+        &self.start
+    }
+    /// First example still to be written.
+    #[getter]
+    fn next_example(&self) -> u64 {
+        self.inner
+            .as_ref()
+            .map_or(self.shape.0 as u64, |w| w.next_example())
+    }
+    /// (n_examples, n_layers, tokens_per_example, d_model).
+    #[getter]
+    fn shape(&self) -> (usize, usize, usize, usize) {
+        self.shape
+    }
+    /// Content tokens per example (labels are (b, this)).
+    #[getter]
+    fn content_tokens(&self) -> usize {
+        self.content_tokens
+    }
+
+    /// Writes acts float32 (b, L, T, D) and optional labels uint8 (b, P).
+    #[pyo3(signature = (acts, labels=None))]
+    fn write(
+        &mut self,
+        py: Python<'_>,
+        acts: &Bound<'_, PyAny>,
+        labels: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (_, l, t, d) = self.shape;
+        let a = contiguous::<f32>(acts, "acts (float32)")?;
+        let s = a.shape();
+        if s.len() != 4 || s[1] != l || s[2] != t || s[3] != d {
+            return Err(PyValueError::new_err(format!(
+                "acts must have shape (b, {l}, {t}, {d}) = (batch, layers, tokens_per_example, \
+                 d_model); got {s:?}"
+            )));
+        }
+        let lab = match labels {
+            None => None,
+            Some(obj) => {
+                let b = contiguous::<u8>(obj, "labels (uint8)")?;
+                let ls = b.shape();
+                if ls.len() != 2 || ls[0] != s[0] || ls[1] != self.content_tokens {
+                    return Err(PyValueError::new_err(format!(
+                        "labels must have shape ({}, {}) = (batch, content tokens); got {ls:?}",
+                        s[0], self.content_tokens
+                    )));
+                }
+                Some(b)
+            }
+        };
+        let w = self
+            .inner
+            .as_mut()
+            .ok_or_else(|| PyRuntimeError::new_err("the writer is closed"))?;
+        let acts_s = SendSlice(a.buf_ptr() as *const f32, a.item_count());
+        let lab_s = lab
+            .as_ref()
+            .map(|b| SendSlice(b.buf_ptr() as *const u8, b.item_count()));
+        // SAFETY: `a` and `lab` (the exporters' views) outlive the closure.
+        py.allow_threads(|| unsafe { w.write(acts_s.get(), lab_s.as_ref().map(|x| x.get())) })
+            .map_err(to_py)
+    }
+
+    /// Completes the dataset (labels.bin, then shards.json) and returns its directory.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
+        let w = self
+            .inner
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("the writer is already closed"))?;
+        py.allow_threads(|| w.finish())
+            .map(|p| p.display().to_string())
+            .map_err(to_py)
+    }
+
+    /// Drops the writer without completing: the directory stays resumable.
+    fn abort(&mut self) {
+        self.inner = None;
+    }
+}
+
+/// A complete saev directory opened for random access.
+#[pyclass(module = "shardkit._shardkit", frozen)]
+pub struct Dataset {
+    inner: Arc<saev::Dataset>,
+}
+
+#[pymethods]
+impl Dataset {
+    #[new]
+    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let ds = py
+            .allow_threads(|| saev::Dataset::open(path))
+            .map_err(to_py)?;
+        Ok(Dataset {
+            inner: Arc::new(ds),
+        })
+    }
+    /// metadata.json as a JSON string (keys in file order).
+    #[getter]
+    fn metadata_json(&self) -> String {
+        json_of(self.inner.metadata().raw())
+    }
+    /// The directory.
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().display().to_string()
+    }
+    /// (n_examples, n_layers, tokens_per_example, d_model, content_tokens, cls_token, examples_per_shard, n_shards)
+    #[getter]
+    fn layout(&self) -> (u64, u64, u64, u64, u64, bool, u64, u64) {
+        let l = self.inner.layout();
+        (
+            l.n_examples,
+            l.n_layers,
+            l.tokens,
+            l.d_model,
+            l.content_tokens,
+            l.cls,
+            l.examples_per_shard,
+            l.n_shards,
+        )
+    }
+    /// Recorded layer values.
+    #[getter]
+    fn layers(&self) -> Vec<i64> {
+        self.inner.metadata().layers().to_vec()
+    }
+    /// Whether labels.bin is present and usable.
+    #[getter]
+    fn has_labels(&self) -> bool {
+        self.inner.has_labels()
+    }
+    /// Warnings from parsing metadata.json.
+    #[getter]
+    fn warnings(&self) -> Vec<String> {
+        self.inner.warnings().to_vec()
+    }
+    /// One vector (D,) of (example, recorded layer, token slot).
+    fn get(&self, py: Python<'_>, example: i64, layer: i64, token: i64) -> PyResult<RustBuffer> {
+        let (e, t) = (index(example, "example")?, index(token, "token")?);
+        let v = py
+            .allow_threads(|| self.inner.get(e, layer, t))
+            .map_err(to_py)?;
+        let d = v.len();
+        Ok(RustBuffer::new(Storage::F32(v), &[d]))
+    }
+    /// Many vectors (n, D): coordinates given as three equal-length sequences.
+    fn take(
+        &self,
+        py: Python<'_>,
+        examples: Vec<i64>,
+        layers: Vec<i64>,
+        tokens: Vec<i64>,
+    ) -> PyResult<RustBuffer> {
+        if examples.len() != layers.len() || examples.len() != tokens.len() {
+            return Err(PyValueError::new_err(
+                "examples, layers and tokens must have the same length",
+            ));
+        }
+        let mut coords = Vec::with_capacity(examples.len());
+        for i in 0..examples.len() {
+            coords.push((
+                index(examples[i], "example")?,
+                layers[i],
+                index(tokens[i], "token")?,
+            ));
+        }
+        let v = py
+            .allow_threads(|| self.inner.take(&coords))
+            .map_err(to_py)?;
+        let d = self.inner.layout().d_model as usize;
+        Ok(RustBuffer::new(Storage::F32(v), &[coords.len(), d]))
+    }
+    /// Rows of saev's indexed view for (layer, tokens).
+    fn indexed_len(&self, layer: i64, tokens: &str) -> PyResult<u64> {
+        let mode: saev::TokenMode = tokens.parse().map_err(to_py)?;
+        Ok(self.inner.indexed(layer, mode).map_err(to_py)?.len())
+    }
+    /// Row `i` of saev's indexed view: (act, example_idx, token_idx, token_label or None).
+    fn indexed_get(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        tokens: &str,
+        i: i64,
+    ) -> PyResult<(RustBuffer, u64, i64, Option<u8>)> {
+        let mode: saev::TokenMode = tokens.parse().map_err(to_py)?;
+        let view = self.inner.indexed(layer, mode).map_err(to_py)?;
+        let n = view.len() as i64;
+        let i = if i < 0 { i + n } else { i };
+        if i < 0 || i >= n {
+            return Err(PyIndexError::new_err(format!(
+                "index out of range for {n} rows"
+            )));
+        }
+        let row = py.allow_threads(|| view.get(i as u64)).map_err(to_py)?;
+        let d = row.act.len();
+        Ok((
+            RustBuffer::new(Storage::F32(row.act), &[d]),
+            row.example_idx,
+            row.token_idx,
+            row.token_label,
+        ))
+    }
+}
+
+fn index(i: i64, what: &str) -> PyResult<u64> {
+    u64::try_from(i).map_err(|_| PyIndexError::new_err(format!("{what} index {i} is negative")))
+}
+
+/// Ordered or shuffled batches of a saev directory.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Loader {
+    inner: saev::Loader,
+}
+
+#[pymethods]
+impl Loader {
+    #[new]
+    #[pyo3(signature = (path, layer, tokens="content", batch_size=16384, order="sequential",
+        seed=0, epoch=0, rank=None, world_size=None, drop_last=false, memory_budget=None,
+        ignore_labels=Vec::new(), io_threads=16, direct_io=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        layer: &Bound<'_, PyAny>,
+        tokens: &str,
+        batch_size: u64,
+        order: &str,
+        seed: u64,
+        epoch: u64,
+        rank: Option<u64>,
+        world_size: Option<u64>,
+        drop_last: bool,
+        memory_budget: Option<u64>,
+        ignore_labels: Vec<u8>,
+        io_threads: usize,
+        direct_io: bool,
+    ) -> PyResult<Self> {
+        let layer = if let Ok(s) = layer.extract::<String>() {
+            s.parse::<saev::LayerSel>().map_err(to_py)?
+        } else {
+            saev::LayerSel::Value(layer.extract::<i64>().map_err(|_| {
+                PyValueError::new_err("layer must be an int (recorded layer value) or \"all\"")
+            })?)
+        };
+        let mut o = saev::LoaderOptions::new(layer);
+        o.tokens = tokens.parse().map_err(to_py)?;
+        o.batch_size = batch_size;
+        o.order = order.parse::<Order>().map_err(to_py)?;
+        o.seed = seed;
+        o.epoch = epoch;
+        o.rank = rank;
+        o.world_size = world_size;
+        o.drop_last = drop_last;
+        o.memory_budget = memory_budget;
+        o.ignore_labels = ignore_labels;
+        o.io_threads = io_threads;
+        o.direct_io = direct_io;
+        let inner = py
+            .allow_threads(|| saev::Loader::new(path, o))
+            .map_err(to_py)?;
+        Ok(Loader { inner })
+    }
+    /// Batches per epoch on this rank.
+    fn __len__(&self) -> usize {
+        self.inner.len() as usize
+    }
+    /// Selected rows per epoch over all ranks.
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.inner.rows()
+    }
+    /// (rank, world_size).
+    #[getter]
+    fn rank_world(&self) -> (u64, u64) {
+        self.inner.rank_and_world()
+    }
+    /// d_model.
+    #[getter]
+    fn d_model(&self) -> u64 {
+        self.inner.dataset().layout().d_model
+    }
+    /// Current epoch.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.options().epoch
+    }
+    /// Switches epoch (and rewinds to its start).
+    fn set_epoch(&mut self, epoch: u64) -> PyResult<()> {
+        self.inner.set_epoch(epoch).map_err(to_py)
+    }
+    /// The resumable state: {"seed", "epoch", "cursor", "global_batch_size"}.
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = self.inner.state();
+        let d = PyDict::new(py);
+        d.set_item("seed", st.seed)?;
+        d.set_item("epoch", st.epoch)?;
+        d.set_item("cursor", st.cursor)?;
+        d.set_item("global_batch_size", st.global_batch_size)?;
+        Ok(d)
+    }
+    /// Restores a state from `state_dict()`.
+    fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let get = |k: &str| -> PyResult<u64> {
+            state
+                .get_item(k)?
+                .ok_or_else(|| PyKeyError::new_err(format!("state is missing {k:?}")))?
+                .extract::<u64>()
+        };
+        let st = saev::LoaderState {
+            seed: get("seed")?,
+            epoch: get("epoch")?,
+            cursor: get("cursor")?,
+            global_batch_size: get("global_batch_size")?,
+        };
+        self.inner.load_state(st).map_err(to_py)
+    }
+    /// Starts a pass over the rest of the epoch.
+    fn iter(&self, py: Python<'_>) -> PyResult<BatchIter> {
+        let it = py.allow_threads(|| self.inner.iter()).map_err(to_py)?;
+        Ok(BatchIter {
+            inner: std::sync::Mutex::new(Some(it)),
+            pid: std::process::id(),
+        })
+    }
+}
+
+/// One pass of a [`Loader`]; yields (act, example_idx, token_idx, layer, token_label, cursor).
+#[pyclass(module = "shardkit._shardkit")]
+pub struct BatchIter {
+    // A Mutex makes the iterator shareable between Python threads (the receiver is not Sync).
+    inner: std::sync::Mutex<Option<saev::Batches>>,
+    pid: u32,
+}
+
+type BatchTuple = (
+    RustBuffer,
+    RustBuffer,
+    RustBuffer,
+    Option<RustBuffer>,
+    Option<RustBuffer>,
+    u64,
+);
+
+#[pymethods]
+impl BatchIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<BatchTuple>> {
+        if std::process::id() != self.pid {
+            // The reader threads belong to the parent; waiting on them here would hang.
+            return Err(PyRuntimeError::new_err(
+                "this iterator was started before fork(); start a new one in the child \
+                 (iterating the loader again does)",
+            ));
+        }
+        let inner = &self.inner;
+        let next = py.allow_threads(|| {
+            let mut guard = inner.lock().unwrap_or_else(|e| e.into_inner());
+            let item = guard.as_mut().and_then(|it| it.next());
+            if !matches!(item, Some(Ok(_))) {
+                *guard = None; // finished or failed: stop the threads now
+            }
+            item
+        });
+        match next {
+            None => Ok(None),
+            Some(Err(e)) => Err(to_py(e)),
+            Some(Ok(b)) => {
+                let n = b.n;
+                Ok(Some((
+                    RustBuffer::new(Storage::Engine(b.act), &[n, b.d_model]),
+                    RustBuffer::new(Storage::I64(b.example_idx), &[n]),
+                    RustBuffer::new(Storage::I64(b.token_idx), &[n]),
+                    b.layer.map(|v| RustBuffer::new(Storage::I64(v), &[n])),
+                    b.token_label
+                        .map(|v| RustBuffer::new(Storage::I64(v), &[n])),
+                    b.cursor,
+                )))
+            }
+        }
+    }
+    /// Stops the reader threads now (also done when the iterator is garbage collected).
+    fn close(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.allow_threads(|| drop(inner.lock().unwrap_or_else(|e| e.into_inner()).take()));
+    }
+}
+
+/// `shardkit saev validate --json` as a JSON string.
+#[pyfunction]
+fn validate(py: Python<'_>, path: std::path::PathBuf) -> String {
+    let r = py.allow_threads(|| saev::validate(&path));
+    json_of(&r.to_json())
+}
+
+/// `shardkit saev inspect --json` as a JSON string.
+#[pyfunction]
+fn inspect(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    py.allow_threads(|| saev::inspect(&path))
+        .map(|v| json_of(&v))
+        .map_err(to_py)
+}
+
+/// The compiled module.
+#[pymodule]
+fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", shardkit::VERSION)?;
+    m.add(
+        "IncompleteDatasetError",
+        m.py().get_type::<IncompleteDatasetError>(),
+    )?;
+    m.add_class::<RustBuffer>()?;
+    m.add_class::<Writer>()?;
+    m.add_class::<Dataset>()?;
+    m.add_class::<Loader>()?;
+    m.add_class::<BatchIter>()?;
+    m.add_function(wrap_pyfunction!(validate, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    Ok(())
 }

@@ -82,6 +82,8 @@ pub struct Stream {
     next: usize,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
+    /// The process that started the threads: after fork(), a child has none of them.
+    pid: u32,
 }
 
 impl Iterator for Stream {
@@ -89,6 +91,13 @@ impl Iterator for Stream {
     fn next(&mut self) -> Option<Self::Item> {
         if self.rx.is_empty() {
             return None;
+        }
+        if std::process::id() != self.pid {
+            return Some(Err(Error::Invalid(
+                "this stream was started before fork(); its reader threads live in the parent \
+                 process: start a new iteration in the child"
+                    .into(),
+            )));
         }
         let i = self.next % self.rx.len();
         self.next += 1;
@@ -100,6 +109,11 @@ impl Drop for Stream {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         self.rx.clear(); // unblocks producers waiting to send
+        if std::process::id() != self.pid {
+            // A forked child: the threads exist only in the parent; joining would fail.
+            self.threads.drain(..).for_each(std::mem::forget);
+            return;
+        }
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -232,6 +246,7 @@ pub fn start<S: BlockSource>(
         next: 0,
         stop,
         threads,
+        pid: std::process::id(),
     })
 }
 

@@ -1,0 +1,342 @@
+"""saev activation directories (protocols 1.0.0, 1.1, 2.0, 2.1): write, read, stream.
+
+A directory ``<root>/<hash>/`` holds ``metadata.json``, ``shards.json``, float32 shards
+``acts%06d.bin`` of shape (examples_per_shard, n_layers, tokens_per_example, d_model) and an
+optional uint8 ``labels.bin`` (n_examples, content_tokens). See the README for the format and the
+guarantees (crash safety, exact resume, deterministic orders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _shardkit as _core
+from ._shardkit import IncompleteDatasetError
+
+PathLike = Union[str, "os.PathLike[str]"]
+Batch = Dict[str, np.ndarray]
+
+__all__ = [
+    "Writer",
+    "Dataset",
+    "IndexedView",
+    "OrderedLoader",
+    "ShuffledLoader",
+    "open",
+    "validate",
+    "inspect",
+    "IncompleteDatasetError",
+]
+
+
+def _array(buf: Any) -> np.ndarray:
+    # The buffer protocol of RustBuffer: numpy wraps Rust memory, keeping it alive.
+    return np.asarray(buf)
+
+
+class _Progress:
+    """A tqdm bar when tqdm is installed and stderr is a terminal, else a plain callback."""
+
+    def __init__(self, progress: Any, total: int, done: int) -> None:
+        self._bar = None
+        self._fn: Optional[Callable[[int, int], None]] = None
+        self._total = total
+        if callable(progress) and not isinstance(progress, bool):
+            self._fn = progress
+        elif progress or (progress is None and sys.stderr.isatty()):
+            try:
+                from tqdm.auto import tqdm  # type: ignore
+
+                self._bar = tqdm(total=total, initial=done, unit="ex", desc="writing")
+            except ImportError:
+                self._bar = None
+
+    def update(self, done: int, n: int) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+        if self._fn is not None:
+            self._fn(done, self._total)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class Writer:
+    """Streams activations into ``root/<hash>/``, crash-safely and resumably.
+
+    ``metadata`` is what goes into metadata.json (any key order; its ``protocol`` — "1.0.0",
+    "2.0" or "2.1", default "2.1" — selects the version and its key names). Use as a context
+    manager: a clean exit completes the dataset; an exception leaves it resumable with
+    ``resume=True``. ``progress`` is None (a bar on a terminal if tqdm is installed), a bool, or a
+    callable ``f(examples_done, n_examples)``.
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        metadata: Dict[str, Any],
+        *,
+        resume: bool = False,
+        progress: Any = None,
+    ) -> None:
+        self._w = _core.Writer(os.fspath(root), json.dumps(metadata), resume)
+        self._progress = _Progress(progress, self._w.shape[0], self._w.next_example)
+        self._path: str = self._w.path
+        self._closed = False
+
+    @property
+    def path(self) -> str:
+        """The dataset directory."""
+        return self._path
+
+    @property
+    def next_example(self) -> int:
+        """The first example index still to be written (non-zero after a resume)."""
+        return self._w.next_example
+
+    @property
+    def already_complete(self) -> bool:
+        """True when the same dataset was already complete: writes are then discarded."""
+        return self._w.start == "complete"
+
+    @property
+    def shape(self) -> tuple:
+        """(n_examples, n_layers, tokens_per_example, d_model)."""
+        return self._w.shape
+
+    def write(self, acts: Any, labels: Any = None) -> None:
+        """Appends ``acts`` float32 (b, L, T, D) and, if the dataset has labels, uint8 (b, P)."""
+        a = np.ascontiguousarray(acts, dtype=np.float32)
+        lab = None if labels is None else np.ascontiguousarray(labels, dtype=np.uint8)
+        self._w.write(a, lab)
+        self._progress.update(self._w.next_example, int(a.shape[0]) if a.ndim == 4 else 0)
+
+    def close(self) -> str:
+        """Completes the dataset (fails, leaving it resumable, if examples are missing)."""
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._path = self._w.finish()
+        return self._path
+
+    def abort(self) -> None:
+        """Stops without completing; the directory stays resumable."""
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._w.abort()
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class IndexedView:
+    """saev's indexed semantics: ``len()`` rows, ``view[i]`` -> dict for one row."""
+
+    def __init__(self, ds: "Dataset", layer: int, tokens: str) -> None:
+        self._ds = ds
+        self._layer = layer
+        self._tokens = tokens
+        self._len = ds._d.indexed_len(layer, tokens)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        act, e, t, label = self._ds._d.indexed_get(self._layer, self._tokens, int(i))
+        row: Dict[str, Any] = {"act": _array(act), "example_idx": e, "token_idx": t}
+        if label is not None:
+            row["token_label"] = label
+        return row
+
+
+class Dataset:
+    """A complete saev directory opened for random access (see :func:`open`)."""
+
+    def __init__(self, path: PathLike) -> None:
+        self._d = _core.Dataset(os.fspath(path))
+        (
+            self.n_examples,
+            self.n_layers,
+            self.tokens_per_example,
+            self.d_model,
+            self.content_tokens_per_example,
+            self.cls_token,
+            self.examples_per_shard,
+            self.n_shards,
+        ) = self._d.layout
+        self.metadata: Dict[str, Any] = json.loads(self._d.metadata_json)
+        self.protocol: str = self.metadata["protocol"]
+        self.layers: list = list(self._d.layers)
+        self.has_labels: bool = self._d.has_labels
+        self.path: str = self._d.path
+
+    def get(self, example: int, layer: int, token: int) -> np.ndarray:
+        """The (d_model,) vector of ``example``, recorded layer value ``layer`` and stored token
+        slot ``token`` (slot 0 is CLS when the dataset has one)."""
+        return _array(self._d.get(int(example), int(layer), int(token)))
+
+    def take(self, examples: Any, layer: Any, tokens: Any) -> np.ndarray:
+        """Many vectors at once, (n, d_model); arguments broadcast like numpy arrays."""
+        e, l, t = np.broadcast_arrays(
+            np.asarray(examples, dtype=np.int64),
+            np.asarray(layer, dtype=np.int64),
+            np.asarray(tokens, dtype=np.int64),
+        )
+        out = _array(self._d.take(e.ravel().tolist(), l.ravel().tolist(), t.ravel().tolist()))
+        return out.reshape(e.shape + (self.d_model,))
+
+    def indexed(self, layer: int, tokens: str = "content") -> IndexedView:
+        """saev's indexed view of one layer: ``tokens`` is content, special (CLS) or all."""
+        return IndexedView(self, int(layer), tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"saev.Dataset({self.path!r}, protocol={self.protocol!r}, n_examples={self.n_examples}, "
+            f"layers={self.layers}, tokens_per_example={self.tokens_per_example}, "
+            f"d_model={self.d_model})"
+        )
+
+
+def open(path: PathLike) -> Dataset:  # noqa: A001 - mirrors the built-in's role
+    """Opens a complete saev directory; an incomplete one raises IncompleteDatasetError."""
+    return Dataset(path)
+
+
+class _Loader:
+    def __init__(self, path: PathLike, **kw: Any) -> None:
+        kw["ignore_labels"] = [int(x) for x in kw.get("ignore_labels", ())]
+        self._l = _core.Loader(os.fspath(path), **kw)
+
+    def __len__(self) -> int:
+        return len(self._l)
+
+    @property
+    def rows(self) -> int:
+        """Selected rows per epoch over all ranks."""
+        return self._l.rows
+
+    @property
+    def epoch(self) -> int:
+        return self._l.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Switches to ``epoch`` (a different order) from its start."""
+        self._l.set_epoch(int(epoch))
+
+    def state_dict(self) -> Dict[str, int]:
+        """The position as four integers; pass it to ``load_state_dict`` to resume exactly."""
+        return self._l.state_dict()
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self._l.load_state_dict(dict(state))
+
+    def __iter__(self) -> Iterator[Batch]:
+        it = self._l.iter()
+        try:
+            for act, ex, tok, layer, label, _cursor in it:
+                batch: Batch = {
+                    "act": _array(act),
+                    "example_idx": _array(ex),
+                    "token_idx": _array(tok),
+                }
+                if layer is not None:
+                    batch["layer"] = _array(layer)
+                if label is not None:
+                    batch["token_label"] = _array(label)
+                yield batch
+        finally:
+            it.close()  # an abandoned iteration stops its reader threads at once
+
+
+class OrderedLoader(_Loader):
+    """Batches in storage order (example-major, then token): saev's ordered loader."""
+
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        layer: Union[int, str],
+        tokens: str = "content",
+        batch_size: int = 16384,
+        drop_last: bool = False,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        memory_budget: Optional[int] = None,
+        io_threads: int = 16,
+    ) -> None:
+        super().__init__(
+            path,
+            layer=layer,
+            tokens=tokens,
+            batch_size=batch_size,
+            order="sequential",
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+            memory_budget=memory_budget,
+            io_threads=io_threads,
+        )
+
+
+class ShuffledLoader(_Loader):
+    """Shuffled batches: ``order="block"`` (windows of blocks, default) or ``"exact"``.
+
+    The order depends only on (seed, epoch, memory_budget, global batch size) and the dataset;
+    rank and world_size default to $RANK and $WORLD_SIZE.
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        layer: Union[int, str],
+        tokens: str = "content",
+        batch_size: int = 16384,
+        seed: int = 0,
+        epoch: int = 0,
+        order: str = "block",
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+        memory_budget: Optional[int] = None,
+        ignore_labels: Sequence[int] = (),
+        io_threads: int = 16,
+    ) -> None:
+        super().__init__(
+            path,
+            layer=layer,
+            tokens=tokens,
+            batch_size=batch_size,
+            order=order,
+            seed=seed,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+            memory_budget=memory_budget,
+            ignore_labels=ignore_labels,
+            io_threads=io_threads,
+        )
+
+
+def validate(path: PathLike) -> Dict[str, Any]:
+    """Every problem of a directory: {"path", "valid", "errors": [...], "warnings": [...]}."""
+    return json.loads(_core.validate(os.fspath(path)))
+
+
+def inspect(path: PathLike) -> Dict[str, Any]:
+    """Version, shapes, layers, counts, sizes, completeness and hash recipe of a directory."""
+    return json.loads(_core.inspect(os.fspath(path)))

@@ -1,0 +1,240 @@
+"""The Python package: writing, reading, loading, errors, zero-copy, fork, memory."""
+
+import hashlib
+import json
+import os
+import resource
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shardkit
+from shardkit import saev
+
+FIXTURES = Path(__file__).resolve().parents[4] / "shared" / "fixtures" / "saev"
+A21 = FIXTURES / "v2.1" / "aa57b80c"
+C21 = FIXTURES / "v2.1" / "e64e5d2c"
+A100 = FIXTURES / "v1.0.0" / "bc87c00f08bd7bd69b6e64ca1b636ebf86e1ad452a520fa6032818b728a53b47"
+CRASHED = FIXTURES / "v2.0" / "36f76cd85cfb77f6ae191c8994a7e313994553017475db89e31564e3464623af"
+
+
+def coded(n, l, t, d, first=0):
+    e = np.arange(first, first + n, dtype=np.float32)[:, None, None, None]
+    li = np.arange(l, dtype=np.float32)[None, :, None, None]
+    ti = np.arange(t, dtype=np.float32)[None, None, :, None]
+    di = np.arange(d, dtype=np.float32)[None, None, None, :]
+    return (1000 * e + 100 * li + ti + di / 16).astype(np.float32)
+
+
+def sha(p):
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+def fixture_metadata(d):
+    return json.loads((d / "metadata.json").read_text())
+
+
+@pytest.mark.parametrize("fixture,batch", [(A21, 2), (A100, 3), (C21, 1)])
+def test_writing_fixture_cases_reproduces_their_bytes(tmp_path, fixture, batch):
+    md = fixture_metadata(fixture)
+    scrambled = dict(reversed(list(md.items())))  # key order is canonicalised
+    n, layers = md.get("n_examples", md.get("n_imgs")), len(md["layers"])
+    p = md.get("content_tokens_per_example", md.get("n_patches_per_img"))
+    t, d = p + int(md["cls_token"]), md.get("d_model", md.get("d_vit"))
+    labelled = (fixture / "labels.bin").exists()
+    with saev.Writer(tmp_path, scrambled, progress=False) as w:
+        assert w.next_example == 0
+        for e in range(0, n, batch):
+            b = min(batch, n - e)
+            labels = None
+            if labelled:
+                labels = np.array([[(10 * x + c) % 7 for c in range(p)] for x in range(e, e + b)], np.uint8)
+            w.write(coded(b, layers, t, d, e), labels)
+    out = Path(w.path)
+    assert out.name == fixture.name
+    for f in sorted(os.listdir(fixture)):
+        assert sha(out / f) == sha(fixture / f), f
+
+
+def test_writer_resume_and_no_op(tmp_path):
+    md = fixture_metadata(A21)
+    with pytest.raises(RuntimeError):
+        with saev.Writer(tmp_path, md, progress=False) as w:
+            w.write(coded(4, 2, 5, 8))
+            raise RuntimeError("killed")
+    with pytest.raises(FileExistsError):
+        saev.Writer(tmp_path, md)
+    calls = []
+    with saev.Writer(tmp_path, md, resume=True, progress=lambda done, total: calls.append((done, total))) as w:
+        assert w.next_example == 3  # the first complete shard survives
+        w.write(coded(7 - w.next_example, 2, 5, 8, w.next_example))
+    assert calls == [(7, 7)]
+    for f in ["acts000000.bin", "acts000001.bin", "acts000002.bin", "shards.json"]:
+        assert sha(Path(w.path) / f) == sha(A21 / f)
+    with saev.Writer(tmp_path, md) as again:
+        assert again.already_complete and again.next_example == 7
+
+
+def test_reading_fixtures_matches_numpy(tmp_path):
+    ds = saev.open(A21)
+    assert (ds.protocol, ds.n_examples, ds.layers, ds.d_model, ds.tokens_per_example) == ("2.1", 7, [-2, -1], 8, 5)
+    assert list(ds.metadata) == list(fixture_metadata(A21))
+    raw = np.concatenate([np.fromfile(A21 / f"acts00000{s}.bin", "<f4").reshape(3, 2, 5, 8) for s in range(3)])
+    assert np.array_equal(ds.get(4, -1, 3), raw[4, 1, 3])
+    got = ds.take([0, 6, 3], -2, [0, 4, 2])
+    assert np.array_equal(got, raw[[0, 6, 3], 0, [0, 4, 2]])
+    view = ds.indexed(-1, "special")
+    assert len(view) == 7 and view[3]["act"][0] == 3100.0 and view[3]["token_idx"] == -1
+    c = saev.open(C21).indexed(3)
+    assert [c[i]["token_label"] for i in range(20)] == [(10 * (i // 4) + i % 4) % 7 for i in range(20)]
+
+
+def test_exceptions_have_natural_types(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        saev.open(tmp_path / "absent")
+    with pytest.raises(saev.IncompleteDatasetError, match="2 of 7 examples are present"):
+        saev.open(CRASHED)
+    assert issubclass(shardkit.IncompleteDatasetError, ValueError)
+    ds = saev.open(A21)
+    with pytest.raises(ValueError, match=r"\[-2, -1\]"):
+        ds.get(0, 5, 0)
+    with pytest.raises(IndexError):
+        ds.get(7, -1, 0)
+    with pytest.raises(IndexError):
+        ds.indexed(-1)[28]
+    with pytest.raises(ValueError, match=r"\[-2, -1\]"):
+        saev.ShuffledLoader(A21, layer=3)
+    with pytest.raises(FileNotFoundError):
+        saev.ShuffledLoader(A21, layer=-1, ignore_labels=[1])
+    bad = tmp_path / "bad"
+    shutil.copytree(A21, bad)
+    (bad / "metadata.json").write_text("{not json")
+    with pytest.raises(ValueError, match="metadata.json"):
+        saev.open(bad)
+    with pytest.raises(KeyError):
+        saev.ShuffledLoader(A21, layer=-1).load_state_dict({"seed": 0})
+    with pytest.raises(ValueError):
+        saev.Writer(tmp_path, {**fixture_metadata(A21), "protocol": "3.0"})
+    assert saev.validate(CRASHED)["valid"] is False
+    assert saev.inspect(A21)["n_examples"] == 7
+
+
+def keys(batches):
+    return [(int(e), int(t)) for b in batches for e, t in zip(b["example_idx"], b["token_idx"])]
+
+
+@pytest.mark.parametrize("order", ["block", "exact"])
+def test_shuffled_is_exactly_once_deterministic_and_resumable(order):
+    mk = lambda **kw: saev.ShuffledLoader(A21, layer=-1, batch_size=4, seed=3, order=order, rank=0, world_size=1, **kw)
+    full = keys(list(mk()))
+    assert sorted(full) == [(e, c) for e in range(7) for c in range(4)]
+    assert keys(list(mk())) == full
+    assert keys(list(mk(epoch=1))) != full
+    a = mk()
+    it = iter(a)
+    head = [next(it) for _ in range(3)]
+    state = a.state_dict()
+    assert state == {"seed": 3, "epoch": 0, "cursor": 12, "global_batch_size": 4}
+    b = mk()
+    b.load_state_dict(state)
+    assert keys(head) + keys(list(b)) == full
+    # Two ranks of batch 2 (same global batch) continue the same global order.
+    parts = []
+    for r in range(2):
+        l = saev.ShuffledLoader(A21, layer=-1, batch_size=2, seed=3, order=order, rank=r, world_size=2)
+        l.load_state_dict(state)
+        parts.append(list(l))
+    tail = []
+    for g in range(len(parts[0])):
+        for p in parts:
+            if g < len(p):
+                tail += keys([p[g]])
+    assert keys(head) + tail == full
+
+
+def test_ordered_loader_and_drop_last():
+    l = saev.OrderedLoader(A21, layer=-2, batch_size=5)
+    batches = list(l)
+    assert len(l) == len(batches) == 6
+    assert keys(batches) == [(e, c) for e in range(7) for c in range(4)]
+    assert np.array_equal(batches[0]["act"][1], saev.open(A21).get(0, -2, 2))
+    l = saev.OrderedLoader(A21, layer=-2, batch_size=5, drop_last=True)
+    assert [b["act"].shape[0] for b in l] == [5] * 5
+    all_layers = next(iter(saev.OrderedLoader(A21, layer="all", tokens="all", batch_size=100)))
+    assert all_layers["act"].shape == (70, 8) and set(all_layers["layer"]) == {-2, -1}
+    labelled = next(iter(saev.OrderedLoader(C21, layer=3, batch_size=100)))
+    assert labelled["token_label"].tolist() == [(10 * (i // 4) + i % 4) % 7 for i in range(20)]
+
+
+def test_batches_are_zero_copy_views_of_rust_memory():
+    b = next(iter(saev.ShuffledLoader(A21, layer=-1, batch_size=8)))
+    act = b["act"]
+    assert not act.flags.owndata and act.flags.c_contiguous and act.flags.writeable
+    base = act.base
+    while isinstance(base, (np.ndarray, memoryview)):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    assert type(base).__name__ == "RustBuffer"
+    assert act.ctypes.data % 4096 == 0  # page-aligned Rust buffer, not a numpy copy
+
+
+def test_a_forked_child_opens_its_own_loader():
+    l = saev.ShuffledLoader(A21, layer=-1, batch_size=4, seed=1)
+    parent = keys(list(l))
+    it = iter(l)
+    next(it)
+    pid = os.fork()
+    if pid == 0:  # child: a fresh iteration works; the parent's iterator is refused, not hung
+        code = 0
+        try:
+            # Iterating continues from the loader's position (one batch was consumed).
+            if keys(list(l)) != parent[4:]:
+                code = 1
+            l.set_epoch(0)
+            if keys(list(l)) != parent:
+                code = 4
+            try:
+                next(it)
+                code = 2
+            except RuntimeError:
+                pass
+        except BaseException:
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert keys([next(it) for _ in range(2)]) == parent[4:12]
+
+
+def shardkit_threads():
+    n = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            n += Path(f"/proc/self/task/{t}/comm").read_text().startswith("shardkit-")
+        except OSError:
+            pass
+    return n
+
+
+def test_abandoned_iterators_stop_their_threads_and_memory_is_stable(tmp_path):
+    md = {**fixture_metadata(A21), "n_examples": 64, "max_tokens_per_shard": 160, "data": "big"}
+    with saev.Writer(tmp_path, md, progress=False) as w:
+        w.write(coded(64, 2, 5, 8))
+    l = saev.ShuffledLoader(w.path, layer=-1, batch_size=2, memory_budget=1 << 16)
+    for _ in range(20):
+        it = iter(l)
+        next(it)
+        it.close()
+        assert shardkit_threads() == 0
+    for _ in l:  # one epoch first: buffers and pools reach their steady size
+        pass
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    n = 0
+    while n < 1000:  # 128 batches per epoch
+        for _ in l:
+            n += 1
+            if n >= 1000:
+                break
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start
+    assert grown_kib < 64 * 1024, f"peak RSS grew by {grown_kib} KiB over 1000 batches"
