@@ -238,3 +238,39 @@ def test_abandoned_iterators_stop_their_threads_and_memory_is_stable(tmp_path):
                 break
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start
     assert grown_kib < 64 * 1024, f"peak RSS grew by {grown_kib} KiB over 1000 batches"
+
+
+def test_compat_classes_mirror_saev():
+    from shardkit.saev.compat import (
+        IndexedConfig, IndexedDataset, OrderedConfig, OrderedDataLoader, ShuffledConfig, ShuffledDataLoader,
+    )
+
+    dl = ShuffledDataLoader(ShuffledConfig(shards=str(A21), layer=-1, batch_size=8, seed=17))
+    first = list(dl)
+    assert sorted(k for b in first for k in zip(np.asarray(b["example_idx"]).tolist(), np.asarray(b["token_idx"]).tolist())) == [
+        (e, c) for e in range(7) for c in range(4)
+    ]
+    assert str(np.asarray(first[0]["example_idx"]).dtype) == "int32"
+    second = list(dl)  # each iteration is the next epoch: a different order
+    assert [np.asarray(b["example_idx"]).tolist() for b in first] != [np.asarray(b["example_idx"]).tolist() for b in second]
+    one_x = IndexedDataset(IndexedConfig(shard_root=str(A100), patches="image", layer=-2))
+    assert set(one_x[5]) == {"act", "image_i", "patch_i"} and len(one_x) == 28
+    ordered = list(OrderedDataLoader(OrderedConfig(shards=str(C21), layer=3, batch_size=8)))
+    assert np.asarray(ordered[0]["token_labels"]).tolist() == [0, 1, 2, 3, 3, 4, 5, 6]
+    with pytest.raises(NotImplementedError):
+        ShuffledDataLoader(ShuffledConfig(shards=str(A21), scale_norm=True))
+    with pytest.raises(RuntimeError, match="Activations are not saved"):
+        ShuffledDataLoader(ShuffledConfig(shards="/nonexistent"))
+
+
+def test_torch_iterable_dataset_splits_ranks_and_workers():
+    torch = pytest.importorskip("torch")
+    from shardkit.torch import SaevIterableDataset
+
+    seen = []
+    for rank in range(2):
+        ds = SaevIterableDataset(str(A21), layer=-1, batch_size=3, seed=2, rank=rank, world_size=2)
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        for b in dl:
+            seen += list(zip(b["example_idx"].tolist(), b["token_idx"].tolist()))
+    assert sorted(seen) == [(e, c) for e in range(7) for c in range(4)]

@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _shardkit as _core
-from ._shardkit import IncompleteDatasetError
+from .. import _shardkit as _core
+from .._shardkit import IncompleteDatasetError
 
 PathLike = Union[str, "os.PathLike[str]"]
 Batch = Dict[str, np.ndarray]
@@ -340,3 +340,4 @@ def validate(path: PathLike) -> Dict[str, Any]:
 def inspect(path: PathLike) -> Dict[str, Any]:
     """Version, shapes, layers, counts, sizes, completeness and hash recipe of a directory."""
     return json.loads(_core.inspect(os.fspath(path)))
+
