@@ -542,6 +542,20 @@ impl Loader {
         };
         self.inner.load_state(st).map_err(to_py)
     }
+    /// Runs the rest of the epoch entirely in Rust and returns the payload bytes (for
+    /// benchmarks: the same loader, process and page cache as a Python loop).
+    fn _drain(&self, py: Python<'_>) -> PyResult<u64> {
+        py.allow_threads(|| {
+            let mut bytes = 0u64;
+            for b in self.inner.iter()? {
+                let b = b?;
+                bytes += (b.n * b.d_model * 4) as u64;
+            }
+            Ok(bytes)
+        })
+        .map_err(to_py)
+    }
+
     /// Starts a pass over the rest of the epoch.
     fn iter(&self, py: Python<'_>) -> PyResult<BatchIter> {
         let it = py.allow_threads(|| self.inner.iter()).map_err(to_py)?;
