@@ -421,32 +421,34 @@ pub fn saev_read(
         if run("rand4k") {
             best(&mut r4k, rand4k(&files, 20_000)?);
         }
-        if run("ordered") {
-            best(
+        // The cold loaders, each evicted first; exact over its first GiB of payload.
+        for (name, label, order, max_bytes, runs) in [
+            (
+                "ordered",
+                "ordered (cold)",
+                Order::Sequential,
+                u64::MAX,
                 &mut ord,
-                keep(
-                    "ordered (cold)",
-                    loader_run(&ds_dir, Order::Sequential, &files, u64::MAX, true, 0)?,
-                ),
-            );
-        }
-        if run("block") {
-            best(
+            ),
+            (
+                "block",
+                "block shuffle (cold)",
+                Order::Block,
+                u64::MAX,
                 &mut blk,
-                keep(
-                    "block shuffle (cold)",
-                    loader_run(&ds_dir, Order::Block, &files, u64::MAX, true, 0)?,
-                ),
-            );
-        }
-        if run("exact") {
-            best(
+            ),
+            (
+                "exact",
+                "exact shuffle (cold)",
+                Order::Exact,
+                1 << 30,
                 &mut ex,
-                keep(
-                    "exact shuffle (cold)",
-                    loader_run(&ds_dir, Order::Exact, &files, 1 << 30, true, 0)?,
-                ),
-            );
+            ),
+        ] {
+            if run(name) {
+                let measured = loader_run(&ds_dir, order, &files, max_bytes, true, 0)?;
+                best(runs, keep(label, measured));
+            }
         }
     }
     if run("warm") {

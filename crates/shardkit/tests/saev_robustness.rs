@@ -22,17 +22,8 @@ use shardkit::Error;
 // Fixtures and helpers
 // ---------------------------------------------------------------------------------------------
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/saev")
-}
-
-const A_100: &str = "v1.0.0/bc87c00f08bd7bd69b6e64ca1b636ebf86e1ad452a520fa6032818b728a53b47";
-const B_100: &str = "v1.0.0/abbe30ad92e85b5b2346422cd3fe5d77198b6eb50315ea9f9fac35305004416a";
-const A_20: &str = "v2.0/eec1d7ba782d48ff23cf8e88b9a79fe637f800b9d56a9b16f2bd03bfcb7a8401";
-const CRASHED_20: &str = "v2.0/36f76cd85cfb77f6ae191c8994a7e313994553017475db89e31564e3464623af";
-const A_21: &str = "v2.1/aa57b80c";
-const B_21: &str = "v2.1/1acdd127";
-const C_21: &str = "v2.1/e64e5d2c";
+mod common;
+use common::*;
 const ALL_FIXTURES: [&str; 7] = [A_100, B_100, A_20, CRASHED_20, A_21, B_21, C_21];
 
 /// Copies a fixture directory (read-only files) into `root`, writable, under its own name.
