@@ -12,6 +12,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod flat_tokens;
 pub mod fsutil;
 pub mod json;
 pub mod saev;
