@@ -9,7 +9,16 @@
 //!
 //! Reference: seqax `docs/flat-tokens.md`, `tools/flat_tokens.py`, `input_loader.py`; exact
 //! behaviour in `shared/formats/flat_tokens.md`. This module so far holds the format-independent
-//! parts: seqax's shuffle ([`seqax`]) and the decoding of rows into model inputs ([`decode`]).
+//! parts: seqax's shuffle ([`seqax`]) and the decoding of rows into model inputs ([`decode`]),
+//! and, with the `zarr` feature, reading and validating a split through `zarrs` ([`Split`],
+//! with seqax's numcodecs `delta` filter in [`delta`]).
 
 pub mod decode;
+#[cfg(feature = "zarr")]
+pub mod delta;
 pub mod seqax;
+#[cfg(feature = "zarr")]
+mod split;
+
+#[cfg(feature = "zarr")]
+pub use split::Split;
