@@ -16,9 +16,13 @@
 pub mod decode;
 #[cfg(feature = "zarr")]
 pub mod delta;
+#[cfg(feature = "zarr")]
+mod loader;
 pub mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
 
+#[cfg(feature = "zarr")]
+pub use loader::{Packing, TokenBatch, TokenLoader};
 #[cfg(feature = "zarr")]
 pub use split::Split;

@@ -5,16 +5,24 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use zarrs::array::chunk_cache::{ChunkCache, ChunkCacheDecodedLruChunkLimit};
+use zarrs::array::codec::api::CodecOptions;
 use zarrs::array::{data_type, Array, ArraySubset};
 use zarrs::filesystem::FilesystemStore;
 use zarrs::group::Group;
+use zarrs::storage::ReadableStorageTraits;
+
+/// Decoded `encoded_tokens` chunks kept: rows of a step mostly fall in few chunks, and a v2
+/// chunk (4 Mi tokens) must be decoded whole.
+const CACHED_CHUNKS: u64 = 4;
 
 use crate::error::{Error, Result};
 
 /// An opened split: `encoded_tokens` (uint32) and `seq_starts` (uint64, held in memory).
 pub struct Split {
     path: PathBuf,
-    tokens: Array<FilesystemStore>,
+    tokens: Arc<Array<dyn ReadableStorageTraits>>,
+    cache: ChunkCacheDecodedLruChunkLimit,
     seq_starts: Vec<u64>,
     max_token_id: u64,
     completed: bool,
@@ -53,7 +61,8 @@ impl Split {
         }
         super::delta::register();
         let path = root.join(split);
-        let store = Arc::new(FilesystemStore::new(root).map_err(|e| zerr(root, "store", e))?);
+        let store: Arc<dyn ReadableStorageTraits> =
+            Arc::new(FilesystemStore::new(root).map_err(|e| zerr(root, "store", e))?);
         let group = Group::open(store.clone(), &format!("/{split}"))
             .map_err(|e| zerr(&path, "not a zarr group (is the split missing?)", e))?;
         let max_token_id = group
@@ -95,9 +104,12 @@ impl Split {
         let seq_starts: Vec<u64> = starts
             .retrieve_array_subset(&starts.subset_all())
             .map_err(|e| zerr(&path.join("seq_starts"), "cannot read", e))?;
+        let tokens = Arc::new(tokens);
+        let cache = ChunkCacheDecodedLruChunkLimit::new(tokens.clone(), CACHED_CHUNKS);
         Ok(Split {
             path,
             tokens,
+            cache,
             seq_starts,
             max_token_id,
             completed,
@@ -139,8 +151,8 @@ impl Split {
             });
         }
         let subset = ArraySubset::new_with_ranges(&[range]);
-        self.tokens
-            .retrieve_array_subset(&subset)
+        self.cache
+            .retrieve_array_subset::<Vec<u32>>(&subset, &CodecOptions::default())
             .map_err(|e| zerr(&self.path.join("encoded_tokens"), "cannot read", e))
     }
 
