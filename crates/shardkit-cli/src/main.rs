@@ -8,6 +8,7 @@ mod bench;
 mod npy;
 mod plot;
 mod saev_cmd;
+mod tokens_cmd;
 
 /// Exact, crash-safe, fast access to ML training caches.
 #[derive(Parser)]
@@ -23,6 +24,9 @@ enum Cmd {
     /// saev Sharded Activation File Protocol directories.
     #[command(subcommand)]
     Saev(saev_cmd::SaevCmd),
+    /// flat-tokens (seqax) zarr datasets.
+    #[command(subcommand)]
+    Tokens(tokens_cmd::TokensCmd),
     /// Measurements that print JSON with the ceiling measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -33,6 +37,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Saev(c) => saev_cmd::run(c),
+        Cmd::Tokens(c) => tokens_cmd::run(c),
         Cmd::Bench(c) => bench::run(c).map(|_| true),
     };
     match result {
