@@ -79,6 +79,26 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
     }
 }
 
+/// Bytes of one example of the benchmark shape: 2 layers x (256 patches + CLS) x 1024 floats.
+const VIT_L_EXAMPLE_BYTES: u64 = 2 * 257 * 1024 * 4;
+
+/// A synthetic ViT-L-shaped saev dataset of `examples` examples (at least one) under `out`.
+fn vit_l(out: PathBuf, examples: u64, resume: bool) -> SynthArgs {
+    SynthArgs {
+        out,
+        examples: examples.max(1),
+        layers: vec![-2, -1],
+        content_tokens: 256,
+        no_cls: false,
+        d_model: 1024,
+        budget: None,
+        protocol: "2.1".into(),
+        labels: false,
+        npy: false,
+        resume,
+    }
+}
+
 fn flush_page_cache() {
     // SAFETY: sync(2) has no arguments and cannot fail.
     unsafe { libc::sync() };
@@ -127,28 +147,15 @@ fn writer_run(root: &Path, args: &SynthArgs, batch: &[f32]) -> Result<(f64, u64)
 
 fn saev_write(dir: &Path, size_mib: u64, rounds: u32, as_json: bool) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-    let args = SynthArgs {
-        out: dir.to_path_buf(),
-        examples: 0,
-        layers: vec![-2, -1],
-        content_tokens: 256,
-        no_cls: false,
-        d_model: 1024,
-        budget: None,
-        protocol: "2.1".into(),
-        labels: false,
-        npy: false,
-        resume: false,
-    };
-    let example_bytes = 2 * 257 * 1024 * 4u64;
-    let args = SynthArgs {
-        examples: ((size_mib << 20) / example_bytes).max(1),
-        ..args
-    };
+    let args = vit_l(
+        dir.to_path_buf(),
+        (size_mib << 20) / VIT_L_EXAMPLE_BYTES,
+        false,
+    );
     let mut batch = Vec::new();
     coded_block(0, 32, 2, 257, 1024, &mut batch);
     let ceiling_file = dir.join("ceiling.tmp");
-    let bytes = args.examples * example_bytes;
+    let bytes = args.examples * VIT_L_EXAMPLE_BYTES;
 
     // One unmeasured warm-up of each, then alternate so drift hits both equally.
     ceiling_run(&ceiling_file, bytes)?;
@@ -354,21 +361,8 @@ pub fn saev_read(
 ) -> Result<Value> {
     let run = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
     use shardkit::engine::Order;
-    let example_bytes = 2 * 257 * 1024 * 4u64;
-    let examples = ((size_gib * (1u64 << 30) as f64) as u64 / example_bytes).max(1);
-    let args = SynthArgs {
-        out: dir.join("saev/shards"),
-        examples,
-        layers: vec![-2, -1],
-        content_tokens: 256,
-        no_cls: false,
-        d_model: 1024,
-        budget: None,
-        protocol: "2.1".into(),
-        labels: false,
-        npy: false,
-        resume: true,
-    };
+    let examples = (size_gib * (1u64 << 30) as f64) as u64 / VIT_L_EXAMPLE_BYTES;
+    let args = vit_l(dir.join("saev/shards"), examples, true);
     let md = synth_metadata(&args)?;
     let ds_dir = args.out.join(md.dir_name());
     if shardkit::saev::Dataset::open(&ds_dir).is_err() {

@@ -362,6 +362,14 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
         md.d_model(),
         md.content_tokens_per_example(),
     );
+    if args.labels.is_some() && md.major() == 1 {
+        // Refuse before anything is created, so the corrected command starts cleanly.
+        return Err(Error::Invalid(
+            "protocol 1.0.0 has no labels.bin (labels arrived with 1.1): write protocol 2.0 or \
+             2.1 to store labels, or drop --labels"
+                .into(),
+        ));
+    }
     let acts = NpyArray::open(&args.acts)?;
     if acts.dtype != Dtype::F32 || acts.shape != [n, l, t, d] {
         return Err(Error::format(
