@@ -21,6 +21,10 @@ pub enum Dtype {
     U8,
     /// `<i8`
     I64,
+    /// `<i4`
+    I32,
+    /// `|b1`
+    Bool,
 }
 
 impl Dtype {
@@ -29,6 +33,8 @@ impl Dtype {
             Dtype::F32 => "<f4",
             Dtype::U8 => "|u1",
             Dtype::I64 => "<i8",
+            Dtype::I32 => "<i4",
+            Dtype::Bool => "|b1",
         }
     }
     fn size(self) -> usize {
@@ -36,6 +42,8 @@ impl Dtype {
             Dtype::F32 => 4,
             Dtype::U8 => 1,
             Dtype::I64 => 8,
+            Dtype::I32 => 4,
+            Dtype::Bool => 1,
         }
     }
 }

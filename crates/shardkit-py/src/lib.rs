@@ -33,7 +33,9 @@ fn to_py(e: shardkit::Error) -> PyErr {
         shardkit::Error::NotFound { .. } => PyFileNotFoundError::new_err(msg),
         shardkit::Error::Io { .. } => PyOSError::new_err(msg),
         shardkit::Error::Exists { .. } => PyFileExistsError::new_err(msg),
-        shardkit::Error::Incomplete { .. } => IncompleteDatasetError::new_err(msg),
+        shardkit::Error::Incomplete { .. } | shardkit::Error::Interrupted { .. } => {
+            IncompleteDatasetError::new_err(msg)
+        }
         shardkit::Error::OutOfRange { .. } => PyIndexError::new_err(msg),
         shardkit::Error::Format { .. }
         | shardkit::Error::Invalid(_)

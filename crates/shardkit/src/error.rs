@@ -46,6 +46,15 @@ pub enum Error {
         /// Why it is incomplete.
         detail: String,
     },
+    /// A dataset whose writer started and did not finish (crashed, killed, or still running);
+    /// resuming the write completes it.
+    #[error("{}: interrupted write: {detail}", path.display())]
+    Interrupted {
+        /// The dataset (or split) directory.
+        path: PathBuf,
+        /// What is present and how to continue.
+        detail: String,
+    },
     /// The destination already holds something that must not be overwritten.
     #[error("{}: {why}", path.display())]
     Exists {

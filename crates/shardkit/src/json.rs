@@ -64,6 +64,34 @@ impl Value {
         }
     }
 
+    /// The same value with every object's keys sorted, as Python's `sort_keys=True` orders them
+    /// (by code point, which is UTF-8 byte order).
+    pub fn sorted(&self) -> Value {
+        match self {
+            Value::Array(items) => Value::Array(items.iter().map(Value::sorted).collect()),
+            Value::Object(members) => {
+                let mut m: Vec<(String, Value)> = members
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.sorted()))
+                    .collect();
+                m.sort_by(|a, b| a.0.cmp(&b.0));
+                Value::Object(m)
+            }
+            v => v.clone(),
+        }
+    }
+
+    /// Sets member `key` of an object (replacing it in place, or appending it); a no-op on
+    /// other values.
+    pub fn set(&mut self, key: &str, value: Value) {
+        if let Value::Object(m) = self {
+            match m.iter_mut().find(|(k, _)| k == key) {
+                Some((_, v)) => *v = value,
+                None => m.push((key.to_string(), value)),
+            }
+        }
+    }
+
     /// A short name of the value's type, for error messages.
     pub fn type_name(&self) -> &'static str {
         match self {

@@ -1,28 +1,46 @@
 //! flat-tokens (MatX seqax): token datasets as a zarr group.
 //!
 //! ```text
-//! DS.zarr/{train,validation}/
-//!     encoded_tokens   uint32[token_count]   id*2+1 at a sequence start, id*2 otherwise
-//!     seq_starts       uint64[seq_count+1]   0, non-decreasing, ..., token_count
-//!     (attribute max_token_id on the split group)
+//! DS.zarr/                 root group (shardkit writers add write_completed: true when done)
+//!   {train,validation}/    split groups, attribute max_token_id (running maximum of ids)
+//!     encoded_tokens       uint32[token_count]   id*2+1 at a sequence start, id*2 otherwise
+//!     seq_starts           uint64[seq_count+1]   0, non-decreasing, ..., token_count
 //! ```
 //!
 //! Reference: seqax `docs/flat-tokens.md`, `tools/flat_tokens.py`, `input_loader.py`; exact
-//! behaviour in `shared/formats/flat_tokens.md`. This module so far holds the format-independent
-//! parts: seqax's shuffle ([`seqax`]) and the decoding of rows into model inputs ([`decode`]),
-//! and, with the `zarr` feature, reading and validating a split through `zarrs` ([`Split`],
-//! with seqax's numcodecs `delta` filter in [`delta`]).
+//! behaviour in `shared/formats/flat_tokens.md`. seqax writes zarr v2 with blosc and a numcodecs
+//! `delta` filter on `seq_starts` ([`delta`] registers it with zarrs).
+//!
+//! * [`Writer`] appends sequences in any number of calls, in seqax's v2 layout or sharded v3
+//!   ([`Layout`]), crash-safely, with resume.
+//! * [`Split`] reads and validates one split; datasets without shardkit's completion marker
+//!   are validated in full before they are served.
+//! * [`TokenLoader`] serves any step of seqax's shuffled order directly ([`seqax`]), packed or
+//!   one document per row, decoded into model inputs ([`decode`]), split across hosts, and
+//!   optionally over several epochs.
 
 pub mod decode;
 #[cfg(feature = "zarr")]
 pub mod delta;
 #[cfg(feature = "zarr")]
+mod layout;
+#[cfg(feature = "zarr")]
 mod loader;
 pub mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
+#[cfg(feature = "zarr")]
+mod store;
+#[cfg(feature = "zarr")]
+mod writer;
 
 #[cfg(feature = "zarr")]
-pub use loader::{Packing, TokenBatch, TokenLoader};
+pub use layout::{Layout, Sharded};
+#[cfg(feature = "zarr")]
+pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader};
 #[cfg(feature = "zarr")]
 pub use split::Split;
+#[cfg(feature = "zarr")]
+pub use store::{Completion, ZarrFormat};
+#[cfg(feature = "zarr")]
+pub use writer::{mark_complete, WriteSummary, Writer, WriterOptions, MAX_TOKEN_ID};

@@ -162,6 +162,9 @@ pub struct ShuffleParams {
 #[derive(Debug, Clone)]
 pub struct Schedule {
     p: ShuffleParams,
+    /// The seed of this epoch's permutations: `seed + epoch * 2^64` (epoch 0 is seqax's).
+    base_seed: u128,
+    epoch: u64,
     rbc: u64,
     step_count: u64,
     minipochs: u64,
@@ -174,8 +177,16 @@ pub struct Schedule {
 type BufferPerms = HashMap<(u64, u64), Arc<Vec<u32>>>;
 
 impl Schedule {
-    /// The schedule over `n_seq` sequences (packed rows or documents).
+    /// seqax's schedule over `n_seq` sequences (packed rows or documents).
     pub fn new(n_seq: u64, p: ShuffleParams) -> Result<Schedule> {
+        Schedule::for_epoch(n_seq, p, 0)
+    }
+
+    /// The schedule of epoch `epoch`: seqax's with the seed `seed + epoch * 2^64`. Epoch 0 is
+    /// exactly seqax's order; later epochs are new orders that seqax itself reproduces when
+    /// given that (arbitrary-precision) seed. Within epoch 0 the derived seeds
+    /// `seed + 1 + m*S + s` stay below 2^64 + 2^33, so epochs never share a permutation seed.
+    pub fn for_epoch(n_seq: u64, p: ShuffleParams, epoch: u64) -> Result<Schedule> {
         let (s, r, b) = (
             p.streams,
             p.read_blocks_per_shuffle_buffer,
@@ -209,13 +220,29 @@ impl Schedule {
                 p.batch
             )));
         }
+        let buffer = r.min(rbc / s) * b;
+        if buffer > u64::from(u32::MAX) {
+            return Err(Error::Invalid(format!(
+                "a shuffle buffer of {r} read blocks of {b} sequences ({buffer}) exceeds seqax's \
+                 limit of 2^32 - 1 sequences; lower read_blocks_per_shuffle_buffer or \
+                 sequences_per_read_block"
+            )));
+        }
+        if epoch >= 1 << 62 {
+            return Err(Error::Invalid(format!(
+                "epoch {epoch} is too large (at most 2^62 - 1)"
+            )));
+        }
+        let base_seed = u128::from(p.seed) + (u128::from(epoch) << 64);
         Ok(Schedule {
             p,
+            base_seed,
+            epoch,
             rbc,
             step_count,
             minipochs: rbc.div_ceil(s * r),
             bips: p.batch / s,
-            p0: Arc::new(perm(u128::from(p.seed), rbc as usize)),
+            p0: Arc::new(perm(base_seed, rbc as usize)),
             buffers: Arc::default(),
         })
     }
@@ -239,6 +266,10 @@ impl Schedule {
     pub fn params(&self) -> &ShuffleParams {
         &self.p
     }
+    /// The epoch this schedule orders.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
 
     fn buffer_perm(&self, m: u64, s: u64) -> Arc<Vec<u32>> {
         let mut cache = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
@@ -255,7 +286,7 @@ impl Schedule {
         } else {
             self.rbc / sn - r * m
         };
-        let seed = u128::from(self.p.seed) + 1 + u128::from(m) * u128::from(sn) + u128::from(s);
+        let seed = self.base_seed + 1 + u128::from(m) * u128::from(sn) + u128::from(s);
         let p = Arc::new(perm(seed, (blocks_m * b) as usize));
         // Keep the cache small: a stream moves through minipochs in order.
         if cache.len() > 4 * sn as usize {

@@ -1,5 +1,10 @@
-//! One split (`train` or `validation`) of a flat-tokens dataset, read through zarrs and
-//! validated against every invariant of the format (flat_tokens.md §2.3, §9.3).
+//! One split (`train` or `validation`) of a flat-tokens dataset, read through zarrs and checked
+//! against every invariant of the format (flat_tokens.md §2.3, §9.3).
+//!
+//! Opening reads metadata only (plus two `seq_starts` entries for a marked dataset), so it is
+//! fast whatever the size; `seq_starts` is read on demand, like the tokens. Sharded arrays are
+//! read by inner chunk (partial decoding, shard indexes cached); other arrays by whole chunk
+//! through a small cache of decoded chunks (a seqax v2 chunk must be decoded whole anyway).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -7,31 +12,143 @@ use std::sync::Arc;
 
 use zarrs::array::chunk_cache::{ChunkCache, ChunkCacheDecodedLruChunkLimit};
 use zarrs::array::codec::api::CodecOptions;
-use zarrs::array::{data_type, Array, ArraySubset};
+use zarrs::array::{
+    data_type, Array, ArrayShardedExt, ArrayShardedReadableExt, ArrayShardedReadableExtCache,
+    ArraySubset, ElementOwned,
+};
 use zarrs::filesystem::FilesystemStore;
 use zarrs::group::Group;
-use zarrs::storage::ReadableStorageTraits;
+use zarrs::storage::{ReadableStorageTraits, StoreKey};
 
-/// Decoded `encoded_tokens` chunks kept: rows of a step mostly fall in few chunks, and a v2
-/// chunk (4 Mi tokens) must be decoded whole.
-const CACHED_CHUNKS: u64 = 4;
-
+use super::store::{Completion, ZarrFormat};
 use crate::error::{Error, Result};
 
-/// An opened split: `encoded_tokens` (uint32) and `seq_starts` (uint64, held in memory).
+/// Decoded whole chunks kept per array (unsharded arrays only): the rows of a step mostly fall
+/// in few chunks.
+const CACHED_CHUNKS: u64 = 4;
+/// Shards whose index stays cached before the cache is reset (bounds its memory).
+const CACHED_SHARD_INDEXES: usize = 1024;
+/// Elements read at a time when scanning a whole array.
+const SCAN_PIECE: u64 = 1 << 22;
+
+type Storage = dyn ReadableStorageTraits;
+
+/// One 1-D array with the access path that suits its layout.
+struct Column {
+    array: Arc<Array<Storage>>,
+    path: PathBuf,
+    access: Access,
+}
+
+enum Access {
+    Sharded(ArrayShardedReadableExtCache),
+    Chunked(ChunkCacheDecodedLruChunkLimit),
+}
+
+impl Column {
+    fn new(array: Array<Storage>, path: PathBuf) -> Column {
+        let array = Arc::new(array);
+        let access = if array.is_sharded() {
+            Access::Sharded(ArrayShardedReadableExtCache::new(&array))
+        } else {
+            Access::Chunked(ChunkCacheDecodedLruChunkLimit::new(
+                array.clone(),
+                CACHED_CHUNKS,
+            ))
+        };
+        Column {
+            array,
+            path,
+            access,
+        }
+    }
+
+    fn len(&self) -> u64 {
+        self.array.shape()[0]
+    }
+
+    fn read<T: ElementOwned>(&self, range: Range<u64>, what: &'static str) -> Result<Vec<T>> {
+        if range.start > range.end || range.end > self.len() {
+            return Err(Error::OutOfRange {
+                what,
+                index: range.end.min(i64::MAX as u64) as i64,
+                len: self.len(),
+            });
+        }
+        if range.is_empty() {
+            return Ok(Vec::new());
+        }
+        let subset = ArraySubset::new_with_ranges(&[range]);
+        let opts = CodecOptions::default();
+        let r = match &self.access {
+            Access::Sharded(cache) => {
+                if cache.len() > CACHED_SHARD_INDEXES {
+                    cache.clear();
+                }
+                self.array
+                    .retrieve_array_subset_sharded_opt::<Vec<T>>(cache, &subset, &opts)
+            }
+            Access::Chunked(cache) => cache.retrieve_array_subset::<Vec<T>>(&subset, &opts),
+        };
+        r.map_err(|e| Error::format(&self.path, format!("cannot read: {e}")))
+    }
+}
+
+/// Checks that `a` is 1-D uint32 (`tokens`) or uint64.
+pub(crate) fn check_dtype<S: ?Sized>(a: &Array<S>, path: &Path, tokens: bool) -> Result<()> {
+    let (dt, name) = if tokens {
+        (data_type::uint32(), "uint32")
+    } else {
+        (data_type::uint64(), "uint64")
+    };
+    if a.shape().len() != 1 || *a.data_type() != dt {
+        return Err(Error::format(
+            path,
+            format!(
+                "must be a 1-D {name} array; found shape {:?} of {}",
+                a.shape(),
+                a.data_type()
+                    .name_v3()
+                    .map(|n| n.into_owned())
+                    .unwrap_or_else(|| format!("{:?}", a.data_type()))
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The split group's `max_token_id`: a non-negative integer.
+pub(crate) fn max_token_id_attr<S: ?Sized>(g: &Group<S>, path: &Path) -> Result<u64> {
+    match g.attributes().get("max_token_id") {
+        None => Err(Error::format(
+            path,
+            "the split group has no `max_token_id` attribute",
+        )),
+        Some(v) => v.as_u64().ok_or_else(|| {
+            Error::format(
+                path,
+                format!("`max_token_id` must be a non-negative integer, found {v}"),
+            )
+        }),
+    }
+}
+
+/// An opened split: `encoded_tokens` (uint32) and `seq_starts` (uint64).
 pub struct Split {
     path: PathBuf,
-    tokens: Arc<Array<dyn ReadableStorageTraits>>,
-    cache: ChunkCacheDecodedLruChunkLimit,
-    seq_starts: Vec<u64>,
+    format: ZarrFormat,
+    completion: Completion,
+    tokens: Column,
+    starts: Column,
     max_token_id: u64,
-    completed: bool,
 }
 
 impl std::fmt::Debug for Split {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Split")
             .field("path", &self.path)
+            .field("format", &self.format)
+            .field("completion", &self.completion)
             .field("token_count", &self.token_count())
             .field("seq_count", &self.seq_count())
             .field("max_token_id", &self.max_token_id)
@@ -39,177 +156,286 @@ impl std::fmt::Debug for Split {
     }
 }
 
+fn check_split_name(split: &str) -> Result<()> {
+    if split != "train" && split != "validation" {
+        return Err(Error::Invalid(format!(
+            "split must be \"train\" or \"validation\", got {split:?}"
+        )));
+    }
+    Ok(())
+}
+
 fn zerr(path: &Path, what: &str, e: impl std::fmt::Display) -> Error {
     Error::format(path, format!("{what}: {e}"))
 }
 
 impl Split {
-    /// Opens `split` of the dataset at `root`, checking names, dtypes and shapes; seqax's
-    /// numcodecs `delta` filter is supported.
+    /// Opens `split` of the dataset at `root` for reading.
+    ///
+    /// A dataset a shardkit writer finished (`write_completed: true`) opens after cheap checks;
+    /// one it left unfinished is refused ([`Error::Interrupted`]); one without the marker
+    /// (seqax's) opens only if it passes [`Split::validate`] in full, which reads every token —
+    /// `shardkit tokens validate --mark` does that once and marks it.
     pub fn open(root: impl AsRef<Path>, split: &str) -> Result<Split> {
+        let s = Self::open_unvalidated(root, split)?;
+        s.check_servable()?;
+        Ok(s)
+    }
+
+    /// Opens `split` from any zarrs store (`root` labels paths in messages); the same rules as
+    /// [`Split::open`].
+    pub fn open_in_store(store: Arc<Storage>, root: &Path, split: &str) -> Result<Split> {
+        let s = Self::from_store(store, root, split)?;
+        s.check_servable()?;
+        Ok(s)
+    }
+
+    /// Opens without the completion and content checks (structure, names and dtypes are still
+    /// checked): for validation and inspection.
+    pub fn open_unvalidated(root: impl AsRef<Path>, split: &str) -> Result<Split> {
         let root = root.as_ref();
-        if split != "train" && split != "validation" {
-            return Err(Error::Invalid(format!(
-                "split must be \"train\" or \"validation\", got {split:?}"
-            )));
-        }
+        check_split_name(split)?;
         if !root.is_dir() {
             return Err(Error::NotFound {
                 path: root.to_path_buf(),
-                what: "not a directory; expected a flat-tokens zarr group".into(),
+                what: "not a directory; expected a flat-tokens dataset (a zarr group)".into(),
             });
         }
+        let store: Arc<Storage> =
+            Arc::new(FilesystemStore::new(root).map_err(|e| zerr(root, "store", e))?);
+        Self::from_store(store, root, split)
+    }
+
+    fn from_store(store: Arc<Storage>, root: &Path, split: &str) -> Result<Split> {
+        check_split_name(split)?;
         super::delta::register();
         let path = root.join(split);
-        let store: Arc<dyn ReadableStorageTraits> =
-            Arc::new(FilesystemStore::new(root).map_err(|e| zerr(root, "store", e))?);
+        let has = |k: &str| {
+            StoreKey::new(k)
+                .ok()
+                .and_then(|k| store.size_key(&k).ok().flatten())
+                .is_some()
+        };
+        let format = if has("zarr.json") {
+            ZarrFormat::V3
+        } else if has(".zgroup") {
+            ZarrFormat::V2
+        } else {
+            return Err(Error::format(
+                root,
+                "not a zarr group (no zarr.json or .zgroup); expected a flat-tokens dataset",
+            ));
+        };
+        let completion = Completion::read(store.clone());
         let group = Group::open(store.clone(), &format!("/{split}"))
-            .map_err(|e| zerr(&path, "not a zarr group (is the split missing?)", e))?;
-        let max_token_id = group
-            .attributes()
-            .get("max_token_id")
-            .and_then(|v| v.as_u64())
-            .ok_or_else(|| {
-                Error::format(
-                    &path,
-                    "the split group has no integer `max_token_id` attribute",
-                )
-            })?;
-        let completed = Group::open(store.clone(), "/")
-            .ok()
-            .and_then(|g| {
-                g.attributes()
-                    .get("write_completed")
-                    .and_then(|v| v.as_bool())
-            })
-            .unwrap_or(false);
-        let open = |name: &str, dt: zarrs::array::DataType, dt_name: &str| {
+            .map_err(|e| zerr(&path, "the split is missing or not a zarr group", e))?;
+        let max_token_id = max_token_id_attr(&group, &path)?;
+        let open = |name: &str, tokens: bool| -> Result<Column> {
             let p = path.join(name);
             let a = Array::open(store.clone(), &format!("/{split}/{name}"))
                 .map_err(|e| zerr(&p, "cannot open the array", e))?;
-            if a.shape().len() != 1 || *a.data_type() != dt {
-                return Err(Error::format(
-                    &p,
-                    format!(
-                        "must be a 1-D {dt_name} array; found shape {:?} of {:?}",
-                        a.shape(),
-                        a.data_type()
-                    ),
-                ));
-            }
-            Ok(a)
+            check_dtype(&a, &p, tokens)?;
+            Ok(Column::new(a, p))
         };
-        let tokens = open("encoded_tokens", data_type::uint32(), "uint32")?;
-        let starts = open("seq_starts", data_type::uint64(), "uint64")?;
-        let seq_starts: Vec<u64> = starts
-            .retrieve_array_subset(&starts.subset_all())
-            .map_err(|e| zerr(&path.join("seq_starts"), "cannot read", e))?;
-        let tokens = Arc::new(tokens);
-        let cache = ChunkCacheDecodedLruChunkLimit::new(tokens.clone(), CACHED_CHUNKS);
+        let tokens = open("encoded_tokens", true)?;
+        let starts = open("seq_starts", false)?;
+        if starts.len() == 0 {
+            return Err(Error::format(
+                &starts.path,
+                "is empty; it must hold at least the initial 0",
+            ));
+        }
         Ok(Split {
             path,
+            format,
+            completion,
             tokens,
-            cache,
-            seq_starts,
+            starts,
             max_token_id,
-            completed,
         })
+    }
+
+    fn check_servable(&self) -> Result<()> {
+        match self.completion {
+            Completion::Interrupted => Err(Error::Interrupted {
+                path: self.path.clone(),
+                detail: format!(
+                    "the dataset's write_completed is false: a shardkit write did not finish \
+                     (this split has {} sequences committed); resume it to complete the dataset",
+                    self.seq_count()
+                ),
+            }),
+            Completion::Complete => {
+                let first = self.seq_starts(0..1)?[0];
+                let n = self.starts.len();
+                let last = self.seq_starts(n - 1..n)?[0];
+                if first != 0 || last != self.token_count() {
+                    return Err(Error::format(
+                        &self.path,
+                        format!(
+                            "seq_starts runs from {first} to {last}; it must run from 0 to \
+                             token_count {}",
+                            self.token_count()
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+            Completion::Unmarked => {
+                let problems = self.validate();
+                if problems.is_empty() {
+                    Ok(())
+                } else {
+                    Err(Error::format(
+                        &self.path,
+                        format!(
+                            "not served: the dataset has no completion marker and fails \
+                             validation: {}",
+                            problems.join("; ")
+                        ),
+                    ))
+                }
+            }
+        }
     }
 
     /// The split's directory.
     pub fn path(&self) -> &Path {
         &self.path
     }
+    /// The dataset's zarr format.
+    pub fn format(&self) -> ZarrFormat {
+        self.format
+    }
+    /// What the root's completion marker says.
+    pub fn completion(&self) -> Completion {
+        self.completion
+    }
+    /// Whether the root carries `write_completed: true` (seqax data never does).
+    pub fn is_marked_complete(&self) -> bool {
+        self.completion == Completion::Complete
+    }
     /// Tokens in the split.
     pub fn token_count(&self) -> u64 {
-        self.tokens.shape()[0]
+        self.tokens.len()
     }
     /// Sequences (documents) in the split.
     pub fn seq_count(&self) -> u64 {
-        self.seq_starts.len().saturating_sub(1) as u64
-    }
-    /// `seq_starts` (sequences + 1 entries).
-    pub fn seq_starts(&self) -> &[u64] {
-        &self.seq_starts
+        self.starts.len() - 1
     }
     /// The `max_token_id` attribute.
     pub fn max_token_id(&self) -> u64 {
         self.max_token_id
     }
-    /// Whether the root carries shardkit's `write_completed: true` (seqax data never does).
-    pub fn is_marked_complete(&self) -> bool {
-        self.completed
+    /// Whether `encoded_tokens` is sharded (read by inner chunk).
+    pub fn is_sharded(&self) -> bool {
+        matches!(self.tokens.access, Access::Sharded(_))
+    }
+
+    /// Entries `range` of `seq_starts` (`seq_count + 1` entries in all).
+    pub fn seq_starts(&self, range: Range<u64>) -> Result<Vec<u64>> {
+        self.starts.read(range, "seq_starts entry")
+    }
+
+    /// The token range of document `i`.
+    pub fn document(&self, i: u64) -> Result<Range<u64>> {
+        if i >= self.seq_count() {
+            return Err(Error::OutOfRange {
+                what: "sequence",
+                index: i.min(i64::MAX as u64) as i64,
+                len: self.seq_count(),
+            });
+        }
+        let s = self.seq_starts(i..i + 2)?;
+        if s[1] < s[0] || s[1] > self.token_count() {
+            return Err(Error::format(
+                &self.starts.path,
+                format!(
+                    "sequence {i} spans {}..{}, outside 0..{}",
+                    s[0],
+                    s[1],
+                    self.token_count()
+                ),
+            ));
+        }
+        Ok(s[0]..s[1])
     }
 
     /// Encoded tokens `range`.
     pub fn encoded(&self, range: Range<u64>) -> Result<Vec<u32>> {
-        if range.end > self.token_count() || range.start > range.end {
-            return Err(Error::OutOfRange {
-                what: "token",
-                index: range.end.min(i64::MAX as u64) as i64,
-                len: self.token_count(),
-            });
+        self.tokens.read(range, "token")
+    }
+
+    /// The token ids of document `i` (decoded: `enc >> 1`).
+    pub fn ids(&self, i: u64) -> Result<Vec<u32>> {
+        let mut v = self.encoded(self.document(i)?)?;
+        for x in &mut v {
+            *x >>= 1;
         }
-        let subset = ArraySubset::new_with_ranges(&[range]);
-        self.cache
-            .retrieve_array_subset::<Vec<u32>>(&subset, &CodecOptions::default())
-            .map_err(|e| zerr(&self.path.join("encoded_tokens"), "cannot read", e))
+        Ok(v)
     }
 
     /// Every violation of the format's invariants (empty when valid): `seq_starts` starts at 0,
-    /// never decreases and ends at `token_count`; start bits sit exactly at sequence starts;
-    /// every id is at most `max_token_id`, itself below 2^31.
+    /// never decreases and ends at `token_count`; start bits sit exactly at the distinct
+    /// sequence starts below `token_count`; every id is at most `max_token_id`, itself below
+    /// 2^31. Both arrays are streamed, so memory stays small whatever the size.
     pub fn validate(&self) -> Vec<String> {
         let mut problems = Vec::new();
-        let s = &self.seq_starts;
+        if let Err(e) = self.scan(&mut problems) {
+            problems.push(e.to_string());
+        }
+        problems
+    }
+
+    fn scan(&self, problems: &mut Vec<String>) -> Result<()> {
         let n = self.token_count();
-        if s.first() != Some(&0) {
-            problems.push(format!("seq_starts[0] is {:?}, must be 0", s.first()));
-        }
-        if s.last() != Some(&n) {
-            problems.push(format!(
-                "seq_starts[-1] is {:?}, must equal token_count {n}",
-                s.last()
-            ));
-        }
-        if let Some(i) = s.windows(2).position(|w| w[1] < w[0]) {
-            problems.push(format!(
-                "seq_starts decreases at index {}: {} then {}",
-                i + 1,
-                s[i],
-                s[i + 1]
-            ));
-        }
+        let m = self.starts.len();
         if self.max_token_id >= 1 << 31 {
             problems.push(format!(
                 "max_token_id {} is not below 2^31",
                 self.max_token_id
             ));
         }
-        // Stream the tokens in pieces: start bits and ids.
-        let mut next_start = 0usize; // index into seq_starts of the next start position
+        let mut starts = Scan::new(m);
+        let first = starts.peek(self)?;
+        if first != Some(0) {
+            problems.push(format!("seq_starts[0] is {first:?}, must be 0"));
+        }
+        // Walk tokens and starts together. `next_start` is the smallest start not yet passed.
         let (mut bad_starts, mut bad_ids, mut max_seen) = (0u64, 0u64, 0u64);
-        let mut first_bad: Option<String> = None;
-        const PIECE: u64 = 1 << 22;
+        let (mut decreases, mut beyond) = (0u64, 0u64);
+        let mut first_bad_start: Option<String> = None;
+        let mut first_decrease: Option<String> = None;
+        let mut prev: Option<u64> = None;
+        let mut idx = 0u64; // index of the start `next_start` came from
+        let mut next_start = starts.next(self)?;
         let mut at = 0u64;
         while at < n {
-            let end = (at + PIECE).min(n);
-            let piece = match self.encoded(at..end) {
-                Ok(p) => p,
-                Err(e) => {
-                    problems.push(e.to_string());
-                    return problems;
-                }
-            };
+            let end = (at + SCAN_PIECE).min(n);
+            let piece = self.encoded(at..end)?;
             for (k, &e) in piece.iter().enumerate() {
                 let pos = at + k as u64;
-                while next_start < s.len() && s[next_start] < pos {
-                    next_start += 1;
+                // Passing starts below pos (only possible when seq_starts decreases).
+                let mut is_start = false;
+                while let Some(s) = next_start {
+                    if idx + 1 >= m || s > pos {
+                        break;
+                    }
+                    if let Some(p) = prev {
+                        if s < p {
+                            decreases += 1;
+                            first_decrease
+                                .get_or_insert_with(|| format!("index {idx}: {p} then {s}"));
+                        }
+                    }
+                    is_start |= s == pos;
+                    prev = Some(s);
+                    idx += 1;
+                    next_start = starts.next(self)?;
                 }
-                let is_start = next_start < s.len().saturating_sub(1) && s[next_start] == pos;
                 if (e & 1 == 1) != is_start {
                     bad_starts += 1;
-                    first_bad.get_or_insert_with(|| {
+                    first_bad_start.get_or_insert_with(|| {
                         format!(
                             "token {pos}: start bit {} but {}a sequence start",
                             e & 1,
@@ -225,10 +451,44 @@ impl Split {
             }
             at = end;
         }
+        // The remaining starts: all must equal n (trailing empty sequences and the end).
+        let mut last = prev;
+        while let Some(s) = next_start {
+            if let Some(p) = prev {
+                if s < p {
+                    decreases += 1;
+                    first_decrease.get_or_insert_with(|| format!("index {idx}: {p} then {s}"));
+                }
+            }
+            if s > n {
+                beyond += 1;
+            }
+            prev = Some(s);
+            last = Some(s);
+            idx += 1;
+            next_start = starts.next(self)?;
+        }
+        if last != Some(n) {
+            problems.push(format!(
+                "seq_starts[-1] is {}, must equal token_count {n}",
+                last.map_or("absent".into(), |v| v.to_string())
+            ));
+        }
+        if decreases > 0 {
+            problems.push(format!(
+                "seq_starts decreases {decreases} times (first at {})",
+                first_decrease.unwrap_or_default()
+            ));
+        }
+        if beyond > 0 {
+            problems.push(format!(
+                "{beyond} seq_starts entries exceed token_count {n}"
+            ));
+        }
         if bad_starts > 0 {
             problems.push(format!(
                 "{bad_starts} tokens whose start bit disagrees with seq_starts (first: {})",
-                first_bad.unwrap_or_default()
+                first_bad_start.unwrap_or_default()
             ));
         }
         if bad_ids > 0 {
@@ -237,6 +497,43 @@ impl Split {
                 self.max_token_id
             ));
         }
-        problems
+        Ok(())
+    }
+}
+
+/// Streams a `seq_starts` column in pieces.
+struct Scan {
+    len: u64,
+    next_piece: u64,
+    buf: Vec<u64>,
+    at: usize,
+}
+
+impl Scan {
+    fn new(len: u64) -> Scan {
+        Scan {
+            len,
+            next_piece: 0,
+            buf: Vec::new(),
+            at: 0,
+        }
+    }
+    fn fill(&mut self, s: &Split) -> Result<()> {
+        if self.at == self.buf.len() && self.next_piece < self.len {
+            let end = (self.next_piece + SCAN_PIECE).min(self.len);
+            self.buf = s.seq_starts(self.next_piece..end)?;
+            self.next_piece = end;
+            self.at = 0;
+        }
+        Ok(())
+    }
+    fn peek(&mut self, s: &Split) -> Result<Option<u64>> {
+        self.fill(s)?;
+        Ok(self.buf.get(self.at).copied())
+    }
+    fn next(&mut self, s: &Split) -> Result<Option<u64>> {
+        let v = self.peek(s)?;
+        self.at += usize::from(v.is_some());
+        Ok(v)
     }
 }
