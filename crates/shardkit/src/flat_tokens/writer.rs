@@ -16,7 +16,8 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use zarrs::array::codec::api::CodecOptions;
+use zarrs::array::codec::api::{CodecOptions, CodecSpecificOptions};
+use zarrs::array::codec::{ShardingCodecOptions, SubchunkWriteOrder};
 use zarrs::array::{Array, ArrayMetadata, ArraySubset, Element, ElementOwned};
 use zarrs::filesystem::FilesystemStore;
 use zarrs::group::{Group, GroupMetadata};
@@ -107,8 +108,14 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
         } else {
             None
         };
-        let mut array = Array::open(store.clone(), &format!("/{key}"))
+        // zarrs' default writes a shard's inner chunks in the order they finish encoding; C
+        // order makes a shard's bytes a function of its contents (and resume byte-exact).
+        let order = CodecSpecificOptions::default().with_option(
+            ShardingCodecOptions::default().with_subchunk_write_order(SubchunkWriteOrder::C),
+        );
+        let array = Array::open(store.clone(), &format!("/{key}"))
             .map_err(|e| Error::format(&path, format!("cannot open the array: {e}")))?;
+        let mut array = array.with_codec_specific_options(&order);
         let unit = array
             .chunk_shape(&[0])
             .map_err(|e| Error::format(&path, format!("no regular chunk grid: {e}")))?[0]
