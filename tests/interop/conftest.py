@@ -36,3 +36,23 @@ def saev_fixtures():
     if not path.is_dir():
         pytest.skip(f"saev fixtures not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def flat_tokens_fixtures():
+    """The read-only flat-tokens reference data (../shared/fixtures/flat_tokens)."""
+    path = REPO_ROOT.parent / "shared" / "fixtures" / "flat_tokens"
+    if not path.is_dir():
+        pytest.skip(f"flat-tokens fixtures not found at {path}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def zarr2_python():
+    """A Python with zarr-python 2.18 (what seqax runs on): $SHARDKIT_ZARR2_PYTHON, else the
+    .venv-zarr2 that scripts/setup-venv creates."""
+    env = os.environ.get("SHARDKIT_ZARR2_PYTHON")
+    path = Path(env) if env else REPO_ROOT / ".venv-zarr2" / "bin" / "python"
+    if not path.is_file():
+        pytest.fail(f"no zarr-python 2.18 interpreter at {path}; run scripts/setup-venv")
+    return str(path)

@@ -8,7 +8,7 @@ use std::time::Instant;
 use clap::{Args, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use shardkit::flat_tokens::{
-    mark_complete, Completion, Layout, LoaderOptions, Packing, Split, TokenLoader, Writer,
+    self, mark_complete, Completion, Layout, LoaderOptions, Packing, Split, TokenLoader, Writer,
     WriterOptions, MAX_TOKEN_ID,
 };
 use shardkit::json::{self, Escape, Value};
@@ -127,7 +127,8 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
     match cmd {
         TokensCmd::Build(args) => build(args),
         TokensCmd::Inspect { dir } => {
-            println!("{}", json::to_pretty(&inspect(&dir)?, 2, Escape::Utf8));
+            let v = flat_tokens::inspect(&dir)?;
+            println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             Ok(true)
         }
         TokensCmd::Validate { dir, mark } => validate(&dir, mark),
@@ -135,121 +136,15 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
     }
 }
 
-fn present_splits(dir: &Path) -> Vec<&'static str> {
-    ["train", "validation"]
-        .into_iter()
-        .filter(|s| dir.join(s).is_dir())
-        .collect()
-}
-
-/// Both splits summarised (an absent split is reported as such).
-pub fn inspect(dir: &Path) -> Result<Value> {
-    if !dir.is_dir() {
-        return Err(Error::NotFound {
-            path: dir.to_path_buf(),
-            what: "not a directory; expected a flat-tokens dataset".into(),
-        });
-    }
-    let mut out = Vec::new();
-    for name in ["train", "validation"] {
-        let v = if !dir.join(name).is_dir() {
-            Value::Null
-        } else {
-            match Split::open_unvalidated(dir, name).and_then(|s| split_summary(&s)) {
-                Ok(v) => v,
-                Err(e) => Value::Object(vec![("error".into(), Value::String(e.to_string()))]),
-            }
-        };
-        out.push((name.to_string(), v));
-    }
-    Ok(Value::Object(out))
-}
-
-fn split_summary(s: &Split) -> Result<Value> {
-    let (mut min, mut max, mut empty) = (u64::MAX, 0u64, 0u64);
-    let n = s.seq_count() + 1;
-    let mut at = 0;
-    let mut prev: Option<u64> = None;
-    while at < n {
-        let end = (at + (1 << 22)).min(n);
-        for v in s.seq_starts(at..end)? {
-            if let Some(p) = prev {
-                let l = v.saturating_sub(p);
-                min = min.min(l);
-                max = max.max(l);
-                empty += u64::from(l == 0);
-            }
-            prev = Some(v);
-        }
-        at = end;
-    }
-    let seqs = s.seq_count();
-    Ok(Value::Object(vec![
-        ("format".into(), Value::String(s.format().name().into())),
-        (
-            "completion".into(),
-            Value::String(s.completion().name().into()),
-        ),
-        ("sharded".into(), Value::Bool(s.is_sharded())),
-        ("token_count".into(), Value::int(s.token_count())),
-        ("seq_count".into(), Value::int(seqs)),
-        ("max_token_id".into(), Value::int(s.max_token_id())),
-        (
-            "min_seq_len".into(),
-            Value::int(if seqs == 0 { 0 } else { min }),
-        ),
-        ("max_seq_len".into(), Value::int(max)),
-        (
-            "mean_seq_len".into(),
-            Value::Number(if seqs == 0 {
-                "0".into()
-            } else {
-                format!("{:.2}", s.token_count() as f64 / seqs as f64)
-            }),
-        ),
-        ("empty_sequences".into(), Value::int(empty)),
-    ]))
-}
-
 fn validate(dir: &Path, mark: bool) -> Result<bool> {
-    let mut valid = true;
-    let present = present_splits(dir);
-    if present.is_empty() {
-        println!(
-            "error: {}: holds neither a train nor a validation split",
-            dir.display()
-        );
-        valid = false;
+    let report = flat_tokens::validate(dir);
+    for e in &report.errors {
+        println!("error: {e}");
     }
-    for name in ["train", "validation"] {
-        if !present.contains(&name) {
-            if !present.is_empty() {
-                println!("note: {}: no {name} split", dir.display());
-            }
-            continue;
-        }
-        match Split::open_unvalidated(dir, name) {
-            Err(e) => {
-                valid = false;
-                println!("error: {e}");
-            }
-            Ok(s) => {
-                if s.completion() == Completion::Interrupted {
-                    valid = false;
-                    println!(
-                        "error: {}: write_completed is false: a shardkit write did not finish; \
-                         resume it (shardkit tokens build --resume)",
-                        dir.display()
-                    );
-                }
-                let problems = s.validate();
-                valid &= problems.is_empty();
-                for p in &problems {
-                    println!("error: {}: {p}", s.path().display());
-                }
-            }
-        }
+    for n in &report.notes {
+        println!("note: {n}");
     }
+    let valid = report.is_valid();
     if valid && mark {
         mark_complete(dir)?;
         println!("{}: marked write_completed: true", dir.display());

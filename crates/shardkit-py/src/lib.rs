@@ -19,6 +19,8 @@ use shardkit::engine::{Buffer, Order};
 use shardkit::json;
 use shardkit::saev;
 
+mod flat_tokens;
+
 pyo3::create_exception!(
     _shardkit,
     IncompleteDatasetError,
@@ -27,7 +29,7 @@ pyo3::create_exception!(
 );
 
 /// A Rust error as the Python exception a Python user expects.
-fn to_py(e: shardkit::Error) -> PyErr {
+pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
     let msg = e.to_string();
     match e {
         shardkit::Error::NotFound { .. } => PyFileNotFoundError::new_err(msg),
@@ -43,10 +45,16 @@ fn to_py(e: shardkit::Error) -> PyErr {
     }
 }
 
-enum Storage {
+pub(crate) enum Storage {
     Engine(Buffer),
     F32(Vec<f32>),
     I64(Vec<i64>),
+    /// Values below 2^31 (token ids, segment ids), exported as int32: the same bits, and the
+    /// integer type torch indexes embeddings with.
+    I32(Vec<u32>),
+    U32(Vec<u32>),
+    U64(Vec<u64>),
+    Bool(Vec<bool>),
 }
 
 /// Memory owned by Rust, exported to Python through the buffer protocol (numpy wraps it
@@ -59,26 +67,40 @@ pub struct RustBuffer {
 }
 
 impl RustBuffer {
-    fn new(storage: Storage, shape: &[usize]) -> RustBuffer {
-        let item = match storage {
-            Storage::Engine(_) | Storage::F32(_) => 4,
-            Storage::I64(_) => 8,
+    pub(crate) fn new(storage: Storage, shape: &[usize]) -> RustBuffer {
+        let mut b = RustBuffer {
+            storage,
+            shape: shape.iter().map(|&s| s as isize).collect(),
+            strides: Vec::new(),
         };
-        let mut strides = vec![item as isize; shape.len()];
+        let item = b.parts().3;
+        let mut strides = vec![item; shape.len()];
         for i in (0..shape.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * shape[i + 1] as isize;
         }
-        RustBuffer {
-            storage,
-            shape: shape.iter().map(|&s| s as isize).collect(),
-            strides,
-        }
+        b.strides = strides;
+        b
     }
+    /// (pointer, bytes, struct format, item size).
     fn parts(&self) -> (*const u8, usize, &'static CStr, isize) {
+        fn raw<T>(v: &[T], format: &'static CStr) -> (*const u8, usize, &'static CStr, isize) {
+            let item = std::mem::size_of::<T>();
+            (
+                v.as_ptr().cast(),
+                std::mem::size_of_val(v),
+                format,
+                item as isize,
+            )
+        }
         match &self.storage {
             Storage::Engine(b) => (b.as_ptr(), b.len(), c"f", 4),
-            Storage::F32(v) => (v.as_ptr().cast(), v.len() * 4, c"f", 4),
-            Storage::I64(v) => (v.as_ptr().cast(), v.len() * 8, c"q", 8),
+            Storage::F32(v) => raw(v, c"f"),
+            Storage::I64(v) => raw(v, c"q"),
+            Storage::I32(v) => raw(v, c"i"),
+            Storage::U32(v) => raw(v, c"I"),
+            Storage::U64(v) => raw(v, c"Q"),
+            // Rust's bool is one byte holding 0 or 1, as the buffer protocol's "?".
+            Storage::Bool(v) => raw(v, c"?"),
         }
     }
 }
@@ -131,12 +153,12 @@ impl RustBuffer {
     }
 }
 
-fn json_of(v: &json::Value) -> String {
+pub(crate) fn json_of(v: &json::Value) -> String {
     json::to_compact(v, false, json::Escape::Utf8)
 }
 
 /// A C-contiguous buffer of `T` from any exporter (numpy array, memoryview, ...).
-fn contiguous<T: pyo3::buffer::Element>(
+pub(crate) fn contiguous<T: pyo3::buffer::Element>(
     obj: &Bound<'_, PyAny>,
     what: &str,
 ) -> PyResult<PyBuffer<T>> {
@@ -154,13 +176,13 @@ fn contiguous<T: pyo3::buffer::Element>(
 }
 
 /// Raw pointer that may cross `allow_threads`; the exporter keeps the memory alive meanwhile.
-struct SendSlice<T>(*const T, usize);
+pub(crate) struct SendSlice<T>(pub(crate) *const T, pub(crate) usize);
 // SAFETY: only read while the PyBuffer that owns the view is alive (see `Writer::write`).
 unsafe impl<T> Send for SendSlice<T> {}
 // SAFETY: as above; the slice is only read.
 unsafe impl<T> Sync for SendSlice<T> {}
 impl<T> SendSlice<T> {
-    unsafe fn get(&self) -> &[T] {
+    pub(crate) unsafe fn get(&self) -> &[T] {
         if self.1 == 0 {
             &[]
         } else {
@@ -661,5 +683,6 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BatchIter>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    flat_tokens::register(m)?;
     Ok(())
 }

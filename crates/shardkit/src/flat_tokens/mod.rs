@@ -26,6 +26,8 @@ pub mod delta;
 mod layout;
 #[cfg(feature = "zarr")]
 mod loader;
+#[cfg(feature = "zarr")]
+mod report;
 pub mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
@@ -38,6 +40,8 @@ mod writer;
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
 pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader};
+#[cfg(feature = "zarr")]
+pub use report::{inspect, validate, Validation};
 #[cfg(feature = "zarr")]
 pub use split::Split;
 #[cfg(feature = "zarr")]

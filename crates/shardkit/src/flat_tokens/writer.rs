@@ -508,6 +508,23 @@ impl Writer {
         super::delta::register();
         let root = root.as_ref();
         let existing = existing_format(root)?;
+        let split_exists = ZarrFormat::of_group(&root.join(split)).is_some();
+        if split_exists && !options.resume {
+            let fs = FilesystemStore::new(root)
+                .map_err(|e| Error::Invalid(format!("{}: {e}", root.display())))?;
+            let fs = Arc::new(fs);
+            let n = Array::open(fs.clone(), &format!("/{split}/seq_starts"))
+                .map(|a| a.shape()[0].saturating_sub(1))
+                .unwrap_or(0);
+            return Err(Error::Exists {
+                path: root.join(split),
+                why: format!(
+                    "the split already holds {n} sequences ({} dataset); resume the write to \
+                     continue it or append to it",
+                    Completion::read(fs).name()
+                ),
+            });
+        }
         let format = match (existing, options.layout) {
             (Some(f), Some(l)) if f != format_of(&l) => {
                 return Err(Error::Invalid(format!(
@@ -524,20 +541,6 @@ impl Writer {
         std::fs::create_dir_all(root).at(root)?;
         let lock = lock_root(root)?;
         let ds = Dataset::new(root, format)?;
-        let split_exists = ZarrFormat::of_group(&root.join(split)).is_some();
-        if split_exists && !options.resume {
-            let n = Array::open(ds.fs.clone(), &format!("/{split}/seq_starts"))
-                .map(|a| a.shape()[0].saturating_sub(1))
-                .unwrap_or(0);
-            return Err(Error::Exists {
-                path: root.join(split),
-                why: format!(
-                    "the split already holds {n} sequences ({} dataset); resume the write to \
-                     continue it or append to it",
-                    Completion::read(ds.fs.clone()).name()
-                ),
-            });
-        }
         // Nothing on disk has changed before this point.
         let cleaned =
             store::remove_temporaries(&root.join(split))? + ds.remove_root_temporaries()?;
@@ -801,44 +804,28 @@ impl Writer {
 /// problem). A dataset already marked is left as it is.
 pub fn mark_complete(root: impl AsRef<Path>) -> Result<()> {
     let root = root.as_ref();
-    let mut present = 0;
-    let mut problems = Vec::new();
-    for split in ["train", "validation"] {
-        if ZarrFormat::of_group(&root.join(split)).is_none() {
-            continue;
+    let format = ZarrFormat::of_group(root)
+        .ok_or_else(|| Error::format(root, "not a zarr group; expected a flat-tokens dataset"))?;
+    match Completion::read(Dataset::new(root, format)?.fs) {
+        Completion::Complete => return Ok(()),
+        Completion::Interrupted => {
+            return Err(Error::Interrupted {
+                path: root.to_path_buf(),
+                detail: "write_completed is false; resume the write instead of marking it".into(),
+            })
         }
-        present += 1;
-        match super::Split::open_unvalidated(root, split) {
-            Err(e) => problems.push(e.to_string()),
-            Ok(s) => match s.completion() {
-                Completion::Complete => return Ok(()),
-                Completion::Interrupted => {
-                    return Err(Error::Interrupted {
-                        path: root.to_path_buf(),
-                        detail: "write_completed is false; resume the write instead of marking"
-                            .into(),
-                    })
-                }
-                Completion::Unmarked => {
-                    problems.extend(s.validate().into_iter().map(|p| format!("{split}: {p}")))
-                }
-            },
-        }
+        Completion::Unmarked => {}
     }
-    if present == 0 {
+    let report = super::validate(root);
+    if !report.is_valid() {
         return Err(Error::format(
             root,
-            "holds neither a train nor a validation split",
+            format!(
+                "not marked, validation failed: {}",
+                report.errors.join("; ")
+            ),
         ));
     }
-    if !problems.is_empty() {
-        return Err(Error::format(
-            root,
-            format!("not marked, validation failed: {}", problems.join("; ")),
-        ));
-    }
-    let format =
-        ZarrFormat::of_group(root).ok_or_else(|| Error::format(root, "not a zarr group"))?;
     let _lock = lock_root(root)?;
     let ds = Dataset::new(root, format)?;
     ds.remove_root_temporaries()?;

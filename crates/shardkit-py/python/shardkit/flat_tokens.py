@@ -1,0 +1,439 @@
+"""flat-tokens (MatX seqax) token datasets: write, read, and load seqax's shuffled batches.
+
+A dataset is a zarr group with splits ``train`` and ``validation``; each holds
+``encoded_tokens`` uint32 (``id*2+1`` at a sequence start, ``id*2`` otherwise), ``seq_starts``
+uint64 (``seq_count + 1`` entries from 0 to ``token_count``) and the attribute ``max_token_id``.
+shardkit writes zarr v3 (sharded zstd, the default) or seqax's own zarr v2 layout
+(``layout="v2"``, readable by seqax), crash-safely, and marks a finished dataset with
+``write_completed: true`` on its root. See the README for the details and guarantees.
+
+    >>> with Writer("DS.zarr", "train") as w:
+    ...     w.append([[1, 2], [3, 4, 5], [6, 7, 8]])
+    >>> loader = Loader("DS.zarr", seq_len=4, batch_size=2, sequences_per_read_block=1,
+    ...                 read_blocks_per_shuffle_buffer=1)
+    >>> batch = loader.load(0)       # dict of numpy arrays, (batch_size, seq_len)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _shardkit as _core
+from ._shardkit import IncompleteDatasetError
+
+PathLike = Union[str, "os.PathLike[str]"]
+Batch = Dict[str, np.ndarray]
+
+__all__ = [
+    "Writer",
+    "Dataset",
+    "Split",
+    "Loader",
+    "open",
+    "validate",
+    "inspect",
+    "mark_complete",
+    "IncompleteDatasetError",
+    "MAX_TOKEN_ID",
+]
+
+#: The largest token id the encoding holds (``2*id + 1`` must fit in uint32).
+MAX_TOKEN_ID = (1 << 31) - 1
+
+_SPLITS = ("train", "validation")
+
+
+def _array(buf: Any) -> np.ndarray:
+    return np.asarray(buf)
+
+
+def _flatten(sequences: Iterable[Any]) -> "tuple[np.ndarray, np.ndarray]":
+    """Sequences (lists of ints or integer arrays) as one uint32 array and their lengths,
+    refusing ids outside 0..2^31-1 with the offending sequence named."""
+    arrays: List[np.ndarray] = []
+    for i, s in enumerate(sequences):
+        try:
+            a = np.asarray(s)
+        except OverflowError:
+            a = np.asarray(s, dtype=object)
+        if a.ndim != 1:
+            raise ValueError(f"sequence {i}: expected a 1-D sequence of token ids, got shape {a.shape}")
+        if a.size:
+            if a.dtype == object or not np.issubdtype(a.dtype, np.integer):
+                if a.dtype == object and all(isinstance(x, int) for x in a):
+                    bad = next(x for x in a if not 0 <= x <= MAX_TOKEN_ID)
+                    raise ValueError(_out_of_range(i, bad))
+                raise ValueError(f"sequence {i}: token ids must be integers, got {a.dtype}")
+            lo, hi = a.min(), a.max()
+            if lo < 0 or hi > MAX_TOKEN_ID:
+                raise ValueError(_out_of_range(i, lo if lo < 0 else hi))
+        arrays.append(a)
+    lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=len(arrays))
+    if not arrays:
+        return np.zeros(0, dtype=np.uint32), lengths
+    flat = np.concatenate([a.astype(np.uint32, copy=False) for a in arrays])
+    return np.ascontiguousarray(flat), lengths
+
+
+def _out_of_range(seq: int, value: Any) -> str:
+    return (
+        f"sequence {seq}: token id {value} is outside 0..{MAX_TOKEN_ID} (the flat-tokens encoding "
+        "holds ids below 2^31); nothing was appended"
+    )
+
+
+class Writer:
+    """Appends sequences to one split of a dataset, creating the dataset as needed.
+
+    ``layout`` is ``"v3"`` (sharded zstd) or ``"v2"`` (seqax's codecs, which seqax can read);
+    the default, ``None``, is v3 for a new dataset and the dataset's own format otherwise. An existing split
+    is refused unless ``resume=True``, which continues it: ``resumed_from`` then says how many
+    sequences it already holds (skip those in your input after a crash).
+
+    Use as a context manager: a clean exit marks the dataset complete; an exception commits
+    what was appended and leaves the dataset unfinished (``IncompleteDatasetError`` on open,
+    ``resume=True`` continues it). ``progress`` is None (a token counter on a terminal when
+    tqdm is installed), a bool, or a callable ``f(seq_count, token_count)``.
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        split: str,
+        layout: Optional[str] = None,
+        *,
+        resume: bool = False,
+        checkpoint_tokens: int = 1 << 28,
+        tokens_per_shard: Optional[int] = None,
+        tokens_per_chunk: Optional[int] = None,
+        progress: Any = None,
+    ) -> None:
+        self._w = _core.TokensWriter(
+            os.fspath(path),
+            split,
+            layout,
+            resume,
+            checkpoint_tokens,
+            tokens_per_shard,
+            tokens_per_chunk,
+        )
+        self.path = os.fspath(path)
+        self.split = split
+        self._closed = False
+        self._warned_zero = False
+        self._bar = None
+        self._fn = None
+        if callable(progress) and not isinstance(progress, bool):
+            self._fn = progress
+        elif progress or (progress is None and sys.stderr.isatty()):
+            try:
+                from tqdm.auto import tqdm  # type: ignore
+
+                self._bar = tqdm(unit="tok", unit_scale=True, desc=f"writing {split}",
+                                 initial=self.token_count)
+            except ImportError:
+                pass
+
+    @property
+    def format(self) -> str:
+        """The dataset's zarr format: "v2" or "v3"."""
+        return self._w.format
+
+    @property
+    def resumed_from(self) -> Optional[int]:
+        """Sequences the split held when this writer opened it (None for a new split)."""
+        return self._w.resumed_from
+
+    @property
+    def seq_count(self) -> int:
+        return self._w.counts[0]
+
+    @property
+    def token_count(self) -> int:
+        return self._w.counts[1]
+
+    @property
+    def max_token_id(self) -> int:
+        return self._w.counts[2]
+
+    def append(self, sequences: Iterable[Any]) -> None:
+        """Appends whole sequences: lists of ints or integer numpy arrays (any integer dtype).
+
+        Ids must be in 0..2^31-1 (ValueError otherwise, and nothing is appended). Empty sequences
+        are allowed (``seq_starts`` repeats a value). Id 0 is the loader's input at sequence
+        starts (seqax's convention); a sequence containing it is written, with a warning.
+        """
+        before = self.token_count
+        tokens, lengths = _flatten(sequences)
+        self._w.append_flat(tokens, lengths)
+        zero = self._w.counts[3]
+        if zero and not self._warned_zero:
+            self._warned_zero = True
+            warnings.warn(
+                f"{self.path}/{self.split}: a sequence contains token id 0, which the loader "
+                "feeds as the input at sequence starts (seqax's convention); written anyway",
+                stacklevel=2,
+            )
+        if self._bar is not None:
+            self._bar.update(self.token_count - before)
+        if self._fn is not None:
+            self._fn(self.seq_count, self.token_count)
+
+    def flush(self) -> None:
+        """Commits what was appended: a crash after this resumes from here."""
+        self._w.flush()
+
+    def close(self) -> Dict[str, int]:
+        """Commits and marks the dataset complete; returns its counts."""
+        if self._closed:
+            raise RuntimeError("the writer is already closed")
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        seqs, tokens, max_id = self._w.finish()
+        return {"seq_count": seqs, "token_count": tokens, "max_token_id": max_id}
+
+    def abort(self) -> None:
+        """Commits what was appended (best effort) without marking the dataset complete."""
+        if not self._closed:
+            self._closed = True
+            if self._bar is not None:
+                self._bar.close()
+            self._w.abort()
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            if not self._closed:
+                self.close()
+        else:
+            self.abort()
+
+
+class Split:
+    """One split opened for reading: ``len()`` documents, ``split[i]`` -> uint32 token ids."""
+
+    def __init__(self, path: PathLike, name: str) -> None:
+        self._s = _core.TokensSplit(os.fspath(path), name)
+        self.name = name
+        self.path: str = self._s.path
+        self.token_count, self.seq_count, self.max_token_id = self._s.counts
+        self.format, self.completion, self.sharded = self._s.info
+
+    def __len__(self) -> int:
+        return self.seq_count
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        """The token ids of document ``i`` (negative indices count from the end)."""
+        return _array(self._s.ids(int(i)))
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(self.seq_count):
+            yield self[i]
+
+    def seq_starts(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """``seq_starts[start:stop]`` (uint64); the whole array by default."""
+        stop = self.seq_count + 1 if stop is None else stop
+        return _array(self._s.seq_starts(int(start), int(stop)))
+
+    def encoded(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
+        """``encoded_tokens[start:stop]`` (uint32, as stored)."""
+        stop = self.token_count if stop is None else stop
+        return _array(self._s.encoded(int(start), int(stop)))
+
+    def __repr__(self) -> str:
+        return (
+            f"flat_tokens.Split({self.path!r}, format={self.format!r}, "
+            f"token_count={self.token_count}, seq_count={self.seq_count}, "
+            f"max_token_id={self.max_token_id})"
+        )
+
+
+class Dataset:
+    """A dataset's splits by name: ``ds["train"]``, ``ds.train``, ``"validation" in ds``."""
+
+    def __init__(self, path: PathLike) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise FileNotFoundError(f"{self.path}: not a directory; expected a flat-tokens dataset")
+        self.splits: List[str] = [s for s in _SPLITS if os.path.isdir(os.path.join(self.path, s))]
+        if not self.splits:
+            raise ValueError(f"{self.path}: holds neither a train nor a validation split")
+        self._open: Dict[str, Split] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.splits
+
+    def __getitem__(self, name: str) -> Split:
+        if name not in _SPLITS:
+            raise KeyError(f"split must be 'train' or 'validation', got {name!r}")
+        if name not in self._open:
+            self._open[name] = Split(self.path, name)
+        return self._open[name]
+
+    @property
+    def train(self) -> Split:
+        return self["train"]
+
+    @property
+    def validation(self) -> Split:
+        return self["validation"]
+
+    def __repr__(self) -> str:
+        return f"flat_tokens.Dataset({self.path!r}, splits={self.splits})"
+
+
+def open(path: PathLike) -> Dataset:  # noqa: A001 - mirrors the built-in's role
+    """Opens a dataset. Splits open on first use: a shardkit write that did not finish raises
+    IncompleteDatasetError; data without the completion marker (seqax's) is validated in full
+    first (see :func:`mark_complete`)."""
+    return Dataset(path)
+
+
+class Loader:
+    """seqax's ``ShufflingLoader`` order, any step served directly.
+
+    ``load(step)`` returns this host's rows as a dict of numpy arrays shaped
+    ``(batch_size // host_count, seq_len)``: ``inputs``, ``targets``, ``segment_ids`` (int32),
+    ``is_seq_start`` and ``mask`` (bool). The same parameters give seqax's rows at every step;
+    ``sequences_per_read_block=None`` is seqax's recommendation, ``2**20 // seq_len``.
+    ``packed=False`` gives one document per row, truncated to ``seq_len`` and right-padded
+    (``mask`` False on padding). Host ``h`` of ``host_count`` serves rows
+    ``[h*b/H, (h+1)*b/H)`` and reads only those. Past ``step_count``, ``load`` raises
+    IndexError unless ``epochs=True``, where step ``k`` is step ``k % step_count`` of epoch
+    ``k // step_count`` in a new order (epoch 0 is seqax's).
+
+    Iterating yields batches from the loader's position (``step``, advanced as you go; set it
+    or use ``load_state_dict`` to resume), prepared ahead in a background thread.
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        split: str = "train",
+        *,
+        seq_len: int,
+        batch_size: int,
+        packed: bool = True,
+        streams: int = 1,
+        read_blocks_per_shuffle_buffer: int = 1024,
+        sequences_per_read_block: Optional[int] = None,
+        seed: int = 0,
+        host_index: int = 0,
+        host_count: int = 1,
+        epochs: bool = False,
+    ) -> None:
+        self._l = _core.TokensLoader(
+            os.fspath(path),
+            split,
+            int(seq_len),
+            int(batch_size),
+            bool(packed),
+            int(streams),
+            int(read_blocks_per_shuffle_buffer),
+            None if sequences_per_read_block is None else int(sequences_per_read_block),
+            int(seed),
+            int(host_index),
+            int(host_count),
+            bool(epochs),
+        )
+        self._order = {
+            "seq_len": int(seq_len),
+            "batch_size": int(batch_size),
+            "packed": bool(packed),
+            "streams": int(streams),
+            "read_blocks_per_shuffle_buffer": int(read_blocks_per_shuffle_buffer),
+            "sequences_per_read_block": self._l.sequences_per_read_block,
+            "seed": int(seed),
+            "epochs": bool(epochs),
+        }
+        self.step = 0
+
+    @property
+    def step_count(self) -> int:
+        """Steps in an epoch (seqax's ``step_count``)."""
+        return self._l.step_count
+
+    def __len__(self) -> int:
+        return self._l.step_count
+
+    @staticmethod
+    def _batch(t: Sequence[Any]) -> Batch:
+        _, inputs, targets, segment_ids, is_seq_start, mask = t
+        return {
+            "inputs": _array(inputs),
+            "targets": _array(targets),
+            "segment_ids": _array(segment_ids),
+            "is_seq_start": _array(is_seq_start),
+            "mask": _array(mask),
+        }
+
+    def load(self, step: int) -> Batch:
+        """This host's rows of ``step``; reads only those rows."""
+        if step < 0:
+            raise IndexError(f"step {step} is negative")
+        return self._batch(self._l.load(int(step)))
+
+    def rows(self, step: int) -> np.ndarray:
+        """The sequence index (packed row, or document when unpacked) of each row of ``step``."""
+        if step < 0:
+            raise IndexError(f"step {step} is negative")
+        return _array(self._l.rows(int(step)))
+
+    def iter(self, start_step: int = 0) -> Iterator[Batch]:
+        """Batches from ``start_step`` to the end of the epoch (endless with ``epochs=True``)."""
+        it = self._l.iter(int(start_step))
+        try:
+            for t in it:
+                yield self._batch(t)
+        finally:
+            it.close()
+
+    def __iter__(self) -> Iterator[Batch]:
+        it = self._l.iter(self.step)
+        try:
+            for t in it:
+                self.step = t[0] + 1
+                yield self._batch(t)
+        finally:
+            it.close()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The next step and the parameters that decide the order."""
+        return {"step": self.step, **self._order}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Resumes at ``state["step"]``; refuses a state saved with a different order."""
+        if "step" not in state:
+            raise KeyError("state is missing 'step'")
+        differ = [k for k, v in self._order.items() if k in state and state[k] != v]
+        if differ:
+            raise ValueError(
+                "the state was saved with a different order: "
+                + ", ".join(f"{k}={state[k]!r} (this loader: {self._order[k]!r})" for k in differ)
+            )
+        self.step = int(state["step"])
+
+
+def validate(path: PathLike) -> Dict[str, Any]:
+    """Every violation of every split: {"valid", "errors": [...], "notes": [...]}."""
+    return json.loads(_core.tokens_validate(os.fspath(path)))
+
+
+def inspect(path: PathLike) -> Dict[str, Any]:
+    """Per split: format, completion, counts, max_token_id, sequence length statistics."""
+    return json.loads(_core.tokens_inspect(os.fspath(path)))
+
+
+def mark_complete(path: PathLike) -> None:
+    """Validates an unmarked dataset (seqax's) in full and marks it complete, so later opens
+    skip the full validation. Raises ValueError listing the problems when it is not valid."""
+    _core.tokens_mark_complete(os.fspath(path))

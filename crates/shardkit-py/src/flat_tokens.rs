@@ -1,0 +1,412 @@
+//! flat-tokens bindings: writer, split reader, seqax-order loader (wrapped by
+//! `shardkit/flat_tokens.py`). The same three rules as the rest of the module: the GIL is
+//! released for I/O, errors become natural Python exceptions, arrays cross without a copy.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use shardkit::flat_tokens::{
+    self, Layout, LoaderOptions, Packing, Sharded, Split, TokenBatch, TokenLoader, Writer,
+    WriterOptions,
+};
+
+use crate::{contiguous, json_of, to_py, RustBuffer, SendSlice, Storage};
+
+fn closed() -> PyErr {
+    PyRuntimeError::new_err("the writer is closed")
+}
+
+/// Appends sequences to one split, crash-safely.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct TokensWriter {
+    inner: Option<Writer>,
+    resumed_from: Option<u64>,
+    format: &'static str,
+}
+
+#[pymethods]
+impl TokensWriter {
+    #[new]
+    #[pyo3(signature = (path, split, layout=None, resume=false, checkpoint_tokens=1u64 << 28,
+        tokens_per_shard=None, tokens_per_chunk=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        split: &str,
+        layout: Option<&str>,
+        resume: bool,
+        checkpoint_tokens: u64,
+        tokens_per_shard: Option<u64>,
+        tokens_per_chunk: Option<u64>,
+    ) -> PyResult<Self> {
+        let mut layout = layout
+            .map(str::parse::<Layout>)
+            .transpose()
+            .map_err(to_py)?;
+        if tokens_per_shard.is_some() || tokens_per_chunk.is_some() {
+            let mut s = Sharded::default();
+            s.tokens_per_shard = tokens_per_shard.unwrap_or(s.tokens_per_shard);
+            s.tokens_per_chunk = tokens_per_chunk.unwrap_or(s.tokens_per_chunk);
+            layout = match layout {
+                None | Some(Layout::V3(_)) => Some(Layout::V3(s)),
+                Some(Layout::V2) => {
+                    return Err(PyValueError::new_err(
+                        "tokens_per_shard / tokens_per_chunk apply to the v3 layout only",
+                    ))
+                }
+            };
+        }
+        let options = WriterOptions {
+            layout,
+            resume,
+            checkpoint_tokens,
+        };
+        let w = py
+            .allow_threads(|| Writer::create(path, split, options))
+            .map_err(to_py)?;
+        Ok(TokensWriter {
+            resumed_from: w.resumed_from(),
+            format: w.format().name(),
+            inner: Some(w),
+        })
+    }
+
+    /// Sequences already in the split when the writer opened it (None for a new split).
+    #[getter]
+    fn resumed_from(&self) -> Option<u64> {
+        self.resumed_from
+    }
+    /// "v2" or "v3".
+    #[getter]
+    fn format(&self) -> &'static str {
+        self.format
+    }
+    /// (seq_count, token_count, max_token_id, sequences_with_id_zero) so far.
+    #[getter]
+    fn counts(&self) -> PyResult<(u64, u64, u64, u64)> {
+        let w = self.inner.as_ref().ok_or_else(closed)?;
+        Ok((
+            w.seq_count(),
+            w.token_count(),
+            w.max_token_id(),
+            w.sequences_with_id_zero(),
+        ))
+    }
+
+    /// Appends sequences given flat: `tokens` uint32 and `lengths` uint64 (one per sequence).
+    fn append_flat(
+        &mut self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let t = contiguous::<u32>(tokens, "tokens (uint32)")?;
+        let l = contiguous::<u64>(lengths, "lengths (uint64)")?;
+        let ts = SendSlice(t.buf_ptr() as *const u32, t.item_count());
+        let ls = SendSlice(l.buf_ptr() as *const u64, l.item_count());
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        // SAFETY: `t` and `l` (the exporters' views) outlive the closure.
+        py.allow_threads(|| unsafe {
+            let (tokens, lengths) = (ts.get(), ls.get());
+            let total = lengths
+                .iter()
+                .try_fold(0u64, |a, &n| a.checked_add(n))
+                .filter(|&n| n == tokens.len() as u64)
+                .ok_or_else(|| {
+                    shardkit::Error::Invalid(format!(
+                        "the lengths add up to something other than the {} tokens given",
+                        tokens.len()
+                    ))
+                })?;
+            let mut seqs = Vec::with_capacity(lengths.len());
+            let mut at = 0usize;
+            for &n in lengths {
+                seqs.push(&tokens[at..at + n as usize]);
+                at += n as usize;
+            }
+            debug_assert_eq!(at as u64, total);
+            w.append(&seqs)
+        })
+        .map_err(to_py)
+    }
+
+    /// Commits everything appended so far.
+    fn flush(&mut self, py: Python<'_>) -> PyResult<()> {
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        py.allow_threads(|| w.flush()).map_err(to_py)
+    }
+
+    /// Commits and marks the dataset complete; returns (seq_count, token_count, max_token_id).
+    fn finish(&mut self, py: Python<'_>) -> PyResult<(u64, u64, u64)> {
+        let w = self.inner.take().ok_or_else(closed)?;
+        let s = py.allow_threads(|| w.finish()).map_err(to_py)?;
+        Ok((s.seq_count, s.token_count, s.max_token_id))
+    }
+
+    /// Commits what was appended (best effort) and stops without marking the dataset complete.
+    fn abort(&mut self, py: Python<'_>) {
+        if let Some(mut w) = self.inner.take() {
+            let _ = py.allow_threads(|| w.flush());
+        }
+    }
+}
+
+/// One split opened for reading.
+#[pyclass(module = "shardkit._shardkit", frozen)]
+pub struct TokensSplit {
+    inner: Split,
+}
+
+#[pymethods]
+impl TokensSplit {
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf, split: &str) -> PyResult<Self> {
+        let inner = py
+            .allow_threads(|| Split::open(path, split))
+            .map_err(to_py)?;
+        Ok(TokensSplit { inner })
+    }
+    /// (token_count, seq_count, max_token_id).
+    #[getter]
+    fn counts(&self) -> (u64, u64, u64) {
+        (
+            self.inner.token_count(),
+            self.inner.seq_count(),
+            self.inner.max_token_id(),
+        )
+    }
+    /// (format, completion, sharded).
+    #[getter]
+    fn info(&self) -> (&'static str, &'static str, bool) {
+        (
+            self.inner.format().name(),
+            self.inner.completion().name(),
+            self.inner.is_sharded(),
+        )
+    }
+    /// The split's directory.
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().display().to_string()
+    }
+    /// `seq_starts[start:stop]` (uint64).
+    fn seq_starts(&self, py: Python<'_>, start: u64, stop: u64) -> PyResult<RustBuffer> {
+        let v = py
+            .allow_threads(|| self.inner.seq_starts(start..stop))
+            .map_err(to_py)?;
+        let n = v.len();
+        Ok(RustBuffer::new(Storage::U64(v), &[n]))
+    }
+    /// `encoded_tokens[start:stop]` (uint32).
+    fn encoded(&self, py: Python<'_>, start: u64, stop: u64) -> PyResult<RustBuffer> {
+        let v = py
+            .allow_threads(|| self.inner.encoded(start..stop))
+            .map_err(to_py)?;
+        let n = v.len();
+        Ok(RustBuffer::new(Storage::U32(v), &[n]))
+    }
+    /// The token ids of document `i` (uint32).
+    fn ids(&self, py: Python<'_>, i: i64) -> PyResult<RustBuffer> {
+        let n = self.inner.seq_count() as i64;
+        let j = if i < 0 { i + n } else { i };
+        if j < 0 || j >= n {
+            return Err(PyIndexError::new_err(format!(
+                "sequence {i} is out of range for {n} sequences"
+            )));
+        }
+        let v = py
+            .allow_threads(|| self.inner.ids(j as u64))
+            .map_err(to_py)?;
+        let len = v.len();
+        Ok(RustBuffer::new(Storage::U32(v), &[len]))
+    }
+}
+
+type Arrays = (
+    u64,
+    RustBuffer,
+    RustBuffer,
+    RustBuffer,
+    RustBuffer,
+    RustBuffer,
+);
+
+/// (step, inputs, targets, segment_ids, is_seq_start, mask), each (rows, seq_len).
+fn arrays(b: TokenBatch) -> Arrays {
+    let shape = [b.rows.len(), b.seq_len];
+    let d = b.decoded;
+    (
+        b.step,
+        RustBuffer::new(Storage::I32(d.inputs), &shape),
+        RustBuffer::new(Storage::I32(d.targets), &shape),
+        RustBuffer::new(Storage::I32(d.segment_ids), &shape),
+        RustBuffer::new(Storage::Bool(d.is_seq_start), &shape),
+        RustBuffer::new(Storage::Bool(b.mask), &shape),
+    )
+}
+
+/// seqax's shuffled order over one split.
+#[pyclass(module = "shardkit._shardkit", frozen)]
+pub struct TokensLoader {
+    inner: TokenLoader,
+}
+
+#[pymethods]
+impl TokensLoader {
+    #[new]
+    #[pyo3(signature = (path, split, seq_len, batch_size, packed, streams,
+        read_blocks_per_shuffle_buffer, sequences_per_read_block, seed, host_index, host_count,
+        epochs))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        split: &str,
+        seq_len: u64,
+        batch_size: u64,
+        packed: bool,
+        streams: u64,
+        read_blocks_per_shuffle_buffer: u64,
+        sequences_per_read_block: Option<u64>,
+        seed: u64,
+        host_index: u64,
+        host_count: u64,
+        epochs: bool,
+    ) -> PyResult<Self> {
+        let mut o = LoaderOptions::new(seq_len, batch_size);
+        o.packing = if packed {
+            Packing::Packed
+        } else {
+            Packing::Unpacked
+        };
+        o.streams = streams;
+        o.read_blocks_per_shuffle_buffer = read_blocks_per_shuffle_buffer;
+        o.sequences_per_read_block = sequences_per_read_block;
+        o.seed = seed;
+        o.host_index = host_index;
+        o.host_count = host_count;
+        o.epochs = epochs;
+        let split = split.to_string();
+        let inner = py
+            .allow_threads(|| TokenLoader::new(Split::open(path, &split)?, o))
+            .map_err(to_py)?;
+        Ok(TokensLoader { inner })
+    }
+    /// Steps in an epoch.
+    #[getter]
+    fn step_count(&self) -> u64 {
+        self.inner.step_count()
+    }
+    /// Sequences per read block actually used (B).
+    #[getter]
+    fn sequences_per_read_block(&self) -> u64 {
+        self.inner
+            .options()
+            .shuffle_params()
+            .sequences_per_read_block
+    }
+    /// (first, end) batch rows this host serves.
+    #[getter]
+    fn host_rows(&self) -> (u64, u64) {
+        let r = self.inner.host_rows();
+        (r.start, r.end)
+    }
+    /// This host's rows of `step`.
+    fn load(&self, py: Python<'_>, step: u64) -> PyResult<Arrays> {
+        py.allow_threads(|| self.inner.load(step))
+            .map(arrays)
+            .map_err(to_py)
+    }
+    /// The sequence index (packed row or document) of each of this host's rows at `step`.
+    fn rows(&self, py: Python<'_>, step: u64) -> PyResult<RustBuffer> {
+        let v = py
+            .allow_threads(|| self.inner.sequences(step))
+            .map_err(to_py)?;
+        let v: Vec<i64> = v.into_iter().map(|x| x as i64).collect();
+        let n = v.len();
+        Ok(RustBuffer::new(Storage::I64(v), &[n]))
+    }
+    /// Batches from `step` on, prepared ahead in a background thread.
+    fn iter(&self, step: u64) -> TokensBatchIter {
+        TokensBatchIter {
+            inner: Mutex::new(Some(self.inner.iter(step))),
+            pid: std::process::id(),
+        }
+    }
+}
+
+/// One pass of a [`TokensLoader`]; yields the tuples of [`arrays`].
+#[pyclass(module = "shardkit._shardkit")]
+pub struct TokensBatchIter {
+    inner: Mutex<Option<flat_tokens::Batches>>,
+    pid: u32,
+}
+
+#[pymethods]
+impl TokensBatchIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Arrays>> {
+        if std::process::id() != self.pid {
+            return Err(PyRuntimeError::new_err(
+                "this iterator was started before fork(); start a new one in the child",
+            ));
+        }
+        let inner = &self.inner;
+        let next = py.allow_threads(|| {
+            let mut guard = inner.lock().unwrap_or_else(|e| e.into_inner());
+            let item = guard.as_mut().and_then(|it| it.next());
+            if !matches!(item, Some(Ok(_))) {
+                *guard = None;
+            }
+            item
+        });
+        match next {
+            None => Ok(None),
+            Some(Err(e)) => Err(to_py(e)),
+            Some(Ok(b)) => Ok(Some(arrays(b))),
+        }
+    }
+    /// Stops the reading thread now (also done when the iterator is garbage collected).
+    fn close(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.allow_threads(|| drop(inner.lock().unwrap_or_else(|e| e.into_inner()).take()));
+    }
+}
+
+/// `shardkit tokens validate --json` as a JSON string.
+#[pyfunction]
+pub fn tokens_validate(py: Python<'_>, path: PathBuf) -> String {
+    json_of(&py.allow_threads(|| flat_tokens::validate(&path)).to_json())
+}
+
+/// `shardkit tokens inspect` as a JSON string.
+#[pyfunction]
+pub fn tokens_inspect(py: Python<'_>, path: PathBuf) -> PyResult<String> {
+    py.allow_threads(|| flat_tokens::inspect(&path))
+        .map(|v| json_of(&v))
+        .map_err(to_py)
+}
+
+/// Validates an unmarked (seqax) dataset in full and marks it complete.
+#[pyfunction]
+pub fn tokens_mark_complete(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    py.allow_threads(|| flat_tokens::mark_complete(&path))
+        .map_err(to_py)
+}
+
+/// Registers the classes and functions.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<TokensWriter>()?;
+    m.add_class::<TokensSplit>()?;
+    m.add_class::<TokensLoader>()?;
+    m.add_class::<TokensBatchIter>()?;
+    m.add_function(wrap_pyfunction!(tokens_validate, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens_inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens_mark_complete, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,234 @@
+"""shardkit.flat_tokens: the Python API over the Rust core (writer, reader, seqax loader)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardkit import IncompleteDatasetError, flat_tokens
+
+ROOT = Path(__file__).resolve().parents[3]
+FIXTURE = ROOT.parent / "shared" / "fixtures" / "flat_tokens" / "seqax_synthetic_dataset.zarr"
+GOLDEN = ROOT.parent / "shared" / "fixtures" / "flat_tokens" / "seqax_golden.json"
+
+
+@pytest.fixture
+def seqax_copy(tmp_path):
+    if not FIXTURE.is_dir():
+        pytest.skip(f"fixture not found at {FIXTURE}")
+    dst = tmp_path / "seqax.zarr"
+    shutil.copytree(FIXTURE, dst)
+    return dst
+
+
+@pytest.mark.parametrize("layout", ["v2", "v3"])
+def test_the_specs_example_appended_in_two_calls(tmp_path, layout):
+    path = tmp_path / "ds.zarr"
+    with flat_tokens.Writer(path, "train", layout=layout) as w:
+        w.append([[1, 2], [3, 4, 5], [6, 7, 8]])
+    assert w.format == layout and w.resumed_from is None
+    with flat_tokens.Writer(path, "train", resume=True) as w:
+        assert w.resumed_from == 3
+        w.append([np.array([9], dtype=np.uint16), np.array([], dtype=np.int64), [10, 11]])
+    split = flat_tokens.open(path)["train"]
+    assert split.format == layout and split.completion == "complete"
+    assert split.encoded().tolist() == [3, 4, 7, 8, 10, 13, 14, 16, 19, 21, 22]
+    assert split.encoded().dtype == np.uint32
+    assert split.seq_starts().tolist() == [0, 2, 5, 8, 9, 9, 11]
+    assert split.seq_starts().dtype == np.uint64
+    assert split.max_token_id == 11
+    assert len(split) == 6
+    assert split[1].tolist() == [3, 4, 5] and split[-1].tolist() == [10, 11]
+    assert split[4].tolist() == []
+    assert [s.tolist() for s in split][:2] == [[1, 2], [3, 4, 5]]
+    with pytest.raises(IndexError):
+        split[6]
+
+
+def test_bad_ids_are_refused_before_anything_is_appended(tmp_path):
+    path = tmp_path / "ds.zarr"
+    with flat_tokens.Writer(path, "train") as w:
+        w.append([[5, 6]])
+        for bad, words in [
+            ([[1], [2, 2**31]], "sequence 1: token id 2147483648"),
+            ([[-1]], "token id -1"),
+            ([np.array([2**63], dtype=np.uint64)], "9223372036854775808"),
+            ([[2**70]], "1180591620717411303424"),
+            ([[1.5]], "must be integers"),
+            ([[[1, 2]]], "1-D"),
+        ]:
+            with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+                w.append(bad)
+        assert (w.seq_count, w.token_count) == (1, 2)
+        w.append([np.array([flat_tokens.MAX_TOKEN_ID], dtype=np.int64)])
+        with pytest.warns(UserWarning, match="token id 0"):
+            w.append([[0, 1]])
+    split = flat_tokens.open(path).train
+    assert split.max_token_id == flat_tokens.MAX_TOKEN_ID
+    assert split[1].tolist() == [flat_tokens.MAX_TOKEN_ID]
+
+
+def test_an_exception_leaves_an_unfinished_dataset_that_resume_completes(tmp_path):
+    path = tmp_path / "ds.zarr"
+    seqs = [list(range(1, n + 2)) for n in range(40)]
+    with pytest.raises(RuntimeError):
+        with flat_tokens.Writer(path, "validation", layout="v2") as w:
+            w.append(seqs[:25])
+            raise RuntimeError("the job died")
+    with pytest.raises(IncompleteDatasetError, match="25 sequences committed"):
+        flat_tokens.open(path)["validation"]
+    assert flat_tokens.inspect(path)["validation"]["completion"] == "interrupted"
+    report = flat_tokens.validate(path)
+    assert not report["valid"] and "write_completed is false" in report["errors"][0]
+    with pytest.raises(FileExistsError, match="resume"):
+        flat_tokens.Writer(path, "validation")
+    with flat_tokens.Writer(path, "validation", resume=True) as w:
+        assert w.format == "v2"
+        w.append(seqs[w.resumed_from:])
+    split = flat_tokens.open(path)["validation"]
+    assert [s.tolist() for s in split] == seqs
+    assert flat_tokens.validate(path)["valid"]
+
+
+def test_progress_callback_and_v3_sizes(tmp_path):
+    seen = []
+    w = flat_tokens.Writer(tmp_path / "ds.zarr", "train", tokens_per_shard=64, tokens_per_chunk=16,
+                           progress=lambda seqs, toks: seen.append((seqs, toks)))
+    w.append([[1] * 100, [2] * 50])
+    w.append([[3]])
+    assert w.close() == {"seq_count": 3, "token_count": 151, "max_token_id": 3}
+    assert seen == [(2, 150), (3, 151)]
+    meta = json.loads((tmp_path / "ds.zarr/train/encoded_tokens/zarr.json").read_text())
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [64]
+    with pytest.raises(ValueError, match="v3"):
+        flat_tokens.Writer(tmp_path / "other.zarr", "train", layout="v2", tokens_per_shard=64)
+    with pytest.raises(ValueError, match="layout"):
+        flat_tokens.Writer(tmp_path / "other.zarr", "train", layout="v4")
+
+
+def test_the_fixture_reads_with_the_documented_facts():
+    if not FIXTURE.is_dir():
+        pytest.skip("fixture missing")
+    ds = flat_tokens.open(FIXTURE)
+    assert ds.splits == ["train", "validation"]
+    t, v = ds.train, ds.validation
+    assert (t.token_count, t.seq_count, t.max_token_id) == (264_992, 512, 1017)
+    assert (v.token_count, v.seq_count, v.max_token_id) == (278_035, 512, 1019)
+    assert t.seq_starts(0, 5).tolist() == [0, 555, 629, 1377, 1440]
+    assert t.encoded(0, 8).tolist() == [3, 2, 10, 18, 14, 16, 10, 4]
+    assert t.completion == "unmarked" and t.format == "v2" and not t.sharded
+    lengths = np.diff(v.seq_starts())
+    assert (lengths.min(), lengths.max()) == (1, 1024)
+
+
+def golden():
+    return json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_loader_rows_equal_seqaxs_golden_batches(name):
+    if not GOLDEN.is_file():
+        pytest.skip("golden vectors missing")
+    cfg = golden()["packed_batches_train_split"][name]
+    loader = flat_tokens.Loader(
+        FIXTURE, "train", seq_len=cfg["len"], batch_size=cfg["batch"], streams=cfg["S"],
+        read_blocks_per_shuffle_buffer=cfg["R"], sequences_per_read_block=cfg["B"],
+        seed=cfg["seed"],
+    )
+    assert loader.step_count == cfg["step_count"] == len(loader)
+    want = cfg.get("first_8_rows") or cfg["rows"]
+    rows = loader.rows(cfg["step"])
+    assert rows[: len(want)].tolist() == want
+    batch = loader.load(cfg["step"])
+    first = flat_tokens.open(FIXTURE).train.encoded(rows[0] * cfg["len"], (rows[0] + 1) * cfg["len"])
+    assert batch["targets"][0].tolist() == (first >> 1).tolist()
+
+
+def test_unpacked_golden_documents_and_padding():
+    cfg = golden()["unpacked_single_read_block"]
+    loader = flat_tokens.Loader(FIXTURE, seq_len=cfg["len"], batch_size=cfg["batch"], packed=False,
+                                read_blocks_per_shuffle_buffer=cfg["R"],
+                                sequences_per_read_block=cfg["B"], seed=cfg["seed"])
+    assert loader.rows(0).tolist() == cfg["documents"]
+    batch = loader.load(0)
+    split = flat_tokens.open(FIXTURE).train
+    for k, doc in enumerate(cfg["documents"]):
+        ids = split[doc][: cfg["len"]]
+        n = len(ids)
+        assert batch["targets"][k, :n].tolist() == ids.tolist()
+        assert batch["mask"][k].sum() == n and batch["mask"][k, :n].all()
+        assert (batch["targets"][k, n:] == 0).all()
+
+
+def test_batches_decode_into_model_inputs_without_copies(tmp_path):
+    path = tmp_path / "ds.zarr"
+    with flat_tokens.Writer(path, "train") as w:
+        w.append([[1, 2], [3, 4, 5], [6, 7, 8]])
+    loader = flat_tokens.Loader(path, seq_len=8, batch_size=1, sequences_per_read_block=1,
+                                read_blocks_per_shuffle_buffer=1)
+    b = loader.load(0)
+    assert set(b) == {"inputs", "targets", "segment_ids", "is_seq_start", "mask"}
+    assert b["targets"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert b["inputs"].tolist() == [[0, 1, 0, 3, 4, 0, 6, 7]]
+    assert b["segment_ids"].tolist() == [[1, 1, 2, 2, 2, 3, 3, 3]]
+    assert b["is_seq_start"].tolist() == [[True, False, True, False, False, True, False, False]]
+    assert b["mask"].all()
+    for k, dtype in [("inputs", np.int32), ("targets", np.int32), ("segment_ids", np.int32),
+                     ("is_seq_start", np.bool_), ("mask", np.bool_)]:
+        assert b[k].dtype == dtype and b[k].shape == (1, 8)
+        assert not b[k].flags.owndata, "a view of Rust memory, not a copy"
+
+
+def test_hosts_epochs_iteration_and_state():
+    kw = dict(seq_len=64, batch_size=64, streams=2, read_blocks_per_shuffle_buffer=8,
+              sequences_per_read_block=16, seed=0)
+    whole = flat_tokens.Loader(FIXTURE, **kw)
+    halves = [flat_tokens.Loader(FIXTURE, host_index=h, host_count=2, **kw) for h in range(2)]
+    assert np.concatenate([h.rows(5) for h in halves]).tolist() == whole.rows(5).tolist()
+    assert halves[1].load(5)["targets"].shape == (32, 64)
+    with pytest.raises(IndexError):
+        whole.load(whole.step_count)
+    with pytest.raises(ValueError, match="host_count"):
+        flat_tokens.Loader(FIXTURE, host_index=0, host_count=3, **kw)
+
+    ep = flat_tokens.Loader(FIXTURE, epochs=True, **kw)
+    n = ep.step_count
+    assert ep.rows(0).tolist() == whole.rows(0).tolist()
+    assert ep.rows(n)[:8].tolist() == [2069, 2065, 2108, 1976, 2110, 2804, 2803, 2106]
+
+    # Iterating continues from the loader's position; state_dict resumes exactly.
+    it = iter(whole)
+    first = [next(it)["targets"].copy() for _ in range(3)]
+    assert whole.step == 3
+    state = whole.state_dict()
+    assert state["step"] == 3 and state["sequences_per_read_block"] == 16
+    other = flat_tokens.Loader(FIXTURE, **kw)
+    other.load_state_dict(state)
+    assert (next(iter(other))["targets"] == whole.load(3)["targets"]).all()
+    assert (first[1] == whole.load(1)["targets"]).all()
+    assert len(list(whole.iter(n - 2))) == 2
+    with pytest.raises(ValueError, match="seed"):
+        flat_tokens.Loader(FIXTURE, **{**kw, "seed": 1}).load_state_dict(state)
+
+
+def test_seqax_data_is_validated_and_marked(seqax_copy):
+    report = flat_tokens.validate(seqax_copy)
+    assert report["valid"] and any("no completion marker" in n for n in report["notes"])
+    info = flat_tokens.inspect(seqax_copy)
+    assert info["train"]["seq_count"] == 512 and info["train"]["min_seq_len"] == 2
+    flat_tokens.mark_complete(seqax_copy)
+    assert flat_tokens.open(seqax_copy).train.completion == "complete"
+    (seqax_copy / "train" / ".zattrs").write_text('{\n    "max_token_id": 3\n}')
+    report = flat_tokens.validate(seqax_copy)
+    assert not report["valid"] and "exceed max_token_id 3" in report["errors"][0]
+
+
+def test_missing_things_raise_natural_exceptions(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        flat_tokens.open(tmp_path / "absent.zarr")
+    with pytest.raises(KeyError):
+        flat_tokens.open(FIXTURE)["test"]
+    with pytest.raises(ValueError, match="split"):
+        flat_tokens.Writer(tmp_path / "x.zarr", "test")

@@ -1,0 +1,165 @@
+//! Whole-dataset summaries and validation reports, as the CLI prints them with `--json`.
+
+use std::path::Path;
+
+use super::store::{Completion, ZarrFormat};
+use super::Split;
+use crate::error::{Error, Result};
+use crate::json::Value;
+
+const SPLITS: [&str; 2] = ["train", "validation"];
+
+fn present(root: &Path) -> Vec<&'static str> {
+    SPLITS
+        .into_iter()
+        .filter(|s| ZarrFormat::of_group(&root.join(s)).is_some())
+        .collect()
+}
+
+/// Every split summarised: format, completion, sharding, counts, `max_token_id` and sequence
+/// length statistics (`null` for an absent split, `{"error": ...}` for one that cannot be
+/// opened). Reads `seq_starts` in full, not the tokens.
+pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
+    let root = root.as_ref();
+    if !root.is_dir() {
+        return Err(Error::NotFound {
+            path: root.to_path_buf(),
+            what: "not a directory; expected a flat-tokens dataset".into(),
+        });
+    }
+    let mut out = Vec::new();
+    for name in SPLITS {
+        let v = if !root.join(name).exists() {
+            Value::Null
+        } else {
+            match Split::open_unvalidated(root, name).and_then(|s| summary(&s)) {
+                Ok(v) => v,
+                Err(e) => Value::Object(vec![("error".into(), Value::String(e.to_string()))]),
+            }
+        };
+        out.push((name.to_string(), v));
+    }
+    Ok(Value::Object(out))
+}
+
+fn summary(s: &Split) -> Result<Value> {
+    let (mut min, mut max, mut empty) = (u64::MAX, 0u64, 0u64);
+    let n = s.seq_count() + 1;
+    let mut at = 0;
+    let mut prev: Option<u64> = None;
+    while at < n {
+        let end = (at + (1 << 22)).min(n);
+        for v in s.seq_starts(at..end)? {
+            if let Some(p) = prev {
+                let l = v.saturating_sub(p);
+                min = min.min(l);
+                max = max.max(l);
+                empty += u64::from(l == 0);
+            }
+            prev = Some(v);
+        }
+        at = end;
+    }
+    let seqs = s.seq_count();
+    let mean = if seqs == 0 {
+        "0".to_string()
+    } else {
+        format!("{:.2}", s.token_count() as f64 / seqs as f64)
+    };
+    Ok(Value::Object(vec![
+        ("format".into(), Value::String(s.format().name().into())),
+        (
+            "completion".into(),
+            Value::String(s.completion().name().into()),
+        ),
+        ("sharded".into(), Value::Bool(s.is_sharded())),
+        ("token_count".into(), Value::int(s.token_count())),
+        ("seq_count".into(), Value::int(seqs)),
+        ("max_token_id".into(), Value::int(s.max_token_id())),
+        (
+            "min_seq_len".into(),
+            Value::int(if seqs == 0 { 0 } else { min }),
+        ),
+        ("max_seq_len".into(), Value::int(max)),
+        ("mean_seq_len".into(), Value::Number(mean)),
+        ("empty_sequences".into(), Value::int(empty)),
+    ]))
+}
+
+/// The outcome of [`validate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Validation {
+    /// Violations, each prefixed by the file or split it concerns; empty when valid.
+    pub errors: Vec<String>,
+    /// Facts worth knowing that are not violations (an absent split, a missing marker).
+    pub notes: Vec<String>,
+}
+
+impl Validation {
+    /// Whether the dataset is valid.
+    pub fn is_valid(&self) -> bool {
+        self.errors.is_empty()
+    }
+    /// `{"valid": bool, "errors": [...], "notes": [...]}`.
+    pub fn to_json(&self) -> Value {
+        let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
+        Value::Object(vec![
+            ("valid".into(), Value::Bool(self.is_valid())),
+            ("errors".into(), strings(&self.errors)),
+            ("notes".into(), strings(&self.notes)),
+        ])
+    }
+}
+
+/// Checks every invariant of every split present (reading all of both arrays) and lists every
+/// violation: structure and dtypes, `max_token_id`, `seq_starts` bounds and order, start bits,
+/// ids, and an interrupted shardkit write. A dataset needs at least one split.
+pub fn validate(root: impl AsRef<Path>) -> Validation {
+    let root = root.as_ref();
+    let mut v = Validation {
+        errors: Vec::new(),
+        notes: Vec::new(),
+    };
+    let splits = present(root);
+    if splits.is_empty() {
+        v.errors.push(format!(
+            "{}: holds neither a train nor a validation split (a zarr group with either)",
+            root.display()
+        ));
+        return v;
+    }
+    for name in SPLITS {
+        if !splits.contains(&name) {
+            v.notes.push(format!("{}: no {name} split", root.display()));
+        }
+    }
+    let mut unmarked = false;
+    for name in splits {
+        match Split::open_unvalidated(root, name) {
+            Err(e) => v.errors.push(e.to_string()),
+            Ok(s) => {
+                match s.completion() {
+                    Completion::Interrupted => v.errors.push(format!(
+                        "{}: write_completed is false: a shardkit write did not finish; resume \
+                         it (shardkit tokens build --resume)",
+                        root.display()
+                    )),
+                    Completion::Unmarked => unmarked = true,
+                    Completion::Complete => {}
+                }
+                let p = s.path().display().to_string();
+                v.errors
+                    .extend(s.validate().into_iter().map(|e| format!("{p}: {e}")));
+            }
+        }
+    }
+    if unmarked {
+        v.notes.push(format!(
+            "{}: no completion marker (seqax data); every open validates it in full until it \
+             is marked (shardkit tokens validate --mark)",
+            root.display()
+        ));
+    }
+    v.errors.dedup();
+    v
+}
