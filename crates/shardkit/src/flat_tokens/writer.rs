@@ -329,7 +329,9 @@ impl Dataset {
             .map_err(|e| Error::format(dir.join("zarr.json"), e.to_string()))
     }
 
-    /// A new group with `attrs` (v2: `.zgroup` and `.zattrs` in zarr-python 2's text).
+    /// A new group with `attrs` (v2: `.zattrs` and `.zgroup` in zarr-python 2's text). For v2
+    /// the `.zgroup` that makes the directory a group is written last, so a split group exists
+    /// only once everything under it does.
     fn create_group(
         &self,
         group: &str,
@@ -342,13 +344,6 @@ impl Dataset {
                 } else {
                     format!("{group}/")
                 };
-                let zgroup = Value::Object(vec![("zarr_format".into(), Value::int(2))]);
-                put_zarr2_json(
-                    &*self.store,
-                    &self.root,
-                    &format!("{prefix}.zgroup"),
-                    &zgroup,
-                )?;
                 let attrs = json::parse(serde_json::Value::Object(attrs).to_string().as_bytes())
                     .map_err(|e| Error::Invalid(e.to_string()))?;
                 put_zarr2_json(
@@ -356,6 +351,13 @@ impl Dataset {
                     &self.root,
                     &format!("{prefix}.zattrs"),
                     &attrs,
+                )?;
+                let zgroup = Value::Object(vec![("zarr_format".into(), Value::int(2))]);
+                put_zarr2_json(
+                    &*self.store,
+                    &self.root,
+                    &format!("{prefix}.zgroup"),
+                    &zgroup,
                 )
             }
             ZarrFormat::V3 => self.store_v3_group(
@@ -372,10 +374,10 @@ impl Dataset {
 
     /// A new, empty split: the group with `max_token_id: 0`, `encoded_tokens` of shape 0 and
     /// `seq_starts` of shape 1 (its fill value makes it `[0]`), as seqax's writer creates them.
+    ///
+    /// The arrays come first and the group document last: a split whose group exists is fully
+    /// created, and a write killed before that simply creates it again.
     fn create_split(&self, split: &str, layout: &Layout) -> Result<()> {
-        let mut attrs = serde_json::Map::new();
-        attrs.insert("max_token_id".into(), 0u64.into());
-        self.create_group(split, attrs)?;
         match layout {
             Layout::V2 => {
                 for (name, tokens) in [("encoded_tokens", true), ("seq_starts", false)] {
@@ -388,6 +390,10 @@ impl Dataset {
         for dir in ["encoded_tokens", "seq_starts"] {
             fsutil::fsync_dir(&self.root.join(split).join(dir))?;
         }
+        fsutil::fsync_dir(&self.root.join(split))?;
+        let mut attrs = serde_json::Map::new();
+        attrs.insert("max_token_id".into(), 0u64.into());
+        self.create_group(split, attrs)?;
         fsutil::fsync_dir(&self.root.join(split))?;
         fsutil::fsync_dir(&self.root)
     }
@@ -486,7 +492,8 @@ fn existing_format(root: &Path) -> Result<Option<ZarrFormat>> {
         }),
         Ok(_) => match ZarrFormat::of_group(root) {
             Some(f) => Ok(Some(f)),
-            None if std::fs::read_dir(root).at(root)?.next().is_none() => Ok(None),
+            // Empty, or holding only what a writer killed at its very start left.
+            None if only_leftovers(root)? => Ok(None),
             None => Err(Error::Exists {
                 path: root.to_path_buf(),
                 why: "is a non-empty directory that is not a zarr group; refusing to write into it"
@@ -494,6 +501,27 @@ fn existing_format(root: &Path) -> Result<Option<ZarrFormat>> {
             }),
         },
     }
+}
+
+/// Whether `dir` holds nothing but what a writer killed at its very start leaves: temporaries,
+/// and a root `.zattrs` that is exactly our `{"write_completed": false}` (written just before
+/// the root's `.zgroup`).
+fn only_leftovers(dir: &Path) -> Result<bool> {
+    for e in std::fs::read_dir(dir).at(dir)? {
+        let e = e.at(dir)?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !e.file_type().at(e.path())?.is_file() {
+            return Ok(false);
+        }
+        let ours = name.ends_with(".tmp")
+            || (name == ".zattrs"
+                && json::parse(&std::fs::read(e.path()).at(e.path())?).ok()
+                    == Some(Value::Object(vec![(MARKER.into(), Value::Bool(false))])));
+        if !ours {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 impl Writer {
@@ -552,9 +580,12 @@ impl Writer {
         }
         let mut root_marked_writing = false;
         if existing.is_none() {
+            // v2 writes the marker before `.zgroup`; a directory holding only that marker is
+            // recognised as a killed start (`only_leftovers`) and begun again.
             let mut attrs = serde_json::Map::new();
             attrs.insert(MARKER.into(), false.into());
             ds.create_group("", attrs)?;
+            fsutil::fsync_dir(root)?;
             root_marked_writing = true;
         }
         if !split_exists {
