@@ -1,0 +1,155 @@
+//! Loading a step reads only that step's rows: at most `rows × (ceil(len / chunk) + 1)` chunks
+//! (inner chunks when sharded), and only chunks those rows overlap (flat_tokens.md §9.6, §10.5).
+//! Reads are counted by a storage adapter between zarrs and the file system.
+#![cfg(feature = "zarr")]
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use shardkit::flat_tokens::{Layout, LoaderOptions, Sharded, Split, TokenLoader, Writer};
+use zarrs::filesystem::FilesystemStore;
+use zarrs::storage::byte_range::{ByteRange, ByteRangeIterator};
+use zarrs::storage::{MaybeBytesIterator, ReadableStorageTraits, StorageError, StoreKey};
+
+/// Records every read: (key, byte range).
+struct Counting {
+    inner: FilesystemStore,
+    reads: Mutex<Vec<(String, ByteRange)>>,
+}
+
+impl ReadableStorageTraits for Counting {
+    fn get_partial_many<'a>(
+        &'a self,
+        key: &StoreKey,
+        byte_ranges: ByteRangeIterator<'a>,
+    ) -> Result<MaybeBytesIterator<'a>, StorageError> {
+        let ranges: Vec<ByteRange> = byte_ranges.collect();
+        self.reads
+            .lock()
+            .unwrap()
+            .extend(ranges.iter().map(|r| (key.as_str().to_string(), *r)));
+        self.inner
+            .get_partial_many(key, Box::new(ranges.into_iter()))
+    }
+    fn size_key(&self, key: &StoreKey) -> Result<Option<u64>, StorageError> {
+        self.inner.size_key(key)
+    }
+    fn supports_get_partial(&self) -> bool {
+        self.inner.supports_get_partial()
+    }
+}
+
+fn write(root: &Path, layout: Layout) {
+    let mut w = Writer::create(
+        root,
+        "train",
+        shardkit::flat_tokens::WriterOptions {
+            layout: Some(layout),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // 40 sequences of 1..=1000 tokens, ids 1..=997: about 20 K tokens.
+    let seqs: Vec<Vec<u32>> = (0..40u32)
+        .map(|i| {
+            (0..(i * 97 % 1000 + 1))
+                .map(|j| (i * 31 + j) % 997 + 1)
+                .collect()
+        })
+        .collect();
+    w.append(&seqs).unwrap();
+    w.finish().unwrap();
+}
+
+fn counted(root: &Path) -> (Arc<Counting>, Split) {
+    let store = Arc::new(Counting {
+        inner: FilesystemStore::new(root).unwrap(),
+        reads: Mutex::default(),
+    });
+    let split = Split::open_in_store(store.clone(), root, "train").unwrap();
+    store.reads.lock().unwrap().clear();
+    (store, split)
+}
+
+fn options() -> LoaderOptions {
+    let mut o = LoaderOptions::new(40, 8);
+    o.sequences_per_read_block = Some(4);
+    o.read_blocks_per_shuffle_buffer = 4;
+    o.seed = 9;
+    o
+}
+
+#[test]
+fn a_sharded_step_reads_only_the_inner_chunks_of_its_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ds.zarr");
+    let chunk = 16u64;
+    write(
+        &root,
+        Layout::V3(Sharded {
+            tokens_per_shard: 256,
+            tokens_per_chunk: chunk,
+            ..Default::default()
+        }),
+    );
+    let (store, split) = counted(&root);
+    let loader = TokenLoader::new(split, options()).unwrap();
+    for step in [0, 5, loader.step_count() - 1] {
+        store.reads.lock().unwrap().clear();
+        let batch = loader.load(step).unwrap();
+        let reads = store.reads.lock().unwrap().clone();
+        // Inner chunks are read as bounded ranges; shard indexes as suffixes (once per shard).
+        let data: Vec<_> = reads
+            .iter()
+            .filter(|(k, r)| k.contains("encoded_tokens/c/") && !matches!(r, ByteRange::Suffix(_)))
+            .collect();
+        let rows = batch.rows.len() as u64;
+        let bound = rows * (40u64.div_ceil(chunk) + 1);
+        // Inner chunks the rows overlap, and the shards holding them.
+        let mut needed = BTreeSet::new();
+        for &r in &batch.rows {
+            needed.extend((r * 40 / chunk)..=((r + 1) * 40 - 1) / chunk);
+        }
+        let shards: BTreeSet<String> = needed
+            .iter()
+            .map(|c| format!("train/encoded_tokens/c/{}", c * chunk / 256))
+            .collect();
+        assert!(
+            data.len() as u64 <= bound && data.len() >= needed.len(),
+            "step {step}: {} inner-chunk reads for {} needed, bound {bound}",
+            data.len(),
+            needed.len()
+        );
+        assert!(
+            data.iter().all(|(k, _)| shards.contains(k)),
+            "step {step}: a read outside the rows' shards: {data:?}"
+        );
+        assert!(
+            reads
+                .iter()
+                .all(|(k, _)| k.starts_with("train/encoded_tokens/")),
+            "step {step}: packed rows never read seq_starts: {reads:?}"
+        );
+    }
+}
+
+#[test]
+fn a_v2_step_reads_only_the_chunks_its_rows_overlap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ds.zarr");
+    write(&root, Layout::V2);
+    let (store, split) = counted(&root);
+    let loader = TokenLoader::new(split, options()).unwrap();
+    let batch = loader.load(2).unwrap();
+    let reads = store.reads.lock().unwrap().clone();
+    // One 4 Mi-token chunk holds everything: it is read once (decoded chunks are cached).
+    assert_eq!(
+        reads,
+        [(
+            "train/encoded_tokens/0".to_string(),
+            ByteRange::FromStart(0, None)
+        )]
+    );
+    assert_eq!(batch.rows.len(), 8);
+}
