@@ -54,6 +54,9 @@ pub enum BenchCmd {
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
     },
+    /// flat-tokens: time to the first batch at a random step, sustained packed-batch
+    /// throughput against zarr-python + numpy and the sequential ceilings, writer throughput.
+    Tokens(crate::bench_tokens::TokensBenchArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
@@ -76,6 +79,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             Ok(())
         }
+        BenchCmd::Tokens(args) => crate::bench_tokens::run(args),
     }
 }
 
@@ -202,7 +206,7 @@ fn saev_write(dir: &Path, size_mib: u64, rounds: u32, as_json: bool) -> Result<(
 }
 
 /// Drops a file's pages from the page cache (clean pages only; the dataset is fsynced).
-fn evict(path: &Path) -> Result<()> {
+pub(crate) fn evict(path: &Path) -> Result<()> {
     let f = File::open(path).map_err(|e| Error::io(path, e))?;
     #[cfg(target_os = "linux")]
     {
@@ -225,7 +229,12 @@ fn open_direct(path: &Path) -> Option<File> {
 
 /// Reads every file sequentially in `chunk`-byte reads with `inflight` threads; bytes/s.
 /// `direct` uses O_DIRECT with page-aligned buffers; otherwise buffered reads after eviction.
-fn seq_read(files: &[PathBuf], chunk: u64, inflight: usize, direct: bool) -> Result<Option<f64>> {
+pub(crate) fn seq_read(
+    files: &[PathBuf],
+    chunk: u64,
+    inflight: usize,
+    direct: bool,
+) -> Result<Option<f64>> {
     let mut handles = Vec::new();
     for p in files {
         evict(p)?;

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_tokens;
 mod npy;
 mod plot;
 mod saev_cmd;

@@ -37,6 +37,16 @@ pub enum TokensCmd {
     },
     /// One step of seqax's shuffled order: JSON rows and targets, or every array to an .npz.
     Batch(BatchArgs),
+    /// Rewrite a dataset in another layout (v2 -> v3 for fast random rows; v3 -> v2 for seqax).
+    Convert {
+        /// The dataset to read.
+        src: PathBuf,
+        /// The new dataset (must not exist).
+        dst: PathBuf,
+        /// v3 (sharded zstd) or v2 (seqax's codecs).
+        #[arg(long, default_value = "v3")]
+        layout: String,
+    },
 }
 
 /// `shardkit tokens build`.
@@ -133,6 +143,37 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
         }
         TokensCmd::Validate { dir, mark } => validate(&dir, mark),
         TokensCmd::Batch(args) => batch(args),
+        TokensCmd::Convert { src, dst, layout } => {
+            let layout: Layout = layout.parse()?;
+            let pb = progress(None, "converting");
+            let t0 = Instant::now();
+            let done = flat_tokens::convert(&src, &dst, layout, |done, total| {
+                if pb.length().is_none() {
+                    pb.set_length(total);
+                    pb.set_style(
+                        ProgressStyle::with_template(
+                            "{msg} [{bar:30}] {pos}/{len} tokens eta {eta}",
+                        )
+                        .expect("valid template")
+                        .progress_chars("=> "),
+                    );
+                }
+                pb.set_position(done);
+            })?;
+            pb.finish_and_clear();
+            for (name, s) in &done {
+                eprintln!(
+                    "{}: {} sequences, {} tokens (max_token_id {})",
+                    dst.join(name).display(),
+                    s.seq_count,
+                    s.token_count,
+                    s.max_token_id
+                );
+            }
+            eprintln!("converted in {:.1} s", t0.elapsed().as_secs_f64());
+            println!("{}", dst.display());
+            Ok(true)
+        }
     }
 }
 

@@ -399,6 +399,27 @@ pub fn tokens_mark_complete(py: Python<'_>, path: PathBuf) -> PyResult<()> {
         .map_err(to_py)
 }
 
+/// (split, (seq_count, token_count, max_token_id)) of each split written.
+type Converted = Vec<(String, (u64, u64, u64))>;
+
+/// Rewrites a dataset in another layout.
+#[pyfunction]
+pub fn tokens_convert(
+    py: Python<'_>,
+    src: PathBuf,
+    dst: PathBuf,
+    layout: &str,
+) -> PyResult<Converted> {
+    let layout: Layout = layout.parse().map_err(to_py)?;
+    let done = py
+        .allow_threads(|| flat_tokens::convert(&src, &dst, layout, |_, _| {}))
+        .map_err(to_py)?;
+    Ok(done
+        .into_iter()
+        .map(|(n, s)| (n, (s.seq_count, s.token_count, s.max_token_id)))
+        .collect())
+}
+
 /// Registers the classes and functions.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TokensWriter>()?;
@@ -408,5 +429,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tokens_validate, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_inspect, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_mark_complete, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens_convert, m)?)?;
     Ok(())
 }

@@ -232,3 +232,13 @@ def test_missing_things_raise_natural_exceptions(tmp_path):
         flat_tokens.open(FIXTURE)["test"]
     with pytest.raises(ValueError, match="split"):
         flat_tokens.Writer(tmp_path / "x.zarr", "test")
+
+
+def test_convert_between_layouts(tmp_path):
+    out = flat_tokens.convert(FIXTURE, tmp_path / "v3.zarr")
+    assert out["train"] == {"seq_count": 512, "token_count": 264_992, "max_token_id": 1017}
+    v3 = flat_tokens.open(tmp_path / "v3.zarr").train
+    assert v3.format == "v3" and v3.sharded and v3.completion == "complete"
+    assert (v3.encoded() == flat_tokens.open(FIXTURE).train.encoded()).all()
+    with pytest.raises(FileExistsError):
+        flat_tokens.convert(FIXTURE, tmp_path / "v3.zarr", layout="v2")

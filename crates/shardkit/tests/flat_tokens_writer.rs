@@ -450,3 +450,55 @@ fn seqax_data_is_marked_once_validated_and_can_be_appended_to() {
     );
     assert!(!bad.join(".zattrs").exists());
 }
+
+#[test]
+fn converting_seqax_data_to_v3_and_back_gives_seqaxs_chunk_files() {
+    use shardkit::flat_tokens::{convert, LoaderOptions, TokenLoader};
+    let tmp = tempfile::tempdir().unwrap();
+    let v3 = tmp.path().join("v3.zarr");
+    let mut calls = 0;
+    let done = convert(fixture(), &v3, Layout::default(), |done, total| {
+        calls += 1;
+        assert!(done <= total && total == 264_992 + 278_035);
+    })
+    .unwrap();
+    assert!(calls >= 2);
+    assert_eq!(done.len(), 2);
+    assert_eq!(done[0].1.token_count, 264_992);
+    let (a, b) = (
+        Split::open(fixture(), "validation").unwrap(),
+        Split::open(&v3, "validation").unwrap(),
+    );
+    assert!(b.is_sharded() && b.is_marked_complete());
+    assert_eq!(
+        a.encoded(0..278_035).unwrap(),
+        b.encoded(0..278_035).unwrap()
+    );
+    assert_eq!(a.seq_starts(0..513).unwrap(), b.seq_starts(0..513).unwrap());
+    // The loader serves the same batches (seqax's golden rows) from the converted copy.
+    let mut o = LoaderOptions::new(64, 64);
+    (o.streams, o.read_blocks_per_shuffle_buffer) = (2, 8);
+    o.sequences_per_read_block = Some(16);
+    let l = TokenLoader::new(Split::open(&v3, "train").unwrap(), o.clone()).unwrap();
+    let r = TokenLoader::new(Split::open(fixture(), "train").unwrap(), o).unwrap();
+    assert_eq!(l.load(0).unwrap().rows[..3], [2937, 398, 3520]);
+    assert_eq!(l.load(9).unwrap(), r.load(9).unwrap());
+
+    // Back to v2: the chunk files are seqax's own, byte for byte.
+    let v2 = tmp.path().join("v2.zarr");
+    convert(&v3, &v2, Layout::V2, |_, _| {}).unwrap();
+    for f in [
+        "train/encoded_tokens/0",
+        "train/seq_starts/0",
+        "validation/encoded_tokens/0",
+        "validation/seq_starts/0",
+    ] {
+        assert!(
+            std::fs::read(v2.join(f)).unwrap() == std::fs::read(fixture().join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    // The destination must not exist.
+    let err = convert(&v3, &v2, Layout::V2, |_, _| {}).unwrap_err();
+    assert!(matches!(err, Error::Exists { .. }), "{err}");
+}

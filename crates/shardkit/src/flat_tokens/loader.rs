@@ -51,6 +51,9 @@ pub struct LoaderOptions {
     /// Past the last step, continue with epoch `step / step_count` in a new deterministic
     /// order instead of failing (epoch 0 is seqax's order).
     pub epochs: bool,
+    /// Threads reading rows: a step's rows are read concurrently, so on a cold cache this many
+    /// reads are in flight (16 by default).
+    pub io_threads: usize,
 }
 
 impl LoaderOptions {
@@ -68,6 +71,7 @@ impl LoaderOptions {
             host_index: 0,
             host_count: 1,
             epochs: false,
+            io_threads: 16,
         }
     }
 
@@ -115,6 +119,8 @@ struct Inner {
     /// The most recently used later epoch.
     later: Mutex<Option<Arc<Schedule>>>,
     host_rows: Range<u64>,
+    /// Reads rows; I/O-bound, so wider than the core count.
+    pool: rayon::ThreadPool,
 }
 
 /// seqax-compatible loader over one split; cheap to clone (shared state).
@@ -164,6 +170,11 @@ impl TokenLoader {
         };
         let epoch0 = Arc::new(Schedule::new(n_seq, opts.shuffle_params())?);
         let host_rows = opts.host_index * per_host..(opts.host_index + 1) * per_host;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(opts.io_threads.clamp(1, 256))
+            .thread_name(|i| format!("shardkit-tokens-io-{i}"))
+            .build()
+            .map_err(|e| Error::Invalid(format!("cannot start the loader's threads: {e}")))?;
         Ok(TokenLoader {
             inner: Arc::new(Inner {
                 split,
@@ -172,6 +183,7 @@ impl TokenLoader {
                 epoch0,
                 later: Mutex::new(None),
                 host_rows,
+                pool,
             }),
         })
     }
@@ -242,23 +254,25 @@ impl TokenLoader {
         // Padding is seqax's encoded 1 (target 0, "start"); packed rows overwrite all of it.
         let mut encoded = vec![1u32; rows.len() * len];
         let mut real = vec![0usize; rows.len()];
-        encoded
-            .par_chunks_mut(len.max(1))
-            .zip(real.par_iter_mut())
-            .zip(rows.par_iter())
-            .try_for_each(|((dst, real), &seq)| -> Result<()> {
-                let range = match packing {
-                    Packing::Packed => seq * len as u64..(seq + 1) * len as u64,
-                    Packing::Unpacked => {
-                        let d = split.document(seq)?;
-                        d.start..d.end.min(d.start + len as u64)
-                    }
-                };
-                let tokens = split.encoded(range)?;
-                dst[..tokens.len()].copy_from_slice(&tokens);
-                *real = tokens.len();
-                Ok(())
-            })?;
+        self.inner.pool.install(|| {
+            encoded
+                .par_chunks_mut(len.max(1))
+                .zip(real.par_iter_mut())
+                .zip(rows.par_iter())
+                .try_for_each(|((dst, real), &seq)| -> Result<()> {
+                    let range = match packing {
+                        Packing::Packed => seq * len as u64..(seq + 1) * len as u64,
+                        Packing::Unpacked => {
+                            let d = split.document(seq)?;
+                            d.start..d.end.min(d.start + len as u64)
+                        }
+                    };
+                    let tokens = split.encoded(range)?;
+                    dst[..tokens.len()].copy_from_slice(&tokens);
+                    *real = tokens.len();
+                    Ok(())
+                })
+        })?;
         let mut mask = vec![false; encoded.len()];
         for (m, &r) in mask.chunks_mut(len.max(1)).zip(&real) {
             m[..r].fill(true);

@@ -18,7 +18,11 @@
 //! * [`TokenLoader`] serves any step of seqax's shuffled order directly ([`seqax`]), packed or
 //!   one document per row, decoded into model inputs ([`decode`]), split across hosts, and
 //!   optionally over several epochs.
+//! * [`convert`] rewrites a dataset in the other layout (seqax's v2 chunks must be decoded
+//!   whole for any row, so v3 serves random rows far faster; v2 is what seqax reads).
 
+#[cfg(feature = "zarr")]
+mod convert;
 pub mod decode;
 #[cfg(feature = "zarr")]
 pub mod delta;
@@ -36,6 +40,8 @@ mod store;
 #[cfg(feature = "zarr")]
 mod writer;
 
+#[cfg(feature = "zarr")]
+pub use convert::convert;
 #[cfg(feature = "zarr")]
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]

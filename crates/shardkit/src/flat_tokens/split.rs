@@ -28,6 +28,9 @@ use crate::error::{Error, Result};
 const CACHED_CHUNKS: u64 = 4;
 /// Shards whose index stays cached before the cache is reset (bounds its memory).
 const CACHED_SHARD_INDEXES: usize = 1024;
+/// Ranges at least this long are read by whole shards rather than through the shard-index
+/// cache (faster for bulk reads: validation, scans).
+const BULK: u64 = 1 << 20;
 /// Elements read at a time when scanning a whole array.
 const SCAN_PIECE: u64 = 1 << 22;
 
@@ -78,9 +81,14 @@ impl Column {
         if range.is_empty() {
             return Ok(Vec::new());
         }
+        let range_len = range.end - range.start;
         let subset = ArraySubset::new_with_ranges(&[range]);
         let opts = CodecOptions::default();
         let r = match &self.access {
+            // A long range decodes whole shards: the plain path skips per-chunk bookkeeping.
+            Access::Sharded(_) if range_len >= BULK => self
+                .array
+                .retrieve_array_subset_opt::<Vec<T>>(&subset, &opts),
             Access::Sharded(cache) => {
                 if cache.len() > CACHED_SHARD_INDEXES {
                     cache.clear();

@@ -1,0 +1,402 @@
+//! `shardkit bench tokens`: the flat-tokens loader against the disk, the codec and zarr-python,
+//! all measured in the same run on the same synthetic dataset.
+//!
+//! Figures: time from opening the dataset to the first batch at random steps (page cache
+//! evicted first), sustained tokens/s of packed batches (warm and cold), the same batches read
+//! by zarr-python + numpy, the disk's sequential-read ceiling over the dataset's files and the
+//! rate of a sequential scan through zarrs, and the writer's throughput (library, and
+//! `tokens build` from JSONL).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use clap::Args;
+use shardkit::engine::order::SplitMix64;
+use shardkit::flat_tokens::{Layout, LoaderOptions, Split, TokenLoader, Writer, WriterOptions};
+use shardkit::json::{self, Escape, Value};
+use shardkit::{Error, Result};
+
+use crate::bench::{evict, seq_read};
+
+/// `shardkit bench tokens`.
+#[derive(Args)]
+pub struct TokensBenchArgs {
+    /// Directory for the synthetic dataset (reused when already there).
+    #[arg(long, default_value = "bench-data")]
+    dir: PathBuf,
+    /// Tokens in the dataset, in GiB of uint32 (1.0 = 2^28 tokens).
+    #[arg(long, default_value_t = 1.0)]
+    size_gib: f64,
+    /// Layout of the dataset: v3 (sharded zstd) or v2 (seqax's).
+    #[arg(long, default_value = "v3")]
+    layout: String,
+    /// Tokens per row.
+    #[arg(long, default_value_t = 2048)]
+    seq_len: u64,
+    /// Rows per step.
+    #[arg(long, default_value_t = 16)]
+    batch: u64,
+    /// Steps timed for sustained throughput.
+    #[arg(long, default_value_t = 2000)]
+    steps: u64,
+    /// Steps read by the zarr-python baseline (it is slow; its rate is per token).
+    #[arg(long, default_value_t = 200)]
+    python_steps: u64,
+    /// Python with zarr-python 3 for the baseline ("" skips it).
+    #[arg(long, default_value = ".venv/bin/python")]
+    python: String,
+    /// Tokens written as JSONL and built with `tokens build` (0 skips it), in millions.
+    #[arg(long, default_value_t = 32)]
+    build_mtokens: u64,
+    /// Print JSON (always printed; kept for symmetry with other benches).
+    #[arg(long)]
+    json: bool,
+}
+
+/// Ids spread log-uniformly over a GPT-2-sized vocabulary, so the data compresses about as
+/// real token streams do (frequent small ids, a long tail).
+fn synthetic_sequence(rng: &mut SplitMix64, max_len: u64) -> Vec<u32> {
+    let len = rng.below(max_len) + 1;
+    let ln_vocab = (50_257f64).ln();
+    (0..len)
+        .map(|_| {
+            let u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            (u * ln_vocab).exp() as u32
+        })
+        .collect()
+}
+
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        if let Ok(rd) = std::fs::read_dir(&d) {
+            for e in rd.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    out.push(p);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn evict_all(files: &[PathBuf]) -> Result<()> {
+    files.iter().try_for_each(|p| evict(p))
+}
+
+/// Writes the synthetic dataset unless a complete one of the right size is there; returns the
+/// writer's tokens per second when it wrote.
+fn ensure_dataset(root: &Path, layout: Layout, tokens: u64) -> Result<Option<f64>> {
+    if let Ok(s) = Split::open(root, "train") {
+        if s.token_count() >= tokens {
+            return Ok(None);
+        }
+    }
+    if root.exists() {
+        std::fs::remove_dir_all(root).map_err(|e| Error::io(root, e))?;
+    }
+    let mut rng = SplitMix64(0x70c5);
+    let t0 = Instant::now();
+    let mut w = Writer::create(
+        root,
+        "train",
+        WriterOptions {
+            layout: Some(layout),
+            ..Default::default()
+        },
+    )?;
+    let mut batch = Vec::new();
+    let mut gen_secs = 0.0;
+    while w.token_count() < tokens {
+        let g = Instant::now();
+        batch.clear();
+        let mut n = 0;
+        while n < 1 << 20 {
+            let s = synthetic_sequence(&mut rng, 4096);
+            n += s.len();
+            batch.push(s);
+        }
+        gen_secs += g.elapsed().as_secs_f64();
+        w.append(&batch)?;
+    }
+    let written = w.token_count();
+    w.finish()?;
+    Ok(Some(
+        written as f64 / (t0.elapsed().as_secs_f64() - gen_secs),
+    ))
+}
+
+/// `tokens build` from a JSONL file of `mtokens` million tokens: tokens per second, end to end.
+fn build_from_jsonl(dir: &Path, mtokens: u64) -> Result<(f64, u64)> {
+    let src = dir.join("build-input.jsonl");
+    let mut rng = SplitMix64(0xb17d);
+    let mut total = 0u64;
+    {
+        let f = std::fs::File::create(&src).map_err(|e| Error::io(&src, e))?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+        let mut line = String::new();
+        while total < mtokens * 1_000_000 {
+            let s = synthetic_sequence(&mut rng, 4096);
+            total += s.len() as u64;
+            line.clear();
+            line.push('[');
+            for (i, id) in s.iter().enumerate() {
+                if i > 0 {
+                    line.push_str(", ");
+                }
+                line.push_str(&id.to_string());
+            }
+            line.push_str("]\n");
+            w.write_all(line.as_bytes())
+                .map_err(|e| Error::io(&src, e))?;
+        }
+        w.flush().map_err(|e| Error::io(&src, e))?;
+    }
+    let out = dir.join("build-output.zarr");
+    let _ = std::fs::remove_dir_all(&out);
+    let exe = std::env::current_exe().map_err(|e| Error::io("shardkit", e))?;
+    let t0 = Instant::now();
+    let status = Command::new(exe)
+        .args(["tokens", "build", "--split", "train", "--from"])
+        .arg(&src)
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map_err(|e| Error::io(&src, e))?;
+    let secs = t0.elapsed().as_secs_f64();
+    if !status.success() {
+        return Err(Error::Invalid(format!("tokens build failed: {status}")));
+    }
+    let bytes = std::fs::metadata(&src).map(|m| m.len()).unwrap_or(0);
+    let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_file(&src);
+    Ok((total as f64 / secs, bytes))
+}
+
+fn options(a: &TokensBenchArgs, seed: u64) -> LoaderOptions {
+    let mut o = LoaderOptions::new(a.seq_len, a.batch);
+    o.seed = seed;
+    o
+}
+
+/// Tokens per second over `steps` steps from `start`, through the prefetching iterator.
+fn sustained(loader: &TokenLoader, start: u64, steps: u64) -> Result<f64> {
+    let t0 = Instant::now();
+    let mut tokens = 0u64;
+    for b in loader.iter(start).take(steps as usize) {
+        let b = b?;
+        tokens += b.encoded.len() as u64;
+        std::hint::black_box(&b.decoded.inputs);
+    }
+    Ok(tokens as f64 / t0.elapsed().as_secs_f64())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(a: TokensBenchArgs) -> Result<()> {
+    let layout: Layout = a.layout.parse()?;
+    std::fs::create_dir_all(&a.dir).map_err(|e| Error::io(&a.dir, e))?;
+    let tokens = (a.size_gib * (1u64 << 28) as f64) as u64;
+    let root = a.dir.join(format!("tokens-{}.zarr", a.layout));
+    eprintln!(
+        "dataset: {} ({} M tokens)",
+        root.display(),
+        tokens / 1_000_000
+    );
+    let writer_tps = ensure_dataset(&root, layout, tokens)?;
+    let files = files_under(&root);
+    let disk_bytes: u64 = files
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum();
+    let split = Split::open(&root, "train")?;
+    let token_count = split.token_count();
+    drop(split);
+
+    eprintln!("ceilings: sequential read of the files, and a sequential scan through zarrs");
+    let seq_ceiling = seq_read(&files, 8 << 20, 8, false)?.unwrap_or(0.0);
+    let split = Split::open(&root, "train")?;
+    let t0 = Instant::now();
+    let mut at = 0;
+    while at < token_count {
+        let end = (at + (1 << 24)).min(token_count);
+        std::hint::black_box(split.encoded(at..end)?);
+        at = end;
+    }
+    let bulk_decode = token_count as f64 / t0.elapsed().as_secs_f64();
+    drop(split);
+
+    // Time to the first batch at a random step, cold: open, plan, read.
+    eprintln!("first batch at random steps (page cache evicted before each)");
+    let mut rng = SplitMix64(0xf157);
+    let mut cold_ms = Vec::new();
+    let mut warm_ms = Vec::new();
+    let mut step_count = 0;
+    for round in 0..7 {
+        let seed = rng.next_u64() % 1000;
+        evict_all(&files)?;
+        let t0 = Instant::now();
+        let loader = TokenLoader::new(Split::open(&root, "train")?, options(&a, seed))?;
+        step_count = loader.step_count();
+        let step = rng.below(step_count);
+        std::hint::black_box(loader.load(step)?);
+        let cold = t0.elapsed().as_secs_f64() * 1e3;
+        let t1 = Instant::now();
+        let loader = TokenLoader::new(Split::open(&root, "train")?, options(&a, seed))?;
+        std::hint::black_box(loader.load(step)?);
+        let warm = t1.elapsed().as_secs_f64() * 1e3;
+        if round > 0 {
+            // Round 0 warms the binary and the allocator.
+            cold_ms.push(cold);
+            warm_ms.push(warm);
+        }
+    }
+
+    eprintln!("sustained packed batches of {} x {}", a.batch, a.seq_len);
+    let loader = TokenLoader::new(Split::open(&root, "train")?, options(&a, 17))?;
+    let steps = a.steps.min(step_count);
+    let start = rng.below(step_count - steps + 1);
+    // Cold first (after eviction), then warm over the same steps.
+    evict_all(&files)?;
+    let cold_tps = sustained(&loader, start, steps)?;
+    let warm_tps = sustained(&loader, start, steps)?;
+
+    let mut fields: Vec<(String, Value)> = vec![
+        ("layout".into(), Value::String(a.layout.clone())),
+        ("token_count".into(), Value::int(token_count)),
+        ("bytes_on_disk".into(), Value::int(disk_bytes)),
+        ("seq_len".into(), Value::int(a.seq_len)),
+        ("batch".into(), Value::int(a.batch)),
+        ("step_count".into(), Value::int(step_count)),
+        ("steps_timed".into(), Value::int(steps)),
+        ("cores".into(), Value::int(num_cpus() as u64)),
+        ("seq_read_ceiling_bytes_per_s".into(), num(seq_ceiling)),
+        (
+            "seq_read_ceiling_tokens_per_s".into(),
+            num(seq_ceiling * token_count as f64 / disk_bytes.max(1) as f64),
+        ),
+        // Whole shards decoded in order: what a full scan (e.g. validation) achieves; CPU-bound
+        // in the codec on small machines.
+        ("bulk_decode_tokens_per_s".into(), num(bulk_decode)),
+        (
+            "first_batch_cold_ms_median".into(),
+            num(median(cold_ms.clone())),
+        ),
+        (
+            "first_batch_cold_ms_max".into(),
+            num(cold_ms.iter().copied().fold(0.0, f64::max)),
+        ),
+        ("first_batch_warm_ms_median".into(), num(median(warm_ms))),
+        ("loader_cold_tokens_per_s".into(), num(cold_tps)),
+        ("loader_warm_tokens_per_s".into(), num(warm_tps)),
+        (
+            "loader_warm_vs_bulk_decode".into(),
+            num(warm_tps / bulk_decode),
+        ),
+    ];
+
+    if !a.python.is_empty() {
+        eprintln!("zarr-python + numpy over the same batches");
+        let py_steps = a.python_steps.min(steps);
+        let rows_path = a.dir.join("bench-tokens-rows.npy");
+        let mut rows = Vec::new();
+        for s in start..start + py_steps {
+            rows.extend(loader.sequences(s)?.into_iter().map(|r| r as i64));
+        }
+        let bytes: Vec<u8> = rows.iter().flat_map(|r| r.to_le_bytes()).collect();
+        crate::npy::write_npy(
+            &rows_path,
+            crate::npy::Dtype::I64,
+            &[py_steps, a.batch],
+            &bytes,
+        )?;
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench_tokens_zarr.py");
+        let out = Command::new(&a.python)
+            .arg(&script)
+            .arg(&root)
+            .arg("train")
+            .arg(&rows_path)
+            .arg(a.seq_len.to_string())
+            .output()
+            .map_err(|e| Error::io(&a.python, e))?;
+        let _ = std::fs::remove_file(&rows_path);
+        if !out.status.success() {
+            return Err(Error::Invalid(format!(
+                "the zarr-python baseline failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        let v = json::parse(&out.stdout)
+            .map_err(|e| Error::Invalid(format!("baseline output: {e}")))?;
+        let theirs: f64 = match v.get("tokens_per_s") {
+            Some(Value::Number(n)) => n.parse().unwrap_or(0.0),
+            _ => 0.0,
+        };
+        // The baseline must have read the same batches.
+        let ours = loader.load(start)?;
+        let ours_sha = json::sha256_hex(
+            &ours
+                .decoded
+                .targets
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        );
+        let same = ["per_row", "coords"].iter().all(|k| {
+            v.get(k)
+                .and_then(|x| x.get("first_targets_sha256"))
+                .and_then(Value::as_str)
+                == Some(ours_sha.as_str())
+        });
+        if !same {
+            return Err(Error::Invalid(
+                "the zarr-python baseline read different batches".into(),
+            ));
+        }
+        fields.push(("zarr_python".into(), v));
+        fields.push(("zarr_python_tokens_per_s".into(), num(theirs)));
+        fields.push((
+            "speedup_warm_vs_zarr_python".into(),
+            num(warm_tps / theirs.max(1e-9)),
+        ));
+    }
+    if let Some(tps) = writer_tps {
+        fields.push(("writer_tokens_per_min".into(), num(tps * 60.0)));
+    }
+    if a.build_mtokens > 0 {
+        eprintln!("tokens build from {} M tokens of JSONL", a.build_mtokens);
+        let (tps, bytes) = build_from_jsonl(&a.dir, a.build_mtokens)?;
+        fields.push(("build_jsonl_bytes".into(), Value::int(bytes)));
+        fields.push(("build_jsonl_tokens_per_min".into(), num(tps * 60.0)));
+    }
+    println!(
+        "{}",
+        json::to_pretty(&Value::Object(fields), 2, Escape::Utf8)
+    );
+    Ok(())
+}
+
+fn num(x: f64) -> Value {
+    Value::Number(if x.is_finite() {
+        format!("{x:.3}")
+    } else {
+        "0".into()
+    })
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
