@@ -13,10 +13,10 @@ def snippets():
 
 
 def test_readme_has_python_snippets():
-    assert len(snippets()) >= 2
+    assert len(snippets()) >= 3
 
 
-@pytest.mark.parametrize("i", range(2))
+@pytest.mark.parametrize("i", range(len(snippets())))
 def test_readme_snippet_runs(i, tmp_path, monkeypatch):
     code = snippets()[i]
     if "import torch" in code:

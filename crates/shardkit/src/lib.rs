@@ -3,6 +3,8 @@
 //! Formats:
 //! * [`saev`]: the saev Sharded Activation File Protocol (transformer activations for
 //!   sparse-autoencoder training), every protocol version in use.
+//! * [`flat_tokens`]: MatX seqax's token datasets in zarr (v2 exactly as seqax writes them, or
+//!   sharded v3), with seqax's shuffled order served step by step.
 //!
 //! Conventions shared by every format: all input from disk or from a caller is validated once,
 //! at parse time, and errors name the file and the rule it breaks ([`Error`]); writers publish a
