@@ -726,4 +726,24 @@ mod tests {
             .contains("--field"));
         assert_eq!(ids_of_line(b"[2147483647]", None), Ok(vec![MAX_TOKEN_ID]));
     }
+
+    proptest::proptest! {
+        #[test]
+        fn any_bytes_give_ids_or_a_message(line in proptest::collection::vec(proptest::num::u8::ANY, 0..64)) {
+            let _ = ids_of_line(&line, None);
+            let _ = ids_of_line(&line, Some("x"));
+        }
+
+        #[test]
+        fn id_lists_round_trip_whatever_the_spacing(
+            ids in proptest::collection::vec(0u32..=MAX_TOKEN_ID, 0..40),
+            sep in "[ \t]{0,2},[ \t]{0,2}",
+        ) {
+            let text: Vec<String> = ids.iter().map(u32::to_string).collect();
+            let line = format!("[{}]\n", text.join(&sep));
+            proptest::prop_assert_eq!(ids_of_line(line.as_bytes(), None), Ok(ids.clone()));
+            let obj = format!("{{\"input_ids\": {}}}", line.trim());
+            proptest::prop_assert_eq!(ids_of_line(obj.as_bytes(), None), Ok(ids));
+        }
+    }
 }

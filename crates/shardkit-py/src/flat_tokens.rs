@@ -3,7 +3,6 @@
 //! released for I/O, errors become natural Python exceptions, arrays cross without a copy.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -12,7 +11,7 @@ use shardkit::flat_tokens::{
     WriterOptions,
 };
 
-use crate::{contiguous, json_of, to_py, RustBuffer, SendSlice, Storage};
+use crate::{contiguous, json_of, to_py, Pass, RustBuffer, SendSlice, Storage};
 
 fn closed() -> PyErr {
     PyRuntimeError::new_err("the writer is closed")
@@ -332,8 +331,7 @@ impl TokensLoader {
     /// Batches from `step` on, prepared ahead in a background thread.
     fn iter(&self, step: u64) -> TokensBatchIter {
         TokensBatchIter {
-            inner: Mutex::new(Some(self.inner.iter(step))),
-            pid: std::process::id(),
+            pass: Pass::new(self.inner.iter(step)),
         }
     }
 }
@@ -341,8 +339,7 @@ impl TokensLoader {
 /// One pass of a [`TokensLoader`]; yields the tuples of [`arrays`].
 #[pyclass(module = "shardkit._shardkit")]
 pub struct TokensBatchIter {
-    inner: Mutex<Option<flat_tokens::Batches>>,
-    pid: u32,
+    pass: Pass<flat_tokens::Batches>,
 }
 
 #[pymethods]
@@ -351,30 +348,11 @@ impl TokensBatchIter {
         slf
     }
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Arrays>> {
-        if std::process::id() != self.pid {
-            return Err(PyRuntimeError::new_err(
-                "this iterator was started before fork(); start a new one in the child",
-            ));
-        }
-        let inner = &self.inner;
-        let next = py.allow_threads(|| {
-            let mut guard = inner.lock().unwrap_or_else(|e| e.into_inner());
-            let item = guard.as_mut().and_then(|it| it.next());
-            if !matches!(item, Some(Ok(_))) {
-                *guard = None;
-            }
-            item
-        });
-        match next {
-            None => Ok(None),
-            Some(Err(e)) => Err(to_py(e)),
-            Some(Ok(b)) => Ok(Some(arrays(b))),
-        }
+        Ok(self.pass.next(py)?.map(arrays))
     }
     /// Stops the reading thread now (also done when the iterator is garbage collected).
     fn close(&self, py: Python<'_>) {
-        let inner = &self.inner;
-        py.allow_threads(|| drop(inner.lock().unwrap_or_else(|e| e.into_inner()).take()));
+        self.pass.close(py)
     }
 }
 

@@ -6,7 +6,7 @@
 //! arrays cross the boundary without a copy, through the buffer protocol of [`RustBuffer`].
 
 use std::ffi::{c_int, CStr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{
@@ -584,18 +584,58 @@ impl Loader {
     fn iter(&self, py: Python<'_>) -> PyResult<BatchIter> {
         let it = py.allow_threads(|| self.inner.iter()).map_err(to_py)?;
         Ok(BatchIter {
-            inner: std::sync::Mutex::new(Some(it)),
-            pid: std::process::id(),
+            pass: Pass::new(it),
         })
+    }
+}
+
+/// One pass of a background iterator, shared by the batch iterators: advanced with the GIL
+/// released, refused in a forked child (its threads belong to the parent, so waiting would
+/// hang), and stopped as soon as it ends or fails. The Mutex makes it shareable between Python
+/// threads (the channel receivers inside are not Sync).
+pub(crate) struct Pass<I> {
+    inner: Mutex<Option<I>>,
+    pid: u32,
+}
+
+impl<T: Send, I: Iterator<Item = shardkit::Result<T>> + Send> Pass<I> {
+    pub(crate) fn new(it: I) -> Self {
+        Pass {
+            inner: Mutex::new(Some(it)),
+            pid: std::process::id(),
+        }
+    }
+
+    pub(crate) fn next(&self, py: Python<'_>) -> PyResult<Option<T>> {
+        if std::process::id() != self.pid {
+            return Err(PyRuntimeError::new_err(
+                "this iterator was started before fork(); start a new one in the child \
+                 (iterating the loader again does)",
+            ));
+        }
+        let inner = &self.inner;
+        let next = py.allow_threads(|| {
+            let mut guard = inner.lock().unwrap_or_else(|e| e.into_inner());
+            let item = guard.as_mut().and_then(|it| it.next());
+            if !matches!(item, Some(Ok(_))) {
+                *guard = None; // finished or failed: stop the threads now
+            }
+            item
+        });
+        next.transpose().map_err(to_py)
+    }
+
+    /// Stops the threads now (also done when the Python object is garbage collected).
+    pub(crate) fn close(&self, py: Python<'_>) {
+        let inner = &self.inner;
+        py.allow_threads(|| drop(inner.lock().unwrap_or_else(|e| e.into_inner()).take()));
     }
 }
 
 /// One pass of a [`Loader`]; yields (act, example_idx, token_idx, layer, token_label, cursor).
 #[pyclass(module = "shardkit._shardkit")]
 pub struct BatchIter {
-    // A Mutex makes the iterator shareable between Python threads (the receiver is not Sync).
-    inner: std::sync::Mutex<Option<saev::Batches>>,
-    pid: u32,
+    pass: Pass<saev::Batches>,
 }
 
 type BatchTuple = (
@@ -612,44 +652,23 @@ impl BatchIter {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<BatchTuple>> {
-        if std::process::id() != self.pid {
-            // The reader threads belong to the parent; waiting on them here would hang.
-            return Err(PyRuntimeError::new_err(
-                "this iterator was started before fork(); start a new one in the child \
-                 (iterating the loader again does)",
-            ));
-        }
-        let inner = &self.inner;
-        let next = py.allow_threads(|| {
-            let mut guard = inner.lock().unwrap_or_else(|e| e.into_inner());
-            let item = guard.as_mut().and_then(|it| it.next());
-            if !matches!(item, Some(Ok(_))) {
-                *guard = None; // finished or failed: stop the threads now
-            }
-            item
-        });
-        match next {
-            None => Ok(None),
-            Some(Err(e)) => Err(to_py(e)),
-            Some(Ok(b)) => {
-                let n = b.n;
-                Ok(Some((
-                    RustBuffer::new(Storage::Engine(b.act), &[n, b.d_model]),
-                    RustBuffer::new(Storage::I64(b.example_idx), &[n]),
-                    RustBuffer::new(Storage::I64(b.token_idx), &[n]),
-                    b.layer.map(|v| RustBuffer::new(Storage::I64(v), &[n])),
-                    b.token_label
-                        .map(|v| RustBuffer::new(Storage::I64(v), &[n])),
-                    b.cursor,
-                )))
-            }
-        }
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<BatchTuple>> {
+        Ok(self.pass.next(py)?.map(|b| {
+            let n = b.n;
+            (
+                RustBuffer::new(Storage::Engine(b.act), &[n, b.d_model]),
+                RustBuffer::new(Storage::I64(b.example_idx), &[n]),
+                RustBuffer::new(Storage::I64(b.token_idx), &[n]),
+                b.layer.map(|v| RustBuffer::new(Storage::I64(v), &[n])),
+                b.token_label
+                    .map(|v| RustBuffer::new(Storage::I64(v), &[n])),
+                b.cursor,
+            )
+        }))
     }
     /// Stops the reader threads now (also done when the iterator is garbage collected).
     fn close(&self, py: Python<'_>) {
-        let inner = &self.inner;
-        py.allow_threads(|| drop(inner.lock().unwrap_or_else(|e| e.into_inner()).take()));
+        self.pass.close(py)
     }
 }
 

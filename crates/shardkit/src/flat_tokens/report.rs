@@ -51,7 +51,14 @@ fn summary(s: &Split) -> Result<Value> {
         let end = (at + (1 << 22)).min(n);
         for v in s.seq_starts(at..end)? {
             if let Some(p) = prev {
-                let l = v.saturating_sub(p);
+                if v < p {
+                    return Err(Error::format(
+                        s.path().join("seq_starts"),
+                        "decreases, so sequence lengths are undefined (shardkit tokens validate \
+                         lists every problem)",
+                    ));
+                }
+                let l = v - p;
                 min = min.min(l);
                 max = max.max(l);
                 empty += u64::from(l == 0);

@@ -131,17 +131,24 @@ impl Philox {
 
 /// seqax's `_random_permutation(seed, n)`: Fisher–Yates over `0..n` driven by Philox outputs
 /// consumed in reverse (`j_i = u[i] mod (i + 1)`, no rejection), as seqax promises never to
-/// change.
+/// change. Output `i` is word `i mod 4` of the block at counter `i / 4 + 1`, so the outputs are
+/// computed in reverse as they are needed instead of being stored (4 bytes per element).
 pub fn perm(seed: u128, n: usize) -> Vec<u32> {
-    let mut g = Philox::from_seed(seed);
-    let u: Vec<u64> = (0..n).map(|_| g.next_u64()).collect();
+    let key = seed_sequence_key(seed);
     let mut a: Vec<u32> = (0..n as u32).collect();
+    let mut block = [0u64; 4];
     for i in (0..n).rev() {
-        let j = (u[i] % (i as u64 + 1)) as usize;
+        if i == n - 1 || i % 4 == 3 {
+            block = Philox::block([(i / 4) as u64 + 1, 0, 0, 0], key);
+        }
+        let j = (block[i % 4] % (i as u64 + 1)) as usize;
         a.swap(i, j);
     }
     a
 }
+
+/// The largest permutation computed (read blocks, or sequences in a shuffle buffer).
+const MAX_PERM: u64 = 1 << 28;
 
 /// The shuffle parameters of seqax's `FlatTokensParams` plus the batch size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,10 +213,18 @@ impl Schedule {
             )));
         }
         let rbc = ((n_seq / b) / s) * s;
-        if rbc == 0 || rbc >= 1 << 32 {
+        if rbc == 0 {
             return Err(Error::Invalid(format!(
-                "{n_seq} sequences make {rbc} usable read blocks of {b} over {s} streams; need \
-                 between 1 and 2^32 - 1 (use smaller read blocks or fewer streams)"
+                "{n_seq} sequences make no full read block of {b} on each of {s} streams (use \
+                 smaller read blocks or fewer streams)"
+            )));
+        }
+        // seqax allows up to 2^32 - 1; the permutation is held in memory (4 bytes a block), and
+        // 2^28 read blocks already cover 2^48 tokens at seqax's recommended block size.
+        if rbc > MAX_PERM {
+            return Err(Error::Invalid(format!(
+                "{n_seq} sequences make {rbc} read blocks of {b}; at most 2^28 are supported \
+                 (use larger read blocks)"
             )));
         }
         let step_count = (rbc * b) / p.batch;
@@ -220,12 +235,12 @@ impl Schedule {
                 p.batch
             )));
         }
-        let buffer = r.min(rbc / s) * b;
-        if buffer > u64::from(u32::MAX) {
+        let buffer = r.min(rbc / s).saturating_mul(b);
+        if buffer > MAX_PERM {
             return Err(Error::Invalid(format!(
-                "a shuffle buffer of {r} read blocks of {b} sequences ({buffer}) exceeds seqax's \
-                 limit of 2^32 - 1 sequences; lower read_blocks_per_shuffle_buffer or \
-                 sequences_per_read_block"
+                "a shuffle buffer of {r} read blocks of {b} sequences ({buffer}) exceeds 2^28 \
+                 sequences (its permutation is held in memory); lower \
+                 read_blocks_per_shuffle_buffer or sequences_per_read_block"
             )));
         }
         if epoch >= 1 << 62 {

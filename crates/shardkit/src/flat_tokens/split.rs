@@ -31,6 +31,8 @@ const CACHED_SHARD_INDEXES: usize = 1024;
 /// Ranges at least this long are read by whole shards rather than through the shard-index
 /// cache (faster for bulk reads: validation, scans).
 const BULK: u64 = 1 << 20;
+/// Violations of one kind counted before a scan of damaged `seq_starts` stops.
+const MAX_COUNTED: u64 = 1000;
 /// Elements read at a time when scanning a whole array.
 const SCAN_PIECE: u64 = 1 << 22;
 
@@ -396,7 +398,7 @@ impl Split {
     }
 
     fn scan(&self, problems: &mut Vec<String>) -> Result<()> {
-        let n = self.token_count();
+        let token_count = self.token_count();
         let m = self.starts.len();
         if self.max_token_id >= 1 << 31 {
             problems.push(format!(
@@ -409,6 +411,11 @@ impl Split {
         if first != Some(0) {
             problems.push(format!("seq_starts[0] is {first:?}, must be 0"));
         }
+        // Scan the tokens seq_starts accounts for: when the two disagree on the length, the
+        // mismatch is reported below, and damaged metadata claiming billions of tokens does
+        // not turn validation into a scan of fill values.
+        let claimed = self.seq_starts(m - 1..m)?[0];
+        let n = token_count.min(claimed);
         // Walk tokens and starts together. `next_start` is the smallest start not yet passed.
         let (mut bad_starts, mut bad_ids, mut max_seen) = (0u64, 0u64, 0u64);
         let (mut decreases, mut beyond) = (0u64, 0u64);
@@ -459,8 +466,11 @@ impl Split {
             }
             at = end;
         }
-        // The remaining starts: all must equal n (trailing empty sequences and the end).
+        // The remaining starts must all equal token_count (trailing empty sequences and the
+        // end). Damaged metadata can claim billions of entries; counting stops at a limit.
         let mut last = prev;
+        let mut misplaced = 0u64;
+        let mut truncated = false;
         while let Some(s) = next_start {
             if let Some(p) = prev {
                 if s < p {
@@ -468,29 +478,44 @@ impl Split {
                     first_decrease.get_or_insert_with(|| format!("index {idx}: {p} then {s}"));
                 }
             }
-            if s > n {
+            if s > token_count {
                 beyond += 1;
+            } else if s < token_count && idx + 1 < m {
+                misplaced += 1;
             }
             prev = Some(s);
             last = Some(s);
             idx += 1;
+            if decreases + beyond + misplaced >= MAX_COUNTED && idx + 1 < m {
+                truncated = true;
+                last = Some(self.seq_starts(m - 1..m)?[0]);
+                break;
+            }
             next_start = starts.next(self)?;
         }
-        if last != Some(n) {
+        let at_least = if truncated { "at least " } else { "" };
+        if misplaced > 0 {
             problems.push(format!(
-                "seq_starts[-1] is {}, must equal token_count {n}",
+                "{at_least}{misplaced} seq_starts entries after the last token are below \
+                 token_count {token_count}"
+            ));
+        }
+        if last != Some(token_count) {
+            problems.push(format!(
+                "seq_starts[-1] is {}, must equal token_count {token_count}",
                 last.map_or("absent".into(), |v| v.to_string())
             ));
         }
         if decreases > 0 {
+            let times = if decreases == 1 { "time" } else { "times" };
             problems.push(format!(
-                "seq_starts decreases {decreases} times (first at {})",
+                "seq_starts decreases {at_least}{decreases} {times} (first at {})",
                 first_decrease.unwrap_or_default()
             ));
         }
         if beyond > 0 {
             problems.push(format!(
-                "{beyond} seq_starts entries exceed token_count {n}"
+                "{at_least}{beyond} seq_starts entries exceed token_count {token_count}"
             ));
         }
         if bad_starts > 0 {
