@@ -34,6 +34,9 @@ pub enum TokensCmd {
         /// opens skip the full validation.
         #[arg(long)]
         mark: bool,
+        /// Print {"valid", "errors", "notes"} as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// One step of seqax's shuffled order: JSON rows and targets, or every array to an .npz.
     Batch(BatchArgs),
@@ -141,7 +144,7 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
             println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             Ok(true)
         }
-        TokensCmd::Validate { dir, mark } => validate(&dir, mark),
+        TokensCmd::Validate { dir, mark, json } => validate(&dir, mark, json),
         TokensCmd::Batch(args) => batch(args),
         TokensCmd::Convert { src, dst, layout } => {
             let layout: Layout = layout.parse()?;
@@ -177,18 +180,22 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
     }
 }
 
-fn validate(dir: &Path, mark: bool) -> Result<bool> {
+fn validate(dir: &Path, mark: bool, as_json: bool) -> Result<bool> {
     let report = flat_tokens::validate(dir);
+    let valid = report.is_valid();
+    if valid && mark {
+        mark_complete(dir)?;
+        eprintln!("{}: marked write_completed: true", dir.display());
+    }
+    if as_json {
+        println!("{}", json::to_pretty(&report.to_json(), 2, Escape::Utf8));
+        return Ok(valid);
+    }
     for e in &report.errors {
         println!("error: {e}");
     }
     for n in &report.notes {
         println!("note: {n}");
-    }
-    let valid = report.is_valid();
-    if valid && mark {
-        mark_complete(dir)?;
-        println!("{}: marked write_completed: true", dir.display());
     }
     println!(
         "{}: {}",

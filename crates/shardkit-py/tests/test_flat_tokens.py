@@ -99,6 +99,7 @@ def test_progress_callback_and_v3_sizes(tmp_path):
     w.append([[1] * 100, [2] * 50])
     w.append([[3]])
     assert w.close() == {"seq_count": 3, "token_count": 151, "max_token_id": 3}
+    assert (w.seq_count, w.token_count, w.max_token_id) == (3, 151, 3)  # kept once closed
     assert seen == [(2, 150), (3, 151)]
     meta = json.loads((tmp_path / "ds.zarr/train/encoded_tokens/zarr.json").read_text())
     assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [64]

@@ -93,9 +93,9 @@ class Writer:
     """Appends sequences to one split of a dataset, creating the dataset as needed.
 
     ``layout`` is ``"v3"`` (sharded zstd) or ``"v2"`` (seqax's codecs, which seqax can read);
-    the default, ``None``, is v3 for a new dataset and the dataset's own format otherwise. An existing split
-    is refused unless ``resume=True``, which continues it: ``resumed_from`` then says how many
-    sequences it already holds (skip those in your input after a crash).
+    the default, ``None``, is v3 for a new dataset and the dataset's own format otherwise. An
+    existing split is refused unless ``resume=True``, which continues it: ``resumed_from`` then
+    says how many sequences it already holds (skip those in your input after a crash).
 
     Use as a context manager: a clean exit marks the dataset complete; an exception commits
     what was appended and leaves the dataset unfinished (``IncompleteDatasetError`` on open,
@@ -126,6 +126,7 @@ class Writer:
         )
         self.path = os.fspath(path)
         self.split = split
+        self._final: Optional[tuple] = None  # counts kept once closed
         self._closed = False
         self._warned_zero = False
         self._bar = None
@@ -151,17 +152,23 @@ class Writer:
         """Sequences the split held when this writer opened it (None for a new split)."""
         return self._w.resumed_from
 
+    def _counts(self) -> tuple:
+        return self._final if self._final is not None else self._w.counts
+
     @property
     def seq_count(self) -> int:
-        return self._w.counts[0]
+        """Sequences in the split so far."""
+        return self._counts()[0]
 
     @property
     def token_count(self) -> int:
-        return self._w.counts[1]
+        """Tokens in the split so far."""
+        return self._counts()[1]
 
     @property
     def max_token_id(self) -> int:
-        return self._w.counts[2]
+        """The running ``max_token_id``."""
+        return self._counts()[2]
 
     def append(self, sequences: Iterable[Any]) -> None:
         """Appends whole sequences: lists of ints or integer numpy arrays (any integer dtype).
@@ -197,6 +204,7 @@ class Writer:
         self._closed = True
         if self._bar is not None:
             self._bar.close()
+        self._final = self._w.counts
         seqs, tokens, max_id = self._w.finish()
         return {"seq_count": seqs, "token_count": tokens, "max_token_id": max_id}
 
@@ -206,6 +214,7 @@ class Writer:
             self._closed = True
             if self._bar is not None:
                 self._bar.close()
+            self._final = self._w.counts
             self._w.abort()
 
     def __enter__(self) -> "Writer":

@@ -44,8 +44,8 @@ pub struct WriterOptions {
     /// dataset's is an error.
     pub layout: Option<Layout>,
     /// Continue the split if it already exists (an interrupted write, or a finished split to
-    /// append to) instead of refusing. [`Writer::seq_count`] then says how many sequences it
-    /// already holds.
+    /// append to) instead of refusing. [`Writer::resumed_from`] then says how many sequences
+    /// it already holds.
     pub resume: bool,
     /// Commit (make everything so far durable and resumable) whenever this many tokens have
     /// been appended since the last commit; also on [`Writer::flush`] and [`Writer::finish`].
