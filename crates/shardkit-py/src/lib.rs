@@ -40,6 +40,7 @@ pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
         }
         shardkit::Error::OutOfRange { .. } => PyIndexError::new_err(msg),
         shardkit::Error::Format { .. }
+        | shardkit::Error::Safetensors { .. }
         | shardkit::Error::Invalid(_)
         | shardkit::Error::Missing(_) => PyValueError::new_err(msg),
     }

@@ -55,6 +55,16 @@ pub enum Error {
         /// What is present and how to continue.
         detail: String,
     },
+    /// A safetensors file breaks the format (the parser's typed error: `HeaderTooLarge`,
+    /// `InvalidOffset`, `MetadataIncompleteBuffer`, ...).
+    #[error("{}: not a valid safetensors file: {source}", path.display())]
+    Safetensors {
+        /// The file.
+        path: PathBuf,
+        /// What the safetensors parser found.
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
     /// The destination already holds something that must not be overwritten.
     #[error("{}: {why}", path.display())]
     Exists {

@@ -5,6 +5,7 @@
 //!   sparse-autoencoder training), every protocol version in use.
 //! * [`flat_tokens`]: MatX seqax's token datasets in zarr (v2 exactly as seqax writes them, or
 //!   sharded v3), with seqax's shuffled order served step by step.
+//! * [`eagle3`]: NeMo Automodel's EAGLE-3 offline cache (manifest and safetensors shards).
 //!
 //! Conventions shared by every format: all input from disk or from a caller is validated once,
 //! at parse time, and errors name the file and the rule it breaks ([`Error`]); writers publish a
@@ -12,6 +13,7 @@
 //! implementation hashes is emitted byte-identically ([`json`]).
 #![deny(missing_docs)]
 
+pub mod eagle3;
 pub mod engine;
 pub mod error;
 pub mod flat_tokens;

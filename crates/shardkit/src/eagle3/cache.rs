@@ -1,0 +1,361 @@
+//! Reading a cache: `len == num_samples`, item `i` from shard `i // s`, row `i % s` (eagle3.md
+//! §6, §7.2, §11.6).
+//!
+//! Opening reads the manifest and checks the shard set (exactly `0..ceil(N/s)-1`); shards are
+//! memory-mapped on first use and kept in a small cache of open handles. An item borrows its
+//! rows from the map; nothing is copied until a caller copies it. A top-k cache's item rebuilds
+//! the full-width `target_probs` (zeros, with the stored values scattered at their indices).
+
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use memmap2::Mmap;
+use safetensors::Dtype;
+
+use super::manifest::{self, Manifest};
+use super::shard::{field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile};
+use super::writer::EMBEDDINGS;
+use crate::error::{Error, IoContext, Result};
+
+/// Shard handles kept open by default.
+pub const DEFAULT_OPEN_SHARDS: usize = 64;
+
+/// The fields of an item (and of a batch), in the order NeMo's collate stacks them.
+pub const ITEM_FIELDS: [&str; 6] = [
+    "input_ids",
+    "attention_mask",
+    "loss_mask",
+    "aux_hidden_states",
+    "position_mask",
+    "target_probs",
+];
+
+/// An opened cache.
+pub struct Cache {
+    dir: PathBuf,
+    manifest: Manifest,
+    specs: Vec<FieldSpec>,
+    open: Mutex<OpenShards>,
+    max_open: usize,
+}
+
+#[derive(Default)]
+struct OpenShards {
+    by_index: HashMap<u64, Arc<ShardFile>>,
+    /// Least recently used first.
+    lru: VecDeque<u64>,
+}
+
+impl std::fmt::Debug for Cache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cache")
+            .field("dir", &self.dir)
+            .field("num_samples", &self.manifest.num_samples)
+            .finish()
+    }
+}
+
+/// One field of an item: dtype, shape and bytes (borrowed from the shard's map, or owned for
+/// a rebuilt top-k `target_probs`).
+#[derive(Debug, Clone)]
+pub struct Field<'a> {
+    /// The field name.
+    pub name: &'static str,
+    /// Its dtype.
+    pub dtype: Dtype,
+    /// Its shape (one sample: `[S]`, `[S, 3H]`, `[S, 1]` or `[S, Vd]`).
+    pub shape: Vec<usize>,
+    /// C-order little-endian bytes.
+    pub bytes: std::borrow::Cow<'a, [u8]>,
+}
+
+/// One sample: its shard stays mapped while the item lives.
+#[derive(Debug, Clone)]
+pub struct Item {
+    shard: Arc<ShardFile>,
+    row: u64,
+    index: u64,
+}
+
+impl Cache {
+    /// Opens the cache at `dir`: the manifest (version 1 or 2) and the shard set, which must be
+    /// exactly `0..ceil(num_samples / shard_size)`. A cache whose writer has not finished is
+    /// reported as incomplete with the samples that are missing.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Cache> {
+        Self::open_with(dir, DEFAULT_OPEN_SHARDS)
+    }
+
+    /// [`Cache::open`] keeping at most `max_open` shards mapped at once.
+    pub fn open_with(dir: impl AsRef<Path>, max_open: usize) -> Result<Cache> {
+        let dir = dir.as_ref().to_path_buf();
+        if !dir.is_dir() {
+            return Err(Error::NotFound {
+                path: dir,
+                what: "not a directory; expected an EAGLE-3 cache".into(),
+            });
+        }
+        let m = manifest::read(&dir)?;
+        let present = shard_set(&dir)?;
+        let k = m.num_shards();
+        if let Some(problem) = shard_set_problem(&present, k) {
+            // A contiguous prefix is a writer that has not finished: say which samples.
+            let prefix = present.len() as u64;
+            if prefix < k && shard_set_problem(&present, prefix).is_none() {
+                let have = prefix * m.shard_size;
+                return Err(Error::Incomplete {
+                    path: dir,
+                    present: have,
+                    total: m.num_samples,
+                    detail: format!(
+                        "samples {have}..{} are missing (shards {}..{} absent); resume the \
+                         writer to complete it",
+                        m.num_samples,
+                        shard_name(prefix),
+                        shard_name(k - 1)
+                    ),
+                });
+            }
+            return Err(Error::format(&dir, problem));
+        }
+        Ok(Cache {
+            specs: field_specs(&m),
+            dir,
+            manifest: m,
+            open: Mutex::default(),
+            max_open: max_open.max(1),
+        })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The manifest.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+    /// Samples (`num_samples`).
+    pub fn len(&self) -> u64 {
+        self.manifest.num_samples
+    }
+    /// Whether the cache has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The stored tensors of every shard.
+    pub fn specs(&self) -> &[FieldSpec] {
+        &self.specs
+    }
+
+    /// Shard `k`, mapped on first use (its header checked against the manifest).
+    pub fn shard(&self, k: u64) -> Result<Arc<ShardFile>> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = open.by_index.get(&k).cloned() {
+            open.lru.retain(|&x| x != k);
+            open.lru.push_back(k);
+            return Ok(s);
+        }
+        drop(open);
+        // Map outside the lock: other shards stay available meanwhile.
+        let s = Arc::new(ShardFile::open(
+            &self.dir.join(shard_name(k)),
+            &self.specs,
+            self.manifest.rows_in_shard(k),
+        )?);
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if !open.by_index.contains_key(&k) {
+            while open.by_index.len() >= self.max_open {
+                match open.lru.pop_front() {
+                    // Items still holding an evicted shard keep its map alive.
+                    Some(old) => {
+                        open.by_index.remove(&old);
+                    }
+                    None => break,
+                }
+            }
+            open.by_index.insert(k, s.clone());
+            open.lru.push_back(k);
+        }
+        Ok(s)
+    }
+
+    /// Sample `i`; a negative `i` counts from the end (wrapped once, as NeMo does).
+    pub fn item(&self, i: i64) -> Result<Item> {
+        let n = self.len();
+        let j = if i < 0 { i + n as i64 } else { i };
+        if j < 0 || j as u64 >= n {
+            return Err(Error::OutOfRange {
+                what: "sample",
+                index: i,
+                len: n,
+            });
+        }
+        let j = j as u64;
+        let s = self.manifest.shard_size;
+        Ok(Item {
+            shard: self.shard(j / s)?,
+            row: j % s,
+            index: j,
+        })
+    }
+
+    /// The fields of `item`, in [`ITEM_FIELDS`] order.
+    pub fn fields<'a>(&self, item: &'a Item) -> Result<Vec<Field<'a>>> {
+        let mut out = Vec::with_capacity(ITEM_FIELDS.len());
+        for name in ITEM_FIELDS {
+            if name == "target_probs" && self.manifest.topk.is_some() {
+                out.push(Field {
+                    name,
+                    dtype: self.manifest.dtype.safetensors(),
+                    shape: vec![
+                        self.manifest.seq_length as usize,
+                        self.manifest.draft_vocab_size as usize,
+                    ],
+                    bytes: std::borrow::Cow::Owned(self.scatter_topk(item)?),
+                });
+                continue;
+            }
+            let (f, spec) = self.spec(name);
+            out.push(Field {
+                name: spec.name,
+                dtype: spec.dtype,
+                shape: spec.row.clone(),
+                bytes: std::borrow::Cow::Borrowed(item.shard.row(f, item.row, spec.row_bytes())),
+            });
+        }
+        Ok(out)
+    }
+
+    fn spec(&self, name: &str) -> (usize, &FieldSpec) {
+        self.specs
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.name == name)
+            .expect("every stored name has a spec")
+    }
+
+    /// The full-width `target_probs` of a top-k item: zeros with the stored values at their
+    /// indices.
+    fn scatter_topk(&self, item: &Item) -> Result<Vec<u8>> {
+        let (fv, values) = self.spec("target_probs_values");
+        let (fi, indices) = self.spec("target_probs_indices");
+        let v = item.shard.row(fv, item.row, values.row_bytes());
+        let ix = item.shard.row(fi, item.row, indices.row_bytes());
+        let mut out = vec![0u8; self.full_probs_bytes()];
+        scatter(
+            v,
+            ix,
+            &mut out,
+            self.manifest.dtype.size(),
+            self.manifest.draft_vocab_size as usize,
+            item.shard.path(),
+        )?;
+        Ok(out)
+    }
+
+    /// Bytes of one sample's full-width `target_probs`.
+    pub fn full_probs_bytes(&self) -> usize {
+        (self.manifest.seq_length * self.manifest.draft_vocab_size) as usize
+            * self.manifest.dtype.size()
+    }
+
+    /// The embedding table: `weight`, F32 `[rows, H]`, mapped.
+    pub fn target_embeddings(&self) -> Result<Embeddings> {
+        open_embeddings(&self.dir)
+    }
+}
+
+/// Maps and checks `dir/target_embeddings.safetensors`: one tensor, `weight`, F32 2-D.
+pub fn open_embeddings(dir: &Path) -> Result<Embeddings> {
+    let path = dir.join(EMBEDDINGS);
+    let file = std::fs::File::open(&path).at(&path)?;
+    // SAFETY: written only by rename (never in place), see `ShardFile::open`.
+    let map = unsafe { Mmap::map(&file) }.at(&path)?;
+    let (n, meta) = super::shard::read_header(&map, &path)?;
+    let tensors = meta.tensors();
+    let info = match (tensors.len(), tensors.get("weight")) {
+        (1, Some(info)) => *info,
+        _ => {
+            return Err(Error::format(
+                &path,
+                "must hold exactly one tensor, `weight`",
+            ))
+        }
+    };
+    if info.dtype != Dtype::F32 || info.shape.len() != 2 {
+        return Err(Error::format(
+            &path,
+            format!(
+                "`weight` is {} {:?}; expected F32 [vocab_rows, hidden]",
+                info.dtype, info.shape
+            ),
+        ));
+    }
+    Ok(Embeddings {
+        rows: info.shape[0],
+        cols: info.shape[1],
+        start: 8 + n + info.data_offsets.0,
+        map,
+    })
+}
+
+/// Scatters `values` (`[S, k]`, `elem` bytes each) at `indices` (`[S, k]` i32) into `out`
+/// (`[S, vd]`, zeroed). An index outside `0..vd` is an error naming `path`.
+pub(crate) fn scatter(
+    values: &[u8],
+    indices: &[u8],
+    out: &mut [u8],
+    elem: usize,
+    vd: usize,
+    path: &Path,
+) -> Result<()> {
+    let k = indices.len() / 4;
+    let rows = out.len() / (vd * elem);
+    let per_row = k / rows.max(1);
+    for (j, ix) in indices.chunks_exact(4).enumerate() {
+        let col = i32::from_le_bytes([ix[0], ix[1], ix[2], ix[3]]);
+        if col < 0 || col as usize >= vd {
+            return Err(Error::format(
+                path,
+                format!("target_probs_indices holds {col}, outside the draft vocabulary 0..{vd}"),
+            ));
+        }
+        let r = j / per_row.max(1);
+        let dst = (r * vd + col as usize) * elem;
+        out[dst..dst + elem].copy_from_slice(&values[j * elem..(j + 1) * elem]);
+    }
+    Ok(())
+}
+
+impl Item {
+    /// The sample's index in the cache.
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+    /// The shard file it comes from.
+    pub fn shard(&self) -> &Arc<ShardFile> {
+        &self.shard
+    }
+    /// Its row in the shard.
+    pub fn row(&self) -> u64 {
+        self.row
+    }
+}
+
+/// The mapped embedding table.
+pub struct Embeddings {
+    map: Mmap,
+    start: usize,
+    /// Vocabulary rows.
+    pub rows: usize,
+    /// Hidden size.
+    pub cols: usize,
+}
+
+impl Embeddings {
+    /// The table's bytes (F32, little-endian, `rows × cols`).
+    pub fn bytes(&self) -> &[u8] {
+        &self.map[self.start..self.start + self.rows * self.cols * 4]
+    }
+}

@@ -1,0 +1,42 @@
+//! The EAGLE-3 offline target-output cache of NVIDIA NeMo Automodel
+//! (`nemo_automodel/components/datasets/llm/eagle3_cache.py`): the frozen target model's
+//! per-token supervision, stored once so draft training reads it back.
+//!
+//! ```text
+//! <cache_dir>/manifest.json                  run configuration (format_version 1 or 2)
+//!            /shard-NNNNNN.safetensors       samples [k·s, k·s + n), every tensor stacked on dim 0:
+//!                input_ids, attention_mask, loss_mask  I64  [n, S]
+//!                aux_hidden_states                      bf16|f16|f32 [n, S, 3H]
+//!                position_mask                          BOOL [n, S, 1]
+//!                target_probs                           bf16|f16|f32 [n, S, Vd]   (lossless)
+//!                or target_probs_values / _indices      [n, S, k] / I32 [n, S, k]  (v2 top-k)
+//!            /target_embeddings.safetensors  `weight`, F32 [V, H]
+//! ```
+//!
+//! Sample i is row `i % s` of shard `i // s`; the shard set is exactly `0..ceil(N/s)`. Exact
+//! behaviour and NeMo's quirks: `shared/formats/eagle3.md`. Every safetensors byte goes through
+//! the `safetensors` crate, so shards are byte-identical to Python `save_file` of the same
+//! arrays, and malformed files are typed errors ([`crate::Error::Safetensors`]).
+//!
+//! * [`Writer`]: samples into shards, each file written atomically and durably, the manifest
+//!   first; resume continues a killed run byte-identically.
+//! * [`Cache`]: lazily mapped shards, items without copies, top-k rows expanded.
+//! * [`Loader`]: shuffled or sequential batches per epoch, split across ranks like PyTorch's
+//!   `DistributedSampler`, read with many reads in flight.
+//! * [`validate`], [`inspect`], [`set_version`].
+
+mod cache;
+mod loader;
+mod manifest;
+mod shard;
+mod validate;
+mod writer;
+
+pub use cache::{
+    open_embeddings, Cache, Embeddings, Field, Item, DEFAULT_OPEN_SHARDS, ITEM_FIELDS,
+};
+pub use loader::{Batch, BatchField, Batches, Loader, LoaderOptions, LoaderState};
+pub use manifest::{CacheDtype, Manifest, MANIFEST};
+pub use shard::{field_specs, read_header, shard_index, shard_name, FieldSpec};
+pub use validate::{inspect, set_version, validate, Validation};
+pub use writer::{write_embeddings, Rows, Writer, WriterOptions, EMBEDDINGS};

@@ -1,0 +1,383 @@
+//! Shard files: names, the shard set of a directory, the tensors a shard holds, and reading and
+//! writing them through the `safetensors` crate (eagle3.md §1–2, §8).
+//!
+//! A shard `shard-NNNNNN.safetensors` holds rows `[k·s, k·s + n)` of every field, stacked on
+//! dim 0 and stored tensor after tensor, so a sample is one row of each tensor: six (seven for
+//! top-k) byte ranges of the file.
+
+use std::borrow::Cow;
+use std::collections::BTreeSet;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensors, View};
+
+use super::manifest::Manifest;
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+
+/// The file name of shard `k`.
+pub fn shard_name(k: u64) -> String {
+    format!("shard-{k:06}.safetensors")
+}
+
+/// The shard index a file name carries, if it is exactly `shard-` + 6 digits + `.safetensors`.
+pub fn shard_index(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("shard-")?.strip_suffix(".safetensors")?;
+    (digits.len() == 6 && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// Whether `name` is a temporary a writer leaves when killed: `<name>.tmp`, or `.tmp` followed
+/// by 6 characters (the safetensors crate's own temporary file).
+pub fn is_temporary(name: &str) -> bool {
+    name.ends_with(".tmp")
+        || (name.len() == 10
+            && name.starts_with(".tmp")
+            && name[4..].bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
+/// The shard indices present in `dir` (an absent directory has none).
+pub fn shard_set(dir: &Path) -> Result<BTreeSet<u64>> {
+    let mut out = BTreeSet::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(Error::io(dir, e)),
+    };
+    for e in entries {
+        let e = e.at(dir)?;
+        if let Some(k) = e.file_name().to_str().and_then(shard_index) {
+            out.insert(k);
+        }
+    }
+    Ok(out)
+}
+
+/// Describes `set` against the complete set `0..expected` (None when equal): what is missing
+/// and what is extra.
+pub fn shard_set_problem(set: &BTreeSet<u64>, expected: u64) -> Option<String> {
+    let missing: Vec<u64> = (0..expected).filter(|k| !set.contains(k)).collect();
+    let extra: Vec<u64> = set.iter().copied().filter(|&k| k >= expected).collect();
+    if missing.is_empty() && extra.is_empty() {
+        return None;
+    }
+    let list = |v: &[u64]| {
+        let shown: Vec<String> = v.iter().take(8).map(|&k| shard_name(k)).collect();
+        let more = if v.len() > 8 {
+            format!(" and {} more", v.len() - 8)
+        } else {
+            String::new()
+        };
+        format!("{}{more}", shown.join(", "))
+    };
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(format!("missing {}", list(&missing)));
+    }
+    if !extra.is_empty() {
+        parts.push(format!("unexpected {}", list(&extra)));
+    }
+    Some(format!(
+        "the shard set must be exactly shard-000000..shard-{:06} ({expected} shards): {}",
+        expected.saturating_sub(1),
+        parts.join("; ")
+    ))
+}
+
+/// Removes temporaries killed writers left in `dir`; returns how many.
+pub fn remove_temporaries(dir: &Path) -> Result<usize> {
+    let mut n = 0;
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if name.to_str().is_some_and(is_temporary) && e.path().is_file() {
+                std::fs::remove_file(e.path()).at(e.path())?;
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// One stored tensor of a shard: its name, dtype and the shape of one sample's row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldSpec {
+    /// The tensor name.
+    pub name: &'static str,
+    /// Its dtype.
+    pub dtype: Dtype,
+    /// The shape of one row (the tensor is `[n, ...row]`).
+    pub row: Vec<usize>,
+}
+
+impl FieldSpec {
+    /// Bytes in one row.
+    pub fn row_bytes(&self) -> usize {
+        self.row.iter().product::<usize>() * self.dtype.bitsize() / 8
+    }
+}
+
+/// The tensors every shard of `m` holds, in name order.
+pub fn field_specs(m: &Manifest) -> Vec<FieldSpec> {
+    let s = m.seq_length as usize;
+    let d = m.dtype.safetensors();
+    let mut v = vec![
+        FieldSpec {
+            name: "attention_mask",
+            dtype: Dtype::I64,
+            row: vec![s],
+        },
+        FieldSpec {
+            name: "aux_hidden_states",
+            dtype: d,
+            row: vec![s, m.aux_hidden_dim as usize],
+        },
+        FieldSpec {
+            name: "input_ids",
+            dtype: Dtype::I64,
+            row: vec![s],
+        },
+        FieldSpec {
+            name: "loss_mask",
+            dtype: Dtype::I64,
+            row: vec![s],
+        },
+        FieldSpec {
+            name: "position_mask",
+            dtype: Dtype::BOOL,
+            row: vec![s, 1],
+        },
+    ];
+    match m.topk {
+        None => v.push(FieldSpec {
+            name: "target_probs",
+            dtype: d,
+            row: vec![s, m.draft_vocab_size as usize],
+        }),
+        Some(k) => {
+            v.push(FieldSpec {
+                name: "target_probs_indices",
+                dtype: Dtype::I32,
+                row: vec![s, k as usize],
+            });
+            v.push(FieldSpec {
+                name: "target_probs_values",
+                dtype: d,
+                row: vec![s, k as usize],
+            });
+        }
+    }
+    v
+}
+
+fn st_err(path: &Path, source: safetensors::SafeTensorError) -> Error {
+    Error::Safetensors {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// A shard opened for reading: its memory map and parsed header, checked against the manifest.
+pub struct ShardFile {
+    path: PathBuf,
+    map: Mmap,
+    /// Byte offset of the data section.
+    data_start: usize,
+    /// Per field spec (same order as [`field_specs`]): the tensor's offset in the file.
+    offsets: Vec<usize>,
+    rows: u64,
+}
+
+impl std::fmt::Debug for ShardFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardFile")
+            .field("path", &self.path)
+            .field("rows", &self.rows)
+            .finish()
+    }
+}
+
+/// Parses a safetensors header with the crate (every check of eagle3.md §8.5).
+pub fn read_header(bytes: &[u8], path: &Path) -> Result<(usize, Metadata)> {
+    SafeTensors::read_metadata(bytes).map_err(|e| st_err(path, e))
+}
+
+impl ShardFile {
+    /// Maps `path` and checks that it holds exactly `specs` with `rows` rows each.
+    pub fn open(path: &Path, specs: &[FieldSpec], rows: u64) -> Result<ShardFile> {
+        let file = File::open(path).at(path)?;
+        // SAFETY: shards are only ever replaced by rename, never rewritten in place, so the
+        // mapped bytes do not change under us (eagle3.md §9.1).
+        let map = unsafe { Mmap::map(&file) }.at(path)?;
+        let (n, meta) = read_header(&map, path)?;
+        let offsets = check_tensors(&meta, specs, rows, path)?;
+        Ok(ShardFile {
+            path: path.to_path_buf(),
+            data_start: 8 + n,
+            offsets,
+            rows,
+            map,
+        })
+    }
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    /// Samples in the shard.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+    /// The bytes of row `r` of field `f` (index into the specs), borrowed from the map.
+    pub fn row(&self, f: usize, r: u64, row_bytes: usize) -> &[u8] {
+        let start = self.data_start + self.offsets[f] + r as usize * row_bytes;
+        &self.map[start..start + row_bytes]
+    }
+    /// The file offset of row `r` of field `f`.
+    pub fn row_offset(&self, f: usize, r: u64, row_bytes: usize) -> u64 {
+        (self.data_start + self.offsets[f] + r as usize * row_bytes) as u64
+    }
+    /// The whole tensor of field `f`.
+    pub fn tensor(&self, f: usize, row_bytes: usize) -> &[u8] {
+        let start = self.data_start + self.offsets[f];
+        &self.map[start..start + self.rows as usize * row_bytes]
+    }
+}
+
+/// The offsets of `specs` in a parsed header, after checking the tensor set, dtypes and shapes.
+pub fn check_tensors(
+    meta: &Metadata,
+    specs: &[FieldSpec],
+    rows: u64,
+    path: &Path,
+) -> Result<Vec<usize>> {
+    let tensors = meta.tensors();
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let want: Vec<&str> = specs.iter().map(|s| s.name).collect();
+    if names.iter().map(|s| s.as_str()).ne(want.iter().copied()) {
+        return Err(Error::format(
+            path,
+            format!(
+                "holds tensors [{}]; this cache's shards hold [{}]",
+                names
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                want.join(", ")
+            ),
+        ));
+    }
+    let mut offsets = Vec::with_capacity(specs.len());
+    for s in specs {
+        let info: &TensorInfo = tensors[s.name];
+        let mut shape = vec![rows as usize];
+        shape.extend(&s.row);
+        if info.dtype != s.dtype || info.shape != shape {
+            return Err(Error::format(
+                path,
+                format!(
+                    "tensor `{}` is {} {:?}; expected {} {:?}",
+                    s.name, info.dtype, info.shape, s.dtype, shape
+                ),
+            ));
+        }
+        offsets.push(info.data_offsets.0);
+    }
+    Ok(offsets)
+}
+
+/// One tensor handed to the safetensors writer: borrowed bytes with a dtype and shape.
+pub struct Tensor<'a> {
+    /// The dtype.
+    pub dtype: Dtype,
+    /// The shape.
+    pub shape: Vec<usize>,
+    /// C-order little-endian bytes.
+    pub data: &'a [u8],
+}
+
+impl View for Tensor<'_> {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Writes `tensors` (no metadata) to `path` atomically and durably: the crate writes its
+/// bytes into a temporary sibling, which is fsynced, renamed over `path`, and the directory
+/// fsynced. The bytes equal Python `safetensors.numpy.save_file` of the same arrays.
+pub fn write_safetensors(path: &Path, tensors: Vec<(&str, Tensor<'_>)>) -> Result<()> {
+    let tmp = PathBuf::from(format!("{}.tmp", path.display()));
+    let result = (|| {
+        safetensors::serialize_to_file(tensors, None, &tmp).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(io) => Error::io(&tmp, io),
+            e => st_err(&tmp, e),
+        })?;
+        let f = File::open(&tmp).at(&tmp)?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // The crate's temporary file is 0600; a cache is meant to be shared.
+            f.set_permissions(std::fs::Permissions::from_mode(0o644))
+                .at(&tmp)?;
+        }
+        f.sync_all().at(&tmp)?;
+        drop(f);
+        fsutil::publish(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_temporaries() {
+        assert_eq!(shard_name(7), "shard-000007.safetensors");
+        assert_eq!(shard_name(999_999), "shard-999999.safetensors");
+        assert_eq!(shard_index("shard-000007.safetensors"), Some(7));
+        assert_eq!(shard_index(&shard_name(1_000_000)), None, "7 digits");
+        for name in [
+            "shard-000001.safetensors.tmp",
+            ".tmpAbC123",
+            "shard-00001.safetensors",
+            "shard-0000001.safetensors",
+            "shard-00000a.safetensors",
+        ] {
+            assert_eq!(shard_index(name), None, "{name}");
+        }
+        assert!(is_temporary("shard-000001.safetensors.tmp"));
+        assert!(is_temporary(".tmpAbC123"));
+        assert!(!is_temporary(".tmpAbC12"));
+        assert!(!is_temporary("shard-000001.safetensors"));
+    }
+
+    #[test]
+    fn shard_set_problems_name_the_files() {
+        let set: BTreeSet<u64> = [0, 2].into();
+        let p = shard_set_problem(&set, 3).unwrap();
+        assert!(p.contains("missing shard-000001.safetensors"), "{p}");
+        let set: BTreeSet<u64> = [0, 1, 2, 3].into();
+        let p = shard_set_problem(&set, 3).unwrap();
+        assert!(p.contains("unexpected shard-000003.safetensors"), "{p}");
+        assert!(shard_set_problem(&[0, 1].into(), 2).is_none());
+        assert!(shard_set_problem(&BTreeSet::new(), 0).is_none());
+    }
+}

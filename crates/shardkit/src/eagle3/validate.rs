@@ -1,0 +1,338 @@
+//! Checking a cache (cheap and deep), summarising it, and switching its format version.
+
+use std::path::Path;
+
+use safetensors::Dtype;
+
+use super::manifest::{self, Manifest};
+use super::shard::{
+    self, field_specs, is_temporary, shard_name, shard_set, shard_set_problem, ShardFile,
+};
+use super::writer::EMBEDDINGS;
+use crate::error::{Error, Result};
+use crate::json::Value;
+
+/// The outcome of [`validate`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Validation {
+    /// Violations; empty when valid.
+    pub errors: Vec<String>,
+    /// Facts that are not violations (leftover temporaries, no embeddings file).
+    pub notes: Vec<String>,
+}
+
+impl Validation {
+    /// Whether the cache is valid.
+    pub fn is_valid(&self) -> bool {
+        self.errors.is_empty()
+    }
+    /// `{"valid", "errors", "notes"}`.
+    pub fn to_json(&self) -> Value {
+        let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
+        Value::Object(vec![
+            ("valid".into(), Value::Bool(self.is_valid())),
+            ("errors".into(), strings(&self.errors)),
+            ("notes".into(), strings(&self.notes)),
+        ])
+    }
+}
+
+/// Checks the cache at `dir`: the manifest, the shard set, and every present shard's header,
+/// tensor names, dtypes and shapes against the manifest. With `deep`, also every value: no NaN
+/// or Inf in float fields; masks and `position_mask` 0 or 1, `position_mask` set only where
+/// `loss_mask` is; `input_ids` below `target_vocab_size`; top-k indices inside the draft
+/// vocabulary; and each `target_probs` row of a lossless cache summing to 1 within the dtype's
+/// tolerance.
+pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
+    let dir = dir.as_ref();
+    let mut v = Validation::default();
+    let m = match manifest::read(dir) {
+        Ok(m) => m,
+        Err(e) => {
+            v.errors.push(e.to_string());
+            return v;
+        }
+    };
+    let present = match shard_set(dir) {
+        Ok(p) => p,
+        Err(e) => {
+            v.errors.push(e.to_string());
+            return v;
+        }
+    };
+    if let Some(problem) = shard_set_problem(&present, m.num_shards()) {
+        v.errors.push(format!("{}: {problem}", dir.display()));
+    }
+    let specs = field_specs(&m);
+    for &k in &present {
+        if k >= m.num_shards() {
+            continue;
+        }
+        let path = dir.join(shard_name(k));
+        match ShardFile::open(&path, &specs, m.rows_in_shard(k)) {
+            Err(e) => v.errors.push(e.to_string()),
+            Ok(f) if deep => deep_check(&f, &m, &mut v),
+            Ok(_) => {}
+        }
+    }
+    match std::fs::metadata(dir.join(EMBEDDINGS)) {
+        Err(_) => v.notes.push(format!(
+            "{}: no {EMBEDDINGS} (NeMo's training recipe needs it)",
+            dir.display()
+        )),
+        Ok(_) => {
+            if let Err(e) = super::cache::open_embeddings(dir) {
+                v.errors.push(e.to_string());
+            }
+        }
+    }
+    let temps: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| is_temporary(n))
+        .collect();
+    if !temps.is_empty() {
+        v.notes.push(format!(
+            "{}: {} temporary files of an interrupted write (ignored; a resumed writer removes \
+             them): {}",
+            dir.display(),
+            temps.len(),
+            temps.join(", ")
+        ));
+    }
+    v
+}
+
+/// Float values of `bytes` in `dtype` (BF16, F16, F32), widened to f32.
+fn floats(bytes: &[u8], dtype: Dtype) -> impl Iterator<Item = f32> + '_ {
+    let size = dtype.bitsize() / 8;
+    bytes.chunks_exact(size).map(move |c| match dtype {
+        Dtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+        Dtype::BF16 => f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16),
+        _ => f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+    })
+}
+
+/// IEEE half to single precision.
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let frac = u32::from(h & 0x3ff);
+    let bits = match exp {
+        0 if frac == 0 => sign,
+        0 => {
+            // Subnormal: normalise.
+            let mut e = 127 - 15 + 1;
+            let mut f = frac;
+            while f & 0x400 == 0 {
+                f <<= 1;
+                e -= 1;
+            }
+            sign | (e << 23) | ((f & 0x3ff) << 13)
+        }
+        0x1f => sign | 0x7f80_0000 | (frac << 13),
+        _ => sign | ((exp + 127 - 15) << 23) | (frac << 13),
+    };
+    f32::from_bits(bits)
+}
+
+fn i64s(bytes: &[u8]) -> impl Iterator<Item = i64> + '_ {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+}
+
+/// Tolerance on a probability row's sum, by dtype: each of Vd values carries a relative
+/// rounding error of half an ulp (2^-8 bf16, 2^-11 fp16, 2^-24 fp32), and the row sums to 1.
+fn sum_tolerance(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::BF16 => 1e-2,
+        Dtype::F16 => 2e-3,
+        _ => 1e-4,
+    }
+}
+
+fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
+    let specs = field_specs(m);
+    let name = f.path().display().to_string();
+    let tensor = |field: &str| {
+        let (i, s) = specs
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.name == field)
+            .expect("spec");
+        (f.tensor(i, s.row_bytes()), s.dtype, s.row.clone())
+    };
+    // Float fields: NaN / Inf.
+    for field in ["aux_hidden_states", "target_probs", "target_probs_values"] {
+        if !specs.iter().any(|s| s.name == field) {
+            continue;
+        }
+        let (bytes, dtype, _) = tensor(field);
+        let bad = floats(bytes, dtype).filter(|x| !x.is_finite()).count();
+        if bad > 0 {
+            v.errors.push(format!(
+                "{name}: `{field}` holds {bad} NaN or infinite values"
+            ));
+        }
+    }
+    // Masks.
+    let (am, _, _) = tensor("attention_mask");
+    let (lm, _, _) = tensor("loss_mask");
+    let (pm, _, _) = tensor("position_mask");
+    for (field, bytes) in [("attention_mask", am), ("loss_mask", lm)] {
+        let bad = i64s(bytes).filter(|&x| x != 0 && x != 1).count();
+        if bad > 0 {
+            v.errors.push(format!(
+                "{name}: `{field}` holds {bad} values other than 0 and 1"
+            ));
+        }
+    }
+    let not_bool = pm.iter().filter(|&&b| b > 1).count();
+    if not_bool > 0 {
+        v.errors.push(format!(
+            "{name}: `position_mask` holds {not_bool} bytes other than 0 and 1"
+        ));
+    }
+    let outside = pm
+        .iter()
+        .zip(i64s(lm))
+        .filter(|&(&p, l)| p == 1 && l == 0)
+        .count();
+    if outside > 0 {
+        v.errors.push(format!(
+            "{name}: `position_mask` is set at {outside} positions where `loss_mask` is 0"
+        ));
+    }
+    if let Some(vocab) = m.target_vocab_size {
+        let (ids, _, _) = tensor("input_ids");
+        let bad = i64s(ids).filter(|&x| x < 0 || x as u64 >= vocab).count();
+        if bad > 0 {
+            v.errors.push(format!(
+                "{name}: `input_ids` holds {bad} ids outside 0..{vocab} (target_vocab_size)"
+            ));
+        }
+    }
+    match m.topk {
+        Some(_) => {
+            let (ix, _, _) = tensor("target_probs_indices");
+            let vd = m.draft_vocab_size as i64;
+            let bad = ix
+                .chunks_exact(4)
+                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .filter(|&x| x < 0 || x >= vd)
+                .count();
+            if bad > 0 {
+                v.errors.push(format!(
+                    "{name}: `target_probs_indices` holds {bad} indices outside 0..{vd}"
+                ));
+            }
+        }
+        None => {
+            let (probs, dtype, row) = tensor("target_probs");
+            let vd = row[1];
+            let tol = sum_tolerance(dtype);
+            let values: Vec<f32> = floats(probs, dtype).collect();
+            let mut bad = 0u64;
+            let mut worst = 0f64;
+            for chunk in values.chunks(vd.max(1)) {
+                let sum: f64 = chunk.iter().map(|&x| f64::from(x)).sum();
+                let err = (sum - 1.0).abs();
+                if err > tol || !err.is_finite() {
+                    bad += 1;
+                    worst = worst.max(err);
+                }
+            }
+            if bad > 0 {
+                v.errors.push(format!(
+                    "{name}: {bad} `target_probs` rows do not sum to 1 within {tol} (worst off by \
+                     {worst:.3e})"
+                ));
+            }
+        }
+    }
+}
+
+/// A summary: the configuration, sizes and completeness.
+pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
+    let dir = dir.as_ref();
+    let m = manifest::read(dir)?;
+    let present = shard_set(dir)?;
+    let k = m.num_shards();
+    let prefix = (0..k).take_while(|i| present.contains(i)).count() as u64;
+    let samples_present = (prefix * m.shard_size).min(m.num_samples);
+    let sample_bytes = m.sample_bytes().unwrap_or(0);
+    let on_disk: u64 = present
+        .iter()
+        .filter_map(|&i| std::fs::metadata(dir.join(shard_name(i))).ok())
+        .map(|md| md.len())
+        .sum();
+    let get = |key: &str| m.raw().get(key).cloned().unwrap_or(Value::Null);
+    Ok(Value::Object(vec![
+        ("format_version".into(), Value::int(m.format_version)),
+        ("target_model".into(), get("target_model")),
+        ("dtype".into(), Value::String(m.dtype.name().into())),
+        ("seq_length".into(), Value::int(m.seq_length)),
+        ("aux_hidden_dim".into(), Value::int(m.aux_hidden_dim)),
+        ("draft_vocab_size".into(), Value::int(m.draft_vocab_size)),
+        ("target_vocab_size".into(), get("target_vocab_size")),
+        (
+            "target_probs".into(),
+            Value::String(match m.topk {
+                Some(k) => format!("top-{k}"),
+                None => "lossless".into(),
+            }),
+        ),
+        ("num_samples".into(), Value::int(m.num_samples)),
+        ("shard_size".into(), Value::int(m.shard_size)),
+        ("shards_expected".into(), Value::int(k)),
+        ("shards_present".into(), Value::int(present.len() as u64)),
+        ("samples_present".into(), Value::int(samples_present)),
+        (
+            "complete".into(),
+            Value::Bool(shard_set_problem(&present, k).is_none()),
+        ),
+        ("bytes_per_sample".into(), Value::int(sample_bytes)),
+        ("bytes_on_disk".into(), Value::int(on_disk)),
+        (
+            "target_embeddings".into(),
+            Value::Bool(dir.join(EMBEDDINGS).is_file()),
+        ),
+    ]))
+}
+
+/// Switches the cache at `dir` to `format_version` `version` by rewriting only the manifest
+/// (2 adds `target_probs_topk: 0`, 1 removes it). A top-k cache cannot become version 1.
+pub fn set_version(dir: impl AsRef<Path>, version: u8) -> Result<Manifest> {
+    let dir = dir.as_ref();
+    let m = manifest::read(dir)?;
+    let new = m.with_version(version).map_err(|e| match e {
+        Error::Invalid(why) => Error::format(dir.join(manifest::MANIFEST), why),
+        e => e,
+    })?;
+    shard::remove_temporaries(dir)?;
+    manifest::write(dir, &new)?;
+    Ok(new)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_floats_widen_exactly() {
+        for (h, f) in [
+            (0x3c00u16, 1.0f32),
+            (0xc000, -2.0),
+            (0x0001, 5.960_464_5e-8),
+            (0x7bff, 65504.0),
+            (0x0000, 0.0),
+        ] {
+            assert_eq!(f16_to_f32(h), f, "{h:#06x}");
+        }
+        assert!(f16_to_f32(0x7c00).is_infinite());
+        assert!(f16_to_f32(0x7e00).is_nan());
+    }
+}

@@ -1,0 +1,337 @@
+//! Writing a cache: samples accumulate into shards of `shard_size`, each written atomically and
+//! durably once full (eagle3.md §7.1, §11.4–11.5).
+//!
+//! The manifest is written before any shard. A crash therefore leaves the manifest and a
+//! contiguous prefix of complete shards (plus temporaries, which are ignored and cleaned). A
+//! resumed writer checks that the prefix is contiguous and that its configuration equals the
+//! recorded one, then continues at sample `k·shard_size`; the finished directory equals that of
+//! an uninterrupted run.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+
+use super::manifest::{self, Manifest};
+use super::shard::{
+    self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
+};
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+use crate::json::Value;
+
+/// The embeddings file's name.
+pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
+
+/// Options of [`Writer::create`].
+#[derive(Debug, Clone)]
+pub struct WriterOptions {
+    /// The `format_version` to write: 1 (the default, as the module this was specified from) or
+    /// 2 (what current NeMo accepts; needed for top-k caches).
+    pub version: u8,
+    /// Continue a cache that already has shards instead of refusing.
+    pub resume: bool,
+}
+
+impl Default for WriterOptions {
+    fn default() -> Self {
+        WriterOptions {
+            version: 1,
+            resume: false,
+        }
+    }
+}
+
+/// Rows of samples to add: for each stored tensor (see [`Writer::fields`]), the bytes of `n`
+/// rows, C order, little-endian.
+#[derive(Debug, Clone, Copy)]
+pub struct Rows<'a> {
+    /// Number of samples.
+    pub n: u64,
+    /// (tensor name, bytes) for every stored tensor.
+    pub fields: &'a [(&'a str, &'a [u8])],
+}
+
+/// Writes one cache directory.
+#[derive(Debug)]
+pub struct Writer {
+    dir: PathBuf,
+    manifest: Manifest,
+    specs: Vec<FieldSpec>,
+    /// Rows of the shard being filled, per field.
+    bufs: Vec<Vec<u8>>,
+    rows_buffered: u64,
+    /// The shard being filled.
+    shard: u64,
+    resumed_from: Option<u64>,
+}
+
+impl Writer {
+    /// Starts (or, with `options.resume`, continues) the cache at `dir` for the run
+    /// configuration `config` (a JSON object with every key the reference producer writes).
+    pub fn create(dir: impl AsRef<Path>, config: &Value, options: WriterOptions) -> Result<Writer> {
+        let dir = dir.as_ref().to_path_buf();
+        let m = Manifest::for_writing(config, options.version)?;
+        if dir.exists() && !dir.is_dir() {
+            return Err(Error::Exists {
+                path: dir,
+                why: "exists and is not a directory".into(),
+            });
+        }
+        let specs = field_specs(&m);
+        let present = shard_set(&dir)?;
+        let mut resumed_from = None;
+        let mut shard = 0;
+        if !present.is_empty() {
+            if !options.resume {
+                return Err(Error::Exists {
+                    path: dir,
+                    why: format!(
+                        "already has shards ({} of {}); resume to continue this cache, or write \
+                         elsewhere",
+                        present.len(),
+                        m.num_shards()
+                    ),
+                });
+            }
+            let recorded = match manifest::read(&dir) {
+                Ok(r) => r,
+                Err(Error::NotFound { .. }) => {
+                    return Err(Error::Exists {
+                        path: dir.join(manifest::MANIFEST),
+                        why: "shards are present but no manifest records their configuration; \
+                              refusing to resume"
+                            .into(),
+                    })
+                }
+                Err(e) => return Err(e),
+            };
+            let differ = m.differing_keys(&recorded);
+            if !differ.is_empty() {
+                return Err(Error::Exists {
+                    path: dir.join(manifest::MANIFEST),
+                    why: format!(
+                        "the cache was written with another configuration; these keys differ: {}",
+                        differ.join(", ")
+                    ),
+                });
+            }
+            let k = present.len() as u64;
+            if let Some(problem) = shard_set_problem(&present, k) {
+                return Err(Error::format(
+                    &dir,
+                    format!(
+                        "cannot resume: existing shards are not a contiguous prefix; {problem}"
+                    ),
+                ));
+            }
+            if k > m.num_shards() {
+                return Err(Error::format(
+                    &dir,
+                    shard_set_problem(&present, m.num_shards()).unwrap_or_default(),
+                ));
+            }
+            // Every kept shard must be whole and of this configuration.
+            for i in 0..k {
+                ShardFile::open(&dir.join(shard_name(i)), &specs, m.rows_in_shard(i))?;
+            }
+            shard = k;
+            resumed_from = Some((k * m.shard_size).min(m.num_samples));
+        }
+        // Nothing on disk has changed before this point.
+        std::fs::create_dir_all(&dir).at(&dir)?;
+        shard::remove_temporaries(&dir)?;
+        manifest::write(&dir, &m)?;
+        let bufs = specs.iter().map(|_| Vec::new()).collect();
+        Ok(Writer {
+            dir,
+            manifest: m,
+            specs,
+            bufs,
+            rows_buffered: 0,
+            shard,
+            resumed_from,
+        })
+    }
+
+    /// The cache directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// The manifest written.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+    /// The tensors each sample needs (name, dtype, row shape).
+    pub fn fields(&self) -> &[FieldSpec] {
+        &self.specs
+    }
+    /// The first sample still to be written (`k·shard_size` after a resume).
+    pub fn next_sample(&self) -> u64 {
+        self.shard * self.manifest.shard_size + self.rows_buffered
+    }
+    /// When the cache had shards before: the first sample this writer had to write.
+    pub fn resumed_from(&self) -> Option<u64> {
+        self.resumed_from
+    }
+
+    /// Adds `rows.n` samples, in order. Every stored tensor must be given with exactly `n`
+    /// rows of its dtype and shape; nothing is added when one is not, or when the samples would
+    /// exceed `num_samples`. A shard is written as soon as it is full.
+    pub fn add(&mut self, rows: Rows<'_>) -> Result<()> {
+        let n = rows.n;
+        let left = self.manifest.num_samples - self.next_sample();
+        if n > left {
+            return Err(Error::Invalid(format!(
+                "adding {n} samples would exceed num_samples {} ({left} left)",
+                self.manifest.num_samples
+            )));
+        }
+        let mut given: Vec<&[u8]> = Vec::with_capacity(self.specs.len());
+        for spec in &self.specs {
+            let bytes = rows
+                .fields
+                .iter()
+                .find(|(name, _)| *name == spec.name)
+                .map(|(_, b)| *b)
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "missing `{}` ({} {:?} per sample)",
+                        spec.name, spec.dtype, spec.row
+                    ))
+                })?;
+            let want = spec.row_bytes() as u64 * n;
+            if bytes.len() as u64 != want {
+                return Err(Error::Invalid(format!(
+                    "`{}` holds {} bytes; {n} samples of {} {:?} need {want}",
+                    spec.name,
+                    bytes.len(),
+                    spec.dtype,
+                    spec.row
+                )));
+            }
+            given.push(bytes);
+        }
+        if let Some((name, _)) = rows
+            .fields
+            .iter()
+            .find(|(name, _)| !self.specs.iter().any(|s| s.name == *name))
+        {
+            return Err(Error::Invalid(format!(
+                "`{name}` is not a tensor of this cache (it stores {})",
+                self.specs
+                    .iter()
+                    .map(|s| s.name)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        let mut done = 0u64;
+        while done < n {
+            let want = self.manifest.rows_in_shard(self.shard);
+            let take = (want - self.rows_buffered).min(n - done);
+            for (f, spec) in self.specs.iter().enumerate() {
+                let rb = spec.row_bytes();
+                let src = &given[f][done as usize * rb..(done + take) as usize * rb];
+                self.bufs[f].extend_from_slice(src);
+            }
+            self.rows_buffered += take;
+            done += take;
+            if self.rows_buffered == want {
+                self.write_shard()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_shard(&mut self) -> Result<()> {
+        let rows = self.rows_buffered as usize;
+        let tensors: Vec<(&str, Tensor<'_>)> = self
+            .specs
+            .iter()
+            .zip(&self.bufs)
+            .map(|(spec, buf)| {
+                let mut shape = vec![rows];
+                shape.extend(&spec.row);
+                (
+                    spec.name,
+                    Tensor {
+                        dtype: spec.dtype,
+                        shape,
+                        data: buf,
+                    },
+                )
+            })
+            .collect();
+        shard::write_safetensors(&self.dir.join(shard_name(self.shard)), tensors)?;
+        for b in &mut self.bufs {
+            b.clear();
+        }
+        self.rows_buffered = 0;
+        self.shard += 1;
+        Ok(())
+    }
+
+    /// Writes `target_embeddings.safetensors`: one F32 tensor `weight` of `rows × cols`
+    /// (little-endian bytes), replacing any previous one by rename.
+    pub fn write_target_embeddings(&self, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+        write_embeddings(&self.dir, &self.manifest, data, rows, cols)
+    }
+
+    /// Finishes the cache: every sample must have been added (the last shard is written when
+    /// its last sample arrives). Otherwise the cache stays resumable and the error says where.
+    pub fn finish(self) -> Result<PathBuf> {
+        let written = self.shard * self.manifest.shard_size;
+        let total = self.manifest.num_samples;
+        if self.next_sample() < total {
+            return Err(Error::Incomplete {
+                path: self.dir.clone(),
+                present: written.min(total),
+                total,
+                detail: format!(
+                    "samples {}..{} were not added; a resumed writer continues at sample \
+                     {written}",
+                    self.next_sample(),
+                    total
+                ),
+            });
+        }
+        fsutil::fsync_dir(&self.dir)?;
+        Ok(self.dir)
+    }
+}
+
+/// Writes the embeddings file of the cache at `dir` (see [`Writer::write_target_embeddings`]).
+pub fn write_embeddings(dir: &Path, m: &Manifest, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+    let want = rows
+        .checked_mul(cols)
+        .and_then(|e| e.checked_mul(4))
+        .ok_or_else(|| Error::Invalid(format!("embeddings of {rows} x {cols} overflow")))?;
+    if data.len() as u64 != want {
+        return Err(Error::Invalid(format!(
+            "embeddings: {} bytes given; {rows} x {cols} float32 need {want}",
+            data.len()
+        )));
+    }
+    if let Some(Value::Array(layers)) = m.raw().get("aux_layer_ids") {
+        if !layers.is_empty() && cols * layers.len() as u64 != m.aux_hidden_dim {
+            return Err(Error::Invalid(format!(
+                "embeddings have {cols} columns; the hidden size is aux_hidden_dim {} / {} \
+                 layers",
+                m.aux_hidden_dim,
+                layers.len()
+            )));
+        }
+    }
+    std::fs::create_dir_all(dir).at(dir)?;
+    shard::write_safetensors(
+        &dir.join(EMBEDDINGS),
+        vec![(
+            "weight",
+            Tensor {
+                dtype: Dtype::F32,
+                shape: vec![rows as usize, cols as usize],
+                data,
+            },
+        )],
+    )
+}
