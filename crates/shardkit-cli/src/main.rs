@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod bench_tokens;
+mod eagle3_cmd;
 mod npy;
 mod plot;
 mod saev_cmd;
@@ -28,6 +29,9 @@ enum Cmd {
     /// flat-tokens (seqax) zarr datasets.
     #[command(subcommand)]
     Tokens(tokens_cmd::TokensCmd),
+    /// EAGLE-3 offline caches (NeMo Automodel): manifest + safetensors shards.
+    #[command(subcommand)]
+    Eagle3(eagle3_cmd::Eagle3Cmd),
     /// Measurements that print JSON with the ceiling measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -39,6 +43,7 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Saev(c) => saev_cmd::run(c),
         Cmd::Tokens(c) => tokens_cmd::run(c),
+        Cmd::Eagle3(c) => eagle3_cmd::run(c),
         Cmd::Bench(c) => bench::run(c).map(|_| true),
     };
     match result {

@@ -29,6 +29,7 @@ mod cache;
 mod loader;
 mod manifest;
 mod shard;
+pub mod synth;
 mod validate;
 mod writer;
 
@@ -37,6 +38,6 @@ pub use cache::{
 };
 pub use loader::{Batch, BatchField, Batches, Loader, LoaderOptions, LoaderState};
 pub use manifest::{CacheDtype, Manifest, MANIFEST};
-pub use shard::{field_specs, read_header, shard_index, shard_name, FieldSpec};
+pub use shard::{field_specs, is_temporary, read_header, shard_index, shard_name, FieldSpec};
 pub use validate::{inspect, set_version, validate, Validation};
 pub use writer::{write_embeddings, Rows, Writer, WriterOptions, EMBEDDINGS};

@@ -111,31 +111,8 @@ fn floats(bytes: &[u8], dtype: Dtype) -> impl Iterator<Item = f32> + '_ {
     bytes.chunks_exact(size).map(move |c| match dtype {
         Dtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
         Dtype::BF16 => f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16),
-        _ => f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+        _ => super::synth::f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
     })
-}
-
-/// IEEE half to single precision.
-fn f16_to_f32(h: u16) -> f32 {
-    let sign = u32::from(h >> 15) << 31;
-    let exp = u32::from((h >> 10) & 0x1f);
-    let frac = u32::from(h & 0x3ff);
-    let bits = match exp {
-        0 if frac == 0 => sign,
-        0 => {
-            // Subnormal: normalise.
-            let mut e = 127 - 15 + 1;
-            let mut f = frac;
-            while f & 0x400 == 0 {
-                f <<= 1;
-                e -= 1;
-            }
-            sign | (e << 23) | ((f & 0x3ff) << 13)
-        }
-        0x1f => sign | 0x7f80_0000 | (frac << 13),
-        _ => sign | ((exp + 127 - 15) << 23) | (frac << 13),
-    };
-    f32::from_bits(bits)
 }
 
 fn i64s(bytes: &[u8]) -> impl Iterator<Item = i64> + '_ {
@@ -315,24 +292,4 @@ pub fn set_version(dir: impl AsRef<Path>, version: u8) -> Result<Manifest> {
     shard::remove_temporaries(dir)?;
     manifest::write(dir, &new)?;
     Ok(new)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn half_floats_widen_exactly() {
-        for (h, f) in [
-            (0x3c00u16, 1.0f32),
-            (0xc000, -2.0),
-            (0x0001, 5.960_464_5e-8),
-            (0x7bff, 65504.0),
-            (0x0000, 0.0),
-        ] {
-            assert_eq!(f16_to_f32(h), f, "{h:#06x}");
-        }
-        assert!(f16_to_f32(0x7c00).is_infinite());
-        assert!(f16_to_f32(0x7e00).is_nan());
-    }
 }
