@@ -19,6 +19,7 @@ use shardkit::engine::{Buffer, Order};
 use shardkit::json;
 use shardkit::saev;
 
+mod eagle3;
 mod flat_tokens;
 
 pyo3::create_exception!(
@@ -56,7 +57,30 @@ pub(crate) enum Storage {
     U32(Vec<u32>),
     U64(Vec<u64>),
     Bool(Vec<bool>),
+    /// Owned bytes of any element type (struct format and item size given).
+    Bytes(Vec<u8>, &'static CStr, isize),
+    /// A view into memory kept alive by `owner` (a shard's memory map, a batch buffer that
+    /// several arrays share).
+    Held(Held),
 }
+
+/// Bytes inside memory that `owner` keeps alive.
+pub(crate) struct Held {
+    pub(crate) _owner: Arc<dyn Send + Sync>,
+    pub(crate) ptr: *const u8,
+    pub(crate) len: usize,
+    pub(crate) format: &'static CStr,
+    pub(crate) item: isize,
+    /// False for views of a read-only memory map. True for a batch buffer, whose disjoint
+    /// regions belong to the arrays handed out (no Rust code reads them afterwards).
+    pub(crate) writable: bool,
+}
+
+// SAFETY: `ptr` points into memory owned by `owner`, which is Send + Sync and outlives the view;
+// the bytes are never written through it.
+unsafe impl Send for Held {}
+// SAFETY: as above.
+unsafe impl Sync for Held {}
 
 /// Memory owned by Rust, exported to Python through the buffer protocol (numpy wraps it
 /// without a copy; the array keeps this object alive).
@@ -102,6 +126,8 @@ impl RustBuffer {
             Storage::U64(v) => raw(v, c"Q"),
             // Rust's bool is one byte holding 0 or 1, as the buffer protocol's "?".
             Storage::Bool(v) => raw(v, c"?"),
+            Storage::Bytes(v, format, item) => (v.as_ptr(), v.len(), format, *item),
+            Storage::Held(h) => (h.ptr, h.len, h.format, h.item),
         }
     }
 }
@@ -115,12 +141,18 @@ impl RustBuffer {
     unsafe fn __getbuffer__(
         slf: Bound<'_, Self>,
         view: *mut pyo3::ffi::Py_buffer,
-        _flags: c_int,
+        flags: c_int,
     ) -> PyResult<()> {
         if view.is_null() {
             return Err(PyValueError::new_err("null Py_buffer"));
         }
         let this = slf.borrow();
+        let readonly = matches!(&this.storage, Storage::Held(h) if !h.writable);
+        if readonly && (flags & pyo3::ffi::PyBUF_WRITABLE) != 0 {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "read-only memory (a memory-mapped file)",
+            ));
+        }
         let (ptr, len, format, item) = this.parts();
         let ptr = if len == 0 {
             std::ptr::NonNull::<u64>::dangling().as_ptr().cast::<u8>()
@@ -131,7 +163,7 @@ impl RustBuffer {
         v.obj = slf.clone().into_any().into_ptr();
         v.buf = ptr as *mut std::ffi::c_void;
         v.len = len as isize;
-        v.readonly = 0;
+        v.readonly = c_int::from(readonly);
         v.itemsize = item;
         v.format = format.as_ptr() as *mut _;
         v.ndim = this.shape.len() as c_int;
@@ -704,5 +736,6 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     flat_tokens::register(m)?;
+    eagle3::register(m)?;
     Ok(())
 }

@@ -1,0 +1,429 @@
+//! EAGLE-3 cache bindings (wrapped by `shardkit/eagle3.py`): writer, mapped reader, loader.
+//! Items are views of the shards' memory maps (read-only); batches are views of one buffer
+//! per batch (writable); neither is copied on the way to numpy.
+
+use std::ffi::CStr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use safetensors::Dtype;
+use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Writer};
+use shardkit::json;
+
+use crate::{contiguous, json_of, to_py, Held, Pass, RustBuffer, SendSlice, Storage};
+
+/// The buffer-protocol format of a safetensors dtype (BF16 as its uint16 bit pattern).
+fn format(d: Dtype) -> PyResult<(&'static CStr, isize)> {
+    Ok(match d {
+        Dtype::I64 => (c"q", 8),
+        Dtype::I32 => (c"i", 4),
+        Dtype::BOOL => (c"?", 1),
+        Dtype::F32 => (c"f", 4),
+        Dtype::F16 => (c"e", 2),
+        Dtype::BF16 => (c"H", 2),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "dtype {other} does not occur in EAGLE-3 caches"
+            )))
+        }
+    })
+}
+
+/// (name, dtype code, shape, array) for Python.
+type FieldOut = (&'static str, String, Vec<usize>, RustBuffer);
+
+fn held(
+    owner: Arc<dyn Send + Sync>,
+    bytes: &[u8],
+    dtype: Dtype,
+    shape: &[usize],
+    writable: bool,
+) -> PyResult<RustBuffer> {
+    let (format, item) = format(dtype)?;
+    Ok(RustBuffer::new(
+        Storage::Held(Held {
+            _owner: owner,
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            format,
+            item,
+            writable,
+        }),
+        shape,
+    ))
+}
+
+fn closed() -> PyErr {
+    PyRuntimeError::new_err("the writer is closed")
+}
+
+/// Writes one cache directory.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Eagle3Writer {
+    inner: Option<Writer>,
+    manifest_json: String,
+    fields: Vec<(&'static str, String, Vec<usize>)>,
+    resumed_from: Option<u64>,
+    num_samples: u64,
+}
+
+#[pymethods]
+impl Eagle3Writer {
+    #[new]
+    #[pyo3(signature = (cache_dir, manifest_json, version=1, resume=false))]
+    fn new(
+        py: Python<'_>,
+        cache_dir: PathBuf,
+        manifest_json: &str,
+        version: u8,
+        resume: bool,
+    ) -> PyResult<Self> {
+        let config = json::parse(manifest_json.as_bytes())
+            .map_err(|e| PyValueError::new_err(format!("manifest: {e}")))?;
+        let options = eagle3::WriterOptions { version, resume };
+        let w = py
+            .allow_threads(|| Writer::create(cache_dir, &config, options))
+            .map_err(to_py)?;
+        Ok(Eagle3Writer {
+            manifest_json: json_of(&w.manifest().to_value()),
+            fields: w
+                .fields()
+                .iter()
+                .map(|f| (f.name, f.dtype.to_string(), f.row.clone()))
+                .collect(),
+            resumed_from: w.resumed_from(),
+            num_samples: w.manifest().num_samples,
+            inner: Some(w),
+        })
+    }
+    /// The manifest written, as JSON.
+    #[getter]
+    fn manifest_json(&self) -> &str {
+        &self.manifest_json
+    }
+    /// (name, dtype code, row shape) of every stored tensor.
+    #[getter]
+    fn fields(&self) -> Vec<(&'static str, String, Vec<usize>)> {
+        self.fields.clone()
+    }
+    /// The first sample still to be written.
+    #[getter]
+    fn next_sample(&self) -> u64 {
+        self.inner
+            .as_ref()
+            .map_or(self.num_samples, |w| w.next_sample())
+    }
+    /// The first sample this writer had to write, when the cache had shards already.
+    #[getter]
+    fn resumed_from(&self) -> Option<u64> {
+        self.resumed_from
+    }
+    /// Adds `n` samples: `fields` maps each stored tensor's name to a C-contiguous buffer of
+    /// its bytes (uint8 view).
+    fn add_rows(&mut self, py: Python<'_>, n: u64, fields: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut bufs = Vec::new();
+        for (k, v) in fields.iter() {
+            let name: String = k.extract()?;
+            let b = contiguous::<u8>(&v, &format!("{name} (bytes)"))?;
+            bufs.push((name, b));
+        }
+        let slices: Vec<(String, SendSlice<u8>)> = bufs
+            .iter()
+            .map(|(n, b)| {
+                (
+                    n.clone(),
+                    SendSlice(b.buf_ptr() as *const u8, b.item_count()),
+                )
+            })
+            .collect();
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        // SAFETY: the exporters' views (`bufs`) outlive the closure.
+        py.allow_threads(|| {
+            let refs: Vec<(&str, &[u8])> = slices
+                .iter()
+                .map(|(n, s)| (n.as_str(), unsafe { s.get() }))
+                .collect();
+            w.add(Rows { n, fields: &refs })
+        })
+        .map_err(to_py)
+    }
+    /// Writes target_embeddings.safetensors from float32 bytes of `rows × cols`.
+    fn write_target_embeddings(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        rows: u64,
+        cols: u64,
+    ) -> PyResult<()> {
+        let b = contiguous::<u8>(data, "embeddings (bytes)")?;
+        let s = SendSlice(b.buf_ptr() as *const u8, b.item_count());
+        let w = self.inner.as_ref().ok_or_else(closed)?;
+        // SAFETY: `b` outlives the closure.
+        py.allow_threads(|| w.write_target_embeddings(unsafe { s.get() }, rows, cols))
+            .map_err(to_py)
+    }
+    /// Finishes the cache (every sample must have been added) and returns its directory.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
+        let w = self.inner.take().ok_or_else(closed)?;
+        py.allow_threads(|| w.finish())
+            .map(|p| p.display().to_string())
+            .map_err(to_py)
+    }
+    /// Stops without finishing: the written shards stay, and a resumed writer continues.
+    fn abort(&mut self) {
+        self.inner = None;
+    }
+}
+
+/// A cache opened for reading.
+#[pyclass(module = "shardkit._shardkit", frozen)]
+pub struct Eagle3Cache {
+    inner: Arc<Cache>,
+}
+
+#[pymethods]
+impl Eagle3Cache {
+    #[new]
+    #[pyo3(signature = (cache_dir, max_open=eagle3::DEFAULT_OPEN_SHARDS))]
+    fn new(py: Python<'_>, cache_dir: PathBuf, max_open: usize) -> PyResult<Self> {
+        let inner = py
+            .allow_threads(|| Cache::open_with(cache_dir, max_open))
+            .map_err(to_py)?;
+        Ok(Eagle3Cache {
+            inner: Arc::new(inner),
+        })
+    }
+    fn __len__(&self) -> usize {
+        self.inner.len() as usize
+    }
+    /// The manifest, as JSON.
+    #[getter]
+    fn manifest_json(&self) -> String {
+        json_of(&self.inner.manifest().to_value())
+    }
+    /// The fields of sample `i` (negative counts from the end), viewing the shard's map.
+    fn item(&self, py: Python<'_>, i: i64) -> PyResult<Vec<FieldOut>> {
+        let cache = &self.inner;
+        let item = py.allow_threads(|| cache.item(i)).map_err(to_py)?;
+        let fields = cache.fields(&item).map_err(to_py)?;
+        let owner: Arc<dyn Send + Sync> = item.shard().clone();
+        fields
+            .into_iter()
+            .map(|f| {
+                let array = match f.bytes {
+                    std::borrow::Cow::Borrowed(b) => {
+                        held(owner.clone(), b, f.dtype, &f.shape, false)?
+                    }
+                    // A top-k item's rebuilt target_probs: owned, handed over as it is.
+                    std::borrow::Cow::Owned(v) => {
+                        let (format, item) = format(f.dtype)?;
+                        RustBuffer::new(Storage::Bytes(v, format, item), &f.shape)
+                    }
+                };
+                Ok((f.name, f.dtype.to_string(), f.shape, array))
+            })
+            .collect()
+    }
+    /// The embedding table (F32 [rows, hidden]), viewing its map.
+    fn target_embeddings(&self, py: Python<'_>) -> PyResult<RustBuffer> {
+        let cache = &self.inner;
+        let e = py
+            .allow_threads(|| cache.target_embeddings())
+            .map_err(to_py)?;
+        let shape = [e.rows, e.cols];
+        let e = Arc::new(e);
+        let bytes = e.bytes();
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        Ok(RustBuffer::new(
+            Storage::Held(Held {
+                _owner: e,
+                ptr,
+                len,
+                format: c"f",
+                item: 4,
+                writable: false,
+            }),
+            &shape,
+        ))
+    }
+}
+
+/// Batches of a cache for one rank.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Eagle3Loader {
+    inner: Loader,
+}
+
+#[pymethods]
+impl Eagle3Loader {
+    #[new]
+    #[pyo3(signature = (cache_dir, batch_size, shuffle=true, seed=0, epoch=0, rank=None,
+        world_size=None, drop_last=false, io_threads=16, prefetch=2))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        cache_dir: PathBuf,
+        batch_size: u64,
+        shuffle: bool,
+        seed: u64,
+        epoch: u64,
+        rank: Option<u64>,
+        world_size: Option<u64>,
+        drop_last: bool,
+        io_threads: usize,
+        prefetch: usize,
+    ) -> PyResult<Self> {
+        let mut o = LoaderOptions::new(batch_size);
+        o.shuffle = shuffle;
+        o.seed = seed;
+        o.epoch = epoch;
+        o.rank = rank;
+        o.world_size = world_size;
+        o.drop_last = drop_last;
+        o.io_threads = io_threads;
+        o.prefetch = prefetch;
+        let inner = py
+            .allow_threads(|| Loader::new(Arc::new(Cache::open(cache_dir)?), o))
+            .map_err(to_py)?;
+        Ok(Eagle3Loader { inner })
+    }
+    fn __len__(&self) -> usize {
+        self.inner.len() as usize
+    }
+    /// (rank, world_size).
+    #[getter]
+    fn rank_world(&self) -> (u64, u64) {
+        self.inner.rank_and_world()
+    }
+    /// The current epoch.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.options().epoch
+    }
+    /// This rank's sample indices in the current epoch.
+    fn indices(&self) -> Vec<u64> {
+        self.inner.indices()
+    }
+    /// Switches to `epoch` from its start.
+    fn set_epoch(&mut self, epoch: u64) {
+        self.inner.set_epoch(epoch);
+    }
+    /// Sets the position to batch `batch` of the epoch.
+    fn advance_to(&mut self, batch: u64) {
+        self.inner.advance_to(batch);
+    }
+    /// {"seed", "epoch", "batch", "batch_size", "world_size"}.
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.state();
+        let d = PyDict::new(py);
+        d.set_item("seed", s.seed)?;
+        d.set_item("epoch", s.epoch)?;
+        d.set_item("batch", s.batch)?;
+        d.set_item("batch_size", s.batch_size)?;
+        d.set_item("world_size", s.world_size)?;
+        Ok(d)
+    }
+    /// Restores a position saved by `state_dict()`.
+    fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let get = |k: &str| -> PyResult<u64> {
+            state
+                .get_item(k)?
+                .ok_or_else(|| PyKeyError::new_err(format!("state is missing {k:?}")))?
+                .extract::<u64>()
+        };
+        let s = LoaderState {
+            seed: get("seed")?,
+            epoch: get("epoch")?,
+            batch: get("batch")?,
+            batch_size: get("batch_size")?,
+            world_size: get("world_size")?,
+        };
+        self.inner.load_state(s).map_err(to_py)
+    }
+    /// The rest of the epoch from the loader's position, read ahead.
+    fn iter(&self) -> Eagle3BatchIter {
+        let it = self.inner.iter();
+        Eagle3BatchIter {
+            cursor: it.cursor(),
+            pass: Pass::new(it),
+        }
+    }
+}
+
+/// One pass of an [`Eagle3Loader`]; yields (next batch index, sample indices, fields).
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Eagle3BatchIter {
+    pass: Pass<eagle3::Batches>,
+    cursor: u64,
+}
+
+type BatchOut = (u64, Vec<u64>, Vec<FieldOut>);
+
+#[pymethods]
+impl Eagle3BatchIter {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<BatchOut>> {
+        let Some(b) = self.pass.next(py)? else {
+            return Ok(None);
+        };
+        self.cursor += 1;
+        let indices = b.indices.clone();
+        let (data, layout) = b.into_parts();
+        let data: Arc<shardkit::engine::Buffer> = Arc::new(data);
+        let bytes = data.as_bytes();
+        let mut out = Vec::with_capacity(layout.len());
+        for f in &layout {
+            let region = &bytes[f.offset..f.offset + f.len()];
+            let array = held(data.clone(), region, f.dtype, &f.shape, true)?;
+            out.push((f.name, f.dtype.to_string(), f.shape.clone(), array));
+        }
+        Ok(Some((self.cursor, indices, out)))
+    }
+    /// Stops the readers now (also done when the iterator is garbage collected).
+    fn close(&self, py: Python<'_>) {
+        self.pass.close(py)
+    }
+}
+
+/// `shardkit eagle3 validate [--deep] --json` as a JSON string.
+#[pyfunction]
+#[pyo3(signature = (cache_dir, deep=false))]
+pub fn eagle3_validate(py: Python<'_>, cache_dir: PathBuf, deep: bool) -> String {
+    json_of(
+        &py.allow_threads(|| eagle3::validate(&cache_dir, deep))
+            .to_json(),
+    )
+}
+
+/// `shardkit eagle3 inspect` as a JSON string.
+#[pyfunction]
+pub fn eagle3_inspect(py: Python<'_>, cache_dir: PathBuf) -> PyResult<String> {
+    py.allow_threads(|| eagle3::inspect(&cache_dir))
+        .map(|v| json_of(&v))
+        .map_err(to_py)
+}
+
+/// Switches a cache's format_version by rewriting its manifest; returns the manifest JSON.
+#[pyfunction]
+pub fn eagle3_set_version(py: Python<'_>, cache_dir: PathBuf, version: u8) -> PyResult<String> {
+    py.allow_threads(|| eagle3::set_version(&cache_dir, version))
+        .map(|m| json_of(&m.to_value()))
+        .map_err(to_py)
+}
+
+/// Registers the classes and functions.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Eagle3Writer>()?;
+    m.add_class::<Eagle3Cache>()?;
+    m.add_class::<Eagle3Loader>()?;
+    m.add_class::<Eagle3BatchIter>()?;
+    m.add_function(wrap_pyfunction!(eagle3_validate, m)?)?;
+    m.add_function(wrap_pyfunction!(eagle3_inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(eagle3_set_version, m)?)?;
+    Ok(())
+}
