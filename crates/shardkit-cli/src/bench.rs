@@ -57,6 +57,9 @@ pub enum BenchCmd {
     /// flat-tokens: time to the first batch at a random step, sustained packed-batch
     /// throughput against zarr-python + numpy and the sequential ceilings, writer throughput.
     Tokens(crate::bench_tokens::TokensBenchArgs),
+    /// EAGLE-3: the shuffled loader, cold, against the sequential-read ceiling of the same
+    /// shard files and a NeMo-style Python reader, in the same run.
+    Eagle3(crate::bench_eagle3::Eagle3BenchArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
@@ -80,6 +83,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             Ok(())
         }
         BenchCmd::Tokens(args) => crate::bench_tokens::run(args),
+        BenchCmd::Eagle3(args) => crate::bench_eagle3::run(args),
     }
 }
 

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_eagle3;
 mod bench_tokens;
 mod eagle3_cmd;
 mod npy;

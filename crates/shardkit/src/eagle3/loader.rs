@@ -17,7 +17,7 @@ use safetensors::Dtype;
 
 use super::cache::{scatter, Cache, ITEM_FIELDS};
 use super::shard::shard_name;
-use crate::engine::batch::Buffer;
+use crate::engine::batch::{Buffer, BufferPool};
 use crate::engine::order::{derive_key, shuffled};
 use crate::engine::reader::{plan_reads, read_all, Files, ReadRange};
 use crate::error::{Error, Result};
@@ -165,6 +165,9 @@ impl Files for ShardFiles {
 struct Inner {
     cache: Arc<Cache>,
     files: ShardFiles,
+    /// Batch buffers are recycled: a fresh multi-megabyte allocation per batch costs more in
+    /// page faults than the reads themselves.
+    pool: BufferPool,
 }
 
 /// Shuffled or sequential batches of a cache for one rank.
@@ -209,7 +212,11 @@ impl Loader {
             files: (0..k).map(|_| OnceLock::new()).collect(),
         };
         Ok(Loader {
-            inner: Arc::new(Inner { cache, files }),
+            inner: Arc::new(Inner {
+                cache,
+                files,
+                pool: BufferPool::new(opts.prefetch + 6),
+            }),
             opts,
             rank,
             world,
@@ -399,7 +406,8 @@ fn read_batch(inner: &Inner, indices: &[u64], threads: usize) -> Result<Batch> {
             off = align(off + spec.row_bytes() * b);
         }
     }
-    let mut data = Buffer::zeroed(off);
+    // Every output byte is overwritten by a read, except a top-k `target_probs` (zeroed below).
+    let mut data = inner.pool.get(off);
     let mut ranges = Vec::with_capacity(b * specs.len());
     for (j, &i) in indices.iter().enumerate() {
         let k = i / s;
@@ -443,6 +451,7 @@ fn read_batch(inner: &Inner, indices: &[u64], threads: usize) -> Result<Batch> {
         let row_out = cache.full_probs_bytes();
         let (vals, idx) = (staging[0], staging[1]);
         let bytes = data.as_mut_bytes();
+        bytes[out_off..out_off + b * row_out].fill(0);
         for j in 0..b {
             let (head, tail) = bytes.split_at_mut(vals.2);
             let v = &tail[j * vals.1..(j + 1) * vals.1];
