@@ -433,6 +433,23 @@ fn topk_caches_expand_to_full_width() {
     let (f, bytes) = b.field("target_probs").unwrap();
     assert_eq!(f.shape, [2, 4, 16]);
     assert_eq!(&bytes[..want.len()], &want[..]);
+    // Over a whole epoch, with batch buffers recycled, every row equals its item (no bytes of
+    // an earlier batch survive in the scattered target_probs).
+    let mut o = LoaderOptions::new(2);
+    (o.seed, o.rank, o.world_size) = (9, Some(0), Some(1));
+    let cache = Arc::new(Cache::open(&dir).unwrap());
+    let l = Loader::new(cache.clone(), o).unwrap();
+    for _ in 0..2 {
+        for b in l.iter() {
+            let b = b.unwrap();
+            let (_, bytes) = b.field("target_probs").unwrap();
+            for (row, &i) in b.indices.iter().enumerate() {
+                let item = cache.item(i as i64).unwrap();
+                let want = &cache.fields(&item).unwrap()[5].bytes;
+                assert_eq!(&bytes[row * want.len()..(row + 1) * want.len()], &want[..]);
+            }
+        }
+    }
     // A top-k cache cannot become version 1.
     let err = eagle3::set_version(&dir, 1).unwrap_err().to_string();
     assert!(err.contains("top-k"), "{err}");
