@@ -406,8 +406,6 @@ fn read_batch(inner: &Inner, indices: &[u64], threads: usize) -> Result<Batch> {
             off = align(off + spec.row_bytes() * b);
         }
     }
-    // Every output byte is overwritten by a read, except a top-k `target_probs` (zeroed below).
-    let mut data = inner.pool.get(off);
     let mut ranges = Vec::with_capacity(b * specs.len());
     for (j, &i) in indices.iter().enumerate() {
         let k = i / s;
@@ -433,6 +431,10 @@ fn read_batch(inner: &Inner, indices: &[u64], threads: usize) -> Result<Batch> {
             });
         }
     }
+    // Allocated only now: every shard of the batch has been opened, and so checked against
+    // the manifest, so sizes claimed by a damaged manifest are never allocated.
+    // Every output byte is overwritten by a read, except a top-k `target_probs` (zeroed below).
+    let mut data = inner.pool.get(off);
     read_all(
         &inner.files,
         &plan_reads(ranges),
