@@ -2,38 +2,16 @@
 //! complete and exact or reports which samples are missing, with every shard file valid; a
 //! resumed run completes it byte-identically (eagle3.md §13, "Resume and crash safety").
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{run, run_and_kill, snapshot, Rng};
 
 use shardkit::eagle3::{self, Cache};
 use shardkit::Error;
-
-const BIN: &str = env!("CARGO_BIN_EXE_shardkit");
-
-fn snapshot(dir: &Path) -> BTreeMap<String, String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                shardkit::json::sha256_hex(&std::fs::read(e.path()).unwrap()),
-            )
-        })
-        .collect()
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
 
 fn args(out: &Path, resume: bool) -> Vec<String> {
     let mut a: Vec<String> = [
@@ -60,18 +38,6 @@ fn args(out: &Path, resume: bool) -> Vec<String> {
         a.push("--resume".into());
     }
     a
-}
-
-fn run_and_kill(a: &[String], delay: Duration) {
-    let mut child = Command::new(BIN)
-        .args(a)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(delay);
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 fn check_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str {
@@ -116,24 +82,12 @@ fn sigkill_at_random_points_then_resume_is_exact() {
     let tmp = tempfile::tempdir().unwrap();
     let reference_dir = tmp.path().join("ref");
     let t0 = Instant::now();
-    let out = Command::new(BIN)
-        .args(args(&reference_dir, false))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    run(&args(&reference_dir, false));
     let full = t0.elapsed();
     let reference = snapshot(&reference_dir);
     assert_eq!(reference.len(), 16, "manifest, embeddings and 14 shards");
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    let mut rng = Rng(seed);
+    let mut rng = Rng::from_clock();
+    let seed = rng.0;
     let span = full.as_micros() as u64 * 5 / 4 + 1;
     let mut outcomes: BTreeMap<&str, u32> = BTreeMap::new();
     for trial in 0..20 {
@@ -144,12 +98,7 @@ fn sigkill_at_random_points_then_resume_is_exact() {
             run_and_kill(&args(&dir, true), Duration::from_micros(rng.next() % span));
             check_state(&dir, &reference);
         }
-        let out = Command::new(BIN).args(args(&dir, true)).output().unwrap();
-        assert!(
-            out.status.success(),
-            "trial {trial}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run(&args(&dir, true));
         assert_eq!(snapshot(&dir), reference, "trial {trial} (seed {seed})");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -1,50 +1,16 @@
 //! The writer survives SIGKILL at any point: the directory is then either reported incomplete or
 //! complete and correct, and `--resume` finishes it byte-identically to an uninterrupted write.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{run, run_and_kill, snapshot, Rng};
 
 use shardkit::saev::Dataset;
 use shardkit::Error;
-
-const BIN: &str = env!("CARGO_BIN_EXE_shardkit");
-
-fn run(args: &[&str]) -> String {
-    let out = Command::new(BIN).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// SHA-256 of every file of a dataset directory, by name.
-fn snapshot(dir: &Path) -> BTreeMap<String, String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                shardkit::json::sha256_hex(&std::fs::read(e.path()).unwrap()),
-            )
-        })
-        .collect()
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
 
 fn write_args<'a>(src: &'a str, root: &'a str, resume: bool) -> Vec<String> {
     let mut a: Vec<String> = [
@@ -70,15 +36,7 @@ fn write_args<'a>(src: &'a str, root: &'a str, resume: bool) -> Vec<String> {
 
 /// Starts a write and kills it with SIGKILL after `delay`.
 fn write_and_kill(src: &str, root: &str, resume: bool, delay: Duration) {
-    let mut child = Command::new(BIN)
-        .args(write_args(src, root, resume))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(delay);
-    let _ = child.kill(); // SIGKILL on Unix
-    let _ = child.wait();
+    run_and_kill(&write_args(src, root, resume), delay);
 }
 
 /// Either incomplete (never served) or complete and identical to the reference.
@@ -140,12 +98,8 @@ fn sigkill_at_random_points_then_resume_is_exact() {
     let reference = snapshot(&ref_dir);
     assert!(reference.contains_key("labels.bin") && reference.len() == 19);
 
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    let mut rng = Rng(seed);
+    let mut rng = Rng::from_clock();
+    let seed = rng.0;
     let mut outcomes: BTreeMap<&str, u32> = BTreeMap::new();
     let span = full.as_micros() as u64 * 5 / 4 + 1;
     for trial in 0..24 {

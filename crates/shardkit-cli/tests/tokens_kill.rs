@@ -2,45 +2,16 @@
 //! refused as interrupted, or complete and exact, and `--resume` finishes it byte-identically
 //! to an uninterrupted build.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use common::{run, run_and_kill, snapshot, Rng};
 
 use shardkit::flat_tokens::Split;
 use shardkit::Error;
-
-const BIN: &str = env!("CARGO_BIN_EXE_shardkit");
-
-/// SHA-256 of every file under `dir`, by relative path.
-fn snapshot(dir: &Path) -> BTreeMap<String, String> {
-    fn walk(base: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                walk(base, &e.path(), out);
-            } else {
-                out.insert(
-                    e.path().strip_prefix(base).unwrap().display().to_string(),
-                    shardkit::json::sha256_hex(&std::fs::read(e.path()).unwrap()),
-                );
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    walk(dir, dir, &mut out);
-    out
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-}
 
 fn args(src: &Path, out: &Path, layout: &str, resume: bool) -> Vec<String> {
     let mut a: Vec<String> = [
@@ -67,27 +38,6 @@ fn args(src: &Path, out: &Path, layout: &str, resume: bool) -> Vec<String> {
         a.push("--resume".into());
     }
     a
-}
-
-fn build(a: &[String]) {
-    let out = Command::new(BIN).args(a).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{a:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn build_and_kill(a: &[String], delay: Duration) {
-    let mut child = Command::new(BIN)
-        .args(a)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(delay);
-    let _ = child.kill(); // SIGKILL
-    let _ = child.wait();
 }
 
 /// Never served unless complete, and then exact.
@@ -125,35 +75,31 @@ fn sigkill_during_tokens_build_then_resume_is_exact() {
     }
     std::fs::write(&src, text).unwrap();
 
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
-    let mut rng = Rng(seed);
+    let mut rng = Rng::from_clock();
+    let seed = rng.0;
     let mut outcomes: BTreeMap<&str, u32> = BTreeMap::new();
     for layout in ["v2", "v3"] {
         let reference_dir = tmp.path().join(format!("ref-{layout}"));
         let t0 = Instant::now();
-        build(&args(&src, &reference_dir, layout, false));
+        run(&args(&src, &reference_dir, layout, false));
         let full = t0.elapsed();
         let reference = snapshot(&reference_dir);
         let span = full.as_micros() as u64 * 5 / 4 + 1;
         for trial in 0..10 {
             let out = tmp.path().join(format!("{layout}-{trial}"));
-            build_and_kill(
+            run_and_kill(
                 &args(&src, &out, layout, false),
                 Duration::from_micros(rng.next() % span),
             );
             *outcomes.entry(check_state(&out, &reference)).or_default() += 1;
             if rng.next() % 2 == 0 {
-                build_and_kill(
+                run_and_kill(
                     &args(&src, &out, layout, true),
                     Duration::from_micros(rng.next() % span),
                 );
                 check_state(&out, &reference);
             }
-            build(&args(&src, &out, layout, true));
+            run(&args(&src, &out, layout, true));
             assert_eq!(
                 snapshot(&out),
                 reference,

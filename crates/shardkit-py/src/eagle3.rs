@@ -6,14 +6,14 @@ use std::ffi::CStr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use safetensors::Dtype;
 use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Writer};
 use shardkit::json;
 
-use crate::{contiguous, json_of, to_py, Held, Pass, RustBuffer, SendSlice, Storage};
+use crate::{contiguous, json_of, state_u64, to_py, Held, Pass, RustBuffer, SendSlice, Storage};
 
 /// The buffer-protocol format of a safetensors dtype (BF16 as its uint16 bit pattern).
 fn format(d: Dtype) -> PyResult<(&'static CStr, isize)> {
@@ -328,12 +328,7 @@ impl Eagle3Loader {
     }
     /// Restores a position saved by `state_dict()`.
     fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
-        let get = |k: &str| -> PyResult<u64> {
-            state
-                .get_item(k)?
-                .ok_or_else(|| PyKeyError::new_err(format!("state is missing {k:?}")))?
-                .extract::<u64>()
-        };
+        let get = |k: &str| state_u64(state, k);
         let s = LoaderState {
             seed: get("seed")?,
             epoch: get("epoch")?,

@@ -186,6 +186,14 @@ impl RustBuffer {
     }
 }
 
+/// Key `k` of a state dict saved by `state_dict()`, as an integer.
+pub(crate) fn state_u64(state: &Bound<'_, PyDict>, k: &str) -> PyResult<u64> {
+    state
+        .get_item(k)?
+        .ok_or_else(|| PyKeyError::new_err(format!("state is missing {k:?}")))?
+        .extract::<u64>()
+}
+
 pub(crate) fn json_of(v: &json::Value) -> String {
     json::to_compact(v, false, json::Escape::Utf8)
 }
@@ -585,12 +593,7 @@ impl Loader {
     }
     /// Restores a state from `state_dict()`.
     fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
-        let get = |k: &str| -> PyResult<u64> {
-            state
-                .get_item(k)?
-                .ok_or_else(|| PyKeyError::new_err(format!("state is missing {k:?}")))?
-                .extract::<u64>()
-        };
+        let get = |k: &str| state_u64(state, k);
         let st = saev::LoaderState {
             seed: get("seed")?,
             epoch: get("epoch")?,

@@ -19,6 +19,7 @@ pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;
 pub mod json;
+pub mod report;
 pub mod saev;
 
 pub use error::{Error, Result};

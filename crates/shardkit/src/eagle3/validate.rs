@@ -11,31 +11,7 @@ use super::shard::{
 use super::writer::EMBEDDINGS;
 use crate::error::{Error, Result};
 use crate::json::Value;
-
-/// The outcome of [`validate`].
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Validation {
-    /// Violations; empty when valid.
-    pub errors: Vec<String>,
-    /// Facts that are not violations (leftover temporaries, no embeddings file).
-    pub notes: Vec<String>,
-}
-
-impl Validation {
-    /// Whether the cache is valid.
-    pub fn is_valid(&self) -> bool {
-        self.errors.is_empty()
-    }
-    /// `{"valid", "errors", "notes"}`.
-    pub fn to_json(&self) -> Value {
-        let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
-        Value::Object(vec![
-            ("valid".into(), Value::Bool(self.is_valid())),
-            ("errors".into(), strings(&self.errors)),
-            ("notes".into(), strings(&self.notes)),
-        ])
-    }
-}
+pub use crate::report::Validation;
 
 /// Checks the cache at `dir`: the manifest, the shard set, and every present shard's header,
 /// tensor names, dtypes and shapes against the manifest. With `deep`, also every value: no NaN

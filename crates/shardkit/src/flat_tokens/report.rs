@@ -6,6 +6,7 @@ use super::store::{Completion, ZarrFormat};
 use super::Split;
 use crate::error::{Error, Result};
 use crate::json::Value;
+pub use crate::report::Validation;
 
 const SPLITS: [&str; 2] = ["train", "validation"];
 
@@ -93,40 +94,12 @@ fn summary(s: &Split) -> Result<Value> {
     ]))
 }
 
-/// The outcome of [`validate`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Validation {
-    /// Violations, each prefixed by the file or split it concerns; empty when valid.
-    pub errors: Vec<String>,
-    /// Facts worth knowing that are not violations (an absent split, a missing marker).
-    pub notes: Vec<String>,
-}
-
-impl Validation {
-    /// Whether the dataset is valid.
-    pub fn is_valid(&self) -> bool {
-        self.errors.is_empty()
-    }
-    /// `{"valid": bool, "errors": [...], "notes": [...]}`.
-    pub fn to_json(&self) -> Value {
-        let strings = |v: &[String]| Value::Array(v.iter().cloned().map(Value::String).collect());
-        Value::Object(vec![
-            ("valid".into(), Value::Bool(self.is_valid())),
-            ("errors".into(), strings(&self.errors)),
-            ("notes".into(), strings(&self.notes)),
-        ])
-    }
-}
-
 /// Checks every invariant of every split present (reading all of both arrays) and lists every
 /// violation: structure and dtypes, `max_token_id`, `seq_starts` bounds and order, start bits,
 /// ids, and an interrupted shardkit write. A dataset needs at least one split.
 pub fn validate(root: impl AsRef<Path>) -> Validation {
     let root = root.as_ref();
-    let mut v = Validation {
-        errors: Vec::new(),
-        notes: Vec::new(),
-    };
+    let mut v = Validation::default();
     let splits = present(root);
     if splits.is_empty() {
         v.errors.push(format!(

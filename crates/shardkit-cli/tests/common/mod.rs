@@ -1,0 +1,75 @@
+//! Helpers shared by the SIGKILL tests: a seeded xorshift, file snapshots, and killing a run
+//! of the CLI after a delay.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_shardkit");
+
+/// xorshift64*: a reproducible stream of kill delays from the seed a test prints.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// Seeded from the clock (the test prints the seed, so a failure can be replayed).
+    pub fn from_clock() -> Rng {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Rng(nanos | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// SHA-256 of every file under `dir`, by path relative to it.
+pub fn snapshot(dir: &Path) -> BTreeMap<String, String> {
+    fn walk(base: &Path, dir: &Path, out: &mut BTreeMap<String, String>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                walk(base, &e.path(), out);
+            } else {
+                out.insert(
+                    e.path().strip_prefix(base).unwrap().display().to_string(),
+                    shardkit::json::sha256_hex(&std::fs::read(e.path()).unwrap()),
+                );
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(dir, dir, &mut out);
+    out
+}
+
+/// Runs the CLI with `args` to completion; its stdout.
+pub fn run<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let out = Command::new(BIN).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        args.iter()
+            .map(|a| a.as_ref().to_owned())
+            .collect::<Vec<_>>(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Starts the CLI with `args` and kills it with SIGKILL after `delay`.
+pub fn run_and_kill<S: AsRef<std::ffi::OsStr>>(args: &[S], delay: Duration) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(delay);
+    let _ = child.kill();
+    let _ = child.wait();
+}
