@@ -21,6 +21,7 @@ pub mod fsutil;
 pub mod json;
 pub mod report;
 pub mod saev;
+pub mod sdnb;
 
 pub use error::{Error, Result};
 

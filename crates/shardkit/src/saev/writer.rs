@@ -332,7 +332,7 @@ impl Writer {
             let n = (eps - shard.rows).min(b - done);
             let chunk = &bytes[done as usize * eb..(done + n) as usize * eb];
             write_le(&mut shard.file, chunk).at(&shard.tmp)?;
-            start_writeback(&shard.file, shard.rows * eb as u64, chunk.len() as u64);
+            fsutil::start_writeback(&shard.file, shard.rows * eb as u64, chunk.len() as u64);
             shard.rows += n;
             let shard_full = shard.rows == eps;
             done += n;
@@ -432,26 +432,6 @@ impl Writer {
         self.finished = true;
         Ok(self.dir.clone())
     }
-}
-
-/// Asks the kernel to start writing a just-written range back now, without waiting for it, so
-/// the disk stays busy while the next chunk is produced and the shard's final fsync is short.
-fn start_writeback(f: &File, offset: u64, len: u64) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a plain syscall on an open descriptor; failure only loses the hint.
-        unsafe {
-            libc::sync_file_range(
-                f.as_raw_fd(),
-                offset as libc::off64_t,
-                len as libc::off64_t,
-                libc::SYNC_FILE_RANGE_WRITE,
-            );
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (f, offset, len);
 }
 
 /// Writes native float32 bytes as little-endian.
