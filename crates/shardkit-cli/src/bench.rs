@@ -60,6 +60,9 @@ pub enum BenchCmd {
     /// EAGLE-3: the shuffled loader, cold, against the sequential-read ceiling of the same
     /// shard files and a NeMo-style Python reader, in the same run.
     Eagle3(crate::bench_eagle3::Eagle3BenchArgs),
+    /// SameDiff containers: SDNB and SDZ writers against the sequential-write ceiling, and
+    /// cold open-and-list of a large container, in the same run.
+    Sdnb(crate::bench_sdnb::SdnbBenchArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
@@ -84,6 +87,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         }
         BenchCmd::Tokens(args) => crate::bench_tokens::run(args),
         BenchCmd::Eagle3(args) => crate::bench_eagle3::run(args),
+        BenchCmd::Sdnb(args) => crate::bench_sdnb::run(args),
     }
 }
 
@@ -107,13 +111,13 @@ fn vit_l(out: PathBuf, examples: u64, resume: bool) -> SynthArgs {
     }
 }
 
-fn flush_page_cache() {
+pub(crate) fn flush_page_cache() {
     // SAFETY: sync(2) has no arguments and cannot fail.
     unsafe { libc::sync() };
 }
 
 /// Large sequential writes of `bytes` with one fsync at the end, as fast as the disk allows.
-fn ceiling_run(path: &Path, bytes: u64) -> Result<f64> {
+pub(crate) fn ceiling_run(path: &Path, bytes: u64) -> Result<f64> {
     let chunk = vec![0x5au8; 8 << 20];
     flush_page_cache();
     let t0 = Instant::now();

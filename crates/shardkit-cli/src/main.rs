@@ -6,11 +6,13 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod bench_eagle3;
+mod bench_sdnb;
 mod bench_tokens;
 mod eagle3_cmd;
 mod npy;
 mod plot;
 mod saev_cmd;
+mod sdnb_cmd;
 mod tokens_cmd;
 
 /// Exact, crash-safe, fast access to ML training caches.
@@ -33,6 +35,9 @@ enum Cmd {
     /// EAGLE-3 offline caches (NeMo Automodel): manifest + safetensors shards.
     #[command(subcommand)]
     Eagle3(eagle3_cmd::Eagle3Cmd),
+    /// SameDiff containers (Deeplearning4j): SDNB files, shard sets and SDZ archives.
+    #[command(subcommand)]
+    Sdnb(sdnb_cmd::SdnbCmd),
     /// Measurements that print JSON with the ceiling measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -45,6 +50,7 @@ fn main() -> ExitCode {
         Cmd::Saev(c) => saev_cmd::run(c),
         Cmd::Tokens(c) => tokens_cmd::run(c),
         Cmd::Eagle3(c) => eagle3_cmd::run(c),
+        Cmd::Sdnb(c) => sdnb_cmd::run(c),
         Cmd::Bench(c) => bench::run(c).map(|_| true),
     };
     match result {

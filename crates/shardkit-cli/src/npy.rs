@@ -37,15 +37,6 @@ impl Dtype {
             Dtype::Bool => "|b1",
         }
     }
-    fn size(self) -> usize {
-        match self {
-            Dtype::F32 => 4,
-            Dtype::U8 => 1,
-            Dtype::I64 => 8,
-            Dtype::I32 => 4,
-            Dtype::Bool => 1,
-        }
-    }
 }
 
 /// A memory-mapped `.npy` array.
@@ -59,9 +50,23 @@ pub struct NpyArray {
     pub dtype: Dtype,
 }
 
-impl NpyArray {
-    /// Maps `path`, checking the header, C order, and that the file holds all the data.
-    pub fn open(path: &Path) -> Result<NpyArray> {
+/// A memory-mapped `.npy` file of any fixed-width dtype and either order, not interpreted.
+#[derive(Debug)]
+pub struct RawNpy {
+    map: Mmap,
+    offset: usize,
+    /// The array's shape.
+    pub shape: Vec<u64>,
+    /// numpy's dtype string as written ('<f4', '|b1', ...), without quotes.
+    pub descr: String,
+    /// Whether the data is in column-major order.
+    pub fortran: bool,
+}
+
+impl RawNpy {
+    /// Maps `path`, checking the header and that the file holds exactly the data its shape and
+    /// the dtype's width (the digits ending `descr`) call for.
+    pub fn open(path: &Path) -> Result<RawNpy> {
         let bad = |rule: String| Error::format(path, rule);
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the map is read-only; a concurrent truncation by another process would be a
@@ -82,23 +87,25 @@ impl NpyArray {
             .get(start..start + hlen)
             .ok_or_else(|| bad("header runs past the end of the file".into()))?;
         let header = std::str::from_utf8(header).map_err(|_| bad("header is not text".into()))?;
-        let descr =
-            dict_value(header, "descr").ok_or_else(|| bad("header has no 'descr'".into()))?;
-        let dtype = match descr.trim_matches(['\'', '"']) {
-            "<f4" | "=f4" => Dtype::F32,
-            "|u1" | "<u1" | "=u1" | "u1" => Dtype::U8,
-            "<i8" | "=i8" => Dtype::I64,
-            other => {
-                return Err(bad(format!(
-                "dtype {other} is not supported here (float32 '<f4', uint8 '|u1' or int64 '<i8')"
-            )))
-            }
-        };
-        if dict_value(header, "fortran_order").map(str::trim) != Some("False") {
-            return Err(bad(
-                "Fortran-order arrays are not supported; save it in C order".into(),
-            ));
+        let descr = dict_value(header, "descr")
+            .ok_or_else(|| bad("header has no 'descr'".into()))?
+            .trim()
+            .trim_matches(['\'', '"'])
+            .to_string();
+        let width: u64 = descr
+            .trim_start_matches(['<', '>', '|', '='])
+            .get(1..)
+            .and_then(|w| w.parse().ok())
+            .filter(|&w| w > 0)
+            .ok_or_else(|| bad(format!("dtype {descr} has no fixed element width")))?;
+        if descr.starts_with('>') && width > 1 {
+            return Err(bad(format!("big-endian dtype {descr} is not supported")));
         }
+        let fortran = match dict_value(header, "fortran_order").map(str::trim) {
+            Some("False") => false,
+            Some("True") => true,
+            _ => return Err(bad("header has no 'fortran_order'".into())),
+        };
         let shape_text =
             dict_value(header, "shape").ok_or_else(|| bad("header has no 'shape'".into()))?;
         let inner = shape_text
@@ -117,19 +124,54 @@ impl NpyArray {
         let count = shape
             .iter()
             .try_fold(1u64, |a, &b| a.checked_mul(b))
-            .and_then(|c| c.checked_mul(dtype.size() as u64))
+            .and_then(|c| c.checked_mul(width))
             .ok_or_else(|| bad("shape overflows".into()))?;
-        if (map.len() - offset) as u64 != count {
+        if (map.len().saturating_sub(offset)) as u64 != count || offset > map.len() {
             return Err(bad(format!(
-                "holds {} data bytes, but shape {shape:?} of {} needs {count}",
-                map.len() - offset,
-                dtype.descr()
+                "holds {} data bytes, but shape {shape:?} of {descr} needs {count}",
+                map.len().saturating_sub(offset),
             )));
         }
-        Ok(NpyArray {
+        Ok(RawNpy {
             map,
             offset,
             shape,
+            descr,
+            fortran,
+        })
+    }
+
+    /// The map and the data's byte range in it.
+    pub fn into_parts(self) -> (Mmap, std::ops::Range<usize>) {
+        let end = self.map.len();
+        (self.map, self.offset..end)
+    }
+}
+
+impl NpyArray {
+    /// Maps `path`, checking the header, C order, and that the file holds all the data.
+    pub fn open(path: &Path) -> Result<NpyArray> {
+        let bad = |rule: String| Error::format(path, rule);
+        let raw = RawNpy::open(path)?;
+        let dtype = match raw.descr.as_str() {
+            "<f4" | "=f4" => Dtype::F32,
+            "|u1" | "<u1" | "=u1" | "u1" => Dtype::U8,
+            "<i8" | "=i8" => Dtype::I64,
+            other => {
+                return Err(bad(format!(
+                "dtype {other} is not supported here (float32 '<f4', uint8 '|u1' or int64 '<i8')"
+            )))
+            }
+        };
+        if raw.fortran {
+            return Err(bad(
+                "Fortran-order arrays are not supported; save it in C order".into(),
+            ));
+        }
+        Ok(NpyArray {
+            map: raw.map,
+            offset: raw.offset,
+            shape: raw.shape,
             dtype,
         })
     }
@@ -161,16 +203,19 @@ fn dict_value<'a>(header: &'a str, key: &str) -> Option<&'a str> {
 
 /// The header of a C-order `.npy` file of `dtype` and `shape` (version 1.0, 64-byte aligned).
 pub fn header(dtype: Dtype, shape: &[u64]) -> Vec<u8> {
+    header_with(dtype.descr(), false, shape)
+}
+
+/// The header of a `.npy` file of numpy dtype `descr`, in either order.
+pub fn header_with(descr: &str, fortran: bool, shape: &[u64]) -> Vec<u8> {
     let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
     let shape = if dims.len() == 1 {
         format!("({},)", dims[0])
     } else {
         format!("({})", dims.join(", "))
     };
-    let mut dict = format!(
-        "{{'descr': '{}', 'fortran_order': False, 'shape': {shape}, }}",
-        dtype.descr()
-    );
+    let order = if fortran { "True" } else { "False" };
+    let mut dict = format!("{{'descr': '{descr}', 'fortran_order': {order}, 'shape': {shape}, }}");
     // numpy pads so that magic + version + length + dict + '\n' is a multiple of 64.
     while (10 + dict.len() + 1) % 64 != 0 {
         dict.push(' ');

@@ -13,7 +13,7 @@ use safetensors::Dtype;
 use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Writer};
 use shardkit::json;
 
-use crate::{contiguous, json_of, state_u64, to_py, Held, Pass, RustBuffer, SendSlice, Storage};
+use crate::{contiguous, json_of, state_u64, to_py, Pass, RustBuffer, SendSlice, Storage};
 
 /// The buffer-protocol format of a safetensors dtype (BF16 as its uint16 bit pattern).
 fn format(d: Dtype) -> PyResult<(&'static CStr, isize)> {
@@ -42,17 +42,13 @@ fn held(
     shape: &[usize],
     writable: bool,
 ) -> PyResult<RustBuffer> {
-    let (format, item) = format(dtype)?;
-    Ok(RustBuffer::new(
-        Storage::Held(Held {
-            _owner: owner,
-            ptr: bytes.as_ptr(),
-            len: bytes.len(),
-            format,
-            item,
-            writable,
-        }),
+    Ok(RustBuffer::view(
+        owner,
+        bytes,
+        format(dtype)?,
         shape,
+        false,
+        writable,
     ))
 }
 
@@ -235,18 +231,13 @@ impl Eagle3Cache {
             .map_err(to_py)?;
         let shape = [e.rows, e.cols];
         let e = Arc::new(e);
-        let bytes = e.bytes();
-        let (ptr, len) = (bytes.as_ptr(), bytes.len());
-        Ok(RustBuffer::new(
-            Storage::Held(Held {
-                _owner: e,
-                ptr,
-                len,
-                format: c"f",
-                item: 4,
-                writable: false,
-            }),
+        Ok(RustBuffer::view(
+            e.clone(),
+            e.bytes(),
+            (c"f", 4),
             &shape,
+            false,
+            false,
         ))
     }
 }

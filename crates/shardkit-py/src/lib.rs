@@ -21,6 +21,7 @@ use shardkit::saev;
 
 mod eagle3;
 mod flat_tokens;
+mod sdnb;
 
 pyo3::create_exception!(
     _shardkit,
@@ -66,14 +67,14 @@ pub(crate) enum Storage {
 
 /// Bytes inside memory that `owner` keeps alive.
 pub(crate) struct Held {
-    pub(crate) _owner: Arc<dyn Send + Sync>,
-    pub(crate) ptr: *const u8,
-    pub(crate) len: usize,
-    pub(crate) format: &'static CStr,
-    pub(crate) item: isize,
+    _owner: Arc<dyn Send + Sync>,
+    ptr: *const u8,
+    len: usize,
+    format: &'static CStr,
+    item: isize,
     /// False for views of a read-only memory map. True for a batch buffer, whose disjoint
     /// regions belong to the arrays handed out (no Rust code reads them afterwards).
-    pub(crate) writable: bool,
+    writable: bool,
 }
 
 // SAFETY: `ptr` points into memory owned by `owner`, which is Send + Sync and outlives the view;
@@ -89,22 +90,62 @@ pub struct RustBuffer {
     storage: Storage,
     shape: Vec<isize>,
     strides: Vec<isize>,
+    /// False only for column-major data with two or more dimensions longer than one: such a
+    /// buffer is refused to consumers that cannot take strides or insist on C order.
+    c_contiguous: bool,
 }
 
 impl RustBuffer {
+    /// Row-major (C order) elements of `shape`.
     pub(crate) fn new(storage: Storage, shape: &[usize]) -> RustBuffer {
+        RustBuffer::with_order(storage, shape, false)
+    }
+
+    /// Elements of `shape` in column-major order when `fortran` (the first index varies
+    /// fastest), else row-major.
+    pub(crate) fn with_order(storage: Storage, shape: &[usize], fortran: bool) -> RustBuffer {
         let mut b = RustBuffer {
             storage,
             shape: shape.iter().map(|&s| s as isize).collect(),
             strides: Vec::new(),
+            c_contiguous: true,
         };
         let item = b.parts().3;
         let mut strides = vec![item; shape.len()];
-        for i in (0..shape.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * shape[i + 1] as isize;
+        if fortran {
+            for i in 1..shape.len() {
+                strides[i] = strides[i - 1] * shape[i - 1] as isize;
+            }
+            // Only the order of the dimensions longer than one matters (numpy's rule).
+            b.c_contiguous = shape.contains(&0) || shape.iter().filter(|&&d| d > 1).count() < 2;
+        } else {
+            for i in (0..shape.len().saturating_sub(1)).rev() {
+                strides[i] = strides[i + 1] * shape[i + 1] as isize;
+            }
         }
         b.strides = strides;
         b
+    }
+
+    /// A view of `bytes` (elements of the buffer-protocol `format` and `item` size), which
+    /// `owner` keeps alive as long as any array over the view exists.
+    pub(crate) fn view(
+        owner: Arc<dyn Send + Sync>,
+        bytes: &[u8],
+        (format, item): (&'static CStr, isize),
+        shape: &[usize],
+        fortran: bool,
+        writable: bool,
+    ) -> RustBuffer {
+        let held = Held {
+            _owner: owner,
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+            format,
+            item,
+            writable,
+        };
+        RustBuffer::with_order(Storage::Held(held), shape, fortran)
     }
     /// (pointer, bytes, struct format, item size).
     fn parts(&self) -> (*const u8, usize, &'static CStr, isize) {
@@ -134,7 +175,8 @@ impl RustBuffer {
 
 #[pymethods]
 impl RustBuffer {
-    /// Fills a Py_buffer view over this object's memory (C-contiguous, writable).
+    /// Fills a Py_buffer view over this object's memory (row- or column-major; read-only for
+    /// memory maps).
     ///
     /// # Safety
     /// Called by CPython with a valid `view` pointer.
@@ -152,6 +194,15 @@ impl RustBuffer {
             return Err(pyo3::exceptions::PyBufferError::new_err(
                 "read-only memory (a memory-mapped file)",
             ));
+        }
+        if !this.c_contiguous {
+            let strided = (flags & pyo3::ffi::PyBUF_STRIDES) == pyo3::ffi::PyBUF_STRIDES;
+            let wants_c = (flags & pyo3::ffi::PyBUF_C_CONTIGUOUS) == pyo3::ffi::PyBUF_C_CONTIGUOUS;
+            if !strided || wants_c {
+                return Err(pyo3::exceptions::PyBufferError::new_err(
+                    "column-major (Fortran-order) memory: the consumer must accept strides",
+                ));
+            }
         }
         let (ptr, len, format, item) = this.parts();
         let ptr = if len == 0 {
@@ -740,5 +791,6 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     flat_tokens::register(m)?;
     eagle3::register(m)?;
+    sdnb::register(m)?;
     Ok(())
 }

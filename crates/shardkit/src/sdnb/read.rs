@@ -127,9 +127,9 @@ pub struct Tensor<'a> {
     pub bytes: &'a [u8],
 }
 
-impl Tensor<'_> {
+impl<'a> Tensor<'a> {
     /// The bytes in C (row-major) order: borrowed when already so, else transposed.
-    pub fn c_order_bytes(&self) -> Cow<'_, [u8]> {
+    pub fn c_order_bytes(&self) -> Cow<'a, [u8]> {
         match self.order {
             Order::C => Cow::Borrowed(self.bytes),
             Order::F => Cow::Owned(f_to_c(
@@ -703,6 +703,11 @@ fn map_file(path: &Path) -> Result<Arc<Backing>> {
     // asked to edit; a file truncated by another process can raise SIGBUS, as with any mmap
     // reader.
     let map = unsafe { Mmap::map(&file) }.at(path)?;
+    // Opening touches a few pages at both ends of the file; without this hint the kernel's
+    // readahead (often megabytes) would read far more. `assemble` restores normal readahead
+    // for tensor reads.
+    #[cfg(unix)]
+    let _ = map.advise(memmap2::Advice::Random);
     Ok(Arc::new(Backing::Map(map)))
 }
 
@@ -925,6 +930,12 @@ fn assemble(path: &Path, kind: Kind, parts: Vec<Part>, extras: Vec<String>) -> R
             known.order = v.array.as_ref().map_or(Order::C, |a| a.order);
             known.data = data.map(|r| (p, r));
             known.source = (p, i);
+        }
+    }
+    #[cfg(unix)]
+    for p in &parts {
+        if let Backing::Map(m) = p.backing.as_ref() {
+            let _ = m.advise(memmap2::Advice::Normal);
         }
     }
     Ok(Container {

@@ -322,6 +322,16 @@ fn check_options(opts: &SaveOptions) -> Result<()> {
     if opts.shard_size == Some(0) {
         return Err(Error::Invalid("shard size must be positive".into()));
     }
+    if opts.format == Format::Sdnb && opts.shard_size.is_some() {
+        return Err(Error::Invalid(
+            "a shard size needs the sharded or SDZ format; a single SDNB file is not split".into(),
+        ));
+    }
+    if opts.format != Format::Sdz && !opts.extra_entries.is_empty() {
+        return Err(Error::Invalid(
+            "extra entries (e.g. tokenizer.json) can only be stored in an SDZ archive".into(),
+        ));
+    }
     Ok(())
 }
 
@@ -338,6 +348,12 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
         .and_then(|n| n.to_str())
         .ok_or_else(|| Error::Invalid(format!("{}: not a file name", path.display())))?;
     let dir = fsutil::parent_of(path);
+    if !dir.is_dir() {
+        return Err(Error::NotFound {
+            path: dir.to_path_buf(),
+            what: format!("no such directory to write {} into", path.display()),
+        });
+    }
     // A shard file's name stands for its set.
     let base = match super::sdz::parse_shard_name(name) {
         Some((b, _, _)) if opts.format == Format::Sharded => b,
