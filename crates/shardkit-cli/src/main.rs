@@ -44,6 +44,12 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    // `shardkit ... | head` should end quietly, as other Unix tools do, not panic in println!.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     env_logger_lite();
     let cli = Cli::parse();
     let result = match cli.cmd {

@@ -489,7 +489,11 @@ fn read_safetensors(
     let mut tensors: Vec<(String, &safetensors::tensor::TensorInfo)> =
         header.tensors().into_iter().collect();
     // File order, as stored.
-    tensors.sort_by_key(|(_, info)| info.data_offsets.0);
+    // Zero-length tensors share their offset with the next one: the name breaks the tie, so
+    // the same file always packs to the same bytes.
+    tensors.sort_by(|(a, x), (b, y)| {
+        (x.data_offsets.0, x.data_offsets.1, a).cmp(&(y.data_offsets.0, y.data_offsets.1, b))
+    });
     let k = maps.len();
     for (name, info) in tensors {
         inputs.push(Input {

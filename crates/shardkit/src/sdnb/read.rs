@@ -683,12 +683,21 @@ pub(crate) fn shard_files(dir: &Path, base: &str) -> Result<Vec<(u32, u32, PathB
         let name = ent.file_name().to_string_lossy().into_owned();
         if let Some((b, i, n)) = sdz::parse_shard_name(&name) {
             if b == base {
-                out.push((i, n, ent.path()));
+                out.push((i, n, in_dir(dir, &name)));
             }
         }
     }
     out.sort();
     Ok(out)
+}
+
+/// `dir/name`, or just `name` for the current directory (no `./` in messages).
+pub(crate) fn in_dir(dir: &Path, name: &str) -> PathBuf {
+    if dir == Path::new(".") {
+        PathBuf::from(name)
+    } else {
+        dir.join(name)
+    }
 }
 
 /// Maps a whole file read-only.

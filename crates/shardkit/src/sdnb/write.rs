@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use super::graph::{build, byte_len, ArrayOut, Carried, GraphOut, VarDesc, VarOut};
 use super::header::{Header, HEADER_LEN};
 use super::manifest::{self, Entry};
-use super::read::{base_name, shard_files, Container, Kind, Storage};
+use super::read::{base_name, in_dir, shard_files, Container, Kind, Storage};
 use super::sdz::ZipWriter;
 use super::types::{DType, Order, VarType};
 use crate::error::{Error, IoContext, Result};
@@ -728,7 +728,7 @@ fn write_file(path: &Path, plan: &PartPlan) -> Result<()> {
 fn write_shard_set(dir: &Path, base: &str, plans: &[PartPlan]) -> Result<Vec<PathBuf>> {
     let n = plans.len();
     let names: Vec<PathBuf> = (0..n)
-        .map(|i| dir.join(format!("{base}.shard{i}-of-{n}.sdnb")))
+        .map(|i| in_dir(dir, &format!("{base}.shard{i}-of-{n}.sdnb")))
         .collect();
     let mut temps = Vec::with_capacity(n);
     for (p, plan) in names.iter().zip(plans) {
