@@ -225,10 +225,13 @@ impl Verifiable for FlatGraphV {
 
 /// Runs the verifier over a whole graph region.
 fn verify(region: &[u8], path: &Path) -> Result<()> {
+    // Offsets may alias, so a small region can describe a huge tree; bounding the verified
+    // size (aliases counted each time) bounds what parsing allocates to a multiple of the
+    // region, with room for the sharing a real builder produces.
     let opts = VerifierOptions {
         max_depth: 64,
-        max_tables: usize::MAX,
-        max_apparent_size: usize::MAX,
+        max_tables: region.len() / 4 + 1024,
+        max_apparent_size: region.len().saturating_mul(4).max(16 << 20),
         ignore_missing_null_terminator: false,
     };
     let mut v = Verifier::new(&opts, region);
@@ -561,6 +564,24 @@ impl Graph {
             None => None,
         };
 
+        let opaque = OpaqueParts {
+            nodes: nodes.map(|n| n.0),
+            configuration,
+            updater_state,
+            sub_instances: subs.map(|s| s.0),
+        };
+        // A part placed after the end mark (only a crafted file does that: zero bytes read as
+        // an empty table) means the mark does not end this buffer; carry the whole region.
+        let mut extent = extent(region);
+        let mut positions = opaque
+            .nodes
+            .iter()
+            .chain(&opaque.configuration)
+            .chain(&opaque.sub_instances)
+            .chain(opaque.updater_state.iter().flatten().map(|u| &u.at));
+        if positions.any(|o| o.pos >= extent) {
+            extent = region.len();
+        }
         Ok(Graph {
             variables,
             metadata,
@@ -570,13 +591,8 @@ impl Graph {
             training_config: r.string(root, fg::TRAINING_CONFIG)?.map(str::to_owned),
             node_count: nodes.map_or(0, |n| n.1),
             sub_instance_count: subs.map_or(0, |s| s.1),
-            opaque: OpaqueParts {
-                nodes: nodes.map(|n| n.0),
-                configuration,
-                updater_state,
-                sub_instances: subs.map(|s| s.0),
-            },
-            extent: extent(region),
+            opaque,
+            extent,
         })
     }
 
@@ -853,6 +869,18 @@ pub(crate) fn build(g: &GraphOut, path: &Path) -> Result<Vec<u8>> {
         .chain(&g.sub_instances)
         .chain(g.updater_state.iter().flatten())
         .collect();
+    for c in &carried {
+        if c.at.lo > c.at.pos || c.at.pos >= c.extent.min(c.region.len()) {
+            return Err(Error::format(
+                path,
+                format!(
+                    "an opaque graph part at byte {} lies outside the buffer it is carried from \
+                     (which ends at {})",
+                    c.at.pos, c.extent
+                ),
+            ));
+        }
+    }
     let mut tails: Vec<Tail> = Vec::new();
     // The end mark comes first so it lands last: it tells where this buffer ends and zero
     // slack begins, for listings and for re-saves that carry tails.

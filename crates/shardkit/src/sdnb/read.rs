@@ -775,6 +775,19 @@ fn complete_set(
             format!("shard counts differ: {name} says {m}, others {n}"),
         ));
     }
+    // N comes from file names: check it against what is there before it sizes anything.
+    if n as usize > items.len() + 1024 {
+        let have: Vec<u32> = items.iter().map(|(i, _, _)| *i).take(16).collect();
+        return Err(Error::format(
+            what,
+            format!(
+                "incomplete shard set: the names declare {n} shards, {} are present (indices \
+                 {have:?}{}); shardkit never loads a partial model",
+                items.len(),
+                if items.len() > 16 { ", ..." } else { "" }
+            ),
+        ));
+    }
     let mut slot: Vec<Option<usize>> = vec![None; n as usize];
     for (k, (i, _, name)) in items.iter().enumerate() {
         if *i >= n {
@@ -789,11 +802,14 @@ fn complete_set(
     }
     let missing: Vec<usize> = (0..n as usize).filter(|&i| slot[i].is_none()).collect();
     if !missing.is_empty() {
+        let more = if missing.len() > 16 { ", ..." } else { "" };
         return Err(Error::format(
             what,
             format!(
-                "incomplete shard set: shard(s) {missing:?} of {n} are missing; shardkit never \
-                 loads a partial model"
+                "incomplete shard set: {} shard(s) of {n} are missing ({:?}{more}); shardkit \
+                 never loads a partial model",
+                missing.len(),
+                &missing[..missing.len().min(16)]
             ),
         ));
     }

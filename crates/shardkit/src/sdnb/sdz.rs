@@ -359,6 +359,17 @@ pub fn choose_model(bytes: &[u8], entries: &[ZipEntry], path: &Path) -> Result<M
                 ),
             ));
         }
+        // The count comes from a name: it cannot size anything before it is checked.
+        if n as usize > entries.len() + 1024 {
+            return Err(bad(
+                path,
+                format!(
+                    "incomplete shard set: the names declare {n} shards, the archive holds {} \
+                     entries; shardkit never loads a partial model",
+                    entries.len()
+                ),
+            ));
+        }
         let mut order = vec![None; n as usize];
         for s in &model_shards {
             let slot = order.get_mut(s.2 as usize).ok_or_else(|| {
