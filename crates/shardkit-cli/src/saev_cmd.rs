@@ -313,7 +313,7 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
     }
 }
 
-fn progress(total: u64, what: &str) -> ProgressBar {
+pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }

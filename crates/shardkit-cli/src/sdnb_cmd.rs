@@ -202,7 +202,7 @@ pub fn run(cmd: SdnbCmd) -> Result<bool> {
             force,
         } => {
             let c = sdnb::open(&input)?;
-            let opts = save_options(&layout, &output)?;
+            let mut opts = save_options(&layout, &output)?;
             refuse_existing(&output, force, &opts)?;
             if matches!(c.kind(), Kind::Sdz { .. })
                 && opts.format != Format::Sdz
@@ -214,7 +214,10 @@ pub fn run(cmd: SdnbCmd) -> Result<bool> {
                     c.extra_entries().join(", ")
                 );
             }
-            let files = sdnb::convert(&c, &output, &opts)?;
+            let bar = with_bar(&mut opts);
+            let files = sdnb::convert(&c, &output, &opts);
+            bar.finish_and_clear();
+            let files = files?;
             report_written(&files);
             Ok(true)
         }
@@ -261,7 +264,19 @@ fn save_options(l: &LayoutArgs, out: &Path) -> Result<SaveOptions> {
         slack: l.slack,
         metadata: parse_pairs(&l.meta)?,
         extra_entries: Vec::new(),
+        progress: None,
     })
+}
+
+/// A byte progress bar on a terminal (hidden otherwise), fed by the writer.
+fn with_bar(opts: &mut SaveOptions) -> indicatif::ProgressBar {
+    let bar = crate::saev_cmd::progress(0, "writing");
+    let feed = bar.clone();
+    opts.progress = Some(sdnb::Progress(std::sync::Arc::new(move |done, total| {
+        feed.set_length(total);
+        feed.set_position(done);
+    })));
+    bar
 }
 
 /// Output paths are replaced only with --force (the write itself is atomic either way).
@@ -670,7 +685,10 @@ fn pack(a: PackArgs) -> Result<bool> {
             bytes: &maps[i.source.0][i.source.1.clone()],
         })
         .collect();
-    let files = sdnb::save(&a.out, &tensors, &opts)?;
+    let bar = with_bar(&mut opts);
+    let files = sdnb::save(&a.out, &tensors, &opts);
+    bar.finish_and_clear();
+    let files = files?;
     report_written(&files);
     Ok(true)
 }

@@ -223,6 +223,17 @@ fn save_options(
     })
 }
 
+/// A writer progress hook calling a Python `callback(done, total)` (taking the GIL for the
+/// call; the write itself runs without it). Errors raised by the callback are ignored: a
+/// progress display must not abort a write half-way.
+fn py_progress(callback: PyObject) -> sdnb::Progress {
+    sdnb::Progress(Arc::new(move |done, total| {
+        Python::with_gil(|py| {
+            let _ = callback.call1(py, (done, total));
+        })
+    }))
+}
+
 fn paths(files: Vec<PathBuf>) -> Vec<String> {
     files.iter().map(|p| p.display().to_string()).collect()
 }
@@ -230,7 +241,7 @@ fn paths(files: Vec<PathBuf>) -> Vec<String> {
 /// Writes tensors as a container; returns the files written. The bytes are read in place
 /// (no copy) with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata, format, shard_size, align, slack, extra_entries))]
+#[pyo3(signature = (path, tensors, metadata, format, shard_size, align, slack, extra_entries, progress=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn sdnb_save(
     py: Python<'_>,
@@ -242,8 +253,10 @@ pub fn sdnb_save(
     align: u64,
     slack: u64,
     extra_entries: Vec<(String, Bound<'_, PyBytes>)>,
+    progress: Option<PyObject>,
 ) -> PyResult<Vec<String>> {
     let mut opts = save_options(&path, format, shard_size, metadata)?;
+    opts.progress = progress.map(py_progress);
     // Only an archive has room for them; the library would drop them silently.
     if !extra_entries.is_empty() && opts.format != Format::Sdz {
         return Err(PyValueError::new_err(format!(
@@ -303,7 +316,7 @@ pub fn sdnb_save(
 /// Writes `src` (a path or an open [`SdnbContainer`]) again as `dst`; returns the files
 /// written. Metadata given overrides the source's keys.
 #[pyfunction]
-#[pyo3(signature = (src, dst, format, shard_size, metadata))]
+#[pyo3(signature = (src, dst, format, shard_size, metadata, progress=None))]
 pub fn sdnb_convert(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
@@ -311,8 +324,10 @@ pub fn sdnb_convert(
     format: Option<&str>,
     shard_size: Option<u64>,
     metadata: Vec<(String, String)>,
+    progress: Option<PyObject>,
 ) -> PyResult<Vec<String>> {
-    let opts = save_options(&dst, format, shard_size, metadata)?;
+    let mut opts = save_options(&dst, format, shard_size, metadata)?;
+    opts.progress = progress.map(py_progress);
     enum Source {
         Open(Arc<Container>),
         Path(PathBuf),

@@ -3,6 +3,7 @@
 import collections.abc
 import dataclasses
 import gc
+import os
 import re
 import zipfile
 from pathlib import Path
@@ -409,3 +410,19 @@ def test_torch_tensors(tmp_path):
         assert c["f"].tolist() == t["f"].tolist()
         assert c["bf"].dtype == BF16 and c["bf"].astype(np.float32).tolist() == list(range(6))
         assert c["t"].tolist() == t["t"].tolist()
+
+
+def test_save_and_convert_report_byte_progress(tmp_path):
+    seen = []
+    arrays = {"w": np.ones((512, 1024), dtype=np.float32), "b": np.zeros(7, dtype=np.int8)}
+    files = sdnb.save(tmp_path / "p.sdnb", arrays, progress=lambda d, t: seen.append((d, t)))
+    size = os.path.getsize(files[0])
+    assert seen and seen[-1] == (size, size)
+    assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:]))
+    seen.clear()
+    out = sdnb.convert(files[0], tmp_path / "p.sdz", progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1][0] == seen[-1][1] > 0
+    assert os.path.getsize(out[0]) > seen[-1][1]  # the archive adds headers around the entry
+    # A callback that raises does not abort the write.
+    sdnb.save(tmp_path / "q.sdnb", arrays, progress=lambda d, t: 1 / 0)
+    assert np.array_equal(sdnb.open(tmp_path / "q.sdnb")["w"], arrays["w"])

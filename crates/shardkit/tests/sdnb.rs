@@ -504,3 +504,33 @@ fn a_model_without_arrays_is_shard0_of_1() {
     let c = open(&files[0]).unwrap();
     assert!(c.variables().is_empty());
 }
+
+#[test]
+fn progress_counts_every_byte_written() {
+    use std::sync::{Arc, Mutex};
+    let dir = tempfile::tempdir().unwrap();
+    let (sp, d) = (specs(), data(&specs()));
+    for format in [Format::Sdnb, Format::Sharded, Format::Sdz] {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        let mut o = opts(format);
+        o.shard_size = (format != Format::Sdnb).then_some(2 << 20);
+        o.progress = Some(sdnb::Progress(Arc::new(move |done, total| {
+            sink.lock().unwrap().push((done, total))
+        })));
+        let files = save(
+            &dir.path().join(format!("p{format:?}.x")),
+            &tensors(&sp, &d),
+            &o,
+        )
+        .unwrap();
+        let seen = seen.lock().unwrap();
+        let (done, total) = *seen.last().unwrap();
+        assert_eq!(done, total);
+        assert!(seen.windows(2).all(|w| w[0].0 < w[1].0));
+        if format != Format::Sdz {
+            let on_disk: u64 = files.iter().map(|f| fs::metadata(f).unwrap().len()).sum();
+            assert_eq!(total, on_disk, "{format:?}");
+        }
+    }
+}

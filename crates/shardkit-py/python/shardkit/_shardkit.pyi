@@ -1,6 +1,6 @@
 """Type stubs of the compiled core (use the wrappers: shardkit.saev, .flat_tokens, .eagle3, .sdnb)."""
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 __version__: str
 
@@ -256,6 +256,7 @@ def sdnb_save(
     align: int,
     slack: int,
     extra_entries: Sequence[Tuple[str, bytes]],
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> List[str]: ...
 def sdnb_convert(
     src: Union[str, SdnbContainer],
@@ -263,5 +264,6 @@ def sdnb_convert(
     format: Optional[str],
     shard_size: Optional[int],
     metadata: Sequence[Tuple[str, str]],
+    progress: Optional[Callable[[int, int], None]] = None,
 ) -> List[str]: ...
 def sdnb_set_metadata(path: str, changes: Sequence[Tuple[str, Optional[str]]], rewrite: bool) -> Tuple[bool, List[str]]: ...

@@ -20,7 +20,8 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -245,6 +246,7 @@ def save(
     align: int = 64,
     slack: int = 65536,
     extra_entries: Optional[Mapping[str, bytes]] = None,
+    progress: Any = None,
 ) -> List[str]:
     """Writes ``tensors`` (name -> numpy array, torch tensor or array-like) as a container;
     returns the files written.
@@ -256,7 +258,8 @@ def save(
     default) or "CONSTANT". ``align`` (a power of two, 8 to 32768) aligns blobs and archive
     entries; ``slack`` zero bytes after the graph leave room for in-place ``set_metadata``.
     ``extra_entries`` (SDZ only) adds archive entries such as ``tokenizer.json``. Files are
-    published atomically; the GIL is released while writing.
+    published atomically; the GIL is released while writing. ``progress``: None (a byte bar
+    on a terminal when tqdm is installed), a bool, or a callable ``(bytes_done, bytes_total)``.
     """
     where = os.fspath(path)
     if not isinstance(tensors, collections.abc.Mapping):
@@ -274,9 +277,14 @@ def save(
             raise TypeError(f"{where}: tensor names must be strings, not {type(name).__name__}")
         entries.append(_tensor(name, x, var_types.get(name, "VARIABLE").upper(), where))
     extras = [(n, bytes(b)) for n, b in (extra_entries or {}).items()]
-    return _core.sdnb_save(
-        where, entries, _pairs(metadata, where), format, _size(shard_size), int(align), int(slack), extras
-    )
+    callback, close = _progress(progress)
+    try:
+        return _core.sdnb_save(
+            where, entries, _pairs(metadata, where), format, _size(shard_size), int(align), int(slack), extras,
+            callback,
+        )
+    finally:
+        close()
 
 
 def convert(
@@ -285,13 +293,38 @@ def convert(
     format: Optional[str] = None,  # noqa: A002
     shard_size: Optional[int] = None,
     metadata: Optional[Mapping[str, str]] = None,
+    progress: Any = None,
 ) -> List[str]:
     """Writes ``src`` (a path or an open Container) again as ``dst`` in another layout: the same
     variables and bytes, ops and other graph parts carried verbatim; ``metadata`` overrides the
-    source's keys. ``format`` as in ``save``. Returns the files written."""
+    source's keys. ``format`` and ``progress`` as in ``save``. Returns the files written."""
     where = os.fspath(dst)
     core = src._c if isinstance(src, Container) else os.fspath(src)
-    return _core.sdnb_convert(core, where, format, _size(shard_size), _pairs(metadata, where))
+    callback, close = _progress(progress)
+    try:
+        return _core.sdnb_convert(core, where, format, _size(shard_size), _pairs(metadata, where), callback)
+    finally:
+        close()
+
+
+def _progress(progress: Any) -> Tuple[Optional[Callable[[int, int], None]], Callable[[], None]]:
+    """(writer callback, closer) for a ``progress`` argument: a callable ``(done, total)`` is
+    used as it is; True, or None on a terminal, shows a tqdm byte bar when tqdm is installed."""
+    if callable(progress) and not isinstance(progress, bool):
+        return progress, lambda: None
+    if progress or (progress is None and sys.stderr.isatty()):
+        try:
+            from tqdm.auto import tqdm  # type: ignore
+        except ImportError:
+            return None, lambda: None
+        bar = tqdm(total=0, unit="B", unit_scale=True, desc="writing")
+
+        def update(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        return update, bar.close
+    return None, lambda: None
 
 
 def set_metadata(path: PathLike, updates: Mapping[str, Optional[str]], rewrite: bool = False) -> bool:

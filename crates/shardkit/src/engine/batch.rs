@@ -54,6 +54,8 @@ pub struct Buffer {
     len: usize,
     pool: Weak<Free>,
     pool_max: usize,
+    /// The process whose pool it returns to (see [`BufferPool`] on fork).
+    pid: u32,
 }
 
 // SAFETY: the buffer exclusively owns its allocation.
@@ -67,6 +69,7 @@ impl Buffer {
             len,
             pool: Weak::new(),
             pool_max: 0,
+            pid: 0,
         }
     }
     fn raw(&self) -> &Raw {
@@ -113,6 +116,9 @@ impl Buffer {
 impl Drop for Buffer {
     fn drop(&mut self) {
         let Some(raw) = self.raw.take() else { return };
+        if self.pid != std::process::id() {
+            return; // freed, not pooled: after fork() the pool's lock may be held for ever
+        }
         if let Some(pool) = self.pool.upgrade() {
             let mut free = pool.lock().unwrap_or_else(|e| e.into_inner());
             if free.len() < self.pool_max {
@@ -130,11 +136,13 @@ impl std::fmt::Debug for Buffer {
 
 /// Recycles buffers: [`BufferPool::get`] reuses a free allocation that is large enough, and a
 /// dropped buffer returns to its pool (which keeps at most `max` free ones). Buffers that
-/// outlive the pool are simply freed.
+/// outlive the pool are simply freed. In a forked child the pool is bypassed (fresh
+/// allocations, freed on drop): its lock may have been held by a parent thread at fork().
 #[derive(Clone)]
 pub struct BufferPool {
     free: Arc<Free>,
     max: usize,
+    pid: u32,
 }
 
 impl BufferPool {
@@ -143,11 +151,24 @@ impl BufferPool {
         BufferPool {
             free: Arc::new(Mutex::new(Vec::new())),
             max,
+            pid: std::process::id(),
         }
     }
     /// A buffer of `len` bytes; its content is unspecified (zeros or an earlier batch's bytes),
     /// so callers overwrite all of it.
     pub fn get(&self, len: usize) -> Buffer {
+        let pid = std::process::id();
+        if pid != self.pid {
+            // A forked child: a parent thread may have held the lock at fork() time, and no
+            // thread of the child will ever release it, so the child never touches it.
+            return Buffer {
+                raw: Some(Raw::alloc(len)),
+                len,
+                pool: Weak::new(),
+                pool_max: 0,
+                pid,
+            };
+        }
         let raw = {
             let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
             match free.iter().position(|r| r.cap >= len) {
@@ -164,6 +185,7 @@ impl BufferPool {
             len,
             pool: Arc::downgrade(&self.free),
             pool_max: self.max,
+            pid,
         }
     }
 }

@@ -25,4 +25,4 @@ pub use edit::{set_metadata, EditOutcome};
 pub use read::{open, Container, Kind, Limits, PartLayout, Storage, Tensor, Variable};
 pub use sdz::ZipLimits;
 pub use types::{DType, Order, VarType};
-pub use write::{convert, save, Format, SaveOptions, TensorIn};
+pub use write::{convert, save, Format, Progress, SaveOptions, TensorIn};

@@ -11,6 +11,7 @@ use std::borrow::Cow;
 use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::graph::{build, byte_len, ArrayOut, Carried, GraphOut, VarDesc, VarOut};
 use super::header::{Header, HEADER_LEN};
@@ -72,6 +73,17 @@ impl std::str::FromStr for Format {
     }
 }
 
+/// A callback told (bytes written, bytes in all) as a write proceeds, about every 16 MiB and
+/// once at the end; for progress bars.
+#[derive(Clone)]
+pub struct Progress(pub Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for Progress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Progress(..)")
+    }
+}
+
 /// How to write.
 #[derive(Debug, Clone)]
 pub struct SaveOptions {
@@ -89,6 +101,8 @@ pub struct SaveOptions {
     pub metadata: Vec<(String, String)>,
     /// Further SDZ entries (e.g. `tokenizer.json`), kept as they are.
     pub extra_entries: Vec<(String, Vec<u8>)>,
+    /// Called as bytes are written.
+    pub progress: Option<Progress>,
 }
 
 impl Default for SaveOptions {
@@ -100,6 +114,7 @@ impl Default for SaveOptions {
             slack: DEFAULT_SLACK,
             metadata: Vec::new(),
             extra_entries: Vec::new(),
+            progress: None,
         }
     }
 }
@@ -368,6 +383,18 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
         Some(cap) => plan_sharded(model, cap, opts, path)?,
         None => vec![plan_part(model_graph(model, None), opts, path)?],
     };
+    let total = plans.iter().map(PartPlan::len).sum::<u64>()
+        + opts
+            .extra_entries
+            .iter()
+            .map(|(_, d)| d.len() as u64)
+            .sum::<u64>();
+    let mut tracker = Tracker {
+        callback: opts.progress.as_ref(),
+        done: 0,
+        total,
+        reported: 0,
+    };
     match opts.format {
         Format::Sdnb => {
             let shards = shard_files(dir, base)?;
@@ -382,7 +409,7 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
                     ),
                 });
             }
-            write_file(path, &plans[0])?;
+            write_file(path, &plans[0], &mut tracker)?;
             Ok(vec![path.to_path_buf()])
         }
         Format::Sharded => {
@@ -396,10 +423,10 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
                         .into(),
                 });
             }
-            write_shard_set(dir, base, &plans)
+            write_shard_set(dir, base, &plans, &mut tracker)
         }
         Format::Sdz => {
-            write_sdz(path, &plans, &opts.extra_entries, opts.align)?;
+            write_sdz(path, &plans, &opts.extra_entries, opts.align, &mut tracker)?;
             Ok(vec![path.to_path_buf()])
         }
     }
@@ -639,19 +666,40 @@ fn plan_sharded<'a>(
     Ok(plans)
 }
 
+/// Counts written bytes for the progress callback.
+struct Tracker<'p> {
+    callback: Option<&'p Progress>,
+    done: u64,
+    total: u64,
+    reported: u64,
+}
+
+impl Tracker<'_> {
+    fn add(&mut self, n: u64) {
+        self.done += n;
+        if let Some(p) = self.callback {
+            if self.done - self.reported >= 16 << 20 || self.done >= self.total {
+                (p.0)(self.done, self.total);
+                self.reported = self.done;
+            }
+        }
+    }
+}
+
 /// Large positional writes with optional CRC and early writeback.
-struct Sink<'f> {
+struct Sink<'f, 't, 'p> {
     file: &'f File,
     path: &'f Path,
     pos: u64,
     crc: Option<crc32fast::Hasher>,
     flushed_to: u64,
+    tracker: &'t mut Tracker<'p>,
 }
 
 const WRITE_CHUNK: usize = 8 << 20;
 const WRITEBACK_EVERY: u64 = 64 << 20;
 
-impl Sink<'_> {
+impl Sink<'_, '_, '_> {
     fn put(&mut self, bytes: &[u8]) -> Result<()> {
         for chunk in bytes.chunks(WRITE_CHUNK) {
             self.file.write_all_at(chunk, self.pos).at(self.path)?;
@@ -659,6 +707,7 @@ impl Sink<'_> {
                 c.update(chunk);
             }
             self.pos += chunk.len() as u64;
+            self.tracker.add(chunk.len() as u64);
             if self.pos - self.flushed_to >= WRITEBACK_EVERY {
                 fsutil::start_writeback(self.file, self.flushed_to, self.pos - self.flushed_to);
                 self.flushed_to = self.pos;
@@ -697,7 +746,7 @@ impl Sink<'_> {
 }
 
 /// Writes one SDNB file through a temporary sibling; the caller publishes it.
-fn write_temp(path: &Path, plan: &PartPlan) -> Result<PathBuf> {
+fn write_temp(path: &Path, plan: &PartPlan, tracker: &mut Tracker) -> Result<PathBuf> {
     let tmp = fsutil::temp_sibling(path);
     let result = (|| {
         let f = File::create(&tmp).at(&tmp)?;
@@ -707,6 +756,7 @@ fn write_temp(path: &Path, plan: &PartPlan) -> Result<PathBuf> {
             pos: 0,
             crc: None,
             flushed_to: 0,
+            tracker,
         };
         sink.part(plan)?;
         f.sync_all().at(&tmp)
@@ -718,21 +768,26 @@ fn write_temp(path: &Path, plan: &PartPlan) -> Result<PathBuf> {
     Ok(tmp)
 }
 
-fn write_file(path: &Path, plan: &PartPlan) -> Result<()> {
-    let tmp = write_temp(path, plan)?;
+fn write_file(path: &Path, plan: &PartPlan, tracker: &mut Tracker) -> Result<()> {
+    let tmp = write_temp(path, plan, tracker)?;
     fsutil::publish(&tmp, path).inspect_err(|_| {
         let _ = fs::remove_file(&tmp);
     })
 }
 
-fn write_shard_set(dir: &Path, base: &str, plans: &[PartPlan]) -> Result<Vec<PathBuf>> {
+fn write_shard_set(
+    dir: &Path,
+    base: &str,
+    plans: &[PartPlan],
+    tracker: &mut Tracker,
+) -> Result<Vec<PathBuf>> {
     let n = plans.len();
     let names: Vec<PathBuf> = (0..n)
         .map(|i| in_dir(dir, &format!("{base}.shard{i}-of-{n}.sdnb")))
         .collect();
     let mut temps = Vec::with_capacity(n);
     for (p, plan) in names.iter().zip(plans) {
-        match write_temp(p, plan) {
+        match write_temp(p, plan, tracker) {
             Ok(t) => temps.push(t),
             Err(e) => {
                 for t in &temps {
@@ -763,6 +818,7 @@ fn write_sdz(
     plans: &[PartPlan],
     extras: &[(String, Vec<u8>)],
     align: u64,
+    tracker: &mut Tracker,
 ) -> Result<()> {
     let n = plans.len();
     let names: Vec<String> = if n == 1 {
@@ -795,6 +851,7 @@ fn write_sdz(
                 pos: at,
                 crc: Some(crc32fast::Hasher::new()),
                 flushed_to: at,
+                tracker: &mut *tracker,
             };
             sink.part(plan)?;
             let crc = sink.crc.take().expect("set").finalize();
@@ -803,6 +860,7 @@ fn write_sdz(
         }
         for (name, data) in extras {
             zip.add_stored(name, data)?;
+            tracker.add(data.len() as u64);
         }
         let f = zip.finish()?;
         f.sync_all().at(&tmp)
