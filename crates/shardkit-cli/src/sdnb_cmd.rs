@@ -287,19 +287,13 @@ fn refuse_existing(out: &Path, force: bool, opts: &SaveOptions) -> Result<()> {
     let existing = match opts.format {
         Format::Sharded => {
             let name = out.file_name().map(|n| n.to_string_lossy().into_owned());
-            let base = name.as_deref().map(sdnb::read::base_name).unwrap_or("");
-            let dir = fsutil::parent_of(out);
-            std::fs::read_dir(dir)
+            let name = name.as_deref().unwrap_or("");
+            let base = sdnb::sdz::parse_shard_name(name)
+                .map_or_else(|| sdnb::read::base_name(name), |(b, _, _)| b);
+            sdnb::read::shard_files(fsutil::parent_of(out), base)?
                 .into_iter()
-                .flatten()
-                .flatten()
-                .map(|e| e.path())
-                .find(|p| {
-                    p.file_name()
-                        .and_then(|n| n.to_str())
-                        .and_then(sdnb::sdz::parse_shard_name)
-                        .is_some_and(|(b, _, _)| b == base)
-                })
+                .next()
+                .map(|(_, _, p)| p)
         }
         _ => out.exists().then(|| out.to_path_buf()),
     };
@@ -327,14 +321,6 @@ fn meta_json(m: &[(String, String)]) -> Value {
     )
 }
 
-fn kind_name(k: Kind) -> (&'static str, usize) {
-    match k {
-        Kind::Sdnb => ("sdnb", 1),
-        Kind::Sharded { shards } => ("sharded", shards),
-        Kind::Sdz { shards } => ("sdz", shards),
-    }
-}
-
 fn shape_json(s: &Option<Vec<i64>>) -> Value {
     match s {
         None => Value::Null,
@@ -344,7 +330,7 @@ fn shape_json(s: &Option<Vec<i64>>) -> Value {
 
 fn inspect(file: &Path, as_json: bool) -> Result<bool> {
     let c = sdnb::open(file)?;
-    let (kind, shards) = kind_name(c.kind());
+    let (kind, shards) = (c.kind().name(), c.kind().parts());
     if as_json {
         let vars = c
             .variables()
@@ -398,7 +384,7 @@ fn inspect(file: &Path, as_json: bool) -> Result<bool> {
                 Value::Array(
                     c.extra_entries()
                         .iter()
-                        .map(|e| Value::String(e.clone()))
+                        .map(|e| Value::String(e.to_string()))
                         .collect(),
                 ),
             ),

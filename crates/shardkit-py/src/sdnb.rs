@@ -9,7 +9,7 @@ use std::sync::{Arc, RwLock};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use shardkit::sdnb::{self, Container, DType, Format, Kind, Order, SaveOptions, TensorIn, VarType};
+use shardkit::sdnb::{self, Container, DType, Format, Order, SaveOptions, TensorIn, VarType};
 
 use crate::{contiguous, to_py, RustBuffer, SendSlice};
 
@@ -77,11 +77,7 @@ impl SdnbContainer {
     #[new]
     fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
         let c = py.allow_threads(|| sdnb::open(&path)).map_err(to_py)?;
-        let (kind, shards) = match c.kind() {
-            Kind::Sdnb => ("sdnb", 1),
-            Kind::Sharded { shards } => ("sharded", shards),
-            Kind::Sdz { shards } => ("sdz", shards),
-        };
+        let (kind, shards) = (c.kind().name(), c.kind().parts());
         Ok(SdnbContainer {
             path: c.path().display().to_string(),
             inner: RwLock::new(Some(Arc::new(c))),
@@ -151,7 +147,12 @@ impl SdnbContainer {
     /// Archive entries that are not part of the model.
     #[getter]
     fn extra_entries(&self) -> PyResult<Vec<String>> {
-        Ok(self.get()?.extra_entries().to_vec())
+        Ok(self
+            .get()?
+            .extra_entries()
+            .into_iter()
+            .map(str::to_owned)
+            .collect())
     }
     /// An extra archive entry's bytes.
     fn extra_entry<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {

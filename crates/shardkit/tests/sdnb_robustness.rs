@@ -1297,7 +1297,7 @@ fn inspect(c: &Container, places: &[&Path]) -> Result<(), String> {
     ));
     for name in c.extra_entries().to_vec() {
         typed(&format!("extra_entry({name:?})"), places, || {
-            c.extra_entry(&name)
+            c.extra_entry(name)
         })?;
     }
     if typed("extra_entry(missing)", places, || c.extra_entry("no/such")).map(|x| x.is_some())? {

@@ -18,12 +18,12 @@ from __future__ import annotations
 import collections.abc
 import json
 import os
-import sys
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _shardkit as _core
+from ._progress import Progress
 from ._shardkit import IncompleteDatasetError
 
 try:  # bf16 as a real numpy dtype when available
@@ -138,18 +138,9 @@ class Writer:
         self.manifest: Dict[str, Any] = json.loads(self._w.manifest_json)
         self._fields = {name: (code, tuple(row)) for name, code, row in self._w.fields}
         self._closed = False
-        self._bar = None
-        self._fn = None
-        total = int(self.manifest["num_samples"])
-        if callable(progress) and not isinstance(progress, bool):
-            self._fn = progress
-        elif progress or (progress is None and sys.stderr.isatty()):
-            try:
-                from tqdm.auto import tqdm  # type: ignore
-
-                self._bar = tqdm(total=total, initial=self.next_sample, unit="sample", desc="writing")
-            except ImportError:
-                pass
+        self._progress = Progress(
+            progress, unit="sample", total=int(self.manifest["num_samples"]), initial=self.next_sample
+        )
 
     @property
     def fields(self) -> Dict[str, tuple]:
@@ -190,10 +181,7 @@ class Writer:
                 raise ValueError(f"{name}: {a.shape[0]} samples, the other fields have {n}")
             arrays[name] = a.reshape(-1).view(np.uint8)
         self._w.add_rows(int(n or 0), arrays)
-        if self._bar is not None:
-            self._bar.update(int(n or 0))
-        if self._fn is not None:
-            self._fn(self.next_sample, int(self.manifest["num_samples"]))
+        self._progress.advance(int(n or 0), self.next_sample, int(self.manifest["num_samples"]))
 
     def write_target_embeddings(self, array: Any) -> None:
         """Writes ``target_embeddings.safetensors``: ``weight``, float32 ``[vocab_rows, hidden]``."""
@@ -208,16 +196,14 @@ class Writer:
         if self._closed:
             return self.path
         self._closed = True
-        if self._bar is not None:
-            self._bar.close()
+        self._progress.close()
         return self._w.finish()
 
     def abort(self) -> None:
         """Stops without finishing; the shards written stay and ``resume=True`` continues."""
         if not self._closed:
             self._closed = True
-            if self._bar is not None:
-                self._bar.close()
+            self._progress.close()
             self._w.abort()
 
     def __enter__(self) -> "Writer":

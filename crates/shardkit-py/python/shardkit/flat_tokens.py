@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _shardkit as _core
+from ._progress import Progress
 from ._shardkit import IncompleteDatasetError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -129,18 +129,9 @@ class Writer:
         self._final: Optional[tuple] = None  # counts kept once closed
         self._closed = False
         self._warned_zero = False
-        self._bar = None
-        self._fn = None
-        if callable(progress) and not isinstance(progress, bool):
-            self._fn = progress
-        elif progress or (progress is None and sys.stderr.isatty()):
-            try:
-                from tqdm.auto import tqdm  # type: ignore
-
-                self._bar = tqdm(unit="tok", unit_scale=True, desc=f"writing {split}",
-                                 initial=self.token_count)
-            except ImportError:
-                pass
+        self._progress = Progress(
+            progress, unit="tok", unit_scale=True, desc=f"writing {split}", initial=self.token_count
+        )
 
     @property
     def format(self) -> str:
@@ -188,10 +179,7 @@ class Writer:
                 "feeds as the input at sequence starts (seqax's convention); written anyway",
                 stacklevel=2,
             )
-        if self._bar is not None:
-            self._bar.update(self.token_count - before)
-        if self._fn is not None:
-            self._fn(self.seq_count, self.token_count)
+        self._progress.advance(self.token_count - before, self.seq_count, self.token_count)
 
     def flush(self) -> None:
         """Commits what was appended: a crash after this resumes from here."""
@@ -202,8 +190,7 @@ class Writer:
         if self._closed:
             raise RuntimeError("the writer is already closed")
         self._closed = True
-        if self._bar is not None:
-            self._bar.close()
+        self._progress.close()
         self._final = self._w.counts
         seqs, tokens, max_id = self._w.finish()
         return {"seq_count": seqs, "token_count": tokens, "max_token_id": max_id}
@@ -212,8 +199,7 @@ class Writer:
         """Commits what was appended (best effort) without marking the dataset complete."""
         if not self._closed:
             self._closed = True
-            if self._bar is not None:
-                self._bar.close()
+            self._progress.close()
             self._final = self._w.counts
             self._w.abort()
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import os
-import sys
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from . import _shardkit as _core
+from ._progress import Progress
 
 try:  # bf16 and fp8 as real numpy dtypes when available
     import ml_dtypes as _ml_dtypes
@@ -277,14 +277,14 @@ def save(
             raise TypeError(f"{where}: tensor names must be strings, not {type(name).__name__}")
         entries.append(_tensor(name, x, var_types.get(name, "VARIABLE").upper(), where))
     extras = [(n, bytes(b)) for n, b in (extra_entries or {}).items()]
-    callback, close = _progress(progress)
+    bar = _byte_progress(progress)
     try:
         return _core.sdnb_save(
             where, entries, _pairs(metadata, where), format, _size(shard_size), int(align), int(slack), extras,
-            callback,
+            _bytes_done(bar),
         )
     finally:
-        close()
+        bar.close()
 
 
 def convert(
@@ -300,31 +300,29 @@ def convert(
     source's keys. ``format`` and ``progress`` as in ``save``. Returns the files written."""
     where = os.fspath(dst)
     core = src._c if isinstance(src, Container) else os.fspath(src)
-    callback, close = _progress(progress)
+    bar = _byte_progress(progress)
     try:
-        return _core.sdnb_convert(core, where, format, _size(shard_size), _pairs(metadata, where), callback)
+        return _core.sdnb_convert(
+            core, where, format, _size(shard_size), _pairs(metadata, where), _bytes_done(bar)
+        )
     finally:
-        close()
+        bar.close()
 
 
-def _progress(progress: Any) -> Tuple[Optional[Callable[[int, int], None]], Callable[[], None]]:
-    """(writer callback, closer) for a ``progress`` argument: a callable ``(done, total)`` is
-    used as it is; True, or None on a terminal, shows a tqdm byte bar when tqdm is installed."""
-    if callable(progress) and not isinstance(progress, bool):
-        return progress, lambda: None
-    if progress or (progress is None and sys.stderr.isatty()):
-        try:
-            from tqdm.auto import tqdm  # type: ignore
-        except ImportError:
-            return None, lambda: None
-        bar = tqdm(total=0, unit="B", unit_scale=True, desc="writing")
+def _byte_progress(progress: Any) -> Progress:
+    return Progress(progress, unit="B", unit_scale=True, total=0)
 
-        def update(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
 
-        return update, bar.close
-    return None, lambda: None
+def _bytes_done(bar: Progress) -> Optional[Callable[[int, int], None]]:
+    """The writer's ``(done, total)`` hook feeding ``bar``; None when nobody listens."""
+    if not bar.active:
+        return None
+
+    def update(done: int, total: int) -> None:
+        bar.set_total(total)
+        bar.advance(done - bar.position, done, total)
+
+    return update
 
 
 def set_metadata(path: PathLike, updates: Mapping[str, Optional[str]], rewrite: bool = False) -> bool:

@@ -342,34 +342,33 @@ impl<'a> Fb<'a> {
     fn string(&self, t: Tab, slot: u16) -> Result<Option<&'a str>> {
         self.child(t, slot)?.map(|p| self.string_at(p)).transpose()
     }
-    fn tables(&self, t: Tab, slot: u16) -> Result<Option<Vec<usize>>> {
+    /// The elements of the vector in `slot`, each `width` bytes, read by `read` at its position.
+    fn elements<T>(
+        &self,
+        t: Tab,
+        slot: u16,
+        width: usize,
+        read: impl Fn(usize) -> Result<T>,
+    ) -> Result<Option<Vec<T>>> {
         let Some(v) = self.child(t, slot)? else {
             return Ok(None);
         };
-        let (n, start) = self.vector(v, 4)?;
+        let (n, start) = self.vector(v, width)?;
         (0..n)
-            .map(|i| self.follow(start + 4 * i))
+            .map(|i| read(start + width * i))
             .collect::<Result<Vec<_>>>()
             .map(Some)
+    }
+    fn tables(&self, t: Tab, slot: u16) -> Result<Option<Vec<usize>>> {
+        self.elements(t, slot, 4, |p| self.follow(p))
     }
     fn strings(&self, t: Tab, slot: u16) -> Result<Option<Vec<String>>> {
-        let Some(ps) = self.tables(t, slot)? else {
-            return Ok(None);
-        };
-        ps.into_iter()
-            .map(|p| self.string_at(p).map(str::to_owned))
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
+        self.elements(t, slot, 4, |p| {
+            self.string_at(self.follow(p)?).map(str::to_owned)
+        })
     }
     fn longs(&self, t: Tab, slot: u16) -> Result<Option<Vec<i64>>> {
-        let Some(v) = self.child(t, slot)? else {
-            return Ok(None);
-        };
-        let (n, start) = self.vector(v, 8)?;
-        (0..n)
-            .map(|i| self.i64(start + 8 * i))
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
+        self.elements(t, slot, 8, |p| self.i64(p))
     }
     fn byte_range(&self, t: Tab, slot: u16) -> Result<Option<Range<usize>>> {
         let Some(v) = self.child(t, slot)? else {

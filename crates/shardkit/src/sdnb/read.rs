@@ -65,6 +65,25 @@ pub enum Kind {
     },
 }
 
+impl Kind {
+    /// "sdnb", "sharded" or "sdz".
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Sdnb => "sdnb",
+            Kind::Sharded { .. } => "sharded",
+            Kind::Sdz { .. } => "sdz",
+        }
+    }
+
+    /// The number of SDNB parts that make up the model.
+    pub fn parts(self) -> usize {
+        match self {
+            Kind::Sdnb => 1,
+            Kind::Sharded { shards } | Kind::Sdz { shards } => shards,
+        }
+    }
+}
+
 /// Where a variable's array is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Storage {
@@ -435,7 +454,8 @@ pub struct Container {
     pub(crate) parts: Vec<Part>,
     variables: Vec<Variable>,
     index: HashMap<String, usize>,
-    extras: Vec<String>,
+    /// The archive's map and its entries that are not part of the model.
+    extras: Option<(Arc<Backing>, Vec<ZipEntry>)>,
 }
 
 impl std::fmt::Debug for Container {
@@ -591,29 +611,28 @@ impl Container {
     }
 
     /// Archive entries that are not part of the model (e.g. `tokenizer.json`).
-    pub fn extra_entries(&self) -> &[String] {
-        &self.extras
+    pub fn extra_entries(&self) -> Vec<&str> {
+        self.extras
+            .iter()
+            .flat_map(|(_, es)| es.iter().map(|e| e.name.as_str()))
+            .collect()
     }
 
     /// The bytes of an archive's extra entry (inflated when compressed).
     pub fn extra_entry(&self, name: &str) -> Result<Vec<u8>> {
-        let archive = &self.parts[0].origin;
-        if !self.extras.iter().any(|e| e == name) {
+        let found = self
+            .extras
+            .as_ref()
+            .and_then(|(map, es)| es.iter().find(|e| e.name == name).map(|e| (map, e)));
+        let Some((map, e)) = found else {
             return Err(Error::Missing(format!(
                 "{}: no extra entry {name:?}",
                 self.path.display()
             )));
-        }
-        let file = File::open(&archive.file).at(&archive.file)?;
-        // SAFETY: read-only map of a file we do not modify; see `map_file`.
-        let map = unsafe { Mmap::map(&file) }.at(&archive.file)?;
-        let entries = sdz::entries(&map, &archive.file, &ZipLimits::default())?;
-        let e = entries.iter().find(|e| e.name == name).ok_or_else(|| {
-            Error::Missing(format!("{}: entry {name:?} vanished", self.path.display()))
-        })?;
+        };
         match e.method {
-            Method::Stored => Ok(map[e.data.start as usize..e.data.end as usize].to_vec()),
-            Method::Deflate => sdz::inflate(&map, e, &archive.file),
+            Method::Stored => Ok(map.bytes()[e.data.start as usize..e.data.end as usize].to_vec()),
+            Method::Deflate => sdz::inflate(map.bytes(), e, &self.path),
         }
     }
 
@@ -670,8 +689,8 @@ pub fn base_name(name: &str) -> &str {
     }
 }
 
-/// (index, count, path) of every `<base>.shard<i>-of-<N>.sdnb` in `dir`.
-pub(crate) fn shard_files(dir: &Path, base: &str) -> Result<Vec<(u32, u32, PathBuf)>> {
+/// (index, count, path) of every `<base>.shard<i>-of-<N>.sdnb` in `dir`, sorted.
+pub fn shard_files(dir: &Path, base: &str) -> Result<Vec<(u32, u32, PathBuf)>> {
     let mut out = Vec::new();
     let rd = match fs::read_dir(dir) {
         Ok(rd) => rd,
@@ -729,7 +748,7 @@ fn open_single(path: &Path, limits: &Limits) -> Result<Container> {
         entry: None,
     };
     let part = Part::parse(backing, 0..len, path.to_path_buf(), origin, limits)?;
-    assemble(path, Kind::Sdnb, vec![part], Vec::new())
+    assemble(path, Kind::Sdnb, vec![part], None)
 }
 
 fn open_sharded(path: &Path, dir: &Path, base: &str, limits: &Limits) -> Result<Container> {
@@ -753,7 +772,7 @@ fn open_sharded(path: &Path, dir: &Path, base: &str, limits: &Limits) -> Result<
         parts.push(Part::parse(backing, 0..len, p.clone(), origin, limits)?);
     }
     let n = parts.len();
-    assemble(path, Kind::Sharded { shards: n }, parts, Vec::new())
+    assemble(path, Kind::Sharded { shards: n }, parts, None)
 }
 
 /// Checks that (index, count) pairs form exactly 0..N−1 with one N; returns their positions
@@ -848,17 +867,22 @@ fn open_sdz(path: &Path, limits: &Limits) -> Result<Container> {
         parts.push(part);
     }
     let extras = entries
-        .iter()
+        .into_iter()
         .enumerate()
         .filter(|(i, e)| !e.is_dir && !order.contains(i))
-        .map(|(_, e)| e.name.clone())
+        .map(|(_, e)| e)
         .collect();
     let n = parts.len();
-    assemble(path, Kind::Sdz { shards: n }, parts, extras)
+    assemble(path, Kind::Sdz { shards: n }, parts, Some((map, extras)))
 }
 
 /// Merges the parts' variables (§9.6 for sets) into one listing.
-fn assemble(path: &Path, kind: Kind, parts: Vec<Part>, extras: Vec<String>) -> Result<Container> {
+fn assemble(
+    path: &Path,
+    kind: Kind,
+    parts: Vec<Part>,
+    extras: Option<(Arc<Backing>, Vec<ZipEntry>)>,
+) -> Result<Container> {
     let sharded = parts.len() > 1 || matches!(kind, Kind::Sharded { .. });
     if sharded {
         for (i, p) in parts.iter().enumerate() {

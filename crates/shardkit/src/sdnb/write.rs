@@ -299,7 +299,7 @@ pub(crate) fn convert_with_metadata(
         for name in src.extra_entries() {
             if !opts.extra_entries.iter().any(|(n, _)| n == name) {
                 opts.extra_entries
-                    .push((name.clone(), src.extra_entry(name)?));
+                    .push((name.to_string(), src.extra_entry(name)?));
             }
         }
     }
@@ -616,26 +616,30 @@ fn plan_sharded<'a>(
     for v in &mut head.vars {
         v.1 = None;
     }
-    head.updater_state = None;
+    // Updater state goes with its parameters' weights; with no weights at all it stays here.
+    if !groups.is_empty() {
+        head.updater_state = None;
+    }
     plans.push(plan_part(head, opts, path)?);
-    let updater = model.updater_state.as_deref().unwrap_or(&[]);
-    let mut placed = vec![false; updater.len()];
-    for (s, g) in groups.iter().enumerate() {
-        let mut states = Vec::new();
-        for (k, (param, c)) in updater.iter().enumerate() {
-            let mine = param
+    // Each updater state goes to its parameter's shard; orphans (no parameter among the
+    // weights) to the first weight shard.
+    let shard_of: std::collections::HashMap<&str, usize> = groups
+        .iter()
+        .enumerate()
+        .flat_map(|(s, g)| g.iter().map(move |&i| (model.vars[i].0.name.as_str(), s)))
+        .collect();
+    let mut states: Vec<Vec<Carried>> = vec![Vec::new(); groups.len()];
+    if !groups.is_empty() {
+        for (param, c) in model.updater_state.iter().flatten() {
+            let s = param
                 .as_deref()
-                .is_some_and(|p| g.iter().any(|&i| model.vars[i].0.name == p));
-            // Orphan states (no parameter among the weights) go to the first weight shard.
-            let orphan = s == 0
-                && !param
-                    .as_deref()
-                    .is_some_and(|p| groups.iter().flatten().any(|&i| model.vars[i].0.name == p));
-            if (mine || orphan) && !placed[k] {
-                placed[k] = true;
-                states.push(*c);
-            }
+                .and_then(|p| shard_of.get(p))
+                .map_or(0, |&s| s);
+            states[s].push(*c);
         }
+    }
+    for (s, g) in groups.iter().enumerate() {
+        let states = std::mem::take(&mut states[s]);
         let mut metadata = model.metadata.clone();
         metadata.extend(shard_meta(s + 1, "weights"));
         let part = PartModel {
@@ -654,14 +658,6 @@ fn plan_sharded<'a>(
             updater_state: (!states.is_empty()).then_some(states),
         };
         plans.push(plan_part(part, opts, path)?);
-    }
-    if groups.is_empty() && !updater.is_empty() {
-        // No weights at all: the updater state stays with the graph.
-        let mut head = model_graph(model, Some(shard_meta(0, "graph")));
-        for v in &mut head.vars {
-            v.1 = None;
-        }
-        plans[0] = plan_part(head, opts, path)?;
     }
     Ok(plans)
 }

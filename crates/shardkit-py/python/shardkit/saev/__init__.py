@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from .. import _shardkit as _core
+from .._progress import Progress
 from .._shardkit import IncompleteDatasetError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -39,34 +39,6 @@ def _array(buf: Any) -> np.ndarray:
     return np.asarray(buf)
 
 
-class _Progress:
-    """A tqdm bar when tqdm is installed and stderr is a terminal, else a plain callback."""
-
-    def __init__(self, progress: Any, total: int, done: int) -> None:
-        self._bar = None
-        self._fn: Optional[Callable[[int, int], None]] = None
-        self._total = total
-        if callable(progress) and not isinstance(progress, bool):
-            self._fn = progress
-        elif progress or (progress is None and sys.stderr.isatty()):
-            try:
-                from tqdm.auto import tqdm  # type: ignore
-
-                self._bar = tqdm(total=total, initial=done, unit="ex", desc="writing")
-            except ImportError:
-                self._bar = None
-
-    def update(self, done: int, n: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n)
-        if self._fn is not None:
-            self._fn(done, self._total)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 class Writer:
     """Streams activations into ``root/<hash>/``, crash-safely and resumably.
 
@@ -86,7 +58,7 @@ class Writer:
         progress: Any = None,
     ) -> None:
         self._w = _core.Writer(os.fspath(root), json.dumps(metadata), resume)
-        self._progress = _Progress(progress, self._w.shape[0], self._w.next_example)
+        self._progress = Progress(progress, unit="ex", total=self._w.shape[0], initial=self._w.next_example)
         self._path: str = self._w.path
         self._closed = False
 
@@ -115,7 +87,7 @@ class Writer:
         a = np.ascontiguousarray(acts, dtype=np.float32)
         lab = None if labels is None else np.ascontiguousarray(labels, dtype=np.uint8)
         self._w.write(a, lab)
-        self._progress.update(self._w.next_example, int(a.shape[0]) if a.ndim == 4 else 0)
+        self._progress.advance(int(a.shape[0]) if a.ndim == 4 else 0, self._w.next_example, self._w.shape[0])
 
     def close(self) -> str:
         """Completes the dataset (fails, leaving it resumable, if examples are missing)."""
