@@ -105,6 +105,8 @@ fn vit_l(out: PathBuf, examples: u64, resume: bool) -> SynthArgs {
         d_model: 1024,
         budget: None,
         protocol: "2.1".into(),
+        family: "clip".into(),
+        ckpt: "synthetic".into(),
         labels: false,
         npy: false,
         resume,

@@ -215,6 +215,12 @@ pub struct SynthArgs {
     /// Protocol to write.
     #[arg(long, default_value = "2.1")]
     pub protocol: String,
+    /// Model family recorded in metadata.json (one saev accepts for the protocol).
+    #[arg(long, default_value = "clip")]
+    pub family: String,
+    /// Checkpoint recorded in metadata.json.
+    #[arg(long, default_value = "synthetic")]
+    pub ckpt: String,
     /// Also write labels.bin with labels[e, c] = (10e + c) % 7.
     #[arg(long)]
     pub labels: bool,
@@ -509,7 +515,10 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The synthetic metadata of `args`, as the JSON a caller would pass.
+/// The synthetic metadata of `args`: what saev's own fake-data pipeline records, in each
+/// protocol's form (`data` describes saev's `FakeImg`/`Fake` dataset of `examples` items; for
+/// 2.1 the base64 pickle saev writes), so saev loads the result and, with the fixtures' shapes
+/// and checkpoint, the directory equals the fixture byte for byte.
 pub fn synth_metadata(args: &SynthArgs) -> Result<Metadata> {
     let t = args.content_tokens + u64::from(!args.no_cls);
     let per_example = t * args.layers.len() as u64;
@@ -518,28 +527,50 @@ pub fn synth_metadata(args: &SynthArgs) -> Result<Metadata> {
         let eps = ((256u64 << 20) / (per_example * args.d_model * 4).max(1)).max(1);
         eps * per_example
     });
-    let text = format!(
-        r#"{{"family": "clip", "ckpt": "synthetic", "layers": {:?}, "content_tokens_per_example": {},
-            "cls_token": {}, "d_model": {}, "n_examples": {}, "max_tokens_per_shard": {},
-            "data": {{"n_examples": {}, "__class__": "Synthetic"}}, "dataset": "synthetic",
-            "pixel_agg": null, "protocol": "{}"}}"#,
-        args.layers,
-        args.content_tokens,
-        !args.no_cls,
-        args.d_model,
-        args.examples,
-        budget,
-        args.examples,
-        args.protocol
-    );
-    let mut v = json::parse(text.as_bytes()).map_err(|e| Error::Invalid(e.to_string()))?;
-    if args.protocol.starts_with('1') {
-        // 1.0.0 has neither dataset nor pixel_agg.
-        if let Value::Object(m) = &mut v {
-            m.retain(|(k, _)| k != "dataset" && k != "pixel_agg");
-        }
-    }
-    Metadata::for_writing(&v)
+    let n = args.examples;
+    let fake = |count_key: &str| {
+        Value::Object(vec![
+            (count_key.into(), Value::int(n)),
+            ("__class__".into(), Value::String("Fake".into())),
+        ])
+    };
+    let (data, extra): (Value, Vec<(&str, Value)>) = match args.protocol.as_str() {
+        "1.0.0" => (fake("n_imgs"), vec![]),
+        "2.0" => (
+            fake("n_ex"),
+            vec![
+                ("dataset", Value::String("fake".into())),
+                ("pixel_agg", Value::Null),
+            ],
+        ),
+        _ => (
+            Value::String(shardkit::saev::fake_dataset_data(n)),
+            vec![
+                ("dataset", Value::String("fake".into())),
+                ("pixel_agg", Value::String("majority".into())),
+            ],
+        ),
+    };
+    let mut members: Vec<(String, Value)> = vec![
+        ("family".into(), Value::String(args.family.clone())),
+        ("ckpt".into(), Value::String(args.ckpt.clone())),
+        (
+            "layers".into(),
+            Value::Array(args.layers.iter().map(|&l| Value::int(l)).collect()),
+        ),
+        (
+            "content_tokens_per_example".into(),
+            Value::int(args.content_tokens),
+        ),
+        ("cls_token".into(), Value::Bool(!args.no_cls)),
+        ("d_model".into(), Value::int(args.d_model)),
+        ("n_examples".into(), Value::int(n)),
+        ("max_tokens_per_shard".into(), Value::int(budget)),
+        ("data".into(), data),
+    ];
+    members.extend(extra.into_iter().map(|(k, v)| (k.to_string(), v)));
+    members.push(("protocol".into(), Value::String(args.protocol.clone())));
+    Metadata::for_writing(&Value::Object(members))
 }
 
 /// Coded activations of examples `first..first+n` (C order (n, L, T, D)).

@@ -226,11 +226,17 @@ fn small_md(protocol: &str, n: u64) -> Metadata {
             "protocol": "1.0.0"}}"#
         )
     } else {
+        // saev 2.0 keeps the dataset config as an object, 2.1 as a base64 pickle.
+        let data = if protocol == "2.0" {
+            format!(r#"{{"n_ex": {n}, "root": "/data/imágenes", "__class__": "Fake"}}"#)
+        } else {
+            format!("{:?}", shardkit::saev::fake_dataset_data(n))
+        };
         // Keys deliberately out of order: the writer restores its version's order.
         format!(
             r#"{{"protocol": "{protocol}", "family": "clip", "ckpt": "ckpt/ü", "layers": [5, -1],
             "content_tokens_per_example": 3, "cls_token": true, "d_model": 4, "n_examples": {n},
-            "max_tokens_per_shard": 26, "data": "gASVOA==", "dataset": "/data/imágenes"}}"#
+            "max_tokens_per_shard": 26, "data": {data}, "dataset": "/data/imágenes"}}"#
         )
     };
     Metadata::for_writing(&json::parse(text.as_bytes()).unwrap()).unwrap()
@@ -1273,7 +1279,7 @@ fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) 
     let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap();
     let dir = w.path().to_path_buf();
     write_range(&mut w, 0, k, 2, with_labels);
-    if k % 2 == 0 {
+    if k.is_multiple_of(2) {
         drop(w);
     } else {
         // Like a kill: nothing at all runs on the way out.
@@ -1996,4 +2002,178 @@ fn json_rejects_malformed_unicode_escapes() {
         json::parse(br#""\ud83d\ude00\u00e9""#).unwrap(),
         Value::String("😀é".into())
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// What saev itself would load (saev.md §3.2)
+// ---------------------------------------------------------------------------------------------
+
+/// A directory whose metadata saev's own `Metadata` class refuses is read by shardkit, but
+/// validation reports it as an error on metadata.json that says saev will not load it.
+#[test]
+fn validation_reports_what_saev_would_refuse_and_reading_still_works() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(A_21, tmp.path());
+    let md_path = dir.join("metadata.json");
+    // (keys set, keys removed, what the error says)
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a [&'a str], &'a str);
+    let cases: &[Case] = &[
+        (
+            &[("data", r#"{"n_examples": 7, "__class__": "FakeImg"}"#)],
+            &[],
+            "`data` must be a string, base64 of a pickled saev dataset config",
+        ),
+        (&[("family", r#""vit-l""#)], &[], "`family` must be one of"),
+        (
+            &[("pixel_agg", "null")],
+            &[],
+            "`pixel_agg` must be \"majority\" or \"prefer-fg\"",
+        ),
+        (&[("pixel_agg", r#""mode""#)], &[], "found \"mode\""),
+        (&[("source", r#""x""#)], &[], "has no `source` field"),
+        (&[], &["dataset"], "`dataset` is missing"),
+        (&[], &["pixel_agg"], "`pixel_agg` is missing"),
+    ];
+    for (set, remove, needle) in cases {
+        fs::write(&md_path, md21(set, remove)).unwrap();
+        let report = validate(&dir);
+        assert!(!report.is_valid(), "{needle}: {report:?}");
+        let p = report
+            .problems
+            .iter()
+            .find(|p| p.severity == Severity::Error && p.message.contains(needle))
+            .unwrap_or_else(|| panic!("no error with {needle:?}: {report:#?}"));
+        assert_eq!(p.file, md_path);
+        assert!(
+            p.message
+                .starts_with("saev 2.1 will not load this directory: "),
+            "{}",
+            p.message
+        );
+        // shardkit still serves the activations exactly.
+        let ds = Dataset::open(&dir).unwrap();
+        assert_eq!(ds.get(4, -1, 3).unwrap()[0], 4103.0);
+        let summary = inspect(&dir).unwrap();
+        assert_eq!(summary.get("saev_loads"), Some(&Value::Bool(false)));
+    }
+    // A string that is not a base64 pickle loads in saev: a warning, not an error.
+    fs::write(&md_path, md21(&[("data", r#""not a pickle""#)], &[])).unwrap();
+    let report = validate(&dir);
+    assert!(report.is_valid(), "{report:?}");
+    assert!(report
+        .problems
+        .iter()
+        .any(|p| p.severity == Severity::Warning && p.message.contains("make_data_cfg")));
+    fs::copy(fixtures().join(A_21).join("metadata.json"), &md_path).unwrap();
+    assert!(validate(&dir).problems.is_empty());
+    assert_eq!(
+        inspect(&dir).unwrap().get("saev_loads"),
+        Some(&Value::Bool(true))
+    );
+}
+
+/// The 1.0.0 and 2.0 rules: their writers' `family` lists and a JSON-object `data`.
+#[test]
+fn validation_applies_the_rules_of_each_protocol() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (fixture, edit, severity, needle) in [
+        (
+            A_100,
+            ("\"vit_family\": \"clip\"", "\"vit_family\": \"fake-clip\""),
+            Severity::Error,
+            "saev 1.0.0 will not load this directory: `vit_family` must be one of",
+        ),
+        (
+            A_100,
+            (
+                "\"data\": {\n        \"n_imgs\": 7,\n        \"__class__\": \"Fake\"\n    }",
+                "\"data\": \"Fake(n_imgs=7)\"",
+            ),
+            Severity::Warning,
+            "the Python repr saev 1.0.0 wrote before",
+        ),
+        (
+            A_20,
+            (
+                "\"data\": {\n        \"n_ex\": 7,\n        \"__class__\": \"Fake\"\n    }",
+                "\"data\": \"gASV\"",
+            ),
+            Severity::Error,
+            "`data` must be a JSON object",
+        ),
+        (
+            A_20,
+            ("\"family\": \"clip\"", "\"family\": \"pe-core\""),
+            Severity::Error,
+            "saev 2.0 will not load this directory: `family` must be one of",
+        ),
+    ] {
+        let dir = copy_fixture(fixture, tmp.path());
+        let md_path = dir.join("metadata.json");
+        let text = fs::read_to_string(&md_path).unwrap();
+        assert!(text.contains(edit.0), "{fixture}: {}", edit.0);
+        fs::write(&md_path, text.replacen(edit.0, edit.1, 1)).unwrap();
+        let report = validate(&dir);
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| p.severity == severity && p.file == md_path && p.message.contains(needle)),
+            "{needle}: {report:#?}"
+        );
+        Dataset::open(&dir).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// The writer refuses, for the version it writes, what saev would not load; the message names
+/// the key, the version and what saev expects.
+#[test]
+fn writer_metadata_follows_each_protocols_rules() {
+    let refuse = |text: &str, needles: &[&str]| {
+        let e = Metadata::for_writing(&json::parse(text.as_bytes()).unwrap()).unwrap_err();
+        let msg = e.to_string();
+        for n in needles {
+            assert!(msg.contains(n), "{n:?} not in {msg}");
+        }
+    };
+    let base21 = md21(&[], &[]);
+    refuse(
+        &base21.replace(r#""data": "gASV""#, r#""data": {"a": 1}"#),
+        &["protocol 2.1", "`data` must be a string", "found an object"],
+    );
+    refuse(
+        &base21.replace(r#""family": "clip""#, r#""family": "ViT""#),
+        &[
+            "protocol 2.1",
+            "`family` must be one of",
+            "\"siglip\"",
+            "found \"ViT\"",
+        ],
+    );
+    refuse(
+        &base21.replace(r#""pixel_agg": "majority""#, r#""pixel_agg": null"#),
+        &["protocol 2.1", "`pixel_agg`", "found null"],
+    );
+    // Absent pixel_agg takes saev's default.
+    let md =
+        Metadata::for_writing(&json::parse(md21(&[], &["pixel_agg"]).as_bytes()).unwrap()).unwrap();
+    assert_eq!(md.pixel_agg(), Some("majority"));
+    let v1 = r#"{"vit_family": "clip", "vit_ckpt": "c", "layers": [1], "n_patches_per_img": 2,
+        "cls_token": false, "d_vit": 4, "n_imgs": 3, "max_patches_per_shard": 10,
+        "data": "Imagenet()", "protocol": "1.0.0"}"#;
+    refuse(v1, &["protocol 1.0.0", "`data` must be a JSON object"]);
+    refuse(
+        &v1.replace(r#""Imagenet()""#, "{}")
+            .replace("\"clip\"", "\"fake-clip\""),
+        &[
+            "protocol 1.0.0",
+            "`vit_family` must be one of \"clip\", \"siglip\"",
+        ],
+    );
+    let v20 = r#"{"family": "dinov3", "ckpt": "c", "layers": [1], "patches_per_ex": 2,
+        "cls_token": false, "d_model": 4, "n_ex": 3, "patches_per_shard": 10,
+        "data": "x", "dataset": "d", "pixel_agg": null, "protocol": "2.0"}"#;
+    refuse(v20, &["protocol 2.0", "`data` must be a JSON object"]);
+    Metadata::for_writing(&json::parse(v20.replace(r#""x""#, "{}").as_bytes()).unwrap()).unwrap();
 }

@@ -453,7 +453,7 @@ impl Loader {
             self.opts.epoch = st.epoch;
             self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
         }
-        if st.cursor % global != 0 && st.cursor != self.order.len() {
+        if !st.cursor.is_multiple_of(global) && st.cursor != self.order.len() {
             return Err(Error::Invalid(format!(
                 "cursor {} is not a multiple of the global batch size {global}",
                 st.cursor

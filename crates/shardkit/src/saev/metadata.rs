@@ -476,7 +476,10 @@ impl Metadata {
     /// Canonical metadata for writing, from a caller's JSON object in any key order and with
     /// the key names of any version. Its `protocol` (1.0.0, 2.0 or 2.1) selects the version
     /// written. Optional keys: `dtype` (default "float32"); for 2.x `pixel_agg` (default null
-    /// for 2.0, "majority" for 2.1). Unknown keys are refused.
+    /// for 2.0, "majority" for 2.1). Unknown keys are refused, and so is anything the saev
+    /// release of that protocol would refuse to load (its `family` list, the type of `data`:
+    /// a JSON object for 1.0.0 and 2.0, a base64 pickle string for 2.1; a null `pixel_agg` in
+    /// 2.1): nothing is created for such metadata.
     pub fn for_writing(user: &Value) -> Result<Metadata> {
         let src = Path::new("<metadata>");
         let version = match user.get("protocol") {
@@ -534,7 +537,8 @@ impl Metadata {
         }
         let data = user.get("data").cloned().unwrap_or(Value::Null);
         let mut md = md;
-        if version == WriteVersion::V2_1 && md.pixel_agg.is_none() {
+        // Only an absent key takes the default: saev 2.1 refuses an explicit null.
+        if version == WriteVersion::V2_1 && user.get("pixel_agg").is_none() {
             md.pixel_agg = Some("majority".into());
         }
         let values: [Value; 13] = [
@@ -578,7 +582,21 @@ impl Metadata {
         } else {
             2
         };
+        let findings = super::compat::check(&md.raw, &md.protocol, true);
+        if !findings.errors.is_empty() {
+            return Err(Error::Invalid(format!(
+                "metadata: refusing to write protocol {} that saev cannot load: {}",
+                version.protocol(),
+                findings.errors.join("; ")
+            )));
+        }
         Ok(md)
+    }
+
+    /// What saev's own `Metadata` class for this protocol makes of the file: reasons it refuses
+    /// it, and things it loads but cannot use (see [`compat`](super::compat)).
+    pub(crate) fn saev_findings(&self) -> super::compat::Findings {
+        super::compat::check(&self.raw, &self.protocol, false)
     }
 
     /// The metadata object exactly as found in (or written to) metadata.json, keys in file order.

@@ -12,6 +12,7 @@
 //! the reference's bugs are in `shared/formats/saev.md`. Reading accepts every version by its
 //! key names; writing produces 1.0.0, 2.0 or 2.1 byte-identically to saev, crash-safely.
 
+mod compat;
 mod dataset;
 mod layout;
 mod loader;
@@ -19,6 +20,7 @@ mod metadata;
 mod validate;
 mod writer;
 
+pub use compat::fake_dataset_data;
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
 pub use layout::{parse_shards_json, shards_json_bytes, Layout, ShardEntry, VALUE_BYTES};
 pub use loader::{

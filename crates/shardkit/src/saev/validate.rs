@@ -102,6 +102,17 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
             return r;
         }
     };
+    let findings = md.saev_findings();
+    for e in findings.errors {
+        push(
+            Severity::Error,
+            &md_path,
+            format!("saev {} will not load this directory: {e}", md.protocol()),
+        );
+    }
+    for w in findings.warnings {
+        push(Severity::Warning, &md_path, w);
+    }
     let layout = match Layout::new(&md, &md_path) {
         Ok(l) => l,
         Err(e) => {
@@ -359,6 +370,10 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
             complete
                 .err()
                 .map_or(Value::Null, |e| Value::String(e.to_string())),
+        ),
+        (
+            "saev_loads".into(),
+            Value::Bool(md.saev_findings().errors.is_empty()),
         ),
         (
             "hash_recipe".into(),

@@ -283,7 +283,7 @@ impl Writer {
     /// already-complete dataset the data are discarded.
     pub fn write(&mut self, acts: &[f32], labels: Option<&[u8]>) -> Result<()> {
         let ev = self.layout.example_values() as usize;
-        if acts.len() % ev != 0 {
+        if !acts.len().is_multiple_of(ev) {
             return Err(Error::Invalid(format!(
                 "acts holds {} values, not a multiple of one example (L*T*D = {ev})",
                 acts.len()
