@@ -50,6 +50,17 @@ pub struct TokensBenchArgs {
     /// Tokens written as JSONL and built with `tokens build` (0 skips it), in millions.
     #[arg(long, default_value_t = 32)]
     build_mtokens: u64,
+    /// Tokens of the corpus built from plain JSONL, zstd JSONL and Parquet (0 skips it), in
+    /// millions.
+    #[arg(long, default_value_t = 16)]
+    corpus_mtokens: u64,
+    /// Thread counts of the corpus builds, comma-separated (default: 1, 2, 4, ... up to the
+    /// cores, and the cores).
+    #[arg(long, value_delimiter = ',')]
+    threads: Vec<usize>,
+    /// Only the corpus builds (no loader dataset).
+    #[arg(long)]
+    corpus_only: bool,
     /// Print JSON (always printed; kept for symmetry with other benches).
     #[arg(long)]
     json: bool,
@@ -204,9 +215,36 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// 1, 2, 4, ... up to the cores, and the cores.
+fn default_threads() -> Vec<usize> {
+    let cores = num_cpus();
+    let mut t: Vec<usize> = std::iter::successors(Some(1), |&n| Some(n * 2))
+        .take_while(|&n| n < cores)
+        .collect();
+    t.push(cores);
+    t
+}
+
 pub fn run(a: TokensBenchArgs) -> Result<()> {
     let layout: Layout = a.layout.parse()?;
     std::fs::create_dir_all(&a.dir).map_err(|e| Error::io(&a.dir, e))?;
+    let threads = if a.threads.is_empty() {
+        default_threads()
+    } else {
+        a.threads.clone()
+    };
+    if a.corpus_only {
+        let v = crate::bench_corpus::run(&a.dir, a.corpus_mtokens.max(1), &threads)?;
+        let fields = vec![
+            ("cores".into(), Value::int(num_cpus() as u64)),
+            ("corpus".into(), v),
+        ];
+        println!(
+            "{}",
+            json::to_pretty(&Value::Object(fields), 2, Escape::Utf8)
+        );
+        return Ok(());
+    }
     let tokens = (a.size_gib * (1u64 << 28) as f64) as u64;
     let root = a.dir.join(format!("tokens-{}.zarr", a.layout));
     eprintln!(
@@ -381,6 +419,10 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         let (tps, bytes) = build_from_jsonl(&a.dir, a.build_mtokens)?;
         fields.push(("build_jsonl_bytes".into(), Value::int(bytes)));
         fields.push(("build_jsonl_tokens_per_min".into(), num(tps * 60.0)));
+    }
+    if a.corpus_mtokens > 0 {
+        let v = crate::bench_corpus::run(&a.dir, a.corpus_mtokens, &threads)?;
+        fields.push(("corpus".into(), v));
     }
     println!(
         "{}",

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_corpus;
 mod bench_eagle3;
 mod bench_sdnb;
 mod bench_tokens;

@@ -94,7 +94,7 @@ fn sigkill_at_random_points_then_resume_is_exact() {
         let dir = tmp.path().join(format!("t{trial}"));
         run_and_kill(&args(&dir, false), Duration::from_micros(rng.next() % span));
         *outcomes.entry(check_state(&dir, &reference)).or_default() += 1;
-        if rng.next() % 2 == 0 {
+        if rng.next().is_multiple_of(2) {
             run_and_kill(&args(&dir, true), Duration::from_micros(rng.next() % span));
             check_state(&dir, &reference);
         }

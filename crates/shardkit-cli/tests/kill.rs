@@ -114,7 +114,7 @@ fn sigkill_at_random_points_then_resume_is_exact() {
         );
         *outcomes.entry(check_state(&dir, &reference)).or_default() += 1;
         // Sometimes kill the resumed run too.
-        if rng.next() % 2 == 0 {
+        if rng.next().is_multiple_of(2) {
             write_and_kill(
                 src_s,
                 root_s,

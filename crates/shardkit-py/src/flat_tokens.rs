@@ -11,6 +11,8 @@ use shardkit::flat_tokens::{
     WriterOptions,
 };
 
+use shardkit::json::Value;
+
 use crate::{contiguous, json_of, to_py, Pass, RustBuffer, SendSlice, Storage};
 
 fn closed() -> PyErr {
@@ -377,6 +379,104 @@ pub fn tokens_mark_complete(py: Python<'_>, path: PathBuf) -> PyResult<()> {
         .map_err(to_py)
 }
 
+/// Builds a split from JSONL/Parquet corpora (`shardkit tokens build`); returns the summary as
+/// JSON. `tokenizer` is a tokenizer.json path or (`tokenizer_is_json`) its JSON text.
+/// `progress(bytes_read, bytes_total, sequences, tokens)` is called after each chunk; an
+/// exception it raises (KeyboardInterrupt included, checked there too) stops the build, with
+/// what was appended committed, and propagates.
+#[pyfunction]
+#[pyo3(signature = (path, split, inputs, field=None, tokenizer=None, tokenizer_is_json=false,
+    layout=None, resume=false, append=false, checkpoint_tokens=0, num_threads=0, progress=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn tokens_build(
+    py: Python<'_>,
+    path: PathBuf,
+    split: &str,
+    inputs: Vec<String>,
+    field: Option<String>,
+    tokenizer: Option<String>,
+    tokenizer_is_json: bool,
+    layout: Option<&str>,
+    resume: bool,
+    append: bool,
+    checkpoint_tokens: u64,
+    num_threads: usize,
+    progress: Option<PyObject>,
+) -> PyResult<String> {
+    let layout = layout
+        .map(str::parse::<Layout>)
+        .transpose()
+        .map_err(to_py)?;
+    let options = py.allow_threads(|| -> shardkit::Result<flat_tokens::BuildOptions> {
+        let tokenizer = match tokenizer {
+            None => None,
+            Some(t) if tokenizer_is_json => Some(flat_tokens::Tokenizer::from_json(&t)?),
+            Some(t) => Some(flat_tokens::Tokenizer::from_file(t)?),
+        };
+        Ok(flat_tokens::BuildOptions {
+            field,
+            tokenizer,
+            layout,
+            resume,
+            append,
+            checkpoint_tokens,
+            threads: num_threads,
+        })
+    });
+    let options = options.map_err(to_py)?;
+    // The first Python exception raised while reporting progress; it replaces the error the
+    // build returns because of it.
+    let mut raised: Option<PyErr> = None;
+    let result = py.allow_threads(|| {
+        flat_tokens::build(&path, split, &inputs, &options, &mut |p| {
+            Python::with_gil(|py| {
+                let call = py.check_signals().and_then(|()| match &progress {
+                    Some(f) => f
+                        .call1(py, (p.bytes_read, p.bytes_total, p.sequences, p.tokens))
+                        .map(drop),
+                    None => Ok(()),
+                });
+                call.map_err(|e| {
+                    let msg = e.to_string();
+                    raised.get_or_insert(e);
+                    shardkit::Error::Invalid(format!("stopped by Python: {msg}"))
+                })
+            })
+        })
+    });
+    if let Some(e) = raised {
+        return Err(e);
+    }
+    let s = result.map_err(to_py)?;
+    let w = &s.write;
+    let int = |v: u64| Value::int(v);
+    Ok(json_of(&Value::Object(vec![
+        ("path".into(), Value::String(w.root.display().to_string())),
+        ("split".into(), Value::String(split.into())),
+        ("seq_count".into(), int(w.seq_count)),
+        ("token_count".into(), int(w.token_count)),
+        ("max_token_id".into(), int(w.max_token_id)),
+        (
+            "sequences_with_id_zero".into(),
+            int(w.sequences_with_id_zero),
+        ),
+        (
+            "inputs".into(),
+            Value::Array(
+                s.inputs
+                    .iter()
+                    .map(|p| Value::String(p.display().to_string()))
+                    .collect(),
+            ),
+        ),
+        ("skipped_documents".into(), int(s.skipped_documents)),
+        ("appended_sequences".into(), int(s.appended_sequences)),
+        ("appended_tokens".into(), int(s.appended_tokens)),
+        ("null_values".into(), int(s.null_values)),
+        ("bytes_read".into(), int(s.bytes_read)),
+    ])))
+}
+
 /// (split, (seq_count, token_count, max_token_id)) of each split written.
 type Converted = Vec<(String, (u64, u64, u64))>;
 
@@ -408,5 +508,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tokens_inspect, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_mark_complete, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_convert, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens_build, m)?)?;
     Ok(())
 }

@@ -311,7 +311,7 @@ fn malformed_shards_are_typed_errors() {
     let header = String::from_utf8(good[8..8 + n].to_vec()).unwrap();
     let with_header = |h: &str| {
         let mut h = h.to_string();
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(' ');
         }
         let mut out = (h.len() as u64).to_le_bytes().to_vec();

@@ -1,5 +1,7 @@
 //! Helpers shared by the SIGKILL tests: a seeded xorshift, file snapshots, and killing a run
 //! of the CLI after a delay.
+// Each test binary uses a different part of these helpers.
+#![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::path::Path;

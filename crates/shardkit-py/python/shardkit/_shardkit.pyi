@@ -156,6 +156,20 @@ def tokens_validate(path: str) -> str: ...
 def tokens_inspect(path: str) -> str: ...
 def tokens_mark_complete(path: str) -> None: ...
 def tokens_convert(src: str, dst: str, layout: str) -> List[Tuple[str, Tuple[int, int, int]]]: ...
+def tokens_build(
+    path: str,
+    split: str,
+    inputs: List[str],
+    field: Optional[str] = ...,
+    tokenizer: Optional[str] = ...,
+    tokenizer_is_json: bool = ...,
+    layout: Optional[str] = ...,
+    resume: bool = ...,
+    append: bool = ...,
+    checkpoint_tokens: int = ...,
+    num_threads: int = ...,
+    progress: Optional[Callable[[int, Optional[int], int, int], None]] = ...,
+) -> str: ...
 
 # EAGLE-3 (wrapped by shardkit.eagle3)
 

@@ -40,6 +40,7 @@ __all__ = [
     "inspect",
     "mark_complete",
     "convert",
+    "build",
     "IncompleteDatasetError",
     "MAX_TOKEN_ID",
 ]
@@ -441,3 +442,92 @@ def convert(src: PathLike, dst: PathLike, layout: str = "v3") -> Dict[str, Dict[
     what seqax reads. The sequences, and every batch a Loader serves, stay the same."""
     done = _core.tokens_convert(os.fspath(src), os.fspath(dst), layout)
     return {name: dict(zip(("seq_count", "token_count", "max_token_id"), c)) for name, c in done}
+
+
+def _tokenizer_arg(tokenizer: Any) -> "tuple[Optional[str], bool]":
+    """(text, is_json) for the core: a tokenizer.json path, a ``tokenizers.Tokenizer``, or a
+    ``transformers`` fast tokenizer (its backend tokenizer)."""
+    if tokenizer is None:
+        return None, False
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return os.fspath(tokenizer), False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        tokenizer = backend
+    to_str = getattr(tokenizer, "to_str", None)
+    if callable(to_str):
+        return to_str(), True
+    raise TypeError(
+        "tokenizer must be a path to a tokenizer.json, a tokenizers.Tokenizer or a transformers "
+        f"fast tokenizer, got {type(tokenizer).__name__}"
+    )
+
+
+def build(
+    path: PathLike,
+    split: str,
+    inputs: Union[PathLike, Sequence[PathLike]],
+    *,
+    tokenizer: Any = None,
+    field: Optional[str] = None,
+    layout: Optional[str] = None,
+    resume: bool = False,
+    append: bool = False,
+    checkpoint_tokens: int = 1 << 28,
+    num_threads: Optional[int] = None,
+    progress: Any = None,
+) -> Dict[str, Any]:
+    """Builds ``split`` of the dataset at ``path`` from corpora, as ``shardkit tokens build``.
+
+    ``inputs`` is a file, a directory (its .jsonl/.json/.parquet files, compressed or not, in
+    name order), a glob pattern (``"data/*.parquet"``) or a list of them, read in order. JSONL
+    may be plain, zstd (``.jsonl.zst``) or gzip (``.json.gz``), recognised by content; each
+    line is token ids (a list), text (a string) or an object holding either in ``field``.
+    Parquet holds documents in the column ``field``: strings, or lists of integer ids. Null
+    values are skipped and counted (``null_values``).
+
+    With a ``tokenizer`` (a tokenizer.json path, a ``tokenizers.Tokenizer`` or a transformers
+    fast tokenizer) documents are text, tokenized on ``num_threads`` threads (default: every
+    core) without special tokens, truncation or padding; ``field`` defaults to ``"text"``.
+    Without one they are token ids; ``field`` defaults to ``"input_ids"`` then ``"tokens"``.
+    Memory stays bounded whatever the size of a file.
+
+    ``resume=True`` continues an interrupted build from the same inputs (the documents already
+    committed are skipped, the last of them checked); ``append=True`` adds the inputs to a
+    finished split. An error (bad input names the file and line, row or byte offset) or a
+    KeyboardInterrupt commits what was appended and leaves the split resumable. ``progress`` is
+    None (a bar in input bytes on a terminal when tqdm is installed), a bool, or a callable
+    ``f(bytes_read, bytes_total, sequences, tokens)``. Returns the summary: the split's counts
+    (``seq_count``, ``token_count``, ``max_token_id``) and what this build did
+    (``appended_sequences``, ``appended_tokens``, ``skipped_documents``, ``null_values``,
+    ``bytes_read``, ``inputs``).
+    """
+    specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    text, is_json = _tokenizer_arg(tokenizer)
+    bar = Progress(progress, unit="B", unit_scale=True, desc=f"building {split}")
+    last = [0]
+
+    def report(bytes_read: int, bytes_total: Optional[int], sequences: int, tokens: int) -> None:
+        if bytes_total is not None:
+            bar.set_total(bytes_total)
+        bar.advance(bytes_read - last[0], bytes_read, bytes_total, sequences, tokens)
+        last[0] = bytes_read
+
+    try:
+        summary = _core.tokens_build(
+            os.fspath(path),
+            split,
+            [os.fspath(s) for s in specs],
+            field=field,
+            tokenizer=text,
+            tokenizer_is_json=is_json,
+            layout=layout,
+            resume=resume,
+            append=append,
+            checkpoint_tokens=checkpoint_tokens,
+            num_threads=num_threads or 0,
+            progress=report if bar.active else None,
+        )
+    finally:
+        bar.close()
+    return json.loads(summary)

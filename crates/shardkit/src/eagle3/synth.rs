@@ -111,7 +111,9 @@ pub fn sample(m: &Manifest, i: u64) -> Vec<(&'static str, Vec<u8>)> {
                 .flat_map(|p| i64::from(p >= first_loss && p < len).to_le_bytes())
                 .collect(),
             "position_mask" => (0..s)
-                .map(|p| u8::from(p >= first_loss && p < len && (p * 7 + i as usize) % 3 != 0))
+                .map(|p| {
+                    u8::from(p >= first_loss && p < len && !(p * 7 + i as usize).is_multiple_of(3))
+                })
                 .collect(),
             "aux_hidden_states" => {
                 let v: Vec<f32> = (0..s * m.aux_hidden_dim as usize)

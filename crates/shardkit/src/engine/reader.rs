@@ -138,7 +138,7 @@ pub fn read_all(
             // skip the page cache and readahead; anything refused falls back to a plain read.
             let aligned = r.offset % DIRECT_ALIGN == 0
                 && r.len % DIRECT_ALIGN == 0
-                && (dst.as_ptr() as u64) % DIRECT_ALIGN == 0;
+                && (dst.as_ptr() as u64).is_multiple_of(DIRECT_ALIGN);
             if direct && aligned {
                 if let Some(f) = files.direct(r.file) {
                     if f.read_exact_at(dst, r.offset).is_ok() {

@@ -130,7 +130,7 @@ pub fn plan(order: &EpochOrder, cfg: &StreamConfig) -> Result<Vec<(u64, u64, u64
     }
     let global = cfg.batch_size * cfg.world_size;
     let total = order.len();
-    if cfg.cursor % global != 0 && cfg.cursor != total {
+    if !cfg.cursor.is_multiple_of(global) && cfg.cursor != total {
         return Err(Error::Invalid(format!(
             "cursor {} is not at a global batch boundary (multiple of batch_size x world_size = {global})",
             cfg.cursor

@@ -62,7 +62,7 @@ impl ArrayCodecTraits for DeltaCodec {
 }
 
 fn words(bytes: &mut [u8]) -> Result<std::slice::ChunksExactMut<'_, u8>, CodecError> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return Err(CodecError::Other(format!(
             "delta: a chunk of {} bytes is not whole 8-byte (<i8) words",
             bytes.len()

@@ -151,7 +151,7 @@ impl TokenLoader {
                 opts.host_index, opts.host_count
             )));
         }
-        if opts.batch_size % opts.host_count != 0 {
+        if !opts.batch_size.is_multiple_of(opts.host_count) {
             return Err(Error::Invalid(format!(
                 "batch_size {} must be a multiple of host_count {}",
                 opts.batch_size, opts.host_count

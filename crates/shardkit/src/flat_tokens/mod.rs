@@ -18,11 +18,17 @@
 //! * [`TokenLoader`] serves any step of seqax's shuffled order directly ([`seqax`]), packed or
 //!   one document per row, decoded into model inputs ([`decode`]), split across hosts, and
 //!   optionally over several epochs.
+//! * [`build`] fills a split from JSONL (plain, zstd, gzip) or Parquet corpora ([`corpus`]),
+//!   tokenizing text with a Hugging Face tokenizer on every core, with the writer's resume.
 //! * [`convert`] rewrites a dataset in the other layout (seqax's v2 chunks must be decoded
 //!   whole for any row, so v3 serves random rows far faster; v2 is what seqax reads).
 
+#[cfg(feature = "corpus")]
+mod build;
 #[cfg(feature = "zarr")]
 mod convert;
+#[cfg(feature = "corpus")]
+pub mod corpus;
 pub mod decode;
 #[cfg(feature = "zarr")]
 pub mod delta;
@@ -40,6 +46,8 @@ mod store;
 #[cfg(feature = "zarr")]
 mod writer;
 
+#[cfg(feature = "corpus")]
+pub use build::{build, BuildOptions, BuildProgress, BuildSummary, Tokenizer};
 #[cfg(feature = "zarr")]
 pub use convert::convert;
 #[cfg(feature = "zarr")]

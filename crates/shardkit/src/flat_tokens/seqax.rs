@@ -206,7 +206,7 @@ impl Schedule {
                     .into(),
             ));
         }
-        if p.batch % s != 0 {
+        if !p.batch.is_multiple_of(s) {
             return Err(Error::Invalid(format!(
                 "batch {} must be a multiple of streams {s} (rows per stream per step)",
                 p.batch

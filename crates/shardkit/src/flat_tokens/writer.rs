@@ -767,9 +767,12 @@ impl Writer {
     }
 
     /// Commits: everything appended so far becomes durable, and a crash from here on resumes
-    /// after it.
+    /// after it. A writer that has changed nothing (it reopened a finished split and appended
+    /// nothing) leaves the dataset as it was, complete.
     pub fn flush(&mut self) -> Result<()> {
-        self.mark_writing()?;
+        if !self.root_marked_writing {
+            return Ok(());
+        }
         let (root, store) = (&self.ds.root, &*self.ds.store);
         self.tokens.store_tail(&self.opts, root)?;
         self.starts.store_tail(&self.opts, root)?;

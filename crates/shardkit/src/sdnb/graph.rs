@@ -898,7 +898,7 @@ pub(crate) fn build(g: &GraphOut, path: &Path) -> Result<Vec<u8>> {
             let mut bytes = region[lo..ext].to_vec();
             bytes.resize(bytes.len().div_ceil(8) * 8, 0);
             // The data must start 8-aligned from the end, as it was in its old region.
-            while b.unfinished_data().len() % 8 != 0 {
+            while !b.unfinished_data().len().is_multiple_of(8) {
                 b.push(0u8);
             }
             let before = b.unfinished_data().len();
@@ -1006,7 +1006,7 @@ fn strings_out<'b>(
 /// A byte vector whose data starts 8-aligned in the finished buffer, so inline tensors can be
 /// viewed in place.
 fn aligned_bytes<'b>(b: &mut FlatBufferBuilder<'b>, bytes: &[u8]) -> WIPOffset<Vector<'b, u8>> {
-    while (b.unfinished_data().len() + bytes.len()) % 8 != 0 {
+    while !(b.unfinished_data().len() + bytes.len()).is_multiple_of(8) {
         b.push(0u8);
     }
     b.create_vector(bytes)
