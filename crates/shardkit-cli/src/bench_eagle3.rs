@@ -33,9 +33,9 @@ pub struct Eagle3BenchArgs {
     /// Batches read ahead by the loader.
     #[arg(long, default_value_t = 2)]
     prefetch: usize,
-    /// Reads in flight per batch.
-    #[arg(long, default_value_t = 16)]
-    io_threads: usize,
+    /// Threads reading rows into batches (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
     /// Python with safetensors, numpy and ml_dtypes for the NeMo-style baseline ("" skips it).
     #[arg(long, default_value = ".venv/bin/python")]
     python: String,
@@ -67,7 +67,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
 fn loader_pass(cache: &Arc<Cache>, a: &Eagle3BenchArgs) -> Result<(f64, f64, u64)> {
     let mut o = LoaderOptions::new(a.batch);
     (o.seed, o.rank, o.world_size) = (7, Some(0), Some(1));
-    (o.prefetch, o.io_threads) = (a.prefetch, a.io_threads);
+    (o.prefetch, o.threads) = (a.prefetch, a.threads);
     let loader = Loader::new(cache.clone(), o)?;
     let per_sample = cache.manifest().sample_bytes().unwrap_or(0);
     let t0 = Instant::now();

@@ -204,8 +204,8 @@ fn sustained(loader: &TokenLoader, start: u64, steps: u64) -> Result<f64> {
     let mut tokens = 0u64;
     for b in loader.iter(start).take(steps as usize) {
         let b = b?;
-        tokens += b.encoded.len() as u64;
-        std::hint::black_box(&b.decoded.inputs);
+        tokens += b.encoded().len() as u64;
+        std::hint::black_box(b.inputs());
     }
     Ok(tokens as f64 / t0.elapsed().as_secs_f64())
 }
@@ -387,8 +387,7 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         let ours = loader.load(start)?;
         let ours_sha = json::sha256_hex(
             &ours
-                .decoded
-                .targets
+                .targets()
                 .iter()
                 .flat_map(|t| t.to_le_bytes())
                 .collect::<Vec<u8>>(),

@@ -134,10 +134,13 @@ pub struct LoaderArgs {
     /// Skip content tokens with these labels (comma-separated).
     #[arg(long, value_delimiter = ',')]
     pub ignore_labels: Vec<u8>,
-    /// Reads in flight.
+    /// Threads gathering rows into batches (0: one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Reads in flight for O_DIRECT window reads.
     #[arg(long, default_value_t = 16)]
     pub io_threads: usize,
-    /// Read windows with O_DIRECT (skips the page cache; see the README).
+    /// Bypass the page cache: O_DIRECT reads into the loader's buffers (see the README).
     #[arg(long)]
     pub direct_io: bool,
 }
@@ -156,6 +159,7 @@ impl LoaderArgs {
         o.drop_last = self.drop_last;
         o.memory_budget = self.memory_budget_mib.map(|m| m << 20);
         o.ignore_labels = self.ignore_labels.clone();
+        o.threads = self.threads;
         o.io_threads = self.io_threads;
         o.direct_io = self.direct_io;
         Ok(o)

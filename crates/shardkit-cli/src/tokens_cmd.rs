@@ -229,8 +229,7 @@ fn batch(a: BatchArgs) -> Result<bool> {
     let Some(out) = a.out else {
         let ints = |v: &[u64]| Value::Array(v.iter().map(|&x| Value::int(x)).collect());
         let targets: Vec<Value> = b
-            .decoded
-            .targets
+            .targets()
             .chunks(b.seq_len.max(1))
             .map(|r| Value::Array(r.iter().map(|&x| Value::int(x)).collect()))
             .collect();
@@ -246,23 +245,17 @@ fn batch(a: BatchArgs) -> Result<bool> {
     let shape = [b.rows.len() as u64, b.seq_len as u64];
     let mut npz = NpzWriter::create(&out)?;
     let u32s = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
-    let bools = |v: &[bool]| v.iter().map(|&x| u8::from(x)).collect::<Vec<u8>>();
     let members: [(&str, Dtype, &[u64], Vec<u8>); 6] = [
-        ("inputs", Dtype::I32, &shape, u32s(&b.decoded.inputs)),
-        ("targets", Dtype::I32, &shape, u32s(&b.decoded.targets)),
-        (
-            "segment_ids",
-            Dtype::I32,
-            &shape,
-            u32s(&b.decoded.segment_ids),
-        ),
+        ("inputs", Dtype::I32, &shape, u32s(b.inputs())),
+        ("targets", Dtype::I32, &shape, u32s(b.targets())),
+        ("segment_ids", Dtype::I32, &shape, u32s(b.segment_ids())),
         (
             "is_seq_start",
             Dtype::Bool,
             &shape,
-            bools(&b.decoded.is_seq_start),
+            b.is_seq_start().to_vec(),
         ),
-        ("mask", Dtype::Bool, &shape, bools(&b.mask)),
+        ("mask", Dtype::Bool, &shape, b.mask().to_vec()),
         (
             "rows",
             Dtype::I64,

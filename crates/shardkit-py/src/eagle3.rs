@@ -2,55 +2,22 @@
 //! Items are views of the shards' memory maps (read-only); batches are views of one buffer
 //! per batch (writable); neither is copied on the way to numpy.
 
-use std::ffi::CStr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use safetensors::Dtype;
 use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Writer};
 use shardkit::json;
 
-use crate::{contiguous, json_of, state_u64, to_py, Pass, RustBuffer, SendSlice, Storage};
-
-/// The buffer-protocol format of a safetensors dtype (BF16 as its uint16 bit pattern).
-fn format(d: Dtype) -> PyResult<(&'static CStr, isize)> {
-    Ok(match d {
-        Dtype::I64 => (c"q", 8),
-        Dtype::I32 => (c"i", 4),
-        Dtype::BOOL => (c"?", 1),
-        Dtype::F32 => (c"f", 4),
-        Dtype::F16 => (c"e", 2),
-        Dtype::BF16 => (c"H", 2),
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "dtype {other} does not occur in EAGLE-3 caches"
-            )))
-        }
-    })
-}
+use crate::{
+    batch_views, contiguous, format, held, json_of, state_u64, to_py, Pass, RustBuffer, SendSlice,
+    Storage,
+};
 
 /// (name, dtype code, shape, array) for Python.
 type FieldOut = (&'static str, String, Vec<usize>, RustBuffer);
-
-fn held(
-    owner: Arc<dyn Send + Sync>,
-    bytes: &[u8],
-    dtype: Dtype,
-    shape: &[usize],
-    writable: bool,
-) -> PyResult<RustBuffer> {
-    Ok(RustBuffer::view(
-        owner,
-        bytes,
-        format(dtype)?,
-        shape,
-        false,
-        writable,
-    ))
-}
 
 fn closed() -> PyErr {
     PyRuntimeError::new_err("the writer is closed")
@@ -252,7 +219,7 @@ pub struct Eagle3Loader {
 impl Eagle3Loader {
     #[new]
     #[pyo3(signature = (cache_dir, batch_size, shuffle=true, seed=0, epoch=0, rank=None,
-        world_size=None, drop_last=false, io_threads=16, prefetch=2))]
+        world_size=None, drop_last=false, threads=0, prefetch=2))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -264,7 +231,7 @@ impl Eagle3Loader {
         rank: Option<u64>,
         world_size: Option<u64>,
         drop_last: bool,
-        io_threads: usize,
+        threads: usize,
         prefetch: usize,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(batch_size);
@@ -274,7 +241,7 @@ impl Eagle3Loader {
         o.rank = rank;
         o.world_size = world_size;
         o.drop_last = drop_last;
-        o.io_threads = io_threads;
+        o.threads = threads;
         o.prefetch = prefetch;
         let inner = py
             .allow_threads(|| Loader::new(Arc::new(Cache::open(cache_dir)?), o))
@@ -360,14 +327,11 @@ impl Eagle3BatchIter {
         self.cursor += 1;
         let indices = b.indices.clone();
         let (data, layout) = b.into_parts();
-        let data: Arc<shardkit::engine::Buffer> = Arc::new(data);
-        let bytes = data.as_bytes();
-        let mut out = Vec::with_capacity(layout.len());
-        for f in &layout {
-            let region = &bytes[f.offset..f.offset + f.len()];
-            let array = held(data.clone(), region, f.dtype, &f.shape, true)?;
-            out.push((f.name, f.dtype.to_string(), f.shape.clone(), array));
-        }
+        let out = batch_views(data, &layout)?
+            .into_iter()
+            .zip(&layout)
+            .map(|((name, array), f)| (name, f.dtype.to_string(), f.shape.clone(), array))
+            .collect();
         Ok(Some((self.cursor, indices, out)))
     }
     /// Stops the readers now (also done when the iterator is garbage collected).

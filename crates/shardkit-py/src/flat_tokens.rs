@@ -13,7 +13,7 @@ use shardkit::flat_tokens::{
 
 use shardkit::json::Value;
 
-use crate::{contiguous, json_of, to_py, Pass, RustBuffer, SendSlice, Storage};
+use crate::{batch_views, contiguous, json_of, to_py, Pass, RustBuffer, SendSlice, Storage};
 
 fn closed() -> PyErr {
     PyRuntimeError::new_err("the writer is closed")
@@ -235,18 +235,27 @@ type Arrays = (
     RustBuffer,
 );
 
-/// (step, inputs, targets, segment_ids, is_seq_start, mask), each (rows, seq_len).
-fn arrays(b: TokenBatch) -> Arrays {
-    let shape = [b.rows.len(), b.seq_len];
-    let d = b.decoded;
-    (
-        b.step,
-        RustBuffer::new(Storage::I32(d.inputs), &shape),
-        RustBuffer::new(Storage::I32(d.targets), &shape),
-        RustBuffer::new(Storage::I32(d.segment_ids), &shape),
-        RustBuffer::new(Storage::Bool(d.is_seq_start), &shape),
-        RustBuffer::new(Storage::Bool(b.mask), &shape),
-    )
+/// (step, inputs, targets, segment_ids, is_seq_start, mask), each (rows, seq_len): views of
+/// the batch's one buffer.
+fn arrays(b: TokenBatch) -> PyResult<Arrays> {
+    let step = b.step;
+    let (data, fields) = b.into_parts();
+    let mut views = batch_views(data, &fields)?;
+    let mut take = |name: &str| -> PyResult<RustBuffer> {
+        let i = views
+            .iter()
+            .position(|(n, _)| *n == name)
+            .ok_or_else(|| PyRuntimeError::new_err(format!("internal: no {name} array")))?;
+        Ok(views.swap_remove(i).1)
+    };
+    Ok((
+        step,
+        take("inputs")?,
+        take("targets")?,
+        take("segment_ids")?,
+        take("is_seq_start")?,
+        take("mask")?,
+    ))
 }
 
 /// seqax's shuffled order over one split.
@@ -260,7 +269,7 @@ impl TokensLoader {
     #[new]
     #[pyo3(signature = (path, split, seq_len, batch_size, packed, streams,
         read_blocks_per_shuffle_buffer, sequences_per_read_block, seed, host_index, host_count,
-        epochs))]
+        epochs, threads=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -276,6 +285,7 @@ impl TokensLoader {
         host_index: u64,
         host_count: u64,
         epochs: bool,
+        threads: usize,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(seq_len, batch_size);
         o.packing = if packed {
@@ -290,6 +300,7 @@ impl TokensLoader {
         o.host_index = host_index;
         o.host_count = host_count;
         o.epochs = epochs;
+        o.threads = threads;
         let split = split.to_string();
         let inner = py
             .allow_threads(|| TokenLoader::new(Split::open(path, &split)?, o))
@@ -317,9 +328,7 @@ impl TokensLoader {
     }
     /// This host's rows of `step`.
     fn load(&self, py: Python<'_>, step: u64) -> PyResult<Arrays> {
-        py.allow_threads(|| self.inner.load(step))
-            .map(arrays)
-            .map_err(to_py)
+        arrays(py.allow_threads(|| self.inner.load(step)).map_err(to_py)?)
     }
     /// The sequence index (packed row or document) of each of this host's rows at `step`.
     fn rows(&self, py: Python<'_>, step: u64) -> PyResult<RustBuffer> {
@@ -350,7 +359,7 @@ impl TokensBatchIter {
         slf
     }
     fn __next__(&self, py: Python<'_>) -> PyResult<Option<Arrays>> {
-        Ok(self.pass.next(py)?.map(arrays))
+        self.pass.next(py)?.map(arrays).transpose()
     }
     /// Stops the reading thread now (also done when the iterator is garbage collected).
     fn close(&self, py: Python<'_>) {

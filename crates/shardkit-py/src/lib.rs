@@ -52,12 +52,8 @@ pub(crate) enum Storage {
     Engine(Buffer),
     F32(Vec<f32>),
     I64(Vec<i64>),
-    /// Values below 2^31 (token ids, segment ids), exported as int32: the same bits, and the
-    /// integer type torch indexes embeddings with.
-    I32(Vec<u32>),
     U32(Vec<u32>),
     U64(Vec<u64>),
-    Bool(Vec<bool>),
     /// Owned bytes of any element type (struct format and item size given).
     Bytes(Vec<u8>, &'static CStr, isize),
     /// A view into memory kept alive by `owner` (a shard's memory map, a batch buffer that
@@ -82,6 +78,60 @@ pub(crate) struct Held {
 unsafe impl Send for Held {}
 // SAFETY: as above.
 unsafe impl Sync for Held {}
+
+/// The buffer-protocol format of a safetensors dtype (BF16 as its uint16 bit pattern).
+pub(crate) fn format(d: safetensors::Dtype) -> PyResult<(&'static CStr, isize)> {
+    use safetensors::Dtype;
+    Ok(match d {
+        Dtype::I64 => (c"q", 8),
+        Dtype::I32 => (c"i", 4),
+        Dtype::U32 => (c"I", 4),
+        Dtype::U8 => (c"B", 1),
+        Dtype::BOOL => (c"?", 1),
+        Dtype::F32 => (c"f", 4),
+        Dtype::F16 => (c"e", 2),
+        Dtype::BF16 => (c"H", 2),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "dtype {other} has no buffer-protocol format here"
+            )))
+        }
+    })
+}
+
+/// A view of `bytes`, inside memory `owner` keeps alive.
+pub(crate) fn held(
+    owner: Arc<dyn Send + Sync>,
+    bytes: &[u8],
+    dtype: safetensors::Dtype,
+    shape: &[usize],
+    writable: bool,
+) -> PyResult<RustBuffer> {
+    Ok(RustBuffer::view(
+        owner,
+        bytes,
+        format(dtype)?,
+        shape,
+        false,
+        writable,
+    ))
+}
+
+/// One writable array per field of a batch buffer, each a view that keeps the buffer alive
+/// (the buffer returns to its pool once every view is gone).
+pub(crate) fn batch_views(
+    data: Buffer,
+    fields: &[shardkit::engine::Field],
+) -> PyResult<Vec<(&'static str, RustBuffer)>> {
+    let data: Arc<Buffer> = Arc::new(data);
+    fields
+        .iter()
+        .map(|f| {
+            let region = data.field(f);
+            Ok((f.name, held(data.clone(), region, f.dtype, &f.shape, true)?))
+        })
+        .collect()
+}
 
 /// Memory owned by Rust, exported to Python through the buffer protocol (numpy wraps it
 /// without a copy; the array keeps this object alive).
@@ -162,11 +212,8 @@ impl RustBuffer {
             Storage::Engine(b) => (b.as_ptr(), b.len(), c"f", 4),
             Storage::F32(v) => raw(v, c"f"),
             Storage::I64(v) => raw(v, c"q"),
-            Storage::I32(v) => raw(v, c"i"),
             Storage::U32(v) => raw(v, c"I"),
             Storage::U64(v) => raw(v, c"Q"),
-            // Rust's bool is one byte holding 0 or 1, as the buffer protocol's "?".
-            Storage::Bool(v) => raw(v, c"?"),
             Storage::Bytes(v, format, item) => (v.as_ptr(), v.len(), format, *item),
             Storage::Held(h) => (h.ptr, h.len, h.format, h.item),
         }
@@ -560,7 +607,7 @@ impl Loader {
     #[new]
     #[pyo3(signature = (path, layer, tokens="content", batch_size=16384, order="sequential",
         seed=0, epoch=0, rank=None, world_size=None, drop_last=false, memory_budget=None,
-        ignore_labels=Vec::new(), io_threads=16, direct_io=false))]
+        ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -578,6 +625,7 @@ impl Loader {
         ignore_labels: Vec<u8>,
         io_threads: usize,
         direct_io: bool,
+        threads: usize,
     ) -> PyResult<Self> {
         let layer = if let Ok(s) = layer.extract::<String>() {
             s.parse::<saev::LayerSel>().map_err(to_py)?
@@ -599,6 +647,7 @@ impl Loader {
         o.ignore_labels = ignore_labels;
         o.io_threads = io_threads;
         o.direct_io = direct_io;
+        o.threads = threads;
         let inner = py
             .allow_threads(|| saev::Loader::new(path, o))
             .map_err(to_py)?;
@@ -774,6 +823,28 @@ fn inspect(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
         .map_err(to_py)
 }
 
+/// Arms a test fault in the engine (tests only): "panic_in_gather", "panic_in_prepare",
+/// "spawn_fails" or "read_fails", firing at its `after + 1`-th opportunity.
+#[pyfunction]
+fn _inject_fault(name: &str, after: u64) -> PyResult<()> {
+    use shardkit::engine::fault::{inject, Fault};
+    let f = match name {
+        "panic_in_gather" => Fault::PanicInGather,
+        "panic_in_prepare" => Fault::PanicInPrepare,
+        "spawn_fails" => Fault::SpawnFails,
+        "read_fails" => Fault::ReadFails,
+        _ => return Err(PyValueError::new_err(format!("unknown fault {name:?}"))),
+    };
+    inject(f, after);
+    Ok(())
+}
+
+/// Disarms every test fault.
+#[pyfunction]
+fn _clear_faults() {
+    shardkit::engine::fault::clear();
+}
+
 /// The compiled module.
 #[pymodule]
 fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -789,6 +860,8 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BatchIter>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(_inject_fault, m)?)?;
+    m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;
     flat_tokens::register(m)?;
     eagle3::register(m)?;
     sdnb::register(m)?;

@@ -1,10 +1,12 @@
 """The Python package: writing, reading, loading, errors, zero-copy, fork, memory."""
 
+import gc
 import hashlib
 import json
 import os
 import resource
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -207,14 +209,23 @@ def test_a_forked_child_opens_its_own_loader():
     assert keys([next(it) for _ in range(2)]) == parent[4:12]
 
 
-def shardkit_threads():
+def shardkit_threads(prefixes=("shardkit-lane", "shardkit-prefet")):
+    """Threads of running iterations (a loader's gather pool lives as long as the loader)."""
     n = 0
     for t in os.listdir("/proc/self/task"):
         try:
-            n += Path(f"/proc/self/task/{t}/comm").read_text().startswith("shardkit-")
+            n += Path(f"/proc/self/task/{t}/comm").read_text().startswith(prefixes)
         except OSError:
             pass
     return n
+
+
+def threads_after_exit(prefixes):
+    """Threads left once those just stopped have left /proc (a moment after they are joined)."""
+    deadline = time.monotonic() + 2
+    while shardkit_threads(prefixes) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return shardkit_threads(prefixes)
 
 
 def test_abandoned_iterators_stop_their_threads_and_memory_is_stable(tmp_path):
@@ -226,7 +237,8 @@ def test_abandoned_iterators_stop_their_threads_and_memory_is_stable(tmp_path):
         it = iter(l)
         next(it)
         it.close()
-        assert shardkit_threads() == 0
+        assert threads_after_exit(("shardkit-lane", "shardkit-prefet")) == 0
+    assert shardkit_threads(("shardkit-gather",)) > 0
     for _ in l:  # one epoch first: buffers and pools reach their steady size
         pass
     start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -238,6 +250,9 @@ def test_abandoned_iterators_stop_their_threads_and_memory_is_stable(tmp_path):
                 break
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start
     assert grown_kib < 64 * 1024, f"peak RSS grew by {grown_kib} KiB over 1000 batches"
+    del l, it
+    gc.collect()
+    assert threads_after_exit(("shardkit-",)) == 0, "the gather pool goes with its loader"
 
 
 def test_compat_classes_mirror_saev():

@@ -164,8 +164,8 @@ fn loader_serves_seqax_rows_with_absolute_offsets() {
     let b = l.load(0).unwrap();
     assert_eq!(b.rows[..8], [2937, 398, 3520, 3524, 1627, 1616, 2618, 1623]); // seqax's golden rows
     let direct = l.split().encoded(2937 * 64..2938 * 64).unwrap();
-    assert_eq!(b.encoded[..64], direct[..]);
-    assert!(b.mask.iter().all(|&m| m));
+    assert_eq!(b.encoded()[..64], direct[..]);
+    assert!(b.mask().iter().all(|&m| m == 1));
     // Any step straight away equals the same step of a fresh loader.
     let fresh = TokenLoader::new(Split::open(fixture(), "train").unwrap(), a.clone()).unwrap();
     assert_eq!(fresh.load(63).unwrap(), l.load(63).unwrap());
@@ -181,21 +181,21 @@ fn loader_serves_seqax_rows_with_absolute_offsets() {
         for (k, &doc) in b.rows.iter().enumerate() {
             let (a, z) = (starts[doc as usize], starts[doc as usize + 1]);
             let real = ((z - a).min(300)) as usize;
-            let row = &b.encoded[k * 300..(k + 1) * 300];
+            let row = &b.encoded()[k * 300..(k + 1) * 300];
             assert_eq!(
                 row[..real],
                 u.split().encoded(a..a + real as u64).unwrap()[..]
             );
             assert!(row[real..].iter().all(|&e| e == 1), "seqax's pad value");
             assert_eq!(
-                b.mask[k * 300..(k + 1) * 300]
+                b.mask()[k * 300..(k + 1) * 300]
                     .iter()
-                    .filter(|&&m| m)
+                    .filter(|&&m| m == 1)
                     .count(),
                 real
             );
             assert!(
-                b.decoded.is_seq_start[k * 300],
+                b.is_seq_start()[k * 300] == 1,
                 "a document row starts a sequence"
             );
         }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections.abc
 import json
 import os
+import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
@@ -318,13 +319,22 @@ class Loader:
         drop_last: bool = False,
         *,
         epoch: int = 0,
-        io_threads: int = 16,
+        num_threads: Optional[int] = None,
         prefetch: int = 2,
+        io_threads: Optional[int] = None,
     ) -> None:
+        if io_threads is not None:
+            warnings.warn(
+                "io_threads is now num_threads (threads that read rows into batches; the reads "
+                "of the next batches are started ahead whatever their number)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            num_threads = num_threads or io_threads
         self.path = os.fspath(cache_dir)
         self._l = _core.Eagle3Loader(
             self.path, int(batch_size), bool(shuffle), int(seed), int(epoch), rank, world_size,
-            bool(drop_last), int(io_threads), int(prefetch),
+            bool(drop_last), int(num_threads or 0), int(prefetch),
         )
 
     def __len__(self) -> int:

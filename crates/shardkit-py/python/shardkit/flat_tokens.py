@@ -309,7 +309,8 @@ class Loader:
     ``k // step_count`` in a new order (epoch 0 is seqax's).
 
     Iterating yields batches from the loader's position (``step``, advanced as you go; set it
-    or use ``load_state_dict`` to resume), prepared ahead in a background thread.
+    or use ``load_state_dict`` to resume), prepared ahead on ``num_threads`` threads (default:
+    every core) that read and decode rows in parallel.
     """
 
     def __init__(
@@ -327,6 +328,7 @@ class Loader:
         host_index: int = 0,
         host_count: int = 1,
         epochs: bool = False,
+        num_threads: Optional[int] = None,
     ) -> None:
         self._l = _core.TokensLoader(
             os.fspath(path),
@@ -341,6 +343,7 @@ class Loader:
             int(host_index),
             int(host_count),
             bool(epochs),
+            int(num_threads or 0),
         )
         self._order = {
             "seq_len": int(seq_len),

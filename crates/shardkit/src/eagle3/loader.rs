@@ -1,7 +1,8 @@
 //! Batches of a cache on the read engine: which samples a rank reads is decided before any I/O
-//! (DistributedSampler's semantics over a seeded, per-epoch shuffle), and each batch's rows are
-//! read straight from the shard files into one buffer with many reads in flight, a few batches
-//! ahead of the caller.
+//! (DistributedSampler's semantics over a seeded, per-epoch shuffle); the engine prepares a few
+//! batches ahead (laying them out, starting every read), and its gather threads read each row
+//! straight from its shard file into the batch buffer (one copy, from the page cache when the
+//! data are there).
 //!
 //! A sample is one row of each tensor of its shard (six byte ranges, seven for top-k); a batch
 //! holds every field stacked on a new dim 0, as NeMo's collate produces them, with top-k caches
@@ -9,17 +10,16 @@
 
 use std::fs::File;
 use std::path::PathBuf;
-use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, OnceLock};
-use std::thread::JoinHandle;
 
-use safetensors::Dtype;
+use rayon::prelude::*;
 
 use super::cache::{scatter, Cache, ITEM_FIELDS};
 use super::shard::shard_name;
 use crate::engine::batch::{Buffer, BufferPool};
+use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{derive_key, shuffled};
-use crate::engine::reader::{plan_reads, read_all, Files, ReadRange};
+use crate::engine::reader::{self, plan_reads, Files, ReadRange};
 use crate::error::{Error, Result};
 
 /// Options of [`Loader::new`].
@@ -41,8 +41,10 @@ pub struct LoaderOptions {
     /// Otherwise each rank gets `ceil(N/W)` (padded by wrapping around to the start of the
     /// order, as DistributedSampler does) and the last batch may be short.
     pub drop_last: bool,
-    /// Reads in flight per batch.
-    pub io_threads: usize,
+    /// Threads that read rows into batches (0: one per core); the reads of the batches being
+    /// prepared are started ahead of them, so a cold cache has many reads in flight whatever
+    /// this number.
+    pub threads: usize,
     /// Batches prepared ahead of the caller.
     pub prefetch: usize,
 }
@@ -58,7 +60,7 @@ impl LoaderOptions {
             rank: None,
             world_size: None,
             drop_last: false,
-            io_threads: 16,
+            threads: 0,
             prefetch: 2,
         }
     }
@@ -79,29 +81,8 @@ pub struct LoaderState {
     pub world_size: u64,
 }
 
-/// Where one field of a batch lies in the batch's buffer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BatchField {
-    /// The field name.
-    pub name: &'static str,
-    /// Its dtype.
-    pub dtype: Dtype,
-    /// Its shape, `[batch, ...]`.
-    pub shape: Vec<usize>,
-    /// Byte offset in the buffer.
-    pub offset: usize,
-}
-
-impl BatchField {
-    /// Bytes of the field.
-    pub fn len(&self) -> usize {
-        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
-    }
-    /// Whether the field has no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
+/// Where one field of a batch lies in the batch's buffer (the engine's [`Field`]).
+pub use crate::engine::batch::Field as BatchField;
 
 /// One batch: every field stacked on dim 0, in one page-aligned buffer.
 pub struct Batch {
@@ -178,26 +159,16 @@ pub struct Loader {
     world: u64,
     /// Batches of the current epoch already handed out (by `iter` or `load_state`).
     cursor: u64,
-}
-
-fn env_u64(name: &str) -> Option<u64> {
-    std::env::var(name).ok()?.trim().parse().ok()
+    /// Started on the first pass and kept (a failure to start is reported by that pass).
+    gather: GatherCell,
 }
 
 impl Loader {
     /// A loader over `cache`.
     pub fn new(cache: Arc<Cache>, opts: LoaderOptions) -> Result<Loader> {
-        let world = opts
-            .world_size
-            .or_else(|| env_u64("WORLD_SIZE"))
-            .unwrap_or(1);
-        let rank = opts.rank.or_else(|| env_u64("RANK")).unwrap_or(0);
-        if opts.batch_size == 0 || world == 0 || rank >= world {
-            return Err(Error::Invalid(format!(
-                "need batch_size >= 1 and rank < world_size (got batch_size {}, rank {rank}, \
-                 world_size {world})",
-                opts.batch_size
-            )));
+        let (rank, world) = crate::engine::dist::rank_and_world(opts.rank, opts.world_size)?;
+        if opts.batch_size == 0 {
+            return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
         if cache.len() >= 1 << 32 {
             return Err(Error::Invalid(format!(
@@ -215,12 +186,13 @@ impl Loader {
             inner: Arc::new(Inner {
                 cache,
                 files,
-                pool: BufferPool::new(opts.prefetch + 6),
+                pool: BufferPool::new(opts.prefetch + 8),
             }),
             opts,
             rank,
             world,
             cursor: 0,
+            gather: GatherCell::default(),
         })
     }
 
@@ -235,6 +207,11 @@ impl Loader {
     /// The cache.
     pub fn cache(&self) -> &Arc<Cache> {
         &self.inner.cache
+    }
+
+    /// The gather pool, started on first use.
+    fn gather_pool(&self) -> Result<Arc<GatherPool>> {
+        self.gather.get(self.opts.threads)
     }
 
     /// The sample indices this rank reads in the current epoch, in order.
@@ -333,8 +310,8 @@ impl Loader {
         Ok(())
     }
 
-    /// The batches left in the epoch from the loader's position, read ahead in background
-    /// threads. The position does not move by itself: record progress with
+    /// The batches left in the epoch from the loader's position, prepared ahead on the
+    /// engine's threads. The position does not move by itself: record progress with
     /// [`Loader::advance_to`]`(batches.cursor())` so `state()` saves it.
     pub fn iter(&self) -> Batches {
         let indices = self.indices();
@@ -345,13 +322,24 @@ impl Loader {
         }
         let start = (self.cursor as usize).min(batches.len());
         let batches: Vec<Vec<u64>> = batches.split_off(start);
-        Batches::start(
-            self.inner.clone(),
-            batches,
-            self.opts.io_threads,
-            self.opts.prefetch,
-            self.cursor,
-        )
+        let stream = match self.gather_pool() {
+            Err(e) => exec::Stream::failed(e),
+            Ok(pool) => exec::start(
+                Arc::new(Eagle3Job {
+                    inner: self.inner.clone(),
+                }),
+                batches.into_iter(),
+                pool,
+                StreamOptions {
+                    ahead: self.opts.prefetch.max(1),
+                },
+            ),
+        };
+        Batches {
+            stream,
+            start: self.cursor,
+            delivered: 0,
+        }
     }
 
     /// Sets the position to batch `batch` of the epoch (see [`Batches::cursor`]).
@@ -361,208 +349,208 @@ impl Loader {
 
     /// Reads the samples `indices` as one batch, now.
     pub fn read(&self, indices: &[u64]) -> Result<Batch> {
-        read_batch(&self.inner, indices, self.opts.io_threads)
+        let job = Eagle3Job {
+            inner: self.inner.clone(),
+        };
+        exec::run_one(&job, indices.to_vec(), &*self.gather_pool()?)
     }
 }
 
-/// Reads `indices` into one batch buffer: every stored row straight from its shard file,
-/// merged and split into large reads, `threads` at a time; top-k rows are expanded.
-fn read_batch(inner: &Inner, indices: &[u64], threads: usize) -> Result<Batch> {
-    let cache = &inner.cache;
-    let m = cache.manifest();
-    let specs = cache.specs();
-    let b = indices.len();
-    let s = m.shard_size;
-    // Output fields, then (top-k) the stored values and indices to scatter from.
-    let mut layout = Vec::new();
-    let mut off = 0usize;
-    let align = |x: usize| x.next_multiple_of(64);
-    for name in ITEM_FIELDS {
-        let (dtype, row) = if name == "target_probs" {
-            (
-                m.dtype.safetensors(),
-                vec![m.seq_length as usize, m.draft_vocab_size as usize],
-            )
-        } else {
-            let spec = specs.iter().find(|x| x.name == name).expect("spec");
-            (spec.dtype, spec.row.clone())
-        };
-        let mut shape = vec![b];
-        shape.extend(row);
-        let field = BatchField {
-            name,
-            dtype,
-            shape,
-            offset: off,
-        };
-        off = align(off + field.len());
-        layout.push(field);
-    }
-    let mut staging = Vec::new();
-    if m.topk.is_some() {
-        for name in ["target_probs_values", "target_probs_indices"] {
-            let spec = specs.iter().find(|x| x.name == name).expect("spec");
-            staging.push((name, spec.row_bytes(), off));
-            off = align(off + spec.row_bytes() * b);
-        }
-    }
-    let mut ranges = Vec::with_capacity(b * specs.len());
-    for (j, &i) in indices.iter().enumerate() {
-        let k = i / s;
-        let shard = cache.shard(k)?;
-        let row = i % s;
-        for (f, spec) in specs.iter().enumerate() {
-            let rb = spec.row_bytes();
-            let dst = match layout.iter().find(|l| l.name == spec.name) {
-                Some(l) => l.offset + j * rb,
-                None => {
-                    let st = staging
-                        .iter()
-                        .find(|x| x.0 == spec.name)
-                        .expect("staged field");
-                    st.2 + j * rb
-                }
+/// The batches of one pass, as the engine runs them.
+struct Eagle3Job {
+    inner: Arc<Inner>,
+}
+
+/// A prepared batch: its samples, field layout, the reads that fill it (one per region, in
+/// buffer order) and the top-k staging areas.
+struct Eagle3Batch {
+    indices: Vec<u64>,
+    layout: Vec<BatchField>,
+    reads: Vec<ReadRange>,
+    /// (field, row bytes, buffer offset) of the stored top-k values and indices.
+    staging: Vec<(&'static str, usize, usize)>,
+}
+
+impl Job for Eagle3Job {
+    type Plan = Vec<u64>;
+    type State = Eagle3Batch;
+    type Item = Batch;
+
+    /// Lays the batch out, checks its shards against the manifest (opening them), starts every
+    /// read, and takes the buffer: allocated only now, so sizes claimed by a damaged manifest
+    /// are never allocated.
+    fn prepare(&self, indices: Vec<u64>, cx: &Context<'_>) -> Result<Prepared<Eagle3Batch>> {
+        let inner = &*self.inner;
+        let cache = &inner.cache;
+        let m = cache.manifest();
+        let specs = cache.specs();
+        let b = indices.len();
+        let s = m.shard_size;
+        // Output fields, then (top-k) the stored values and indices to scatter from.
+        let mut layout = Vec::new();
+        let mut off = 0usize;
+        let align = |x: usize| x.next_multiple_of(64);
+        for name in ITEM_FIELDS {
+            let (dtype, row) = if name == "target_probs" {
+                (
+                    m.dtype.safetensors(),
+                    vec![m.seq_length as usize, m.draft_vocab_size as usize],
+                )
+            } else {
+                let spec = specs
+                    .iter()
+                    .find(|x| x.name == name)
+                    .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
+                (spec.dtype, spec.row.clone())
             };
-            ranges.push(ReadRange {
-                file: k as u32,
-                offset: shard.row_offset(f, row, rb),
-                len: rb as u64,
-                dst: dst as u64,
-            });
+            let mut shape = vec![b];
+            shape.extend(row);
+            let field = BatchField {
+                name,
+                dtype,
+                shape,
+                offset: off,
+            };
+            off = align(off + field.len());
+            layout.push(field);
         }
-    }
-    // Allocated only now: every shard of the batch has been opened, and so checked against
-    // the manifest, so sizes claimed by a damaged manifest are never allocated.
-    // Every output byte is overwritten by a read, except a top-k `target_probs` (zeroed below).
-    let mut data = inner.pool.get(off);
-    read_all(
-        &inner.files,
-        &plan_reads(ranges),
-        data.as_mut_bytes(),
-        threads,
-        false,
-    )?;
-    if m.topk.is_some() {
-        let elem = m.dtype.size();
-        let vd = m.draft_vocab_size as usize;
-        let probs = layout
+        let mut staging = Vec::new();
+        if m.topk.is_some() {
+            for name in ["target_probs_values", "target_probs_indices"] {
+                let spec = specs
+                    .iter()
+                    .find(|x| x.name == name)
+                    .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
+                staging.push((name, spec.row_bytes(), off));
+                off = align(off + spec.row_bytes() * b);
+            }
+        }
+        let mut ranges = Vec::with_capacity(b * specs.len());
+        for (j, &i) in indices.iter().enumerate() {
+            let k = i / s;
+            let shard = cache.shard(k)?;
+            let row = i % s;
+            for (f, spec) in specs.iter().enumerate() {
+                let rb = spec.row_bytes();
+                let dst = match layout.iter().find(|l| l.name == spec.name) {
+                    Some(l) => l.offset + j * rb,
+                    None => match staging.iter().find(|x| x.0 == spec.name) {
+                        Some(st) => st.2 + j * rb,
+                        None => {
+                            return Err(Error::Invalid(format!(
+                                "internal: stored field {} has no place in a batch",
+                                spec.name
+                            )))
+                        }
+                    },
+                };
+                ranges.push(ReadRange {
+                    file: k as u32,
+                    offset: shard.row_offset(f, row, rb),
+                    len: rb as u64,
+                    dst: dst as u64,
+                });
+            }
+        }
+        let mut reads = plan_reads(ranges);
+        for r in &reads {
+            reader::readahead(inner.files.file(r.file)?, r.offset, r.len);
+        }
+        reads.sort_unstable_by_key(|r| r.dst);
+        let regions = reads
             .iter()
-            .find(|l| l.name == "target_probs")
-            .expect("probs");
-        let out_off = probs.offset;
-        let row_out = cache.full_probs_bytes();
-        let (vals, idx) = (staging[0], staging[1]);
-        let bytes = data.as_mut_bytes();
-        bytes[out_off..out_off + b * row_out].fill(0);
-        for j in 0..b {
-            let (head, tail) = bytes.split_at_mut(vals.2);
-            let v = &tail[j * vals.1..(j + 1) * vals.1];
-            let ix_start = idx.2 - vals.2;
-            let ix = &tail[ix_start + j * idx.1..ix_start + (j + 1) * idx.1];
-            let out = &mut head[out_off + j * row_out..out_off + (j + 1) * row_out];
-            let path = inner.files.path((indices[j] / s) as u32);
-            scatter(v, ix, out, elem, vd, &path)?;
-        }
+            .map(|r| std::iter::once(r.dst as usize..(r.dst + r.len) as usize).collect())
+            .collect();
+        Ok(Prepared {
+            buf: cx.buffer(&inner.pool, off)?,
+            regions,
+            state: Eagle3Batch {
+                indices,
+                layout,
+                reads,
+                staging,
+            },
+        })
     }
-    Ok(Batch {
-        indices: indices.to_vec(),
-        data,
-        layout,
-    })
+
+    fn fill(&self, b: &Eagle3Batch, piece: usize, out: &mut [&mut [u8]]) -> Result<()> {
+        let r = &b.reads[piece];
+        let files = &self.inner.files;
+        reader::read_exact(files.file(r.file)?, &files.path(r.file), r.offset, out[0])
+    }
+
+    /// Expands top-k rows into the full-width `target_probs` (in parallel over samples).
+    fn finish(&self, p: Prepared<Eagle3Batch>, pool: &rayon::ThreadPool) -> Result<Batch> {
+        let Prepared {
+            mut buf, state: b, ..
+        } = p;
+        let cache = &self.inner.cache;
+        let m = cache.manifest();
+        if m.topk.is_some() {
+            let elem = m.dtype.size();
+            let vd = m.draft_vocab_size as usize;
+            let probs = b
+                .layout
+                .iter()
+                .find(|l| l.name == "target_probs")
+                .ok_or_else(|| Error::Invalid("internal: no target_probs field".into()))?;
+            let row_out = cache.full_probs_bytes();
+            let n = b.indices.len();
+            let (vals, idx) = (b.staging[0], b.staging[1]);
+            let bytes = buf.as_mut_bytes();
+            let (head, tail) = bytes.split_at_mut(vals.2);
+            let out = &mut head[probs.offset..probs.offset + n * row_out];
+            let values = &tail[..n * vals.1];
+            let indices = &tail[idx.2 - vals.2..idx.2 - vals.2 + n * idx.1];
+            let s = m.shard_size;
+            let files = &self.inner.files;
+            pool.install(|| {
+                out.par_chunks_mut(row_out.max(1))
+                    .enumerate()
+                    .try_for_each(|(j, out)| {
+                        out.fill(0);
+                        let path = files.path((b.indices[j] / s) as u32);
+                        scatter(
+                            &values[j * vals.1..(j + 1) * vals.1],
+                            &indices[j * idx.1..(j + 1) * idx.1],
+                            out,
+                            elem,
+                            vd,
+                            &path,
+                        )
+                    })
+            })?;
+        }
+        Ok(Batch {
+            indices: b.indices,
+            data: buf,
+            layout: b.layout,
+        })
+    }
 }
 
-/// Batches being read ahead; dropping it stops and joins the readers.
+/// Batches being read ahead; dropping it stops and joins the engine's threads.
 pub struct Batches {
-    rx: Vec<Receiver<Result<Batch>>>,
-    next: usize,
-    threads: Vec<JoinHandle<()>>,
+    stream: exec::Stream<Batch>,
     start: u64,
-    pid: u32,
+    delivered: u64,
 }
 
 impl Batches {
-    fn start(
-        inner: Arc<Inner>,
-        batches: Vec<Vec<u64>>,
-        io_threads: usize,
-        prefetch: usize,
-        start: u64,
-    ) -> Batches {
-        // Two producers on alternating batches keep reads in flight while one batch completes
-        // and is handed over.
-        const PRODUCERS: usize = 2;
-        let mut rx = Vec::new();
-        let mut threads = Vec::new();
-        let batches = Arc::new(batches);
-        for p in 0..PRODUCERS {
-            let (tx, r) = sync_channel(prefetch.div_ceil(PRODUCERS).max(1));
-            rx.push(r);
-            let (inner, batches) = (inner.clone(), batches.clone());
-            let spawned = std::thread::Builder::new()
-                .name(format!("shardkit-eagle3-{p}"))
-                .spawn(move || {
-                    for b in batches.iter().skip(p).step_by(PRODUCERS) {
-                        let r = read_batch(&inner, b, io_threads);
-                        let failed = r.is_err();
-                        if tx.send(r).is_err() || failed {
-                            return;
-                        }
-                    }
-                });
-            match spawned {
-                Ok(t) => threads.push(t),
-                Err(_) => {
-                    rx.clear();
-                    break;
-                }
-            }
-        }
-        Batches {
-            rx,
-            next: 0,
-            threads,
-            start,
-            pid: std::process::id(),
-        }
-    }
-
     /// The epoch's batch index the next batch will have (resume a loader there with
     /// [`Loader::advance_to`]).
     pub fn cursor(&self) -> u64 {
-        self.start + self.next as u64
+        self.start + self.delivered
     }
 }
 
 impl Iterator for Batches {
     type Item = Result<Batch>;
     fn next(&mut self) -> Option<Result<Batch>> {
-        if self.rx.is_empty() {
-            return None;
+        let b = self.stream.next()?;
+        if b.is_ok() {
+            self.delivered += 1;
         }
-        if std::process::id() != self.pid {
-            return Some(Err(Error::Invalid(
-                "these batches were started before fork(); start a new iteration in the child"
-                    .into(),
-            )));
-        }
-        let r = self.rx[self.next % self.rx.len()].recv().ok();
-        match &r {
-            Some(Ok(_)) => self.next += 1,
-            _ => self.rx.clear(),
-        }
-        r
-    }
-}
-
-impl Drop for Batches {
-    fn drop(&mut self) {
-        self.rx.clear();
-        if std::process::id() != self.pid {
-            self.threads.drain(..).for_each(std::mem::forget);
-            return;
-        }
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
+        Some(b)
     }
 }

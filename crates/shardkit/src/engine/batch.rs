@@ -6,7 +6,11 @@
 //! buffers taken from a [`BufferPool`] go back to it when dropped and are reused.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
 
 /// Alignment of every buffer (a page; also what O_DIRECT needs).
 pub const ALIGN: usize = 4096;
@@ -14,6 +18,8 @@ pub const ALIGN: usize = 4096;
 struct Raw {
     ptr: *mut u8,
     cap: usize,
+    /// Memory owned by someone else (see [`BufferPool::external`]): never freed here.
+    external: bool,
 }
 
 // SAFETY: a Raw exclusively owns its allocation.
@@ -25,6 +31,7 @@ impl Raw {
             return Raw {
                 ptr: std::ptr::null_mut(),
                 cap: 0,
+                external: false,
             };
         }
         let layout = Layout::from_size_align(cap, ALIGN).expect("buffer size fits in isize");
@@ -33,20 +40,28 @@ impl Raw {
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        Raw { ptr, cap }
+        Raw {
+            ptr,
+            cap,
+            external: false,
+        }
     }
 }
 
 impl Drop for Raw {
     fn drop(&mut self) {
-        if self.cap > 0 {
+        if self.cap > 0 && !self.external {
             // SAFETY: allocated in `alloc` with this exact layout.
             unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.cap, ALIGN)) };
         }
     }
 }
 
-type Free = Mutex<Vec<Raw>>;
+/// The free buffers of a pool, and (external pools) a signal for waiters.
+struct Free {
+    list: Mutex<Vec<Raw>>,
+    returned: Condvar,
+}
 
 /// A page-aligned byte buffer (initialised: zeroed when first allocated).
 pub struct Buffer {
@@ -113,6 +128,68 @@ impl Buffer {
     }
 }
 
+/// One array of a batch: where it lies in the batch's buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Field {
+    /// The array's name.
+    pub name: &'static str,
+    /// Its element type.
+    pub dtype: safetensors::Dtype,
+    /// Its shape, `[rows, ...]`.
+    pub shape: Vec<usize>,
+    /// Byte offset in the buffer (a multiple of 64).
+    pub offset: usize,
+}
+
+impl Field {
+    /// Bytes of the field.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
+    }
+    /// Whether the field has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Its byte range in the buffer.
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.offset..self.offset + self.len()
+    }
+}
+
+/// Lays `arrays` (name, dtype, shape) out one after another, each at a 64-byte boundary;
+/// returns the fields and the bytes they need.
+pub fn lay_out(arrays: &[(&'static str, safetensors::Dtype, Vec<usize>)]) -> (Vec<Field>, usize) {
+    let mut at = 0usize;
+    let fields = arrays
+        .iter()
+        .map(|(name, dtype, shape)| {
+            let f = Field {
+                name,
+                dtype: *dtype,
+                shape: shape.clone(),
+                offset: at,
+            };
+            at = (at + f.len()).next_multiple_of(64);
+            f
+        })
+        .collect();
+    (fields, at)
+}
+
+impl Buffer {
+    /// The bytes of `field` (empty if it lies outside the buffer).
+    pub fn field(&self, field: &Field) -> &[u8] {
+        self.as_bytes().get(field.range()).unwrap_or(&[])
+    }
+    /// The 4-byte values of `field` (u32, i32 or f32 bits), native endian.
+    pub fn field_u32(&self, field: &Field) -> &[u32] {
+        let bytes = self.field(field);
+        // SAFETY: the buffer is page-aligned and fields start at multiples of 64, so `bytes`
+        // is 4-byte aligned; any bit pattern is a valid u32; the length is rounded down.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<u32>(), bytes.len() / 4) }
+    }
+}
+
 impl Drop for Buffer {
     fn drop(&mut self) {
         let Some(raw) = self.raw.take() else { return };
@@ -120,10 +197,12 @@ impl Drop for Buffer {
             return; // freed, not pooled: after fork() the pool's lock may be held for ever
         }
         if let Some(pool) = self.pool.upgrade() {
-            let mut free = pool.lock().unwrap_or_else(|e| e.into_inner());
-            if free.len() < self.pool_max {
+            let mut free = pool.list.lock().unwrap_or_else(|e| e.into_inner());
+            if free.len() < self.pool_max || raw.external {
                 free.push(raw);
             }
+            drop(free);
+            pool.returned.notify_all();
         }
     }
 }
@@ -138,24 +217,114 @@ impl std::fmt::Debug for Buffer {
 /// dropped buffer returns to its pool (which keeps at most `max` free ones). Buffers that
 /// outlive the pool are simply freed. In a forked child the pool is bypassed (fresh
 /// allocations, freed on drop): its lock may have been held by a parent thread at fork().
+///
+/// An *external* pool ([`BufferPool::external`]) hands out memory its caller owns (pinned host
+/// memory allocated through torch, say): it never allocates, and [`BufferPool::get_or_wait`]
+/// waits for a buffer to come back when all are in use.
 #[derive(Clone)]
 pub struct BufferPool {
     free: Arc<Free>,
     max: usize,
     pid: u32,
+    /// The capacities of an external pool's buffers (empty for an allocating pool).
+    external: Arc<Vec<usize>>,
+}
+
+impl std::fmt::Debug for BufferPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufferPool")
+            .field("max", &self.max)
+            .field("external", &self.external.len())
+            .finish()
+    }
 }
 
 impl BufferPool {
     /// A pool keeping at most `max` free buffers.
     pub fn new(max: usize) -> BufferPool {
         BufferPool {
-            free: Arc::new(Mutex::new(Vec::new())),
+            free: Arc::new(Free {
+                list: Mutex::new(Vec::new()),
+                returned: Condvar::new(),
+            }),
             max,
             pid: std::process::id(),
+            external: Arc::new(Vec::new()),
+        }
+    }
+
+    /// A pool over caller-owned memory: `(pointer, bytes)` regions, each page-aligned.
+    ///
+    /// # Safety
+    /// Every region must be valid for reads and writes of its length, not overlap another,
+    /// and not be used by anything else until the pool and every [`Buffer`] taken from it are
+    /// dropped (the caller keeps the owning objects alive that long).
+    pub unsafe fn external(regions: &[(*mut u8, usize)]) -> Result<BufferPool> {
+        for &(ptr, len) in regions {
+            if ptr.is_null() || !(ptr as usize).is_multiple_of(ALIGN) {
+                return Err(Error::Invalid(format!(
+                    "an external buffer must be {ALIGN}-byte aligned and not null ({ptr:p}, {len} bytes)"
+                )));
+            }
+        }
+        let pool = BufferPool::new(regions.len());
+        let mut list = pool.free.list.lock().unwrap_or_else(|e| e.into_inner());
+        list.extend(regions.iter().map(|&(ptr, cap)| Raw {
+            ptr,
+            cap,
+            external: true,
+        }));
+        drop(list);
+        Ok(BufferPool {
+            external: Arc::new(regions.iter().map(|r| r.1).collect()),
+            ..pool
+        })
+    }
+
+    /// Whether the pool hands out caller-owned memory.
+    pub fn is_external(&self) -> bool {
+        !self.external.is_empty()
+    }
+
+    /// A buffer of `len` bytes for a stream: from an allocating pool as [`BufferPool::get`];
+    /// from an external pool, the first free buffer large enough, waiting while all are in use
+    /// until one comes back or `stop` is set (then an error).
+    pub fn get_or_wait(&self, len: usize, stop: &AtomicBool) -> Result<Buffer> {
+        if !self.is_external() {
+            return Ok(self.get(len));
+        }
+        if !self.external.iter().any(|&cap| cap >= len) {
+            return Err(Error::Invalid(format!(
+                "a batch of {len} bytes does not fit the largest external buffer ({} bytes)",
+                self.external.iter().max().copied().unwrap_or(0)
+            )));
+        }
+        let mut list = self.free.list.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(i) = list.iter().position(|r| r.cap >= len) {
+                let raw = list.swap_remove(i);
+                return Ok(Buffer {
+                    raw: Some(raw),
+                    len,
+                    pool: Arc::downgrade(&self.free),
+                    pool_max: self.max,
+                    pid: std::process::id(),
+                });
+            }
+            if stop.load(Ordering::Relaxed) {
+                return Err(Error::Invalid("the loader was stopped".into()));
+            }
+            list = self
+                .free
+                .returned
+                .wait_timeout(list, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
     /// A buffer of `len` bytes; its content is unspecified (zeros or an earlier batch's bytes),
-    /// so callers overwrite all of it.
+    /// so callers overwrite all of it. (An external pool with no free buffer large enough
+    /// allocates a buffer of its own; streams use [`BufferPool::get_or_wait`].)
     pub fn get(&self, len: usize) -> Buffer {
         let pid = std::process::id();
         if pid != self.pid {
@@ -170,11 +339,13 @@ impl BufferPool {
             };
         }
         let raw = {
-            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            let mut free = self.free.list.lock().unwrap_or_else(|e| e.into_inner());
             match free.iter().position(|r| r.cap >= len) {
                 Some(i) => free.swap_remove(i),
                 None => {
-                    free.clear(); // too small for current use: let them go
+                    if !self.is_external() {
+                        free.clear(); // too small for current use: let them go
+                    }
                     drop(free);
                     Raw::alloc(len)
                 }
@@ -193,6 +364,41 @@ impl BufferPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn external_buffers_are_handed_out_and_waited_for() {
+        let mut mem = vec![Buffer::zeroed(8192), Buffer::zeroed(8192)];
+        let regions: Vec<(*mut u8, usize)> = mem
+            .iter_mut()
+            .map(|b| (b.as_mut_bytes().as_mut_ptr(), 8192))
+            .collect();
+        // SAFETY: `mem` outlives the pool and its buffers, and nothing else touches it.
+        let pool = unsafe { BufferPool::external(&regions) }.unwrap();
+        let stop = AtomicBool::new(false);
+        let a = pool.get_or_wait(8000, &stop).unwrap();
+        let b = pool.get_or_wait(100, &stop).unwrap();
+        assert!(regions.iter().any(|r| std::ptr::eq(r.0, a.as_ptr())));
+        assert!(
+            pool.get_or_wait(9000, &stop).is_err(),
+            "larger than any buffer"
+        );
+        stop.store(true, Ordering::Relaxed);
+        assert!(
+            pool.get_or_wait(10, &stop).is_err(),
+            "all in use and stopped"
+        );
+        stop.store(false, Ordering::Relaxed);
+        let p = a.as_ptr();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            drop(a);
+        });
+        let c = pool.get_or_wait(10, &stop).unwrap();
+        assert_eq!(c.as_ptr(), p);
+        t.join().unwrap();
+        drop((b, c, pool));
+        drop(mem);
+    }
 
     #[test]
     fn pooled_buffers_are_reused() {

@@ -7,6 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::fault;
 use crate::error::{Error, Result};
 
 /// Largest single read issued.
@@ -98,9 +99,9 @@ struct SendPtr(*mut u8);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
-/// Reads every range into `buf` using up to `threads` threads. Ranges must not overlap in the
-/// destination and must lie inside `buf` (checked). A short read (a file that shrank) is an
-/// error naming the file.
+/// Reads every range into `buf` using up to `threads` threads. Ranges must lie inside `buf`
+/// and not overlap there (both checked: an error, before anything is read). A short read (a
+/// file that shrank) is an error naming the file.
 pub fn read_all(
     files: &dyn Files,
     ranges: &[ReadRange],
@@ -108,16 +109,27 @@ pub fn read_all(
     threads: usize,
     direct: bool,
 ) -> Result<()> {
+    let mut by_dst: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
     for r in ranges {
-        if r.dst
-            .checked_add(r.len)
-            .is_none_or(|end| end > buf.len() as u64)
-        {
-            return Err(Error::Invalid(format!(
-                "read of {} bytes at buffer offset {} exceeds the buffer",
-                r.len, r.dst
-            )));
+        match r.dst.checked_add(r.len) {
+            Some(end) if end <= buf.len() as u64 => by_dst.push((r.dst, end)),
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "read of {} bytes at buffer offset {} exceeds the {}-byte buffer",
+                    r.len,
+                    r.dst,
+                    buf.len()
+                )))
+            }
         }
+    }
+    // Threads write the ranges' destinations concurrently: they must be disjoint.
+    by_dst.sort_unstable();
+    if let Some(w) = by_dst.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(Error::Invalid(format!(
+            "reads overlap in the destination buffer (bytes {}..{} and {}..{})",
+            w[0].0, w[0].1, w[1].0, w[1].1
+        )));
     }
     let next = AtomicUsize::new(0);
     let base = SendPtr(buf.as_mut_ptr());
@@ -133,7 +145,7 @@ pub fn read_all(
             let dst = unsafe {
                 std::slice::from_raw_parts_mut(base.0.add(r.dst as usize), r.len as usize)
             };
-            // The path is only built for an error message, never on the hot path.
+            fault::before_read(files.path(r.file))?;
             // O_DIRECT when asked and the range and buffer are aligned: random small reads then
             // skip the page cache and readahead; anything refused falls back to a plain read.
             let aligned = r.offset % DIRECT_ALIGN == 0
@@ -173,8 +185,64 @@ pub fn read_all(
 
 /// `read_exact_at` with an error that names the file and says it shrank.
 pub fn read_exact(file: &File, path: &Path, offset: u64, dst: &mut [u8]) -> Result<()> {
+    fault::before_read(path)?;
     file.read_exact_at(dst, offset)
         .map_err(|e| read_error(path, offset, dst.len(), e))
+}
+
+/// Asks the kernel to start reading `len` bytes at `offset` into the page cache, without
+/// waiting (`posix_fadvise(WILLNEED)`). Advisory: failures are ignored.
+pub fn readahead(file: &File, offset: u64, len: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: an advisory syscall on a descriptor we own; no memory is passed.
+        unsafe {
+            libc::posix_fadvise(
+                file.as_raw_fd(),
+                offset as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
+}
+
+/// Checks that `file` still holds at least `len` bytes (an error naming it otherwise): a
+/// memory map must never be read past the end of its file.
+pub fn check_len(file: &File, path: &Path, len: u64) -> Result<()> {
+    fault::before_read(path)?;
+    let have = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    if have < len {
+        return Err(Error::format(
+            path,
+            format!(
+                "file ended before byte {len} ({have} bytes): it shrank or was replaced while \
+                 being read"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `len` bytes of `file` at `offset` mapped read-only and populated (read in and entered in
+/// the page tables now, so gathering from it never faults); `len` must be non-zero. The
+/// caller checks the file is long enough first ([`check_len`]) and keeps the map only while
+/// the batches that use it are gathered.
+pub fn map_populated(file: &File, path: &Path, offset: u64, len: u64) -> Result<memmap2::Mmap> {
+    // SAFETY: read-only shared map of a file the dataset's writer has finished; its length was
+    // checked against the file, and shardkit never writes a finished shard. (Another process
+    // truncating the file while it is mapped is the one hazard of any memory map.)
+    unsafe {
+        memmap2::MmapOptions::new()
+            .offset(offset)
+            .len(len as usize)
+            .populate()
+            .map(file)
+    }
+    .map_err(|e| Error::io(path, e))
 }
 
 fn read_error(path: &Path, offset: u64, len: usize, e: std::io::Error) -> Error {
@@ -194,6 +262,55 @@ fn read_error(path: &Path, offset: u64, len: usize, e: std::io::Error) -> Error 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    struct One(File, std::path::PathBuf);
+    impl Files for One {
+        fn file(&self, _: u32) -> Result<&File> {
+            Ok(&self.0)
+        }
+        fn path(&self, _: u32) -> std::path::PathBuf {
+            self.1.clone()
+        }
+    }
+
+    #[test]
+    fn read_all_refuses_overlapping_or_outside_destinations() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, (0..=255u8).collect::<Vec<_>>()).unwrap();
+        let files = One(File::open(&p).unwrap(), p.clone());
+        let r = |offset, len, dst| ReadRange {
+            file: 0,
+            offset,
+            len,
+            dst,
+        };
+        let mut buf = vec![0u8; 16];
+        for bad in [
+            vec![r(0, 8, 0), r(8, 8, 4)],
+            vec![r(0, 4, 12), r(10, 4, 0), r(20, 2, 13)],
+            vec![r(0, 17, 0)],
+            vec![r(0, 1, u64::MAX)],
+        ] {
+            let e = read_all(&files, &bad, &mut buf, 4, false).unwrap_err();
+            assert!(e.to_string().contains("overlap") || e.to_string().contains("exceeds"));
+            assert_eq!(buf, vec![0u8; 16], "nothing read before the check");
+        }
+        read_all(
+            &files,
+            &[r(10, 4, 0), r(0, 4, 4), r(200, 8, 8)],
+            &mut buf,
+            3,
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            buf,
+            [10, 11, 12, 13, 0, 1, 2, 3, 200, 201, 202, 203, 204, 205, 206, 207]
+        );
+        let e = read_all(&files, &[r(250, 8, 0)], &mut buf, 1, false).unwrap_err();
+        assert!(e.to_string().contains("shrank"), "{e}");
+    }
 
     #[test]
     fn merges_adjacent_and_splits_long_ranges() {

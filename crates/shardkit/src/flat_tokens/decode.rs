@@ -17,6 +17,36 @@ pub struct Decoded {
     pub segment_ids: Vec<u32>,
 }
 
+/// One decoded position of a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    /// The token id to predict.
+    pub target: u32,
+    /// The id fed to the model.
+    pub input: u32,
+    /// Whether the position starts a sequence.
+    pub start: bool,
+    /// Starts so far along the row.
+    pub segment: u32,
+}
+
+/// The positions of one row of encoded tokens.
+pub fn decode_row(row: impl IntoIterator<Item = u32>) -> impl Iterator<Item = Position> {
+    let (mut prev, mut segment) = (0u32, 0u32);
+    row.into_iter().enumerate().map(move |(i, e)| {
+        let (target, start) = (e >> 1, e & 1 == 1);
+        segment += u32::from(start);
+        let input = if i == 0 || start { 0 } else { prev };
+        prev = target;
+        Position {
+            target,
+            input,
+            start,
+            segment,
+        }
+    })
+}
+
 /// Decodes `enc` (`rows × len` encoded tokens).
 pub fn decode(enc: &[u32], len: usize) -> Decoded {
     let mut d = Decoded {
@@ -26,16 +56,11 @@ pub fn decode(enc: &[u32], len: usize) -> Decoded {
         segment_ids: Vec::with_capacity(enc.len()),
     };
     for row in enc.chunks(len.max(1)) {
-        let mut prev = 0u32;
-        let mut segment = 0u32;
-        for (i, &e) in row.iter().enumerate() {
-            let (target, start) = (e >> 1, e & 1 == 1);
-            segment += u32::from(start);
-            d.inputs.push(if i == 0 || start { 0 } else { prev });
-            d.targets.push(target);
-            d.is_seq_start.push(start);
-            d.segment_ids.push(segment);
-            prev = target;
+        for p in decode_row(row.iter().copied()) {
+            d.inputs.push(p.input);
+            d.targets.push(p.target);
+            d.is_seq_start.push(p.start);
+            d.segment_ids.push(p.segment);
         }
     }
     d

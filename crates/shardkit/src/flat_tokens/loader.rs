@@ -3,18 +3,19 @@
 //! Step `t` is computed in closed form ([`Schedule`]) and only its own rows are read: a packed
 //! row is one range of `len` tokens; an unpacked row is one document, truncated to `len` and
 //! right-padded (seqax's pad value, encoded 1) with `mask` false on the padding. Offsets are
-//! absolute, so every read block is correct (seqax's unpacked mode is not). Rows are read in
-//! parallel, and [`TokenLoader::iter`] prepares the next steps while the caller uses one.
+//! absolute, so every read block is correct (seqax's unpacked mode is not). On the engine, each
+//! row is read, decoded and written into every array of the batch by one gather thread, and
+//! [`TokenLoader::iter`] prepares the next steps while the caller uses one.
 
 use std::ops::Range;
-use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
-use rayon::prelude::*;
+use safetensors::Dtype;
 
+use crate::engine::batch::{lay_out, Buffer, BufferPool, Field};
+use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::error::{Error, Result};
-use crate::flat_tokens::decode::{decode, Decoded};
+use crate::flat_tokens::decode::decode_row;
 use crate::flat_tokens::seqax::{Schedule, ShuffleParams};
 use crate::flat_tokens::Split;
 
@@ -51,9 +52,9 @@ pub struct LoaderOptions {
     /// Past the last step, continue with epoch `step / step_count` in a new deterministic
     /// order instead of failing (epoch 0 is seqax's order).
     pub epochs: bool,
-    /// Threads reading rows: a step's rows are read concurrently, so on a cold cache this many
-    /// reads are in flight (16 by default).
-    pub io_threads: usize,
+    /// Threads reading and decoding rows (0, the default: one per core); a step's rows, and
+    /// the next steps', are read concurrently.
+    pub threads: usize,
 }
 
 impl LoaderOptions {
@@ -71,7 +72,7 @@ impl LoaderOptions {
             host_index: 0,
             host_count: 1,
             epochs: false,
-            io_threads: 16,
+            threads: 0,
         }
     }
 
@@ -89,8 +90,11 @@ impl LoaderOptions {
     }
 }
 
-/// One step's rows (this host's share).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One step's rows (this host's share): every array in one page-aligned buffer, each
+/// `rows × seq_len`: `encoded` (uint32, as stored: padding is seqax's encoded 1), the decoded
+/// `targets`, `inputs` and `segment_ids` (int32), and `is_seq_start` and `mask` (bool: one
+/// byte, 0 or 1).
+#[derive(Debug)]
 pub struct TokenBatch {
     /// The step (counting across epochs when epochs are enabled).
     pub step: u64,
@@ -98,12 +102,70 @@ pub struct TokenBatch {
     pub seq_len: usize,
     /// The sequence (packed row or document) index of each row.
     pub rows: Vec<u64>,
-    /// Encoded tokens, `rows × seq_len`.
-    pub encoded: Vec<u32>,
-    /// True for real tokens, false for padding (always true when packed).
-    pub mask: Vec<bool>,
-    /// Model inputs decoded from `encoded`.
-    pub decoded: Decoded,
+    data: Buffer,
+    fields: Vec<Field>,
+}
+
+/// The arrays of a batch, in buffer order.
+const FIELDS: [(&str, Dtype); 6] = [
+    ("encoded", Dtype::U32),
+    ("targets", Dtype::I32),
+    ("inputs", Dtype::I32),
+    ("segment_ids", Dtype::I32),
+    ("is_seq_start", Dtype::BOOL),
+    ("mask", Dtype::BOOL),
+];
+
+/// Equal when the steps, rows and every array's contents are.
+impl PartialEq for TokenBatch {
+    fn eq(&self, other: &Self) -> bool {
+        self.step == other.step
+            && self.seq_len == other.seq_len
+            && self.rows == other.rows
+            && self.fields.len() == other.fields.len()
+            && self
+                .fields()
+                .zip(other.fields())
+                .all(|((f, a), (g, b))| f.name == g.name && f.shape == g.shape && a == b)
+    }
+}
+
+impl TokenBatch {
+    fn array(&self, i: usize) -> &Field {
+        &self.fields[i]
+    }
+    /// Encoded tokens as stored (`id*2+1` at a sequence start), padding included.
+    pub fn encoded(&self) -> &[u32] {
+        self.data.field_u32(self.array(0))
+    }
+    /// Token ids to predict (`encoded >> 1`).
+    pub fn targets(&self) -> &[u32] {
+        self.data.field_u32(self.array(1))
+    }
+    /// Ids fed to the model (0 at column 0 and at sequence starts).
+    pub fn inputs(&self) -> &[u32] {
+        self.data.field_u32(self.array(2))
+    }
+    /// Cumulative count of sequence starts along each row.
+    pub fn segment_ids(&self) -> &[u32] {
+        self.data.field_u32(self.array(3))
+    }
+    /// 1 where a position starts a sequence.
+    pub fn is_seq_start(&self) -> &[u8] {
+        self.data.field(self.array(4))
+    }
+    /// 1 for real tokens, 0 for padding (always 1 when packed).
+    pub fn mask(&self) -> &[u8] {
+        self.data.field(self.array(5))
+    }
+    /// Every array with its bytes.
+    pub fn fields(&self) -> impl Iterator<Item = (&Field, &[u8])> {
+        self.fields.iter().map(|f| (f, self.data.field(f)))
+    }
+    /// The buffer and its arrays (for zero-copy hand-off).
+    pub fn into_parts(self) -> (Buffer, Vec<Field>) {
+        (self.data, self.fields)
+    }
 }
 
 /// Largest batch held in memory (elements of `rows × seq_len`).
@@ -119,8 +181,10 @@ struct Inner {
     /// The most recently used later epoch.
     later: Mutex<Option<Arc<Schedule>>>,
     host_rows: Range<u64>,
-    /// Reads rows; I/O-bound, so wider than the core count.
-    pool: rayon::ThreadPool,
+    /// Gathers (decodes) rows; started on first use and kept.
+    gather: GatherCell,
+    /// Batch buffers, recycled.
+    buffers: Mutex<BufferPool>,
 }
 
 /// seqax-compatible loader over one split; cheap to clone (shared state).
@@ -170,11 +234,6 @@ impl TokenLoader {
         };
         let epoch0 = Arc::new(Schedule::new(n_seq, opts.shuffle_params())?);
         let host_rows = opts.host_index * per_host..(opts.host_index + 1) * per_host;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(opts.io_threads.clamp(1, 256))
-            .thread_name(|i| format!("shardkit-tokens-io-{i}"))
-            .build()
-            .map_err(|e| Error::Invalid(format!("cannot start the loader's threads: {e}")))?;
         Ok(TokenLoader {
             inner: Arc::new(Inner {
                 split,
@@ -183,7 +242,8 @@ impl TokenLoader {
                 epoch0,
                 later: Mutex::new(None),
                 host_rows,
-                pool,
+                gather: GatherCell::default(),
+                buffers: Mutex::new(BufferPool::new(PREFETCH + 6)),
             }),
         })
     }
@@ -207,6 +267,29 @@ impl TokenLoader {
     /// The batch rows this host serves.
     pub fn host_rows(&self) -> Range<u64> {
         self.inner.host_rows.clone()
+    }
+    /// Bytes of one batch's buffer (every array).
+    pub fn batch_bytes(&self) -> usize {
+        self.layout(self.inner.host_rows.end - self.inner.host_rows.start)
+            .1
+    }
+    /// Gathers batches into `pool` from now on (e.g. pinned host memory for copies to a GPU;
+    /// each buffer must hold [`TokenLoader::batch_bytes`]).
+    pub fn set_batch_buffers(&self, pool: BufferPool) {
+        *self.inner.buffers.lock().unwrap_or_else(|e| e.into_inner()) = pool;
+    }
+
+    /// The arrays of a batch of `rows` rows and the bytes they need.
+    fn layout(&self, rows: u64) -> (Vec<Field>, usize) {
+        let shape = vec![rows as usize, self.inner.opts.seq_len as usize];
+        let arrays: Vec<(&'static str, Dtype, Vec<usize>)> =
+            FIELDS.iter().map(|&(n, d)| (n, d, shape.clone())).collect();
+        lay_out(&arrays)
+    }
+
+    /// The gather pool, started on first use.
+    fn gather_pool(&self) -> Result<Arc<GatherPool>> {
+        self.inner.gather.get(self.inner.opts.threads)
     }
 
     /// The schedule of `step` and the step within its epoch.
@@ -245,118 +328,127 @@ impl TokenLoader {
         self.host_rows().map(|b| schedule.sequence(t, b)).collect()
     }
 
-    /// This host's rows of `step`.
+    /// This host's rows of `step`, now.
     pub fn load(&self, step: u64) -> Result<TokenBatch> {
-        let rows = self.sequences(step)?;
-        let len = self.inner.opts.seq_len as usize;
-        let split = &self.inner.split;
-        let packing = self.inner.opts.packing;
-        // Padding is seqax's encoded 1 (target 0, "start"); packed rows overwrite all of it.
-        let mut encoded = vec![1u32; rows.len() * len];
-        let mut real = vec![0usize; rows.len()];
-        self.inner.pool.install(|| {
-            encoded
-                .par_chunks_mut(len.max(1))
-                .zip(real.par_iter_mut())
-                .zip(rows.par_iter())
-                .try_for_each(|((dst, real), &seq)| -> Result<()> {
-                    let range = match packing {
-                        Packing::Packed => seq * len as u64..(seq + 1) * len as u64,
-                        Packing::Unpacked => {
-                            let d = split.document(seq)?;
-                            d.start..d.end.min(d.start + len as u64)
-                        }
-                    };
-                    let tokens = split.encoded(range)?;
-                    dst[..tokens.len()].copy_from_slice(&tokens);
-                    *real = tokens.len();
-                    Ok(())
-                })
-        })?;
-        let mut mask = vec![false; encoded.len()];
-        for (m, &r) in mask.chunks_mut(len.max(1)).zip(&real) {
-            m[..r].fill(true);
-        }
-        let decoded = decode(&encoded, len);
-        Ok(TokenBatch {
-            step,
-            seq_len: len,
-            rows,
-            encoded,
-            mask,
-            decoded,
-        })
+        exec::run_one(self, step, &*self.gather_pool()?)
     }
 
-    /// Batches from `step` on, prepared ahead in a background thread: to the end of the epoch,
-    /// or without end when epochs are enabled. Dropping the iterator stops the thread.
+    /// Batches from `step` on, prepared ahead on the engine's threads: to the end of the epoch,
+    /// or without end when epochs are enabled. A fault (an error, a panicking or unstartable
+    /// thread) is an error, never an early end; dropping the iterator stops the threads.
     pub fn iter(&self, step: u64) -> Batches {
-        let (tx, rx) = sync_channel(PREFETCH);
-        let loader = self.clone();
         let end = if self.inner.opts.epochs {
             u64::MAX
         } else {
             self.step_count()
         };
-        let thread = std::thread::Builder::new()
-            .name("shardkit-tokens".into())
-            .spawn(move || {
-                for s in step..end {
-                    let b = loader.load(s);
-                    let failed = b.is_err();
-                    if tx.send(b).is_err() || failed {
-                        break;
-                    }
-                }
+        let stream = match self.gather_pool() {
+            Err(e) => exec::Stream::failed(e),
+            Ok(pool) => exec::start(
+                Arc::new(self.clone()),
+                step..end.max(step),
+                pool,
+                StreamOptions { ahead: PREFETCH },
+            ),
+        };
+        Batches { stream }
+    }
+}
+
+/// A prepared step: its rows' sequences.
+pub struct StepRows {
+    step: u64,
+    rows: Vec<u64>,
+    fields: Vec<Field>,
+}
+
+impl Job for TokenLoader {
+    type Plan = u64;
+    type State = StepRows;
+    type Item = TokenBatch;
+
+    fn prepare(&self, step: u64, cx: &Context<'_>) -> Result<Prepared<StepRows>> {
+        let rows = self.sequences(step)?;
+        let (fields, bytes) = self.layout(rows.len() as u64);
+        let len = self.inner.opts.seq_len as usize;
+        // Row r of every array: one piece.
+        let regions = (0..rows.len())
+            .map(|r| {
+                fields
+                    .iter()
+                    .map(|f| {
+                        let w = f.dtype.bitsize() / 8 * len;
+                        f.offset + r * w..f.offset + (r + 1) * w
+                    })
+                    .collect()
             })
-            .ok();
-        Batches {
-            rx: Some(rx),
-            thread,
-            spawn_failed: false,
+            .collect();
+        let pool = self
+            .inner
+            .buffers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Ok(Prepared {
+            buf: cx.buffer(&pool, bytes)?,
+            regions,
+            state: StepRows { step, rows, fields },
+        })
+    }
+
+    /// Reads (decodes) row `r`'s tokens and writes it in every array.
+    fn fill(&self, st: &StepRows, r: usize, out: &mut [&mut [u8]]) -> Result<()> {
+        let split = &self.inner.split;
+        let len = self.inner.opts.seq_len as usize;
+        let seq = st.rows[r];
+        let range = match self.inner.opts.packing {
+            Packing::Packed => seq * len as u64..(seq + 1) * len as u64,
+            Packing::Unpacked => {
+                let d = split.document(seq)?;
+                d.start..d.end.min(d.start + len as u64)
+            }
+        };
+        crate::engine::fault::before_read(split.path())?;
+        let tokens = split.encoded(range)?;
+        let [enc, targets, inputs, segments, starts, mask] = out else {
+            return Err(Error::Invalid(
+                "internal: a token row has six arrays".into(),
+            ));
+        };
+        let real = tokens.len().min(len);
+        // Padding is seqax's encoded 1 (target 0, "start"); packed rows overwrite all of it.
+        let row = tokens.iter().copied().chain(std::iter::repeat(1)).take(len);
+        for (i, (e, p)) in row.clone().zip(decode_row(row)).enumerate() {
+            let at = 4 * i..4 * i + 4;
+            enc[at.clone()].copy_from_slice(&e.to_ne_bytes());
+            targets[at.clone()].copy_from_slice(&p.target.to_ne_bytes());
+            inputs[at.clone()].copy_from_slice(&p.input.to_ne_bytes());
+            segments[at].copy_from_slice(&p.segment.to_ne_bytes());
+            starts[i] = u8::from(p.start);
+            mask[i] = u8::from(i < real);
         }
-        .check_spawned()
+        Ok(())
+    }
+
+    fn finish(&self, p: Prepared<StepRows>, _: &rayon::ThreadPool) -> Result<TokenBatch> {
+        Ok(TokenBatch {
+            step: p.state.step,
+            seq_len: self.inner.opts.seq_len as usize,
+            rows: p.state.rows,
+            data: p.buf,
+            fields: p.state.fields,
+        })
     }
 }
 
 /// Batches prepared ahead by [`TokenLoader::iter`].
 pub struct Batches {
-    rx: Option<Receiver<Result<TokenBatch>>>,
-    thread: Option<JoinHandle<()>>,
-    spawn_failed: bool,
-}
-
-impl Batches {
-    fn check_spawned(mut self) -> Self {
-        self.spawn_failed = self.thread.is_none();
-        self
-    }
+    stream: exec::Stream<TokenBatch>,
 }
 
 impl Iterator for Batches {
     type Item = Result<TokenBatch>;
     fn next(&mut self) -> Option<Result<TokenBatch>> {
-        if self.spawn_failed {
-            self.spawn_failed = false;
-            self.rx = None;
-            return Some(Err(Error::Invalid(
-                "cannot start the loader's reading thread".into(),
-            )));
-        }
-        let item = self.rx.as_ref()?.recv().ok();
-        if !matches!(item, Some(Ok(_))) {
-            self.rx = None;
-        }
-        item
-    }
-}
-
-impl Drop for Batches {
-    fn drop(&mut self) {
-        // Closing the channel makes the producer's next send fail, so it stops.
-        self.rx = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.stream.next()
     }
 }

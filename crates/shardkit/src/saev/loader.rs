@@ -4,13 +4,25 @@
 //! whole example when `layer` is `all`; its rows are the selected tokens (minus those whose
 //! label is ignored). Orders come from [`crate::engine::order`], so batches depend only on
 //! `(seed, epoch, world_size, batch_size)` and the cursor, never on threads or timing.
+//!
+//! How rows reach the batch, one copy each, on the engine's gather threads:
+//! * sequential and block orders go window by window (the order's memory-bounded groups of
+//!   blocks). By default a window's blocks are read ahead into the page cache (the next
+//!   window's reads start as soon as the current one is ready) and mapped; rows are copied
+//!   from the maps, so data already in the page cache is copied once, straight into the batch.
+//!   With `direct_io` the window is read with O_DIRECT into a buffer of the loader's instead,
+//!   leaving the page cache alone (streaming more data than memory without evicting anything);
+//! * the exact order reads each row straight into the batch (`pread`, O_DIRECT with
+//!   `direct_io`), after asking the kernel to read the batch's rows ahead.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use crate::engine::batch::BufferPool;
+use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{rank_batches, EpochOrder, Order};
-use crate::engine::reader::Files;
-use crate::engine::stream::{self, BlockSource, StreamConfig};
+use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
 use crate::engine::Buffer;
 use crate::error::{Error, Result};
 use crate::saev::{Dataset, TokenMode};
@@ -64,13 +76,16 @@ pub struct LoaderOptions {
     pub memory_budget: Option<u64>,
     /// Skip content tokens whose labels.bin value is in this set (needs labels.bin).
     pub ignore_labels: Vec<u8>,
-    /// Reads in flight (default 16).
+    /// Threads that gather rows into batches (0, the default: one per core).
+    pub threads: usize,
+    /// Reads in flight for O_DIRECT window reads (default 16).
     pub io_threads: usize,
-    /// Read windows (sequential and block orders) with O_DIRECT where the file system allows
-    /// it and ranges are 4 KiB-aligned: data goes straight from the disk into the loader's
-    /// buffers, skipping the page-cache copy, but data already in the page cache is read from
-    /// disk again. Default false. The exact order always uses O_DIRECT for aligned rows;
-    /// anything refused falls back to buffered reads.
+    /// Bypass the page cache: windows (sequential and block orders) are read with O_DIRECT
+    /// into the loader's own buffers and rows of the exact order with O_DIRECT reads, where
+    /// the file system allows it and ranges are 4 KiB-aligned (anything refused falls back to
+    /// buffered reads). Streams data larger than memory without evicting the page cache, but
+    /// data already cached is read from disk again. Default false: reads go through the page
+    /// cache and cached data is gathered straight from it.
     pub direct_io: bool,
 }
 
@@ -89,20 +104,10 @@ impl LoaderOptions {
             world_size: None,
             memory_budget: None,
             ignore_labels: Vec::new(),
+            threads: 0,
             io_threads: 16,
             direct_io: false,
         }
-    }
-}
-
-fn env_u64(name: &str) -> Result<Option<u64>> {
-    match std::env::var(name) {
-        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
-            Error::Invalid(format!(
-                "environment variable {name}={v:?} is not a non-negative integer"
-            ))
-        }),
-        Err(_) => Ok(None),
     }
 }
 
@@ -155,10 +160,11 @@ impl Files for SaevSource {
     }
 }
 
-impl BlockSource for SaevSource {
+impl SaevSource {
     fn n_blocks(&self) -> usize {
         self.ds.layout().n_examples as usize
     }
+    /// (shard, byte offset, byte length) of block `b`: one example's selected slab.
     fn block(&self, b: u32) -> (u32, u64, u64) {
         let l = self.ds.layout();
         let (s, _) = l.locate(b as u64);
@@ -172,9 +178,11 @@ impl BlockSource for SaevSource {
             (s as u32, l.offset(b as u64, 0, 0), l.example_bytes())
         }
     }
+    /// Selected rows of block `b`.
     fn rows(&self, b: u32) -> u64 {
         self.kept_count(b as u64) * self.slots.len() as u64
     }
+    /// Byte offset, inside block `b`, of its selected row `j`.
     fn row_offset(&self, b: u32, j: u64) -> u64 {
         let l = self.ds.layout();
         let (li, sel) = self.split_row(b as u64, j);
@@ -232,17 +240,23 @@ pub struct LoaderState {
     pub global_batch_size: u64,
 }
 
+/// Free batch buffers kept for reuse: the batches in flight (prefetched, two lanes, queued,
+/// held by the consumer).
+const BATCH_POOL: usize = 8;
+
 /// Ordered or shuffled batches of one layer (or all) of a saev directory.
 pub struct Loader {
     src: Arc<SaevSource>,
     opts: LoaderOptions,
     rank: u64,
     world: u64,
-    budget: u64,
     window_blocks: u64,
     order: Arc<EpochOrder>,
     cursor: Arc<AtomicU64>,
-    pools: stream::Pools,
+    batches: BufferPool,
+    windows: BufferPool,
+    /// Started on the first pass and kept (a failure to start is reported by that pass).
+    gather: GatherCell,
 }
 
 impl std::fmt::Debug for Loader {
@@ -266,19 +280,7 @@ impl Loader {
             LayerSel::All => (0..layout.n_layers as usize).collect(),
         };
         let per_example = opts.tokens.rows_per_example(&layout)?;
-        let world = match opts.world_size {
-            Some(w) => w,
-            None => env_u64("WORLD_SIZE")?.unwrap_or(1),
-        };
-        let rank = match opts.rank {
-            Some(r) => r,
-            None => env_u64("RANK")?.unwrap_or(0),
-        };
-        if world == 0 || rank >= world {
-            return Err(Error::Invalid(format!(
-                "rank {rank} is not below world_size {world}"
-            )));
-        }
+        let (rank, world) = crate::engine::dist::rank_and_world(opts.rank, opts.world_size)?;
         if opts.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
@@ -335,6 +337,12 @@ impl Loader {
             kept,
             labels,
         };
+        if src.n_blocks() == 0 {
+            return Err(Error::Invalid(format!(
+                "{}: the dataset has no examples",
+                src.ds.path().display()
+            )));
+        }
         let block_bytes = src.block(0).2;
         let batch_bytes = opts.batch_size * src.row_bytes();
         let budget = opts.memory_budget.unwrap_or(DEFAULT_MEMORY_BUDGET);
@@ -357,12 +365,29 @@ impl Loader {
             opts,
             rank,
             world,
-            budget,
             window_blocks,
             order,
             cursor: Arc::new(AtomicU64::new(0)),
-            pools: stream::Pools::default(),
+            batches: BufferPool::new(BATCH_POOL),
+            windows: BufferPool::new(3),
+            gather: GatherCell::default(),
         })
+    }
+
+    /// Gathers batches into `pool` from now on (e.g. pinned host memory for copies to a GPU;
+    /// each buffer must hold `batch_size x d_model x 4` bytes).
+    pub fn set_batch_buffers(&mut self, pool: BufferPool) {
+        self.batches = pool;
+    }
+
+    /// Bytes of the `act` buffer of a full batch.
+    pub fn batch_bytes(&self) -> u64 {
+        self.opts.batch_size * self.src.row_bytes()
+    }
+
+    /// The gather pool, started on first use.
+    fn gather_pool(&self) -> Result<Arc<GatherPool>> {
+        self.gather.get(self.opts.threads)
     }
 
     fn plan_epoch(
@@ -464,11 +489,13 @@ impl Loader {
     }
 
     /// Iterates the rest of the epoch from the current cursor (from the start if the epoch was
-    /// finished). The same epoch is repeated until [`Loader::set_epoch`] changes it.
+    /// finished). The same epoch is repeated until [`Loader::set_epoch`] changes it. A thread
+    /// that cannot be started is reported by the first `next`.
     pub fn iter(&self) -> Result<Batches> {
         let total = self.order.len();
+        let global = self.opts.batch_size * self.world;
         let end = if self.opts.drop_last {
-            total - total % (self.opts.batch_size * self.world)
+            total - total % global
         } else {
             total
         };
@@ -477,56 +504,330 @@ impl Loader {
             cursor = 0;
             self.cursor.store(0, Ordering::Relaxed);
         }
-        let cfg = StreamConfig {
-            order: self.opts.order,
-            seed: self.opts.seed,
-            epoch: self.opts.epoch,
-            batch_size: self.opts.batch_size,
-            rank: self.rank,
-            world_size: self.world,
-            drop_last: self.opts.drop_last,
-            memory_budget: self.budget,
-            io_threads: self.opts.io_threads.max(1),
-            direct_io: self.opts.direct_io,
-            cursor,
+        // Batches: stream ranges of this rank from the cursor on, with the global cursor after
+        // each.
+        let plans: Vec<(u64, u64, u64)> = rank_batches(
+            total,
+            self.opts.batch_size,
+            self.rank,
+            self.world,
+            self.opts.drop_last,
+        )
+        .filter(|&(s, _)| s >= cursor - cursor % global)
+        .map(|(s, e)| (s, e, (((s / global) + 1) * global).min(total)))
+        .collect();
+        let stream = match self.gather_pool() {
+            Err(e) => exec::Stream::failed(e),
+            Ok(pool) => {
+                let windowed = self.opts.order != Order::Exact;
+                let needed = if windowed {
+                    windows_needed(&self.order, &plans)
+                } else {
+                    Vec::new()
+                };
+                let job = SaevJob {
+                    src: self.src.clone(),
+                    order: self.order.clone(),
+                    batches: self.batches.clone(),
+                    windows: self.windows.clone(),
+                    direct: self.opts.direct_io,
+                    io_threads: self.opts.io_threads.max(1),
+                    piece_rows: (PIECE_BYTES / self.src.row_bytes()).max(1) as usize,
+                    resident: Mutex::new(Resident {
+                        needed,
+                        next: 0,
+                        windows: VecDeque::new(),
+                    }),
+                };
+                exec::start(
+                    Arc::new(job),
+                    plans.into_iter(),
+                    pool,
+                    StreamOptions { ahead: 2 },
+                )
+            }
         };
-        let stream = stream::start(
-            self.src.clone(),
-            self.order.clone(),
-            cfg,
-            self.pools.clone(),
-        )?;
         Ok(Batches {
             stream,
-            src: self.src.clone(),
             cursor: self.cursor.clone(),
         })
     }
 }
 
-/// The batches of one pass (see [`Loader::iter`]).
-pub struct Batches {
-    stream: stream::Stream,
-    src: Arc<SaevSource>,
-    cursor: Arc<AtomicU64>,
+/// Bytes a gather piece copies: small enough to spread a batch over every thread, large enough
+/// that handing out pieces costs nothing.
+const PIECE_BYTES: u64 = 256 << 10;
+
+/// Windows touched by the batches, in stream order.
+fn windows_needed(order: &EpochOrder, batches: &[(u64, u64, u64)]) -> Vec<usize> {
+    let mut out: Vec<usize> = Vec::new();
+    for &(s, e, _) in batches {
+        for w in order.window_of(s)..=order.window_of(e - 1) {
+            if out.last().is_none_or(|&l| l < w) {
+                out.push(w);
+            }
+        }
+    }
+    out
 }
 
-impl Iterator for Batches {
-    type Item = Result<Batch>;
-    fn next(&mut self) -> Option<Result<Batch>> {
-        let raw = match self.stream.next()? {
-            Ok(r) => r,
-            Err(e) => return Some(Err(e)),
+/// A window's blocks in memory: mapped from the page cache, or read into a buffer.
+enum WindowData {
+    /// One populated map per block, in window order.
+    Mapped(Vec<memmap2::Mmap>),
+    /// The blocks read into one buffer, block `i` at `block_dst[i]`.
+    Read { buf: Buffer, block_dst: Vec<u64> },
+}
+
+struct LoadedWindow {
+    index: usize,
+    /// The order of the window's rows.
+    perm: Vec<u32>,
+    data: WindowData,
+}
+
+impl LoadedWindow {
+    fn block(&self, i: usize, len: u64) -> &[u8] {
+        match &self.data {
+            WindowData::Mapped(maps) => &maps[i],
+            WindowData::Read { buf, block_dst } => {
+                let at = block_dst[i] as usize;
+                &buf.as_bytes()[at..at + len as usize]
+            }
+        }
+    }
+}
+
+/// The windows of a pass that are in memory, and which one comes next.
+struct Resident {
+    needed: Vec<usize>,
+    next: usize,
+    windows: VecDeque<Arc<LoadedWindow>>,
+}
+
+/// One pass of a loader, as the engine runs it.
+struct SaevJob {
+    src: Arc<SaevSource>,
+    order: Arc<EpochOrder>,
+    batches: BufferPool,
+    windows: BufferPool,
+    direct: bool,
+    io_threads: usize,
+    piece_rows: usize,
+    resident: Mutex<Resident>,
+}
+
+/// A prepared batch: each row's (block, selected row) and where its bytes are.
+struct SaevBatch {
+    rows: Vec<(u32, u32)>,
+    /// Per row: (index into `windows`, block index in that window); empty for the exact order.
+    at: Vec<(u32, u32)>,
+    windows: Vec<Arc<LoadedWindow>>,
+    cursor: u64,
+}
+
+impl SaevJob {
+    /// Reads window `w`'s blocks into memory.
+    fn load_window(&self, w: usize, cx: &Context<'_>) -> Result<LoadedWindow> {
+        let src = &*self.src;
+        let win = &self.order.windows()[w];
+        let data = if self.direct {
+            let mut ranges = Vec::with_capacity(win.blocks.len());
+            let mut block_dst = Vec::with_capacity(win.blocks.len());
+            let mut dst = 0u64;
+            for &b in &win.blocks {
+                let (file, offset, len) = src.block(b);
+                ranges.push(ReadRange {
+                    file,
+                    offset,
+                    len,
+                    dst,
+                });
+                block_dst.push(dst);
+                dst += len;
+            }
+            let mut buf = cx.buffer(&self.windows, dst as usize)?;
+            read_all(
+                src,
+                &plan_reads(ranges),
+                buf.as_mut_bytes(),
+                self.io_threads,
+                true,
+            )?;
+            WindowData::Read { buf, block_dst }
+        } else {
+            // Every block's reads are already in flight (started a window ahead, or now), so
+            // populating the maps one by one waits for the disk only once.
+            self.readahead(w);
+            let shard_len = src.ds.layout().shard_bytes();
+            let mut checked = Vec::new();
+            let mut maps = Vec::with_capacity(win.blocks.len());
+            for &b in &win.blocks {
+                let (file, offset, len) = src.block(b);
+                let f = src.file(file)?;
+                if !checked.contains(&file) {
+                    reader::check_len(f, &src.path(file), shard_len)?;
+                    checked.push(file);
+                }
+                maps.push(reader::map_populated(f, &src.path(file), offset, len)?);
+            }
+            WindowData::Mapped(maps)
         };
+        Ok(LoadedWindow {
+            index: w,
+            perm: self.order.window_permutation(w),
+            data,
+        })
+    }
+
+    /// Starts reading window `w`'s blocks into the page cache.
+    fn readahead(&self, w: usize) {
+        for &b in &self.order.windows()[w].blocks {
+            let (file, offset, len) = self.src.block(b);
+            if let Ok(f) = self.src.file(file) {
+                reader::readahead(f, offset, len);
+            }
+        }
+    }
+
+    fn prepare_windowed(&self, s: u64, e: u64, cx: &Context<'_>) -> Result<SaevBatch> {
+        let order = &*self.order;
+        let (first, last) = (order.window_of(s), order.window_of(e - 1));
+        let mut r = self.resident.lock().unwrap_or_else(|e| e.into_inner());
+        while r.windows.front().is_some_and(|w| w.index < first) {
+            r.windows.pop_front();
+        }
+        while r.windows.back().is_none_or(|w| w.index < last) {
+            let Some(&w) = r.needed.get(r.next) else {
+                return Err(Error::Invalid(format!(
+                    "internal: window {last} was not planned for this pass"
+                )));
+            };
+            r.next += 1;
+            let loaded = self.load_window(w, cx)?;
+            r.windows.push_back(Arc::new(loaded));
+            // The next window's reads overlap the gathering of this one.
+            if let (false, Some(&next)) = (self.direct, r.needed.get(r.next)) {
+                self.readahead(next);
+            }
+        }
+        let windows: Vec<Arc<LoadedWindow>> = r
+            .windows
+            .iter()
+            .filter(|w| (first..=last).contains(&w.index))
+            .cloned()
+            .collect();
+        drop(r);
+        let n = (e - s) as usize;
+        let mut rows = Vec::with_capacity(n);
+        let mut at = Vec::with_capacity(n);
+        let mut p = s;
+        while p < e {
+            let wi = order.window_of(p);
+            let win = &order.windows()[wi];
+            let seg_end = e.min(win.start + win.rows());
+            let k = windows
+                .iter()
+                .position(|w| w.index == wi)
+                .ok_or_else(|| Error::Invalid(format!("internal: window {wi} is not resident")))?;
+            for &q in &windows[k].perm[(p - win.start) as usize..(seg_end - win.start) as usize] {
+                let q = q as u64;
+                let i = win.row_prefix.partition_point(|&x| x <= q) - 1;
+                rows.push((win.blocks[i], (q - win.row_prefix[i]) as u32));
+                at.push((k as u32, i as u32));
+            }
+            p = seg_end;
+        }
+        Ok(SaevBatch {
+            rows,
+            at,
+            windows,
+            cursor: 0,
+        })
+    }
+}
+
+impl Job for SaevJob {
+    type Plan = (u64, u64, u64);
+    type State = SaevBatch;
+    type Item = Batch;
+
+    fn prepare(
+        &self,
+        (s, e, cursor): (u64, u64, u64),
+        cx: &Context<'_>,
+    ) -> Result<Prepared<SaevBatch>> {
+        let mut state = if self.order.order() == Order::Exact {
+            let rows: Vec<(u32, u32)> = (s..e)
+                .map(|p| {
+                    let (b, j) = self.order.locate(p);
+                    (b, j as u32)
+                })
+                .collect();
+            if !self.direct {
+                let rb = self.src.row_bytes();
+                for &(b, j) in &rows {
+                    let (file, offset, _) = self.src.block(b);
+                    let f = self.src.file(file)?;
+                    reader::readahead(f, offset + self.src.row_offset(b, j as u64), rb);
+                }
+            }
+            SaevBatch {
+                rows,
+                at: Vec::new(),
+                windows: Vec::new(),
+                cursor,
+            }
+        } else {
+            self.prepare_windowed(s, e, cx)?
+        };
+        state.cursor = cursor;
+        let rb = self.src.row_bytes() as usize;
+        let n = state.rows.len();
+        let step = self.piece_rows * rb;
+        let regions = exec::even_pieces(n * rb, step);
+        Ok(Prepared {
+            buf: cx.buffer(&self.batches, n * rb)?,
+            regions,
+            state,
+        })
+    }
+
+    fn fill(&self, b: &SaevBatch, piece: usize, out: &mut [&mut [u8]]) -> Result<()> {
+        let src = &*self.src;
+        let rb = src.row_bytes() as usize;
+        let first = piece * self.piece_rows;
+        for (k, dst) in out[0].chunks_exact_mut(rb).enumerate() {
+            let (blk, j) = b.rows[first + k];
+            let off = src.row_offset(blk, j as u64);
+            if b.windows.is_empty() {
+                let (file, offset, _) = src.block(blk);
+                read_row(src, file, offset + off, dst, self.direct)?;
+            } else {
+                let (w, i) = b.at[first + k];
+                let block = b.windows[w as usize].block(i as usize, src.block(blk).2);
+                let row = block.get(off as usize..off as usize + rb).ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "internal: row {j} of example {blk} is outside its block"
+                    ))
+                })?;
+                dst.copy_from_slice(row);
+            }
+        }
+        Ok(())
+    }
+
+    fn finish(&self, p: Prepared<SaevBatch>, _: &rayon::ThreadPool) -> Result<Batch> {
         let src = &*self.src;
         let layout = src.ds.layout();
         let layers = src.ds.metadata().layers();
-        let n = raw.rows.len();
+        let rows = &p.state.rows;
+        let n = rows.len();
         let mut example_idx = Vec::with_capacity(n);
         let mut token_idx = Vec::with_capacity(n);
         let mut layer = (src.slots.len() > 1).then(|| Vec::with_capacity(n));
         let mut token_label = src.labels.as_ref().map(|_| Vec::with_capacity(n));
-        for &(b, j) in &raw.rows {
+        for &(b, j) in rows {
             let (li, sel) = src.split_row(b as u64, j as u64);
             let (_, c) = src.mode.token_of(layout, sel);
             example_idx.push(b as i64);
@@ -542,16 +843,48 @@ impl Iterator for Batches {
                 });
             }
         }
-        self.cursor.store(raw.cursor, Ordering::Relaxed);
-        Some(Ok(Batch {
-            act: raw.data,
+        Ok(Batch {
+            act: p.buf,
             n,
             d_model: layout.d_model as usize,
             example_idx,
             token_idx,
             layer,
             token_label,
-            cursor: raw.cursor,
-        }))
+            cursor: p.state.cursor,
+        })
+    }
+}
+
+/// One row read straight into `dst`: O_DIRECT when asked and aligned, else buffered.
+fn read_row(src: &SaevSource, file: u32, offset: u64, dst: &mut [u8], direct: bool) -> Result<()> {
+    let aligned = offset.is_multiple_of(reader::DIRECT_ALIGN)
+        && (dst.len() as u64).is_multiple_of(reader::DIRECT_ALIGN)
+        && (dst.as_ptr() as u64).is_multiple_of(reader::DIRECT_ALIGN);
+    if direct && aligned {
+        if let Some(f) = src.direct(file) {
+            use std::os::unix::fs::FileExt;
+            if f.read_exact_at(dst, offset).is_ok() {
+                return Ok(());
+            }
+        }
+    }
+    reader::read_exact(src.file(file)?, &src.path(file), offset, dst)
+}
+
+/// The batches of one pass (see [`Loader::iter`]).
+pub struct Batches {
+    stream: exec::Stream<Batch>,
+    cursor: Arc<AtomicU64>,
+}
+
+impl Iterator for Batches {
+    type Item = Result<Batch>;
+    fn next(&mut self) -> Option<Result<Batch>> {
+        let b = self.stream.next()?;
+        if let Ok(b) = &b {
+            self.cursor.store(b.cursor, Ordering::Relaxed);
+        }
+        Some(b)
     }
 }

@@ -248,6 +248,8 @@ class OrderedLoader(_Loader):
         world_size: Optional[int] = None,
         memory_budget: Optional[int] = None,
         io_threads: int = 16,
+        num_threads: Optional[int] = None,
+        direct_io: bool = False,
     ) -> None:
         super().__init__(
             path,
@@ -260,6 +262,8 @@ class OrderedLoader(_Loader):
             world_size=world_size,
             memory_budget=memory_budget,
             io_threads=io_threads,
+            threads=num_threads or 0,
+            direct_io=direct_io,
         )
 
 
@@ -267,7 +271,10 @@ class ShuffledLoader(_Loader):
     """Shuffled batches: ``order="block"`` (windows of blocks, default) or ``"exact"``.
 
     The order depends only on (seed, epoch, memory_budget, global batch size) and the dataset;
-    rank and world_size default to $RANK and $WORLD_SIZE.
+    rank and world_size default to $RANK and $WORLD_SIZE. ``num_threads`` gather threads
+    (default: every core) copy rows into batches, from the page cache when the data are there;
+    ``direct_io=True`` reads with O_DIRECT instead, bypassing the page cache (``io_threads``
+    reads in flight).
     """
 
     def __init__(
@@ -286,6 +293,8 @@ class ShuffledLoader(_Loader):
         memory_budget: Optional[int] = None,
         ignore_labels: Sequence[int] = (),
         io_threads: int = 16,
+        num_threads: Optional[int] = None,
+        direct_io: bool = False,
     ) -> None:
         super().__init__(
             path,
@@ -301,6 +310,8 @@ class ShuffledLoader(_Loader):
             memory_budget=memory_budget,
             ignore_labels=ignore_labels,
             io_threads=io_threads,
+            threads=num_threads or 0,
+            direct_io=direct_io,
         )
 
 
