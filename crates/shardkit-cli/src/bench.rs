@@ -53,6 +53,10 @@ pub enum BenchCmd {
         /// warm); ratios need their ceiling in the same run.
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// Gather thread counts of the warm block loader, each beside a memory-copy ceiling
+        /// with as many threads (comma-separated; default 1, 2, 4, ... and every core).
+        #[arg(long, value_delimiter = ',')]
+        threads: Vec<usize>,
     },
     /// flat-tokens: time to the first batch at a random step, sustained packed-batch
     /// throughput against zarr-python + numpy and the sequential ceilings, writer throughput.
@@ -80,8 +84,21 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             json: _,
             only,
             plot,
+            threads,
         } => {
-            let v = saev_read(&dir, size_gib, rounds.max(1), &only, plot.as_deref())?;
+            let threads = if threads.is_empty() {
+                thread_counts()
+            } else {
+                threads
+            };
+            let v = saev_read(
+                &dir,
+                size_gib,
+                rounds.max(1),
+                &only,
+                plot.as_deref(),
+                &threads,
+            )?;
             println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             Ok(())
         }
@@ -329,8 +346,52 @@ fn rand4k(files: &[PathBuf], reads: usize) -> Result<f64> {
     Ok(reads as f64 * 4096.0 / t0.elapsed().as_secs_f64())
 }
 
+/// 1, 2, 4, ... below the core count, and the core count.
+pub(crate) fn thread_counts() -> Vec<usize> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut t: Vec<usize> = std::iter::successors(Some(1), |&n| Some(n * 2))
+        .take_while(|&n| n < cores)
+        .collect();
+    t.push(cores);
+    t
+}
+
+/// The memory-copy ceiling with `threads` threads: each copies its own source buffer into its
+/// own destination (about 1 GiB of sources in all, large enough to miss every cache), best of
+/// three passes; bytes copied per second.
+pub(crate) fn memcpy_ceiling(threads: usize) -> f64 {
+    let threads = threads.max(1);
+    let per = ((1usize << 30) / threads).clamp(16 << 20, 256 << 20);
+    let mut bufs: Vec<(Vec<u8>, Vec<u8>)> = (0..threads)
+        .map(|t| (vec![t as u8 | 1; per], vec![0u8; per]))
+        .collect();
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let barrier = std::sync::Barrier::new(threads + 1);
+        let t0 = std::sync::Mutex::new(None);
+        std::thread::scope(|s| {
+            for (src, dst) in bufs.iter_mut() {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    barrier.wait();
+                    dst.copy_from_slice(src);
+                    std::hint::black_box(&dst);
+                });
+            }
+            barrier.wait();
+            *t0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        });
+        let started = t0.into_inner().unwrap_or_else(|e| e.into_inner());
+        if let Some(t0) = started {
+            best = best.max((per * threads) as f64 / t0.elapsed().as_secs_f64());
+        }
+    }
+    best
+}
+
 /// Payload bytes/s of a loader over at most `max_bytes` of payload, after `warmup_epochs`
-/// unmeasured passes (which also fill the loader's buffer pools).
+/// unmeasured passes (which also fill the loader's buffer pools), gathering on `threads`
+/// threads (0: every core).
 fn loader_run(
     dir: &Path,
     order: shardkit::engine::Order,
@@ -338,11 +399,13 @@ fn loader_run(
     max_bytes: u64,
     evict_first: bool,
     warmup_epochs: u32,
+    threads: usize,
 ) -> Result<(f64, Vec<(f64, u64)>)> {
     use shardkit::saev::{LayerSel, Loader, LoaderOptions};
     let mut o = LoaderOptions::new(LayerSel::Value(-1));
     o.order = order;
     o.seed = 1;
+    o.threads = threads;
     let mut loader = Loader::new(dir, o)?;
     for e in 0..warmup_epochs {
         loader.set_epoch(100 + e as u64)?;
@@ -377,6 +440,7 @@ pub fn saev_read(
     rounds: u32,
     only: &[String],
     plot: Option<&Path>,
+    threads: &[usize],
 ) -> Result<Value> {
     let run = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
     use shardkit::engine::Order;
@@ -459,26 +523,53 @@ pub fn saev_read(
             ),
         ] {
             if run(name) {
-                let measured = loader_run(&ds_dir, order, &files, max_bytes, true, 0)?;
+                let measured = loader_run(&ds_dir, order, &files, max_bytes, true, 0, 0)?;
                 best(runs, keep(label, measured));
             }
         }
     }
+    // Warm: the whole dataset in the page cache first, and unmeasured epochs; at each thread
+    // count, the memory-copy ceiling with as many threads, measured just before.
+    let mut scaling = Vec::new();
     if run("warm") {
-        // Warm: the whole dataset in the page cache first, and one unmeasured epoch.
         let mut buf = vec![0u8; 8 << 20];
         for p in &files {
             use std::io::Read;
             let mut f = File::open(p).map_err(|e| Error::io(p, e))?;
             while f.read(&mut buf).map_err(|e| Error::io(p, e))? > 0 {}
         }
-        best(
-            &mut warm,
-            keep(
-                "block shuffle (page cache)",
-                loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2)?,
-            ),
-        );
+        for &t in threads {
+            let ceiling = memcpy_ceiling(t);
+            let mut rates = Vec::new();
+            for _ in 0..rounds {
+                let label = format!("block shuffle (page cache, {t} threads)");
+                let r = loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2, t)?;
+                rates.push(keep(&label, r));
+            }
+            let w = rates.iter().cloned().fold(0f64, f64::max);
+            eprintln!(
+                "warm block loader, {t} threads: {:.2} GB/s; memory copy {:.2} GB/s ({:.2})",
+                w / 1e9,
+                ceiling / 1e9,
+                w / ceiling
+            );
+            best(&mut warm, w);
+            scaling.push(Value::Object(vec![
+                ("threads".into(), Value::int(t as u64)),
+                (
+                    "memcpy_bytes_per_s".into(),
+                    Value::Number(format!("{ceiling:.0}")),
+                ),
+                (
+                    "block_warm_bytes_per_s".into(),
+                    Value::Number(format!("{w:.0}")),
+                ),
+                (
+                    "block_warm_vs_memcpy".into(),
+                    Value::Number(format!("{:.3}", w / ceiling)),
+                ),
+            ]));
+        }
     }
     let max = |v: &[f64]| v.iter().cloned().fold(0f64, f64::max);
     let (seq, rnd) = (max(&seq_ways), max(&r4k));
@@ -529,5 +620,6 @@ pub fn saev_read(
         ("exact_bytes_per_s".into(), num(max(&ex))),
         ("exact_ratio".into(), ratio(max(&ex), rnd)),
         ("block_warm_bytes_per_s".into(), num(max(&warm))),
+        ("block_warm_by_threads".into(), Value::Array(scaling)),
     ]))
 }

@@ -32,6 +32,9 @@ pub struct TokensBenchArgs {
     /// Layout of the dataset: v3 (sharded zstd) or v2 (seqax's).
     #[arg(long, default_value = "v3")]
     layout: String,
+    /// Tokens per inner chunk of a v3 dataset (default: the writer's).
+    #[arg(long)]
+    chunk_tokens: Option<u64>,
     /// Tokens per row.
     #[arg(long, default_value_t = 2048)]
     seq_len: u64,
@@ -226,7 +229,10 @@ fn default_threads() -> Vec<usize> {
 }
 
 pub fn run(a: TokensBenchArgs) -> Result<()> {
-    let layout: Layout = a.layout.parse()?;
+    let mut layout: Layout = a.layout.parse()?;
+    if let (Layout::V3(sharded), Some(c)) = (&mut layout, a.chunk_tokens) {
+        sharded.tokens_per_chunk = c;
+    }
     std::fs::create_dir_all(&a.dir).map_err(|e| Error::io(&a.dir, e))?;
     let threads = if a.threads.is_empty() {
         default_threads()
@@ -246,7 +252,10 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         return Ok(());
     }
     let tokens = (a.size_gib * (1u64 << 28) as f64) as u64;
-    let root = a.dir.join(format!("tokens-{}.zarr", a.layout));
+    let root = match (&layout, a.chunk_tokens) {
+        (Layout::V3(s), Some(_)) => a.dir.join(format!("tokens-v3-{}.zarr", s.tokens_per_chunk)),
+        _ => a.dir.join(format!("tokens-{}.zarr", a.layout)),
+    };
     eprintln!(
         "dataset: {} ({} M tokens)",
         root.display(),

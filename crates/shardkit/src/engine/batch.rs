@@ -361,6 +361,71 @@ impl BufferPool {
     }
 }
 
+/// Copies `src` into `dst` (same length) for a batch gather: with non-temporal stores when
+/// both are 16-byte aligned and the length is a multiple of 64 (x86-64), so the destination's
+/// old contents are never read in; a plain copy otherwise. Callers finish a run of such copies
+/// with [`copy_done`].
+#[inline]
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy of unequal lengths");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_load_si128, _mm_stream_si128};
+        let n = dst.len();
+        if n.is_multiple_of(64)
+            && (dst.as_ptr() as usize).is_multiple_of(16)
+            && (src.as_ptr() as usize).is_multiple_of(16)
+        {
+            let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+            let mut i = 0;
+            while i < n {
+                // SAFETY: SSE2 is part of x86-64; `i + 64 <= n` for both slices, whose pointers
+                // are 16-byte aligned (checked), so every 16-byte access is aligned and in bounds.
+                unsafe {
+                    let a = _mm_load_si128(s.add(i).cast::<__m128i>());
+                    let b = _mm_load_si128(s.add(i + 16).cast::<__m128i>());
+                    let c = _mm_load_si128(s.add(i + 32).cast::<__m128i>());
+                    let e = _mm_load_si128(s.add(i + 48).cast::<__m128i>());
+                    _mm_stream_si128(d.add(i).cast::<__m128i>(), a);
+                    _mm_stream_si128(d.add(i + 16).cast::<__m128i>(), b);
+                    _mm_stream_si128(d.add(i + 32).cast::<__m128i>(), c);
+                    _mm_stream_si128(d.add(i + 48).cast::<__m128i>(), e);
+                }
+                i += 64;
+            }
+            return;
+        }
+    }
+    dst.copy_from_slice(src);
+}
+
+/// Orders the non-temporal stores of [`copy_streaming`] before anything that follows (the
+/// batch being handed to another thread).
+#[inline]
+pub fn copy_done() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of x86-64; a store fence has no memory operands.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// Hints that `bytes` will be read soon (the first lines of a row gathered next, and its page
+/// table entry).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        for off in (0..bytes.len().min(256)).step_by(64) {
+            // SAFETY: a prefetch never faults and `off` is inside `bytes`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(off).cast::<i8>()) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -412,5 +477,27 @@ mod tests {
         assert_eq!(b.as_ptr() as usize % ALIGN, 0);
         drop(pool);
         drop(b); // freed, pool gone
+    }
+
+    #[test]
+    fn streaming_copies_equal_plain_ones() {
+        let src = Buffer::zeroed(8192);
+        let mut src = src;
+        for (i, b) in src.as_mut_bytes().iter_mut().enumerate() {
+            *b = (i * 7 % 251) as u8;
+        }
+        let mut dst = Buffer::zeroed(8192);
+        for (off, len) in [(0, 4096), (64, 128), (3, 61), (16, 1000), (0, 0)] {
+            dst.as_mut_bytes().fill(0);
+            copy_streaming(
+                &mut dst.as_mut_bytes()[off..off + len],
+                &src.as_bytes()[off..off + len],
+            );
+            copy_done();
+            assert_eq!(
+                dst.as_bytes()[off..off + len],
+                src.as_bytes()[off..off + len]
+            );
+        }
     }
 }

@@ -227,22 +227,41 @@ pub fn check_len(file: &File, path: &Path, len: u64) -> Result<()> {
     Ok(())
 }
 
-/// `len` bytes of `file` at `offset` mapped read-only and populated (read in and entered in
-/// the page tables now, so gathering from it never faults); `len` must be non-zero. The
-/// caller checks the file is long enough first ([`check_len`]) and keeps the map only while
-/// the batches that use it are gathered.
-pub fn map_populated(file: &File, path: &Path, offset: u64, len: u64) -> Result<memmap2::Mmap> {
-    // SAFETY: read-only shared map of a file the dataset's writer has finished; its length was
-    // checked against the file, and shardkit never writes a finished shard. (Another process
-    // truncating the file while it is mapped is the one hazard of any memory map.)
-    unsafe {
-        memmap2::MmapOptions::new()
-            .offset(offset)
-            .len(len as usize)
-            .populate()
-            .map(file)
+/// The first `len` bytes of `file`, mapped read-only (`len` must be non-zero). The caller
+/// checks that the file still holds them ([`check_len`]) before reading a part of the map it
+/// has not checked since: a map must never be read past the end of its file.
+pub fn map_file(file: &File, path: &Path, len: u64) -> Result<memmap2::Mmap> {
+    // SAFETY: a read-only shared map of a finished file, which shardkit never writes; its length
+    // is checked against the file before each use. (Another process truncating the file while it
+    // is mapped is the one hazard of any memory map.)
+    unsafe { memmap2::MmapOptions::new().len(len as usize).map(file) }
+        .map_err(|e| Error::io(path, e))
+}
+
+/// Whether every page of `bytes` (a part of a file map) is in memory (`mincore`). True when
+/// it cannot be told: the answer only decides whether to start readahead.
+pub fn resident(bytes: &[u8]) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        if bytes.is_empty() {
+            return true;
+        }
+        let page = 4096usize;
+        let start = bytes.as_ptr() as usize & !(page - 1);
+        let end = bytes.as_ptr() as usize + bytes.len();
+        let pages = (end - start).div_ceil(page);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: `start..end` lies inside the mapping that holds `bytes` (rounded down to its
+        // page), and `vec` has one byte per page of that range.
+        let rc =
+            unsafe { libc::mincore(start as *mut libc::c_void, end - start, vec.as_mut_ptr()) };
+        rc != 0 || vec.iter().all(|&v| v & 1 == 1)
     }
-    .map_err(|e| Error::io(path, e))
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = bytes;
+        true
+    }
 }
 
 fn read_error(path: &Path, offset: u64, len: usize, e: std::io::Error) -> Error {

@@ -49,7 +49,10 @@ impl std::str::FromStr for Layout {
 pub struct Sharded {
     /// Tokens per shard file (also what a writer holds in memory): 2^24 (64 MiB) by default.
     pub tokens_per_shard: u64,
-    /// Tokens per compressed inner chunk, the unit a reader decodes: 2^14 (64 KiB) by default.
+    /// Tokens per compressed inner chunk, the unit a reader decodes: 2^11 (8 KiB) by default.
+    /// A random packed row decodes every inner chunk it touches, so chunks the size of a
+    /// training row (a power of two, 2048 and up) mean each token is decoded once; 2^14-token
+    /// chunks made 2048-token rows decode eight times what they use, for 5% less disk.
     pub tokens_per_chunk: u64,
     /// `seq_starts` entries per shard: 2^20 by default.
     pub starts_per_shard: u64,
@@ -63,7 +66,7 @@ impl Default for Sharded {
     fn default() -> Self {
         Sharded {
             tokens_per_shard: 1 << 24,
-            tokens_per_chunk: 1 << 14,
+            tokens_per_chunk: 1 << 11,
             starts_per_shard: 1 << 20,
             starts_per_chunk: 1 << 13,
             zstd_level: 3,

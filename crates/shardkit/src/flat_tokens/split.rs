@@ -100,7 +100,32 @@ impl Column {
             }
             Access::Chunked(cache) => cache.retrieve_array_subset::<Vec<T>>(&subset, &opts),
         };
-        r.map_err(|e| Error::format(&self.path, format!("cannot read: {e}")))
+        r.map_err(|e| {
+            // Name the chunk (or shard) files the range lies in: the one that failed is there.
+            let files = self
+                .array
+                .chunks_in_array_subset(&subset)
+                .ok()
+                .flatten()
+                .map(|chunks| {
+                    chunks
+                        .indices()
+                        .iter()
+                        .take(4)
+                        .map(|c| self.array.chunk_key(&c).to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_default();
+            Error::format(
+                &self.path,
+                format!(
+                    "cannot read {what}s {}..{} (in {files}): {e}",
+                    subset.start()[0],
+                    subset.end_exc()[0]
+                ),
+            )
+        })
     }
 }
 

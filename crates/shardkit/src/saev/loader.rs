@@ -17,9 +17,9 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::engine::batch::BufferPool;
+use crate::engine::batch::{self, BufferPool};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{rank_batches, EpochOrder, Order};
 use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
@@ -121,9 +121,53 @@ pub struct SaevSource {
     /// With ignore_labels: kept selected-token indices of all examples, and per-example prefix.
     kept: Option<(Vec<u32>, Vec<u64>)>,
     labels: Option<Vec<u8>>,
+    /// Each shard mapped once, on first use, for the loader's life: rows already in the page
+    /// cache are copied straight from there, and the page tables built on the first pass serve
+    /// every later one.
+    maps: Vec<OnceLock<memmap2::Mmap>>,
 }
 
 impl SaevSource {
+    /// Shard `s` mapped (whole, read-only).
+    fn map(&self, s: u32) -> Result<&memmap2::Mmap> {
+        let cell = self.maps.get(s as usize).ok_or(Error::OutOfRange {
+            what: "shard",
+            index: i64::from(s),
+            len: self.maps.len() as u64,
+        })?;
+        if let Some(m) = cell.get() {
+            return Ok(m);
+        }
+        let len = self.ds.layout().shard_bytes();
+        let f = self.file(s)?;
+        reader::check_len(f, &self.path(s), len)?;
+        let _ = cell.set(reader::map_file(f, &self.path(s), len)?);
+        cell.get()
+            .ok_or_else(|| Error::Invalid("internal: shard map vanished".into()))
+    }
+
+    /// Checks that every shard in `shards` still has its full length (a map is never read past
+    /// the end of a file that shrank).
+    fn check_lengths(&self, shards: impl IntoIterator<Item = u32>) -> Result<()> {
+        let len = self.ds.layout().shard_bytes();
+        let mut seen = Vec::new();
+        for s in shards {
+            if !seen.contains(&s) {
+                seen.push(s);
+                reader::check_len(self.file(s)?, &self.path(s), len)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bytes of block `b` in its shard's map.
+    fn mapped_block(&self, b: u32) -> Result<&[u8]> {
+        let (file, offset, len) = self.block(b);
+        self.map(file)?
+            .get(offset as usize..(offset + len) as usize)
+            .ok_or_else(|| Error::Invalid(format!("internal: example {b} lies outside its shard")))
+    }
+
     fn kept_count(&self, e: u64) -> u64 {
         match &self.kept {
             Some((_, prefix)) => prefix[e as usize + 1] - prefix[e as usize],
@@ -336,6 +380,7 @@ impl Loader {
             per_example,
             kept,
             labels,
+            maps: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
         };
         if src.n_blocks() == 0 {
             return Err(Error::Invalid(format!(
@@ -571,10 +616,11 @@ fn windows_needed(order: &EpochOrder, batches: &[(u64, u64, u64)]) -> Vec<usize>
     out
 }
 
-/// A window's blocks in memory: mapped from the page cache, or read into a buffer.
+/// Where a window's blocks are: in the page cache (gathered through the shards' maps), or
+/// read into a buffer of the loader's.
 enum WindowData {
-    /// One populated map per block, in window order.
-    Mapped(Vec<memmap2::Mmap>),
+    /// In the shards' maps (read ahead into the page cache where they were not there yet).
+    Mapped,
     /// The blocks read into one buffer, block `i` at `block_dst[i]`.
     Read { buf: Buffer, block_dst: Vec<u64> },
 }
@@ -584,18 +630,6 @@ struct LoadedWindow {
     /// The order of the window's rows.
     perm: Vec<u32>,
     data: WindowData,
-}
-
-impl LoadedWindow {
-    fn block(&self, i: usize, len: u64) -> &[u8] {
-        match &self.data {
-            WindowData::Mapped(maps) => &maps[i],
-            WindowData::Read { buf, block_dst } => {
-                let at = block_dst[i] as usize;
-                &buf.as_bytes()[at..at + len as usize]
-            }
-        }
-    }
 }
 
 /// The windows of a pass that are in memory, and which one comes next.
@@ -620,8 +654,11 @@ struct SaevJob {
 /// A prepared batch: each row's (block, selected row) and where its bytes are.
 struct SaevBatch {
     rows: Vec<(u32, u32)>,
-    /// Per row: (index into `windows`, block index in that window); empty for the exact order.
-    at: Vec<(u32, u32)>,
+    /// Per row: where its bytes start, in `base` (a shard's map, or a window's buffer).
+    src: Vec<(u32, u64)>,
+    /// Whether `src` bases are shards (mapped) or indices into `windows` (read into buffers).
+    in_windows: bool,
+    /// The windows the batch draws from (kept alive until it is gathered).
     windows: Vec<Arc<LoadedWindow>>,
     cursor: u64,
 }
@@ -656,22 +693,11 @@ impl SaevJob {
             )?;
             WindowData::Read { buf, block_dst }
         } else {
-            // Every block's reads are already in flight (started a window ahead, or now), so
-            // populating the maps one by one waits for the disk only once.
+            // Reads of blocks not yet in the page cache started a window ahead (or start now);
+            // the gather threads wait for them page by page.
+            src.check_lengths(win.blocks.iter().map(|&b| src.block(b).0))?;
             self.readahead(w);
-            let shard_len = src.ds.layout().shard_bytes();
-            let mut checked = Vec::new();
-            let mut maps = Vec::with_capacity(win.blocks.len());
-            for &b in &win.blocks {
-                let (file, offset, len) = src.block(b);
-                let f = src.file(file)?;
-                if !checked.contains(&file) {
-                    reader::check_len(f, &src.path(file), shard_len)?;
-                    checked.push(file);
-                }
-                maps.push(reader::map_populated(f, &src.path(file), offset, len)?);
-            }
-            WindowData::Mapped(maps)
+            WindowData::Mapped
         };
         Ok(LoadedWindow {
             index: w,
@@ -680,11 +706,12 @@ impl SaevJob {
         })
     }
 
-    /// Starts reading window `w`'s blocks into the page cache.
+    /// Starts reading window `w`'s blocks that are not in the page cache yet.
     fn readahead(&self, w: usize) {
         for &b in &self.order.windows()[w].blocks {
             let (file, offset, len) = self.src.block(b);
-            if let Ok(f) = self.src.file(file) {
+            let cached = self.src.mapped_block(b).is_ok_and(reader::resident);
+            if let (false, Ok(f)) = (cached, self.src.file(file)) {
                 reader::readahead(f, offset, len);
             }
         }
@@ -719,6 +746,10 @@ impl SaevJob {
             .collect();
         drop(r);
         let n = (e - s) as usize;
+        let src = &*self.src;
+        let in_windows = windows
+            .iter()
+            .any(|w| matches!(w.data, WindowData::Read { .. }));
         let mut rows = Vec::with_capacity(n);
         let mut at = Vec::with_capacity(n);
         let mut p = s;
@@ -733,14 +764,23 @@ impl SaevJob {
             for &q in &windows[k].perm[(p - win.start) as usize..(seg_end - win.start) as usize] {
                 let q = q as u64;
                 let i = win.row_prefix.partition_point(|&x| x <= q) - 1;
-                rows.push((win.blocks[i], (q - win.row_prefix[i]) as u32));
-                at.push((k as u32, i as u32));
+                let (blk, j) = (win.blocks[i], q - win.row_prefix[i]);
+                rows.push((blk, j as u32));
+                let off = src.row_offset(blk, j);
+                at.push(match &windows[k].data {
+                    WindowData::Read { block_dst, .. } => (k as u32, block_dst[i] + off),
+                    WindowData::Mapped => {
+                        let (shard, offset, _) = src.block(blk);
+                        (shard, offset + off)
+                    }
+                });
             }
             p = seg_end;
         }
         Ok(SaevBatch {
             rows,
-            at,
+            src: at,
+            in_windows,
             windows,
             cursor: 0,
         })
@@ -766,15 +806,25 @@ impl Job for SaevJob {
                 .collect();
             if !self.direct {
                 let rb = self.src.row_bytes();
+                self.src
+                    .check_lengths(rows.iter().map(|&(b, _)| self.src.block(b).0))?;
                 for &(b, j) in &rows {
                     let (file, offset, _) = self.src.block(b);
                     let f = self.src.file(file)?;
                     reader::readahead(f, offset + self.src.row_offset(b, j as u64), rb);
                 }
             }
+            let src = rows
+                .iter()
+                .map(|&(b, j)| {
+                    let (shard, offset, _) = self.src.block(b);
+                    (shard, offset + self.src.row_offset(b, j as u64))
+                })
+                .collect();
             SaevBatch {
                 rows,
-                at: Vec::new(),
+                src,
+                in_windows: false,
                 windows: Vec::new(),
                 cursor,
             }
@@ -797,23 +847,43 @@ impl Job for SaevJob {
         let src = &*self.src;
         let rb = src.row_bytes() as usize;
         let first = piece * self.piece_rows;
-        for (k, dst) in out[0].chunks_exact_mut(rb).enumerate() {
-            let (blk, j) = b.rows[first + k];
-            let off = src.row_offset(blk, j as u64);
-            if b.windows.is_empty() {
-                let (file, offset, _) = src.block(blk);
-                read_row(src, file, offset + off, dst, self.direct)?;
-            } else {
-                let (w, i) = b.at[first + k];
-                let block = b.windows[w as usize].block(i as usize, src.block(blk).2);
-                let row = block.get(off as usize..off as usize + rb).ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "internal: row {j} of example {blk} is outside its block"
-                    ))
-                })?;
-                dst.copy_from_slice(row);
+        let rows = out[0].len() / rb;
+        if self.direct && b.windows.is_empty() {
+            for (k, dst) in out[0].chunks_exact_mut(rb).enumerate() {
+                let (shard, offset) = b.src[first + k];
+                read_row(src, shard, offset, dst)?;
             }
+            return Ok(());
         }
+        // The bytes each row starts in: a shard's map, or a window's buffer.
+        let base = |i: u32| -> Result<&[u8]> {
+            if b.in_windows {
+                match &b.windows[i as usize].data {
+                    WindowData::Read { buf, .. } => Ok(buf.as_bytes()),
+                    WindowData::Mapped => Err(Error::Invalid("internal: a mapped window".into())),
+                }
+            } else {
+                src.map(i).map(|m| &m[..])
+            }
+        };
+        let slice = |k: usize| -> Result<&[u8]> {
+            let (i, off) = b.src[k];
+            base(i)?
+                .get(off as usize..off as usize + rb)
+                .ok_or_else(|| {
+                    Error::Invalid(format!("internal: batch row {k} lies outside its data"))
+                })
+        };
+        let dsts = out[0].chunks_exact_mut(rb);
+        for (k, dst) in (first..first + rows).zip(dsts) {
+            if k + AHEAD < first + rows {
+                if let Ok(next) = slice(k + AHEAD) {
+                    batch::prefetch(next);
+                }
+            }
+            batch::copy_streaming(dst, slice(k)?);
+        }
+        batch::copy_done();
         Ok(())
     }
 
@@ -856,12 +926,16 @@ impl Job for SaevJob {
     }
 }
 
-/// One row read straight into `dst`: O_DIRECT when asked and aligned, else buffered.
-fn read_row(src: &SaevSource, file: u32, offset: u64, dst: &mut [u8], direct: bool) -> Result<()> {
+/// Rows ahead of the one being copied whose first lines are prefetched: a gather of rows from
+/// random places waits on memory (and the page table) for each, unless asked for early.
+const AHEAD: usize = 4;
+
+/// One row read straight into `dst`: O_DIRECT when aligned, else buffered.
+fn read_row(src: &SaevSource, file: u32, offset: u64, dst: &mut [u8]) -> Result<()> {
     let aligned = offset.is_multiple_of(reader::DIRECT_ALIGN)
         && (dst.len() as u64).is_multiple_of(reader::DIRECT_ALIGN)
         && (dst.as_ptr() as u64).is_multiple_of(reader::DIRECT_ALIGN);
-    if direct && aligned {
+    if aligned {
         if let Some(f) = src.direct(file) {
             use std::os::unix::fs::FileExt;
             if f.read_exact_at(dst, offset).is_ok() {
