@@ -389,6 +389,39 @@ pub(crate) fn memcpy_ceiling(threads: usize) -> f64 {
     best
 }
 
+/// The random-row gather ceiling with `threads` threads: each copies `row` bytes from random
+/// row-aligned places of a shared 1 GiB source into its own 64 MiB batch (what a shuffled
+/// loader does with data in memory, without any loader), best of three passes; bytes/s.
+pub(crate) fn gather_ceiling(threads: usize, row: usize) -> f64 {
+    let threads = threads.max(1);
+    let row = row.max(64);
+    let src = vec![7u8; 1 << 30];
+    let rows_per_batch = ((64usize << 20) / row).max(1);
+    let mut dsts: Vec<shardkit::engine::Buffer> = (0..threads)
+        .map(|_| shardkit::engine::Buffer::zeroed(rows_per_batch * row))
+        .collect();
+    let slots = src.len() / row;
+    let mut best = 0f64;
+    for pass in 0..3u64 {
+        let t0 = Instant::now();
+        std::thread::scope(|s| {
+            for (t, dst) in dsts.iter_mut().enumerate() {
+                let src = &src;
+                s.spawn(move || {
+                    let mut rng = shardkit::engine::order::SplitMix64(pass * 1000 + t as u64);
+                    for out in dst.as_mut_bytes().chunks_exact_mut(row) {
+                        let at = rng.below(slots as u64) as usize * row;
+                        shardkit::engine::batch::copy_streaming(out, &src[at..at + row]);
+                    }
+                    shardkit::engine::batch::copy_done();
+                });
+            }
+        });
+        best = best.max((threads * rows_per_batch * row) as f64 / t0.elapsed().as_secs_f64());
+    }
+    best
+}
+
 /// Payload bytes/s of a loader over at most `max_bytes` of payload, after `warmup_epochs`
 /// unmeasured passes (which also fill the loader's buffer pools), gathering on `threads`
 /// threads (0: every core).
@@ -540,6 +573,7 @@ pub fn saev_read(
         }
         for &t in threads {
             let ceiling = memcpy_ceiling(t);
+            let row_ceiling = gather_ceiling(t, 1024 * 4);
             let mut rates = Vec::new();
             for _ in 0..rounds {
                 let label = format!("block shuffle (page cache, {t} threads)");
@@ -548,10 +582,13 @@ pub fn saev_read(
             }
             let w = rates.iter().cloned().fold(0f64, f64::max);
             eprintln!(
-                "warm block loader, {t} threads: {:.2} GB/s; memory copy {:.2} GB/s ({:.2})",
+                "warm block loader, {t} threads: {:.2} GB/s; memory copy {:.2} GB/s ({:.2}); \
+                 random 4 KiB rows {:.2} GB/s ({:.2})",
                 w / 1e9,
                 ceiling / 1e9,
-                w / ceiling
+                w / ceiling,
+                row_ceiling / 1e9,
+                w / row_ceiling
             );
             best(&mut warm, w);
             scaling.push(Value::Object(vec![
@@ -567,6 +604,14 @@ pub fn saev_read(
                 (
                     "block_warm_vs_memcpy".into(),
                     Value::Number(format!("{:.3}", w / ceiling)),
+                ),
+                (
+                    "row_gather_bytes_per_s".into(),
+                    Value::Number(format!("{row_ceiling:.0}")),
+                ),
+                (
+                    "block_warm_vs_row_gather".into(),
+                    Value::Number(format!("{:.3}", w / row_ceiling)),
                 ),
             ]));
         }

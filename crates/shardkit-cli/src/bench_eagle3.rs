@@ -33,9 +33,10 @@ pub struct Eagle3BenchArgs {
     /// Batches read ahead by the loader.
     #[arg(long, default_value_t = 2)]
     prefetch: usize,
-    /// Threads reading rows into batches (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize,
+    /// Thread counts of the warm loader, each beside a memory-copy ceiling with as many threads
+    /// (comma-separated; default 1, 2, 4, ... and every core). Cold runs use every core.
+    #[arg(long, value_delimiter = ',')]
+    threads: Vec<usize>,
     /// Python with safetensors, numpy and ml_dtypes for the NeMo-style baseline ("" skips it).
     #[arg(long, default_value = ".venv/bin/python")]
     python: String,
@@ -64,10 +65,10 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// One pass of the shuffled loader over the epoch: (payload bytes/s, samples/s).
-fn loader_pass(cache: &Arc<Cache>, a: &Eagle3BenchArgs) -> Result<(f64, f64, u64)> {
+fn loader_pass(cache: &Arc<Cache>, a: &Eagle3BenchArgs, threads: usize) -> Result<(f64, f64, u64)> {
     let mut o = LoaderOptions::new(a.batch);
     (o.seed, o.rank, o.world_size) = (7, Some(0), Some(1));
-    (o.prefetch, o.threads) = (a.prefetch, a.threads);
+    (o.prefetch, o.threads) = (a.prefetch, threads);
     let loader = Loader::new(cache.clone(), o)?;
     let per_sample = cache.manifest().sample_bytes().unwrap_or(0);
     let t0 = Instant::now();
@@ -132,8 +133,32 @@ pub fn run(a: Eagle3BenchArgs) -> Result<()> {
     for f in &files {
         evict(f)?;
     }
-    let (cold_bps, cold_sps, n) = loader_pass(&cache, &a)?;
-    let (warm_bps, warm_sps, _) = loader_pass(&cache, &a)?;
+    let (cold_bps, cold_sps, n) = loader_pass(&cache, &a, 0)?;
+    let (warm_bps, warm_sps, _) = loader_pass(&cache, &a, 0)?;
+    let counts = if a.threads.is_empty() {
+        crate::bench::thread_counts()
+    } else {
+        a.threads.clone()
+    };
+    let mut scaling = Vec::new();
+    for &t in &counts {
+        let ceiling = crate::bench::memcpy_ceiling(t);
+        let (w, _, _) = loader_pass(&cache, &a, t)?;
+        let (w2, _, _) = loader_pass(&cache, &a, t)?;
+        let w = w.max(w2);
+        eprintln!(
+            "warm loader, {t} threads: {:.2} GB/s; memory copy {:.2} GB/s ({:.2})",
+            w / 1e9,
+            ceiling / 1e9,
+            w / ceiling
+        );
+        scaling.push(Value::Object(vec![
+            ("threads".into(), Value::int(t as u64)),
+            ("memcpy_bytes_per_s".into(), num(ceiling)),
+            ("loader_warm_bytes_per_s".into(), num(w)),
+            ("loader_warm_vs_memcpy".into(), num(w / ceiling)),
+        ]));
+    }
 
     let mut fields = vec![
         ("samples".into(), Value::int(samples)),
@@ -157,6 +182,7 @@ pub fn run(a: Eagle3BenchArgs) -> Result<()> {
         ("loader_warm_bytes_per_s".into(), num(warm_bps)),
         ("loader_warm_samples_per_s".into(), num(warm_sps)),
         ("samples_read".into(), Value::int(n)),
+        ("loader_warm_by_threads".into(), Value::Array(scaling)),
     ];
 
     if !a.python.is_empty() {

@@ -57,7 +57,8 @@ pub struct TokensBenchArgs {
     /// millions.
     #[arg(long, default_value_t = 16)]
     corpus_mtokens: u64,
-    /// Thread counts of the corpus builds, comma-separated (default: 1, 2, 4, ... up to the
+    /// Thread counts of the warm loader (each beside a memory-copy ceiling with as many
+    /// threads) and of the corpus builds, comma-separated (default: 1, 2, 4, ... up to the
     /// cores, and the cores).
     #[arg(long, value_delimiter = ',')]
     threads: Vec<usize>,
@@ -203,6 +204,10 @@ fn options(a: &TokensBenchArgs, seed: u64) -> LoaderOptions {
 
 /// Tokens per second over `steps` steps from `start`, through the prefetching iterator.
 fn sustained(loader: &TokenLoader, start: u64, steps: u64) -> Result<f64> {
+    // One unmeasured step first: the loader's threads and buffers are started lazily.
+    if let Some(b) = loader.iter(start).next() {
+        b?;
+    }
     let t0 = Instant::now();
     let mut tokens = 0u64;
     for b in loader.iter(start).take(steps as usize) {
@@ -319,6 +324,32 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
     evict_all(&files)?;
     let cold_tps = sustained(&loader, start, steps)?;
     let warm_tps = sustained(&loader, start, steps)?;
+    // The warm loader at each thread count, beside a memory copy with as many threads; a batch
+    // writes 18 bytes per token (encoded, targets, inputs, segment ids, two flags).
+    let mut scaling = Vec::new();
+    for &t in &threads {
+        let mut o = options(&a, 17);
+        o.threads = t;
+        let l = TokenLoader::new(Split::open(&root, "train")?, o)?;
+        let tps = sustained(&l, start, steps)?.max(sustained(&l, start, steps)?);
+        let ceiling = crate::bench::memcpy_ceiling(t);
+        eprintln!(
+            "warm loader, {t} threads: {:.1} M tokens/s ({:.2} GB/s of batch); memory copy {:.2} \
+             GB/s; bulk decode {:.1} M tokens/s",
+            tps / 1e6,
+            tps * 18.0 / 1e9,
+            ceiling / 1e9,
+            bulk_decode / 1e6
+        );
+        scaling.push(Value::Object(vec![
+            ("threads".into(), Value::int(t as u64)),
+            ("loader_warm_tokens_per_s".into(), num(tps)),
+            ("loader_warm_batch_bytes_per_s".into(), num(tps * 18.0)),
+            ("memcpy_bytes_per_s".into(), num(ceiling)),
+            ("loader_warm_vs_memcpy".into(), num(tps * 18.0 / ceiling)),
+            ("loader_warm_vs_bulk_decode".into(), num(tps / bulk_decode)),
+        ]));
+    }
 
     let mut fields: Vec<(String, Value)> = vec![
         ("layout".into(), Value::String(a.layout.clone())),
@@ -352,6 +383,7 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
             "loader_warm_vs_bulk_decode".into(),
             num(warm_tps / bulk_decode),
         ),
+        ("loader_warm_by_threads".into(), Value::Array(scaling)),
     ];
 
     if !a.python.is_empty() {

@@ -12,8 +12,8 @@ use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Wr
 use shardkit::json;
 
 use crate::{
-    batch_views, contiguous, format, held, json_of, state_u64, to_py, Pass, RustBuffer, SendSlice,
-    Storage,
+    batch_views, contiguous, external_pool, format, held, json_of, state_u64, to_py, Pass,
+    RustBuffer, SendSlice, Storage,
 };
 
 /// (name, dtype code, shape, array) for Python.
@@ -274,6 +274,18 @@ impl Eagle3Loader {
         self.inner.advance_to(batch);
     }
     /// {"seed", "epoch", "batch", "batch_size", "world_size"}.
+    /// Bytes of the buffer of a full batch (every field).
+    #[getter]
+    fn batch_bytes(&self) -> PyResult<usize> {
+        self.inner.batch_bytes().map_err(to_py)
+    }
+    /// Gathers batches into caller-owned memory from now on (internal: shardkit.torch passes
+    /// pinned tensors held by `keeper`).
+    fn _set_batch_buffers(&self, keeper: PyObject, regions: Vec<(usize, usize)>) -> PyResult<()> {
+        self.inner
+            .set_batch_buffers(external_pool(keeper, regions)?);
+        Ok(())
+    }
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.state();
         let d = PyDict::new(py);

@@ -13,7 +13,9 @@ use shardkit::flat_tokens::{
 
 use shardkit::json::Value;
 
-use crate::{batch_views, contiguous, json_of, to_py, Pass, RustBuffer, SendSlice, Storage};
+use crate::{
+    batch_views, contiguous, external_pool, json_of, to_py, Pass, RustBuffer, SendSlice, Storage,
+};
 
 fn closed() -> PyErr {
     PyRuntimeError::new_err("the writer is closed")
@@ -306,6 +308,18 @@ impl TokensLoader {
             .allow_threads(|| TokenLoader::new(Split::open(path, &split)?, o))
             .map_err(to_py)?;
         Ok(TokensLoader { inner })
+    }
+    /// Bytes of one batch's buffer (every array).
+    #[getter]
+    fn batch_bytes(&self) -> usize {
+        self.inner.batch_bytes()
+    }
+    /// Gathers batches into caller-owned memory from now on (internal: shardkit.torch passes
+    /// pinned tensors held by `keeper`).
+    fn _set_batch_buffers(&self, keeper: PyObject, regions: Vec<(usize, usize)>) -> PyResult<()> {
+        self.inner
+            .set_batch_buffers(external_pool(keeper, regions)?);
+        Ok(())
     }
     /// Steps in an epoch.
     #[getter]

@@ -117,6 +117,21 @@ pub(crate) fn held(
     ))
 }
 
+/// A pool of batch buffers over memory that `keeper` (a Python list of pinned torch tensors)
+/// owns; each region is (address, bytes), page-aligned.
+pub(crate) fn external_pool(
+    keeper: PyObject,
+    regions: Vec<(usize, usize)>,
+) -> PyResult<shardkit::engine::BufferPool> {
+    let regions: Vec<(*mut u8, usize)> = regions
+        .into_iter()
+        .map(|(p, n)| (p as *mut u8, n))
+        .collect();
+    // SAFETY: shardkit.torch passes regions inside tensors that `keeper` holds (and so keeps
+    // alive for as long as any buffer of the pool exists), each used by this loader alone.
+    unsafe { shardkit::engine::BufferPool::external(&regions, Arc::new(keeper)) }.map_err(to_py)
+}
+
 /// One writable array per field of a batch buffer, each a view that keeps the buffer alive
 /// (the buffer returns to its pool once every view is gone).
 pub(crate) fn batch_views(
@@ -682,6 +697,22 @@ impl Loader {
         self.inner.set_epoch(epoch).map_err(to_py)
     }
     /// The resumable state: {"seed", "epoch", "cursor", "global_batch_size"}.
+    /// Bytes of the `act` buffer of a full batch.
+    #[getter]
+    fn batch_bytes(&self) -> u64 {
+        self.inner.batch_bytes()
+    }
+    /// Gathers batches into caller-owned memory from now on (internal: shardkit.torch passes
+    /// pinned tensors held by `keeper`).
+    fn _set_batch_buffers(
+        &mut self,
+        keeper: PyObject,
+        regions: Vec<(usize, usize)>,
+    ) -> PyResult<()> {
+        self.inner
+            .set_batch_buffers(external_pool(keeper, regions)?);
+        Ok(())
+    }
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let st = self.inner.state();
         let d = PyDict::new(py);

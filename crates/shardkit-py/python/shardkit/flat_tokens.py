@@ -406,6 +406,14 @@ class Loader:
         finally:
             it.close()
 
+    def set_epoch(self, epoch: int) -> None:
+        """Goes to the first step of ``epoch`` (``epoch * step_count`` with ``epochs=True``;
+        without, epoch 0 is the only one)."""
+        epoch = int(epoch)
+        if epoch < 0 or (epoch > 0 and not self._order["epochs"]):
+            raise ValueError(f"epoch {epoch} does not exist: this loader has epochs={self._order['epochs']}")
+        self.step = epoch * self.step_count
+
     def state_dict(self) -> Dict[str, Any]:
         """The next step and the parameters that decide the order."""
         return {"step": self.step, **self._order}

@@ -1,6 +1,6 @@
 //! Batches of a cache on the read engine: which samples a rank reads is decided before any I/O
 //! (DistributedSampler's semantics over a seeded, per-epoch shuffle); the engine prepares a few
-//! batches ahead (laying them out, starting every read), and its gather threads read each row
+//! batches ahead (laying them out, planning their reads), and its reader threads read each row
 //! straight from its shard file into the batch buffer (one copy, from the page cache when the
 //! data are there).
 //!
@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
@@ -41,9 +41,8 @@ pub struct LoaderOptions {
     /// Otherwise each rank gets `ceil(N/W)` (padded by wrapping around to the start of the
     /// order, as DistributedSampler does) and the last batch may be short.
     pub drop_last: bool,
-    /// Threads that read rows into batches (0: one per core); the reads of the batches being
-    /// prepared are started ahead of them, so a cold cache has many reads in flight whatever
-    /// this number.
+    /// Threads that read rows into batches (0: one per core, and at least 16: a row read
+    /// blocks on the disk when the cache is cold, so more reads than cores stay in flight).
     pub threads: usize,
     /// Batches prepared ahead of the caller.
     pub prefetch: usize,
@@ -148,8 +147,11 @@ struct Inner {
     files: ShardFiles,
     /// Batch buffers are recycled: a fresh multi-megabyte allocation per batch costs more in
     /// page faults than the reads themselves.
-    pool: BufferPool,
+    pool: Mutex<BufferPool>,
 }
+
+/// Reader threads at least (see [`LoaderOptions::threads`]).
+const IO_THREADS: usize = 16;
 
 /// Shuffled or sequential batches of a cache for one rank.
 pub struct Loader {
@@ -186,7 +188,7 @@ impl Loader {
             inner: Arc::new(Inner {
                 cache,
                 files,
-                pool: BufferPool::new(opts.prefetch + 8),
+                pool: Mutex::new(BufferPool::new(opts.prefetch + 8)),
             }),
             opts,
             rank,
@@ -211,7 +213,13 @@ impl Loader {
 
     /// The gather pool, started on first use.
     fn gather_pool(&self) -> Result<Arc<GatherPool>> {
-        self.gather.get(self.opts.threads)
+        // Each piece is a read that blocks on the disk when the data are not cached: more
+        // threads than cores keep enough reads in flight.
+        let threads = match self.opts.threads {
+            0 => exec::available_cores().max(IO_THREADS),
+            n => n,
+        };
+        self.gather.get(threads)
     }
 
     /// The sample indices this rank reads in the current epoch, in order.
@@ -342,6 +350,17 @@ impl Loader {
         }
     }
 
+    /// Bytes of the buffer of a full batch (every field).
+    pub fn batch_bytes(&self) -> Result<usize> {
+        Ok(batch_layout(&self.inner.cache, self.opts.batch_size as usize)?.2)
+    }
+
+    /// Gathers batches into `pool` from now on (e.g. pinned host memory for copies to a GPU;
+    /// each buffer must hold [`Loader::batch_bytes`]).
+    pub fn set_batch_buffers(&self, pool: BufferPool) {
+        *self.inner.pool.lock().unwrap_or_else(|e| e.into_inner()) = pool;
+    }
+
     /// Sets the position to batch `batch` of the epoch (see [`Batches::cursor`]).
     pub fn advance_to(&mut self, batch: u64) {
         self.cursor = batch.min(self.len());
@@ -354,6 +373,57 @@ impl Loader {
         };
         exec::run_one(&job, indices.to_vec(), &*self.gather_pool()?)
     }
+}
+
+/// The fields of a batch of `b` samples, then (top-k caches) the staging areas of the stored
+/// values and indices, and the bytes they need.
+#[allow(clippy::type_complexity)]
+fn batch_layout(
+    cache: &Cache,
+    b: usize,
+) -> Result<(Vec<BatchField>, Vec<(&'static str, usize, usize)>, usize)> {
+    let m = cache.manifest();
+    let specs = cache.specs();
+    // Output fields, then (top-k) the stored values and indices to scatter from.
+    let mut layout = Vec::new();
+    let mut off = 0usize;
+    let align = |x: usize| x.next_multiple_of(64);
+    for name in ITEM_FIELDS {
+        let (dtype, row) = if name == "target_probs" {
+            (
+                m.dtype.safetensors(),
+                vec![m.seq_length as usize, m.draft_vocab_size as usize],
+            )
+        } else {
+            let spec = specs
+                .iter()
+                .find(|x| x.name == name)
+                .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
+            (spec.dtype, spec.row.clone())
+        };
+        let mut shape = vec![b];
+        shape.extend(row);
+        let field = BatchField {
+            name,
+            dtype,
+            shape,
+            offset: off,
+        };
+        off = align(off + field.len());
+        layout.push(field);
+    }
+    let mut staging = Vec::new();
+    if m.topk.is_some() {
+        for name in ["target_probs_values", "target_probs_indices"] {
+            let spec = specs
+                .iter()
+                .find(|x| x.name == name)
+                .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
+            staging.push((name, spec.row_bytes(), off));
+            off = align(off + spec.row_bytes() * b);
+        }
+    }
+    Ok((layout, staging, off))
 }
 
 /// The batches of one pass, as the engine runs them.
@@ -376,8 +446,8 @@ impl Job for Eagle3Job {
     type State = Eagle3Batch;
     type Item = Batch;
 
-    /// Lays the batch out, checks its shards against the manifest (opening them), starts every
-    /// read, and takes the buffer: allocated only now, so sizes claimed by a damaged manifest
+    /// Lays the batch out, checks its shards against the manifest (opening them), plans the
+    /// reads, and takes the buffer: allocated only now, so sizes claimed by a damaged manifest
     /// are never allocated.
     fn prepare(&self, indices: Vec<u64>, cx: &Context<'_>) -> Result<Prepared<Eagle3Batch>> {
         let inner = &*self.inner;
@@ -386,46 +456,9 @@ impl Job for Eagle3Job {
         let specs = cache.specs();
         let b = indices.len();
         let s = m.shard_size;
-        // Output fields, then (top-k) the stored values and indices to scatter from.
-        let mut layout = Vec::new();
-        let mut off = 0usize;
-        let align = |x: usize| x.next_multiple_of(64);
-        for name in ITEM_FIELDS {
-            let (dtype, row) = if name == "target_probs" {
-                (
-                    m.dtype.safetensors(),
-                    vec![m.seq_length as usize, m.draft_vocab_size as usize],
-                )
-            } else {
-                let spec = specs
-                    .iter()
-                    .find(|x| x.name == name)
-                    .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
-                (spec.dtype, spec.row.clone())
-            };
-            let mut shape = vec![b];
-            shape.extend(row);
-            let field = BatchField {
-                name,
-                dtype,
-                shape,
-                offset: off,
-            };
-            off = align(off + field.len());
-            layout.push(field);
-        }
-        let mut staging = Vec::new();
-        if m.topk.is_some() {
-            for name in ["target_probs_values", "target_probs_indices"] {
-                let spec = specs
-                    .iter()
-                    .find(|x| x.name == name)
-                    .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
-                staging.push((name, spec.row_bytes(), off));
-                off = align(off + spec.row_bytes() * b);
-            }
-        }
+        let (layout, staging, off) = batch_layout(cache, b)?;
         let mut ranges = Vec::with_capacity(b * specs.len());
+
         for (j, &i) in indices.iter().enumerate() {
             let k = i / s;
             let shard = cache.shard(k)?;
@@ -452,17 +485,19 @@ impl Job for Eagle3Job {
                 });
             }
         }
+        // Rows are megabytes each: the reader threads' own reads keep the disk busy (asking for
+        // readahead as well measured slower).
         let mut reads = plan_reads(ranges);
-        for r in &reads {
-            reader::readahead(inner.files.file(r.file)?, r.offset, r.len);
-        }
         reads.sort_unstable_by_key(|r| r.dst);
         let regions = reads
             .iter()
             .map(|r| std::iter::once(r.dst as usize..(r.dst + r.len) as usize).collect())
             .collect();
         Ok(Prepared {
-            buf: cx.buffer(&inner.pool, off)?,
+            buf: cx.buffer(
+                &inner.pool.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+                off,
+            )?,
             regions,
             state: Eagle3Batch {
                 indices,

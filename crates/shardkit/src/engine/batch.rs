@@ -18,8 +18,9 @@ pub const ALIGN: usize = 4096;
 struct Raw {
     ptr: *mut u8,
     cap: usize,
-    /// Memory owned by someone else (see [`BufferPool::external`]): never freed here.
-    external: bool,
+    /// For memory owned by someone else (see [`BufferPool::external`]): what keeps it alive.
+    /// Such memory is never freed here.
+    keeper: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 // SAFETY: a Raw exclusively owns its allocation.
@@ -31,7 +32,7 @@ impl Raw {
             return Raw {
                 ptr: std::ptr::null_mut(),
                 cap: 0,
-                external: false,
+                keeper: None,
             };
         }
         let layout = Layout::from_size_align(cap, ALIGN).expect("buffer size fits in isize");
@@ -43,14 +44,14 @@ impl Raw {
         Raw {
             ptr,
             cap,
-            external: false,
+            keeper: None,
         }
     }
 }
 
 impl Drop for Raw {
     fn drop(&mut self) {
-        if self.cap > 0 && !self.external {
+        if self.cap > 0 && self.keeper.is_none() {
             // SAFETY: allocated in `alloc` with this exact layout.
             unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.cap, ALIGN)) };
         }
@@ -198,7 +199,7 @@ impl Drop for Buffer {
         }
         if let Some(pool) = self.pool.upgrade() {
             let mut free = pool.list.lock().unwrap_or_else(|e| e.into_inner());
-            if free.len() < self.pool_max || raw.external {
+            if free.len() < self.pool_max || raw.keeper.is_some() {
                 free.push(raw);
             }
             drop(free);
@@ -253,13 +254,16 @@ impl BufferPool {
         }
     }
 
-    /// A pool over caller-owned memory: `(pointer, bytes)` regions, each page-aligned.
+    /// A pool over caller-owned memory: `(pointer, bytes)` regions, each page-aligned, kept
+    /// alive by `keeper` (which every buffer of the pool holds, so the memory outlives them).
     ///
     /// # Safety
-    /// Every region must be valid for reads and writes of its length, not overlap another,
-    /// and not be used by anything else until the pool and every [`Buffer`] taken from it are
-    /// dropped (the caller keeps the owning objects alive that long).
-    pub unsafe fn external(regions: &[(*mut u8, usize)]) -> Result<BufferPool> {
+    /// Every region must be valid for reads and writes of its length for as long as `keeper`
+    /// lives, not overlap another, and not be used by anything else meanwhile.
+    pub unsafe fn external(
+        regions: &[(*mut u8, usize)],
+        keeper: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<BufferPool> {
         for &(ptr, len) in regions {
             if ptr.is_null() || !(ptr as usize).is_multiple_of(ALIGN) {
                 return Err(Error::Invalid(format!(
@@ -272,7 +276,7 @@ impl BufferPool {
         list.extend(regions.iter().map(|&(ptr, cap)| Raw {
             ptr,
             cap,
-            external: true,
+            keeper: Some(keeper.clone()),
         }));
         drop(list);
         Ok(BufferPool {
@@ -438,7 +442,7 @@ mod tests {
             .map(|b| (b.as_mut_bytes().as_mut_ptr(), 8192))
             .collect();
         // SAFETY: `mem` outlives the pool and its buffers, and nothing else touches it.
-        let pool = unsafe { BufferPool::external(&regions) }.unwrap();
+        let pool = unsafe { BufferPool::external(&regions, Arc::new(())) }.unwrap();
         let stop = AtomicBool::new(false);
         let a = pool.get_or_wait(8000, &stop).unwrap();
         let b = pool.get_or_wait(100, &stop).unwrap();
