@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use super::cache::{scatter, Cache, ITEM_FIELDS};
 use super::shard::shard_name;
-use crate::engine::batch::{Buffer, BufferPool};
+use crate::engine::batch::{self, Buffer, BufferPool};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{derive_key, shuffled};
 use crate::engine::reader::{self, plan_reads, Files, ReadRange};
@@ -120,10 +120,25 @@ impl Batch {
     }
 }
 
-/// The shard files, opened on first read.
+/// The shard files, opened on first read, and mapped on first use from the page cache (kept
+/// for the loader's life, like saev's shards).
 struct ShardFiles {
     dir: PathBuf,
     files: Vec<OnceLock<Option<File>>>,
+    maps: Vec<OnceLock<Option<Arc<memmap2::Mmap>>>>,
+}
+
+impl ShardFiles {
+    /// Shard `i` mapped whole, when it is at least `needed` bytes long (None when it cannot be
+    /// mapped: the caller reads instead, and any error shows there).
+    fn map(&self, i: u32, needed: u64) -> Option<Arc<memmap2::Mmap>> {
+        let map = self.maps[i as usize].get_or_init(|| {
+            let f = self.file(i).ok()?;
+            let len = f.metadata().ok()?.len();
+            reader::map_file(f, &self.path(i), len).ok().map(Arc::new)
+        });
+        map.clone().filter(|m| m.len() as u64 >= needed)
+    }
 }
 
 impl Files for ShardFiles {
@@ -183,6 +198,7 @@ impl Loader {
         let files = ShardFiles {
             dir: cache.dir().to_path_buf(),
             files: (0..k).map(|_| OnceLock::new()).collect(),
+            maps: (0..k).map(|_| OnceLock::new()).collect(),
         };
         Ok(Loader {
             inner: Arc::new(Inner {
@@ -432,11 +448,12 @@ struct Eagle3Job {
 }
 
 /// A prepared batch: its samples, field layout, the reads that fill it (one per region, in
-/// buffer order) and the top-k staging areas.
+/// buffer order; each with its shard's map when its bytes are in the page cache) and the top-k
+/// staging areas.
 struct Eagle3Batch {
     indices: Vec<u64>,
     layout: Vec<BatchField>,
-    reads: Vec<ReadRange>,
+    reads: Vec<(ReadRange, Option<Arc<memmap2::Mmap>>)>,
     /// (field, row bytes, buffer offset) of the stored top-k values and indices.
     staging: Vec<(&'static str, usize, usize)>,
 }
@@ -493,6 +510,25 @@ impl Job for Eagle3Job {
             .iter()
             .map(|r| std::iter::once(r.dst as usize..(r.dst + r.len) as usize).collect())
             .collect();
+        // Ranges already in the page cache are copied straight out of the shard's map (one
+        // user-space copy, which scales with threads; a read's kernel copy does not); the
+        // others are read, with many reads in flight on the gather threads.
+        let files = &inner.files;
+        let reads = reads
+            .into_iter()
+            .map(|r| {
+                let end = r.offset + r.len;
+                let map = files
+                    .map(r.file, end)
+                    .filter(|m| reader::resident(&m[r.offset as usize..end as usize]));
+                if map.is_some() {
+                    // A map must never be read past its file's end: a shard that shrank is an
+                    // error naming it, as a short read would be.
+                    reader::check_len(files.file(r.file)?, &files.path(r.file), end)?;
+                }
+                Ok((r, map))
+            })
+            .collect::<Result<_>>()?;
         Ok(Prepared {
             buf: cx.buffer(
                 &inner.pool.lock().unwrap_or_else(|e| e.into_inner()).clone(),
@@ -509,7 +545,13 @@ impl Job for Eagle3Job {
     }
 
     fn fill(&self, b: &Eagle3Batch, piece: usize, out: &mut [&mut [u8]]) -> Result<()> {
-        let r = &b.reads[piece];
+        let (r, map) = &b.reads[piece];
+        if let Some(map) = map {
+            let (start, end) = (r.offset as usize, (r.offset + r.len) as usize);
+            batch::copy_streaming(out[0], &map[start..end]);
+            batch::copy_done();
+            return Ok(());
+        }
         let files = &self.inner.files;
         reader::read_exact(files.file(r.file)?, &files.path(r.file), r.offset, out[0])
     }
