@@ -178,7 +178,8 @@ def test_write(shardkit_bin, tmp_path, protocol, case):
     assert (out / "shards.json").read_bytes() == json.dumps(entries, indent=2).encode()
 
     # Exactly the format's files; no temporaries, no spurious shard, labels.bin only if given.
-    expected_files = {"metadata.json", "shards.json", *(e["name"] for e in entries)}
+    # (plus shardkit's checksums sidecar, which saev never opens).
+    expected_files = {"metadata.json", "shards.json", "shardkit.checksums.json", *(e["name"] for e in entries)}
     if labels is not None:
         expected_files.add("labels.bin")
     assert {f.name for f in out.iterdir()} == expected_files

@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
+import safetensors.numpy as safetensors_numpy  # noqa: E402 - a required test dependency
 
 
 def run(bin_, *args, ok=True):

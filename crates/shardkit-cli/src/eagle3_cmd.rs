@@ -13,7 +13,14 @@ use shardkit::{Error, Result};
 /// Subcommands of `shardkit eagle3`.
 #[derive(Subcommand)]
 pub enum Eagle3Cmd {
-    /// Check a cache: manifest, shard set, headers, shapes and dtypes (--deep: every value).
+    /// Hash every file into the checksums sidecar (shardkit.checksums.json), for caches
+    /// written by other tools; `validate --deep` and loaders with verify then check them.
+    Checksum {
+        /// The cache directory.
+        path: PathBuf,
+    },
+    /// Check a cache: manifest, shard set, headers, shapes and dtypes (--deep: every value,
+    /// and every byte against the checksums sidecar).
     Validate {
         /// The cache directory.
         dir: PathBuf,
@@ -103,6 +110,7 @@ pub struct SynthArgs {
 
 pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
     match cmd {
+        Eagle3Cmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
         Eagle3Cmd::Validate { dir, deep, json } => {
             let v = eagle3::validate(&dir, deep);
             if json {

@@ -9,6 +9,7 @@ mod bench_corpus;
 mod bench_eagle3;
 mod bench_sdnb;
 mod bench_tokens;
+mod checksum_cmd;
 mod eagle3_cmd;
 mod npy;
 mod plot;

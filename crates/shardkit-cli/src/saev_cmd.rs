@@ -22,10 +22,20 @@ pub enum SaevCmd {
     Validate {
         /// The dataset directory (the one holding metadata.json).
         dir: PathBuf,
+        /// Also check every byte against the checksums sidecar, naming damaged byte ranges.
+        #[arg(long)]
+        deep: bool,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
     },
+    /// Hash every file into the checksums sidecar (shardkit.checksums.json), for datasets
+    /// written by other tools; `validate --deep` and loaders with verify then check them.
+    Checksum {
+        /// The dataset.
+        path: PathBuf,
+    },
+
     /// Summarise a directory: version, shapes, layers, counts, sizes, completeness, hash recipe.
     Inspect {
         /// The dataset directory.
@@ -238,8 +248,19 @@ pub struct SynthArgs {
 
 pub fn run(cmd: SaevCmd) -> Result<bool> {
     match cmd {
-        SaevCmd::Validate { dir, json } => {
-            let report = validate(&dir);
+        SaevCmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
+        SaevCmd::Validate { dir, deep, json } => {
+            let mut report = validate(&dir);
+            if deep {
+                let (errors, _) = shardkit::checksum::verify_messages(&dir);
+                for e in errors {
+                    report.problems.push(shardkit::saev::Problem {
+                        severity: Severity::Error,
+                        file: dir.clone(),
+                        message: e,
+                    });
+                }
+            }
             if json {
                 println!("{}", json::to_pretty(&report.to_json(), 2, Escape::Utf8));
             } else {

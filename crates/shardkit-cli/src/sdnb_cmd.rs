@@ -21,6 +21,20 @@ const INDEX_FILE: &str = "sdnb-index.json";
 /// Subcommands of `shardkit sdnb`.
 #[derive(Subcommand)]
 pub enum SdnbCmd {
+    /// Open a container, checking its structure; with --deep also every byte against its
+    /// checksums sidecar (BASE.checksums.json).
+    Validate {
+        /// An .sdnb file, an .sdz archive, a shard file or a shard set's base name.
+        file: PathBuf,
+        /// Check every byte against the checksums sidecar.
+        #[arg(long)]
+        deep: bool,
+    },
+    /// Hash the container's files into BASE.checksums.json beside it.
+    Checksum {
+        /// An .sdnb file, an .sdz archive, a shard file or a shard set's base name.
+        path: PathBuf,
+    },
     /// List metadata, ops and variables (type, dtype, shape, storage, bytes).
     Inspect {
         /// An .sdnb file, an .sdz archive, a shard file or a shard set's base name.
@@ -140,6 +154,17 @@ pub struct PackArgs {
 
 pub fn run(cmd: SdnbCmd) -> Result<bool> {
     match cmd {
+        SdnbCmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
+        SdnbCmd::Validate { file, deep } => {
+            let c = shardkit::sdnb::open(&file)?;
+            println!(
+                "{}: opens ({} variable(s), {} file(s))",
+                file.display(),
+                c.variables().len(),
+                c.files().len()
+            );
+            Ok(!deep || crate::checksum_cmd::print_deep(&file))
+        }
         SdnbCmd::Inspect { file, json } => inspect(&file, json),
         SdnbCmd::Pack(a) => pack(a),
         SdnbCmd::Unpack {

@@ -33,9 +33,18 @@ pub enum TokensCmd {
         /// opens skip the full validation.
         #[arg(long)]
         mark: bool,
+        /// Also check every byte against the checksums sidecar, naming damaged byte ranges.
+        #[arg(long)]
+        deep: bool,
         /// Print {"valid", "errors", "notes"} as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Hash every file into the checksums sidecar (shardkit.checksums.json), for datasets
+    /// written by other tools; `validate --deep` and loaders with verify then check them.
+    Checksum {
+        /// The dataset.
+        path: PathBuf,
     },
     /// One step of seqax's shuffled order: JSON rows and targets, or every array to an .npz.
     Batch(BatchArgs),
@@ -149,7 +158,13 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
             println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             Ok(true)
         }
-        TokensCmd::Validate { dir, mark, json } => validate(&dir, mark, json),
+        TokensCmd::Validate {
+            dir,
+            mark,
+            deep,
+            json,
+        } => validate(&dir, mark, deep, json),
+        TokensCmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
         TokensCmd::Batch(args) => batch(args),
         TokensCmd::Convert { src, dst, layout } => {
             let layout: Layout = layout.parse()?;
@@ -185,8 +200,13 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
     }
 }
 
-fn validate(dir: &Path, mark: bool, as_json: bool) -> Result<bool> {
-    let report = flat_tokens::validate(dir);
+fn validate(dir: &Path, mark: bool, deep: bool, as_json: bool) -> Result<bool> {
+    let mut report = flat_tokens::validate(dir);
+    if deep {
+        let (errors, notes) = shardkit::checksum::verify_messages(dir);
+        report.errors.extend(errors);
+        report.notes.extend(notes);
+    }
     let valid = report.is_valid();
     if valid && mark {
         mark_complete(dir)?;

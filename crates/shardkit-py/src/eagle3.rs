@@ -219,7 +219,7 @@ pub struct Eagle3Loader {
 impl Eagle3Loader {
     #[new]
     #[pyo3(signature = (cache_dir, batch_size, shuffle=true, seed=0, epoch=0, rank=None,
-        world_size=None, drop_last=false, threads=0, prefetch=2))]
+        world_size=None, drop_last=false, threads=0, prefetch=2, verify=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -233,6 +233,7 @@ impl Eagle3Loader {
         drop_last: bool,
         threads: usize,
         prefetch: usize,
+        verify: bool,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(batch_size);
         o.shuffle = shuffle;
@@ -243,6 +244,7 @@ impl Eagle3Loader {
         o.drop_last = drop_last;
         o.threads = threads;
         o.prefetch = prefetch;
+        o.verify = verify;
         let inner = py
             .allow_threads(|| Loader::new(Arc::new(Cache::open(cache_dir)?), o))
             .map_err(to_py)?;

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{
-    PyFileExistsError, PyFileNotFoundError, PyIndexError, PyKeyError, PyOSError, PyRuntimeError,
-    PyValueError,
+    PyBlockingIOError, PyFileExistsError, PyFileNotFoundError, PyIndexError, PyKeyError, PyOSError,
+    PyRuntimeError, PyValueError,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -37,6 +37,7 @@ pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
         shardkit::Error::NotFound { .. } => PyFileNotFoundError::new_err(msg),
         shardkit::Error::Io { .. } => PyOSError::new_err(msg),
         shardkit::Error::Exists { .. } => PyFileExistsError::new_err(msg),
+        shardkit::Error::Locked { .. } => PyBlockingIOError::new_err(msg),
         shardkit::Error::Incomplete { .. } | shardkit::Error::Interrupted { .. } => {
             IncompleteDatasetError::new_err(msg)
         }
@@ -622,7 +623,7 @@ impl Loader {
     #[new]
     #[pyo3(signature = (path, layer, tokens="content", batch_size=16384, order="sequential",
         seed=0, epoch=0, rank=None, world_size=None, drop_last=false, memory_budget=None,
-        ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0))]
+        ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0, verify=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -641,6 +642,7 @@ impl Loader {
         io_threads: usize,
         direct_io: bool,
         threads: usize,
+        verify: bool,
     ) -> PyResult<Self> {
         let layer = if let Ok(s) = layer.extract::<String>() {
             s.parse::<saev::LayerSel>().map_err(to_py)?
@@ -663,6 +665,7 @@ impl Loader {
         o.io_threads = io_threads;
         o.direct_io = direct_io;
         o.threads = threads;
+        o.verify = verify;
         let inner = py
             .allow_threads(|| saev::Loader::new(path, o))
             .map_err(to_py)?;
@@ -854,6 +857,37 @@ fn inspect(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
         .map_err(to_py)
 }
 
+/// Hashes every file of the dataset at `path` into its checksums sidecar; returns its path.
+#[pyfunction]
+fn checksum(py: Python<'_>, path: std::path::PathBuf) -> PyResult<std::path::PathBuf> {
+    py.allow_threads(|| shardkit::checksum::record(&path))
+        .map_err(to_py)
+}
+
+/// Checks the dataset at `path` against its sidecar: (has_sidecar, damage as
+/// [(file, start, end, what)]).
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn verify_checksums(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+) -> PyResult<(bool, Vec<(std::path::PathBuf, u64, u64, String)>)> {
+    use shardkit::checksum::Verdict;
+    match py
+        .allow_threads(|| shardkit::checksum::verify(&path))
+        .map_err(to_py)?
+    {
+        Verdict::NoSidecar => Ok((false, Vec::new())),
+        Verdict::Intact { .. } => Ok((true, Vec::new())),
+        Verdict::Damaged(d) => Ok((
+            true,
+            d.into_iter()
+                .map(|x| (x.file, x.range.start, x.range.end, x.what))
+                .collect(),
+        )),
+    }
+}
+
 /// Arms a test fault in the engine (tests only): "panic_in_gather", "panic_in_prepare",
 /// "spawn_fails" or "read_fails", firing at its `after + 1`-th opportunity.
 #[pyfunction]
@@ -892,6 +926,8 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(_inject_fault, m)?)?;
+    m.add_function(wrap_pyfunction!(checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;
     flat_tokens::register(m)?;
     eagle3::register(m)?;

@@ -9,7 +9,7 @@ import pytest
 
 from shardkit import IncompleteDatasetError, eagle3
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
+import ml_dtypes  # noqa: E402 - a required test dependency
 
 
 def config(n=5, s=2, seq=4, hidden=2, vd=6, dtype="bf16", topk=None):

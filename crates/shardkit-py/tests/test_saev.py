@@ -279,7 +279,7 @@ def test_compat_classes_mirror_saev():
 
 
 def test_torch_iterable_dataset_splits_ranks_and_workers():
-    torch = pytest.importorskip("torch")
+    import torch
     from shardkit.torch import SaevIterableDataset
 
     seen = []

@@ -14,7 +14,7 @@ import pytest
 import shardkit
 from shardkit import sdnb
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
+import ml_dtypes  # noqa: E402 - a required test dependency
 
 MIB = 1 << 20
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -399,7 +399,7 @@ def test_array_likes_and_byte_order(tmp_path):
 
 
 def test_torch_tensors(tmp_path):
-    torch = pytest.importorskip("torch")
+    import torch
     t = {
         "f": torch.arange(12, dtype=torch.float32).reshape(3, 4),
         "bf": torch.arange(6, dtype=torch.bfloat16),

@@ -6,7 +6,7 @@ resumable state, recycled buffers and faults that surface as exceptions."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="shardkit.torch needs torch (scripts/setup-venv installs it)")
+import torch  # noqa: E402 - a required test dependency (scripts/setup-venv installs it)
 
 from shardkit import _shardkit as _core  # noqa: E402
 from shardkit import torch as sktorch  # noqa: E402

@@ -73,6 +73,19 @@ pub enum Error {
         /// What is there and why it is kept.
         why: String,
     },
+    /// Another writer holds the dataset's lock (see [`crate::lock`]).
+    #[error(
+        "{}: another writer{} is writing this dataset; wait for it to finish or stop it (the lock \
+         goes away with its process)",
+        path.display(),
+        pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    Locked {
+        /// The dataset (or container file) being written.
+        path: PathBuf,
+        /// The process holding the lock, where the system tells.
+        pid: Option<u32>,
+    },
     /// A caller-supplied argument is invalid (shape, range, option).
     #[error("{0}")]
     Invalid(String),

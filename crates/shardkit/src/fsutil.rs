@@ -27,7 +27,80 @@ pub fn is_temp_name(name: &str) -> bool {
 
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
-    File::open(dir).and_then(|d| d.sync_all()).at(dir)
+    File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
+    trace::record(trace::Event::SyncDir(dir.to_path_buf()));
+    Ok(())
+}
+
+/// fsyncs a file's data and metadata (`path` names it in errors).
+pub fn sync_file(f: &File, path: &Path) -> Result<()> {
+    f.sync_all().at(path)?;
+    trace::record(trace::Event::SyncFile(path.to_path_buf()));
+    Ok(())
+}
+
+/// fsyncs a file's data (and the metadata needed to read it back: its size).
+pub fn sync_data(f: &File, path: &Path) -> Result<()> {
+    f.sync_data().at(path)?;
+    trace::record(trace::Event::SyncFile(path.to_path_buf()));
+    Ok(())
+}
+
+/// Renames `from` to `to` (not yet durable: fsync the directory after).
+pub fn rename(from: &Path, to: &Path) -> Result<()> {
+    fs::rename(from, to).at(to)?;
+    trace::record(trace::Event::Rename {
+        from: from.to_path_buf(),
+        to: to.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// The durability calls writers make, recorded for tests of their order (crash safety after a
+/// power loss depends on it: a file is fsynced before it is renamed to its final name, and the
+/// directory after). Off unless a test calls [`trace::start`].
+#[doc(hidden)]
+pub mod trace {
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+
+    /// One durability call.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Event {
+        /// A file's fsync (or fdatasync).
+        SyncFile(PathBuf),
+        /// A rename.
+        Rename {
+            /// The old name.
+            from: PathBuf,
+            /// The new name.
+            to: PathBuf,
+        },
+        /// A directory's fsync.
+        SyncDir(PathBuf),
+    }
+
+    static ON: AtomicBool = AtomicBool::new(false);
+    static LOG: Mutex<Vec<Event>> = Mutex::new(Vec::new());
+
+    /// Starts recording (clearing what was recorded).
+    pub fn start() {
+        LOG.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        ON.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops recording and returns the events.
+    pub fn take() -> Vec<Event> {
+        ON.store(false, Ordering::SeqCst);
+        std::mem::take(&mut *LOG.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub(crate) fn record(e: Event) {
+        if ON.load(Ordering::Relaxed) {
+            LOG.lock().unwrap_or_else(|e| e.into_inner()).push(e);
+        }
+    }
 }
 
 /// Writes `bytes` to `path` atomically: temporary sibling, fsync, rename, fsync of the directory.
@@ -36,7 +109,7 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     let result = (|| {
         let mut f = File::create(&tmp).at(&tmp)?;
         f.write_all(bytes).at(&tmp)?;
-        f.sync_all().at(&tmp)?;
+        sync_file(&f, &tmp)?;
         drop(f);
         publish(&tmp, path)
     })();
@@ -48,7 +121,7 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Renames a finished, already-fsynced temporary to its final name and fsyncs the directory.
 pub fn publish(tmp: &Path, path: &Path) -> Result<()> {
-    fs::rename(tmp, path).at(path)?;
+    rename(tmp, path)?;
     fsync_dir(parent_of(path))
 }
 
@@ -64,6 +137,38 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
         .at(path)?;
     f.set_len(len).at(path)?;
     Ok(f)
+}
+
+/// The largest JSON file shardkit reads (metadata, manifests, shard lists, zarr documents):
+/// 64 MiB. Real ones are kilobytes (a saev `shards.json` of a million shards is about 50 MB);
+/// anything larger is refused before it is read, so a hostile file cannot exhaust memory.
+pub const MAX_JSON_BYTES: u64 = 64 << 20;
+
+/// Reads a JSON file whole, refusing one larger than [`MAX_JSON_BYTES`] (an `InvalidData`
+/// error saying so; a missing file stays `NotFound`).
+pub fn read_json_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let too_big = |n: u64| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{n} bytes or more: over the {} MiB cap on JSON files (see MAX_JSON_BYTES)",
+                MAX_JSON_BYTES >> 20
+            ),
+        )
+    };
+    let f = File::open(path)?;
+    let len = f.metadata()?.len();
+    if len > MAX_JSON_BYTES {
+        return Err(too_big(len));
+    }
+    let mut out = Vec::with_capacity(len as usize);
+    // The file may grow after the check: read at most one byte past the cap.
+    f.take(MAX_JSON_BYTES + 1).read_to_end(&mut out)?;
+    if out.len() as u64 > MAX_JSON_BYTES {
+        return Err(too_big(out.len() as u64));
+    }
+    Ok(out)
 }
 
 /// The directory that holds `path` (`.` for a bare file name).
@@ -134,5 +239,21 @@ mod tests {
         assert!(is_temp_name(".a.json.tmp"));
         assert!(!is_temp_name("acts000000.bin"));
         assert_eq!(temp_sibling(&p), dir.path().join(".a.json.tmp"));
+    }
+
+    #[test]
+    fn json_files_over_the_cap_are_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("metadata.json");
+        fs::write(&p, b"{}").unwrap();
+        assert_eq!(read_json_file(&p).unwrap(), b"{}");
+        // A sparse file: the size check refuses it without reading (or allocating) 64 MiB.
+        let f = File::create(&p).unwrap();
+        f.set_len(MAX_JSON_BYTES + 1).unwrap();
+        let e = read_json_file(&p).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        assert!(e.to_string().contains("64 MiB cap"), "{e}");
+        let missing = read_json_file(&dir.path().join("absent.json")).unwrap_err();
+        assert_eq!(missing.kind(), std::io::ErrorKind::NotFound);
     }
 }

@@ -56,6 +56,14 @@ impl Value {
         }
     }
 
+    /// The value as a non-negative integer, if it is one written without fraction or exponent.
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            Value::Number(s) if !s.contains(['.', 'e', 'E']) => s.parse().ok(),
+            _ => None,
+        }
+    }
+
     /// The value as a string slice.
     pub fn as_str(&self) -> Option<&str> {
         match self {
@@ -116,6 +124,9 @@ pub struct ParseError {
 }
 
 const MAX_DEPTH: usize = 128;
+
+/// Objects up to this many keys check duplicates by scanning; larger ones use a hash set.
+const SCAN_KEYS: usize = 16;
 
 /// Parses one JSON document (surrounding whitespace allowed).
 pub fn parse(text: &[u8]) -> Result<Value, ParseError> {
@@ -190,6 +201,9 @@ impl Parser<'_> {
             Some(b'{') => {
                 self.i += 1;
                 let mut members: Vec<(String, Value)> = Vec::new();
+                // Duplicate keys are found by scanning while objects are small, and through a
+                // set once they are not: a million-key object stays linear.
+                let mut seen: Option<std::collections::HashSet<String>> = None;
                 self.ws();
                 if self.s.get(self.i) == Some(&b'}') {
                     self.i += 1;
@@ -202,7 +216,20 @@ impl Parser<'_> {
                     }
                     let at = self.i;
                     let k = self.string()?;
-                    if members.iter().any(|(m, _)| *m == k) {
+                    let duplicate = match &mut seen {
+                        Some(set) => !set.insert(k.clone()),
+                        None => {
+                            let d = members.iter().any(|(m, _)| *m == k);
+                            if members.len() >= SCAN_KEYS {
+                                let mut set: std::collections::HashSet<String> =
+                                    members.iter().map(|(m, _)| m.clone()).collect();
+                                set.insert(k.clone());
+                                seen = Some(set);
+                            }
+                            d
+                        }
+                    };
+                    if duplicate {
                         return Err(ParseError {
                             offset: at,
                             message: format!("duplicate key {k:?}"),
@@ -489,6 +516,34 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn duplicate_keys_are_found_in_linear_time() {
+        // 200,000 keys: a scan per key would take minutes; a duplicate at the end is still found.
+        let n = 200_000;
+        let mut text = String::from("{");
+        for i in 0..n {
+            text.push_str(&format!("\"k{i}\": {i}, "));
+        }
+        let ok = format!("{}\"last\": 0}}", text);
+        let t0 = std::time::Instant::now();
+        match parse(ok.as_bytes()).unwrap() {
+            Value::Object(m) => assert_eq!(m.len(), n + 1),
+            other => panic!("{other:?}"),
+        }
+        // Generous for debug builds on a loaded machine; quadratic would be ~10^10 compares.
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30));
+        let dup = format!("{}\"k{}\": 0}}", text, n - 7);
+        let e = parse(dup.as_bytes()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("duplicate key \"k{}\"", n - 7)),
+            "{e}"
+        );
+        // And in small objects, by the scan.
+        let e = parse(br#"{"a": 1, "b": 2, "a": 3}"#).unwrap_err();
+        assert!(e.to_string().contains("duplicate key \"a\""), "{e}");
+    }
 
     #[test]
     fn round_trips_key_order_and_number_text() {

@@ -13,12 +13,14 @@
 //! implementation hashes is emitted byte-identically ([`json`]).
 #![deny(missing_docs)]
 
+pub mod checksum;
 pub mod eagle3;
 pub mod engine;
 pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;
 pub mod json;
+pub mod lock;
 pub mod report;
 pub mod saev;
 pub mod sdnb;

@@ -211,6 +211,7 @@ fn the_reference_shard_and_embeddings_bytes() {
         [
             "manifest.json",
             "shard-000000.safetensors",
+            "shardkit.checksums.json",
             "target_embeddings.safetensors"
         ]
         .map(String::from)

@@ -287,8 +287,22 @@ fn write_uninterrupted(root: &Path, md: &Metadata, with_labels: bool) -> PathBuf
 /// temporary, and that it opens and validates cleanly.
 #[track_caller]
 fn assert_identical(out: &Path, reference: &Path, what: &str) {
-    let got = snapshot(out);
-    let want = snapshot(reference);
+    let mut got = snapshot(out);
+    let mut want = snapshot(reference);
+    // shardkit's own checksums sidecar: present in what shardkit finished, and matching it.
+    // (A reference written by saev has none.)
+    assert!(
+        got.remove(shardkit::checksum::SIDECAR).is_some(),
+        "{what}: no checksums sidecar"
+    );
+    want.remove(shardkit::checksum::SIDECAR);
+    assert!(
+        matches!(
+            shardkit::checksum::verify(out).unwrap(),
+            shardkit::checksum::Verdict::Intact { .. }
+        ),
+        "{what}: the sidecar does not match"
+    );
     assert_eq!(
         got.keys().collect::<Vec<_>>(),
         want.keys().collect::<Vec<_>>(),
@@ -1282,8 +1296,8 @@ fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) 
     if k.is_multiple_of(2) {
         drop(w);
     } else {
-        // Like a kill: nothing at all runs on the way out.
-        std::mem::forget(w);
+        // Like a kill: nothing at all runs on the way out (but the kernel drops the lock).
+        w.abandon();
     }
     // Leftovers: a stale temporary, and a partial final-named shard beyond the resume point.
     fs::write(dir.join(".acts000009.bin.tmp"), [0xABu8; 100]).unwrap();
@@ -1398,7 +1412,8 @@ fn crash_everywhere(protocol: &str, n: u64, with_labels: bool, ks: impl Iterator
     let reference = write_uninterrupted(ref_tmp.path(), &md, with_labels);
     assert_eq!(
         fs::read_dir(&reference).unwrap().count(),
-        2 + n.div_ceil(EPS) as usize + usize::from(with_labels)
+        // metadata.json, shards.json, shardkit.checksums.json, shards, labels.bin
+        3 + n.div_ceil(EPS) as usize + usize::from(with_labels)
     );
     for k in ks {
         crash_and_resume(&md, with_labels, k, &reference);

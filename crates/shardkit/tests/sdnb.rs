@@ -254,7 +254,13 @@ fn shard_sets_split_by_size_and_read_back_whole() {
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
-    assert_eq!(left.len(), 2, "{left:?}");
+    // The two shards and the set's checksums sidecar, which covers exactly them.
+    assert_eq!(left.len(), 3, "{left:?}");
+    assert!(left.iter().any(|n| n == "model.checksums.json"), "{left:?}");
+    assert!(matches!(
+        shardkit::checksum::verify(&again[0]).unwrap(),
+        shardkit::checksum::Verdict::Intact { files: 2, .. }
+    ));
     check_same(&p, &sp, &d);
 
     // A missing shard is an error, never a partial load.

@@ -7,7 +7,30 @@ SDNB/SDZ containers). Arrays are numpy arrays over memory owned by the Rust core
 ``shardkit.torch`` adapts loaders to PyTorch.
 """
 
+import os
+from typing import Any, Dict, Union
+
 from ._shardkit import IncompleteDatasetError, __version__
+from . import _shardkit as _core
 from . import eagle3, flat_tokens, saev, sdnb
 
-__all__ = ["saev", "flat_tokens", "eagle3", "sdnb", "IncompleteDatasetError", "__version__"]
+__all__ = ["saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "IncompleteDatasetError", "__version__"]
+
+
+def checksum(path: Union[str, "os.PathLike[str]"]) -> str:
+    """Hashes every file of a dataset (any format: a directory, or an SDNB/SDZ container file)
+    into its checksums sidecar (xxh3-64 per block), for data written by other tools; shardkit's
+    writers add it themselves. Returns the sidecar's path."""
+    return os.fspath(_core.checksum(os.fspath(path)))
+
+
+def verify(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    """Checks every byte of a dataset against its checksums sidecar:
+    ``{"sidecar": bool, "intact": bool, "damage": [{"file", "start", "end", "what"}]}``
+    (``intact`` is False without a sidecar)."""
+    has, damage = _core.verify_checksums(os.fspath(path))
+    return {
+        "sidecar": has,
+        "intact": has and not damage,
+        "damage": [{"file": os.fspath(f), "start": a, "end": b, "what": w} for f, a, b, w in damage],
+    }

@@ -322,6 +322,7 @@ class Loader:
         num_threads: Optional[int] = None,
         prefetch: int = 2,
         io_threads: Optional[int] = None,
+        verify: bool = False,
     ) -> None:
         if io_threads is not None:
             warnings.warn(
@@ -334,7 +335,7 @@ class Loader:
         self.path = os.fspath(cache_dir)
         self._l = _core.Eagle3Loader(
             self.path, int(batch_size), bool(shuffle), int(seed), int(epoch), rank, world_size,
-            bool(drop_last), int(num_threads or 0), int(prefetch),
+            bool(drop_last), int(num_threads or 0), int(prefetch), bool(verify),
         )
 
     def __len__(self) -> int:

@@ -16,6 +16,7 @@ use rayon::prelude::*;
 
 use super::cache::{scatter, Cache, ITEM_FIELDS};
 use super::shard::shard_name;
+use crate::checksum::{self, Verifier};
 use crate::engine::batch::{self, Buffer, BufferPool};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{derive_key, shuffled};
@@ -46,6 +47,10 @@ pub struct LoaderOptions {
     pub threads: usize,
     /// Batches prepared ahead of the caller.
     pub prefetch: usize,
+    /// Check every block of the shard bytes a pass reads against the cache's checksums
+    /// sidecar (`shardkit.checksums.json`), once per pass; a damaged block is an error naming
+    /// the shard and its bytes.
+    pub verify: bool,
 }
 
 impl LoaderOptions {
@@ -61,6 +66,7 @@ impl LoaderOptions {
             drop_last: false,
             threads: 0,
             prefetch: 2,
+            verify: false,
         }
     }
 }
@@ -163,6 +169,8 @@ struct Inner {
     /// Batch buffers are recycled: a fresh multi-megabyte allocation per batch costs more in
     /// page faults than the reads themselves.
     pool: Mutex<BufferPool>,
+    /// With `verify`: the shards' checksums and which blocks this pass has checked.
+    verifier: Option<Verifier>,
 }
 
 /// Reader threads at least (see [`LoaderOptions::threads`]).
@@ -200,11 +208,19 @@ impl Loader {
             files: (0..k).map(|_| OnceLock::new()).collect(),
             maps: (0..k).map(|_| OnceLock::new()).collect(),
         };
+        let verifier = if opts.verify {
+            let names: Vec<String> = (0..k as u64).map(shard_name).collect();
+            let dir = cache.dir();
+            Some(Verifier::open(&dir.join(checksum::SIDECAR), dir, &names)?)
+        } else {
+            None
+        };
         Ok(Loader {
             inner: Arc::new(Inner {
                 cache,
                 files,
                 pool: Mutex::new(BufferPool::new(opts.prefetch + 8)),
+                verifier,
             }),
             opts,
             rank,
@@ -346,6 +362,9 @@ impl Loader {
         }
         let start = (self.cursor as usize).min(batches.len());
         let batches: Vec<Vec<u64>> = batches.split_off(start);
+        if let Some(v) = &self.inner.verifier {
+            v.reset(); // every pass checks what it reads
+        }
         let stream = match self.gather_pool() {
             Err(e) => exec::Stream::failed(e),
             Ok(pool) => exec::start(
@@ -546,6 +565,16 @@ impl Job for Eagle3Job {
 
     fn fill(&self, b: &Eagle3Batch, piece: usize, out: &mut [&mut [u8]]) -> Result<()> {
         let (r, map) = &b.reads[piece];
+        if let Some(v) = &self.inner.verifier {
+            let files = &self.inner.files;
+            let whole = files.map(r.file, 0).ok_or_else(|| {
+                Error::format(
+                    files.path(r.file),
+                    "cannot be mapped to verify its checksums",
+                )
+            })?;
+            v.check(r.file as usize, r.offset..r.offset + r.len, &whole)?;
+        }
         if let Some(map) = map {
             let (start, end) = (r.offset as usize, (r.offset + r.len) as usize);
             batch::copy_streaming(out[0], &map[start..end]);

@@ -405,7 +405,7 @@ fn same(a: &Value, b: &Value) -> bool {
 /// Reads `dir/manifest.json`; a missing one is a not-found error.
 pub fn read(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
-    let text = match std::fs::read(&path) {
+    let text = match fsutil::read_json_file(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(Error::NotFound {

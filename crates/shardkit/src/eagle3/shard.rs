@@ -334,7 +334,7 @@ pub fn write_safetensors(path: &Path, tensors: Vec<(&str, Tensor<'_>)>) -> Resul
             f.set_permissions(std::fs::Permissions::from_mode(0o644))
                 .at(&tmp)?;
         }
-        f.sync_all().at(&tmp)?;
+        fsutil::sync_file(&f, &tmp)?;
         drop(f);
         fsutil::publish(&tmp, path)
     })();

@@ -62,6 +62,12 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
             }
         }
     }
+    if deep {
+        // Beyond the values: every byte against the checksums sidecar, when there is one.
+        let (errors, notes) = crate::checksum::verify_messages(dir);
+        v.errors.extend(errors);
+        v.notes.extend(notes);
+    }
     let temps: Vec<String> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()

@@ -15,9 +15,11 @@ use super::manifest::{self, Manifest};
 use super::shard::{
     self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
 };
+use crate::checksum::Recorder;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
+use crate::lock::WriteLock;
 
 /// The embeddings file's name.
 pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
@@ -63,6 +65,10 @@ pub struct Writer {
     /// The shard being filled.
     shard: u64,
     resumed_from: Option<u64>,
+    /// Held for the writer's life: a second writer of this cache fails at once.
+    _lock: WriteLock,
+    /// Checksums of the shards written so far (see [`crate::checksum`]).
+    sums: Recorder,
 }
 
 impl Writer {
@@ -78,6 +84,12 @@ impl Writer {
             });
         }
         let specs = field_specs(&m);
+        // An existing cache is locked before it is looked at; a new one once it is created.
+        let early_lock = if dir.is_dir() {
+            Some(WriteLock::dir(&dir)?)
+        } else {
+            None
+        };
         let present = shard_set(&dir)?;
         let mut resumed_from = None;
         let mut shard = 0;
@@ -139,6 +151,21 @@ impl Writer {
         }
         // Nothing on disk has changed before this point.
         std::fs::create_dir_all(&dir).at(&dir)?;
+        let lock = match early_lock {
+            Some(l) => l,
+            None => {
+                let l = WriteLock::dir(&dir)?;
+                if !shard_set(&dir)?.is_empty() {
+                    return Err(Error::Exists {
+                        path: dir,
+                        why: "another writer created this cache while this one was starting; \
+                              resume it instead"
+                            .into(),
+                    });
+                }
+                l
+            }
+        };
         shard::remove_temporaries(&dir)?;
         manifest::write(&dir, &m)?;
         let bufs = specs.iter().map(|_| Vec::new()).collect();
@@ -150,6 +177,8 @@ impl Writer {
             rows_buffered: 0,
             shard,
             resumed_from,
+            _lock: lock,
+            sums: Recorder::default(),
         })
     }
 
@@ -262,7 +291,9 @@ impl Writer {
                 )
             })
             .collect();
-        shard::write_safetensors(&self.dir.join(shard_name(self.shard)), tensors)?;
+        let name = shard_name(self.shard);
+        shard::write_safetensors(&self.dir.join(&name), tensors)?;
+        self.sums.add(&self.dir, &name)?;
         for b in &mut self.bufs {
             b.clear();
         }
@@ -295,6 +326,8 @@ impl Writer {
                 ),
             });
         }
+        // The sidecar covers the manifest, every shard and the embeddings.
+        self.sums.finish(&self.dir)?;
         fsutil::fsync_dir(&self.dir)?;
         Ok(self.dir)
     }
@@ -333,5 +366,7 @@ pub fn write_embeddings(dir: &Path, m: &Manifest, data: &[u8], rows: u64, cols: 
                 data,
             },
         )],
-    )
+    )?;
+    // A finished cache's sidecar is brought up to date.
+    crate::checksum::refresh(dir, &[EMBEDDINGS])
 }

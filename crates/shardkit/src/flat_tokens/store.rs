@@ -105,6 +105,17 @@ pub(crate) fn put_zarr2_json<S: ?Sized + WritableStorageTraits>(
 
 /// Reads the JSON document at `key` (None when absent).
 pub(crate) fn get_json(store: &FilesystemStore, root: &Path, k: &str) -> Result<Option<Value>> {
+    if let Some(len) = crate::fsutil::regular_file_len(&root.join(k)) {
+        if len > crate::fsutil::MAX_JSON_BYTES {
+            return Err(Error::format(
+                root.join(k),
+                format!(
+                    "{len} bytes: over the {} MiB cap on JSON files",
+                    crate::fsutil::MAX_JSON_BYTES >> 20
+                ),
+            ));
+        }
+    }
     let bytes = store
         .get(&key(k)?)
         .map_err(|e| Error::format(root.join(k), format!("cannot read: {e}")))?;

@@ -12,7 +12,6 @@
 //! carries on. The root group says `write_completed: false` from the first change until
 //! [`Writer::finish`] sets it to `true`, so an unfinished dataset is never served.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -30,6 +29,7 @@ use super::store::{self, get_json, put_zarr2_json, Completion, ZarrFormat, MARKE
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::{self, Value};
+use crate::lock::WriteLock;
 
 /// The largest token id the encoding can hold (`2*id + 1` must fit in uint32).
 pub const MAX_TOKEN_ID: u32 = (1 << 31) - 1;
@@ -440,7 +440,7 @@ pub struct Writer {
     root_marked_writing: bool,
     sequences_with_id_zero: u64,
     scratch: Vec<u32>,
-    _lock: File,
+    _lock: WriteLock,
 }
 
 impl std::fmt::Debug for Writer {
@@ -453,25 +453,6 @@ impl std::fmt::Debug for Writer {
             .field("token_count", &self.token_count())
             .finish()
     }
-}
-
-/// An exclusive advisory lock on the dataset root, so two writers never interleave.
-fn lock_root(root: &Path) -> Result<File> {
-    let f = File::open(root).at(root)?;
-    // SAFETY: flock on a descriptor we own.
-    let rc = unsafe {
-        libc::flock(
-            std::os::fd::AsRawFd::as_raw_fd(&f),
-            libc::LOCK_EX | libc::LOCK_NB,
-        )
-    };
-    if rc != 0 {
-        return Err(Error::Exists {
-            path: root.to_path_buf(),
-            why: "another writer is writing this dataset (its lock is held)".into(),
-        });
-    }
-    Ok(f)
 }
 
 fn format_of(l: &Layout) -> ZarrFormat {
@@ -515,7 +496,7 @@ fn only_leftovers(dir: &Path) -> Result<bool> {
         }
         let ours = name.ends_with(".tmp")
             || (name == ".zattrs"
-                && json::parse(&std::fs::read(e.path()).at(e.path())?).ok()
+                && json::parse(&fsutil::read_json_file(&e.path()).at(e.path())?).ok()
                     == Some(Value::Object(vec![(MARKER.into(), Value::Bool(false))])));
         if !ours {
             return Ok(false);
@@ -567,7 +548,7 @@ impl Writer {
             (None, l) => format_of(&l.unwrap_or_default()),
         };
         std::fs::create_dir_all(root).at(root)?;
-        let lock = lock_root(root)?;
+        let lock = WriteLock::dir(root)?;
         let ds = Dataset::new(root, format)?;
         // Nothing on disk has changed before this point.
         let cleaned =
@@ -608,7 +589,12 @@ impl Writer {
 
     /// Opens the split's arrays at its last commit: `seq_starts` (the commit record) and
     /// `encoded_tokens` rolled back to `seq_starts[-1]`.
-    fn open_split(ds: Dataset, split: &str, lock: File, options: &WriterOptions) -> Result<Writer> {
+    fn open_split(
+        ds: Dataset,
+        split: &str,
+        lock: WriteLock,
+        options: &WriterOptions,
+    ) -> Result<Writer> {
         let split_path = ds.root.join(split);
         let v2 = ds.format == ZarrFormat::V2;
         let open = |name: &str, tokens: bool| -> Result<Array<FilesystemStore>> {
@@ -801,6 +787,8 @@ impl Writer {
             .erase_stray_chunks(&self.ds.store, &self.ds.root)?;
         self.fsync_chunk_dirs()?;
         self.ds.set_marker(true)?;
+        // zarrs writes the shard files: they are hashed here, once the dataset is complete.
+        crate::checksum::record(&self.ds.root)?;
         Ok(WriteSummary {
             root: self.ds.root.clone(),
             seq_count: self.seq_count(),
@@ -860,7 +848,7 @@ pub fn mark_complete(root: impl AsRef<Path>) -> Result<()> {
             ),
         ));
     }
-    let _lock = lock_root(root)?;
+    let _lock = WriteLock::dir(root)?;
     let ds = Dataset::new(root, format)?;
     ds.remove_root_temporaries()?;
     ds.set_marker(true)

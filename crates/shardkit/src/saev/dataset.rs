@@ -81,7 +81,7 @@ impl TokenMode {
 pub(crate) fn check_complete(dir: &Path, layout: &Layout) -> Result<()> {
     let sj = dir.join("shards.json");
     let n = layout.n_examples;
-    let bytes = match std::fs::read(&sj) {
+    let bytes = match fsutil::read_json_file(&sj) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             let k = leading_full_files(dir, layout);

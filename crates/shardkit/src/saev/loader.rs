@@ -19,6 +19,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use crate::checksum::{self, Verifier};
 use crate::engine::batch::{self, BufferPool};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{rank_batches, EpochOrder, Order};
@@ -87,6 +88,10 @@ pub struct LoaderOptions {
     /// data already cached is read from disk again. Default false: reads go through the page
     /// cache and cached data is gathered straight from it.
     pub direct_io: bool,
+    /// Check every block of the shards a pass reads against the dataset's checksums sidecar
+    /// (`shardkit.checksums.json`), once per pass, on the gather threads; a damaged block is an
+    /// error naming the shard and its bytes. Not with `direct_io`.
+    pub verify: bool,
 }
 
 impl LoaderOptions {
@@ -107,6 +112,7 @@ impl LoaderOptions {
             threads: 0,
             io_threads: 16,
             direct_io: false,
+            verify: false,
         }
     }
 }
@@ -301,6 +307,8 @@ pub struct Loader {
     windows: BufferPool,
     /// Started on the first pass and kept (a failure to start is reported by that pass).
     gather: GatherCell,
+    /// With `verify`: the shards' checksums and which blocks this pass has checked.
+    verifier: Option<Arc<Verifier>>,
 }
 
 impl std::fmt::Debug for Loader {
@@ -403,6 +411,26 @@ impl Loader {
             )));
         }
         let window_blocks = (budget / 4 / block_bytes).max(1);
+        let verifier = if opts.verify {
+            if opts.direct_io {
+                return Err(Error::Invalid(
+                    "verify cannot be combined with direct_io: blocks are verified through the \
+                     page cache"
+                        .into(),
+                ));
+            }
+            let dir = src.ds.path();
+            let names: Vec<String> = (0..layout.n_shards)
+                .map(crate::saev::Layout::shard_name)
+                .collect();
+            Some(Arc::new(Verifier::open(
+                &dir.join(checksum::SIDECAR),
+                dir,
+                &names,
+            )?))
+        } else {
+            None
+        };
         let src = Arc::new(src);
         let order = Arc::new(Self::plan_epoch(&src, &opts, window_blocks)?);
         Ok(Loader {
@@ -416,6 +444,7 @@ impl Loader {
             batches: BufferPool::new(BATCH_POOL),
             windows: BufferPool::new(3),
             gather: GatherCell::default(),
+            verifier,
         })
     }
 
@@ -570,7 +599,11 @@ impl Loader {
                 } else {
                     Vec::new()
                 };
+                if let Some(v) = &self.verifier {
+                    v.reset(); // every pass checks what it reads
+                }
                 let job = SaevJob {
+                    verify: self.verifier.clone(),
                     src: self.src.clone(),
                     order: self.order.clone(),
                     batches: self.batches.clone(),
@@ -649,6 +682,7 @@ struct SaevJob {
     io_threads: usize,
     piece_rows: usize,
     resident: Mutex<Resident>,
+    verify: Option<Arc<Verifier>>,
 }
 
 /// A prepared batch: each row's (block, selected row) and where its bytes are.
@@ -880,6 +914,10 @@ impl Job for SaevJob {
                 if let Ok(next) = slice(k + AHEAD) {
                     batch::prefetch(next);
                 }
+            }
+            if let Some(v) = &self.verify {
+                let (i, off) = b.src[k];
+                v.check(i as usize, off..off + rb as u64, base(i)?)?;
             }
             batch::copy_streaming(dst, slice(k)?);
         }

@@ -9,6 +9,7 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
+use crate::fsutil;
 use crate::json::{self, Escape, Value};
 
 /// A logical metadata field and its key names in protocol 1.x and 2.x files.
@@ -248,7 +249,7 @@ impl Metadata {
     /// Reads and parses `dir/metadata.json`.
     pub fn read(dir: &Path) -> Result<(Metadata, Vec<String>)> {
         let path = dir.join("metadata.json");
-        let bytes = std::fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        let bytes = fsutil::read_json_file(&path).map_err(|e| Error::io(&path, e))?;
         Self::parse(&bytes, &path)
     }
 

@@ -150,7 +150,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
 
     let sj = dir.join("shards.json");
     let mut listed = 0u64;
-    match std::fs::read(&sj) {
+    match fsutil::read_json_file(&sj) {
         Err(_) if !sj.exists() => {
             let k = leading_full_files(&dir, &layout);
             push(

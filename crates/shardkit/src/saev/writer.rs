@@ -13,8 +13,10 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use crate::checksum::Recorder;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::lock::WriteLock;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
@@ -63,6 +65,10 @@ pub struct Writer {
     labels: Option<File>,
     labels_decided: bool,
     finished: bool,
+    /// Held for the writer's life: a second writer of this directory fails at once.
+    lock: Option<WriteLock>,
+    /// Checksums of the shards published so far (see [`crate::checksum`]).
+    sums: Recorder,
 }
 
 impl std::fmt::Debug for Writer {
@@ -89,6 +95,12 @@ impl Writer {
         let dir = root.join(md.dir_name());
         let ours = md.file_bytes();
         fs::create_dir_all(root).at(root)?;
+        match fs::create_dir(&dir) {
+            Ok(()) => fsutil::fsync_dir(root)?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(Error::io(&dir, e)),
+        }
+        let lock = WriteLock::dir(&dir)?;
 
         let mut w = Writer {
             dir: dir.clone(),
@@ -100,9 +112,11 @@ impl Writer {
             labels: None,
             labels_decided: false,
             finished: false,
+            lock: Some(lock),
+            sums: Recorder::default(),
         };
         let md_path = dir.join("metadata.json");
-        match fs::read(&md_path) {
+        match fsutil::read_json_file(&md_path) {
             Ok(existing) if existing == ours => {
                 match check_complete(&dir, &w.layout) {
                     Ok(()) => {
@@ -163,9 +177,6 @@ impl Writer {
                         let p = dir.join(n);
                         fs::remove_file(&p).at(&p)?;
                     }
-                } else {
-                    fs::create_dir(&dir).at(&dir)?;
-                    fsutil::fsync_dir(root)?;
                 }
                 File::create(dir.join(MARKER)).at(dir.join(MARKER))?;
                 fsutil::atomic_write(&md_path, &ours)?;
@@ -189,7 +200,7 @@ impl Writer {
         } else {
             // saev rewrites shards.json after each full shard; trust only entries holding eps.
             let sj = dir.join("shards.json");
-            match fs::read(&sj) {
+            match fsutil::read_json_file(&sj) {
                 Ok(b) => parse_shards_json(&b, &sj)
                     .map(|entries| {
                         entries
@@ -216,7 +227,7 @@ impl Writer {
         if fsutil::regular_file_len(&final_labels) == Some(labels_len)
             && fsutil::regular_file_len(&tmp_labels).is_none()
         {
-            fs::rename(&final_labels, &tmp_labels).at(&final_labels)?;
+            fsutil::rename(&final_labels, &tmp_labels)?;
         }
         if from > 0 && fsutil::regular_file_len(&tmp_labels) == Some(labels_len) {
             let f = fs::OpenOptions::new()
@@ -391,13 +402,24 @@ impl Writer {
         let Some(shard) = self.shard.take() else {
             return Ok(());
         };
-        shard.file.sync_data().at(&shard.tmp)?;
+        fsutil::sync_data(&shard.file, &shard.tmp)?;
         drop(shard.file);
         if let Some(l) = &self.labels {
             // The labels of a published shard must be durable before it is.
-            l.sync_data().at(self.dir.join(LABELS_TMP))?;
+            fsutil::sync_data(l, &self.dir.join(LABELS_TMP))?;
         }
-        fsutil::publish(&shard.tmp, &self.dir.join(Layout::shard_name(shard.index)))
+        let name = Layout::shard_name(shard.index);
+        fsutil::publish(&shard.tmp, &self.dir.join(&name))?;
+        // Hashed now, while its pages are still in memory.
+        self.sums.add(&self.dir, &name)
+    }
+
+    /// Ends the writer as a killed process would (tests of crash recovery): nothing runs on
+    /// the way out and nothing is cleaned up; only the lock goes, as the kernel releases it.
+    #[doc(hidden)]
+    pub fn abandon(self) {
+        let mut me = std::mem::ManuallyDrop::new(self);
+        me.lock.take();
     }
 
     /// Completes the dataset: publishes labels.bin, then writes shards.json (the commit record).
@@ -415,17 +437,20 @@ impl Writer {
             });
         }
         if let Some(l) = self.labels.take() {
-            l.sync_all().at(self.dir.join(LABELS_TMP))?;
+            fsutil::sync_file(&l, &self.dir.join(LABELS_TMP))?;
             fsutil::publish(&self.dir.join(LABELS_TMP), &self.dir.join("labels.bin"))?;
         }
         let counts: Vec<u64> = (0..self.layout.n_shards)
             .map(|s| self.layout.shard_count(s))
             .collect();
         let count_key = self.md.count_key();
-        fsutil::atomic_write(
-            &self.dir.join("shards.json"),
-            &shards_json_bytes(&counts, count_key),
-        )?;
+        let shards_json = shards_json_bytes(&counts, count_key);
+        // The sidecar goes before the commit record (whose hash is known from its bytes): a
+        // complete dataset always has one, and a crash before the commit leaves an incomplete
+        // dataset whose resumed writer rewrites it.
+        self.sums.add_bytes("shards.json", &shards_json);
+        self.sums.finish(&self.dir)?;
+        fsutil::atomic_write(&self.dir.join("shards.json"), &shards_json)?;
         let marker = self.dir.join(MARKER);
         fs::remove_file(&marker).at(&marker)?;
         fsutil::fsync_dir(&self.dir)?;

@@ -546,6 +546,14 @@ impl Container {
         &self.path
     }
 
+    /// The files the container is made of: the file itself, or every shard of a set.
+    pub fn files(&self) -> Vec<PathBuf> {
+        match self.kind() {
+            Kind::Sharded { .. } => self.parts.iter().map(|p| p.label.clone()).collect(),
+            _ => vec![self.path.clone()],
+        }
+    }
+
     /// Single file, shard set or archive.
     pub fn kind(&self) -> Kind {
         self.kind

@@ -21,6 +21,7 @@ use super::sdz::ZipWriter;
 use super::types::{DType, Order, VarType};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::lock::WriteLock;
 
 /// Arrays of at least this many bytes are appended as blobs; smaller ones are inline (DL4J's
 /// `APPEND_THRESHOLD_BYTES`).
@@ -374,6 +375,8 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
         Some((b, _, _)) if opts.format == Format::Sharded => b,
         _ => base_name(name),
     };
+    // One writer per base name: a single file, its shard set and an SDZ of it share the lock.
+    let _lock = WriteLock::beside_as(&dir.join(base), path)?;
     let sharded_parts = match (opts.format, opts.shard_size) {
         (Format::Sharded, cap) => Some(cap.unwrap_or(DEFAULT_SHARD_SIZE)),
         (Format::Sdz, Some(cap)) => Some(cap),
@@ -395,7 +398,7 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
         total,
         reported: 0,
     };
-    match opts.format {
+    let files = match opts.format {
         Format::Sdnb => {
             let shards = shard_files(dir, base)?;
             if let Some((_, _, p)) = shards.first() {
@@ -429,7 +432,12 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
             write_sdz(path, &plans, &opts.extra_entries, opts.align, &mut tracker)?;
             Ok(vec![path.to_path_buf()])
         }
+    }?;
+    // The sidecar `BASE.checksums.json` (see crate::checksum), while the lock is still held.
+    if let Some(first) = files.first() {
+        crate::checksum::record(first)?;
     }
+    Ok(files)
 }
 
 /// The graph fields of one part.
@@ -755,7 +763,7 @@ fn write_temp(path: &Path, plan: &PartPlan, tracker: &mut Tracker) -> Result<Pat
             tracker,
         };
         sink.part(plan)?;
-        f.sync_all().at(&tmp)
+        fsutil::sync_file(&f, &tmp)
     })();
     if let Err(e) = result {
         let _ = fs::remove_file(&tmp);
@@ -799,7 +807,7 @@ fn write_shard_set(
         .filter(|p| !names.contains(p))
         .collect();
     for (t, p) in temps.iter().zip(&names) {
-        fs::rename(t, p).at(p)?;
+        fsutil::rename(t, p)?;
     }
     // Shards of an earlier set with another count would make the set unreadable.
     for p in &stale {
@@ -859,7 +867,7 @@ fn write_sdz(
             tracker.add(data.len() as u64);
         }
         let f = zip.finish()?;
-        f.sync_all().at(&tmp)
+        fsutil::sync_file(&f, &tmp)
     })();
     if let Err(e) = result {
         let _ = fs::remove_file(&tmp);

@@ -250,6 +250,7 @@ class OrderedLoader(_Loader):
         io_threads: int = 16,
         num_threads: Optional[int] = None,
         direct_io: bool = False,
+        verify: bool = False,
     ) -> None:
         super().__init__(
             path,
@@ -257,6 +258,7 @@ class OrderedLoader(_Loader):
             tokens=tokens,
             batch_size=batch_size,
             order="sequential",
+            verify=verify,
             drop_last=drop_last,
             rank=rank,
             world_size=world_size,
@@ -274,7 +276,9 @@ class ShuffledLoader(_Loader):
     rank and world_size default to $RANK and $WORLD_SIZE. ``num_threads`` gather threads
     (default: every core) copy rows into batches, from the page cache when the data are there;
     ``direct_io=True`` reads with O_DIRECT instead, bypassing the page cache (``io_threads``
-    reads in flight).
+    reads in flight). ``verify=True`` checks every block a pass reads against the dataset's
+    checksums sidecar (``shardkit.checksum(path)`` adds one to data written by other tools); a
+    damaged block raises ValueError naming the shard and the byte range.
     """
 
     def __init__(
@@ -295,6 +299,7 @@ class ShuffledLoader(_Loader):
         io_threads: int = 16,
         num_threads: Optional[int] = None,
         direct_io: bool = False,
+        verify: bool = False,
     ) -> None:
         super().__init__(
             path,
@@ -302,6 +307,7 @@ class ShuffledLoader(_Loader):
             tokens=tokens,
             batch_size=batch_size,
             order=order,
+            verify=verify,
             seed=seed,
             epoch=epoch,
             rank=rank,

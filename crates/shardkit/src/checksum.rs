@@ -1,0 +1,682 @@
+//! Checksums beyond every reference format: xxh3-64 hashes of every block of every file of a
+//! dataset, kept in a sidecar that the reference readers never open.
+//!
+//! The sidecar is `shardkit.checksums.json` inside a dataset directory (saev, EAGLE-3,
+//! flat-tokens), or `BASE.checksums.json` beside a single-file container (an SDNB file, a shard
+//! set, an SDZ archive; BASE is the container's name without extension or shard suffix):
+//!
+//! ```json
+//! {"shardkit_checksums": 1, "algorithm": "xxh3-64", "files": {
+//!   "acts000000.bin": {"bytes": 268435456, "block_bytes": 1048576, "xxh3": ["9f0c...", ...]}}}
+//! ```
+//!
+//! File names are relative to the sidecar's directory (`/`-separated below it). Each file is cut
+//! into blocks of `block_bytes` (a power of two, at least 1 MiB, and large enough that a file has
+//! at most 4,096 blocks); `xxh3[i]` is the 16-hex-digit XXH3-64 (seed 0) of block `i`, the last
+//! block being the file's remainder. Blocks let random readers verify only what they read.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Read;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use rayon::prelude::*;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+use crate::json::{self, Escape, Value};
+
+/// The sidecar's name inside a dataset directory.
+pub const SIDECAR: &str = "shardkit.checksums.json";
+/// The smallest block.
+pub const MIN_BLOCK: u64 = 1 << 20;
+/// The most blocks a file is cut into (larger files get larger blocks).
+pub const MAX_BLOCKS: u64 = 4096;
+
+/// The block size of a file of `len` bytes.
+pub fn block_bytes_for(len: u64) -> u64 {
+    len.div_ceil(MAX_BLOCKS)
+        .checked_next_power_of_two()
+        .unwrap_or(1 << 63)
+        .max(MIN_BLOCK)
+}
+
+/// The hashes of one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileSums {
+    /// The file's length.
+    pub bytes: u64,
+    /// The block size.
+    pub block_bytes: u64,
+    /// XXH3-64 of each block.
+    pub blocks: Vec<u64>,
+}
+
+impl FileSums {
+    /// The hashes of `data`.
+    pub fn of_bytes(data: &[u8]) -> FileSums {
+        let block_bytes = block_bytes_for(data.len() as u64);
+        FileSums {
+            bytes: data.len() as u64,
+            block_bytes,
+            blocks: data.chunks(block_bytes as usize).map(xxh3_64).collect(),
+        }
+    }
+
+    /// The hashes of the file at `path`, read block by block.
+    pub fn of_file(path: &Path) -> Result<FileSums> {
+        let mut f = File::open(path).at(path)?;
+        let bytes = f.metadata().at(path)?.len();
+        let block_bytes = block_bytes_for(bytes);
+        let mut buf = vec![0u8; block_bytes.min(bytes.max(1)) as usize];
+        let mut blocks = Vec::with_capacity(bytes.div_ceil(block_bytes) as usize);
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(block_bytes) as usize;
+            f.read_exact(&mut buf[..n]).map_err(|e| {
+                Error::format(
+                    path,
+                    format!("could not be read whole for its checksum: {e}"),
+                )
+            })?;
+            blocks.push(xxh3_64(&buf[..n]));
+            left -= n as u64;
+        }
+        Ok(FileSums {
+            bytes,
+            block_bytes,
+            blocks,
+        })
+    }
+
+    /// The byte range of block `i`.
+    pub fn block(&self, i: usize) -> Range<u64> {
+        let start = i as u64 * self.block_bytes;
+        start..(start + self.block_bytes).min(self.bytes)
+    }
+
+    /// The blocks that `range` touches.
+    pub fn blocks_of(&self, range: Range<u64>) -> Range<usize> {
+        if range.is_empty() {
+            return 0..0;
+        }
+        (range.start / self.block_bytes) as usize
+            ..(range.end.div_ceil(self.block_bytes) as usize).min(self.blocks.len())
+    }
+
+    fn to_json(&self) -> Value {
+        Value::Object(vec![
+            ("bytes".into(), Value::int(self.bytes)),
+            ("block_bytes".into(), Value::int(self.block_bytes)),
+            (
+                "xxh3".into(),
+                Value::Array(
+                    self.blocks
+                        .iter()
+                        .map(|h| Value::String(format!("{h:016x}")))
+                        .collect(),
+                ),
+            ),
+        ])
+    }
+
+    fn from_json(v: &Value, name: &str, src: &Path) -> Result<FileSums> {
+        let bad = |rule: String| Error::format(src, format!("files[{name:?}]: {rule}"));
+        let num = |k: &str| {
+            v.get(k)
+                .and_then(Value::as_u64)
+                .ok_or_else(|| bad(format!("`{k}` must be a non-negative integer")))
+        };
+        let bytes = num("bytes")?;
+        let block_bytes = num("block_bytes")?;
+        if block_bytes == 0 || !block_bytes.is_power_of_two() {
+            return Err(bad(format!(
+                "block_bytes {block_bytes} is not a power of two"
+            )));
+        }
+        let Some(Value::Array(hs)) = v.get("xxh3") else {
+            return Err(bad("`xxh3` must be a list of hex strings".into()));
+        };
+        if hs.len() as u64 != bytes.div_ceil(block_bytes) {
+            return Err(bad(format!(
+                "{} hashes for {bytes} bytes in blocks of {block_bytes}",
+                hs.len()
+            )));
+        }
+        let blocks = hs
+            .iter()
+            .map(|h| match h {
+                Value::String(s) if s.len() == 16 => u64::from_str_radix(s, 16).ok(),
+                _ => None,
+            })
+            .collect::<Option<Vec<u64>>>()
+            .ok_or_else(|| bad("a hash is not 16 hex digits".into()))?;
+        Ok(FileSums {
+            bytes,
+            block_bytes,
+            blocks,
+        })
+    }
+}
+
+/// A damaged (or missing) part of a dataset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Damage {
+    /// The file.
+    pub file: PathBuf,
+    /// The bytes that do not match.
+    pub range: Range<u64>,
+    /// What is wrong.
+    pub what: String,
+}
+
+impl std::fmt::Display for Damage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: bytes {}..{}: {}",
+            self.file.display(),
+            self.range.start,
+            self.range.end,
+            self.what
+        )
+    }
+}
+
+/// The checksums of a dataset: file name (relative to the sidecar's directory) to its hashes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Checksums {
+    /// Every file covered.
+    pub files: BTreeMap<String, FileSums>,
+}
+
+impl Checksums {
+    /// Reads a sidecar (None when there is none).
+    pub fn read(path: &Path) -> Result<Option<Checksums>> {
+        let bytes = match fsutil::read_json_file(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(path, e)),
+        };
+        let v = json::parse(&bytes).map_err(|e| Error::format(path, e.to_string()))?;
+        if v.get("shardkit_checksums").and_then(Value::as_u64) != Some(1) {
+            return Err(Error::format(
+                path,
+                "not a shardkit checksums sidecar of version 1 (`shardkit_checksums`: 1)",
+            ));
+        }
+        if v.get("algorithm").and_then(Value::as_str) != Some("xxh3-64") {
+            return Err(Error::format(path, "`algorithm` must be \"xxh3-64\""));
+        }
+        let Some(Value::Object(files)) = v.get("files") else {
+            return Err(Error::format(path, "`files` must be an object"));
+        };
+        let mut out = Checksums::default();
+        for (name, f) in files {
+            if name.is_empty() || name.starts_with('/') || name.split('/').any(|c| c == "..") {
+                return Err(Error::format(
+                    path,
+                    format!("file name {name:?} is not a path below the sidecar's directory"),
+                ));
+            }
+            out.files
+                .insert(name.clone(), FileSums::from_json(f, name, path)?);
+        }
+        Ok(Some(out))
+    }
+
+    /// Writes the sidecar atomically.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let v = Value::Object(vec![
+            ("shardkit_checksums".into(), Value::int(1)),
+            ("algorithm".into(), Value::String("xxh3-64".into())),
+            (
+                "files".into(),
+                Value::Object(
+                    self.files
+                        .iter()
+                        .map(|(k, s)| (k.clone(), s.to_json()))
+                        .collect(),
+                ),
+            ),
+        ]);
+        let mut text = json::to_pretty(&v, 1, Escape::Utf8);
+        text.push('\n');
+        fsutil::atomic_write(path, text.as_bytes())
+    }
+
+    /// Checks every file below `base`: present, of the recorded length, every block matching.
+    pub fn verify(&self, base: &Path) -> Vec<Damage> {
+        let mut out: Vec<Damage> = self
+            .files
+            .par_iter()
+            .flat_map_iter(|(name, sums)| verify_file(&base.join(name), sums))
+            .collect();
+        out.sort_by(|a, b| (&a.file, a.range.start).cmp(&(&b.file, b.range.start)));
+        out
+    }
+}
+
+fn verify_file(path: &Path, sums: &FileSums) -> Vec<Damage> {
+    let damage = |range: Range<u64>, what: String| Damage {
+        file: path.to_path_buf(),
+        range,
+        what,
+    };
+    let f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) => return vec![damage(0..sums.bytes, format!("cannot be read: {e}"))],
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut out = Vec::new();
+    if len != sums.bytes {
+        out.push(damage(
+            len.min(sums.bytes)..len.max(sums.bytes),
+            format!("is {len} bytes; its checksums record {}", sums.bytes),
+        ));
+    }
+    let mut buf = vec![0u8; sums.block_bytes.min(sums.bytes.max(1)) as usize];
+    let mut f = f;
+    for (i, &want) in sums.blocks.iter().enumerate() {
+        let r = sums.block(i);
+        let n = (r.end - r.start) as usize;
+        match f.read_exact(&mut buf[..n]) {
+            Ok(()) if xxh3_64(&buf[..n]) == want => {}
+            Ok(()) => out.push(damage(r, "does not match its checksum".into())),
+            Err(_) => {
+                // Reported above as a length mismatch; nothing more to read.
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Where the sidecar of the dataset at `path` lives, the directory its names are relative to,
+/// and the dataset's files (relative names). A directory is every regular file below it but
+/// the sidecar, writers' temporaries and lock files; a file is an SDNB container's files.
+pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
+    let meta = std::fs::metadata(path).at(path)?;
+    if meta.is_dir() {
+        let mut names = Vec::new();
+        walk(path, "", &mut names)?;
+        names.sort();
+        return Ok((path.join(SIDECAR), path.to_path_buf(), names));
+    }
+    let c = crate::sdnb::open(path)?;
+    let dir = fsutil::parent_of(path).to_path_buf();
+    let names = c
+        .files()
+        .iter()
+        .map(|p| {
+            p.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        })
+        .collect();
+    Ok((dir.join(sidecar_name(path)), dir, names))
+}
+
+/// `BASE.checksums.json` for a container file.
+pub fn sidecar_name(container: &Path) -> String {
+    let name = container
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let base = match crate::sdnb::sdz::parse_shard_name(&name) {
+        Some((b, _, _)) => b,
+        None => crate::sdnb::read::base_name(&name),
+    };
+    format!("{base}.checksums.json")
+}
+
+fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) -> Result<()> {
+    for e in std::fs::read_dir(dir).at(dir)? {
+        let e = e.at(dir)?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let rel = format!("{prefix}{name}");
+        let ty = e.file_type().at(e.path())?;
+        if ty.is_dir() {
+            walk(&e.path(), &format!("{rel}/"), out)?;
+        } else if ty.is_file()
+            && name != SIDECAR
+            && !fsutil::is_temp_name(&name)
+            && !(name.starts_with('.') && name.ends_with(".lock"))
+            && !name.starts_with(".shardkit")
+        {
+            out.push(rel);
+        }
+    }
+    Ok(())
+}
+
+/// Hashes every file of the dataset at `path` (those in `known` whose length still matches are
+/// taken as they are) and writes its sidecar; returns the sidecar's path.
+pub fn record_with(path: &Path, known: &BTreeMap<String, FileSums>) -> Result<PathBuf> {
+    let (sidecar, base, mut names) = dataset_files(path)?;
+    // Files known but not on disk yet (a commit record written right after the sidecar).
+    for n in known.keys() {
+        if !names.contains(n) && fsutil::regular_file_len(&base.join(n)).is_none() {
+            names.push(n.clone());
+        }
+    }
+    let files = names
+        .par_iter()
+        .map(|n| {
+            let p = base.join(n);
+            let len = fsutil::regular_file_len(&p);
+            match known.get(n) {
+                Some(s) if len.is_none() || Some(s.bytes) == len => Ok((n.clone(), s.clone())),
+                _ => FileSums::of_file(&p).map(|s| (n.clone(), s)),
+            }
+        })
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    Checksums { files }.write(&sidecar)?;
+    Ok(sidecar)
+}
+
+/// [`record_with`] hashing everything: `shardkit <format> checksum`.
+pub fn record(path: &Path) -> Result<PathBuf> {
+    record_with(path, &BTreeMap::new())
+}
+
+/// Re-hashes `names` (below `dir`) into the sidecar of the dataset directory `dir`, when it has
+/// one (a file rewritten after the dataset was finished, such as EAGLE-3's embeddings).
+pub fn refresh(dir: &Path, names: &[&str]) -> Result<()> {
+    let sidecar = dir.join(SIDECAR);
+    let Some(mut sums) = Checksums::read(&sidecar)? else {
+        return Ok(());
+    };
+    for n in names {
+        sums.files
+            .insert(n.to_string(), FileSums::of_file(&dir.join(n))?);
+    }
+    sums.write(&sidecar)
+}
+
+/// The outcome of checking a dataset against its sidecar.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// No sidecar.
+    NoSidecar,
+    /// Every file matches.
+    Intact {
+        /// Files checked.
+        files: usize,
+        /// Bytes hashed.
+        bytes: u64,
+    },
+    /// What does not match (and the files present but not covered).
+    Damaged(Vec<Damage>),
+}
+
+/// Checks the dataset at `path` against its sidecar (`validate --deep`).
+pub fn verify(path: &Path) -> Result<Verdict> {
+    let (sidecar, base, names) = dataset_files(path)?;
+    let Some(sums) = Checksums::read(&sidecar)? else {
+        return Ok(Verdict::NoSidecar);
+    };
+    let mut damage = sums.verify(&base);
+    for n in names.iter().filter(|n| !sums.files.contains_key(*n)) {
+        let p = base.join(n);
+        damage.push(Damage {
+            range: 0..fsutil::regular_file_len(&p).unwrap_or(0),
+            file: p,
+            what: format!("is not covered by {}", sidecar.display()),
+        });
+    }
+    if damage.is_empty() {
+        Ok(Verdict::Intact {
+            files: sums.files.len(),
+            bytes: sums.files.values().map(|s| s.bytes).sum(),
+        })
+    } else {
+        Ok(Verdict::Damaged(damage))
+    }
+}
+
+/// [`verify`] as report lines: (errors, notes), as `validate --deep` prints them.
+pub fn verify_messages(path: &Path) -> (Vec<String>, Vec<String>) {
+    match verify(path) {
+        Ok(Verdict::NoSidecar) => (
+            Vec::new(),
+            vec![format!(
+                "{}: no checksums sidecar, so payload bytes were not verified (add one with \
+                 `shardkit <format> checksum`)",
+                path.display()
+            )],
+        ),
+        Ok(Verdict::Intact { files, bytes }) => (
+            Vec::new(),
+            vec![format!(
+                "checksums: {files} file(s), {bytes} bytes, every block matches"
+            )],
+        ),
+        Ok(Verdict::Damaged(d)) => (d.iter().map(|x| x.to_string()).collect(), Vec::new()),
+        Err(e) => (vec![format!("checksums: {e}")], Vec::new()),
+    }
+}
+
+/// Hashes files as a writer publishes them (while they are still in the page cache), so that
+/// finishing the dataset does not read it again.
+#[derive(Debug, Default)]
+pub struct Recorder {
+    known: BTreeMap<String, FileSums>,
+}
+
+impl Recorder {
+    /// Hashes `dir/name`, just written.
+    pub fn add(&mut self, dir: &Path, name: &str) -> Result<()> {
+        let s = FileSums::of_file(&dir.join(name))?;
+        self.known.insert(name.to_string(), s);
+        Ok(())
+    }
+    /// Records `name`'s hashes from its bytes (a file about to be written).
+    pub fn add_bytes(&mut self, name: &str, bytes: &[u8]) {
+        self.known
+            .insert(name.to_string(), FileSums::of_bytes(bytes));
+    }
+    /// Writes the sidecar of the finished dataset at `path`.
+    pub fn finish(&self, path: &Path) -> Result<PathBuf> {
+        record_with(path, &self.known)
+    }
+}
+
+/// Verifies blocks of a loader's files as they are read, each block once per pass, on whichever
+/// gather thread reaches it first.
+#[derive(Debug)]
+pub struct Verifier {
+    files: Vec<(PathBuf, FileSums)>,
+    /// Per file, per block: 0 unchecked, 1 being checked, 2 good, 3 damaged.
+    state: Vec<Vec<AtomicU8>>,
+}
+
+impl Verifier {
+    /// A verifier of `files` (paths below `base`, in the loader's file order) from the sidecar
+    /// at `sidecar`; an error when there is none or it misses one of them.
+    pub fn open(sidecar: &Path, base: &Path, files: &[String]) -> Result<Verifier> {
+        let sums = Checksums::read(sidecar)?.ok_or_else(|| Error::NotFound {
+            path: sidecar.to_path_buf(),
+            what: "verify was asked for but the dataset has no checksums sidecar; add one with \
+                   `shardkit <format> checksum PATH`"
+                .into(),
+        })?;
+        let files = files
+            .iter()
+            .map(|n| {
+                sums.files
+                    .get(n)
+                    .cloned()
+                    .map(|s| (base.join(n), s))
+                    .ok_or_else(|| Error::format(sidecar, format!("has no checksums for {n:?}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let state = files
+            .iter()
+            .map(|(_, s)| (0..s.blocks.len()).map(|_| AtomicU8::new(0)).collect())
+            .collect();
+        Ok(Verifier { files, state })
+    }
+
+    /// Forgets what was checked (a new pass checks every block again).
+    pub fn reset(&self) {
+        for s in self.state.iter().flatten() {
+            s.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Checks the blocks of file `i` that `range` touches; `whole` is the whole file (a map).
+    pub fn check(&self, i: usize, range: Range<u64>, whole: &[u8]) -> Result<()> {
+        let (path, sums) = &self.files[i];
+        if whole.len() as u64 != sums.bytes {
+            return Err(Error::format(
+                path,
+                format!(
+                    "is {} bytes; its checksums record {}: the file changed",
+                    whole.len(),
+                    sums.bytes
+                ),
+            ));
+        }
+        for b in sums.blocks_of(range) {
+            let st = &self.state[i][b];
+            loop {
+                match st.compare_exchange(0, 1, Ordering::Acquire, Ordering::Acquire) {
+                    Ok(_) => {
+                        let r = sums.block(b);
+                        let good =
+                            xxh3_64(&whole[r.start as usize..r.end as usize]) == sums.blocks[b];
+                        st.store(if good { 2 } else { 3 }, Ordering::Release);
+                        break;
+                    }
+                    Err(1) => std::thread::yield_now(),
+                    Err(_) => break,
+                }
+            }
+            if st.load(Ordering::Acquire) == 3 {
+                let r = sums.block(b);
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "bytes {}..{} do not match their checksum: the file is damaged",
+                        r.start, r.end
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_sizes_are_powers_of_two_with_at_most_4096_blocks() {
+        assert_eq!(block_bytes_for(0), MIN_BLOCK);
+        assert_eq!(block_bytes_for(10 << 30), 4 << 20);
+        for len in [1u64, 1 << 20, (1 << 32) + 5, u64::MAX] {
+            let b = block_bytes_for(len);
+            assert!(b.is_power_of_two() && b >= MIN_BLOCK);
+            assert!(len.div_ceil(b) <= MAX_BLOCKS, "{len}");
+        }
+    }
+
+    #[test]
+    fn a_flipped_bit_is_found_and_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..3 * MIN_BLOCK + 7)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
+        std::fs::write(dir.path().join("a.bin"), &data).unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("sub/b.json"), b"{}").unwrap();
+        std::fs::write(dir.path().join(".x.tmp"), b"temp").unwrap();
+        let sidecar = record(dir.path()).unwrap();
+        assert_eq!(sidecar, dir.path().join(SIDECAR));
+        let sums = Checksums::read(&sidecar).unwrap().unwrap();
+        assert_eq!(
+            sums.files.keys().collect::<Vec<_>>(),
+            ["a.bin", "sub/b.json"]
+        );
+        assert_eq!(sums.files["a.bin"], FileSums::of_bytes(&data));
+        assert!(matches!(
+            verify(dir.path()).unwrap(),
+            Verdict::Intact { files: 2, .. }
+        ));
+
+        let mut bad = data.clone();
+        bad[2 * MIN_BLOCK as usize + 3] ^= 0x10;
+        std::fs::write(dir.path().join("a.bin"), &bad).unwrap();
+        let Verdict::Damaged(d) = verify(dir.path()).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].file, dir.path().join("a.bin"));
+        assert_eq!(d[0].range, 2 * MIN_BLOCK..3 * MIN_BLOCK);
+        assert!(d[0].to_string().contains("does not match its checksum"));
+
+        // The verifier a loader uses finds the same block, and only when it is read.
+        let v = Verifier::open(&sidecar, dir.path(), &["a.bin".into()]).unwrap();
+        v.check(0, 0..MIN_BLOCK, &bad).unwrap();
+        let e = v
+            .check(0, 2 * MIN_BLOCK + 1..2 * MIN_BLOCK + 2, &bad)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("a.bin") && e.to_string().contains("2097152..3145728"),
+            "{e}"
+        );
+
+        // Truncation and an uncovered file.
+        std::fs::write(dir.path().join("a.bin"), &data[..100]).unwrap();
+        std::fs::write(dir.path().join("new.bin"), b"x").unwrap();
+        let Verdict::Damaged(d) = verify(dir.path()).unwrap() else {
+            panic!()
+        };
+        assert!(d.iter().any(|x| x.what.contains("is 100 bytes")), "{d:?}");
+        assert!(d
+            .iter()
+            .any(|x| x.file.ends_with("new.bin") && x.what.contains("not covered")));
+    }
+
+    #[test]
+    fn hostile_sidecars_are_errors_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(SIDECAR);
+        for (text, rule) in [
+            (r#"{"shardkit_checksums": 2}"#, "version 1"),
+            (
+                r#"{"shardkit_checksums": 1, "algorithm": "md5"}"#,
+                "xxh3-64",
+            ),
+            (
+                r#"{"shardkit_checksums": 1, "algorithm": "xxh3-64", "files": {"../x": {}}}"#,
+                "not a path below",
+            ),
+            (
+                r#"{"shardkit_checksums": 1, "algorithm": "xxh3-64", "files": {"a": {"bytes": 5, "block_bytes": 3, "xxh3": []}}}"#,
+                "power of two",
+            ),
+            (
+                r#"{"shardkit_checksums": 1, "algorithm": "xxh3-64", "files": {"a": {"bytes": 5, "block_bytes": 1048576, "xxh3": []}}}"#,
+                "0 hashes for 5 bytes",
+            ),
+            (
+                r#"{"shardkit_checksums": 1, "algorithm": "xxh3-64", "files": {"a": {"bytes": 18446744073709551615, "block_bytes": 1, "xxh3": []}}}"#,
+                "hashes for",
+            ),
+        ] {
+            std::fs::write(&p, text).unwrap();
+            let e = Checksums::read(&p).unwrap_err();
+            assert!(matches!(e, Error::Format { .. }), "{e:?}");
+            assert!(
+                e.to_string().contains(SIDECAR) && e.to_string().contains(rule),
+                "{e}"
+            );
+        }
+    }
+}

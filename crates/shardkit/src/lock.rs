@@ -1,0 +1,176 @@
+//! One writer per dataset: an exclusive advisory lock held for the writer's whole life.
+//!
+//! Directory formats (saev, flat-tokens, EAGLE-3) lock the directory itself; single-file
+//! containers (SDNB, shard sets, SDZ) lock `.NAME.lock` beside the file, removed when the writer
+//! ends. The lock is `flock(LOCK_EX | LOCK_NB)`: a second writer fails at once with
+//! [`Error::Locked`] naming the path and, on Linux, the holder's pid (read from `/proc/locks`);
+//! the kernel drops the lock when its holder exits, so a killed job never leaves a stale lock.
+//! Readers take no lock. Two writers in one process conflict as two processes do.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+
+/// A held writer lock; dropping it releases the lock (and removes a lock file it created).
+#[derive(Debug)]
+pub struct WriteLock {
+    file: File,
+    /// The lock file to remove on drop (None for a locked directory).
+    remove: Option<PathBuf>,
+}
+
+impl WriteLock {
+    /// Locks the directory `dir` (which must exist).
+    pub fn dir(dir: &Path) -> Result<WriteLock> {
+        let file = File::open(dir).at(dir)?;
+        try_lock(&file, dir)?;
+        Ok(WriteLock { file, remove: None })
+    }
+
+    /// Locks the file `target` (which need not exist yet) through `.NAME.lock` beside it.
+    pub fn beside(target: &Path) -> Result<WriteLock> {
+        WriteLock::beside_as(target, target)
+    }
+
+    /// [`WriteLock::beside`], naming `shown` in a conflict (e.g. the container file, when the
+    /// lock stands for every file of its base name).
+    pub fn beside_as(target: &Path, shown: &Path) -> Result<WriteLock> {
+        let name = target
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| Error::Invalid(format!("{}: not a file name", target.display())))?;
+        let path = fsutil::parent_of(target).join(format!(".{name}.lock"));
+        loop {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .at(&path)?;
+            try_lock(&file, shown)?;
+            // A writer that ended between our open and our lock removed the file we locked:
+            // lock the one now at the path instead, or two writers would both hold "the" lock.
+            if same_file(&file, &path) {
+                return Ok(WriteLock {
+                    file,
+                    remove: Some(path),
+                });
+            }
+        }
+    }
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        // Removed while still held, so no other writer can hold a lock on this inode.
+        if let Some(p) = &self.remove {
+            let _ = std::fs::remove_file(p);
+        }
+        let _ = &self.file; // closing the descriptor releases the lock
+    }
+}
+
+fn try_lock(file: &File, shown: &Path) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    if err.kind() == std::io::ErrorKind::WouldBlock {
+        return Err(Error::Locked {
+            path: shown.to_path_buf(),
+            pid: holder_pid(file),
+        });
+    }
+    Err(Error::io(shown, err))
+}
+
+fn same_file(file: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// The pid holding a flock on `file`'s inode, from `/proc/locks` (None where it cannot be told).
+fn holder_pid(file: &File) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata().ok()?;
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    holder_in(&locks, meta.dev(), meta.ino())
+}
+
+/// Parses `/proc/locks` lines such as `1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF`
+/// (device as hex major:minor, inode decimal); waiters (`->`) are skipped.
+fn holder_in(locks: &str, dev: u64, ino: u64) -> Option<u32> {
+    let (major, minor) = (
+        libc::major(dev as libc::dev_t),
+        libc::minor(dev as libc::dev_t),
+    );
+    locks.lines().find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 6 || f[1] == "->" || f[1] != "FLOCK" {
+            return None;
+        }
+        let mut id = f[5].split(':');
+        let maj = u32::from_str_radix(id.next()?, 16).ok()?;
+        let min = u32::from_str_radix(id.next()?, 16).ok()?;
+        let inode: u64 = id.next()?.parse().ok()?;
+        (maj == major && min == minor && inode == ino)
+            .then(|| f[4].parse().ok())
+            .flatten()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_lock_fails_naming_the_holder_and_a_released_lock_is_free() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = WriteLock::dir(dir.path()).unwrap();
+        match WriteLock::dir(dir.path()) {
+            Err(Error::Locked { path, pid }) => {
+                assert_eq!(path, dir.path());
+                assert_eq!(pid, Some(std::process::id()));
+            }
+            other => panic!("expected Locked, got {other:?}"),
+        }
+        drop(a);
+        drop(WriteLock::dir(dir.path()).unwrap());
+
+        let target = dir.path().join("model.sdnb");
+        let b = WriteLock::beside(&target).unwrap();
+        assert!(dir.path().join(".model.sdnb.lock").exists());
+        let e = WriteLock::beside(&target).unwrap_err();
+        assert!(
+            matches!(&e, Error::Locked { path, .. } if path == &target),
+            "{e}"
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("model.sdnb") && msg.contains(&std::process::id().to_string()),
+            "{msg}"
+        );
+        drop(b);
+        assert!(!dir.path().join(".model.sdnb.lock").exists());
+        drop(WriteLock::beside(&target).unwrap());
+    }
+
+    #[test]
+    fn proc_locks_lines_are_matched_by_device_and_inode() {
+        let dev = libc::makedev(0xfd, 1) as u64;
+        let text = "1: POSIX  ADVISORY  WRITE 11 fd:01:77 0 EOF\n\
+                    2: FLOCK  ADVISORY  WRITE 4242 fd:01:77 0 EOF\n\
+                    2: -> FLOCK  ADVISORY  WRITE 99 fd:01:77 0 EOF\n";
+        assert_eq!(holder_in(text, dev, 77), Some(4242));
+        assert_eq!(holder_in(text, dev, 78), None);
+        assert_eq!(holder_in("garbage\n\n", dev, 77), None);
+    }
+}

@@ -1,0 +1,173 @@
+//! Checksum sidecars end to end: every writer leaves one that verifies; a flipped bit in a
+//! payload file is found by `checksum::verify` (naming the file and byte range) and by loaders
+//! asked to verify (an error naming the shard, never wrong data); sidecars can be added to data
+//! written by other tools.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use shardkit::checksum::{self, Verdict};
+use shardkit::error::Error;
+use shardkit::json;
+use shardkit::saev::{self, LayerSel, LoaderOptions};
+use shardkit::{eagle3, engine::Order};
+
+fn flip(path: &Path, at: u64) {
+    let mut b = std::fs::read(path).unwrap();
+    b[at as usize] ^= 0x01;
+    std::fs::write(path, b).unwrap();
+}
+
+fn saev_dataset(root: &Path) -> std::path::PathBuf {
+    let text = format!(
+        r#"{{"protocol": "2.1", "family": "clip", "ckpt": "c", "layers": [0],
+        "content_tokens_per_example": 64, "cls_token": false, "d_model": 256, "n_examples": 160,
+        "max_tokens_per_shard": 4096, "data": {:?}, "dataset": "d"}}"#,
+        saev::fake_dataset_data(160)
+    );
+    let md = saev::Metadata::for_writing(&json::parse(text.as_bytes()).unwrap()).unwrap();
+    let mut w = saev::Writer::create(root, md, Default::default()).unwrap();
+    let acts: Vec<f32> = (0..160 * 64 * 256).map(|i| (i % 977) as f32).collect();
+    w.write(&acts, None).unwrap();
+    w.finish().unwrap()
+}
+
+fn drain(loader: &saev::Loader) -> Result<u64, Error> {
+    let mut n = 0;
+    for b in loader.iter()? {
+        n += b?.n as u64;
+    }
+    Ok(n)
+}
+
+#[test]
+fn saev_sidecar_verify_and_verifying_loader() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = saev_dataset(tmp.path());
+    assert!(matches!(
+        checksum::verify(&dir).unwrap(),
+        Verdict::Intact { .. }
+    ));
+    let mut o = LoaderOptions::new(LayerSel::Value(0));
+    (o.order, o.batch_size, o.verify, o.threads) = (Order::Block, 512, true, 2);
+    o.memory_budget = Some(64 << 20);
+    let loader = saev::Loader::new(&dir, o.clone()).unwrap();
+    assert_eq!(drain(&loader).unwrap(), 160 * 64);
+
+    // One flipped bit in shard 1, block 2 (shards are 4 MiB: 64 examples of 64 KiB).
+    let shard = dir.join("acts000001.bin");
+    flip(&shard, (2 << 20) + 12345);
+    let Verdict::Damaged(d) = checksum::verify(&dir).unwrap() else {
+        panic!("the flip went unnoticed")
+    };
+    assert_eq!(d.len(), 1);
+    assert_eq!(
+        (d[0].file.as_path(), d[0].range.clone()),
+        (shard.as_path(), (2 << 20)..(3 << 20))
+    );
+    // A fresh loader (the damaged bytes are what a new read sees) stops with an error naming
+    // the shard and the block; it never serves the damaged rows.
+    let loader = saev::Loader::new(&dir, o.clone()).unwrap();
+    let e = drain(&loader).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Format { .. }), "{e:?}");
+    assert!(
+        msg.contains("acts000001.bin") && msg.contains("2097152..3145728"),
+        "{msg}"
+    );
+    // Without verify the same loader reads (the damage is what the sidecar exists for).
+    o.verify = false;
+    assert_eq!(
+        drain(&saev::Loader::new(&dir, o.clone()).unwrap()).unwrap(),
+        160 * 64
+    );
+
+    // verify needs the page cache, and a sidecar.
+    o.verify = true;
+    o.direct_io = true;
+    let e = saev::Loader::new(&dir, o.clone()).unwrap_err();
+    assert!(e.to_string().contains("direct_io"), "{e}");
+    o.direct_io = false;
+    std::fs::remove_file(dir.join(checksum::SIDECAR)).unwrap();
+    let e = saev::Loader::new(&dir, o).unwrap_err();
+    assert!(
+        matches!(&e, Error::NotFound { path, .. } if path.ends_with(checksum::SIDECAR)),
+        "{e:?}"
+    );
+    assert_eq!(checksum::verify(&dir).unwrap(), Verdict::NoSidecar);
+    // Added afterwards (as for data written by other tools), it covers every file.
+    checksum::record(&dir).unwrap();
+    let sums = checksum::Checksums::read(&dir.join(checksum::SIDECAR))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        sums.files.keys().map(String::as_str).collect::<Vec<_>>(),
+        [
+            "acts000000.bin",
+            "acts000001.bin",
+            "acts000002.bin",
+            "metadata.json",
+            "shards.json"
+        ]
+    );
+}
+
+#[test]
+fn eagle3_verifying_loader_finds_a_flipped_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let cfg = json::parse(
+        br#"{"target_model": "m", "target_vocab_size": 100, "draft_vocab_size": 8,
+        "seq_length": 512, "dtype": "fp32", "num_samples": 12, "shard_size": 4,
+        "aux_hidden_dim": 768, "aux_layer_ids": [1, 2, 3], "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
+        "input_data": "x", "split": null, "shuffle_seed": 1}"#,
+    )
+    .unwrap();
+    let mut w = eagle3::Writer::create(&dir, &cfg, Default::default()).unwrap();
+    let fields: Vec<(String, Vec<u8>)> = w
+        .fields()
+        .iter()
+        .map(|f| (f.name.to_string(), vec![0u8; f.row_bytes()]))
+        .collect();
+    let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();
+    for _ in 0..12 {
+        w.add(eagle3::Rows {
+            n: 1,
+            fields: &refs,
+        })
+        .unwrap();
+    }
+    w.finish().unwrap();
+    assert!(matches!(
+        checksum::verify(&dir).unwrap(),
+        Verdict::Intact { .. }
+    ));
+    let cache = Arc::new(eagle3::Cache::open(&dir).unwrap());
+    let mut o = eagle3::LoaderOptions::new(4);
+    (o.rank, o.world_size, o.verify, o.threads) = (Some(0), Some(1), true, 2);
+    let n: usize = eagle3::Loader::new(cache.clone(), o.clone())
+        .unwrap()
+        .iter()
+        .map(|b| b.unwrap().indices.len())
+        .sum();
+    assert_eq!(n, 12);
+    let shard = dir.join(eagle3::shard_name(2));
+    flip(&shard, 3_000_000);
+    let e = eagle3::Loader::new(cache, o)
+        .unwrap()
+        .iter()
+        .find_map(|b| b.err())
+        .expect("the damaged shard was served");
+    assert!(
+        e.to_string().contains(&eagle3::shard_name(2)) && e.to_string().contains("checksum"),
+        "{e}"
+    );
+    let v = eagle3::validate(&dir, true);
+    assert!(
+        v.errors
+            .iter()
+            .any(|x| x.contains(&eagle3::shard_name(2)) && x.contains("does not match")),
+        "{:?}",
+        v.errors
+    );
+}
