@@ -424,7 +424,8 @@ pub(crate) fn gather_ceiling(threads: usize, row: usize) -> f64 {
 
 /// Payload bytes/s of a loader over at most `max_bytes` of payload, after `warmup_epochs`
 /// unmeasured passes (which also fill the loader's buffer pools), gathering on `threads`
-/// threads (0: every core).
+/// threads (0: every core), checking every block against the checksums sidecar if `verify`.
+#[allow(clippy::too_many_arguments)]
 fn loader_run(
     dir: &Path,
     order: shardkit::engine::Order,
@@ -433,12 +434,14 @@ fn loader_run(
     evict_first: bool,
     warmup_epochs: u32,
     threads: usize,
+    verify: bool,
 ) -> Result<(f64, Vec<(f64, u64)>)> {
     use shardkit::saev::{LayerSel, Loader, LoaderOptions};
     let mut o = LoaderOptions::new(LayerSel::Value(-1));
     o.order = order;
     o.seed = 1;
     o.threads = threads;
+    o.verify = verify;
     let mut loader = Loader::new(dir, o)?;
     for e in 0..warmup_epochs {
         loader.set_epoch(100 + e as u64)?;
@@ -556,7 +559,7 @@ pub fn saev_read(
             ),
         ] {
             if run(name) {
-                let measured = loader_run(&ds_dir, order, &files, max_bytes, true, 0, 0)?;
+                let measured = loader_run(&ds_dir, order, &files, max_bytes, true, 0, 0, false)?;
                 best(runs, keep(label, measured));
             }
         }
@@ -565,6 +568,10 @@ pub fn saev_read(
     // count, the memory-copy ceiling with as many threads, measured just before.
     let mut scaling = Vec::new();
     if run("warm") {
+        // Datasets written before checksums existed get their sidecar now.
+        if !ds_dir.join(shardkit::checksum::SIDECAR).exists() {
+            shardkit::checksum::record(&ds_dir)?;
+        }
         let mut buf = vec![0u8; 8 << 20];
         for p in &files {
             use std::io::Read;
@@ -577,10 +584,22 @@ pub fn saev_read(
             let mut rates = Vec::new();
             for _ in 0..rounds {
                 let label = format!("block shuffle (page cache, {t} threads)");
-                let r = loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2, t)?;
+                let r = loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2, t, false)?;
                 rates.push(keep(&label, r));
             }
             let w = rates.iter().cloned().fold(0f64, f64::max);
+            // The same with every block checked against the checksums sidecar (each pass).
+            let mut verified = 0f64;
+            for _ in 0..rounds {
+                let label = format!("block shuffle, verified (page cache, {t} threads)");
+                let r = loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2, t, true)?;
+                verified = verified.max(keep(&label, r));
+            }
+            eprintln!(
+                "warm block loader with verify, {t} threads: {:.2} GB/s ({:.2} of unverified)",
+                verified / 1e9,
+                verified / w
+            );
             eprintln!(
                 "warm block loader, {t} threads: {:.2} GB/s; memory copy {:.2} GB/s ({:.2}); \
                  random 4 KiB rows {:.2} GB/s ({:.2})",
@@ -612,6 +631,14 @@ pub fn saev_read(
                 (
                     "block_warm_vs_row_gather".into(),
                     Value::Number(format!("{:.3}", w / row_ceiling)),
+                ),
+                (
+                    "block_warm_verified_bytes_per_s".into(),
+                    Value::Number(format!("{verified:.0}")),
+                ),
+                (
+                    "verified_vs_unverified".into(),
+                    Value::Number(format!("{:.3}", verified / w)),
                 ),
             ]));
         }

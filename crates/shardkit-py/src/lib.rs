@@ -35,7 +35,11 @@ pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
     let msg = e.to_string();
     match e {
         shardkit::Error::NotFound { .. } => PyFileNotFoundError::new_err(msg),
-        shardkit::Error::Io { .. } => PyOSError::new_err(msg),
+        // (errno, message): Python picks the OSError subclass (PermissionError, ...) by errno.
+        shardkit::Error::Io { source, .. } => match source.raw_os_error() {
+            Some(errno) => PyOSError::new_err((errno, msg)),
+            None => PyOSError::new_err(msg),
+        },
         shardkit::Error::Exists { .. } => PyFileExistsError::new_err(msg),
         shardkit::Error::Locked { .. } => PyBlockingIOError::new_err(msg),
         shardkit::Error::Incomplete { .. } | shardkit::Error::Interrupted { .. } => {

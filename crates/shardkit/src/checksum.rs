@@ -16,7 +16,6 @@
 //! block being the file's remainder. Blocks let random readers verify only what they read.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::Read;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -68,7 +67,7 @@ impl FileSums {
 
     /// The hashes of the file at `path`, read block by block.
     pub fn of_file(path: &Path) -> Result<FileSums> {
-        let mut f = File::open(path).at(path)?;
+        let mut f = fsutil::open_regular(path)?;
         let bytes = f.metadata().at(path)?.len();
         let block_bytes = block_bytes_for(bytes);
         let mut buf = vec![0u8; block_bytes.min(bytes.max(1)) as usize];
@@ -201,7 +200,12 @@ impl Checksums {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(Error::io(path, e)),
         };
-        let v = json::parse(&bytes).map_err(|e| Error::format(path, e.to_string()))?;
+        Checksums::parse(&bytes, path).map(Some)
+    }
+
+    /// Parses a sidecar's bytes (`path` names it in errors).
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Checksums> {
+        let v = json::parse(bytes).map_err(|e| Error::format(path, e.to_string()))?;
         if v.get("shardkit_checksums").and_then(Value::as_u64) != Some(1) {
             return Err(Error::format(
                 path,
@@ -225,7 +229,7 @@ impl Checksums {
             out.files
                 .insert(name.clone(), FileSums::from_json(f, name, path)?);
         }
-        Ok(Some(out))
+        Ok(out)
     }
 
     /// Writes the sidecar atomically.
@@ -266,7 +270,7 @@ fn verify_file(path: &Path, sums: &FileSums) -> Vec<Damage> {
         range,
         what,
     };
-    let f = match File::open(path) {
+    let f = match fsutil::open_regular(path) {
         Ok(f) => f,
         Err(e) => return vec![damage(0..sums.bytes, format!("cannot be read: {e}"))],
     };
@@ -397,6 +401,30 @@ pub fn refresh(dir: &Path, names: &[&str]) -> Result<()> {
     sums.write(&sidecar)
 }
 
+/// Drops `names` from the sidecar of the dataset directory `dir`, if it has one: done before
+/// those files are rewritten, so that a crash in between never leaves a sidecar that calls
+/// good data damaged (the files are then reported as not covered until [`refresh`]).
+pub fn forget(dir: &Path, names: &[&str]) -> Result<()> {
+    let sidecar = dir.join(SIDECAR);
+    let Some(mut sums) = Checksums::read(&sidecar)? else {
+        return Ok(());
+    };
+    if names.iter().any(|n| sums.files.remove(*n).is_some()) {
+        sums.write(&sidecar)?;
+    }
+    Ok(())
+}
+
+/// Removes a sidecar before its dataset changes (a writer's first change to a finished
+/// dataset): a crash mid-write then leaves no sidecar rather than a stale one.
+pub fn remove_sidecar(sidecar: &Path) -> Result<()> {
+    match std::fs::remove_file(sidecar) {
+        Ok(()) => fsutil::fsync_dir(fsutil::parent_of(sidecar)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io(sidecar, e)),
+    }
+}
+
 /// The outcome of checking a dataset against its sidecar.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -485,12 +513,13 @@ impl Recorder {
     }
 }
 
-/// Verifies blocks of a loader's files as they are read, each block once per pass, on whichever
-/// gather thread reaches it first.
+/// Verifies the blocks of a loader's files before they are gathered: a block is hashed when
+/// it is first needed, and again whenever it has left the page cache since (so every read from
+/// storage is checked, and data that stays in memory is not hashed again each epoch).
 #[derive(Debug)]
 pub struct Verifier {
     files: Vec<(PathBuf, FileSums)>,
-    /// Per file, per block: 0 unchecked, 1 being checked, 2 good, 3 damaged.
+    /// Per file, per block: 0 unchecked, 2 good, 3 damaged.
     state: Vec<Vec<AtomicU8>>,
 }
 
@@ -521,15 +550,26 @@ impl Verifier {
         Ok(Verifier { files, state })
     }
 
-    /// Forgets what was checked (a new pass checks every block again).
-    pub fn reset(&self) {
-        for s in self.state.iter().flatten() {
-            s.store(0, Ordering::Relaxed);
-        }
+    /// The blocks of file `i` that `range` touches, as (file, block) pairs.
+    pub fn blocks(&self, i: usize, range: Range<u64>) -> impl Iterator<Item = (usize, usize)> {
+        self.files[i].1.blocks_of(range).map(move |b| (i, b))
     }
 
-    /// Checks the blocks of file `i` that `range` touches; `whole` is the whole file (a map).
-    pub fn check(&self, i: usize, range: Range<u64>, whole: &[u8]) -> Result<()> {
+    /// Whether block `b` of file `i` must be hashed before use: never checked, or no longer
+    /// wholly in the page cache (`whole` is the file's map).
+    pub fn needs(&self, i: usize, b: usize, whole: &[u8]) -> bool {
+        if self.state[i][b].load(Ordering::Acquire) != 2 {
+            return true;
+        }
+        let r = self.files[i].1.block(b);
+        whole
+            .get(r.start as usize..r.end as usize)
+            .is_none_or(|bytes| !crate::engine::reader::resident(bytes))
+    }
+
+    /// Hashes block `b` of file `i` (`whole` is the file's map): an error naming the file and
+    /// the byte range when it does not match.
+    pub fn check_block(&self, i: usize, b: usize, whole: &[u8]) -> Result<()> {
         let (path, sums) = &self.files[i];
         if whole.len() as u64 != sums.bytes {
             return Err(Error::format(
@@ -541,33 +581,43 @@ impl Verifier {
                 ),
             ));
         }
-        for b in sums.blocks_of(range) {
-            let st = &self.state[i][b];
-            loop {
-                match st.compare_exchange(0, 1, Ordering::Acquire, Ordering::Acquire) {
-                    Ok(_) => {
-                        let r = sums.block(b);
-                        let good =
-                            xxh3_64(&whole[r.start as usize..r.end as usize]) == sums.blocks[b];
-                        st.store(if good { 2 } else { 3 }, Ordering::Release);
-                        break;
-                    }
-                    Err(1) => std::thread::yield_now(),
-                    Err(_) => break,
-                }
-            }
-            if st.load(Ordering::Acquire) == 3 {
-                let r = sums.block(b);
-                return Err(Error::format(
-                    path,
-                    format!(
-                        "bytes {}..{} do not match their checksum: the file is damaged",
-                        r.start, r.end
-                    ),
-                ));
+        let r = sums.block(b);
+        let good = xxh3_64(&whole[r.start as usize..r.end as usize]) == sums.blocks[b];
+        self.state[i][b].store(if good { 2 } else { 3 }, Ordering::Release);
+        if good {
+            Ok(())
+        } else {
+            Err(Error::format(
+                path,
+                format!(
+                    "bytes {}..{} do not match their checksum: the file is damaged",
+                    r.start, r.end
+                ),
+            ))
+        }
+    }
+
+    /// Checks every block `touched` ((file, block) pairs, any order, repeats allowed) that
+    /// [`Verifier::needs`] it, in parallel on `pool`; `map(i)` is file `i`'s map.
+    pub fn ensure<'m>(
+        &self,
+        touched: impl IntoIterator<Item = (usize, usize)>,
+        map: impl Fn(usize) -> Result<&'m [u8]> + Sync,
+        pool: &rayon::ThreadPool,
+    ) -> Result<()> {
+        let mut todo: Vec<(usize, usize)> = touched.into_iter().collect();
+        todo.sort_unstable();
+        todo.dedup();
+        let mut work = Vec::new();
+        for (i, b) in todo {
+            if self.needs(i, b, map(i)?) {
+                work.push((i, b));
             }
         }
-        Ok(())
+        pool.install(|| {
+            work.par_iter()
+                .try_for_each(|&(i, b)| self.check_block(i, b, map(i)?))
+        })
     }
 }
 
@@ -622,9 +672,21 @@ mod tests {
 
         // The verifier a loader uses finds the same block, and only when it is read.
         let v = Verifier::open(&sidecar, dir.path(), &["a.bin".into()]).unwrap();
-        v.check(0, 0..MIN_BLOCK, &bad).unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let map = |_| Ok(&bad[..]);
+        v.ensure(v.blocks(0, 0..MIN_BLOCK), map, &pool).unwrap();
+        // Checked and still in memory: not hashed again.
+        assert!(!v.needs(0, 0, &bad));
+        assert!(v.needs(0, 1, &bad));
         let e = v
-            .check(0, 2 * MIN_BLOCK + 1..2 * MIN_BLOCK + 2, &bad)
+            .ensure(
+                v.blocks(0, 2 * MIN_BLOCK + 1..2 * MIN_BLOCK + 2),
+                map,
+                &pool,
+            )
             .unwrap_err();
         assert!(
             e.to_string().contains("a.bin") && e.to_string().contains("2097152..3145728"),

@@ -171,6 +171,66 @@ pub fn read_json_file(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Opens `path` for reading, refusing anything but a regular file (after symlinks): a FIFO or
+/// a device in place of a shard is an error naming it, never a read that blocks forever (the
+/// open itself does not block: it is non-blocking until the type is known).
+pub fn open_regular(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .at(path)?;
+    let meta = f.metadata().at(path)?;
+    if !meta.is_file() {
+        return Err(crate::error::Error::format(
+            path,
+            "not a regular file (a FIFO, device or directory in place of a dataset file)",
+        ));
+    }
+    // Regular files ignore O_NONBLOCK; cleared anyway so the descriptor is an ordinary one.
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl on a descriptor we own, with flags it returned.
+        unsafe {
+            let flags = libc::fcntl(f.as_raw_fd(), libc::F_GETFL);
+            if flags >= 0 {
+                libc::fcntl(f.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK);
+            }
+        }
+    }
+    Ok(f)
+}
+
+/// Checks that everything below `dir` is a directory or a regular file (after symlinks): an
+/// error naming the first FIFO, socket or device found.
+pub fn check_regular_tree(dir: &Path) -> Result<()> {
+    for e in fs::read_dir(dir).at(dir)? {
+        let e = e.at(dir)?;
+        let path = e.path();
+        let ty = e.file_type().at(&path)?;
+        let (is_dir, is_file) = if ty.is_symlink() {
+            match fs::metadata(&path) {
+                Ok(m) => (m.is_dir(), m.is_file()),
+                Err(_) => (false, true), // dangling: reported by the read that needs it
+            }
+        } else {
+            (ty.is_dir(), ty.is_file())
+        };
+        if is_dir {
+            if !ty.is_symlink() {
+                check_regular_tree(&path)?; // (symlinked directories are not followed: no loops)
+            }
+        } else if !is_file {
+            return Err(crate::error::Error::format(
+                &path,
+                "not a regular file (a FIFO, socket or device in place of a dataset file)",
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The directory that holds `path` (`.` for a bare file name).
 pub fn parent_of(path: &Path) -> &Path {
     match path.parent() {

@@ -1,13 +1,16 @@
 //! Hostile EAGLE-3 caches give errors, never panics: manifests with odd or extreme values,
 //! and shard files truncated at every length, with bytes flipped, or replaced by garbage, go
 //! through opening, item access, the loader, validation (cheap and deep), inspect, resume and
-//! version switching.
+//! version switching. Every error is of a kind that names a file, and names one; the
+//! checksums sidecar points at exactly the damaged shard, and a verifying loader refuses it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::Arc;
 
+use shardkit::checksum::{self, Verdict};
 use shardkit::eagle3::{self, synth, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions};
+use shardkit::error::Error;
 use shardkit::json::{self, Value};
 
 fn config(n: u64, s: u64, seq: u64, vd: u64, dtype: &str, topk: Option<u64>) -> Value {
@@ -49,10 +52,39 @@ fn make(dir: &Path, cfg: &Value, version: u8) {
 }
 
 /// Everything a user can do with a cache; must return normally whatever the files hold.
+/// An error from a damaged cache: a kind that carries a path, naming a file of `dir`.
+#[track_caller]
+fn assert_names_file(e: &Error, dir: &Path) {
+    assert!(
+        matches!(
+            e,
+            Error::Format { .. }
+                | Error::Safetensors { .. }
+                | Error::NotFound { .. }
+                | Error::Io { .. }
+                | Error::Incomplete { .. }
+        ),
+        "unexpected error kind: {e:?}"
+    );
+    assert!(
+        e.to_string().contains(&dir.display().to_string()),
+        "does not name the file: {e}"
+    );
+}
+
 fn exercise(dir: &Path) {
     let _ = eagle3::inspect(dir);
-    let _ = eagle3::validate(dir, false);
-    let _ = eagle3::validate(dir, true);
+    for deep in [false, true] {
+        for e in eagle3::validate(dir, deep).errors {
+            assert!(
+                e.contains(&dir.display().to_string()),
+                "validate error names no file: {e}"
+            );
+        }
+    }
+    if let Err(e) = Cache::open(dir) {
+        assert_names_file(&e, dir);
+    }
     if let Ok(c) = Cache::open(dir) {
         let n = c.len() as i64;
         for i in [0, 1, n - 1, -1, n, -n - 1] {
@@ -173,7 +205,27 @@ fn damaged_shards_are_errors_not_panics() {
         for (i, v) in variants.into_iter().enumerate() {
             let dir = tmp.path().join(format!("{name}-{i}"));
             copy(&good, &dir);
-            std::fs::write(dir.join("shard-000001.safetensors"), &v).unwrap();
+            let shard = dir.join("shard-000001.safetensors");
+            std::fs::write(&shard, &v).unwrap();
+            // Every variant differs from what was written: the sidecar names exactly this
+            // shard, and a verifying loader stops with an error naming it.
+            match checksum::verify(&dir).unwrap() {
+                Verdict::Damaged(d) => assert!(d.iter().all(|x| x.file == shard), "{d:?}"),
+                other => panic!("{name} variant {i}: damage not found ({other:?})"),
+            }
+            if let Ok(c) = Cache::open(&dir) {
+                let mut o = LoaderOptions::new(2);
+                (o.rank, o.world_size, o.verify) = (Some(0), Some(1), true);
+                let e = match Loader::new(Arc::new(c), o) {
+                    Err(e) => e,
+                    Ok(l) => l
+                        .iter()
+                        .find_map(|b| b.err())
+                        .unwrap_or_else(|| panic!("{name} variant {i}: served damaged data")),
+                };
+                assert_names_file(&e, &dir);
+                assert!(e.to_string().contains("shard-000001"), "{e}");
+            }
             let r = catch_unwind(AssertUnwindSafe(|| exercise(&dir)));
             assert!(r.is_ok(), "{name} variant {i} ({} bytes) panicked", v.len());
             std::fs::remove_dir_all(&dir).unwrap();

@@ -1,11 +1,15 @@
 //! Damaged datasets give errors, never panics: every file of small v2 and v3 datasets is
 //! truncated, overwritten with garbage, emptied or removed, and the metadata is given wrong
-//! types and values; opening, validating and loading must each return (Ok or Err) normally.
+//! types and values; opening, validating and loading must each return (Ok or Err) normally,
+//! every error must be of a kind that names the file (and name a file of the dataset), and the
+//! checksums sidecar must point at exactly the damaged file.
 #![cfg(feature = "zarr")]
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
+use shardkit::checksum::{self, Verdict};
+use shardkit::error::Error;
 use shardkit::flat_tokens::{
     self, Layout, LoaderOptions, Packing, Sharded, Split, TokenLoader, Writer, WriterOptions,
 };
@@ -49,10 +53,38 @@ fn make(root: &Path, layout: Layout) {
     w.finish().unwrap();
 }
 
+/// An error from a damaged dataset: a kind that carries a path, naming a file of `root`.
+#[track_caller]
+fn assert_names_file(e: &Error, root: &Path) {
+    assert!(
+        matches!(
+            e,
+            Error::Format { .. }
+                | Error::NotFound { .. }
+                | Error::Io { .. }
+                | Error::Interrupted { .. }
+        ),
+        "unexpected error kind: {e:?}"
+    );
+    assert!(
+        e.to_string().contains(&root.display().to_string()),
+        "does not name the file: {e}"
+    );
+}
+
 /// Everything a user can do with a dataset; returns normally whatever the data.
 fn exercise(root: &Path) {
     let _ = flat_tokens::inspect(root);
-    let _ = flat_tokens::validate(root);
+    let report = flat_tokens::validate(root);
+    for e in &report.errors {
+        assert!(
+            e.contains(&root.display().to_string()),
+            "validate error names no file: {e}"
+        );
+    }
+    if let Err(e) = Split::open(root, "train") {
+        assert_names_file(&e, root);
+    }
     if let Ok(s) = Split::open_unvalidated(root, "train") {
         let _ = s.validate();
         let _ = s.encoded(0..s.token_count().min(1000));
@@ -164,6 +196,7 @@ fn every_damaged_file_gives_errors_not_panics() {
             let mut variants = mutations(&bytes);
             variants.push(("removed", Vec::new()));
             for (i, (what, content)) in variants.into_iter().enumerate() {
+                let variant_bytes = content.clone();
                 let root = tmp.path().join(format!("case-{cases}.zarr"));
                 copy(&good, &root);
                 if what == "removed" {
@@ -177,6 +210,28 @@ fn every_damaged_file_gives_errors_not_panics() {
                     "{name}: {} {what} (variant {i}) panicked",
                     rel.display()
                 );
+                // The writer's checksums sidecar points at the damaged file, whatever it is
+                // (exercise's resumed writer may have rewritten it: checked on a fresh copy).
+                if rel.as_os_str() != checksum::SIDECAR
+                    && (what == "removed" || variant_bytes != bytes)
+                {
+                    let again = tmp.path().join(format!("sums-{cases}.zarr"));
+                    copy(&good, &again);
+                    if what == "removed" {
+                        std::fs::remove_file(again.join(&rel)).unwrap();
+                    } else {
+                        std::fs::write(again.join(&rel), &variant_bytes).unwrap();
+                    }
+                    match checksum::verify(&again).unwrap() {
+                        Verdict::Damaged(d) => assert!(
+                            d.iter().all(|x| x.file == again.join(&rel)),
+                            "{name}: {} {what}: {d:?}",
+                            rel.display()
+                        ),
+                        v => panic!("{name}: {} {what}: damage not found ({v:?})", rel.display()),
+                    }
+                    std::fs::remove_dir_all(&again).unwrap();
+                }
                 std::fs::remove_dir_all(&root).unwrap();
                 cases += 1;
             }

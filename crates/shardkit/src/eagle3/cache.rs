@@ -269,7 +269,7 @@ impl Cache {
 /// Maps and checks `dir/target_embeddings.safetensors`: one tensor, `weight`, F32 2-D.
 pub fn open_embeddings(dir: &Path) -> Result<Embeddings> {
     let path = dir.join(EMBEDDINGS);
-    let file = std::fs::File::open(&path).at(&path)?;
+    let file = crate::fsutil::open_regular(&path)?;
     // SAFETY: written only by rename (never in place), see `ShardFile::open`.
     let map = unsafe { Mmap::map(&file) }.at(&path)?;
     let (n, meta) = super::shard::read_header(&map, &path)?;

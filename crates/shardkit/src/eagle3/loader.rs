@@ -151,7 +151,7 @@ impl Files for ShardFiles {
     fn file(&self, i: u32) -> Result<&File> {
         let path = self.path(i);
         self.files[i as usize]
-            .get_or_init(|| File::open(&path).ok())
+            .get_or_init(|| crate::fsutil::open_regular(&path).ok())
             .as_ref()
             .ok_or_else(|| Error::NotFound {
                 path,
@@ -362,14 +362,12 @@ impl Loader {
         }
         let start = (self.cursor as usize).min(batches.len());
         let batches: Vec<Vec<u64>> = batches.split_off(start);
-        if let Some(v) = &self.inner.verifier {
-            v.reset(); // every pass checks what it reads
-        }
         let stream = match self.gather_pool() {
             Err(e) => exec::Stream::failed(e),
             Ok(pool) => exec::start(
                 Arc::new(Eagle3Job {
                     inner: self.inner.clone(),
+                    pool: pool.clone(),
                 }),
                 batches.into_iter(),
                 pool,
@@ -403,10 +401,12 @@ impl Loader {
 
     /// Reads the samples `indices` as one batch, now.
     pub fn read(&self, indices: &[u64]) -> Result<Batch> {
+        let pool = self.gather_pool()?;
         let job = Eagle3Job {
             inner: self.inner.clone(),
+            pool: pool.clone(),
         };
-        exec::run_one(&job, indices.to_vec(), &*self.gather_pool()?)
+        exec::run_one(&job, indices.to_vec(), &pool)
     }
 }
 
@@ -464,6 +464,8 @@ fn batch_layout(
 /// The batches of one pass, as the engine runs them.
 struct Eagle3Job {
     inner: Arc<Inner>,
+    /// The gather pool (verification hashes blocks on it while preparing a batch).
+    pool: Arc<GatherPool>,
 }
 
 /// A prepared batch: its samples, field layout, the reads that fill it (one per region, in
@@ -547,7 +549,31 @@ impl Job for Eagle3Job {
                 }
                 Ok((r, map))
             })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(v) = &inner.verifier {
+            // Every block the batch reads, checked before it is gathered (in parallel on the
+            // gather threads; blocks checked before and still in memory are skipped).
+            let mut maps = std::collections::BTreeMap::new();
+            for (r, _) in &reads {
+                if let std::collections::btree_map::Entry::Vacant(slot) = maps.entry(r.file) {
+                    slot.insert(files.map(r.file, 0).ok_or_else(|| {
+                        Error::format(
+                            files.path(r.file),
+                            "cannot be mapped to verify its checksums",
+                        )
+                    })?);
+                }
+            }
+            let touched = reads
+                .iter()
+                .flat_map(|(r, _)| v.blocks(r.file as usize, r.offset..r.offset + r.len));
+            let map = |i: usize| {
+                maps.get(&(i as u32))
+                    .map(|m| &m[..])
+                    .ok_or_else(|| Error::Invalid("internal: an unmapped shard".into()))
+            };
+            v.ensure(touched, map, self.pool.pool())?;
+        }
         Ok(Prepared {
             buf: cx.buffer(
                 &inner.pool.lock().unwrap_or_else(|e| e.into_inner()).clone(),
@@ -565,16 +591,6 @@ impl Job for Eagle3Job {
 
     fn fill(&self, b: &Eagle3Batch, piece: usize, out: &mut [&mut [u8]]) -> Result<()> {
         let (r, map) = &b.reads[piece];
-        if let Some(v) = &self.inner.verifier {
-            let files = &self.inner.files;
-            let whole = files.map(r.file, 0).ok_or_else(|| {
-                Error::format(
-                    files.path(r.file),
-                    "cannot be mapped to verify its checksums",
-                )
-            })?;
-            v.check(r.file as usize, r.offset..r.offset + r.len, &whole)?;
-        }
         if let Some(map) = map {
             let (start, end) = (r.offset as usize, (r.offset + r.len) as usize);
             batch::copy_streaming(out[0], &map[start..end]);

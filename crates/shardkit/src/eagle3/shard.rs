@@ -209,7 +209,7 @@ pub fn read_header(bytes: &[u8], path: &Path) -> Result<(usize, Metadata)> {
 impl ShardFile {
     /// Maps `path` and checks that it holds exactly `specs` with `rows` rows each.
     pub fn open(path: &Path, specs: &[FieldSpec], rows: u64) -> Result<ShardFile> {
-        let file = File::open(path).at(path)?;
+        let file = fsutil::open_regular(path)?;
         // SAFETY: shards are only ever replaced by rename, never rewritten in place, so the
         // mapped bytes do not change under us (eagle3.md §9.1).
         let map = unsafe { Mmap::map(&file) }.at(path)?;

@@ -356,6 +356,7 @@ pub fn write_embeddings(dir: &Path, m: &Manifest, data: &[u8], rows: u64, cols: 
         }
     }
     std::fs::create_dir_all(dir).at(dir)?;
+    crate::checksum::forget(dir, &[EMBEDDINGS])?;
     shard::write_safetensors(
         &dir.join(EMBEDDINGS),
         vec![(

@@ -236,6 +236,11 @@ impl Split {
                 what: "not a directory; expected a flat-tokens dataset (a zarr group)".into(),
             });
         }
+        // zarrs opens chunk files with a blocking open: a FIFO among them would hang a read.
+        let dir = root.join(split);
+        if dir.is_dir() {
+            crate::fsutil::check_regular_tree(&dir)?;
+        }
         let store: Arc<Storage> =
             Arc::new(FilesystemStore::new(root).map_err(|e| zerr(root, "store", e))?);
         Self::from_store(store, root, split)

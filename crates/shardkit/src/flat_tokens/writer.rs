@@ -813,6 +813,8 @@ impl Writer {
     /// Sets `write_completed: false` before the first change this writer makes.
     fn mark_writing(&mut self) -> Result<()> {
         if !self.root_marked_writing {
+            // A stale sidecar must not outlive the change (finish writes a new one).
+            crate::checksum::remove_sidecar(&self.ds.root.join(crate::checksum::SIDECAR))?;
             self.ds.set_marker(false)?;
             self.root_marked_writing = true;
         }

@@ -599,11 +599,8 @@ impl Loader {
                 } else {
                     Vec::new()
                 };
-                if let Some(v) = &self.verifier {
-                    v.reset(); // every pass checks what it reads
-                }
                 let job = SaevJob {
-                    verify: self.verifier.clone(),
+                    verify: self.verifier.clone().map(|v| (v, pool.clone())),
                     src: self.src.clone(),
                     order: self.order.clone(),
                     batches: self.batches.clone(),
@@ -682,7 +679,8 @@ struct SaevJob {
     io_threads: usize,
     piece_rows: usize,
     resident: Mutex<Resident>,
-    verify: Option<Arc<Verifier>>,
+    /// With `verify`: the checksums, and the gather pool that hashes blocks ahead of use.
+    verify: Option<(Arc<Verifier>, Arc<GatherPool>)>,
 }
 
 /// A prepared batch: each row's (block, selected row) and where its bytes are.
@@ -866,6 +864,20 @@ impl Job for SaevJob {
             self.prepare_windowed(s, e, cx)?
         };
         state.cursor = cursor;
+        if let Some((v, pool)) = &self.verify {
+            // Every block the batch reads, checked before it is gathered (in parallel on the
+            // gather threads; blocks checked before and still in memory are skipped).
+            let rb = self.src.row_bytes();
+            let touched = state
+                .src
+                .iter()
+                .flat_map(|&(i, off)| v.blocks(i as usize, off..off + rb));
+            v.ensure(
+                touched,
+                |i| self.src.map(i as u32).map(|m| &m[..]),
+                pool.pool(),
+            )?;
+        }
         let rb = self.src.row_bytes() as usize;
         let n = state.rows.len();
         let step = self.piece_rows * rb;
@@ -914,10 +926,6 @@ impl Job for SaevJob {
                 if let Ok(next) = slice(k + AHEAD) {
                     batch::prefetch(next);
                 }
-            }
-            if let Some(v) = &self.verify {
-                let (i, off) = b.src[k];
-                v.check(i as usize, off..off + rb as u64, base(i)?)?;
             }
             batch::copy_streaming(dst, slice(k)?);
         }

@@ -495,9 +495,8 @@ impl Container {
             )),
             Ok(_) => {
                 let mut head = [0u8; 4];
-                let n = File::open(path)
-                    .and_then(|mut f| read_up_to(&mut f, &mut head))
-                    .at(path)?;
+                let mut f = crate::fsutil::open_regular(path)?;
+                let n = read_up_to(&mut f, &mut head).at(path)?;
                 let head = &head[..n];
                 if head == b"PK\x03\x04" {
                     return open_sdz(path, limits);
@@ -729,7 +728,7 @@ pub(crate) fn in_dir(dir: &Path, name: &str) -> PathBuf {
 
 /// Maps a whole file read-only.
 fn map_file(path: &Path) -> Result<Arc<Backing>> {
-    let file = File::open(path).at(path)?;
+    let file = crate::fsutil::open_regular(path)?;
     let len = file.metadata().at(path)?.len();
     if len == 0 {
         return Ok(Arc::new(Backing::Owned(Vec::new())));

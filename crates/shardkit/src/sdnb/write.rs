@@ -377,6 +377,40 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
     };
     // One writer per base name: a single file, its shard set and an SDZ of it share the lock.
     let _lock = WriteLock::beside_as(&dir.join(base), path)?;
+    // An overwrite must never leave the old sidecar beside new files (it would call them
+    // damaged): it goes first, and the new one is written once every file is in place. A save
+    // that fails before replacing anything puts the old one back.
+    let sidecar = dir.join(crate::checksum::sidecar_name(path));
+    let old_sidecar = std::fs::read(&sidecar).ok();
+    crate::checksum::remove_sidecar(&sidecar)?;
+    let written = write_model_files(path, model, opts, name, dir, base);
+    if written.is_err() {
+        if let Some(bytes) = old_sidecar {
+            let still_true = crate::checksum::Checksums::parse(&bytes, &sidecar)
+                .map(|s| s.verify(dir).is_empty())
+                .unwrap_or(false);
+            if still_true {
+                let _ = fsutil::atomic_write(&sidecar, &bytes);
+            }
+        }
+    }
+    let files = written?;
+    // The sidecar `BASE.checksums.json` (see crate::checksum), while the lock is still held.
+    if let Some(first) = files.first() {
+        crate::checksum::record(first)?;
+    }
+    Ok(files)
+}
+
+/// The files of [`write_model`], published; `name`, `dir` and `base` are `path`'s.
+fn write_model_files(
+    path: &Path,
+    model: &Model,
+    opts: &SaveOptions,
+    name: &str,
+    dir: &Path,
+    base: &str,
+) -> Result<Vec<PathBuf>> {
     let sharded_parts = match (opts.format, opts.shard_size) {
         (Format::Sharded, cap) => Some(cap.unwrap_or(DEFAULT_SHARD_SIZE)),
         (Format::Sdz, Some(cap)) => Some(cap),
@@ -398,7 +432,7 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
         total,
         reported: 0,
     };
-    let files = match opts.format {
+    match opts.format {
         Format::Sdnb => {
             let shards = shard_files(dir, base)?;
             if let Some((_, _, p)) = shards.first() {
@@ -432,12 +466,7 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
             write_sdz(path, &plans, &opts.extra_entries, opts.align, &mut tracker)?;
             Ok(vec![path.to_path_buf()])
         }
-    }?;
-    // The sidecar `BASE.checksums.json` (see crate::checksum), while the lock is still held.
-    if let Some(first) = files.first() {
-        crate::checksum::record(first)?;
     }
-    Ok(files)
 }
 
 /// The graph fields of one part.
