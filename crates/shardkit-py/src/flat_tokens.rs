@@ -271,7 +271,7 @@ impl TokensLoader {
     #[new]
     #[pyo3(signature = (path, split, seq_len, batch_size, packed, streams,
         read_blocks_per_shuffle_buffer, sequences_per_read_block, seed, host_index, host_count,
-        epochs, threads=0))]
+        epochs, threads=0, verify=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -288,6 +288,7 @@ impl TokensLoader {
         host_count: u64,
         epochs: bool,
         threads: usize,
+        verify: bool,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(seq_len, batch_size);
         o.packing = if packed {
@@ -303,6 +304,7 @@ impl TokensLoader {
         o.host_count = host_count;
         o.epochs = epochs;
         o.threads = threads;
+        o.verify = verify;
         let split = split.to_string();
         let inner = py
             .allow_threads(|| TokenLoader::new(Split::open(path, &split)?, o))

@@ -171,3 +171,58 @@ fn eagle3_verifying_loader_finds_a_flipped_bit() {
         v.errors
     );
 }
+
+#[test]
+fn flat_tokens_verifying_loader_finds_a_damaged_chunk_file() {
+    use shardkit::flat_tokens::{self, LoaderOptions as TokOptions, Packing, Split, TokenLoader};
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ds.zarr");
+    let mut w = flat_tokens::Writer::create(&root, "train", Default::default()).unwrap();
+    let seqs: Vec<Vec<u32>> = (0..400u32)
+        .map(|i| {
+            (0..50 + i % 200)
+                .map(|j| (i * 31 + j) % 50_000 + 1)
+                .collect()
+        })
+        .collect();
+    w.append(&seqs).unwrap();
+    w.finish().unwrap();
+    assert!(matches!(
+        checksum::verify(&root).unwrap(),
+        Verdict::Intact { .. }
+    ));
+    for packing in [Packing::Packed, Packing::Unpacked] {
+        let mut o = TokOptions::new(64, 8);
+        (o.packing, o.verify, o.threads) = (packing, true, 2);
+        o.sequences_per_read_block = Some(4);
+        o.read_blocks_per_shuffle_buffer = 4;
+        let l = TokenLoader::new(Split::open(&root, "train").unwrap(), o).unwrap();
+        for step in 0..l.step_count() {
+            l.load(step).unwrap();
+        }
+    }
+    // Damage the last byte of the biggest token file: a zstd chunk whose checksum no longer
+    // matches (zstd itself may or may not notice).
+    let files = checksum::dataset_files(&root).unwrap().2;
+    let victim = files
+        .iter()
+        .filter(|n| n.contains("encoded_tokens/c/"))
+        .max_by_key(|n| std::fs::metadata(root.join(n)).unwrap().len())
+        .expect("a token chunk file");
+    let len = std::fs::metadata(root.join(victim)).unwrap().len();
+    flip(&root.join(victim), len - 2);
+    let mut o = TokOptions::new(64, 8);
+    (o.verify, o.threads) = (true, 2);
+    o.sequences_per_read_block = Some(4);
+    o.read_blocks_per_shuffle_buffer = 4;
+    let l = TokenLoader::new(Split::open(&root, "train").unwrap(), o).unwrap();
+    let e = (0..l.step_count())
+        .find_map(|s| l.load(s).err())
+        .expect("the damaged chunk was decoded");
+    assert!(matches!(e, Error::Format { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(victim.as_str()) && msg.contains("do not match their checksum"),
+        "{msg}"
+    );
+}

@@ -147,6 +147,7 @@ class TokensLoader:
         host_count: int,
         epochs: bool,
         threads: int = ...,
+        verify: bool = ...,
     ) -> None: ...
     @property
     def step_count(self) -> int: ...

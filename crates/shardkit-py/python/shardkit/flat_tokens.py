@@ -310,7 +310,8 @@ class Loader:
 
     Iterating yields batches from the loader's position (``step``, advanced as you go; set it
     or use ``load_state_dict`` to resume), prepared ahead on ``num_threads`` threads (default:
-    every core) that read and decode rows in parallel.
+    every core) that read and decode rows in parallel. ``verify=True`` checks the chunk files a
+    step decodes against the dataset's checksums sidecar first (ValueError naming a damaged one).
     """
 
     def __init__(
@@ -329,6 +330,7 @@ class Loader:
         host_count: int = 1,
         epochs: bool = False,
         num_threads: Optional[int] = None,
+        verify: bool = False,
     ) -> None:
         self._l = _core.TokensLoader(
             os.fspath(path),
@@ -344,6 +346,7 @@ class Loader:
             int(host_count),
             bool(epochs),
             int(num_threads or 0),
+            bool(verify),
         )
         self._order = {
             "seq_len": int(seq_len),

@@ -12,8 +12,10 @@ use std::sync::{Arc, Mutex};
 
 use safetensors::Dtype;
 
+use crate::checksum::{self, Verifier};
 use crate::engine::batch::{lay_out, Buffer, BufferPool, Field};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
+use crate::engine::reader;
 use crate::error::{Error, Result};
 use crate::flat_tokens::decode::decode_row;
 use crate::flat_tokens::seqax::{Schedule, ShuffleParams};
@@ -55,6 +57,10 @@ pub struct LoaderOptions {
     /// Threads reading and decoding rows (0, the default: one per core); a step's rows, and
     /// the next steps', are read concurrently.
     pub threads: usize,
+    /// Check the chunk (shard) files a step reads against the dataset's checksums sidecar
+    /// before decoding them, each file again only when it has left the page cache since; a
+    /// damaged file is an error naming it and the byte range.
+    pub verify: bool,
 }
 
 impl LoaderOptions {
@@ -73,6 +79,7 @@ impl LoaderOptions {
             host_count: 1,
             epochs: false,
             threads: 0,
+            verify: false,
         }
     }
 
@@ -185,6 +192,79 @@ struct Inner {
     gather: GatherCell,
     /// Batch buffers, recycled.
     buffers: Mutex<BufferPool>,
+    /// With `verify`: the checksums of the split's files.
+    verify: Option<FileVerifier>,
+}
+
+/// The split's files with their checksums, mapped on first use.
+struct FileVerifier {
+    v: Verifier,
+    index: std::collections::HashMap<std::path::PathBuf, usize>,
+    paths: Vec<std::path::PathBuf>,
+    maps: Vec<std::sync::OnceLock<memmap2::Mmap>>,
+}
+
+impl FileVerifier {
+    fn open(split: &Split) -> Result<FileVerifier> {
+        let root = crate::fsutil::parent_of(split.path()).to_path_buf();
+        let name = split
+            .path()
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let (sidecar, base, names) = checksum::dataset_files(&root)?;
+        let names: Vec<String> = names
+            .into_iter()
+            .filter(|n| n.starts_with(&format!("{name}/")))
+            .collect();
+        let v = Verifier::open(&sidecar, &base, &names)?;
+        let paths: Vec<_> = names.iter().map(|n| base.join(n)).collect();
+        Ok(FileVerifier {
+            v,
+            index: paths
+                .iter()
+                .cloned()
+                .enumerate()
+                .map(|(i, p)| (p, i))
+                .collect(),
+            maps: paths.iter().map(|_| std::sync::OnceLock::new()).collect(),
+            paths,
+        })
+    }
+
+    fn map(&self, i: usize) -> Result<&[u8]> {
+        if let Some(m) = self.maps[i].get() {
+            return Ok(m);
+        }
+        let p = &self.paths[i];
+        let f = crate::fsutil::open_regular(p)?;
+        let len = f.metadata().map_err(|e| Error::io(p, e))?.len();
+        if len == 0 {
+            return Ok(&[]);
+        }
+        let _ = self.maps[i].set(reader::map_file(&f, p, len)?);
+        self.maps[i]
+            .get()
+            .map(|m| &m[..])
+            .ok_or_else(|| Error::Invalid("internal: a map vanished".into()))
+    }
+
+    /// Checks every block of `files` (whole files: decoding reads a chunk whole) that needs it.
+    fn ensure(
+        &self,
+        files: impl IntoIterator<Item = std::path::PathBuf>,
+        pool: &GatherPool,
+    ) -> Result<()> {
+        let mut touched = Vec::new();
+        for f in files {
+            let i = *self.index.get(&f).ok_or_else(|| {
+                Error::format(&f, "is not covered by the dataset's checksums sidecar")
+            })?;
+            let len = self.map(i)?.len() as u64;
+            touched.extend(self.v.blocks(i, 0..len));
+        }
+        self.v.ensure(touched, |i| self.map(i), pool.pool())
+    }
 }
 
 /// seqax-compatible loader over one split; cheap to clone (shared state).
@@ -233,6 +313,11 @@ impl TokenLoader {
             Packing::Unpacked => split.seq_count(),
         };
         let epoch0 = Arc::new(Schedule::new(n_seq, opts.shuffle_params())?);
+        let verify = if opts.verify {
+            Some(FileVerifier::open(&split)?)
+        } else {
+            None
+        };
         let host_rows = opts.host_index * per_host..(opts.host_index + 1) * per_host;
         Ok(TokenLoader {
             inner: Arc::new(Inner {
@@ -244,6 +329,7 @@ impl TokenLoader {
                 host_rows,
                 gather: GatherCell::default(),
                 buffers: Mutex::new(BufferPool::new(PREFETCH + 6)),
+                verify,
             }),
         })
     }
@@ -369,6 +455,27 @@ impl Job for TokenLoader {
 
     fn prepare(&self, step: u64, cx: &Context<'_>) -> Result<Prepared<StepRows>> {
         let rows = self.sequences(step)?;
+        if let Some(fv) = &self.inner.verify {
+            // The files this step decodes, checked before any of them is read.
+            let split = &self.inner.split;
+            let pool = self.gather_pool()?;
+            let len = self.inner.opts.seq_len;
+            let mut files = Vec::new();
+            for &seq in &rows {
+                let range = match self.inner.opts.packing {
+                    Packing::Packed => seq * len..(seq + 1) * len,
+                    Packing::Unpacked => {
+                        fv.ensure(split.start_files(seq..seq + 2), &pool)?;
+                        let d = split.document(seq)?;
+                        d.start..d.end.min(d.start + len)
+                    }
+                };
+                files.extend(split.token_files(range));
+            }
+            files.sort();
+            files.dedup();
+            fv.ensure(files, &pool)?;
+        }
         let (fields, bytes) = self.layout(rows.len() as u64);
         let len = self.inner.opts.seq_len as usize;
         // Row r of every array: one piece.

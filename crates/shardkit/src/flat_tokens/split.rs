@@ -129,6 +129,29 @@ impl Column {
     }
 }
 
+impl Column {
+    /// The chunk (or shard) files holding elements `range`, as paths below `root` (the store's
+    /// root directory).
+    fn files_of(&self, root: &Path, range: Range<u64>) -> Vec<PathBuf> {
+        if range.is_empty() {
+            return Vec::new();
+        }
+        let subset = ArraySubset::new_with_ranges(&[range]);
+        self.array
+            .chunks_in_array_subset(&subset)
+            .ok()
+            .flatten()
+            .map(|chunks| {
+                chunks
+                    .indices()
+                    .iter()
+                    .map(|c| root.join(self.array.chunk_key(&c).to_string()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
 /// Checks that `a` is 1-D uint32 (`tokens`) or uint64.
 pub(crate) fn check_dtype<S: ?Sized>(a: &Array<S>, path: &Path, tokens: bool) -> Result<()> {
     let (dt, name) = if tokens {
@@ -342,6 +365,16 @@ impl Split {
     /// The split's directory.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+    /// The files (chunks or shards, below the dataset root) that hold tokens `range`.
+    pub fn token_files(&self, range: Range<u64>) -> Vec<PathBuf> {
+        self.tokens
+            .files_of(crate::fsutil::parent_of(&self.path), range)
+    }
+    /// The files that hold `seq_starts` entries `range`.
+    pub fn start_files(&self, range: Range<u64>) -> Vec<PathBuf> {
+        self.starts
+            .files_of(crate::fsutil::parent_of(&self.path), range)
     }
     /// The dataset's zarr format.
     pub fn format(&self) -> ZarrFormat {
