@@ -42,7 +42,15 @@ fn check_state(out: &Path, reference: &BTreeMap<String, String>) -> &'static str
     match Split::open(out, "train") {
         Ok(s) => {
             assert!(s.is_marked_complete());
-            assert_eq!(&snapshot(out), reference, "a served dataset must be exact");
+            // A kill between the commit (write_completed) and the checksums sidecar, written
+            // right after it, leaves a complete dataset without one (README, Guarantees); the
+            // resumed run adds it. Everything else must be exact.
+            let got = snapshot(out);
+            let mut want = reference.clone();
+            if !got.contains_key("shardkit.checksums.json") {
+                want.remove("shardkit.checksums.json");
+            }
+            assert_eq!(got, want, "a served dataset must be exact");
             "complete"
         }
         Err(Error::Interrupted { .. }) => "interrupted",
