@@ -102,21 +102,7 @@ impl Column {
         };
         r.map_err(|e| {
             // Name the chunk (or shard) files the range lies in: the one that failed is there.
-            let files = self
-                .array
-                .chunks_in_array_subset(&subset)
-                .ok()
-                .flatten()
-                .map(|chunks| {
-                    chunks
-                        .indices()
-                        .iter()
-                        .take(4)
-                        .map(|c| self.array.chunk_key(&c).to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                })
-                .unwrap_or_default();
+            let files = self.chunk_keys(&subset, 4).join(", ");
             Error::format(
                 &self.path,
                 format!(
@@ -137,15 +123,24 @@ impl Column {
             return Vec::new();
         }
         let subset = ArraySubset::new_with_ranges(&[range]);
+        self.chunk_keys(&subset, usize::MAX)
+            .into_iter()
+            .map(|k| root.join(k))
+            .collect()
+    }
+
+    /// The store keys of the first `at_most` chunks (or shards) `subset` lies in.
+    fn chunk_keys(&self, subset: &ArraySubset, at_most: usize) -> Vec<String> {
         self.array
-            .chunks_in_array_subset(&subset)
+            .chunks_in_array_subset(subset)
             .ok()
             .flatten()
             .map(|chunks| {
                 chunks
                     .indices()
                     .iter()
-                    .map(|c| root.join(self.array.chunk_key(&c).to_string()))
+                    .take(at_most)
+                    .map(|c| self.array.chunk_key(&c).to_string())
                     .collect()
             })
             .unwrap_or_default()
