@@ -118,16 +118,6 @@ exec(WRITERS_SRC)  # noqa: S102 - the module's own source, shared with the child
 TARGET = {"saev": "saev", "eagle3": "cache", "flat_tokens": "ds.zarr", "sdnb": "m.sdnb"}
 BIG_TARGET = {"saev": "saev", "eagle3": "cache-big", "flat_tokens": "big.zarr", "sdnb": "m.sdnb"}
 
-# The known bug that flat-tokens reports I/O errors (EFBIG, ENOSPC, EACCES from zarrs' store)
-# as ValueError. Tests check everything else first, then xfail on exactly this symptom; once
-# fixed, the exception type is checked like the other formats'.
-TOKENS_IO_AS_VALUEERROR = (
-    "BUG: flat-tokens wraps zarrs storage I/O errors as Error::Format (ValueError), not Error::Io "
-    "(OSError): flat_tokens/writer.rs store_tail ('chunk N: ...'), flat_tokens/split.rs zerr, "
-    "flat_tokens/store.rs get_json"
-)
-
-
 def snapshot(root):
     """Every file under `root` (relative path -> bytes); {} when absent."""
     out = {}
@@ -202,13 +192,11 @@ def written_as(path):
 
 def check_io_error(r, which, strerror, *inside):
     """`r` (a child's report) is an OSError whose message names a path under one of `inside`
-    and says `strerror`. The type is checked last (see TOKENS_IO_AS_VALUEERROR)."""
+    and says `strerror`."""
     assert r["ok"] is False, f"{which}: the write succeeded despite the fault: {r}"
     msg = r["message"]
     assert strerror in msg, msg
     assert any(str(p) in msg for p in inside), f"{msg!r} names none of {inside}"
-    if which == "flat_tokens" and r["type"] == "ValueError":
-        pytest.xfail(TOKENS_IO_AS_VALUEERROR + f": {msg}")
     assert "OSError" in r["mro"], r
 
 
@@ -540,15 +528,13 @@ def test_unreadable_shard_fails_naming_it(datasets, which, op):
     r = expect_clear_error(which, op, res, paths[which], shard, "Permission denied")
     if r is not None:
         mro, msg = r
-        if which == "flat_tokens" and mro[0] == "ValueError":
-            pytest.xfail(TOKENS_IO_AS_VALUEERROR + f": {msg}")
-        assert "OSError" in mro, (mro, msg)
+        assert mro[0] == "PermissionError", (mro, msg)
 
 
 def test_io_errors_are_the_matching_oserror_subclass(datasets):
     need_root_for_setuid()
     _, paths, shards = datasets
-    for which in ("saev", "eagle3", "sdnb"):
+    for which in ("saev", "eagle3", "flat_tokens", "sdnb"):
         os.chmod(shards[which], 0)
         kind, detail = read_in_child(paths[which], READS[which, "open"], drop=True)
         assert kind == "error", (which, kind, detail)

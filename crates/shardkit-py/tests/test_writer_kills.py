@@ -42,10 +42,11 @@ from shardkit import IncompleteDatasetError, eagle3, flat_tokens, saev, sdnb
 def is_leftover(path):
     """Whether `path` is a file a writer keeps only while it works: a `.NAME.tmp` temporary
     (EAGLE-3's are `NAME.tmp`, without the dot), a `.NAME.lock` file, the safetensors crate's
-    `.tmpXXXXXX`, saev's `.shardkit-writing` marker. (zarr v2's `.zarray`, `.zattrs`, `.zgroup`
+    `.tmpXXXXXX`, saev's `.shardkit-writing` marker, an SDNB shard-set overwrite's journal
+    `.BASE.shard-set.pending`. (zarr v2's `.zarray`, `.zattrs`, `.zgroup`
     are data.)"""
     n = os.path.basename(path)
-    return n.endswith(".tmp") or (n.startswith(".") and n.endswith(".lock")) or n == ".shardkit-writing" or (
+    return n.endswith(".tmp") or n.endswith(".shard-set.pending") or (n.startswith(".") and n.endswith(".lock")) or n == ".shardkit-writing" or (
         len(n) == 10 and n.startswith(".tmp") and n[4:].isalnum())
 
 
@@ -543,11 +544,6 @@ SDNB_CASES = {
 # as soon as the (first) container file is replaced, while the checksums sidecar is written.
 FRACTIONS = [0.0, ("tmp", 0.0), 0.1, ("tmp", 0.3), 0.4, 0.9, "published", 1.5]
 
-MIXED_SET = (
-    "BUG: sdnb/write.rs write_shard_set publishes a shard set by renaming its temporaries one "
-    "by one, and nothing ties the shards of one save together: a kill between two renames "
-    "while overwriting a set with the same shard count leaves new and old shards that "
-    "sdnb.open serves as one (mixed) model")
 STALE_SIDECAR = (
     "an overwritten container beside the old container's checksums (shardkit.verify would call "
     "intact data damaged): write_model must remove the old sidecar before publishing")
@@ -598,7 +594,7 @@ def test_sdnb_save_killed_leaves_the_old_state_or_the_whole_container(tmp_path, 
                 return False
         return check
 
-    outcomes, stale, mixed = {}, [], []
+    outcomes, stale = {}, []
     for i, frac in enumerate(FRACTIONS):
         d = tmp_path / f"t{i}"
         d.mkdir()
@@ -613,7 +609,16 @@ def test_sdnb_save_killed_leaves_the_old_state_or_the_whole_container(tmp_path, 
             run_and_kill(sdnb_code(d, case), "go", frac * full)
         got = snapshot(d)
         data = data_files(visible(got))
-        if data == data_files(old if overwrite else {}):
+        if any(k.endswith(".shard-set.pending") for k in got):
+            # A shard set's save was committed (its journal written) and the kill came during
+            # the renames: each file is the old one or the new one, and sdnb.open serves the
+            # whole new set.
+            assert case == "sharded", f"{case} at {frac}: {sorted(got)}"
+            assert all(data[k] in (old.get(k) if overwrite else None, ref.get(k)) for k in data), f"{case} at {frac}"
+            assert_model(d / name, tensors)
+            state = "committed, renames pending"
+            expected = None
+        elif data == data_files(old if overwrite else {}):
             state = "untouched"  # at most a temporary and the lock file were left
             if overwrite:
                 with sdnb.open(d / name) as m:
@@ -628,19 +633,7 @@ def test_sdnb_save_killed_leaves_the_old_state_or_the_whole_container(tmp_path, 
             state = "complete"
             expected = ref
         else:
-            # Only a shard set can be caught half replaced (its files are renamed one by one):
-            # each file is then the old one or the new one, and the set must not load.
-            assert overwrite and case == "sharded", f"{case} at {frac}: {diff(data, ref)}"
-            assert set(data) == set(data_files(ref)) and all(data[k] in (old[k], ref[k]) for k in data), (
-                f"{case} at {frac}: {diff(data, ref)}")
-            try:
-                sdnb.open(d / name).close()
-            except ValueError:
-                state = "refused, half replaced"
-            else:
-                mixed.append(frac)
-                state = "mixed"
-            expected = None
+            raise AssertionError(f"{case} at {frac}: neither the old nor the new container: {diff(data, ref)}")
         # The checksums sidecar is written after the container is published: it may be missing
         # after a kill, but never describe a container other than the one present.
         sidecar = {k: v for k, v in visible(got).items() if is_sidecar(k)}
@@ -658,36 +651,73 @@ def test_sdnb_save_killed_leaves_the_old_state_or_the_whole_container(tmp_path, 
         assert got == ref, f"{case} at {frac}: {diff(got, ref)}"
     # Some kill landed inside the save (a temporary left, the target not replaced yet).
     assert outcomes.get("untouched with leftovers", 0) >= 1, outcomes
-    bugs = [f"{MIXED_SET} (killed at {mixed})"] if mixed else []
     assert not stale, f"{STALE_SIDECAR} (killed at {stale})"
-    if bugs:
-        pytest.xfail("; ".join(bugs))
 
 
-@pytest.mark.xfail(strict=True, reason=MIXED_SET)
-def test_sdnb_shard_set_overwrite_killed_between_renames_is_not_served_mixed(tmp_path):
-    """The state a kill between the renames of write_shard_set leaves (too narrow a window to
-    hit by timing, so built by hand): shards 0 (the graph) and 1 of the new set published, the
-    others still temporaries beside the old set's files. It must not open as a model."""
+def assert_model(path, tensors):
+    """`path` opens as exactly `tensors`."""
+    with sdnb.open(path) as m:
+        assert sorted(m) == sorted(tensors)
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(m[k], v, err_msg=k)
+
+
+def test_sdnb_shard_set_overwrite_killed_at_every_rename(tmp_path):
+    """A shard-set overwrite renames N temporaries (a kill between two renames is too narrow a
+    window to hit by timing, so the child aborts itself after its K-th rename through the
+    SHARDKIT_TEST_ABORT_AFTER_RENAMES hook). Its journal is the commit point: killed after any
+    rename, the set opens as the whole new model, never a mix; the next save finishes the
+    publication and gives the uninterrupted bytes."""
     tensors, metadata = sdnb_tensors()
-    new_dir, d = tmp_path / "new", tmp_path / "d"
-    new_dir.mkdir()
+    old_tensors = {k: v + 1 for k, v in tensors.items()}
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    names = [os.path.basename(p) for p in sdnb.save(ref_dir / "model.sdnb", tensors, metadata, shard_size=1 << 20,
+                                                    progress=False)]
+    ref = snapshot(ref_dir)
+    assert len(names) >= 4
+    # Renames: the journal, the N shards, then the checksums sidecar.
+    for k in range(1, len(names) + 3):
+        d = tmp_path / f"k{k}"
+        d.mkdir()
+        sdnb.save(d / "model.sdnb", old_tensors, metadata, shard_size=1 << 20, progress=False)
+        old = snapshot(d)
+        env = dict(os.environ, SHARDKIT_TEST_ABORT_AFTER_RENAMES=str(k))
+        p = subprocess.run([sys.executable, "-c", sdnb_code(d, "sharded")], env=env, capture_output=True, text=True,
+                           timeout=60)
+        got = snapshot(d)
+        assert p.returncode == -signal.SIGABRT, f"k={k}: the child was not stopped ({p.returncode}): {p.stderr}"
+        assert any(n.endswith(".shard-set.pending") for n in got) == (k <= len(names) + 1), (k, sorted(got))
+        assert all(got[n] in (old[n], ref[n]) for n in names if n in got), k
+        assert_model(d / "model.sdnb", tensors)
+        report = shardkit.verify(d / names[0])
+        assert report["intact"] or not report["sidecar"], (k, report)
+        sdnb.save(d / "model.sdnb", tensors, metadata, shard_size=1 << 20, progress=False)
+        assert snapshot(d) == ref, f"k={k}: {diff(snapshot(d), ref)}"
+
+
+def test_sdnb_shard_set_journal_hides_the_old_set(tmp_path):
+    """A committed overwrite to a set with another shard count: the old set's files that no new
+    shard replaces are not part of the model while the renames are pending."""
+    tensors, metadata = sdnb_tensors()
+    small = {k: v for k, v in tensors.items() if not k.startswith("big")}
+    d = tmp_path / "d"
     d.mkdir()
-    new = sdnb.save(new_dir / "model.sdnb", tensors, metadata, shard_size=1 << 20, progress=False)
-    old = sdnb.save(d / "model.sdnb", {k: v + 1 for k, v in tensors.items()}, metadata, shard_size=1 << 20,
-                    progress=False)
-    assert [os.path.basename(p) for p in new] == [os.path.basename(p) for p in old] and len(new) >= 3
-    for p, q in zip(new[:2], old[:2]):
-        os.replace(p, q)
-    for p in new[2:]:
-        os.replace(p, d / f".{os.path.basename(p)}.tmp")
-    try:
-        m = sdnb.open(d / "model.sdnb")
-    except ValueError as e:
-        assert "model" in str(e)
-        return
-    mixed = {k: ("new" if np.array_equal(m[k], tensors[k]) else "old") for k in m}
-    raise AssertionError(f"a half-replaced shard set opened as one model: {sorted(set(mixed.values()))}")
+    old_names = [os.path.basename(p) for p in sdnb.save(d / "model.sdnb", tensors, metadata, shard_size=1 << 20,
+                                                        progress=False)]
+    code = child_code(SDNB_CHILD.replace("range(2)", "range(0)"), TARGET=str(d / "model.sdnb"), FORMAT="sharded",
+                      SHARD_SIZE=1 << 20)
+    env = dict(os.environ, SHARDKIT_TEST_ABORT_AFTER_RENAMES="1")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == -signal.SIGABRT, p.stderr
+    assert set(old_names) <= set(os.listdir(d))
+    assert_model(d / "model.sdnb", small)
+    assert shardkit.verify(d / old_names[0])["sidecar"] is False  # the old sidecar went first
+    new_names = [os.path.basename(p) for p in sdnb.save(d / "model.sdnb", small, metadata, shard_size=1 << 20,
+                                                        progress=False)]
+    assert len(new_names) < len(old_names)
+    assert sorted(os.listdir(d)) == sorted(new_names + ["model.checksums.json"]), os.listdir(d)
+    assert_model(d / "model.sdnb", small)
 
 
 def sdnb_tensors():

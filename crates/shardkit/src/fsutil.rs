@@ -53,6 +53,7 @@ pub fn rename(from: &Path, to: &Path) -> Result<()> {
         from: from.to_path_buf(),
         to: to.to_path_buf(),
     });
+    trace::abort_point();
     Ok(())
 }
 
@@ -94,6 +95,26 @@ pub mod trace {
     pub fn take() -> Vec<Event> {
         ON.store(false, Ordering::SeqCst);
         std::mem::take(&mut *LOG.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The kill tests' hook: with `SHARDKIT_TEST_ABORT_AFTER_RENAMES=K` in the environment, the
+    /// process aborts (as if killed) right after its K-th rename through [`super::rename`].
+    /// Kills timed from outside cannot hit the microseconds between two renames; this can.
+    pub(crate) fn abort_point() {
+        use std::sync::atomic::AtomicU64;
+        use std::sync::OnceLock;
+        static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
+        static RENAMES: AtomicU64 = AtomicU64::new(0);
+        let limit = LIMIT.get_or_init(|| {
+            std::env::var("SHARDKIT_TEST_ABORT_AFTER_RENAMES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        });
+        if let Some(k) = *limit {
+            if RENAMES.fetch_add(1, Ordering::SeqCst) + 1 == k {
+                std::process::abort();
+            }
+        }
     }
 
     pub(crate) fn record(e: Event) {

@@ -2360,3 +2360,64 @@ fn carried_tables_past_the_end_mark_are_refused_not_panicked() {
         named(&e, &[&p]).unwrap();
     }
 }
+
+/// A shard-set overwrite's journal (`.BASE.shard-set.pending`) that is not what shardkit writes
+/// is refused by readers and writers with an error naming it; one naming a shard that is
+/// missing along with its temporary is refused too, never taken for a smaller set.
+#[test]
+fn damaged_shard_set_journals_are_refused_naming_the_journal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ts = small_tensors();
+    let base = tmp.path().join("m.sdnb");
+    let files = sdnb::save(
+        &base,
+        &tensor_ins(&ts),
+        &save_opts(Format::Sharded, Some(4096), 0),
+    )
+    .unwrap();
+    assert!(files.len() >= 2, "{files:?}");
+    let journal = tmp.path().join(".m.shard-set.pending");
+    let n = files.len();
+    for (text, why) in [
+        (&b"{\"shard_count\": 0}"[..], "not in 1..2^32"),
+        (b"{\"shard_count\": 99999999999}", "not in 1..2^32"),
+        (b"{\"count\": 2}", "shard_count"),
+        (b"{\"shard_count\": 2", "journal"),
+        (b"\xff\xfe", "journal"),
+    ] {
+        fs::write(&journal, text).unwrap();
+        let e = sdnb::open(&base).map(|_| ()).unwrap_err();
+        assert!(matches!(e, shardkit::Error::Format { .. }), "{e:?}");
+        named(&e, &[&journal]).unwrap();
+        assert!(e.to_string().contains(why), "{e}");
+        let e = sdnb::save(
+            &base,
+            &tensor_ins(&ts),
+            &save_opts(Format::Sharded, Some(4096), 0),
+        )
+        .unwrap_err();
+        named(&e, &[&journal]).unwrap();
+        // Nothing was replaced.
+        for f in &files {
+            assert!(f.is_file(), "{}", f.display());
+        }
+    }
+    // A journal naming a shard that is gone, and its temporary too: both are named.
+    fs::write(&journal, format!("{{\"shard_count\": {n}}}")).unwrap();
+    let last = files.last().unwrap();
+    let kept = fs::read(last).unwrap();
+    fs::remove_file(last).unwrap();
+    let e = sdnb::open(&base).map(|_| ()).unwrap_err();
+    named(&e, &[&journal]).unwrap();
+    named(&e, &[last]).unwrap();
+    let e = sdnb::save(
+        &base,
+        &tensor_ins(&ts),
+        &save_opts(Format::Sharded, Some(4096), 0),
+    )
+    .unwrap_err();
+    named(&e, &[&journal]).unwrap();
+    fs::write(last, kept).unwrap();
+    fs::remove_file(&journal).unwrap();
+    assert_eq!(sdnb::open(&base).unwrap().variables().len(), ts.len());
+}

@@ -203,5 +203,51 @@ fn sdnb_writer_order_for_every_format() {
                 "{name}: {n}\n{events:#?}"
             );
         }
+        if format == Format::Sharded {
+            check_shard_set_journal(&events, &files, name);
+        }
     }
+}
+
+/// A shard set's journal (`.BASE.shard-set.pending`) is its commit point: every shard is
+/// durable under its temporary name, and the directory synced, before the journal is renamed
+/// into place; every shard rename comes after it.
+fn check_shard_set_journal(events: &[Event], files: &[std::path::PathBuf], name: &str) {
+    let journal = position(events, |e| renamed_to(e, ".b.shard-set.pending"));
+    assert_eq!(journal.len(), 1, "{name}: {events:#?}");
+    let j = journal[0];
+    assert!(files.len() >= 2, "{name}: {files:?}");
+    for f in files {
+        let tmp = shardkit::fsutil::temp_sibling(f);
+        let synced = position(events, |e| matches!(e, Event::SyncFile(p) if *p == tmp));
+        assert!(
+            synced.len() == 1 && synced[0] < j,
+            "{name}: {} not durable before the journal\n{events:#?}",
+            tmp.display()
+        );
+        let n = f.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            position(events, |e| renamed_to(e, &n))[0] > j,
+            "{name}: {n} renamed before the journal was written\n{events:#?}"
+        );
+    }
+    let temps: Vec<_> = files
+        .iter()
+        .map(|f| shardkit::fsutil::temp_sibling(f))
+        .collect();
+    let last_sync = position(
+        events,
+        |e| matches!(e, Event::SyncFile(p) if temps.contains(p)),
+    )
+    .into_iter()
+    .max()
+    .unwrap();
+    assert!(
+        events[last_sync..j]
+            .iter()
+            .filter(|e| matches!(e, Event::SyncDir(_)))
+            .count()
+            >= 1,
+        "{name}: the temporaries' directory entries are not durable before the journal\n{events:#?}"
+    );
 }

@@ -134,9 +134,10 @@ pub(crate) fn metadata_options() -> ArrayMetadataOptions {
     ArrayMetadataOptions::default().with_include_zarrs_metadata(false)
 }
 
-/// Creates (stores the metadata of) both arrays of a new v3 split.
+/// Creates (stores the metadata of) both arrays of a new v3 split (`root` labels messages).
 pub(crate) fn create_v3<S: ?Sized + ReadableWritableStorageTraits + 'static>(
     store: &Arc<S>,
+    root: &std::path::Path,
     split: &str,
     l: &Sharded,
 ) -> Result<()> {
@@ -177,9 +178,10 @@ pub(crate) fn create_v3<S: ?Sized + ReadableWritableStorageTraits + 'static>(
             .dimension_names(Some([dim]))
             .build(store.clone(), &path)
             .map_err(|e| Error::Invalid(format!("{path}: cannot create the array: {e}")))?;
-        array
-            .store_metadata_opt(&metadata_options())
-            .map_err(|e| Error::Invalid(format!("{path}: cannot write zarr.json: {e}")))?;
+        array.store_metadata_opt(&metadata_options()).map_err(|e| {
+            let meta = root.join(split).join(name).join("zarr.json");
+            super::store::zarrs_error(&e, &meta, &[], || "cannot write".into())
+        })?;
     }
     Ok(())
 }

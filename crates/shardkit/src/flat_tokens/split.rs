@@ -20,7 +20,7 @@ use zarrs::filesystem::FilesystemStore;
 use zarrs::group::Group;
 use zarrs::storage::{ReadableStorageTraits, StoreKey};
 
-use super::store::{Completion, ZarrFormat};
+use super::store::{zarrs_error, Completion, IoBeneath, ZarrFormat};
 use crate::error::{Error, Result};
 
 /// Decoded whole chunks kept per array (unsharded arrays only): the rows of a step mostly fall
@@ -102,20 +102,27 @@ impl Column {
         };
         r.map_err(|e| {
             // Name the chunk (or shard) files the range lies in: the one that failed is there.
-            let files = self.chunk_keys(&subset, 4).join(", ");
-            Error::format(
-                &self.path,
+            let keys = self.chunk_keys(&subset, 64);
+            let root = self.store_root();
+            let files: Vec<PathBuf> = keys.iter().map(|k| root.join(k)).collect();
+            zarrs_error(&e, &self.path, &files, || {
                 format!(
-                    "cannot read {what}s {}..{} (in {files}): {e}",
+                    "cannot read {what}s {}..{} (in {})",
                     subset.start()[0],
-                    subset.end_exc()[0]
-                ),
-            )
+                    subset.end_exc()[0],
+                    keys[..keys.len().min(4)].join(", ")
+                )
+            })
         })
     }
 }
 
 impl Column {
+    /// The directory the store's keys are relative to (`path` is `<root>/<split>/<array>`).
+    fn store_root(&self) -> &Path {
+        crate::fsutil::parent_of(crate::fsutil::parent_of(&self.path))
+    }
+
     /// The chunk (or shard) files holding elements `range`, as paths below `root` (the store's
     /// root directory).
     fn files_of(&self, root: &Path, range: Range<u64>) -> Vec<PathBuf> {
@@ -218,8 +225,18 @@ fn check_split_name(split: &str) -> Result<()> {
     Ok(())
 }
 
-fn zerr(path: &Path, what: &str, e: impl std::fmt::Display) -> Error {
-    Error::format(path, format!("{what}: {e}"))
+/// A zarrs failure opening the node at `path` (a group or array of `format`): an I/O error
+/// names its metadata file.
+fn zerr(path: &Path, format: ZarrFormat, what: &str, e: &impl IoBeneath) -> Error {
+    let meta: Vec<PathBuf> = match format {
+        ZarrFormat::V3 => vec![path.join("zarr.json")],
+        ZarrFormat::V2 => [".zarray", ".zgroup", ".zattrs"]
+            .iter()
+            .map(|n| path.join(n))
+            .filter(|p| p.exists())
+            .collect(),
+    };
+    zarrs_error(e, path, &meta, || what.to_string())
 }
 
 impl Split {
@@ -259,8 +276,10 @@ impl Split {
         if dir.is_dir() {
             crate::fsutil::check_regular_tree(&dir)?;
         }
-        let store: Arc<Storage> =
-            Arc::new(FilesystemStore::new(root).map_err(|e| zerr(root, "store", e))?);
+        let store: Arc<Storage> = Arc::new(
+            FilesystemStore::new(root)
+                .map_err(|e| zarrs_error(&e, root, &[], || "store".into()))?,
+        );
         Self::from_store(store, root, split)
     }
 
@@ -285,13 +304,19 @@ impl Split {
             ));
         };
         let completion = Completion::read(store.clone());
-        let group = Group::open(store.clone(), &format!("/{split}"))
-            .map_err(|e| zerr(&path, "the split is missing or not a zarr group", e))?;
+        let group = Group::open(store.clone(), &format!("/{split}")).map_err(|e| {
+            zerr(
+                &path,
+                format,
+                "the split is missing or not a zarr group",
+                &e,
+            )
+        })?;
         let max_token_id = max_token_id_attr(&group, &path)?;
         let open = |name: &str, tokens: bool| -> Result<Column> {
             let p = path.join(name);
             let a = Array::open(store.clone(), &format!("/{split}/{name}"))
-                .map_err(|e| zerr(&p, "cannot open the array", e))?;
+                .map_err(|e| zerr(&p, format, "cannot open the array", &e))?;
             check_dtype(&a, &p, tokens)?;
             Ok(Column::new(a, p))
         };

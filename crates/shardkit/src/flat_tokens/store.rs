@@ -2,12 +2,13 @@
 //! completion marker on its root group, and metadata files in the exact text zarr-python 2
 //! writes (flat_tokens.md §3.2), which zarrs does not produce.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use zarrs::filesystem::FilesystemStore;
-use zarrs::group::Group;
-use zarrs::storage::{ReadableStorageTraits, StoreKey, WritableStorageTraits};
+use zarrs::array::{ArrayCreateError, ArrayError, CodecError};
+use zarrs::filesystem::{FilesystemStore, FilesystemStoreCreateError};
+use zarrs::group::{Group, GroupCreateError};
+use zarrs::storage::{ReadableStorageTraits, StorageError, StoreKey, WritableStorageTraits};
 
 use crate::error::{Error, Result};
 use crate::json::{self, Escape, Value};
@@ -86,6 +87,103 @@ pub(crate) fn zarr2_json(v: &Value) -> Vec<u8> {
     json::to_pretty(&v.sorted(), 4, Escape::Ascii).into_bytes()
 }
 
+/// The operating-system error beneath a zarrs error (a store's failing read, write or list),
+/// if that is what went wrong.
+pub(crate) trait IoBeneath: std::fmt::Display {
+    fn io_beneath(&self) -> Option<&std::io::Error>;
+}
+
+impl IoBeneath for StorageError {
+    fn io_beneath(&self) -> Option<&std::io::Error> {
+        match self {
+            StorageError::IOError(io) => Some(io),
+            _ => None,
+        }
+    }
+}
+
+impl IoBeneath for FilesystemStoreCreateError {
+    fn io_beneath(&self) -> Option<&std::io::Error> {
+        match self {
+            FilesystemStoreCreateError::IOError(io) => Some(io),
+            _ => None,
+        }
+    }
+}
+
+impl IoBeneath for CodecError {
+    fn io_beneath(&self) -> Option<&std::io::Error> {
+        match self {
+            CodecError::IOError(io) => Some(io),
+            CodecError::StorageError(s) => s.io_beneath(),
+            _ => None,
+        }
+    }
+}
+
+impl IoBeneath for ArrayError {
+    fn io_beneath(&self) -> Option<&std::io::Error> {
+        match self {
+            ArrayError::StorageError(s) => s.io_beneath(),
+            ArrayError::CodecError(c) => c.io_beneath(),
+            _ => None,
+        }
+    }
+}
+
+impl IoBeneath for ArrayCreateError {
+    fn io_beneath(&self) -> Option<&std::io::Error> {
+        match self {
+            ArrayCreateError::StorageError(s) => s.io_beneath(),
+            _ => None,
+        }
+    }
+}
+
+impl IoBeneath for GroupCreateError {
+    fn io_beneath(&self) -> Option<&std::io::Error> {
+        match self {
+            GroupCreateError::StorageError(s) => s.io_beneath(),
+            _ => None,
+        }
+    }
+}
+
+/// A zarrs failure as shardkit's error. An operating-system error (EACCES, ENOSPC, EFBIG, EIO)
+/// is [`Error::Io`] naming the file it concerns: the one of `files` (the chunk, shard or
+/// metadata files the operation touched, in order) that fails to open and read the same way,
+/// found by probing them on this cold path, else the first. Anything else is a format error
+/// naming `array`, saying `what` was being done.
+pub(crate) fn zarrs_error(
+    e: &impl IoBeneath,
+    array: &Path,
+    files: &[PathBuf],
+    what: impl FnOnce() -> String,
+) -> Error {
+    let Some(io) = e.io_beneath() else {
+        return Error::format(array, format!("{}: {e}", what()));
+    };
+    let fails_alike = |p: &PathBuf| {
+        let probe = std::fs::File::open(p).and_then(|mut f| {
+            use std::io::Read;
+            f.read(&mut [0u8; 1])
+        });
+        probe.is_err_and(|x| x.kind() == io.kind())
+    };
+    let file = match files {
+        [one] => one,
+        [] => array,
+        many => many.iter().find(|p| fails_alike(p)).unwrap_or(&many[0]),
+    };
+    // zarrs keeps the error in an Arc: rebuild it, keeping the errno (Python picks the OSError
+    // subclass by it).
+    let owned = match io.raw_os_error() {
+        Some(errno) => std::io::Error::from_raw_os_error(errno),
+        None => std::io::Error::new(io.kind(), io.to_string()),
+    };
+    Error::io(file, owned)
+}
+
 /// A store key from a path we build ourselves (always valid).
 pub(crate) fn key(path: &str) -> Result<StoreKey> {
     StoreKey::new(path).map_err(|e| Error::Invalid(format!("zarr key {path:?}: {e}")))
@@ -100,7 +198,7 @@ pub(crate) fn put_zarr2_json<S: ?Sized + WritableStorageTraits>(
 ) -> Result<()> {
     store
         .set(&key(k)?, zarr2_json(v).into())
-        .map_err(|e| Error::format(root.join(k), format!("cannot write: {e}")))
+        .map_err(|e| zarrs_error(&e, &root.join(k), &[], || "cannot write".into()))
 }
 
 /// Reads the JSON document at `key` (None when absent).
@@ -118,7 +216,7 @@ pub(crate) fn get_json(store: &FilesystemStore, root: &Path, k: &str) -> Result<
     }
     let bytes = store
         .get(&key(k)?)
-        .map_err(|e| Error::format(root.join(k), format!("cannot read: {e}")))?;
+        .map_err(|e| zarrs_error(&e, &root.join(k), &[], || "cannot read".into()))?;
     match bytes {
         None => Ok(None),
         Some(b) => json::parse(&b)

@@ -25,7 +25,7 @@ use zarrs::storage::storage_adapter::atomic_write::AtomicWriteStorageAdapter;
 use zarrs::storage::{ListableStorageTraits, StorePrefix, WritableStorageTraits};
 
 use super::layout::{self, Layout};
-use super::store::{self, get_json, put_zarr2_json, Completion, ZarrFormat, MARKER};
+use super::store::{self, get_json, put_zarr2_json, zarrs_error, Completion, ZarrFormat, MARKER};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::{self, Value};
@@ -114,7 +114,7 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
             ShardingCodecOptions::default().with_subchunk_write_order(SubchunkWriteOrder::C),
         );
         let array = Array::open(store.clone(), &format!("/{key}"))
-            .map_err(|e| Error::format(&path, format!("cannot open the array: {e}")))?;
+            .map_err(|e| zarrs_error(&e, &path, &[], || "cannot open the array".into()))?;
         let mut array = array.with_codec_specific_options(&order);
         let unit = array
             .chunk_shape(&[0])
@@ -141,7 +141,10 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
         let buf = if len > start {
             array
                 .retrieve_array_subset::<Vec<T>>(&span(start, len))
-                .map_err(|e| Error::format(&path, format!("cannot read the last chunk: {e}")))?
+                .map_err(|e| {
+                    let chunk = root.join(array.chunk_key(&[start / unit]).as_str());
+                    zarrs_error(&e, &path, &[chunk], || "cannot read the last chunk".into())
+                })?
         } else {
             Vec::new()
         };
@@ -196,7 +199,12 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
             padded.resize(self.unit as usize, T::default());
             self.array.store_chunk_opt(&[index], padded, opts)
         };
-        res.map_err(|e| Error::format(root.join(&self.key), format!("chunk {index}: {e}")))?;
+        res.map_err(|e| {
+            let chunk = root.join(self.array.chunk_key(&[index]).as_str());
+            zarrs_error(&e, &root.join(&self.key), &[chunk], || {
+                format!("chunk {index}")
+            })
+        })?;
         self.dirty = false;
         Ok(())
     }
@@ -222,7 +230,10 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
             None => self
                 .array
                 .store_metadata_opt(&layout::metadata_options())
-                .map_err(|e| Error::format(&path, format!("cannot write zarr.json: {e}"))),
+                .map_err(|e| {
+                    let meta = path.join("zarr.json");
+                    zarrs_error(&e, &path, &[meta], || "cannot write zarr.json".into())
+                }),
         }
     }
 
@@ -233,7 +244,7 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
             .map_err(|e| Error::Invalid(e.to_string()))?;
         let keys = store
             .list_prefix(&prefix)
-            .map_err(|e| Error::format(root.join(&self.key), format!("cannot list: {e}")))?;
+            .map_err(|e| zarrs_error(&e, &root.join(&self.key), &[], || "cannot list".into()))?;
         let first_chunk_key = self.array.chunk_key(&[0]);
         let chunk_prefix = first_chunk_key
             .as_str()
@@ -246,9 +257,9 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
             };
             match idx.parse::<u64>() {
                 Ok(i) if i >= used && self.array.chunk_key(&[i]) == k => {
-                    store
-                        .erase(&k)
-                        .map_err(|e| Error::format(root.join(k.as_str()), e.to_string()))?;
+                    store.erase(&k).map_err(|e| {
+                        zarrs_error(&e, &root.join(k.as_str()), &[], || "cannot erase".into())
+                    })?;
                 }
                 _ => {}
             }
@@ -275,8 +286,7 @@ struct Dataset {
 impl Dataset {
     fn new(root: &Path, format: ZarrFormat) -> Result<Dataset> {
         let fs = Arc::new(
-            FilesystemStore::new(root)
-                .map_err(|e| Error::Invalid(format!("{}: {e}", root.display())))?,
+            FilesystemStore::new(root).map_err(|e| zarrs_error(&e, root, &[], String::new))?,
         );
         let store = Arc::new(AtomicWriteStorageAdapter::new(fs.clone()));
         Ok(Dataset {
@@ -310,7 +320,7 @@ impl Dataset {
             ZarrFormat::V3 => {
                 let path = format!("/{group}");
                 let mut meta = Group::open(self.fs.clone(), &path)
-                    .map_err(|e| Error::format(&dir, e.to_string()))?
+                    .map_err(|e| zarrs_error(&e, &dir, &[], || "cannot open the group".into()))?
                     .metadata()
                     .clone();
                 if let GroupMetadata::V3(m) = &mut meta {
@@ -324,9 +334,9 @@ impl Dataset {
     fn store_v3_group(&self, group: &str, meta: GroupMetadata) -> Result<()> {
         let dir = self.root.join(group);
         Group::new_with_metadata(self.store.clone(), &format!("/{group}"), meta)
-            .map_err(|e| Error::format(&dir, e.to_string()))?
+            .map_err(|e| zarrs_error(&e, &dir, &[], || "cannot make the group".into()))?
             .store_metadata()
-            .map_err(|e| Error::format(dir.join("zarr.json"), e.to_string()))
+            .map_err(|e| zarrs_error(&e, &dir.join("zarr.json"), &[], || "cannot write".into()))
     }
 
     /// A new group with `attrs` (v2: `.zattrs` and `.zgroup` in zarr-python 2's text). For v2
@@ -385,7 +395,7 @@ impl Dataset {
                     put_zarr2_json(&*self.store, &self.root, &k, &layout::zarray_v2(tokens))?;
                 }
             }
-            Layout::V3(sharded) => layout::create_v3(&self.store, split, sharded)?,
+            Layout::V3(sharded) => layout::create_v3(&self.store, &self.root, split, sharded)?,
         }
         for dir in ["encoded_tokens", "seq_starts"] {
             fsutil::fsync_dir(&self.root.join(split).join(dir))?;
@@ -399,8 +409,11 @@ impl Dataset {
     }
 
     fn max_token_id(&self, split: &str) -> Result<u64> {
-        let g = Group::open(self.fs.clone(), &format!("/{split}"))
-            .map_err(|e| Error::format(self.root.join(split), e.to_string()))?;
+        let g = Group::open(self.fs.clone(), &format!("/{split}")).map_err(|e| {
+            zarrs_error(&e, &self.root.join(split), &[], || {
+                "cannot open the group".into()
+            })
+        })?;
         super::split::max_token_id_attr(&g, &self.root.join(split))
     }
 
@@ -519,8 +532,8 @@ impl Writer {
         let existing = existing_format(root)?;
         let split_exists = ZarrFormat::of_group(&root.join(split)).is_some();
         if split_exists && !options.resume {
-            let fs = FilesystemStore::new(root)
-                .map_err(|e| Error::Invalid(format!("{}: {e}", root.display())))?;
+            let fs =
+                FilesystemStore::new(root).map_err(|e| zarrs_error(&e, root, &[], String::new))?;
             let fs = Arc::new(fs);
             let n = Array::open(fs.clone(), &format!("/{split}/seq_starts"))
                 .map(|a| a.shape()[0].saturating_sub(1))
@@ -600,7 +613,7 @@ impl Writer {
         let open = |name: &str, tokens: bool| -> Result<Array<FilesystemStore>> {
             let p = split_path.join(name);
             let a = Array::open(ds.fs.clone(), &format!("/{split}/{name}"))
-                .map_err(|e| Error::format(&p, e.to_string()))?;
+                .map_err(|e| zarrs_error(&e, &p, &[], || "cannot open the array".into()))?;
             super::split::check_dtype(&a, &p, tokens)?;
             Ok(a)
         };
@@ -615,7 +628,10 @@ impl Writer {
         }
         let last: Vec<u64> = starts_arr
             .retrieve_array_subset(&span(n_starts - 1, n_starts))
-            .map_err(|e| Error::format(split_path.join("seq_starts"), e.to_string()))?;
+            .map_err(|e| {
+                let p = split_path.join("seq_starts");
+                zarrs_error(&e, &p, &[], || "cannot read the last sequence start".into())
+            })?;
         let token_count = last[0];
         let token_shape = tokens_arr.shape()[0];
         if token_count > token_shape {

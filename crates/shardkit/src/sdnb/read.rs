@@ -696,8 +696,87 @@ pub fn base_name(name: &str) -> &str {
     }
 }
 
-/// (index, count, path) of every `<base>.shard<i>-of-<N>.sdnb` in `dir`, sorted.
+/// (index, count, path) of the shard set `<base>.shard<i>-of-<N>.sdnb` in `dir`, sorted.
+///
+/// While an overwrite of the set is being published (its journal, [`pending_name`], exists),
+/// this is the new set: shard i is the new temporary where it is not renamed yet, and files of
+/// the old set that the new one does not replace are left out. Without a journal it is every
+/// file that matches the pattern.
 pub fn shard_files(dir: &Path, base: &str) -> Result<Vec<(u32, u32, PathBuf)>> {
+    match pending_set(dir, base)? {
+        None => listed_shard_files(dir, base),
+        Some(set) => Ok(set),
+    }
+}
+
+/// The set a pending overwrite's journal names, shard i being its temporary until renamed.
+pub(crate) fn pending_set(dir: &Path, base: &str) -> Result<Option<Vec<(u32, u32, PathBuf)>>> {
+    let Some(n) = pending_count(dir, base)? else {
+        return Ok(None);
+    };
+    let mut set = Vec::with_capacity(n.min(1 << 16) as usize);
+    for i in 0..n {
+        let last = in_dir(dir, &shard_name(base, i, n));
+        let tmp = crate::fsutil::temp_sibling(&last);
+        let path = if tmp.is_file() {
+            tmp
+        } else if last.is_file() {
+            last
+        } else {
+            return Err(Error::format(
+                in_dir(dir, &pending_name(base)),
+                format!(
+                    "journal of an interrupted shard-set overwrite names {n} shards, but {} is \
+                     missing and so is its temporary",
+                    last.display()
+                ),
+            ));
+        };
+        set.push((i, n, path));
+    }
+    Ok(Some(set))
+}
+
+/// `<base>.shard<i>-of-<n>.sdnb`.
+pub(crate) fn shard_name(base: &str, i: u32, n: u32) -> String {
+    format!("{base}.shard{i}-of-{n}.sdnb")
+}
+
+/// The journal of a shard-set overwrite in progress, `.<base>.shard-set.pending` (hidden from
+/// DL4J, which matches only the shard pattern): `{"shard_count": N}`. It is written once every
+/// new shard is complete and durable under its temporary name, before the first rename, and
+/// removed once the old set is gone; while it exists, the new set is the set.
+pub(crate) fn pending_name(base: &str) -> String {
+    format!(".{base}.shard-set.pending")
+}
+
+/// The shard count a pending overwrite's journal names, if there is one.
+pub(crate) fn pending_count(dir: &Path, base: &str) -> Result<Option<u32>> {
+    let path = in_dir(dir, &pending_name(base));
+    let bytes = match crate::fsutil::read_json_file(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(&path, e)),
+    };
+    let bad = |why: &str| {
+        Error::format(
+            &path,
+            format!("journal of an interrupted shard-set overwrite: {why}"),
+        )
+    };
+    let value = crate::json::parse(&bytes).map_err(|e| bad(&e.to_string()))?;
+    let n = value
+        .get("shard_count")
+        .and_then(crate::json::Value::as_u64)
+        .ok_or_else(|| bad("expected {\"shard_count\": N}"))?;
+    match u32::try_from(n) {
+        Ok(n) if n >= 1 => Ok(Some(n)),
+        _ => Err(bad(&format!("shard_count {n} is not in 1..2^32"))),
+    }
+}
+
+/// Every file in `dir` named `<base>.shard<i>-of-<N>.sdnb`, whatever set it belongs to, sorted.
+pub(crate) fn listed_shard_files(dir: &Path, base: &str) -> Result<Vec<(u32, u32, PathBuf)>> {
     let mut out = Vec::new();
     let rd = match fs::read_dir(dir) {
         Ok(rd) => rd,

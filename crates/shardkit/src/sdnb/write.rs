@@ -16,7 +16,7 @@ use std::sync::Arc;
 use super::graph::{build, byte_len, ArrayOut, Carried, GraphOut, VarDesc, VarOut};
 use super::header::{Header, HEADER_LEN};
 use super::manifest::{self, Entry};
-use super::read::{base_name, in_dir, shard_files, Container, Kind, Storage};
+use super::read::{self, base_name, in_dir, shard_files, Container, Kind, Storage};
 use super::sdz::ZipWriter;
 use super::types::{DType, Order, VarType};
 use crate::error::{Error, IoContext, Result};
@@ -411,6 +411,9 @@ fn write_model_files(
     dir: &Path,
     base: &str,
 ) -> Result<Vec<PathBuf>> {
+    // An overwrite of this base's shard set that a kill interrupted is finished first, so that
+    // what follows sees one set (this process holds the lock the killed one had).
+    finish_pending(dir, base)?;
     let sharded_parts = match (opts.format, opts.shard_size) {
         (Format::Sharded, cap) => Some(cap.unwrap_or(DEFAULT_SHARD_SIZE)),
         (Format::Sdz, Some(cap)) => Some(cap),
@@ -814,11 +817,12 @@ fn write_shard_set(
     plans: &[PartPlan],
     tracker: &mut Tracker,
 ) -> Result<Vec<PathBuf>> {
-    let n = plans.len();
+    let n = u32::try_from(plans.len())
+        .map_err(|_| Error::Invalid(format!("{} shards is too many", plans.len())))?;
     let names: Vec<PathBuf> = (0..n)
-        .map(|i| in_dir(dir, &format!("{base}.shard{i}-of-{n}.sdnb")))
+        .map(|i| in_dir(dir, &read::shard_name(base, i, n)))
         .collect();
-    let mut temps = Vec::with_capacity(n);
+    let mut temps = Vec::with_capacity(names.len());
     for (p, plan) in names.iter().zip(plans) {
         match write_temp(p, plan, tracker) {
             Ok(t) => temps.push(t),
@@ -830,20 +834,49 @@ fn write_shard_set(
             }
         }
     }
-    let stale: Vec<PathBuf> = shard_files(dir, base)?
-        .into_iter()
-        .map(|(_, _, p)| p)
-        .filter(|p| !names.contains(p))
-        .collect();
-    for (t, p) in temps.iter().zip(&names) {
-        fsutil::rename(t, p)?;
+    // Renaming N files is not atomic, and the old set may have the same names: a kill between
+    // two renames would leave shards of two saves. The journal is the commit point instead:
+    // once it is durable (after every temporary and its directory entry), readers see the new
+    // set and the next writer finishes the renames; before, the old set is untouched.
+    let committed = fsutil::fsync_dir(dir).and_then(|()| {
+        let journal = format!("{{\"shard_count\": {n}}}\n");
+        fsutil::atomic_write(&in_dir(dir, &read::pending_name(base)), journal.as_bytes())
+    });
+    if let Err(e) = committed {
+        for t in &temps {
+            let _ = fs::remove_file(t);
+        }
+        return Err(e);
     }
-    // Shards of an earlier set with another count would make the set unreadable.
-    for p in &stale {
-        fs::remove_file(p).at(p)?;
+    finish_pending(dir, base)?;
+    Ok(names)
+}
+
+/// Completes a shard-set overwrite whose journal exists (see [`read::pending_name`]): renames
+/// the new temporaries to their names, removes the old set's other files, then the journal.
+/// Idempotent, so a kill anywhere in it is finished by the next call.
+pub(crate) fn finish_pending(dir: &Path, base: &str) -> Result<()> {
+    let Some(set) = read::pending_set(dir, base)? else {
+        return Ok(());
+    };
+    let mut names = Vec::with_capacity(set.len());
+    for (i, n, path) in set {
+        let last = in_dir(dir, &read::shard_name(base, i, n));
+        if path != last {
+            fsutil::rename(&path, &last)?;
+        }
+        names.push(last);
+    }
+    // Shards of the old set with another count would make the set unreadable.
+    for (_, _, p) in read::listed_shard_files(dir, base)? {
+        if !names.contains(&p) {
+            fs::remove_file(&p).at(&p)?;
+        }
     }
     fsutil::fsync_dir(dir)?;
-    Ok(names)
+    let journal = in_dir(dir, &read::pending_name(base));
+    fs::remove_file(&journal).at(&journal)?;
+    fsutil::fsync_dir(dir)
 }
 
 fn write_sdz(
