@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does the GPU wait for shardkit? Times one training step with its batches already on the
 device, then the same step fed by each shardkit.torch device loader (and, for saev, by
-``torch.utils.data.DataLoader(num_workers=N)`` over ``SaevIterableDataset`` with pinned memory),
+``torch.utils.data.DataLoader(num_workers=N)`` over ``SaevDataset`` with pinned memory),
 and prints JSON with each fed/resident ratio (target: >= 0.97).
 
 The step is a sparse autoencoder's (d_model -> width -> d_model, ReLU, bf16 autocast, MSE + L1,
@@ -180,7 +180,7 @@ def main() -> None:
             return sktorch.TokensLoader(path, seq_len=seq, batch_size=per_batch, packed=True, epochs=True,
                                         sequences_per_read_block=max(1, min(1024, rows_total // seq // 16)),
                                         read_blocks_per_shuffle_buffer=8, device=device)
-        return sktorch.Eagle3Loader(path, per_batch, shuffle=True, rank=0, world_size=1, device=device)
+        return sktorch.Eagle3Loader(path, batch_size=per_batch, shuffle=True, rank=0, world_size=1, device=device)
 
     paths = {
         "saev": lambda: write_saev(root, rows_total, a.d_model),
@@ -206,7 +206,7 @@ def main() -> None:
         entry = {"path": path, "resident": on_device, "shardkit": fed,
                  "ratio": fed["steps_per_s"] / on_device["steps_per_s"]}
         if which == "saev" and a.workers > 0:
-            ds = sktorch.SaevIterableDataset(path, layer=0, batch_size=a.rows, seed=0, rank=0, world_size=1)
+            ds = sktorch.SaevDataset(path, layer=0, batch_size=a.rows, seed=0, rank=0, world_size=1)
             dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers,
                                              pin_memory=device.type == "cuda", persistent_workers=True)
             moved = ({k: v.to(device, non_blocking=True) for k, v in b.items()} for b in endless(dl))

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Subcommand;
+use shardkit::fsutil::open_direct;
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{Writer, WriterOptions};
 use shardkit::{Error, Result};
@@ -198,7 +199,7 @@ fn saev_write(dir: &Path, size_mib: u64, rounds: u32, as_json: bool) -> Result<(
     }
     let best = |v: &[f64]| v.iter().cloned().fold(0f64, f64::max);
     let (c, w) = (best(&ceil), best(&wr));
-    let num = |x: f64| Value::Number(format!("{:.0}", x));
+    let num = |x: f64| Value::float(x, 0);
     let list = |v: &[f64]| Value::Array(v.iter().map(|&x| num(x)).collect());
     let report = Value::Object(vec![
         ("bench".into(), Value::String("saev-write".into())),
@@ -215,7 +216,7 @@ fn saev_write(dir: &Path, size_mib: u64, rounds: u32, as_json: bool) -> Result<(
         ),
         ("ceiling_bytes_per_s".into(), num(c)),
         ("writer_bytes_per_s".into(), num(w)),
-        ("ratio".into(), Value::Number(format!("{:.3}", w / c))),
+        ("ratio".into(), Value::float(w / c, 3)),
         ("ceiling_runs_bytes_per_s".into(), list(&ceil)),
         ("writer_runs_bytes_per_s".into(), list(&wr)),
     ]);
@@ -242,16 +243,6 @@ pub(crate) fn evict(path: &Path) -> Result<()> {
         unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
     }
     Ok(())
-}
-
-/// Opens `path` for O_DIRECT reads, if the file system allows it.
-fn open_direct(path: &Path) -> Option<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .ok()
 }
 
 /// Reads every file sequentially in `chunk`-byte reads with `inflight` threads; bytes/s.
@@ -612,33 +603,24 @@ pub fn saev_read(
             best(&mut warm, w);
             scaling.push(Value::Object(vec![
                 ("threads".into(), Value::int(t as u64)),
-                (
-                    "memcpy_bytes_per_s".into(),
-                    Value::Number(format!("{ceiling:.0}")),
-                ),
-                (
-                    "block_warm_bytes_per_s".into(),
-                    Value::Number(format!("{w:.0}")),
-                ),
-                (
-                    "block_warm_vs_memcpy".into(),
-                    Value::Number(format!("{:.3}", w / ceiling)),
-                ),
+                ("memcpy_bytes_per_s".into(), Value::float(ceiling, 0)),
+                ("block_warm_bytes_per_s".into(), Value::float(w, 0)),
+                ("block_warm_vs_memcpy".into(), Value::float(w / ceiling, 3)),
                 (
                     "row_gather_bytes_per_s".into(),
-                    Value::Number(format!("{row_ceiling:.0}")),
+                    Value::float(row_ceiling, 0),
                 ),
                 (
                     "block_warm_vs_row_gather".into(),
-                    Value::Number(format!("{:.3}", w / row_ceiling)),
+                    Value::float(w / row_ceiling, 3),
                 ),
                 (
                     "block_warm_verified_bytes_per_s".into(),
-                    Value::Number(format!("{verified:.0}")),
+                    Value::float(verified, 0),
                 ),
                 (
                     "verified_vs_unverified".into(),
-                    Value::Number(format!("{:.3}", verified / w)),
+                    Value::float(verified / w, 3),
                 ),
             ]));
         }
@@ -657,8 +639,8 @@ pub fn saev_read(
         )?;
         eprintln!("plot written to {}", p.display());
     }
-    let num = |x: f64| Value::Number(format!("{x:.0}"));
-    let ratio = |x: f64, c: f64| Value::Number(format!("{:.3}", x / c));
+    let num = |x: f64| Value::float(x, 0);
+    let ratio = |x: f64, c: f64| Value::float(x / c, 3);
     Ok(Value::Object(vec![
         ("bench".into(), Value::String("saev-read".into())),
         ("dir".into(), Value::String(ds_dir.display().to_string())),

@@ -267,7 +267,7 @@ fn build_rate(
 pub fn run(dir: &Path, mtokens: u64, threads: &[usize]) -> Result<Value> {
     eprintln!("corpus: writing about {mtokens} M tokens as JSONL, zstd JSONL and Parquet");
     let c = write_corpus(dir, mtokens * 1_000_000)?;
-    let num = |x: f64| Value::Number(format!("{x:.3}"));
+    let num = |x: f64| Value::float(x, 3);
     let size = |p: &Path| Value::int(std::fs::metadata(p).map_or(0, |m| m.len()));
     let mut modes = Vec::new();
     for (mode, files, tokenizer) in [

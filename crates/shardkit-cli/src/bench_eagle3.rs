@@ -46,11 +46,7 @@ pub struct Eagle3BenchArgs {
 }
 
 fn num(x: f64) -> Value {
-    Value::Number(if x.is_finite() {
-        format!("{x:.3}")
-    } else {
-        "0".into()
-    })
+    Value::float(x, 3)
 }
 
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {

@@ -41,14 +41,6 @@ pub struct SdnbBenchArgs {
 const SIDE: usize = 4096;
 const WEIGHT_BYTES: usize = SIDE * SIDE * 4;
 
-fn num(x: f64, digits: usize) -> Value {
-    Value::Number(if x.is_finite() {
-        format!("{x:.digits$}")
-    } else {
-        "0".into()
-    })
-}
-
 /// Bytes this process has read from storage so far (Linux; 0 elsewhere).
 fn storage_read_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/io")
@@ -165,7 +157,7 @@ pub fn run(a: SdnbBenchArgs) -> Result<()> {
 
     let (sb, sm, sread, listed) = cold_opens(&sdnb_path, a.opens.max(1))?;
     let (zb, zm, zread, _) = cold_opens(&sdz_path, a.opens.max(1))?;
-    let mib = |x: f64| num(x / 1048576.0, 1);
+    let mib = |x: f64| Value::float(x / 1048576.0, 1);
     let list = |v: &[f64]| Value::Array(v.iter().map(|&x| mib(x)).collect());
     let report = Value::Object(vec![
         ("bench".into(), Value::String("sdnb".into())),
@@ -181,29 +173,35 @@ pub fn run(a: SdnbBenchArgs) -> Result<()> {
         ("rounds".into(), Value::int(a.rounds.max(1))),
         ("ceiling_write_mib_per_s".into(), mib(c)),
         ("sdnb_write_mib_per_s".into(), mib(best(&single))),
-        ("sdnb_write_ratio".into(), num(best(&single) / c, 3)),
+        (
+            "sdnb_write_ratio".into(),
+            Value::float(best(&single) / c, 3),
+        ),
         ("ceiling_write_mib_per_s_median".into(), mib(cm)),
         ("sdnb_write_mib_per_s_median".into(), mib(median(&single))),
         (
             "sdnb_write_ratio_median".into(),
-            num(median(&single) / cm, 3),
+            Value::float(median(&single) / cm, 3),
         ),
         ("sdz_write_mib_per_s".into(), mib(best(&sdz))),
-        ("sdz_write_ratio".into(), num(best(&sdz) / c, 3)),
+        ("sdz_write_ratio".into(), Value::float(best(&sdz) / c, 3)),
         ("sdz_write_mib_per_s_median".into(), mib(median(&sdz))),
-        ("sdz_write_ratio_median".into(), num(median(&sdz) / cm, 3)),
+        (
+            "sdz_write_ratio_median".into(),
+            Value::float(median(&sdz) / cm, 3),
+        ),
         ("ceiling_runs_mib_per_s".into(), list(&ceil)),
         ("sdnb_runs_mib_per_s".into(), list(&single)),
         ("sdz_runs_mib_per_s".into(), list(&sdz)),
         ("variables_listed".into(), Value::int(listed as u64)),
-        ("sdnb_cold_open_list_ms_best".into(), num(sb, 2)),
-        ("sdnb_cold_open_list_ms_median".into(), num(sm, 2)),
+        ("sdnb_cold_open_list_ms_best".into(), Value::float(sb, 2)),
+        ("sdnb_cold_open_list_ms_median".into(), Value::float(sm, 2)),
         (
             "sdnb_cold_open_storage_bytes_read".into(),
             Value::int(sread),
         ),
-        ("sdz_cold_open_list_ms_best".into(), num(zb, 2)),
-        ("sdz_cold_open_list_ms_median".into(), num(zm, 2)),
+        ("sdz_cold_open_list_ms_best".into(), Value::float(zb, 2)),
+        ("sdz_cold_open_list_ms_median".into(), Value::float(zm, 2)),
         ("sdz_cold_open_storage_bytes_read".into(), Value::int(zread)),
     ]);
     println!("{}", json::to_pretty(&report, 2, Escape::Utf8));

@@ -472,11 +472,7 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
 }
 
 fn num(x: f64) -> Value {
-    Value::Number(if x.is_finite() {
-        format!("{x:.3}")
-    } else {
-        "0".into()
-    })
+    Value::float(x, 3)
 }
 
 fn num_cpus() -> usize {

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use shardkit::checksum;
 use shardkit::error::Result;
+use shardkit::report::{Severity, Validation};
 
 /// Writes the sidecar of the dataset at `path` (every file hashed).
 pub fn checksum(path: &Path) -> Result<bool> {
@@ -19,14 +20,34 @@ pub fn checksum(path: &Path) -> Result<bool> {
     Ok(true)
 }
 
-/// Prints the checksum verdict as `validate --deep` lines; true when nothing is damaged.
-pub fn print_deep(path: &Path) -> bool {
-    let (errors, notes) = checksum::verify_messages(path);
-    for e in &errors {
-        println!("error: {e}");
+/// Prints what every `validate` command prints: with `json`, the report as one object;
+/// otherwise an `error: FILE: MESSAGE` or `note: ...` line per finding and a verdict line.
+/// True when the report has no error.
+pub fn print_report(report: &Validation, json: bool, deep: bool) -> bool {
+    if json {
+        println!(
+            "{}",
+            shardkit::json::to_pretty(&report.to_json(), 2, shardkit::json::Escape::Utf8)
+        );
+    } else {
+        for f in &report.findings {
+            let what = match f.severity {
+                Severity::Error => "error",
+                Severity::Note => "note",
+            };
+            println!("{what}: {f}");
+        }
+        let n = report.errors().count();
+        println!(
+            "{}: {}{}",
+            report.path.display(),
+            if n == 0 {
+                "valid".to_string()
+            } else {
+                format!("INVALID ({n} error(s))")
+            },
+            if deep { " (deep)" } else { "" }
+        );
     }
-    for n in &notes {
-        println!("note: {n}");
-    }
-    errors.is_empty()
+    report.is_valid()
 }

@@ -1,10 +1,9 @@
 //! `shardkit eagle3 ...`: EAGLE-3 offline caches (NeMo Automodel).
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
+use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
 use memmap2::Mmap;
 use shardkit::eagle3::{self, read_header, synth, Rows, Writer, WriterOptions};
 use shardkit::json::{self, Escape, Value};
@@ -111,26 +110,11 @@ pub struct SynthArgs {
 pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
     match cmd {
         Eagle3Cmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
-        Eagle3Cmd::Validate { dir, deep, json } => {
-            let v = eagle3::validate(&dir, deep);
-            if json {
-                println!("{}", json::to_pretty(&v.to_json(), 2, Escape::Utf8));
-            } else {
-                for e in &v.errors {
-                    println!("error: {e}");
-                }
-                for n in &v.notes {
-                    println!("note: {n}");
-                }
-                let what = if v.is_valid() { "valid" } else { "INVALID" };
-                println!(
-                    "{}: {what}{}",
-                    dir.display(),
-                    if deep { " (deep)" } else { "" }
-                );
-            }
-            Ok(v.is_valid())
-        }
+        Eagle3Cmd::Validate { dir, deep, json } => Ok(crate::checksum_cmd::print_report(
+            &eagle3::validate(&dir, deep),
+            json,
+            deep,
+        )),
         Eagle3Cmd::Inspect { dir } => {
             println!(
                 "{}",
@@ -158,20 +142,6 @@ pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
             true
         }),
     }
-}
-
-fn progress(total: u64, done: u64) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(total);
-    pb.set_style(
-        ProgressStyle::with_template("writing [{bar:30}] {pos}/{len} samples {per_sec} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    pb.set_position(done);
-    pb
 }
 
 /// The run configuration of a synthetic cache.
@@ -218,7 +188,8 @@ pub fn synth_cache(a: &SynthArgs) -> Result<PathBuf> {
         .flat_map(|x| ((x % 17) as f32 / 16.0).to_le_bytes())
         .collect();
     w.write_target_embeddings(&emb, rows as u64, a.hidden)?;
-    let pb = progress(m.num_samples, w.next_sample());
+    let pb = progress::bar(Some(m.num_samples), "writing", Unit::Items("samples"));
+    pb.set_position(w.next_sample());
     for i in w.next_sample()..m.num_samples {
         let fields = synth::sample(&m, i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
@@ -270,7 +241,8 @@ fn write(a: WriteArgs) -> Result<bool> {
             a.out.display()
         );
     }
-    let pb = progress(total, skip);
+    let pb = progress::bar(Some(total), "writing", Unit::Items("samples"));
+    pb.set_position(skip);
     let names: Vec<&'static str> = w.fields().iter().map(|s| s.name).collect();
     for path in &a.from {
         let input = open_input(path)?;

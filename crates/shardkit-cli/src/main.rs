@@ -13,6 +13,7 @@ mod checksum_cmd;
 mod eagle3_cmd;
 mod npy;
 mod plot;
+mod progress;
 mod saev_cmd;
 mod sdnb_cmd;
 mod tokens_cmd;

@@ -1,15 +1,15 @@
 //! `shardkit saev ...`: validate, inspect, write, export, get, synth.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
 use shardkit::engine::quality::shuffle_quality;
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{
-    inspect, validate, Dataset, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, Severity,
-    TokenMode, WriteStart, Writer, WriterOptions,
+    inspect, validate, Dataset, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, TokenMode,
+    WriteStart, Writer, WriterOptions,
 };
 use shardkit::{Error, Result};
 
@@ -252,37 +252,9 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
         SaevCmd::Validate { dir, deep, json } => {
             let mut report = validate(&dir);
             if deep {
-                let (errors, _) = shardkit::checksum::verify_messages(&dir);
-                for e in errors {
-                    report.problems.push(shardkit::saev::Problem {
-                        severity: Severity::Error,
-                        file: dir.clone(),
-                        message: e,
-                    });
-                }
+                shardkit::checksum::verify_into(&dir, &mut report);
             }
-            if json {
-                println!("{}", json::to_pretty(&report.to_json(), 2, Escape::Utf8));
-            } else {
-                for p in &report.problems {
-                    let sev = match p.severity {
-                        Severity::Error => "error",
-                        Severity::Warning => "warning",
-                    };
-                    println!("{sev}: {}: {}", p.file.display(), p.message);
-                }
-                let errors = report
-                    .problems
-                    .iter()
-                    .filter(|p| p.severity == Severity::Error)
-                    .count();
-                if report.is_valid() {
-                    println!("{}: valid", dir.display());
-                } else {
-                    println!("{}: INVALID ({errors} error(s))", dir.display());
-                }
-            }
-            Ok(report.is_valid())
+            Ok(crate::checksum_cmd::print_report(&report, json, deep))
         }
         SaevCmd::Inspect { dir, json } => {
             let v = inspect(&dir)?;
@@ -342,22 +314,6 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
             true
         }),
     }
-}
-
-pub(crate) fn progress(total: u64, what: &str) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(total);
-    pb.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
-    );
-    pb.set_message(what.to_string());
-    pb
 }
 
 /// Reads `bytes` (little-endian float32) as f32s, borrowing when aligned.
@@ -450,7 +406,7 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
     }
     let eb = (l * t * d * 4) as usize;
     let batch = ((64usize << 20) / eb).max(1) as u64;
-    let pb = progress(n * eb as u64, "writing");
+    let pb = progress::bar(Some(n * eb as u64), "writing", Unit::Bytes);
     pb.set_position(w.next_example() * eb as u64);
     let mut e = w.next_example();
     while e < n {
@@ -480,7 +436,7 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
     let mut npz = NpzWriter::create(out)?;
     let tmp = npz.tmp().to_path_buf();
     let io = |e| Error::io(&tmp, e);
-    let pb = progress(n * layout.vector_bytes(), "exporting");
+    let pb = progress::bar(Some(n * layout.vector_bytes()), "exporting", Unit::Bytes);
     {
         let w = npz.start("act", Dtype::F32, &[n, d as u64])?;
         let mut slab = vec![0f32; (layout.tokens * layout.d_model) as usize];
@@ -670,7 +626,7 @@ pub fn synth(args: &SynthArgs) -> Result<PathBuf> {
             resume: args.resume,
         },
     )?;
-    let pb = progress(n * eb, "writing");
+    let pb = progress::bar(Some(n * eb), "writing", Unit::Bytes);
     let mut e = w.next_example();
     while e < n {
         let b = batch.min(n - e);
@@ -792,7 +748,7 @@ fn quality_cmd(dir: &Path, args: &LoaderArgs) -> Result<()> {
         }
     }
     let q = shuffle_quality(&rows, &examples, args.batch_size);
-    let f = |x: f64| Value::Number(format!("{x:.3}"));
+    let f = |x: f64| Value::float(x, 3);
     let v = Value::Object(vec![
         ("order".into(), Value::String(args.order.clone())),
         ("rows".into(), Value::int(q.rows)),

@@ -29,6 +29,9 @@ pub enum SdnbCmd {
         /// Check every byte against the checksums sidecar.
         #[arg(long)]
         deep: bool,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Hash the container's files into BASE.checksums.json beside it.
     Checksum {
@@ -122,7 +125,7 @@ pub struct LayoutArgs {
     #[arg(long, value_parser = parse_bytes)]
     shard_size: Option<u64>,
     /// Blob alignment in bytes (power of two, 8 to 32768).
-    #[arg(long, default_value_t = sdnb::write::DEFAULT_ALIGN)]
+    #[arg(long, default_value_t = sdnb::DEFAULT_ALIGN)]
     align: u64,
     /// Zero slack after the graph for in-place metadata edits, in bytes.
     #[arg(long, value_parser = parse_bytes, default_value = "65536")]
@@ -155,16 +158,11 @@ pub struct PackArgs {
 pub fn run(cmd: SdnbCmd) -> Result<bool> {
     match cmd {
         SdnbCmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
-        SdnbCmd::Validate { file, deep } => {
-            let c = shardkit::sdnb::open(&file)?;
-            println!(
-                "{}: opens ({} variable(s), {} file(s))",
-                file.display(),
-                c.variables().len(),
-                c.files().len()
-            );
-            Ok(!deep || crate::checksum_cmd::print_deep(&file))
-        }
+        SdnbCmd::Validate { file, deep, json } => Ok(crate::checksum_cmd::print_report(
+            &shardkit::sdnb::validate(&file, deep),
+            json,
+            deep,
+        )),
         SdnbCmd::Inspect { file, json } => inspect(&file, json),
         SdnbCmd::Pack(a) => pack(a),
         SdnbCmd::Unpack {
@@ -295,7 +293,7 @@ fn save_options(l: &LayoutArgs, out: &Path) -> Result<SaveOptions> {
 
 /// A byte progress bar on a terminal (hidden otherwise), fed by the writer.
 fn with_bar(opts: &mut SaveOptions) -> indicatif::ProgressBar {
-    let bar = crate::saev_cmd::progress(0, "writing");
+    let bar = crate::progress::bar(Some(0), "writing", crate::progress::Unit::Bytes);
     let feed = bar.clone();
     opts.progress = Some(sdnb::Progress(std::sync::Arc::new(move |done, total| {
         feed.set_length(total);
@@ -314,8 +312,8 @@ fn refuse_existing(out: &Path, force: bool, opts: &SaveOptions) -> Result<()> {
             let name = out.file_name().map(|n| n.to_string_lossy().into_owned());
             let name = name.as_deref().unwrap_or("");
             let base = sdnb::sdz::parse_shard_name(name)
-                .map_or_else(|| sdnb::read::base_name(name), |(b, _, _)| b);
-            sdnb::read::shard_files(fsutil::parent_of(out), base)?
+                .map_or_else(|| sdnb::base_name(name), |(b, _, _)| b);
+            sdnb::shard_files(fsutil::parent_of(out), base)?
                 .into_iter()
                 .next()
                 .map(|(_, _, p)| p)

@@ -1,11 +1,11 @@
 //! `shardkit tokens ...`: flat-tokens datasets (seqax).
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
 use shardkit::flat_tokens::{
     self, mark_complete, BuildOptions, Layout, LoaderOptions, Packing, Split, TokenLoader,
 };
@@ -168,18 +168,11 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
         TokensCmd::Batch(args) => batch(args),
         TokensCmd::Convert { src, dst, layout } => {
             let layout: Layout = layout.parse()?;
-            let pb = progress(None, "converting");
+            let pb = progress::bar(None, "converting", Unit::Items("tokens"));
             let t0 = Instant::now();
             let done = flat_tokens::convert(&src, &dst, layout, |done, total| {
                 if pb.length().is_none() {
-                    pb.set_length(total);
-                    pb.set_style(
-                        ProgressStyle::with_template(
-                            "{msg} [{bar:30}] {pos}/{len} tokens eta {eta}",
-                        )
-                        .expect("valid template")
-                        .progress_chars("=> "),
-                    );
+                    progress::set_total(&pb, total, Unit::Items("tokens"));
                 }
                 pb.set_position(done);
             })?;
@@ -203,31 +196,13 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
 fn validate(dir: &Path, mark: bool, deep: bool, as_json: bool) -> Result<bool> {
     let mut report = flat_tokens::validate(dir);
     if deep {
-        let (errors, notes) = shardkit::checksum::verify_messages(dir);
-        report.errors.extend(errors);
-        report.notes.extend(notes);
+        shardkit::checksum::verify_into(dir, &mut report);
     }
-    let valid = report.is_valid();
-    if valid && mark {
+    if report.is_valid() && mark {
         mark_complete(dir)?;
         eprintln!("{}: marked write_completed: true", dir.display());
     }
-    if as_json {
-        println!("{}", json::to_pretty(&report.to_json(), 2, Escape::Utf8));
-        return Ok(valid);
-    }
-    for e in &report.errors {
-        println!("error: {e}");
-    }
-    for n in &report.notes {
-        println!("note: {n}");
-    }
-    println!(
-        "{}: {}",
-        dir.display(),
-        if valid { "valid" } else { "INVALID" }
-    );
-    Ok(valid)
+    Ok(crate::checksum_cmd::print_report(&report, as_json, deep))
 }
 
 fn batch(a: BatchArgs) -> Result<bool> {
@@ -324,18 +299,11 @@ fn build(args: BuildArgs) -> Result<bool> {
         checkpoint_tokens: args.checkpoint_tokens,
         threads: args.threads,
     };
-    let pb = progress(None, &format!("building {}", args.split));
+    let pb = progress::bar(None, &format!("building {}", args.split), Unit::Bytes);
     let t0 = Instant::now();
     let result = flat_tokens::build(&args.out, &args.split, &args.from, &options, &mut |p| {
         if let (Some(total), None) = (p.bytes_total, pb.length()) {
-            pb.set_length(total);
-            pb.set_style(
-                ProgressStyle::with_template(
-                    "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-                )
-                .expect("valid template")
-                .progress_chars("=> "),
-            );
+            progress::set_total(&pb, total, Unit::Bytes);
         }
         pb.set_position(p.bytes_read);
         pb.set_message(format!(
@@ -408,26 +376,4 @@ fn human(x: f64) -> String {
     } else {
         format!("{x:.0}")
     }
-}
-
-fn progress(total: Option<u64>, what: &str) -> ProgressBar {
-    if !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
-    }
-    let pb = match total {
-        Some(t) => {
-            let pb = ProgressBar::new(t);
-            pb.set_style(
-                ProgressStyle::with_template(
-                    "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-                )
-                .expect("valid template")
-                .progress_chars("=> "),
-            );
-            pb
-        }
-        None => ProgressBar::new_spinner(),
-    };
-    pb.set_message(what.to_string());
-    pb
 }

@@ -47,9 +47,9 @@ fn check_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str
     // The manifest is always whole JSON, and every file named like a shard is valid.
     let v = eagle3::validate(dir, false);
     assert!(
-        v.errors.iter().all(|e| e.contains("the shard set must be")),
-        "{:?}",
-        v.errors
+        v.errors()
+            .all(|e| e.message.contains("the shard set must be")),
+        "{v:?}"
     );
     match Cache::open(dir) {
         Ok(_) => {

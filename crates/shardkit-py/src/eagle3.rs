@@ -12,12 +12,28 @@ use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Wr
 use shardkit::json;
 
 use crate::{
-    batch_views, contiguous, external_pool, format, held, json_of, state_u64, to_py, Pass,
-    RustBuffer, SendSlice, Storage,
+    batch_views, contiguous, external_pool, format, held, json_of, obj, rank_world, record,
+    state_u64, to_py, Pass, RustBuffer, SendSlice, Storage,
 };
 
-/// (name, dtype code, shape, array) for Python.
-type FieldOut = (&'static str, String, Vec<usize>, RustBuffer);
+/// {"name", "dtype" (code), "shape", "array"} of one field, for Python.
+fn field_out<'py>(
+    py: Python<'py>,
+    name: &'static str,
+    dtype: String,
+    shape: Vec<usize>,
+    array: RustBuffer,
+) -> PyResult<Bound<'py, PyDict>> {
+    record(
+        py,
+        [
+            ("name", obj(py, name)?),
+            ("dtype", obj(py, dtype)?),
+            ("shape", obj(py, shape)?),
+            ("array", obj(py, array)?),
+        ],
+    )
+}
 
 fn closed() -> PyErr {
     PyRuntimeError::new_err("the writer is closed")
@@ -67,10 +83,22 @@ impl Eagle3Writer {
     fn manifest_json(&self) -> &str {
         &self.manifest_json
     }
-    /// (name, dtype code, row shape) of every stored tensor.
+    /// {"name", "dtype" (code), "shape" (of a row)} of every stored tensor.
     #[getter]
-    fn fields(&self) -> Vec<(&'static str, String, Vec<usize>)> {
-        self.fields.clone()
+    fn fields<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.fields
+            .iter()
+            .map(|(name, dtype, shape)| {
+                record(
+                    py,
+                    [
+                        ("name", obj(py, *name)?),
+                        ("dtype", obj(py, dtype)?),
+                        ("shape", obj(py, shape)?),
+                    ],
+                )
+            })
+            .collect()
     }
     /// The first sample still to be written.
     #[getter]
@@ -168,7 +196,7 @@ impl Eagle3Cache {
         json_of(&self.inner.manifest().to_value())
     }
     /// The fields of sample `i` (negative counts from the end), viewing the shard's map.
-    fn item(&self, py: Python<'_>, i: i64) -> PyResult<Vec<FieldOut>> {
+    fn item<'py>(&self, py: Python<'py>, i: i64) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let cache = &self.inner;
         let item = py.allow_threads(|| cache.item(i)).map_err(to_py)?;
         let fields = cache.fields(&item).map_err(to_py)?;
@@ -186,7 +214,7 @@ impl Eagle3Cache {
                         RustBuffer::new(Storage::Bytes(v, format, item), &f.shape)
                     }
                 };
-                Ok((f.name, f.dtype.to_string(), f.shape, array))
+                field_out(py, f.name, f.dtype.to_string(), f.shape, array)
             })
             .collect()
     }
@@ -253,10 +281,10 @@ impl Eagle3Loader {
     fn __len__(&self) -> usize {
         self.inner.len() as usize
     }
-    /// (rank, world_size).
+    /// {"rank", "world_size"}.
     #[getter]
-    fn rank_world(&self) -> (u64, u64) {
-        self.inner.rank_and_world()
+    fn rank_world<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        rank_world(py, self.inner.rank_and_world())
     }
     /// The current epoch.
     #[getter]
@@ -327,14 +355,13 @@ pub struct Eagle3BatchIter {
     cursor: u64,
 }
 
-type BatchOut = (u64, Vec<u64>, Vec<FieldOut>);
-
 #[pymethods]
 impl Eagle3BatchIter {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
-    fn __next__(&mut self, py: Python<'_>) -> PyResult<Option<BatchOut>> {
+    /// {"cursor", "indices", "fields": [{"name", "dtype", "shape", "array"}]}.
+    fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(b) = self.pass.next(py)? else {
             return Ok(None);
         };
@@ -344,9 +371,19 @@ impl Eagle3BatchIter {
         let out = batch_views(data, &layout)?
             .into_iter()
             .zip(&layout)
-            .map(|((name, array), f)| (name, f.dtype.to_string(), f.shape.clone(), array))
-            .collect();
-        Ok(Some((self.cursor, indices, out)))
+            .map(|((name, array), f)| {
+                field_out(py, name, f.dtype.to_string(), f.shape.clone(), array)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        record(
+            py,
+            [
+                ("cursor", obj(py, self.cursor)?),
+                ("indices", obj(py, indices)?),
+                ("fields", obj(py, out)?),
+            ],
+        )
+        .map(Some)
     }
     /// Stops the readers now (also done when the iterator is garbage collected).
     fn close(&self, py: Python<'_>) {

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use shardkit::flat_tokens::{
     self, Layout, LoaderOptions, Packing, Sharded, Split, TokenBatch, TokenLoader, Writer,
     WriterOptions,
@@ -14,7 +15,8 @@ use shardkit::flat_tokens::{
 use shardkit::json::Value;
 
 use crate::{
-    batch_views, contiguous, external_pool, json_of, to_py, Pass, RustBuffer, SendSlice, Storage,
+    batch_views, contiguous, external_pool, json_of, obj, record, to_py, Pass, RustBuffer,
+    SendSlice, Storage,
 };
 
 fn closed() -> PyErr {
@@ -87,16 +89,22 @@ impl TokensWriter {
     fn format(&self) -> &'static str {
         self.format
     }
-    /// (seq_count, token_count, max_token_id, sequences_with_id_zero) so far.
+    /// {"seq_count", "token_count", "max_token_id", "sequences_with_id_zero"} so far.
     #[getter]
-    fn counts(&self) -> PyResult<(u64, u64, u64, u64)> {
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let w = self.inner.as_ref().ok_or_else(closed)?;
-        Ok((
-            w.seq_count(),
-            w.token_count(),
-            w.max_token_id(),
-            w.sequences_with_id_zero(),
-        ))
+        record(
+            py,
+            [
+                ("seq_count", obj(py, w.seq_count())?),
+                ("token_count", obj(py, w.token_count())?),
+                ("max_token_id", obj(py, w.max_token_id())?),
+                (
+                    "sequences_with_id_zero",
+                    obj(py, w.sequences_with_id_zero())?,
+                ),
+            ],
+        )
     }
 
     /// Appends sequences given flat: `tokens` uint32 and `lengths` uint64 (one per sequence).
@@ -142,11 +150,19 @@ impl TokensWriter {
         py.allow_threads(|| w.flush()).map_err(to_py)
     }
 
-    /// Commits and marks the dataset complete; returns (seq_count, token_count, max_token_id).
-    fn finish(&mut self, py: Python<'_>) -> PyResult<(u64, u64, u64)> {
+    /// Commits and marks the dataset complete; returns {"seq_count", "token_count",
+    /// "max_token_id"}.
+    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let w = self.inner.take().ok_or_else(closed)?;
         let s = py.allow_threads(|| w.finish()).map_err(to_py)?;
-        Ok((s.seq_count, s.token_count, s.max_token_id))
+        record(
+            py,
+            [
+                ("seq_count", obj(py, s.seq_count)?),
+                ("token_count", obj(py, s.token_count)?),
+                ("max_token_id", obj(py, s.max_token_id)?),
+            ],
+        )
     }
 
     /// Commits what was appended (best effort) and stops without marking the dataset complete.
@@ -172,22 +188,30 @@ impl TokensSplit {
             .map_err(to_py)?;
         Ok(TokensSplit { inner })
     }
-    /// (token_count, seq_count, max_token_id).
+    /// {"token_count", "seq_count", "max_token_id"}.
     #[getter]
-    fn counts(&self) -> (u64, u64, u64) {
-        (
-            self.inner.token_count(),
-            self.inner.seq_count(),
-            self.inner.max_token_id(),
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = &self.inner;
+        record(
+            py,
+            [
+                ("token_count", obj(py, s.token_count())?),
+                ("seq_count", obj(py, s.seq_count())?),
+                ("max_token_id", obj(py, s.max_token_id())?),
+            ],
         )
     }
-    /// (format, completion, sharded).
+    /// {"format", "completion", "sharded"}.
     #[getter]
-    fn info(&self) -> (&'static str, &'static str, bool) {
-        (
-            self.inner.format().name(),
-            self.inner.completion().name(),
-            self.inner.is_sharded(),
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = &self.inner;
+        record(
+            py,
+            [
+                ("format", obj(py, s.format().name())?),
+                ("completion", obj(py, s.completion().name())?),
+                ("sharded", obj(py, s.is_sharded())?),
+            ],
         )
     }
     /// The split's directory.
@@ -228,36 +252,24 @@ impl TokensSplit {
     }
 }
 
-type Arrays = (
-    u64,
-    RustBuffer,
-    RustBuffer,
-    RustBuffer,
-    RustBuffer,
-    RustBuffer,
-);
+/// The arrays of a batch, in the order of its dict.
+const ARRAYS: [&str; 5] = ["inputs", "targets", "segment_ids", "is_seq_start", "mask"];
 
-/// (step, inputs, targets, segment_ids, is_seq_start, mask), each (rows, seq_len): views of
-/// the batch's one buffer.
-fn arrays(b: TokenBatch) -> PyResult<Arrays> {
+/// {"step", "inputs", "targets", "segment_ids", "is_seq_start", "mask"}, each array (rows,
+/// seq_len): views of the batch's one buffer.
+fn arrays(py: Python<'_>, b: TokenBatch) -> PyResult<Bound<'_, PyDict>> {
     let step = b.step;
     let (data, fields) = b.into_parts();
     let mut views = batch_views(data, &fields)?;
-    let mut take = |name: &str| -> PyResult<RustBuffer> {
+    let d = record(py, [("step", obj(py, step)?)])?;
+    for name in ARRAYS {
         let i = views
             .iter()
             .position(|(n, _)| *n == name)
             .ok_or_else(|| PyRuntimeError::new_err(format!("internal: no {name} array")))?;
-        Ok(views.swap_remove(i).1)
-    };
-    Ok((
-        step,
-        take("inputs")?,
-        take("targets")?,
-        take("segment_ids")?,
-        take("is_seq_start")?,
-        take("mask")?,
-    ))
+        d.set_item(name, views.swap_remove(i).1)?;
+    }
+    Ok(d)
 }
 
 /// seqax's shuffled order over one split.
@@ -336,15 +348,16 @@ impl TokensLoader {
             .shuffle_params()
             .sequences_per_read_block
     }
-    /// (first, end) batch rows this host serves.
+    /// {"start", "end"}: the batch rows this host serves.
     #[getter]
-    fn host_rows(&self) -> (u64, u64) {
+    fn host_rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.inner.host_rows();
-        (r.start, r.end)
+        record(py, [("start", obj(py, r.start)?), ("end", obj(py, r.end)?)])
     }
     /// This host's rows of `step`.
-    fn load(&self, py: Python<'_>, step: u64) -> PyResult<Arrays> {
-        arrays(py.allow_threads(|| self.inner.load(step)).map_err(to_py)?)
+    fn load<'py>(&self, py: Python<'py>, step: u64) -> PyResult<Bound<'py, PyDict>> {
+        let b = py.allow_threads(|| self.inner.load(step)).map_err(to_py)?;
+        arrays(py, b)
     }
     /// The sequence index (packed row or document) of each of this host's rows at `step`.
     fn rows(&self, py: Python<'_>, step: u64) -> PyResult<RustBuffer> {
@@ -363,7 +376,7 @@ impl TokensLoader {
     }
 }
 
-/// One pass of a [`TokensLoader`]; yields the tuples of [`arrays`].
+/// One pass of a [`TokensLoader`]; yields the dicts of [`arrays`].
 #[pyclass(module = "shardkit._shardkit")]
 pub struct TokensBatchIter {
     pass: Pass<flat_tokens::Batches>,
@@ -374,8 +387,8 @@ impl TokensBatchIter {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
-    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Arrays>> {
-        self.pass.next(py)?.map(arrays).transpose()
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        self.pass.next(py)?.map(|b| arrays(py, b)).transpose()
     }
     /// Stops the reading thread now (also done when the iterator is garbage collected).
     fn close(&self, py: Python<'_>) {
@@ -502,25 +515,32 @@ pub fn tokens_build(
     ])))
 }
 
-/// (split, (seq_count, token_count, max_token_id)) of each split written.
-type Converted = Vec<(String, (u64, u64, u64))>;
-
-/// Rewrites a dataset in another layout.
+/// Rewrites a dataset in another layout; returns {"split", "seq_count", "token_count",
+/// "max_token_id"} of each split written.
 #[pyfunction]
-pub fn tokens_convert(
-    py: Python<'_>,
+pub fn tokens_convert<'py>(
+    py: Python<'py>,
     src: PathBuf,
     dst: PathBuf,
     layout: &str,
-) -> PyResult<Converted> {
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
     let layout: Layout = layout.parse().map_err(to_py)?;
     let done = py
         .allow_threads(|| flat_tokens::convert(&src, &dst, layout, |_, _| {}))
         .map_err(to_py)?;
-    Ok(done
-        .into_iter()
-        .map(|(n, s)| (n, (s.seq_count, s.token_count, s.max_token_id)))
-        .collect())
+    done.into_iter()
+        .map(|(n, s)| {
+            record(
+                py,
+                [
+                    ("split", obj(py, n)?),
+                    ("seq_count", obj(py, s.seq_count)?),
+                    ("token_count", obj(py, s.token_count)?),
+                    ("max_token_id", obj(py, s.max_token_id)?),
+                ],
+            )
+        })
+        .collect()
 }
 
 /// Registers the classes and functions.

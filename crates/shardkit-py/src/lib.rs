@@ -9,10 +9,7 @@ use std::ffi::{c_int, CStr};
 use std::sync::{Arc, Mutex};
 
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{
-    PyBlockingIOError, PyFileExistsError, PyFileNotFoundError, PyIndexError, PyKeyError, PyOSError,
-    PyRuntimeError, PyValueError,
-};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use shardkit::engine::{Buffer, Order};
@@ -23,34 +20,47 @@ mod eagle3;
 mod flat_tokens;
 mod sdnb;
 
-pyo3::create_exception!(
-    _shardkit,
-    IncompleteDatasetError,
-    PyValueError,
-    "The dataset is not completely written; the message says how many examples are present."
-);
-
-/// A Rust error as the Python exception a Python user expects.
+/// A Rust error as the Python exception a Python user expects: a class of `shardkit.errors`
+/// (all `ShardkitError`s), each also the builtin a caller already catches (`ValueError`,
+/// `OSError` by errno, `IndexError`, `RuntimeError`).
 pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
+    use shardkit::Error as E;
     let msg = e.to_string();
-    match e {
-        shardkit::Error::NotFound { .. } => PyFileNotFoundError::new_err(msg),
-        // (errno, message): Python picks the OSError subclass (PermissionError, ...) by errno.
-        shardkit::Error::Io { source, .. } => match source.raw_os_error() {
-            Some(errno) => PyOSError::new_err((errno, msg)),
-            None => PyOSError::new_err(msg),
-        },
-        shardkit::Error::Exists { .. } => PyFileExistsError::new_err(msg),
-        shardkit::Error::Locked { .. } => PyBlockingIOError::new_err(msg),
-        shardkit::Error::Incomplete { .. } | shardkit::Error::Interrupted { .. } => {
-            IncompleteDatasetError::new_err(msg)
-        }
-        shardkit::Error::OutOfRange { .. } => PyIndexError::new_err(msg),
-        shardkit::Error::Format { .. }
-        | shardkit::Error::Safetensors { .. }
-        | shardkit::Error::Invalid(_)
-        | shardkit::Error::Missing(_) => PyValueError::new_err(msg),
-    }
+    // (class, errno) — an errno makes it an OSError whose subclass Python code can catch.
+    let (class, errno): (&str, Option<i32>) = match &e {
+        E::NotFound { .. } => ("NotFoundError", None),
+        E::Io { source, .. } => ("", Some(source.raw_os_error().unwrap_or(0))),
+        E::Exists { .. } => ("AlreadyExistsError", None),
+        E::Locked { .. } => ("LockedError", None),
+        E::Incomplete { .. } | E::Interrupted { .. } => ("IncompleteDatasetError", None),
+        E::OutOfRange { .. } => ("OutOfRangeError", None),
+        E::Format { .. } | E::Safetensors { .. } => ("CorruptDataError", None),
+        E::Invalid(_) | E::Missing(_) => ("InvalidArgumentError", None),
+        // A thread the system refused to start: an OSError with its errno where there is one.
+        E::Thread { source, .. } if source.raw_os_error().is_some() => ("", source.raw_os_error()),
+        E::Thread { .. } | E::Internal(_) => ("InternalError", None),
+        // `shardkit::Error` is non_exhaustive: a kind added later is an internal error until
+        // it gets its own class here.
+        _ => ("InternalError", None),
+    };
+    Python::with_gil(|py| {
+        let built = (|| -> PyResult<PyErr> {
+            let errors = py.import("shardkit.errors")?;
+            let value = match errno {
+                Some(n) => errors
+                    .getattr("_os_error")?
+                    .call1(((n != 0).then_some(n), msg.as_str()))?,
+                None => errors.getattr(class)?.call1((msg.as_str(),))?,
+            };
+            Ok(PyErr::from_value(value))
+        })();
+        // Only a broken installation lacks shardkit.errors: fall back to the builtins.
+        built.unwrap_or_else(|_| match errno {
+            Some(n) if n != 0 => PyOSError::new_err((n, msg)),
+            Some(_) => PyOSError::new_err(msg),
+            None => PyValueError::new_err(msg),
+        })
+    })
 }
 
 pub(crate) enum Storage {
@@ -305,6 +315,26 @@ impl RustBuffer {
 }
 
 /// Key `k` of a state dict saved by `state_dict()`, as an integer.
+/// A dict of named values: the one shape the compiled core hands records and batches to Python
+/// in (keys are the names the Python wrappers use).
+pub(crate) fn record<'py>(
+    py: Python<'py>,
+    items: impl IntoIterator<Item = (&'static str, PyObject)>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (k, v) in items {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
+/// Converts a value for [`record`].
+pub(crate) fn obj<'py, T: IntoPyObject<'py>>(py: Python<'py>, v: T) -> PyResult<PyObject> {
+    v.into_pyobject(py)
+        .map(|b| pyo3::BoundObject::into_bound(b).into_any().unbind())
+        .map_err(Into::into)
+}
+
 pub(crate) fn state_u64(state: &Bound<'_, PyDict>, k: &str) -> PyResult<u64> {
     state
         .get_item(k)?
@@ -414,10 +444,19 @@ impl Writer {
             .as_ref()
             .map_or(self.shape.0 as u64, |w| w.next_example())
     }
-    /// (n_examples, n_layers, tokens_per_example, d_model).
+    /// {"n_examples", "n_layers", "tokens_per_example", "d_model"}.
     #[getter]
-    fn shape(&self) -> (usize, usize, usize, usize) {
-        self.shape
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (n, l, t, d) = self.shape;
+        record(
+            py,
+            [
+                ("n_examples", obj(py, n)?),
+                ("n_layers", obj(py, l)?),
+                ("tokens_per_example", obj(py, t)?),
+                ("d_model", obj(py, d)?),
+            ],
+        )
     }
     /// Content tokens per example (labels are (b, this)).
     #[getter]
@@ -513,19 +552,23 @@ impl Dataset {
     fn path(&self) -> String {
         self.inner.path().display().to_string()
     }
-    /// (n_examples, n_layers, tokens_per_example, d_model, content_tokens, cls_token, examples_per_shard, n_shards)
+    /// {"n_examples", "n_layers", "tokens_per_example", "d_model", "content_tokens",
+    /// "cls_token", "examples_per_shard", "n_shards"}.
     #[getter]
-    fn layout(&self) -> (u64, u64, u64, u64, u64, bool, u64, u64) {
+    fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let l = self.inner.layout();
-        (
-            l.n_examples,
-            l.n_layers,
-            l.tokens,
-            l.d_model,
-            l.content_tokens,
-            l.cls,
-            l.examples_per_shard,
-            l.n_shards,
+        record(
+            py,
+            [
+                ("n_examples", obj(py, l.n_examples)?),
+                ("n_layers", obj(py, l.n_layers)?),
+                ("tokens_per_example", obj(py, l.tokens)?),
+                ("d_model", obj(py, l.d_model)?),
+                ("content_tokens", obj(py, l.content_tokens)?),
+                ("cls_token", obj(py, l.cls)?),
+                ("examples_per_shard", obj(py, l.examples_per_shard)?),
+                ("n_shards", obj(py, l.n_shards)?),
+            ],
         )
     }
     /// Recorded layer values.
@@ -584,14 +627,15 @@ impl Dataset {
         let mode: saev::TokenMode = tokens.parse().map_err(to_py)?;
         Ok(self.inner.indexed(layer, mode).map_err(to_py)?.len())
     }
-    /// Row `i` of saev's indexed view: (act, example_idx, token_idx, token_label or None).
-    fn indexed_get(
+    /// Row `i` of saev's indexed view: {"act", "example_idx", "token_idx", "token_label"
+    /// (None without labels)}.
+    fn indexed_get<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         layer: i64,
         tokens: &str,
         i: i64,
-    ) -> PyResult<(RustBuffer, u64, i64, Option<u8>)> {
+    ) -> PyResult<Bound<'py, PyDict>> {
         let mode: saev::TokenMode = tokens.parse().map_err(to_py)?;
         let view = self.inner.indexed(layer, mode).map_err(to_py)?;
         let n = view.len() as i64;
@@ -603,13 +647,27 @@ impl Dataset {
         }
         let row = py.allow_threads(|| view.get(i as u64)).map_err(to_py)?;
         let d = row.act.len();
-        Ok((
-            RustBuffer::new(Storage::F32(row.act), &[d]),
-            row.example_idx,
-            row.token_idx,
-            row.token_label,
-        ))
+        record(
+            py,
+            [
+                (
+                    "act",
+                    obj(py, RustBuffer::new(Storage::F32(row.act), &[d]))?,
+                ),
+                ("example_idx", obj(py, row.example_idx)?),
+                ("token_idx", obj(py, row.token_idx)?),
+                ("token_label", obj(py, row.token_label)?),
+            ],
+        )
     }
+}
+
+/// {"rank", "world_size"} of a loader.
+pub(crate) fn rank_world(py: Python<'_>, (rank, world): (u64, u64)) -> PyResult<Bound<'_, PyDict>> {
+    record(
+        py,
+        [("rank", obj(py, rank)?), ("world_size", obj(py, world)?)],
+    )
 }
 
 fn index(i: i64, what: &str) -> PyResult<u64> {
@@ -684,10 +742,10 @@ impl Loader {
     fn rows(&self) -> u64 {
         self.inner.rows()
     }
-    /// (rank, world_size).
+    /// {"rank", "world_size"}.
     #[getter]
-    fn rank_world(&self) -> (u64, u64) {
-        self.inner.rank_and_world()
+    fn rank_world<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        rank_world(py, self.inner.rank_and_world())
     }
     /// d_model.
     #[getter]
@@ -806,39 +864,39 @@ impl<T: Send, I: Iterator<Item = shardkit::Result<T>> + Send> Pass<I> {
     }
 }
 
-/// One pass of a [`Loader`]; yields (act, example_idx, token_idx, layer, token_label, cursor).
+/// One pass of a [`Loader`]; yields {"act", "example_idx", "token_idx", "layer", "token_label",
+/// "cursor"} (layer and token_label None when not selected).
 #[pyclass(module = "shardkit._shardkit")]
 pub struct BatchIter {
     pass: Pass<saev::Batches>,
 }
-
-type BatchTuple = (
-    RustBuffer,
-    RustBuffer,
-    RustBuffer,
-    Option<RustBuffer>,
-    Option<RustBuffer>,
-    u64,
-);
 
 #[pymethods]
 impl BatchIter {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
-    fn __next__(&self, py: Python<'_>) -> PyResult<Option<BatchTuple>> {
-        Ok(self.pass.next(py)?.map(|b| {
-            let n = b.n;
-            (
-                RustBuffer::new(Storage::Engine(b.act), &[n, b.d_model]),
-                RustBuffer::new(Storage::I64(b.example_idx), &[n]),
-                RustBuffer::new(Storage::I64(b.token_idx), &[n]),
-                b.layer.map(|v| RustBuffer::new(Storage::I64(v), &[n])),
-                b.token_label
-                    .map(|v| RustBuffer::new(Storage::I64(v), &[n])),
-                b.cursor,
-            )
-        }))
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(b) = self.pass.next(py)? else {
+            return Ok(None);
+        };
+        let n = b.n;
+        let i64s = |v: Vec<i64>| RustBuffer::new(Storage::I64(v), &[n]);
+        record(
+            py,
+            [
+                (
+                    "act",
+                    obj(py, RustBuffer::new(Storage::Engine(b.act), &[n, b.d_model]))?,
+                ),
+                ("example_idx", obj(py, i64s(b.example_idx))?),
+                ("token_idx", obj(py, i64s(b.token_idx))?),
+                ("layer", obj(py, b.layer.map(i64s))?),
+                ("token_label", obj(py, b.token_label.map(i64s))?),
+                ("cursor", obj(py, b.cursor)?),
+            ],
+        )
+        .map(Some)
     }
     /// Stops the reader threads now (also done when the iterator is garbage collected).
     fn close(&self, py: Python<'_>) {
@@ -868,28 +926,37 @@ fn checksum(py: Python<'_>, path: std::path::PathBuf) -> PyResult<std::path::Pat
         .map_err(to_py)
 }
 
-/// Checks the dataset at `path` against its sidecar: (has_sidecar, damage as
-/// [(file, start, end, what)]).
+/// Checks the dataset at `path` against its sidecar: {"has_sidecar", "damage": [{"file",
+/// "start", "end", "what"}]}.
 #[pyfunction]
-#[allow(clippy::type_complexity)]
-fn verify_checksums(
-    py: Python<'_>,
-    path: std::path::PathBuf,
-) -> PyResult<(bool, Vec<(std::path::PathBuf, u64, u64, String)>)> {
+fn verify_checksums(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Bound<'_, PyDict>> {
     use shardkit::checksum::Verdict;
-    match py
+    let (has, damage) = match py
         .allow_threads(|| shardkit::checksum::verify(&path))
         .map_err(to_py)?
     {
-        Verdict::NoSidecar => Ok((false, Vec::new())),
-        Verdict::Intact { .. } => Ok((true, Vec::new())),
-        Verdict::Damaged(d) => Ok((
-            true,
-            d.into_iter()
-                .map(|x| (x.file, x.range.start, x.range.end, x.what))
-                .collect(),
-        )),
-    }
+        Verdict::NoSidecar => (false, Vec::new()),
+        Verdict::Intact { .. } => (true, Vec::new()),
+        Verdict::Damaged(d) => (true, d),
+    };
+    let damage = damage
+        .into_iter()
+        .map(|x| {
+            record(
+                py,
+                [
+                    ("file", obj(py, x.file)?),
+                    ("start", obj(py, x.range.start)?),
+                    ("end", obj(py, x.range.end)?),
+                    ("what", obj(py, x.what)?),
+                ],
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    record(
+        py,
+        [("has_sidecar", obj(py, has)?), ("damage", obj(py, damage)?)],
+    )
 }
 
 /// Arms a test fault in the engine (tests only): "panic_in_gather", "panic_in_prepare",
@@ -918,10 +985,6 @@ fn _clear_faults() {
 #[pymodule]
 fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", shardkit::VERSION)?;
-    m.add(
-        "IncompleteDatasetError",
-        m.py().get_type::<IncompleteDatasetError>(),
-    )?;
     m.add_class::<RustBuffer>()?;
     m.add_class::<Writer>()?;
     m.add_class::<Dataset>()?;

@@ -8,10 +8,10 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict};
 use shardkit::sdnb::{self, Container, DType, Format, Order, SaveOptions, TensorIn, VarType};
 
-use crate::{contiguous, to_py, RustBuffer, SendSlice};
+use crate::{contiguous, obj, record, to_py, RustBuffer, SendSlice};
 
 /// The buffer-protocol format of a dtype's bytes. BFLOAT16 and FLOAT8 go out as their bit
 /// patterns (uint16, uint8); the Python wrapper reinterprets them with ml_dtypes.
@@ -40,17 +40,6 @@ fn order_name(o: Order) -> &'static str {
         Order::F => "f",
     }
 }
-
-/// (name, var_type, dtype, shape, storage, nbytes, order) of one variable, for Python.
-type VariableOut = (
-    String,
-    &'static str,
-    &'static str,
-    Option<Vec<i64>>,
-    &'static str,
-    u64,
-    &'static str,
-);
 
 /// An opened container. Arrays keep the container (and so its memory map) alive; `close`
 /// only drops this object's reference.
@@ -115,23 +104,26 @@ impl SdnbContainer {
     }
     /// Every variable, in graph order.
     #[getter]
-    fn variables(&self) -> PyResult<Vec<VariableOut>> {
-        Ok(self
-            .get()?
+    /// Each a dict {"name", "var_type", "dtype", "shape", "storage", "nbytes", "order"}.
+    fn variables<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.get()?
             .variables()
             .iter()
             .map(|v| {
-                (
-                    v.name.clone(),
-                    v.var_type.name(),
-                    v.dtype.name(),
-                    v.shape.clone(),
-                    v.storage.name(),
-                    v.byte_len,
-                    order_name(v.order),
+                record(
+                    py,
+                    [
+                        ("name", obj(py, &v.name)?),
+                        ("var_type", obj(py, v.var_type.name())?),
+                        ("dtype", obj(py, v.dtype.name())?),
+                        ("shape", obj(py, &v.shape)?),
+                        ("storage", obj(py, v.storage.name())?),
+                        ("nbytes", obj(py, v.byte_len)?),
+                        ("order", obj(py, order_name(v.order))?),
+                    ],
                 )
             })
-            .collect())
+            .collect()
     }
     /// The number of ops in the graph.
     #[getter]
@@ -160,8 +152,9 @@ impl SdnbContainer {
         let bytes = py.allow_threads(|| c.extra_entry(name)).map_err(to_py)?;
         Ok(PyBytes::new(py, &bytes))
     }
-    /// (dtype name, array) of a variable: a read-only view of the map, in the stored order.
-    fn array(&self, name: &str) -> PyResult<(&'static str, RustBuffer)> {
+    /// {"dtype" (name), "array"} of a variable: a read-only view of the map, in the stored
+    /// order.
+    fn array<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
         let c = self.get()?;
         let t = c.tensor(name).map_err(to_py)?;
         let fmt = format(t.dtype).ok_or_else(|| {
@@ -187,7 +180,7 @@ impl SdnbContainer {
         let fortran = t.order == Order::F;
         let (dtype, bytes) = (t.dtype.name(), t.bytes);
         let view = RustBuffer::view(c.clone(), bytes, fmt, &shape, fortran, false);
-        Ok((dtype, view))
+        record(py, [("dtype", obj(py, dtype)?), ("array", obj(py, view)?)])
     }
     /// Drops this object's reference to the container; arrays handed out stay valid.
     fn close(&self) {
@@ -348,7 +341,8 @@ pub fn sdnb_convert(
     .map_err(to_py)
 }
 
-/// Applies metadata changes (None removes a key); returns (in place, files changed).
+/// Applies metadata changes (None removes a key); returns {"in_place", "files"} (the files
+/// changed).
 #[pyfunction]
 #[pyo3(signature = (path, changes, rewrite))]
 pub fn sdnb_set_metadata(
@@ -356,17 +350,33 @@ pub fn sdnb_set_metadata(
     path: PathBuf,
     changes: Vec<(String, Option<String>)>,
     rewrite: bool,
-) -> PyResult<(bool, Vec<String>)> {
-    py.allow_threads(|| sdnb::set_metadata(&path, &changes, rewrite))
-        .map(|o| (o.in_place, paths(o.files)))
-        .map_err(to_py)
+) -> PyResult<Bound<'_, PyDict>> {
+    let o = py
+        .allow_threads(|| sdnb::set_metadata(&path, &changes, rewrite))
+        .map_err(to_py)?;
+    record(
+        py,
+        [
+            ("in_place", obj(py, o.in_place)?),
+            ("files", obj(py, paths(o.files))?),
+        ],
+    )
 }
 
 /// Registers the class and functions.
+/// `shardkit sdnb validate [--deep] --json` as a JSON string.
+#[pyfunction]
+#[pyo3(signature = (path, deep=false))]
+pub fn sdnb_validate(py: Python<'_>, path: PathBuf, deep: bool) -> String {
+    let report = py.allow_threads(|| sdnb::validate(&path, deep));
+    crate::json_of(&report.to_json())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SdnbContainer>()?;
     m.add_function(wrap_pyfunction!(sdnb_save, m)?)?;
     m.add_function(wrap_pyfunction!(sdnb_convert, m)?)?;
     m.add_function(wrap_pyfunction!(sdnb_set_metadata, m)?)?;
+    m.add_function(wrap_pyfunction!(sdnb_validate, m)?)?;
     Ok(())
 }

@@ -38,11 +38,11 @@ def eagle3_data(tmp_path):
                    "aux_hidden_states": np.full((seq, 6), i / 4, dtype=np.float32),
                    "position_mask": np.array([[False], [True]] * (seq // 2)),
                    "target_probs": np.full((seq, vd), 1 / vd, dtype=np.float64)})
-    return (tmp_path / "c", 3), dict(num_threads=2, rank=0, world_size=1)
+    return (tmp_path / "c",), dict(batch_size=3, num_threads=2, rank=0, world_size=1)
 
 
 DATA = {"saev": saev_data, "flat_tokens": tokens_data, "eagle3": eagle3_data}
-HOST = {"saev": saev.ShuffledLoader, "flat_tokens": flat_tokens.Loader, "eagle3": eagle3.Loader}
+HOST = {"saev": saev.Loader, "flat_tokens": flat_tokens.Loader, "eagle3": eagle3.Loader}
 
 
 def host_loader(which, tmp_path):

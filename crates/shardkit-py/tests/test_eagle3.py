@@ -168,6 +168,7 @@ def test_validate_inspect_and_versions(tmp_path):
         eagle3.set_version(path, 3)
     (path / "shard-000001.safetensors").write_bytes(b"\x00" * 7)
     report = eagle3.validate(path)
-    assert not report["valid"] and "not a valid safetensors file" in report["errors"][0]
+    assert not report["valid"] and "not a valid safetensors file" in report["errors"][0]["message"]
+    assert report["errors"][0]["file"] == str(path / "shard-000001.safetensors")
     with pytest.raises(ValueError, match="header too small"):
         eagle3.open(path)[2]

@@ -4,6 +4,8 @@ Never a StopIteration that would end an epoch early."""
 
 import pytest
 
+import shardkit
+
 from shardkit import _shardkit as _core
 
 from _loaders import LOADERS
@@ -30,10 +32,10 @@ def run(loader):
 
 @pytest.mark.parametrize("which", list(LOADERS))
 @pytest.mark.parametrize("fault,after,text,kind", [
-    ("panic_in_gather", 3, "a gather thread panicked", ValueError),
-    ("panic_in_prepare", 2, "the prefetch thread panicked", ValueError),
-    ("spawn_fails", 0, "cannot start", ValueError),
-    ("read_fails", 2, "Input/output error", OSError),
+    ("panic_in_gather", 3, "a gather thread panicked", shardkit.InternalError),
+    ("panic_in_prepare", 2, "the prefetch thread panicked", shardkit.InternalError),
+    ("spawn_fails", 0, "cannot start", shardkit.InternalError),
+    ("read_fails", 2, "Input/output error", shardkit.ShardkitOSError),
 ])
 def test_a_fault_is_an_exception(tmp_path, which, fault, after, text, kind):
     loader = LOADERS[which](tmp_path)

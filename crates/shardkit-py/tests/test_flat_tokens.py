@@ -81,7 +81,7 @@ def test_an_exception_leaves_an_unfinished_dataset_that_resume_completes(tmp_pat
         flat_tokens.open(path)["validation"]
     assert flat_tokens.inspect(path)["validation"]["completion"] == "interrupted"
     report = flat_tokens.validate(path)
-    assert not report["valid"] and "write_completed is false" in report["errors"][0]
+    assert not report["valid"] and "write_completed is false" in report["errors"][0]["message"]
     with pytest.raises(FileExistsError, match="resume"):
         flat_tokens.Writer(path, "validation")
     with flat_tokens.Writer(path, "validation", resume=True) as w:
@@ -216,14 +216,14 @@ def test_hosts_epochs_iteration_and_state():
 
 def test_seqax_data_is_validated_and_marked(seqax_copy):
     report = flat_tokens.validate(seqax_copy)
-    assert report["valid"] and any("no completion marker" in n for n in report["notes"])
+    assert report["valid"] and any("no completion marker" in n["message"] for n in report["notes"])
     info = flat_tokens.inspect(seqax_copy)
     assert info["train"]["seq_count"] == 512 and info["train"]["min_seq_len"] == 2
     flat_tokens.mark_complete(seqax_copy)
     assert flat_tokens.open(seqax_copy).train.completion == "complete"
     (seqax_copy / "train" / ".zattrs").write_text('{\n    "max_token_id": 3\n}')
     report = flat_tokens.validate(seqax_copy)
-    assert not report["valid"] and "exceed max_token_id 3" in report["errors"][0]
+    assert not report["valid"] and "exceed max_token_id 3" in report["errors"][0]["message"]
 
 
 def test_missing_things_raise_natural_exceptions(tmp_path):

@@ -138,7 +138,8 @@ def test_shuffled_is_exactly_once_deterministic_and_resumable(order):
     it = iter(a)
     head = [next(it) for _ in range(3)]
     state = a.state_dict()
-    assert state == {"seed": 3, "epoch": 0, "cursor": 12, "global_batch_size": 4}
+    assert state == {"format": "saev", "seed": 3, "epoch": 0, "batch": 3, "batch_size": 4, "world_size": 1,
+                     "cursor": 12, "global_batch_size": 4}
     b = mk()
     b.load_state_dict(state)
     assert keys(head) + keys(list(b)) == full

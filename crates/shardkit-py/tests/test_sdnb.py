@@ -192,17 +192,20 @@ def test_only_variables_with_arrays_are_keys(monkeypatch):
     class Core:
         path, kind, metadata, op_count, parts, extra_entries, closed = "x.sdnb", "sdnb", [], 2, ["x.sdnb"], [], False
         variables = [
-            ("in", "PLACEHOLDER", "FLOAT", [-1, 4], "none", 0, "c"),
-            ("w", "VARIABLE", "FLOAT", [4, 2], "inline", 32, "c"),
-            ("out", "ARRAY", "FLOAT", None, "none", 0, "c"),
-            ("e", "CONSTANT", "INT64", [0], "empty", 0, "c"),
+            dict(zip(("name", "var_type", "dtype", "shape", "storage", "nbytes", "order"), v))
+            for v in [
+                ("in", "PLACEHOLDER", "FLOAT", [-1, 4], "none", 0, "c"),
+                ("w", "VARIABLE", "FLOAT", [4, 2], "inline", 32, "c"),
+                ("out", "ARRAY", "FLOAT", None, "none", 0, "c"),
+                ("e", "CONSTANT", "INT64", [0], "empty", 0, "c"),
+            ]
         ]
 
         def __init__(self, path):
             pass
 
         def array(self, name):
-            return "FLOAT", np.zeros((4, 2), np.float32)
+            return {"dtype": "FLOAT", "array": np.zeros((4, 2), np.float32)}
 
     monkeypatch.setattr(sdnb._core, "SdnbContainer", Core)
     c = sdnb.open("x.sdnb")

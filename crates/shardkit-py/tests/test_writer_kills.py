@@ -340,7 +340,7 @@ def e3_state(d, ref):
         eagle3.open(d)
     except IncompleteDatasetError as e:
         assert "are missing" in str(e), str(e)
-        assert v["errors"] and all("missing" in e or "shard set" in e for e in v["errors"]), v["errors"]
+        assert v["errors"] and all("missing" in e["message"] or "shard set" in e["message"] for e in v["errors"]), v["errors"]
         return "incomplete"
     assert v["errors"] == [], v["errors"]
     got = visible(snapshot(d))

@@ -31,12 +31,12 @@ use crate::json::{self, Escape, Value};
 /// The sidecar's name inside a dataset directory.
 pub const SIDECAR: &str = "shardkit.checksums.json";
 /// The smallest block.
-pub const MIN_BLOCK: u64 = 1 << 20;
+pub(crate) const MIN_BLOCK: u64 = 1 << 20;
 /// The most blocks a file is cut into (larger files get larger blocks).
-pub const MAX_BLOCKS: u64 = 4096;
+pub(crate) const MAX_BLOCKS: u64 = 4096;
 
 /// The block size of a file of `len` bytes.
-pub fn block_bytes_for(len: u64) -> u64 {
+pub(crate) fn block_bytes_for(len: u64) -> u64 {
     len.div_ceil(MAX_BLOCKS)
         .checked_next_power_of_two()
         .unwrap_or(1 << 63)
@@ -56,7 +56,7 @@ pub struct FileSums {
 
 impl FileSums {
     /// The hashes of `data`.
-    pub fn of_bytes(data: &[u8]) -> FileSums {
+    pub(crate) fn of_bytes(data: &[u8]) -> FileSums {
         let block_bytes = block_bytes_for(data.len() as u64);
         FileSums {
             bytes: data.len() as u64,
@@ -66,7 +66,7 @@ impl FileSums {
     }
 
     /// The hashes of the file at `path`, read block by block.
-    pub fn of_file(path: &Path) -> Result<FileSums> {
+    pub(crate) fn of_file(path: &Path) -> Result<FileSums> {
         let mut f = fsutil::open_regular(path)?;
         let bytes = f.metadata().at(path)?.len();
         let block_bytes = block_bytes_for(bytes);
@@ -98,7 +98,7 @@ impl FileSums {
     }
 
     /// The blocks that `range` touches.
-    pub fn blocks_of(&self, range: Range<u64>) -> Range<usize> {
+    pub(crate) fn blocks_of(&self, range: Range<u64>) -> Range<usize> {
         if range.is_empty() {
             return 0..0;
         }
@@ -325,14 +325,14 @@ pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
 }
 
 /// `BASE.checksums.json` for a container file.
-pub fn sidecar_name(container: &Path) -> String {
+pub(crate) fn sidecar_name(container: &Path) -> String {
     let name = container
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let base = match crate::sdnb::sdz::parse_shard_name(&name) {
         Some((b, _, _)) => b,
-        None => crate::sdnb::read::base_name(&name),
+        None => crate::sdnb::base_name(&name),
     };
     format!("{base}.checksums.json")
 }
@@ -359,7 +359,7 @@ fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) -> Result<()> {
 
 /// Hashes every file of the dataset at `path` (those in `known` whose length still matches are
 /// taken as they are) and writes its sidecar; returns the sidecar's path.
-pub fn record_with(path: &Path, known: &BTreeMap<String, FileSums>) -> Result<PathBuf> {
+pub(crate) fn record_with(path: &Path, known: &BTreeMap<String, FileSums>) -> Result<PathBuf> {
     let (sidecar, base, mut names) = dataset_files(path)?;
     // Files known but not on disk yet (a commit record written right after the sidecar).
     for n in known.keys() {
@@ -382,14 +382,14 @@ pub fn record_with(path: &Path, known: &BTreeMap<String, FileSums>) -> Result<Pa
     Ok(sidecar)
 }
 
-/// [`record_with`] hashing everything: `shardkit <format> checksum`.
+/// `record_with` hashing everything: `shardkit <format> checksum`.
 pub fn record(path: &Path) -> Result<PathBuf> {
     record_with(path, &BTreeMap::new())
 }
 
 /// Re-hashes `names` (below `dir`) into the sidecar of the dataset directory `dir`, when it has
 /// one (a file rewritten after the dataset was finished, such as EAGLE-3's embeddings).
-pub fn refresh(dir: &Path, names: &[&str]) -> Result<()> {
+pub(crate) fn refresh(dir: &Path, names: &[&str]) -> Result<()> {
     let sidecar = dir.join(SIDECAR);
     let Some(mut sums) = Checksums::read(&sidecar)? else {
         return Ok(());
@@ -404,7 +404,7 @@ pub fn refresh(dir: &Path, names: &[&str]) -> Result<()> {
 /// Drops `names` from the sidecar of the dataset directory `dir`, if it has one: done before
 /// those files are rewritten, so that a crash in between never leaves a sidecar that calls
 /// good data damaged (the files are then reported as not covered until [`refresh`]).
-pub fn forget(dir: &Path, names: &[&str]) -> Result<()> {
+pub(crate) fn forget(dir: &Path, names: &[&str]) -> Result<()> {
     let sidecar = dir.join(SIDECAR);
     let Some(mut sums) = Checksums::read(&sidecar)? else {
         return Ok(());
@@ -417,7 +417,7 @@ pub fn forget(dir: &Path, names: &[&str]) -> Result<()> {
 
 /// Removes a sidecar before its dataset changes (a writer's first change to a finished
 /// dataset): a crash mid-write then leaves no sidecar rather than a stale one.
-pub fn remove_sidecar(sidecar: &Path) -> Result<()> {
+pub(crate) fn remove_sidecar(sidecar: &Path) -> Result<()> {
     match std::fs::remove_file(sidecar) {
         Ok(()) => fsutil::fsync_dir(fsutil::parent_of(sidecar)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -466,49 +466,52 @@ pub fn verify(path: &Path) -> Result<Verdict> {
     }
 }
 
-/// [`verify`] as report lines: (errors, notes), as `validate --deep` prints them.
-pub fn verify_messages(path: &Path) -> (Vec<String>, Vec<String>) {
+/// [`verify`] as findings of `report` (what `validate --deep` adds): an error per damaged range
+/// naming its file, or a note that every block matches or that there is no sidecar.
+pub fn verify_into(path: &Path, report: &mut crate::report::Validation) {
     match verify(path) {
-        Ok(Verdict::NoSidecar) => (
-            Vec::new(),
-            vec![format!(
-                "{}: no checksums sidecar, so payload bytes were not verified (add one with \
-                 `shardkit <format> checksum`)",
-                path.display()
-            )],
+        Ok(Verdict::NoSidecar) => report.note(
+            path,
+            "no checksums sidecar, so payload bytes were not verified (add one with `shardkit \
+             <format> checksum`)",
         ),
-        Ok(Verdict::Intact { files, bytes }) => (
-            Vec::new(),
-            vec![format!(
-                "checksums: {files} file(s), {bytes} bytes, every block matches"
-            )],
+        Ok(Verdict::Intact { files, bytes }) => report.note(
+            path,
+            format!("checksums: {files} file(s), {bytes} bytes, every block matches"),
         ),
-        Ok(Verdict::Damaged(d)) => (d.iter().map(|x| x.to_string()).collect(), Vec::new()),
-        Err(e) => (vec![format!("checksums: {e}")], Vec::new()),
+        Ok(Verdict::Damaged(d)) => {
+            for x in d {
+                report.error(
+                    &x.file,
+                    format!("bytes {}..{}: {}", x.range.start, x.range.end, x.what),
+                );
+            }
+        }
+        Err(e) => report.error_from(&e),
     }
 }
 
 /// Hashes files as a writer publishes them (while they are still in the page cache), so that
 /// finishing the dataset does not read it again.
 #[derive(Debug, Default)]
-pub struct Recorder {
+pub(crate) struct Recorder {
     known: BTreeMap<String, FileSums>,
 }
 
 impl Recorder {
     /// Hashes `dir/name`, just written.
-    pub fn add(&mut self, dir: &Path, name: &str) -> Result<()> {
+    pub(crate) fn add(&mut self, dir: &Path, name: &str) -> Result<()> {
         let s = FileSums::of_file(&dir.join(name))?;
         self.known.insert(name.to_string(), s);
         Ok(())
     }
     /// Records `name`'s hashes from its bytes (a file about to be written).
-    pub fn add_bytes(&mut self, name: &str, bytes: &[u8]) {
+    pub(crate) fn add_bytes(&mut self, name: &str, bytes: &[u8]) {
         self.known
             .insert(name.to_string(), FileSums::of_bytes(bytes));
     }
     /// Writes the sidecar of the finished dataset at `path`.
-    pub fn finish(&self, path: &Path) -> Result<PathBuf> {
+    pub(crate) fn finish(&self, path: &Path) -> Result<PathBuf> {
         record_with(path, &self.known)
     }
 }
@@ -517,7 +520,7 @@ impl Recorder {
 /// it is first needed, and again whenever it has left the page cache since (so every read from
 /// storage is checked, and data that stays in memory is not hashed again each epoch).
 #[derive(Debug)]
-pub struct Verifier {
+pub(crate) struct Verifier {
     files: Vec<(PathBuf, FileSums)>,
     /// Per file, per block: 0 unchecked, 2 good, 3 damaged.
     state: Vec<Vec<AtomicU8>>,
@@ -526,7 +529,7 @@ pub struct Verifier {
 impl Verifier {
     /// A verifier of `files` (paths below `base`, in the loader's file order) from the sidecar
     /// at `sidecar`; an error when there is none or it misses one of them.
-    pub fn open(sidecar: &Path, base: &Path, files: &[String]) -> Result<Verifier> {
+    pub(crate) fn open(sidecar: &Path, base: &Path, files: &[String]) -> Result<Verifier> {
         let sums = Checksums::read(sidecar)?.ok_or_else(|| Error::NotFound {
             path: sidecar.to_path_buf(),
             what: "verify was asked for but the dataset has no checksums sidecar; add one with \
@@ -551,13 +554,17 @@ impl Verifier {
     }
 
     /// The blocks of file `i` that `range` touches, as (file, block) pairs.
-    pub fn blocks(&self, i: usize, range: Range<u64>) -> impl Iterator<Item = (usize, usize)> {
+    pub(crate) fn blocks(
+        &self,
+        i: usize,
+        range: Range<u64>,
+    ) -> impl Iterator<Item = (usize, usize)> {
         self.files[i].1.blocks_of(range).map(move |b| (i, b))
     }
 
     /// Whether block `b` of file `i` must be hashed before use: never checked, or no longer
     /// wholly in the page cache (`whole` is the file's map).
-    pub fn needs(&self, i: usize, b: usize, whole: &[u8]) -> bool {
+    pub(crate) fn needs(&self, i: usize, b: usize, whole: &[u8]) -> bool {
         if self.state[i][b].load(Ordering::Acquire) != 2 {
             return true;
         }
@@ -569,7 +576,7 @@ impl Verifier {
 
     /// Hashes block `b` of file `i` (`whole` is the file's map): an error naming the file and
     /// the byte range when it does not match.
-    pub fn check_block(&self, i: usize, b: usize, whole: &[u8]) -> Result<()> {
+    pub(crate) fn check_block(&self, i: usize, b: usize, whole: &[u8]) -> Result<()> {
         let (path, sums) = &self.files[i];
         if whole.len() as u64 != sums.bytes {
             return Err(Error::format(
@@ -599,7 +606,7 @@ impl Verifier {
 
     /// Checks every block `touched` ((file, block) pairs, any order, repeats allowed) that
     /// [`Verifier::needs`] it, in parallel on `pool`; `map(i)` is file `i`'s map.
-    pub fn ensure<'m>(
+    pub(crate) fn ensure<'m>(
         &self,
         touched: impl IntoIterator<Item = (usize, usize)>,
         map: impl Fn(usize) -> Result<&'m [u8]> + Sync,

@@ -4,7 +4,11 @@
 use std::path::{Path, PathBuf};
 
 /// Everything that can go wrong in shardkit.
+///
+/// The enum is `#[non_exhaustive]`: new kinds of failure may be added without a breaking
+/// release, so a `match` on it needs a wildcard arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// An operating-system I/O error while touching `path`.
     #[error("{}: {source}", path.display())]
@@ -86,9 +90,23 @@ pub enum Error {
         /// The process holding the lock, where the system tells.
         pid: Option<u32>,
     },
-    /// A caller-supplied argument is invalid (shape, range, option).
+    /// A caller-supplied argument is invalid (shape, range, option): the caller's mistake,
+    /// fixed by calling differently.
     #[error("{0}")]
     Invalid(String),
+    /// The operating system refused to start a thread (or a pool of threads) shardkit needs.
+    #[error("cannot start {what}: {source}")]
+    Thread {
+        /// The thread or pool that could not start ("the loader thread shardkit-prefetch", ...).
+        what: String,
+        /// Why the system refused.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A failure that is shardkit's own bug, not the caller's nor the data's: a worker thread
+    /// panicked, or an invariant that should always hold did not. Worth reporting.
+    #[error("{0}")]
+    Internal(String),
     /// An index is outside the valid range.
     #[error("{what} {index} is out of range (valid: 0..{len})")]
     OutOfRange {
@@ -108,6 +126,33 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// The file or directory the error concerns, when it concerns one.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Error::Io { path, .. }
+            | Error::NotFound { path, .. }
+            | Error::Format { path, .. }
+            | Error::Incomplete { path, .. }
+            | Error::Interrupted { path, .. }
+            | Error::Safetensors { path, .. }
+            | Error::Exists { path, .. }
+            | Error::Locked { path, .. } => Some(path),
+            _ => None,
+        }
+    }
+
+    /// The message without the leading `PATH: ` that [`Error::path`] gives separately.
+    pub fn message(&self) -> String {
+        let s = self.to_string();
+        match self.path() {
+            Some(p) => {
+                let prefix = format!("{}: ", p.display());
+                s.strip_prefix(&prefix).map(str::to_owned).unwrap_or(s)
+            }
+            None => s,
+        }
+    }
+
     /// An I/O error on `path`.
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
         let path = path.as_ref().to_path_buf();

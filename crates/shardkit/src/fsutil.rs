@@ -26,21 +26,21 @@ pub fn is_temp_name(name: &str) -> bool {
 }
 
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
-pub fn fsync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
     trace::record(trace::Event::SyncDir(dir.to_path_buf()));
     Ok(())
 }
 
 /// fsyncs a file's data and metadata (`path` names it in errors).
-pub fn sync_file(f: &File, path: &Path) -> Result<()> {
+pub(crate) fn sync_file(f: &File, path: &Path) -> Result<()> {
     f.sync_all().at(path)?;
     trace::record(trace::Event::SyncFile(path.to_path_buf()));
     Ok(())
 }
 
 /// fsyncs a file's data (and the metadata needed to read it back: its size).
-pub fn sync_data(f: &File, path: &Path) -> Result<()> {
+pub(crate) fn sync_data(f: &File, path: &Path) -> Result<()> {
     f.sync_data().at(path)?;
     trace::record(trace::Event::SyncFile(path.to_path_buf()));
     Ok(())
@@ -148,7 +148,7 @@ pub fn publish(tmp: &Path, path: &Path) -> Result<()> {
 
 /// Creates (or truncates) `path` and sets its length, leaving a sparse hole where the platform
 /// supports one, so unwritten regions read as zeros without costing disk space.
-pub fn create_sized(path: &Path, len: u64) -> Result<File> {
+pub(crate) fn create_sized(path: &Path, len: u64) -> Result<File> {
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -163,11 +163,11 @@ pub fn create_sized(path: &Path, len: u64) -> Result<File> {
 /// The largest JSON file shardkit reads (metadata, manifests, shard lists, zarr documents):
 /// 64 MiB. Real ones are kilobytes (a saev `shards.json` of a million shards is about 50 MB);
 /// anything larger is refused before it is read, so a hostile file cannot exhaust memory.
-pub const MAX_JSON_BYTES: u64 = 64 << 20;
+pub(crate) const MAX_JSON_BYTES: u64 = 64 << 20;
 
 /// Reads a JSON file whole, refusing one larger than [`MAX_JSON_BYTES`] (an `InvalidData`
 /// error saying so; a missing file stays `NotFound`).
-pub fn read_json_file(path: &Path) -> std::io::Result<Vec<u8>> {
+pub(crate) fn read_json_file(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
     let too_big = |n: u64| {
         std::io::Error::new(
@@ -195,7 +195,7 @@ pub fn read_json_file(path: &Path) -> std::io::Result<Vec<u8>> {
 /// Opens `path` for reading, refusing anything but a regular file (after symlinks): a FIFO or
 /// a device in place of a shard is an error naming it, never a read that blocks forever (the
 /// open itself does not block: it is non-blocking until the type is known).
-pub fn open_regular(path: &Path) -> Result<File> {
+pub(crate) fn open_regular(path: &Path) -> Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let f = fs::OpenOptions::new()
         .read(true)
@@ -225,7 +225,7 @@ pub fn open_regular(path: &Path) -> Result<File> {
 
 /// Checks that everything below `dir` is a directory or a regular file (after symlinks): an
 /// error naming the first FIFO, socket or device found.
-pub fn check_regular_tree(dir: &Path) -> Result<()> {
+pub(crate) fn check_regular_tree(dir: &Path) -> Result<()> {
     for e in fs::read_dir(dir).at(dir)? {
         let e = e.at(dir)?;
         let path = e.path();
@@ -270,7 +270,7 @@ pub fn regular_file_len(path: &Path) -> Option<u64> {
 
 /// Raises the soft limit on open files to the hard limit. Datasets with thousands of shards keep
 /// one descriptor per shard, far beyond the common soft default of 1024.
-pub fn raise_open_file_limit() {
+pub(crate) fn raise_open_file_limit() {
     #[cfg(unix)]
     // SAFETY: getrlimit/setrlimit only read and write the struct we pass.
     unsafe {
@@ -287,7 +287,7 @@ pub fn raise_open_file_limit() {
 
 /// Asks the kernel to start writing a just-written range back now, without waiting for it, so
 /// the disk stays busy while the next chunk is produced and the shard's final fsync is short.
-pub fn start_writeback(f: &File, offset: u64, len: u64) {
+pub(crate) fn start_writeback(f: &File, offset: u64, len: u64) {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
@@ -303,6 +303,25 @@ pub fn start_writeback(f: &File, offset: u64, len: u64) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = (f, offset, len);
+}
+
+/// Opens `path` read-only with O_DIRECT (reads that bypass the page cache); `None` where that is
+/// refused (tmpfs, non-Linux).
+pub fn open_direct(path: &Path) -> Option<File> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+            .ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        None
+    }
 }
 
 #[cfg(test)]

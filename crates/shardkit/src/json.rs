@@ -40,6 +40,16 @@ impl Value {
         Value::Number(i.into().to_string())
     }
 
+    /// A number value from a float, with `digits` digits after the point; NaN and the
+    /// infinities (which JSON cannot hold) become `0`.
+    pub fn float(x: f64, digits: usize) -> Value {
+        Value::Number(if x.is_finite() {
+            format!("{x:.digits$}")
+        } else {
+            "0".into()
+        })
+    }
+
     /// The member `key` of an object.
     pub fn get(&self, key: &str) -> Option<&Value> {
         match self {
@@ -57,7 +67,7 @@ impl Value {
     }
 
     /// The value as a non-negative integer, if it is one written without fraction or exponent.
-    pub fn as_u64(&self) -> Option<u64> {
+    pub(crate) fn as_u64(&self) -> Option<u64> {
         match self {
             Value::Number(s) if !s.contains(['.', 'e', 'E']) => s.parse().ok(),
             _ => None,
@@ -101,7 +111,7 @@ impl Value {
     }
 
     /// A short name of the value's type, for error messages.
-    pub fn type_name(&self) -> &'static str {
+    pub(crate) fn type_name(&self) -> &'static str {
         match self {
             Value::Null => "null",
             Value::Bool(_) => "a boolean",

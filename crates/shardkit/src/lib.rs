@@ -1,16 +1,33 @@
 //! shardkit: exact, crash-safe and fast access to the on-disk caches ML training reads.
 //!
-//! Formats:
+//! Each format module writes a dataset, reads any item of it back by index, and streams it in
+//! batches (sequential or shuffled, split across ranks, resumable), with the same guarantees:
+//!
 //! * [`saev`]: the saev Sharded Activation File Protocol (transformer activations for
 //!   sparse-autoencoder training), every protocol version in use.
 //! * [`flat_tokens`]: MatX seqax's token datasets in zarr (v2 exactly as seqax writes them, or
 //!   sharded v3), with seqax's shuffled order served step by step.
 //! * [`eagle3`]: NeMo Automodel's EAGLE-3 offline cache (manifest and safetensors shards).
+//! * [`sdnb`]: SameDiff (Deeplearning4j) model containers: single SDNB files, shard sets and
+//!   SDZ archives, served from a memory map.
+//!
+//! Each module's documentation opens with a short example; `crates/shardkit/examples/` has a
+//! runnable program per format (`cargo run -p shardkit --example saev`).
 //!
 //! Conventions shared by every format: all input from disk or from a caller is validated once,
 //! at parse time, and errors name the file and the rule it breaks ([`Error`]); writers publish a
 //! file under its final name only when it is complete ([`fsutil`]); JSON that another
-//! implementation hashes is emitted byte-identically ([`json`]).
+//! implementation hashes is emitted byte-identically ([`json`]). Loaders take their row order
+//! from [`engine::Order`].
+//!
+//! ```
+//! # fn main() -> shardkit::Result<()> {
+//! // Every failure is a `shardkit::Error` that names what was wrong.
+//! let err = shardkit::sdnb::open("/nonexistent/model.sdnb").unwrap_err();
+//! assert!(matches!(err, shardkit::Error::NotFound { .. }));
+//! # Ok(())
+//! # }
+//! ```
 #![deny(missing_docs)]
 
 pub mod checksum;
@@ -29,3 +46,24 @@ pub use error::{Error, Result};
 
 /// The version of this library.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+// The Rust snippets of the README and of docs/ are compiled (and run) as doctests.
+#[doc = include_str!("../../../docs/saev.md")]
+#[cfg(doctest)]
+pub(crate) struct SaevDocs;
+
+#[doc = include_str!("../../../docs/flat_tokens.md")]
+#[cfg(doctest)]
+pub(crate) struct FlatTokensDocs;
+
+#[doc = include_str!("../../../docs/eagle3.md")]
+#[cfg(doctest)]
+pub(crate) struct Eagle3Docs;
+
+#[doc = include_str!("../../../docs/sdnb.md")]
+#[cfg(doctest)]
+pub(crate) struct SdnbDocs;
+
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub(crate) struct ReadmeDocs;

@@ -15,7 +15,7 @@ use crate::fsutil;
 
 /// A held writer lock; dropping it releases the lock (and removes a lock file it created).
 #[derive(Debug)]
-pub struct WriteLock {
+pub(crate) struct WriteLock {
     file: File,
     /// The lock file to remove on drop (None for a locked directory).
     remove: Option<PathBuf>,
@@ -23,20 +23,21 @@ pub struct WriteLock {
 
 impl WriteLock {
     /// Locks the directory `dir` (which must exist).
-    pub fn dir(dir: &Path) -> Result<WriteLock> {
+    pub(crate) fn dir(dir: &Path) -> Result<WriteLock> {
         let file = File::open(dir).at(dir)?;
         try_lock(&file, dir)?;
         Ok(WriteLock { file, remove: None })
     }
 
     /// Locks the file `target` (which need not exist yet) through `.NAME.lock` beside it.
-    pub fn beside(target: &Path) -> Result<WriteLock> {
+    #[cfg(test)]
+    pub(crate) fn beside(target: &Path) -> Result<WriteLock> {
         WriteLock::beside_as(target, target)
     }
 
     /// [`WriteLock::beside`], naming `shown` in a conflict (e.g. the container file, when the
     /// lock stands for every file of its base name).
-    pub fn beside_as(target: &Path, shown: &Path) -> Result<WriteLock> {
+    pub(crate) fn beside_as(target: &Path, shown: &Path) -> Result<WriteLock> {
         let name = target
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())

@@ -75,23 +75,13 @@ fn sample(w_specs: &[eagle3::FieldSpec], m: &eagle3::Manifest, i: u64) -> Vec<(S
 fn floats(dtype: safetensors::Dtype, values: impl Iterator<Item = f32>) -> Vec<u8> {
     match dtype {
         safetensors::Dtype::F32 => values.flat_map(f32::to_le_bytes).collect(),
-        // bf16 by truncation of values exactly representable here (k/8 and 1/2^n).
         safetensors::Dtype::BF16 => values
-            .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
             .collect(),
-        _ => values.flat_map(|v| f32_to_f16(v).to_le_bytes()).collect(),
+        _ => values
+            .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
     }
-}
-
-fn f32_to_f16(v: f32) -> u16 {
-    // Exact for the values used here (small multiples of 1/8 and powers of two).
-    if v == 0.0 {
-        return 0;
-    }
-    let bits = v.to_bits();
-    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
-    let frac = (bits >> 13) & 0x3ff;
-    ((exp as u16) << 10) | frac as u16
 }
 
 /// Writes samples `range` of a cache, in batches of `step`.
@@ -374,7 +364,12 @@ fn malformed_shards_are_typed_errors() {
         }
         let v = eagle3::validate(&dir, false);
         assert!(
-            !v.is_valid() && v.errors[0].contains("not a valid safetensors file"),
+            !v.is_valid()
+                && v.errors()
+                    .next()
+                    .unwrap()
+                    .message
+                    .contains("not a valid safetensors file"),
             "{what}"
         );
     }
@@ -750,7 +745,9 @@ fn deep_validation_finds_bad_values() {
         eagle3::validate(&dir, true)
     );
     let v = eagle3::validate(&dir, false);
-    assert!(v.notes.iter().any(|n| n.contains("target_embeddings")));
+    assert!(v
+        .notes()
+        .any(|n| n.to_string().contains("target_embeddings")));
     // Corrupt values in place (a copy of the shard with edited data bytes).
     let path = dir.join("shard-000000.safetensors");
     let good = std::fs::read(&path).unwrap();
@@ -767,7 +764,11 @@ fn deep_validation_finds_bad_values() {
     bad[data + 288..data + 292].copy_from_slice(&1.25f32.to_le_bytes());
     std::fs::write(&path, &bad).unwrap();
     let v = eagle3::validate(&dir, true);
-    let all = v.errors.join("\n");
+    let all = v
+        .errors()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
     for words in [
         "attention_mask` holds 1 values other than 0 and 1",
         "NaN",

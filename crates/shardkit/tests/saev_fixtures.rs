@@ -113,9 +113,9 @@ fn spurious_empty_shard_is_read_and_ignored() {
         let r = validate(fixtures().join(dir));
         assert!(r.is_valid(), "{r:?}");
         assert!(r
-            .problems
+            .findings
             .iter()
-            .any(|p| p.severity == Severity::Warning && p.message.contains("spurious")));
+            .any(|p| p.severity == Severity::Note && p.message.contains("spurious")));
     }
 }
 
@@ -133,7 +133,7 @@ fn crashed_fixture_is_refused_as_incomplete() {
     let r = validate(fixtures().join(CRASHED_20));
     assert!(!r.is_valid());
     assert!(
-        r.problems.iter().any(|p| p.message.contains("2 of 7")),
+        r.findings.iter().any(|p| p.message.contains("2 of 7")),
         "{r:?}"
     );
 }
@@ -142,7 +142,7 @@ fn crashed_fixture_is_refused_as_incomplete() {
 fn complete_fixtures_validate_cleanly() {
     for dir in [A_100, A_20, A_21, C_21] {
         let r = validate(fixtures().join(dir));
-        assert!(r.problems.is_empty(), "{dir}: {r:?}");
+        assert!(r.findings.is_empty(), "{dir}: {r:?}");
     }
 }
 
@@ -280,7 +280,7 @@ fn writing_the_fixture_cases_reproduces_their_bytes() {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
-        assert!(validate(&out).problems.is_empty());
+        assert!(validate(&out).findings.is_empty());
     }
 }
 

@@ -137,14 +137,14 @@ fn assert_exists(err: &Error, file: &Path, needles: &[&str]) {
 /// Asserts that `r` holds a finding of `sev` about `file` whose message contains every needle.
 #[track_caller]
 fn assert_problem(r: &Report, sev: Severity, file: &Path, needles: &[&str]) {
-    let found = r.problems.iter().any(|p| {
+    let found = r.findings.iter().any(|p| {
         p.severity == sev && p.file == file && needles.iter().all(|n| p.message.contains(n))
     });
     assert!(
         found,
         "no {sev:?} about {} mentioning {needles:?} in {:#?}",
         file.display(),
-        r.problems
+        r.findings
     );
 }
 
@@ -318,7 +318,7 @@ fn assert_identical(out: &Path, reference: &Path, what: &str) {
     );
     Dataset::open(out).unwrap();
     let r = validate(out);
-    assert!(r.problems.is_empty(), "{what}: {r:#?}");
+    assert!(r.findings.is_empty(), "{what}: {r:#?}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -386,7 +386,7 @@ fn corrupt_metadata_json_is_a_format_error() {
         fs::write(&md_path, bytes).unwrap();
         assert_format(&Dataset::open(&dir).unwrap_err(), &md_path, needles);
         let r = validate(&dir);
-        assert_eq!(r.problems.len(), 1, "{r:#?}");
+        assert_eq!(r.findings.len(), 1, "{r:#?}");
         assert_problem(&r, Severity::Error, &md_path, needles);
         assert!(inspect(&dir).is_err());
     }
@@ -585,12 +585,7 @@ fn unknown_minor_protocol_is_read_with_a_warning() {
     assert_eq!(ds.get(4, -1, 3).unwrap()[..2], [4103.0, 4103.0625]);
     let r = validate(&dir);
     assert!(r.is_valid(), "{r:#?}");
-    assert_problem(
-        &r,
-        Severity::Warning,
-        &dir.join("metadata.json"),
-        &["\"2.2\""],
-    );
+    assert_problem(&r, Severity::Note, &dir.join("metadata.json"), &["\"2.2\""]);
     // 1.x likewise.
     let (_, w) = Metadata::parse(
         &fs::read(fixtures().join(A_100).join("metadata.json"))
@@ -622,7 +617,7 @@ fn v0_metadata_is_refused_as_pre_protocol() {
     let md_path = dir.join("metadata.json");
     assert_format(&Dataset::open(&dir).unwrap_err(), &md_path, &["v0"]);
     let r = validate(&dir);
-    assert_eq!(r.problems.len(), 1, "{r:#?}");
+    assert_eq!(r.findings.len(), 1, "{r:#?}");
     assert_problem(&r, Severity::Error, &md_path, &["pre-protocol"]);
 }
 
@@ -843,7 +838,7 @@ fn extra_shards_json_entries_are_refused_except_one_empty_trailing_one() {
     assert_eq!(ds.layout().n_shards, 3);
     let r = validate(&dir);
     assert!(r.is_valid(), "{r:#?}");
-    assert_problem(&r, Severity::Warning, &sj, &["spurious"]);
+    assert_problem(&r, Severity::Note, &sj, &["spurious"]);
 }
 
 #[test]
@@ -873,7 +868,7 @@ fn labels_of_the_wrong_size_are_reported_and_not_used() {
     let r = validate(&dir);
     assert_problem(&r, Severity::Error, &lb, &["13 bytes", "N x P = 28"]);
     assert!(
-        r.problems.iter().all(|p| !p.message.contains("P+1")),
+        r.findings.iter().all(|p| !p.message.contains("P+1")),
         "{r:#?}"
     );
     assert!(!Dataset::open(&dir).unwrap().has_labels());
@@ -892,7 +887,7 @@ fn labels_of_the_wrong_size_are_reported_and_not_used() {
     let r = validate(&dir);
     assert_problem(&r, Severity::Error, &lb, &["25 bytes", "N x P = 20"]);
     assert!(
-        r.problems.iter().all(|p| !p.message.contains("P+1")),
+        r.findings.iter().all(|p| !p.message.contains("P+1")),
         "{r:#?}"
     );
     assert!(!Dataset::open(&dir).unwrap().has_labels());
@@ -918,9 +913,9 @@ fn validate_collects_every_problem_in_one_report() {
     assert_problem(&r, Severity::Error, &s1, &["empty file"]);
     assert_problem(&r, Severity::Error, &s2, &["not a regular file"]);
     assert_problem(&r, Severity::Error, &lb, &["N x (P+1)"]);
-    assert_problem(&r, Severity::Warning, &dir, &[".acts000003.bin.tmp"]);
+    assert_problem(&r, Severity::Note, &dir, &[".acts000003.bin.tmp"]);
     let errors = r
-        .problems
+        .findings
         .iter()
         .filter(|p| p.severity == Severity::Error)
         .count();
@@ -1025,11 +1020,11 @@ fn validate_of_a_huge_claimed_dataset_is_bounded() {
     let r = validate(&dir);
     assert!(!r.is_valid());
     assert!(
-        r.problems.len() <= 64,
+        r.findings.len() <= 64,
         "{} findings for a directory holding one file",
-        r.problems.len()
+        r.findings.len()
     );
-    assert!(r.problems.iter().any(|p| p
+    assert!(r.findings.iter().any(|p| p
         .message
         .contains("through acts1048575.bin (1048576 files)")));
     // 2^40 implied shards (the largest claim whose total size still fits in 63 bits here)
@@ -1049,7 +1044,7 @@ fn validate_of_a_huge_claimed_dataset_is_bounded() {
     )
     .unwrap();
     let r = validate(&dir);
-    assert!(!r.is_valid() && r.problems.len() <= 64, "{:?}", r.problems);
+    assert!(!r.is_valid() && r.findings.len() <= 64, "{:?}", r.findings);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1348,7 +1343,7 @@ fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) 
     );
     assert_problem(
         &r,
-        Severity::Warning,
+        Severity::Note,
         &dir,
         &[".acts000009.bin.tmp", ".shardkit-writing"],
     );
@@ -1494,7 +1489,7 @@ fn crash_after_shards_json_is_already_complete() {
     Dataset::open(&dir).unwrap();
     assert_problem(
         &validate(&dir),
-        Severity::Warning,
+        Severity::Note,
         &dir,
         &[".shardkit-writing"],
     );
@@ -1582,7 +1577,7 @@ fn validate_reports_a_labels_bin_that_is_not_a_file() {
     assert!(!Dataset::open(&dir).unwrap().has_labels());
     let r = validate(&dir);
     assert!(
-        r.problems.iter().any(|p| p.file == dir.join("labels.bin")),
+        r.findings.iter().any(|p| p.file == dir.join("labels.bin")),
         "{r:#?}"
     );
 }
@@ -2054,7 +2049,7 @@ fn validation_reports_what_saev_would_refuse_and_reading_still_works() {
         let report = validate(&dir);
         assert!(!report.is_valid(), "{needle}: {report:?}");
         let p = report
-            .problems
+            .findings
             .iter()
             .find(|p| p.severity == Severity::Error && p.message.contains(needle))
             .unwrap_or_else(|| panic!("no error with {needle:?}: {report:#?}"));
@@ -2076,11 +2071,11 @@ fn validation_reports_what_saev_would_refuse_and_reading_still_works() {
     let report = validate(&dir);
     assert!(report.is_valid(), "{report:?}");
     assert!(report
-        .problems
+        .findings
         .iter()
-        .any(|p| p.severity == Severity::Warning && p.message.contains("make_data_cfg")));
+        .any(|p| p.severity == Severity::Note && p.message.contains("make_data_cfg")));
     fs::copy(fixtures().join(A_21).join("metadata.json"), &md_path).unwrap();
-    assert!(validate(&dir).problems.is_empty());
+    assert!(validate(&dir).findings.is_empty());
     assert_eq!(
         inspect(&dir).unwrap().get("saev_loads"),
         Some(&Value::Bool(true))
@@ -2104,7 +2099,7 @@ fn validation_applies_the_rules_of_each_protocol() {
                 "\"data\": {\n        \"n_imgs\": 7,\n        \"__class__\": \"Fake\"\n    }",
                 "\"data\": \"Fake(n_imgs=7)\"",
             ),
-            Severity::Warning,
+            Severity::Note,
             "the Python repr saev 1.0.0 wrote before",
         ),
         (
@@ -2131,7 +2126,7 @@ fn validation_applies_the_rules_of_each_protocol() {
         let report = validate(&dir);
         assert!(
             report
-                .problems
+                .findings
                 .iter()
                 .any(|p| p.severity == severity && p.file == md_path && p.message.contains(needle)),
             "{needle}: {report:#?}"

@@ -10,11 +10,30 @@ SDNB/SDZ containers). Arrays are numpy arrays over memory owned by the Rust core
 import os
 from typing import Any, Dict, Union
 
-from ._shardkit import IncompleteDatasetError, __version__
+from ._shardkit import __version__
 from . import _shardkit as _core
+from . import errors
+from .errors import (
+    AlreadyExistsError,
+    CorruptDataError,
+    IncompleteDatasetError,
+    InternalError,
+    InvalidArgumentError,
+    LockedError,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    ShardkitError,
+    ShardkitOSError,
+)
 from . import eagle3, flat_tokens, saev, sdnb
 
-__all__ = ["saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "IncompleteDatasetError", "__version__"]
+__all__ = [
+    "saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "errors", "__version__",
+    "ShardkitError", "CorruptDataError", "IncompleteDatasetError", "InvalidArgumentError",
+    "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "PermissionDeniedError",
+    "OutOfRangeError", "InternalError",
+]
 
 
 def checksum(path: Union[str, "os.PathLike[str]"]) -> str:
@@ -28,9 +47,10 @@ def verify(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     """Checks every byte of a dataset against its checksums sidecar:
     ``{"sidecar": bool, "intact": bool, "damage": [{"file", "start", "end", "what"}]}``
     (``intact`` is False without a sidecar)."""
-    has, damage = _core.verify_checksums(os.fspath(path))
+    v = _core.verify_checksums(os.fspath(path))
+    has, damage = v["has_sidecar"], v["damage"]
     return {
         "sidecar": has,
         "intact": has and not damage,
-        "damage": [{"file": os.fspath(f), "start": a, "end": b, "what": w} for f, a, b, w in damage],
+        "damage": [{"file": os.fspath(d["file"]), "start": d["start"], "end": d["end"], "what": d["what"]} for d in damage],
     }

@@ -19,13 +19,15 @@ import collections.abc
 import json
 import os
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from . import _shardkit as _core
 from ._progress import Progress
-from ._shardkit import IncompleteDatasetError
+from .errors import IncompleteDatasetError, InvalidArgumentError
+from .types import EngineLoader, Eagle3Batch, LoaderState, Validation, check_state
+from ._validation import normalize as _normalize
 
 try:  # bf16 as a real numpy dtype when available
     import ml_dtypes as _ml_dtypes
@@ -98,12 +100,12 @@ def _coerce(x: Any, code: str, name: str) -> np.ndarray:
         if a.dtype != np.bool_ and not np.issubdtype(a.dtype, np.integer):
             raise TypeError(f"{name}: expected integers, got {a.dtype}")
         if code == "I32" and a.size and (a.min() < -(2**31) or a.max() >= 2**31):
-            raise ValueError(f"{name}: values do not fit int32")
+            raise InvalidArgumentError(f"{name}: values do not fit int32")
         a = a.astype(np.int64 if code == "I64" else np.int32, copy=False)
     elif code == "BOOL":
         if a.dtype != np.bool_:
             if not np.issubdtype(a.dtype, np.integer) or (a.size and (a.min() < 0 or a.max() > 1)):
-                raise ValueError(f"{name}: expected booleans (or 0/1), got {a.dtype}")
+                raise InvalidArgumentError(f"{name}: expected booleans (or 0/1), got {a.dtype}")
             a = a.astype(np.bool_)
     return np.ascontiguousarray(a)
 
@@ -137,14 +139,14 @@ class Writer:
         self._w = _core.Eagle3Writer(os.fspath(cache_dir), json.dumps(manifest), int(format_version), resume)
         self.path = os.fspath(cache_dir)
         self.manifest: Dict[str, Any] = json.loads(self._w.manifest_json)
-        self._fields = {name: (code, tuple(row)) for name, code, row in self._w.fields}
+        self._fields = {f["name"]: (f["dtype"], tuple(f["shape"])) for f in self._w.fields}
         self._closed = False
         self._progress = Progress(
             progress, unit="sample", total=int(self.manifest["num_samples"]), initial=self.next_sample
         )
 
     @property
-    def fields(self) -> Dict[str, tuple]:
+    def fields(self) -> Dict[str, Tuple[Any, ...]]:
         """Stored tensor name -> (safetensors dtype code, shape of one sample's row)."""
         return dict(self._fields)
 
@@ -166,20 +168,20 @@ class Writer:
         """Adds samples stacked on dim 0 (every stored field, the same batch size)."""
         unknown = sorted(set(batch) - set(self._fields))
         if unknown:
-            raise ValueError(f"{unknown} are not tensors of this cache (it stores {sorted(self._fields)})")
+            raise InvalidArgumentError(f"{unknown} are not tensors of this cache (it stores {sorted(self._fields)})")
         missing = sorted(set(self._fields) - set(batch))
         if missing:
-            raise ValueError(f"missing {missing}")
+            raise InvalidArgumentError(f"missing {missing}")
         arrays = {}
         n = None
         for name, (code, row) in self._fields.items():
             a = _coerce(batch[name], code, name)
             if a.ndim != len(row) + 1 or tuple(a.shape[1:]) != row:
-                raise ValueError(f"{name}: shape {a.shape}, expected (batch, {', '.join(map(str, row))})")
+                raise InvalidArgumentError(f"{name}: shape {a.shape}, expected (batch, {', '.join(map(str, row))})")
             if n is None:
                 n = a.shape[0]
             elif a.shape[0] != n:
-                raise ValueError(f"{name}: {a.shape[0]} samples, the other fields have {n}")
+                raise InvalidArgumentError(f"{name}: {a.shape[0]} samples, the other fields have {n}")
             arrays[name] = a.reshape(-1).view(np.uint8)
         self._w.add_rows(int(n or 0), arrays)
         self._progress.advance(int(n or 0), self.next_sample, int(self.manifest["num_samples"]))
@@ -188,7 +190,7 @@ class Writer:
         """Writes ``target_embeddings.safetensors``: ``weight``, float32 ``[vocab_rows, hidden]``."""
         a = np.ascontiguousarray(array, dtype=np.float32)
         if a.ndim != 2:
-            raise ValueError(f"embeddings must be 2-D [vocab_rows, hidden], got shape {a.shape}")
+            raise InvalidArgumentError(f"embeddings must be 2-D [vocab_rows, hidden], got shape {a.shape}")
         self._w.write_target_embeddings(a.reshape(-1).view(np.uint8), a.shape[0], a.shape[1])
 
     def close(self) -> str:
@@ -218,10 +220,10 @@ class Writer:
 
 
 def _item(fields: Sequence[Any]) -> Sample:
-    return {name: _view(buf, code) for name, code, _shape, buf in fields}
+    return {f["name"]: _view(f["array"], f["dtype"]) for f in fields}
 
 
-class Cache(collections.abc.Sequence):
+class Cache(collections.abc.Sequence):  # type: ignore[type-arg]
     """A cache opened for reading: ``len(cache) == num_samples``, ``cache[i]`` -> dict of arrays.
 
     Shards are memory-mapped on first use (at most ``max_open`` at a time). The object pickles
@@ -280,7 +282,7 @@ def open(cache_dir: PathLike, max_open: int = 64) -> Cache:  # noqa: A001 - mirr
 def collate(items: Sequence[Sample]) -> Sample:
     """Stacks items into a batch (each field on a new dim 0), as NeMo's collate does."""
     if not items:
-        raise ValueError("cannot collate an empty list of items")
+        raise InvalidArgumentError("cannot collate an empty list of items")
     return {k: np.stack([it[k] for it in items]) for k in items[0]}
 
 
@@ -297,7 +299,7 @@ def to_torch(batch: Sample) -> Dict[str, Any]:
     return out
 
 
-class Loader:
+class Loader(EngineLoader):
     """Batches of a cache: shuffled per epoch (or in order), split across ranks the way PyTorch's
     ``DistributedSampler`` does, read with many reads in flight a few batches ahead.
 
@@ -311,19 +313,39 @@ class Loader:
     def __init__(
         self,
         cache_dir: PathLike,
-        batch_size: int,
+        *args: Any,
+        batch_size: Optional[int] = None,
         shuffle: bool = True,
         seed: int = 0,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         drop_last: bool = False,
-        *,
         epoch: int = 0,
         num_threads: Optional[int] = None,
         prefetch: int = 2,
         io_threads: Optional[int] = None,
         verify: bool = False,
     ) -> None:
+        if args:
+            # The old signature took (batch_size, shuffle, seed, rank, world_size, drop_last)
+            # by position; every loader now takes keywords.
+            names = ["batch_size", "shuffle", "seed", "rank", "world_size", "drop_last"]
+            if len(args) > len(names):
+                raise TypeError(f"Loader takes at most {len(names) + 1} positional arguments")
+            warnings.warn(
+                f"pass {', '.join(names[:len(args)])} by keyword (every shardkit loader takes the same keywords)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            given = dict(zip(names, args))
+            batch_size = given.get("batch_size", batch_size)
+            shuffle = given.get("shuffle", shuffle)
+            seed = given.get("seed", seed)
+            rank = given.get("rank", rank)
+            world_size = given.get("world_size", world_size)
+            drop_last = given.get("drop_last", drop_last)
+        if batch_size is None:
+            raise TypeError("Loader() needs batch_size")
         if io_threads is not None:
             warnings.warn(
                 "io_threads is now num_threads (threads that read rows into batches; the reads "
@@ -338,57 +360,45 @@ class Loader:
             bool(drop_last), int(num_threads or 0), int(prefetch), bool(verify),
         )
 
-    def __len__(self) -> int:
-        return len(self._l)
-
-    @property
-    def epoch(self) -> int:
-        return self._l.epoch
-
-    @property
-    def rank(self) -> int:
-        return self._l.rank_world[0]
-
-    @property
-    def world_size(self) -> int:
-        return self._l.rank_world[1]
-
     def indices(self) -> List[int]:
         """This rank's sample indices for the current epoch, in order."""
-        return self._l.indices()
+        return list(self._l.indices())
 
-    def set_epoch(self, epoch: int) -> None:
-        self._l.set_epoch(int(epoch))
+    def state_dict(self) -> LoaderState:
+        """``{"format", "seed", "epoch", "batch", "batch_size", "world_size"}`` (see
+        :class:`shardkit.types.LoaderState`): save it with your checkpoint."""
+        return {"format": "eagle3", **self._l.state_dict()}  # type: ignore[typeddict-item]
 
-    def state_dict(self) -> Dict[str, int]:
-        """{"seed", "epoch", "batch", "batch_size", "world_size"}: save with your checkpoint."""
-        return self._l.state_dict()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state(dict(state), "eagle3")
+        self._l.load_state_dict({k: v for k, v in state.items() if k != "format"})
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        self._l.load_state_dict(dict(state))
-
-    def __iter__(self) -> Iterator[Sample]:
+    def __iter__(self) -> Iterator[Eagle3Batch]:
         if self._l.state_dict()["batch"] >= len(self):
             self._l.advance_to(0)  # a finished epoch starts over, as PyTorch's samplers do
         it = self._l.iter()
         try:
-            for cursor, _indices, fields in it:
-                self._l.advance_to(cursor)
-                yield _item(fields)
+            for b in it:
+                self._l.advance_to(b["cursor"])
+                yield _item(b["fields"])  # type: ignore[misc]
         finally:
             it.close()
 
 
-def validate(cache_dir: PathLike, deep: bool = False) -> Dict[str, Any]:
-    """{"valid", "errors", "notes"}; ``deep`` reads every value (NaN/Inf, masks, sums)."""
-    return json.loads(_core.eagle3_validate(os.fspath(cache_dir), deep))
+def validate(cache_dir: PathLike, deep: bool = False) -> Validation:
+    """``{"path", "valid", "errors", "notes"}``, each finding ``{"file", "message"}``
+    (:class:`shardkit.types.Validation`, the same for every format); ``deep`` reads every value
+    (NaN/Inf, masks, sums) and checks the checksums sidecar."""
+    return _normalize(json.loads(_core.eagle3_validate(os.fspath(cache_dir), deep)), os.fspath(cache_dir))
 
 
 def inspect(cache_dir: PathLike) -> Dict[str, Any]:
     """Configuration, sizes and completeness."""
-    return json.loads(_core.eagle3_inspect(os.fspath(cache_dir)))
+    info: Dict[str, Any] = json.loads(_core.eagle3_inspect(os.fspath(cache_dir)))
+    return info
 
 
 def set_version(cache_dir: PathLike, version: int) -> Dict[str, Any]:
     """Switches a cache between format_version 1 and 2 by rewriting only its manifest."""
-    return json.loads(_core.eagle3_set_version(os.fspath(cache_dir), int(version)))
+    out: Dict[str, Any] = json.loads(_core.eagle3_set_version(os.fspath(cache_dir), int(version)))
+    return out

@@ -19,16 +19,18 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _shardkit as _core
 from ._progress import Progress
-from ._shardkit import IncompleteDatasetError
+from .errors import CorruptDataError, IncompleteDatasetError, InvalidArgumentError, NotFoundError, OutOfRangeError
+from .types import LoaderState, TokensBatch, Validation, check_state
+from ._validation import normalize as _normalize
 
 PathLike = Union[str, "os.PathLike[str]"]
-Batch = Dict[str, np.ndarray]
+Batch = TokensBatch  # the old name
 
 __all__ = [
     "Writer",
@@ -65,16 +67,16 @@ def _flatten(sequences: Iterable[Any]) -> "tuple[np.ndarray, np.ndarray]":
         except OverflowError:
             a = np.asarray(s, dtype=object)
         if a.ndim != 1:
-            raise ValueError(f"sequence {i}: expected a 1-D sequence of token ids, got shape {a.shape}")
+            raise InvalidArgumentError(f"sequence {i}: expected a 1-D sequence of token ids, got shape {a.shape}")
         if a.size:
             if a.dtype == object or not np.issubdtype(a.dtype, np.integer):
                 if a.dtype == object and all(isinstance(x, int) for x in a):
                     bad = next(x for x in a if not 0 <= x <= MAX_TOKEN_ID)
-                    raise ValueError(_out_of_range(i, bad))
-                raise ValueError(f"sequence {i}: token ids must be integers, got {a.dtype}")
+                    raise InvalidArgumentError(_out_of_range(i, bad))
+                raise InvalidArgumentError(f"sequence {i}: token ids must be integers, got {a.dtype}")
             lo, hi = a.min(), a.max()
             if lo < 0 or hi > MAX_TOKEN_ID:
-                raise ValueError(_out_of_range(i, lo if lo < 0 else hi))
+                raise InvalidArgumentError(_out_of_range(i, lo if lo < 0 else hi))
         arrays.append(a)
     lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=len(arrays))
     if not arrays:
@@ -127,7 +129,7 @@ class Writer:
         )
         self.path = os.fspath(path)
         self.split = split
-        self._final: Optional[tuple] = None  # counts kept once closed
+        self._final: Optional["_core.WriterCounts"] = None  # counts kept once closed
         self._closed = False
         self._warned_zero = False
         self._progress = Progress(
@@ -144,23 +146,23 @@ class Writer:
         """Sequences the split held when this writer opened it (None for a new split)."""
         return self._w.resumed_from
 
-    def _counts(self) -> tuple:
+    def _counts(self) -> "_core.WriterCounts":
         return self._final if self._final is not None else self._w.counts
 
     @property
     def seq_count(self) -> int:
         """Sequences in the split so far."""
-        return self._counts()[0]
+        return self._counts()["seq_count"]
 
     @property
     def token_count(self) -> int:
         """Tokens in the split so far."""
-        return self._counts()[1]
+        return self._counts()["token_count"]
 
     @property
     def max_token_id(self) -> int:
         """The running ``max_token_id``."""
-        return self._counts()[2]
+        return self._counts()["max_token_id"]
 
     def append(self, sequences: Iterable[Any]) -> None:
         """Appends whole sequences: lists of ints or integer numpy arrays (any integer dtype).
@@ -172,7 +174,7 @@ class Writer:
         before = self.token_count
         tokens, lengths = _flatten(sequences)
         self._w.append_flat(tokens, lengths)
-        zero = self._w.counts[3]
+        zero = self._w.counts["sequences_with_id_zero"]
         if zero and not self._warned_zero:
             self._warned_zero = True
             warnings.warn(
@@ -193,8 +195,8 @@ class Writer:
         self._closed = True
         self._progress.close()
         self._final = self._w.counts
-        seqs, tokens, max_id = self._w.finish()
-        return {"seq_count": seqs, "token_count": tokens, "max_token_id": max_id}
+        done = self._w.finish()
+        return {"seq_count": done["seq_count"], "token_count": done["token_count"], "max_token_id": done["max_token_id"]}
 
     def abort(self) -> None:
         """Commits what was appended (best effort) without marking the dataset complete."""
@@ -222,8 +224,13 @@ class Split:
         self._s = _core.TokensSplit(os.fspath(path), name)
         self.name = name
         self.path: str = self._s.path
-        self.token_count, self.seq_count, self.max_token_id = self._s.counts
-        self.format, self.completion, self.sharded = self._s.info
+        counts, info = self._s.counts, self._s.info
+        self.token_count: int = counts["token_count"]
+        self.seq_count: int = counts["seq_count"]
+        self.max_token_id: int = counts["max_token_id"]
+        self.format: str = info["format"]
+        self.completion: str = info["completion"]
+        self.sharded: bool = info["sharded"]
 
     def __len__(self) -> int:
         return self.seq_count
@@ -260,10 +267,10 @@ class Dataset:
     def __init__(self, path: PathLike) -> None:
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
-            raise FileNotFoundError(f"{self.path}: not a directory; expected a flat-tokens dataset")
+            raise NotFoundError(f"{self.path}: not a directory; expected a flat-tokens dataset")
         self.splits: List[str] = [s for s in _SPLITS if os.path.isdir(os.path.join(self.path, s))]
         if not self.splits:
-            raise ValueError(f"{self.path}: holds neither a train nor a validation split")
+            raise CorruptDataError(f"{self.path}: holds neither a train nor a validation split")
         self._open: Dict[str, Split] = {}
 
     def __contains__(self, name: object) -> bool:
@@ -326,12 +333,34 @@ class Loader:
         read_blocks_per_shuffle_buffer: int = 1024,
         sequences_per_read_block: Optional[int] = None,
         seed: int = 0,
-        host_index: int = 0,
-        host_count: int = 1,
+        host_index: Optional[int] = None,
+        host_count: Optional[int] = None,
         epochs: bool = False,
         num_threads: Optional[int] = None,
         verify: bool = False,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        epoch: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
     ) -> None:
+        # The common loader keywords: rank/world_size are seqax's host_index/host_count (hosts
+        # that each load their slice of every batch), not read from $RANK (seqax's default is
+        # one host).
+        if rank is not None and host_index is not None and rank != host_index:
+            raise InvalidArgumentError(f"rank={rank} and host_index={host_index} disagree (they are the same thing)")
+        if world_size is not None and host_count is not None and world_size != host_count:
+            raise InvalidArgumentError(
+                f"world_size={world_size} and host_count={host_count} disagree (they are the same thing)")
+        host_index = rank if rank is not None else (host_index or 0)
+        host_count = world_size if world_size is not None else (host_count or 1)
+        if not shuffle:
+            raise InvalidArgumentError(
+                "shuffle=False: flat-tokens batches follow seqax's shuffled order (use "
+                "Dataset(path)[split] to read sequences in storage order)")
+        if not drop_last:
+            raise InvalidArgumentError(
+                "drop_last=False: seqax's step_count counts full batches only, and so does this loader")
         self._l = _core.TokensLoader(
             os.fspath(path),
             split,
@@ -358,7 +387,10 @@ class Loader:
             "seed": int(seed),
             "epochs": bool(epochs),
         }
+        self._world = int(host_count)
         self.step = 0
+        if epoch:
+            self.set_epoch(epoch)
 
     @property
     def step_count(self) -> int:
@@ -369,26 +401,25 @@ class Loader:
         return self._l.step_count
 
     @staticmethod
-    def _batch(t: Sequence[Any]) -> Batch:
-        _, inputs, targets, segment_ids, is_seq_start, mask = t
+    def _batch(t: "_core.TokensBatchOut") -> TokensBatch:
         return {
-            "inputs": _array(inputs),
-            "targets": _array(targets),
-            "segment_ids": _array(segment_ids),
-            "is_seq_start": _array(is_seq_start),
-            "mask": _array(mask),
+            "inputs": _array(t["inputs"]),
+            "targets": _array(t["targets"]),
+            "segment_ids": _array(t["segment_ids"]),
+            "is_seq_start": _array(t["is_seq_start"]),
+            "mask": _array(t["mask"]),
         }
 
     def load(self, step: int) -> Batch:
         """This host's rows of ``step``; reads only those rows."""
         if step < 0:
-            raise IndexError(f"step {step} is negative")
+            raise OutOfRangeError(f"step {step} is negative")
         return self._batch(self._l.load(int(step)))
 
     def rows(self, step: int) -> np.ndarray:
         """The sequence index (packed row, or document when unpacked) of each row of ``step``."""
         if step < 0:
-            raise IndexError(f"step {step} is negative")
+            raise OutOfRangeError(f"step {step} is negative")
         return _array(self._l.rows(int(step)))
 
     def iter(self, start_step: int = 0) -> Iterator[Batch]:
@@ -404,7 +435,7 @@ class Loader:
         it = self._l.iter(self.step)
         try:
             for t in it:
-                self.step = t[0] + 1
+                self.step = t["step"] + 1
                 yield self._batch(t)
         finally:
             it.close()
@@ -414,34 +445,58 @@ class Loader:
         without, epoch 0 is the only one)."""
         epoch = int(epoch)
         if epoch < 0 or (epoch > 0 and not self._order["epochs"]):
-            raise ValueError(f"epoch {epoch} does not exist: this loader has epochs={self._order['epochs']}")
+            raise InvalidArgumentError(f"epoch {epoch} does not exist: this loader has epochs={self._order['epochs']}")
         self.step = epoch * self.step_count
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The next step and the parameters that decide the order."""
-        return {"step": self.step, **self._order}
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next step."""
+        return self.step // self.step_count if self.step_count else 0
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Resumes at ``state["step"]``; refuses a state saved with a different order."""
-        if "step" not in state:
-            raise KeyError("state is missing 'step'")
+    def state_dict(self) -> LoaderState:
+        """The next step and the parameters that decide the order (see
+        :class:`shardkit.types.LoaderState`): ``step`` is seqax's global step; ``epoch`` and
+        ``batch`` are the same position counted per epoch."""
+        n = self.step_count
+        return {
+            "format": "flat_tokens",
+            "seed": self._order["seed"],
+            "epoch": self.step // n if n else 0,
+            "batch": self.step % n if n else 0,
+            "batch_size": self._order["batch_size"] // self._world,
+            "world_size": self._world,
+            "step": self.step,
+            **self._order,  # type: ignore[typeddict-item]
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resumes at ``state["step"]`` (or ``epoch``/``batch``); refuses a state saved with a
+        different order."""
+        check_state(dict(state), "flat_tokens")
         differ = [k for k, v in self._order.items() if k in state and state[k] != v]
         if differ:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "the state was saved with a different order: "
                 + ", ".join(f"{k}={state[k]!r} (this loader: {self._order[k]!r})" for k in differ)
             )
-        self.step = int(state["step"])
+        if "step" in state:
+            self.step = int(state["step"])
+        elif "epoch" in state and "batch" in state:
+            self.step = int(state["epoch"]) * self.step_count + int(state["batch"])
+        else:
+            raise KeyError("state is missing 'step' (or 'epoch' and 'batch')")
 
 
-def validate(path: PathLike) -> Dict[str, Any]:
-    """Every violation of every split: {"valid", "errors": [...], "notes": [...]}."""
-    return json.loads(_core.tokens_validate(os.fspath(path)))
+def validate(path: PathLike) -> Validation:
+    """Every violation of every split: ``{"path", "valid", "errors", "notes"}``, each finding
+    ``{"file", "message"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
+    return _normalize(json.loads(_core.tokens_validate(os.fspath(path))), os.fspath(path))
 
 
 def inspect(path: PathLike) -> Dict[str, Any]:
     """Per split: format, completion, counts, max_token_id, sequence length statistics."""
-    return json.loads(_core.tokens_inspect(os.fspath(path)))
+    info: Dict[str, Any] = json.loads(_core.tokens_inspect(os.fspath(path)))
+    return info
 
 
 def mark_complete(path: PathLike) -> None:
@@ -455,7 +510,10 @@ def convert(src: PathLike, dst: PathLike, layout: str = "v3") -> Dict[str, Dict[
     chunks must be decoded whole for every row read, so v3 serves random rows far faster; v2 is
     what seqax reads. The sequences, and every batch a Loader serves, stay the same."""
     done = _core.tokens_convert(os.fspath(src), os.fspath(dst), layout)
-    return {name: dict(zip(("seq_count", "token_count", "max_token_id"), c)) for name, c in done}
+    return {
+        c["split"]: {"seq_count": c["seq_count"], "token_count": c["token_count"], "max_token_id": c["max_token_id"]}
+        for c in done
+    }
 
 
 def _tokenizer_arg(tokenizer: Any) -> "tuple[Optional[str], bool]":
@@ -544,4 +602,5 @@ def build(
         )
     finally:
         bar.close()
-    return json.loads(summary)
+    out: Dict[str, Dict[str, int]] = json.loads(summary)
+    return out

@@ -18,6 +18,7 @@ copied to C order once. Bits are kept exactly (NaN payloads included).
 from __future__ import annotations
 
 import collections.abc
+import json
 import dataclasses
 import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
@@ -26,6 +27,9 @@ import numpy as np
 
 from . import _shardkit as _core
 from ._progress import Progress
+from .errors import InvalidArgumentError
+from .types import Validation
+from ._validation import normalize as _normalize
 
 try:  # bf16 and fp8 as real numpy dtypes when available
     import ml_dtypes as _ml_dtypes
@@ -37,7 +41,7 @@ except ImportError:  # pragma: no cover - exercised when ml_dtypes is absent
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["Container", "Variable", "open", "save", "convert", "set_metadata"]
+__all__ = ["Container", "Variable", "open", "save", "convert", "set_metadata", "validate"]
 
 #: numpy dtype -> SameDiff dtype name, for the types stored as they are.
 _DTYPES = {
@@ -89,7 +93,7 @@ def _array(dtype: str, buf: Any) -> np.ndarray:
     return a
 
 
-class Container(collections.abc.Mapping):
+class Container(collections.abc.Mapping):  # type: ignore[type-arg]
     """An opened container: ``c[name]`` is the array of a variable that has one (storage
     inline, appended or empty); ``len`` and iteration cover those, in graph order.
 
@@ -107,8 +111,16 @@ class Container(collections.abc.Mapping):
         self.metadata: Dict[str, str] = dict(self._c.metadata)
         #: Every variable, in graph order.
         self.variables: List[Variable] = [
-            Variable(n, vt, dt, None if s is None else tuple(s), st, nb, o)
-            for n, vt, dt, s, st, nb, o in self._c.variables
+            Variable(
+                v["name"],
+                v["var_type"],
+                v["dtype"],
+                None if v["shape"] is None else tuple(v["shape"]),
+                v["storage"],
+                v["nbytes"],
+                v["order"],
+            )
+            for v in self._c.variables
         ]
         #: The number of ops in the graph.
         self.op_count: int = self._c.op_count
@@ -122,7 +134,8 @@ class Container(collections.abc.Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._known:
             raise KeyError(name)
-        return _array(*self._c.array(name))
+        a = self._c.array(name)
+        return _array(a["dtype"], a["array"])
 
     def __contains__(self, name: object) -> bool:
         return name in self._known
@@ -137,11 +150,11 @@ class Container(collections.abc.Mapping):
         """The bytes of an extra archive entry (inflated when it was compressed)."""
         if name not in self.extra_entries:
             raise KeyError(f"{self.path}: no extra entry {name!r} (has {self.extra_entries})")
-        return self._c.extra_entry(name)
+        return bytes(self._c.extra_entry(name))
 
     @property
     def closed(self) -> bool:
-        return self._c.closed
+        return bool(self._c.closed)
 
     def close(self) -> None:
         """Releases this object's hold on the memory map (arrays handed out keep theirs)."""
@@ -171,6 +184,13 @@ def open(path: PathLike) -> Container:  # noqa: A001 - mirrors the built-in
     return Container(path)
 
 
+def validate(path: PathLike, deep: bool = False) -> Validation:
+    """Whether the container opens (every structure, offset and manifest entry checked) and,
+    with ``deep``, whether every byte matches its checksums sidecar: ``{"path", "valid",
+    "errors", "notes"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
+    return _normalize(json.loads(_core.sdnb_validate(os.fspath(path), bool(deep))), os.fspath(path))
+
+
 def _as_numpy(x: Any, where: str) -> Tuple[np.ndarray, Optional[str]]:
     """``x`` as a numpy array, and the dtype name when the numpy dtype does not say it (torch
     bf16/fp8 without ml_dtypes)."""
@@ -193,7 +213,7 @@ def _as_numpy(x: Any, where: str) -> Tuple[np.ndarray, Optional[str]]:
             try:
                 return x.numpy(), None
             except TypeError as e:  # e.g. torch's float8_e5m2
-                raise ValueError(f"{where}: {kind} cannot be stored ({e})") from None
+                raise InvalidArgumentError(f"{where}: {kind} cannot be stored ({e})") from None
     a = np.asarray(x)
     return a, None
 
@@ -211,7 +231,7 @@ def _dtype_name(a: np.ndarray, where: str) -> Tuple[np.ndarray, str]:
             if d != le:  # stored bytes are little-endian
                 a = a.astype(le)
             return a, name
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{where}: dtype {d} cannot be stored (bool, int8-64, uint8-64, float16/32/64, "
         "ml_dtypes bfloat16 and float8_e4m3fn can)"
     )
@@ -267,10 +287,10 @@ def save(
     var_types = dict(var_types or {})
     unknown = sorted(set(var_types) - set(tensors))
     if unknown:
-        raise ValueError(f"{where}: var_types names {unknown}, which are not among the tensors")
+        raise InvalidArgumentError(f"{where}: var_types names {unknown}, which are not among the tensors")
     for name, vt in var_types.items():
         if not isinstance(vt, str) or vt.upper() not in _VAR_TYPES:
-            raise ValueError(f"{where}: tensor {name!r}: var_type {vt!r} is not VARIABLE or CONSTANT")
+            raise InvalidArgumentError(f"{where}: tensor {name!r}: var_type {vt!r} is not VARIABLE or CONSTANT")
     entries = []
     for name, x in tensors.items():
         if not isinstance(name, str):
@@ -340,15 +360,14 @@ def set_metadata(path: PathLike, updates: Mapping[str, Optional[str]], rewrite: 
         if not isinstance(k, str) or not (v is None or isinstance(v, str)):
             raise TypeError(f"{where}: metadata updates map str -> str or None, got {k!r}: {v!r}")
         changes.append((k, v))
-    in_place, _files = _core.sdnb_set_metadata(where, changes, bool(rewrite))
-    return in_place
+    return _core.sdnb_set_metadata(where, changes, bool(rewrite))["in_place"]
 
 
 def _size(shard_size: Optional[int]) -> Optional[int]:
     if shard_size is None:
         return None
     if isinstance(shard_size, bool) or int(shard_size) <= 0:
-        raise ValueError(f"shard_size must be a positive number of bytes, not {shard_size!r}")
+        raise InvalidArgumentError(f"shard_size must be a positive number of bytes, not {shard_size!r}")
     return int(shard_size)
 
 

@@ -8,7 +8,8 @@ that copy. They keep their loader's ``state_dict``/``load_state_dict``/``set_epo
 the training process itself, not inside ``DataLoader`` workers: the engine already gathers on
 every core, and a worker would add a copy through shared memory.
 
-:class:`SaevIterableDataset` serves saev batches through ``torch.utils.data.DataLoader``. Each DataLoader worker of each rank serves its own slice of the global stream (sub-rank
+:class:`SaevDataset`, :class:`TokensDataset` and :class:`Eagle3Dataset` serve batches through
+``torch.utils.data.DataLoader``. Each DataLoader worker of each rank serves its own slice of the global stream (sub-rank
 ``rank * num_workers + worker``, sub-world ``world_size * num_workers``), so no row is duplicated
 and every row of an epoch is served once. Batches are already formed: use
 ``torch.utils.data.DataLoader(ds, batch_size=None, num_workers=N)``. The dataset implements
@@ -27,11 +28,15 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from . import eagle3, flat_tokens, saev
+from .errors import InvalidArgumentError
 
-__all__ = ["SaevLoader", "TokensLoader", "Eagle3Loader", "SaevIterableDataset"]
+__all__ = [
+    "SaevLoader", "TokensLoader", "Eagle3Loader",
+    "SaevDataset", "TokensDataset", "Eagle3Dataset", "SaevIterableDataset",
+]
 
 
-def _rank_world(rank: Optional[int], world_size: Optional[int]) -> tuple:
+def _rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
     if rank is not None and world_size is not None:
         return rank, world_size
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -39,57 +44,37 @@ def _rank_world(rank: Optional[int], world_size: Optional[int]) -> tuple:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-class SaevIterableDataset(IterableDataset):
-    """Shuffled (or ordered) saev batches as dicts of torch tensors, split across ranks and
-    DataLoader workers without duplicates."""
+def _to_tensors(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """numpy arrays (bf16 included) as tensors sharing their memory."""
+    return {k: _host_tensor(np.asarray(v)) for k, v in batch.items()}
 
-    def __init__(
-        self,
-        path: str,
-        *,
-        layer: Any,
-        tokens: str = "content",
-        batch_size: int = 16384,
-        seed: int = 0,
-        epoch: int = 0,
-        order: str = "block",
-        drop_last: bool = False,
-        memory_budget: Optional[int] = None,
-        ignore_labels: Any = (),
-        rank: Optional[int] = None,
-        world_size: Optional[int] = None,
-    ) -> None:
+
+class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
+    """A format's loader as an IterableDataset, split across ranks and DataLoader workers
+    without duplicates, stateful per worker."""
+
+    def __init__(self, rank: Optional[int], world_size: Optional[int], epoch: int) -> None:
         super().__init__()
-        self._kw: Dict[str, Any] = dict(
-            layer=layer,
-            tokens=tokens,
-            batch_size=batch_size,
-            seed=seed,
-            order=order,
-            drop_last=drop_last,
-            memory_budget=memory_budget,
-            ignore_labels=ignore_labels,
-        )
-        self._path = os.fspath(path)
-        self._epoch = epoch
+        self._epoch = int(epoch)
         self._rank, self._world = _rank_world(rank, world_size)
-        self._loader: Optional[saev.ShuffledLoader] = None
-        self._pending: Optional[Dict[str, int]] = None
+        self._loader: Any = None
+        self._pending: Optional[Dict[str, Any]] = None
+
+    def _build(self, rank: int, world_size: int, epoch: int) -> Any:
+        raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch for the next iteration (call before iterating, as with samplers)."""
         self._epoch = int(epoch)
 
-    def _make(self) -> saev.ShuffledLoader:
+    def _split(self) -> Tuple[int, int]:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        loader = saev.ShuffledLoader(
-            self._path,
-            epoch=self._epoch,
-            rank=self._rank * nw + wid,
-            world_size=self._world * nw,
-            **self._kw,
-        )
+        return self._rank * nw + wid, self._world * nw
+
+    def _make(self) -> Any:
+        rank, world = self._split()
+        loader = self._build(rank, world, self._epoch)
         if self._pending is not None:
             loader.load_state_dict(self._pending)
             self._pending = None
@@ -98,25 +83,74 @@ class SaevIterableDataset(IterableDataset):
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         self._loader = self._make()
         for batch in self._loader:
-            yield {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
+            yield _to_tensors(batch)
 
     def __len__(self) -> int:
+        """Batches per epoch over this rank's workers."""
         info = get_worker_info()
         nw = info.num_workers if info is not None else 1
-        probe = saev.ShuffledLoader(self._path, rank=self._rank, world_size=self._world * nw, **self._kw)
-        return len(probe) * nw
+        return len(self._build(self._rank * nw, self._world * nw, self._epoch)) * nw
 
-    def state_dict(self) -> Dict[str, int]:
-        """This worker's position (four integers)."""
+    def state_dict(self) -> Dict[str, Any]:
+        """This worker's position (its loader's ``state_dict()``)."""
         if self._loader is None:
             return self._pending or {}
-        return self._loader.state_dict()
+        return dict(self._loader.state_dict())
 
-    def load_state_dict(self, state: Dict[str, int]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resumes this worker from ``state_dict()`` at its next iteration."""
         self._pending = dict(state) if state else None
-        if self._pending:
+        if self._pending and "epoch" in self._pending:
             self._epoch = int(self._pending["epoch"])
+
+
+class SaevDataset(_LoaderDataset):
+    """saev batches (:class:`shardkit.saev.Loader`'s arguments) as dicts of torch tensors."""
+
+    def __init__(self, path: str, *, layer: Any, rank: Optional[int] = None, world_size: Optional[int] = None,
+                 epoch: int = 0, **kw: Any) -> None:
+        super().__init__(rank, world_size, epoch)
+        self._path = os.fspath(path)
+        self._kw: Dict[str, Any] = dict(layer=layer, **kw)
+
+    def _build(self, rank: int, world_size: int, epoch: int) -> saev.Loader:
+        shuffled = self._kw.get("shuffle") is not False and self._kw.get("order") != "sequential"
+        extra: Dict[str, Any] = {"epoch": epoch} if shuffled else {}
+        return saev.Loader(self._path, rank=rank, world_size=world_size, **extra, **self._kw)
+
+
+class SaevIterableDataset(SaevDataset):
+    """The old name of :class:`SaevDataset` (shuffled, ``order="block"`` by default)."""
+
+
+class TokensDataset(_LoaderDataset):
+    """flat-tokens batches (:class:`shardkit.flat_tokens.Loader`'s arguments) as dicts of torch
+    tensors; each worker of each rank loads its slice of every batch (seqax's hosts), so the
+    global ``batch_size`` must divide by ``world_size * num_workers``."""
+
+    def __init__(self, path: str, split: str = "train", *, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, epoch: int = 0, **kw: Any) -> None:
+        super().__init__(rank, world_size, epoch)
+        self._path, self._split_name = os.fspath(path), split
+        self._kw = kw
+
+    def _build(self, rank: int, world_size: int, epoch: int) -> flat_tokens.Loader:
+        return flat_tokens.Loader(self._path, self._split_name, rank=rank, world_size=world_size, epoch=epoch,
+                                  **self._kw)
+
+
+class Eagle3Dataset(_LoaderDataset):
+    """EAGLE-3 batches (:class:`shardkit.eagle3.Loader`'s arguments) as dicts of torch tensors
+    (bf16 as ``torch.bfloat16``)."""
+
+    def __init__(self, cache_dir: str, *, batch_size: int, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, epoch: int = 0, **kw: Any) -> None:
+        super().__init__(rank, world_size, epoch)
+        self._path = os.fspath(cache_dir)
+        self._kw = dict(batch_size=batch_size, **kw)
+
+    def _build(self, rank: int, world_size: int, epoch: int) -> eagle3.Loader:
+        return eagle3.Loader(self._path, rank=rank, world_size=world_size, epoch=epoch, **self._kw)
 
 
 # --- device loaders -------------------------------------------------------------------------
@@ -182,14 +216,14 @@ class _DeviceLoader:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} was asked for but torch sees no CUDA device")
         if num_buffers < 3:
-            raise ValueError(f"num_buffers must be at least 3 (one being copied, one ahead, one gathering), got {num_buffers}")
+            raise InvalidArgumentError(f"num_buffers must be at least 3 (one being copied, one ahead, one gathering), got {num_buffers}")
         self._num_buffers = int(num_buffers)
         # "pinned" on CUDA; "plain" copies through unpinned torch buffers (tests the same path on
         # machines without a GPU); None shares the loader's memory (CPU only).
         if host_buffers is None and self.device.type != "cpu":
             host_buffers = "pinned"
         if host_buffers not in (None, "pinned", "plain"):
-            raise ValueError(f"host_buffers must be 'pinned', 'plain' or None, got {host_buffers!r}")
+            raise InvalidArgumentError(f"host_buffers must be 'pinned', 'plain' or None, got {host_buffers!r}")
         self._mode = host_buffers
         self._buffers: Optional[_HostBuffers] = None
         self._state: Optional[Dict[str, Any]] = None  # the position after the last batch handed out
@@ -247,7 +281,7 @@ class _DeviceLoader:
             # never handed out: go back to the last one that was.
             self._host.load_state_dict(self._state)
         cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(self.device) if cuda else None
+        stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
         pending: Deque[Tuple[Any, Any]] = deque()  # (host arrays, copy-done event) not yet released
         host = self._host_batches()
 
@@ -271,7 +305,7 @@ class _DeviceLoader:
                         dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
                         dst.copy_(src, non_blocking=True)
                         out[k] = dst
-                    ev = torch.cuda.Event()
+                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     ev.record(stream)
             else:
                 out = {k: self._source(a).clone() for k, a in batch.items()}
@@ -305,16 +339,12 @@ class _DeviceLoader:
 class SaevLoader(_DeviceLoader):
     """saev batches (``act`` float32 ``[n, d_model]``, ``example_idx``, ``token_idx``, ...) as
     tensors on ``device``; shuffled (``order="block"`` or ``"exact"``) or in storage order
-    (``order="sequential"``). Other arguments are :class:`shardkit.saev.ShuffledLoader`'s."""
+    (``shuffle=False`` or ``order="sequential"``). Other arguments are
+    :class:`shardkit.saev.Loader`'s."""
 
-    def __init__(self, path: str, *, layer: Any, order: str = "block", device: Any = "cuda", num_buffers: int = 4, host_buffers: Optional[str] = None, **kw: Any) -> None:
-        if order == "sequential":
-            for k in ("seed", "epoch", "ignore_labels"):
-                if k in kw:
-                    raise TypeError(f"{k!r} does not apply to order='sequential'")
-            host = saev.OrderedLoader(path, layer=layer, **kw)
-        else:
-            host = saev.ShuffledLoader(path, layer=layer, order=order, **kw)
+    def __init__(self, path: str, *, layer: Any, device: Any = "cuda", num_buffers: int = 4,
+                 host_buffers: Optional[str] = None, **kw: Any) -> None:
+        host = saev.Loader(path, layer=layer, **kw)
         super().__init__(host, host._l, device, num_buffers, host_buffers)
 
 
@@ -332,6 +362,7 @@ class Eagle3Loader(_DeviceLoader):
     """EAGLE-3 batches (every field of the cache, bf16 as ``torch.bfloat16``) as tensors on
     ``device``. Arguments are :class:`shardkit.eagle3.Loader`'s."""
 
-    def __init__(self, cache_dir: str, batch_size: int, *, device: Any = "cuda", num_buffers: int = 4, host_buffers: Optional[str] = None, **kw: Any) -> None:
-        host = eagle3.Loader(cache_dir, batch_size, **kw)
+    def __init__(self, cache_dir: str, *args: Any, device: Any = "cuda", num_buffers: int = 4,
+                 host_buffers: Optional[str] = None, **kw: Any) -> None:
+        host = eagle3.Loader(cache_dir, *args, **kw)
         super().__init__(host, host._l, device, num_buffers, host_buffers)

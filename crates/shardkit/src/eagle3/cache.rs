@@ -255,7 +255,7 @@ impl Cache {
     }
 
     /// Bytes of one sample's full-width `target_probs`.
-    pub fn full_probs_bytes(&self) -> usize {
+    pub(crate) fn full_probs_bytes(&self) -> usize {
         (self.manifest.seq_length * self.manifest.draft_vocab_size) as usize
             * self.manifest.dtype.size()
     }

@@ -86,7 +86,7 @@ pub struct LoaderState {
     pub world_size: u64,
 }
 
-/// Where one field of a batch lies in the batch's buffer (the engine's [`Field`]).
+/// Where one field of a batch lies in the batch's buffer (the engine's [`Field`](crate::engine::Field)).
 pub use crate::engine::batch::Field as BatchField;
 
 /// One batch: every field stacked on dim 0, in one page-aligned buffer.
@@ -433,7 +433,7 @@ fn batch_layout(
             let spec = specs
                 .iter()
                 .find(|x| x.name == name)
-                .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
+                .ok_or_else(|| Error::Internal(format!("internal: no stored field {name}")))?;
             (spec.dtype, spec.row.clone())
         };
         let mut shape = vec![b];
@@ -453,7 +453,7 @@ fn batch_layout(
             let spec = specs
                 .iter()
                 .find(|x| x.name == name)
-                .ok_or_else(|| Error::Invalid(format!("internal: no stored field {name}")))?;
+                .ok_or_else(|| Error::Internal(format!("internal: no stored field {name}")))?;
             staging.push((name, spec.row_bytes(), off));
             off = align(off + spec.row_bytes() * b);
         }
@@ -508,7 +508,7 @@ impl Job for Eagle3Job {
                     None => match staging.iter().find(|x| x.0 == spec.name) {
                         Some(st) => st.2 + j * rb,
                         None => {
-                            return Err(Error::Invalid(format!(
+                            return Err(Error::Internal(format!(
                                 "internal: stored field {} has no place in a batch",
                                 spec.name
                             )))
@@ -570,7 +570,7 @@ impl Job for Eagle3Job {
             let map = |i: usize| {
                 maps.get(&(i as u32))
                     .map(|m| &m[..])
-                    .ok_or_else(|| Error::Invalid("internal: an unmapped shard".into()))
+                    .ok_or_else(|| Error::Internal("internal: an unmapped shard".into()))
             };
             v.ensure(touched, map, self.pool.pool())?;
         }
@@ -615,7 +615,7 @@ impl Job for Eagle3Job {
                 .layout
                 .iter()
                 .find(|l| l.name == "target_probs")
-                .ok_or_else(|| Error::Invalid("internal: no target_probs field".into()))?;
+                .ok_or_else(|| Error::Internal("internal: no target_probs field".into()))?;
             let row_out = cache.full_probs_bytes();
             let n = b.indices.len();
             let (vals, idx) = (b.staging[0], b.staging[1]);

@@ -309,12 +309,12 @@ impl Manifest {
     }
 
     /// Shards a complete cache has: `ceil(num_samples / shard_size)`.
-    pub fn num_shards(&self) -> u64 {
+    pub(crate) fn num_shards(&self) -> u64 {
         self.num_samples.div_ceil(self.shard_size)
     }
 
     /// Samples in shard `k` (the last one may be short).
-    pub fn rows_in_shard(&self, k: u64) -> u64 {
+    pub(crate) fn rows_in_shard(&self, k: u64) -> u64 {
         (self.num_samples - (k * self.shard_size).min(self.num_samples)).min(self.shard_size)
     }
 
@@ -333,7 +333,7 @@ impl Manifest {
 
     /// The keys (other than `format_version`) whose values differ from `other`'s: what a
     /// resume refuses, listed. Numbers compare by value (`1` equals `1.0`), as in Python.
-    pub fn differing_keys(&self, other: &Manifest) -> Vec<String> {
+    pub(crate) fn differing_keys(&self, other: &Manifest) -> Vec<String> {
         let (Value::Object(a), Value::Object(b)) = (&self.raw, &other.raw) else {
             return Vec::new();
         };
@@ -356,7 +356,7 @@ impl Manifest {
 
     /// This manifest switched to `version`: 2 adds `target_probs_topk: 0`, 1 removes it. Only
     /// a lossless cache can be version 1.
-    pub fn with_version(&self, version: u8) -> Result<Manifest> {
+    pub(crate) fn with_version(&self, version: u8) -> Result<Manifest> {
         match version {
             1 if self.topk.is_some() => Err(Error::Invalid(
                 "a top-k cache cannot be format_version 1 (version 1 has no top-k target_probs)"
@@ -403,7 +403,7 @@ fn same(a: &Value, b: &Value) -> bool {
 }
 
 /// Reads `dir/manifest.json`; a missing one is a not-found error.
-pub fn read(dir: &Path) -> Result<Manifest> {
+pub(crate) fn read(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     let text = match fsutil::read_json_file(&path) {
         Ok(t) => t,
@@ -419,7 +419,7 @@ pub fn read(dir: &Path) -> Result<Manifest> {
 }
 
 /// Writes `dir/manifest.json` atomically (fsynced) unless it already holds exactly these bytes.
-pub fn write(dir: &Path, m: &Manifest) -> Result<PathBuf> {
+pub(crate) fn write(dir: &Path, m: &Manifest) -> Result<PathBuf> {
     let path = dir.join(MANIFEST);
     let bytes = m.to_bytes();
     if std::fs::read(&path).ok().as_deref() != Some(&bytes[..]) {

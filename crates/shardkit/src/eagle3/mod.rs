@@ -24,6 +24,44 @@
 //! * [`Loader`]: shuffled or sequential batches per epoch, split across ranks like PyTorch's
 //!   `DistributedSampler`, read with many reads in flight.
 //! * [`validate`], [`inspect`], [`set_version`].
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use shardkit::eagle3::{synth, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions};
+//!
+//! # fn main() -> shardkit::Result<()> {
+//! let dir = tempfile::tempdir().unwrap();
+//! let config = shardkit::json::parse(
+//!     br#"{"target_model": "demo", "target_vocab_size": 8, "draft_vocab_size": 8,
+//!         "seq_length": 4, "dtype": "fp32", "num_samples": 6, "shard_size": 4,
+//!         "aux_hidden_dim": 6, "aux_layer_ids": [1, 2, 3],
+//!         "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
+//!         "input_data": "demo", "split": null, "shuffle_seed": 1}"#,
+//! )
+//! .expect("valid JSON");
+//! let mut writer = Writer::create(dir.path(), &config, WriterOptions::default())?;
+//! for i in 0..6 {
+//!     // Each field's little-endian bytes (synthetic values here).
+//!     let fields = synth::sample(writer.manifest(), i);
+//!     let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+//!     writer.add(Rows { n: 1, fields: &refs })?;
+//! }
+//! writer.finish()?;
+//!
+//! // Random access, and shuffled batches of 2 samples.
+//! let cache = Arc::new(Cache::open(dir.path())?);
+//! let item = cache.item(5)?;
+//! assert_eq!(cache.fields(&item)?[0].name, "input_ids");
+//! let mut opts = LoaderOptions::new(2);
+//! opts.shuffle = true;
+//! let loader = Loader::new(cache, opts)?;
+//! assert_eq!(loader.iter().count(), 3);
+//! # Ok(())
+//! # }
+//! ```
 
 mod cache;
 mod loader;
@@ -38,6 +76,9 @@ pub use cache::{
 };
 pub use loader::{Batch, BatchField, Batches, Loader, LoaderOptions, LoaderState};
 pub use manifest::{CacheDtype, Manifest, MANIFEST};
-pub use shard::{field_specs, is_temporary, read_header, shard_index, shard_name, FieldSpec};
+pub use shard::{field_specs, shard_name, FieldSpec};
+// Shard-file helpers for the CLI and its tests.
+#[doc(hidden)]
+pub use shard::{is_temporary, read_header, shard_index};
 pub use validate::{inspect, set_version, validate, Validation};
 pub use writer::{write_embeddings, Rows, Writer, WriterOptions, EMBEDDINGS};

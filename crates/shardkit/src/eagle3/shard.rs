@@ -41,7 +41,7 @@ pub fn is_temporary(name: &str) -> bool {
 }
 
 /// The shard indices present in `dir` (an absent directory has none).
-pub fn shard_set(dir: &Path) -> Result<BTreeSet<u64>> {
+pub(crate) fn shard_set(dir: &Path) -> Result<BTreeSet<u64>> {
     let mut out = BTreeSet::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -59,7 +59,7 @@ pub fn shard_set(dir: &Path) -> Result<BTreeSet<u64>> {
 
 /// Describes `set` against the complete set `0..expected` (None when equal): what is missing
 /// and what is extra.
-pub fn shard_set_problem(set: &BTreeSet<u64>, expected: u64) -> Option<String> {
+pub(crate) fn shard_set_problem(set: &BTreeSet<u64>, expected: u64) -> Option<String> {
     let missing: Vec<u64> = (0..expected).filter(|k| !set.contains(k)).collect();
     let extra: Vec<u64> = set.iter().copied().filter(|&k| k >= expected).collect();
     if missing.is_empty() && extra.is_empty() {
@@ -89,7 +89,7 @@ pub fn shard_set_problem(set: &BTreeSet<u64>, expected: u64) -> Option<String> {
 }
 
 /// Removes temporaries killed writers left in `dir`; returns how many.
-pub fn remove_temporaries(dir: &Path) -> Result<usize> {
+pub(crate) fn remove_temporaries(dir: &Path) -> Result<usize> {
     let mut n = 0;
     if let Ok(entries) = std::fs::read_dir(dir) {
         for e in entries.flatten() {
@@ -237,7 +237,7 @@ impl ShardFile {
         &self.map[start..start + row_bytes]
     }
     /// The file offset of row `r` of field `f`.
-    pub fn row_offset(&self, f: usize, r: u64, row_bytes: usize) -> u64 {
+    pub(crate) fn row_offset(&self, f: usize, r: u64, row_bytes: usize) -> u64 {
         (self.data_start + self.offsets[f] + r as usize * row_bytes) as u64
     }
     /// The whole tensor of field `f`.
@@ -248,7 +248,7 @@ impl ShardFile {
 }
 
 /// The offsets of `specs` in a parsed header, after checking the tensor set, dtypes and shapes.
-pub fn check_tensors(
+pub(crate) fn check_tensors(
     meta: &Metadata,
     specs: &[FieldSpec],
     rows: u64,
@@ -292,7 +292,7 @@ pub fn check_tensors(
 }
 
 /// One tensor handed to the safetensors writer: borrowed bytes with a dtype and shape.
-pub struct Tensor<'a> {
+pub(crate) struct Tensor<'a> {
     /// The dtype.
     pub dtype: Dtype,
     /// The shape.
@@ -319,7 +319,7 @@ impl View for Tensor<'_> {
 /// Writes `tensors` (no metadata) to `path` atomically and durably: the crate writes its
 /// bytes into a temporary sibling, which is fsynced, renamed over `path`, and the directory
 /// fsynced. The bytes equal Python `safetensors.numpy.save_file` of the same arrays.
-pub fn write_safetensors(path: &Path, tensors: Vec<(&str, Tensor<'_>)>) -> Result<()> {
+pub(crate) fn write_safetensors(path: &Path, tensors: Vec<(&str, Tensor<'_>)>) -> Result<()> {
     let tmp = PathBuf::from(format!("{}.tmp", path.display()));
     let result = (|| {
         safetensors::serialize_to_file(tensors, None, &tmp).map_err(|e| match e {

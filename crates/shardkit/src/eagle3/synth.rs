@@ -9,76 +9,23 @@ use super::manifest::Manifest;
 use super::shard::field_specs;
 use crate::engine::order::SplitMix64;
 
-/// Rounds to the nearest bfloat16 (ties to even), as `torch.Tensor.to(torch.bfloat16)` does.
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
+/// Rounds to the nearest IEEE half (ties to even), as numpy's `astype(float16)` does; every NaN
+/// becomes the quiet NaN of its sign (`0x7e00`/`0xfe00`), whatever its payload.
+fn f32_to_f16(x: f32) -> u16 {
     if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
+        return ((x.to_bits() >> 16) as u16 & 0x8000) | 0x7e00;
     }
-    let round = ((b >> 16) & 1) + 0x7fff;
-    (b.wrapping_add(round) >> 16) as u16
-}
-
-/// Rounds to the nearest IEEE half (ties to even), as numpy's `astype(float16)` does.
-pub fn f32_to_f16(x: f32) -> u16 {
-    let b = x.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u16;
-    let exp = ((b >> 23) & 0xff) as i32;
-    let mant = b & 0x7f_ffff;
-    if exp == 0xff {
-        return sign | 0x7c00 | if mant != 0 { 0x200 } else { 0 };
-    }
-    let e = exp - 127 + 15;
-    if e >= 31 {
-        return sign | 0x7c00;
-    }
-    if e <= 0 {
-        if e < -10 {
-            return sign;
-        }
-        let m = mant | 0x80_0000;
-        let shift = (14 - e) as u32;
-        let half = 1u32 << (shift - 1);
-        let rounded = (m + half - 1 + ((m >> shift) & 1)) >> shift;
-        return sign | rounded as u16;
-    }
-    let rest = mant & 0x1fff;
-    let mut h = ((e as u32) << 10) | (mant >> 13);
-    if rest > 0x1000 || (rest == 0x1000 && h & 1 == 1) {
-        h += 1; // a carry into the exponent is the correctly rounded result
-    }
-    sign | h as u16
-}
-
-/// IEEE half to single precision (exact).
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = u32::from(h >> 15) << 31;
-    let exp = u32::from((h >> 10) & 0x1f);
-    let frac = u32::from(h & 0x3ff);
-    let bits = match exp {
-        0 if frac == 0 => sign,
-        0 => {
-            let mut e = 127 - 15 + 1;
-            let mut f = frac;
-            while f & 0x400 == 0 {
-                f <<= 1;
-                e -= 1;
-            }
-            sign | (e << 23) | ((f & 0x3ff) << 13)
-        }
-        0x1f => sign | 0x7f80_0000 | (frac << 13),
-        _ => sign | ((exp + 127 - 15) << 23) | (frac << 13),
-    };
-    f32::from_bits(bits)
+    half::f16::from_f32(x).to_bits()
 }
 
 /// `values` encoded in `dtype` (F32, BF16 or F16), little-endian.
-pub fn encode_floats(dtype: Dtype, values: &[f32]) -> Vec<u8> {
+pub(crate) fn encode_floats(dtype: Dtype, values: &[f32]) -> Vec<u8> {
     match dtype {
         Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         Dtype::BF16 => values
             .iter()
-            .flat_map(|&v| f32_to_bf16(v).to_le_bytes())
+            // Ties to even, as `torch.Tensor.to(torch.bfloat16)` rounds; a NaN stays quiet.
+            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
             .collect(),
         _ => values
             .iter()
@@ -164,20 +111,21 @@ pub fn sample(m: &Manifest, i: u64) -> Vec<(&'static str, Vec<u8>)> {
 mod tests {
     use super::*;
 
+    fn bf16(x: f32) -> u16 {
+        half::bf16::from_f32(x).to_bits()
+    }
+
+    fn f16_to_f32(h: u16) -> f32 {
+        half::f16::from_bits(h).to_f32()
+    }
+
     #[test]
     fn conversions_round_to_nearest_even() {
-        assert_eq!(f32_to_bf16(1.0), 0x3f80);
-        assert_eq!(
-            f32_to_bf16(f32::from_bits(0x3f80_8000)),
-            0x3f80,
-            "tie to even"
-        );
-        assert_eq!(
-            f32_to_bf16(f32::from_bits(0x3f81_8000)),
-            0x3f82,
-            "tie to even"
-        );
-        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(bf16(1.0), 0x3f80);
+        assert_eq!(bf16(f32::from_bits(0x3f80_8000)), 0x3f80, "tie to even");
+        assert_eq!(bf16(f32::from_bits(0x3f81_8000)), 0x3f82, "tie to even");
+        assert_eq!(bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(bf16(f32::NAN), 0x7fc0);
         assert_eq!(f32_to_f16(1.0), 0x3c00);
         assert_eq!(f32_to_f16(65504.0), 0x7bff);
         assert_eq!(f32_to_f16(65520.0), 0x7c00, "rounds up to infinity");
@@ -189,6 +137,8 @@ mod tests {
             0x3c02,
             "tie to even"
         );
+        assert_eq!(f32_to_f16(f32::from_bits(0x7f80_0001)), 0x7e00, "NaN");
+        assert_eq!(f32_to_f16(-f32::NAN), 0xfe00, "NaN");
         for h in [0u16, 1, 0x3ff, 0x400, 0x3c00, 0x7bff, 0xc000, 0x8001] {
             assert_eq!(f32_to_f16(f16_to_f32(h)), h, "{h:#06x} round-trips");
         }

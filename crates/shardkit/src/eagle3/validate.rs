@@ -21,23 +21,23 @@ pub use crate::report::Validation;
 /// tolerance.
 pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
     let dir = dir.as_ref();
-    let mut v = Validation::default();
+    let mut v = Validation::new(dir);
     let m = match manifest::read(dir) {
         Ok(m) => m,
         Err(e) => {
-            v.errors.push(e.to_string());
+            v.error_from(&e);
             return v;
         }
     };
     let present = match shard_set(dir) {
         Ok(p) => p,
         Err(e) => {
-            v.errors.push(e.to_string());
+            v.error_from(&e);
             return v;
         }
     };
     if let Some(problem) = shard_set_problem(&present, m.num_shards()) {
-        v.errors.push(format!("{}: {problem}", dir.display()));
+        v.error(dir, problem);
     }
     let specs = field_specs(&m);
     for &k in &present {
@@ -46,27 +46,25 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
         }
         let path = dir.join(shard_name(k));
         match ShardFile::open(&path, &specs, m.rows_in_shard(k)) {
-            Err(e) => v.errors.push(e.to_string()),
+            Err(e) => v.error_from(&e),
             Ok(f) if deep => deep_check(&f, &m, &mut v),
             Ok(_) => {}
         }
     }
     match std::fs::metadata(dir.join(EMBEDDINGS)) {
-        Err(_) => v.notes.push(format!(
-            "{}: no {EMBEDDINGS} (NeMo's training recipe needs it)",
-            dir.display()
-        )),
+        Err(_) => v.note(
+            dir.join(EMBEDDINGS),
+            format!("no {EMBEDDINGS} (NeMo's training recipe needs it)"),
+        ),
         Ok(_) => {
             if let Err(e) = super::cache::open_embeddings(dir) {
-                v.errors.push(e.to_string());
+                v.error_from(&e);
             }
         }
     }
     if deep {
         // Beyond the values: every byte against the checksums sidecar, when there is one.
-        let (errors, notes) = crate::checksum::verify_messages(dir);
-        v.errors.extend(errors);
-        v.notes.extend(notes);
+        crate::checksum::verify_into(dir, &mut v);
     }
     let temps: Vec<String> = std::fs::read_dir(dir)
         .into_iter()
@@ -76,13 +74,15 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
         .filter(|n| is_temporary(n))
         .collect();
     if !temps.is_empty() {
-        v.notes.push(format!(
-            "{}: {} temporary files of an interrupted write (ignored; a resumed writer removes \
-             them): {}",
-            dir.display(),
-            temps.len(),
-            temps.join(", ")
-        ));
+        v.note(
+            dir,
+            format!(
+                "{} temporary files of an interrupted write (ignored; a resumed writer removes \
+                 them): {}",
+                temps.len(),
+                temps.join(", ")
+            ),
+        );
     }
     v
 }
@@ -92,8 +92,8 @@ fn floats(bytes: &[u8], dtype: Dtype) -> impl Iterator<Item = f32> + '_ {
     let size = dtype.bitsize() / 8;
     bytes.chunks_exact(size).map(move |c| match dtype {
         Dtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-        Dtype::BF16 => f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16),
-        _ => super::synth::f16_to_f32(u16::from_le_bytes([c[0], c[1]])),
+        Dtype::BF16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        _ => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
     })
 }
 
@@ -115,7 +115,6 @@ fn sum_tolerance(dtype: Dtype) -> f64 {
 
 fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
     let specs = field_specs(m);
-    let name = f.path().display().to_string();
     let tensor = |field: &str| {
         let (i, s) = specs
             .iter()
@@ -132,9 +131,10 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
         let (bytes, dtype, _) = tensor(field);
         let bad = floats(bytes, dtype).filter(|x| !x.is_finite()).count();
         if bad > 0 {
-            v.errors.push(format!(
-                "{name}: `{field}` holds {bad} NaN or infinite values"
-            ));
+            v.error(
+                f.path(),
+                format!("`{field}` holds {bad} NaN or infinite values"),
+            );
         }
     }
     // Masks.
@@ -144,16 +144,18 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
     for (field, bytes) in [("attention_mask", am), ("loss_mask", lm)] {
         let bad = i64s(bytes).filter(|&x| x != 0 && x != 1).count();
         if bad > 0 {
-            v.errors.push(format!(
-                "{name}: `{field}` holds {bad} values other than 0 and 1"
-            ));
+            v.error(
+                f.path(),
+                format!("`{field}` holds {bad} values other than 0 and 1"),
+            );
         }
     }
     let not_bool = pm.iter().filter(|&&b| b > 1).count();
     if not_bool > 0 {
-        v.errors.push(format!(
-            "{name}: `position_mask` holds {not_bool} bytes other than 0 and 1"
-        ));
+        v.error(
+            f.path(),
+            format!("`position_mask` holds {not_bool} bytes other than 0 and 1"),
+        );
     }
     let outside = pm
         .iter()
@@ -161,17 +163,19 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
         .filter(|&(&p, l)| p == 1 && l == 0)
         .count();
     if outside > 0 {
-        v.errors.push(format!(
-            "{name}: `position_mask` is set at {outside} positions where `loss_mask` is 0"
-        ));
+        v.error(
+            f.path(),
+            format!("`position_mask` is set at {outside} positions where `loss_mask` is 0"),
+        );
     }
     if let Some(vocab) = m.target_vocab_size {
         let (ids, _, _) = tensor("input_ids");
         let bad = i64s(ids).filter(|&x| x < 0 || x as u64 >= vocab).count();
         if bad > 0 {
-            v.errors.push(format!(
-                "{name}: `input_ids` holds {bad} ids outside 0..{vocab} (target_vocab_size)"
-            ));
+            v.error(
+                f.path(),
+                format!("`input_ids` holds {bad} ids outside 0..{vocab} (target_vocab_size)"),
+            );
         }
     }
     match m.topk {
@@ -184,9 +188,10 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
                 .filter(|&x| x < 0 || x >= vd)
                 .count();
             if bad > 0 {
-                v.errors.push(format!(
-                    "{name}: `target_probs_indices` holds {bad} indices outside 0..{vd}"
-                ));
+                v.error(
+                    f.path(),
+                    format!("`target_probs_indices` holds {bad} indices outside 0..{vd}"),
+                );
             }
         }
         None => {
@@ -205,10 +210,13 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
                 }
             }
             if bad > 0 {
-                v.errors.push(format!(
-                    "{name}: {bad} `target_probs` rows do not sum to 1 within {tol} (worst off by \
+                v.error(
+                    f.path(),
+                    format!(
+                        "{bad} `target_probs` rows do not sum to 1 within {tol} (worst off by \
                      {worst:.3e})"
-                ));
+                    ),
+                );
             }
         }
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 
 /// Alignment of every buffer (a page; also what O_DIRECT needs).
-pub const ALIGN: usize = 4096;
+pub(crate) const ALIGN: usize = 4096;
 
 struct Raw {
     ptr: *mut u8,
@@ -183,7 +183,7 @@ impl Buffer {
         self.as_bytes().get(field.range()).unwrap_or(&[])
     }
     /// The 4-byte values of `field` (u32, i32 or f32 bits), native endian.
-    pub fn field_u32(&self, field: &Field) -> &[u32] {
+    pub(crate) fn field_u32(&self, field: &Field) -> &[u32] {
         let bytes = self.field(field);
         // SAFETY: the buffer is page-aligned and fields start at multiples of 64, so `bytes`
         // is 4-byte aligned; any bit pattern is a valid u32; the length is rounded down.
@@ -220,7 +220,7 @@ impl std::fmt::Debug for Buffer {
 /// allocations, freed on drop): its lock may have been held by a parent thread at fork().
 ///
 /// An *external* pool ([`BufferPool::external`]) hands out memory its caller owns (pinned host
-/// memory allocated through torch, say): it never allocates, and [`BufferPool::get_or_wait`]
+/// memory allocated through torch, say): it never allocates, and `BufferPool::get_or_wait`
 /// waits for a buffer to come back when all are in use.
 #[derive(Clone)]
 pub struct BufferPool {
@@ -286,14 +286,14 @@ impl BufferPool {
     }
 
     /// Whether the pool hands out caller-owned memory.
-    pub fn is_external(&self) -> bool {
+    pub(crate) fn is_external(&self) -> bool {
         !self.external.is_empty()
     }
 
     /// A buffer of `len` bytes for a stream: from an allocating pool as [`BufferPool::get`];
     /// from an external pool, the first free buffer large enough, waiting while all are in use
     /// until one comes back or `stop` is set (then an error).
-    pub fn get_or_wait(&self, len: usize, stop: &AtomicBool) -> Result<Buffer> {
+    pub(crate) fn get_or_wait(&self, len: usize, stop: &AtomicBool) -> Result<Buffer> {
         if !self.is_external() {
             return Ok(self.get(len));
         }
@@ -328,7 +328,7 @@ impl BufferPool {
     }
     /// A buffer of `len` bytes; its content is unspecified (zeros or an earlier batch's bytes),
     /// so callers overwrite all of it. (An external pool with no free buffer large enough
-    /// allocates a buffer of its own; streams use [`BufferPool::get_or_wait`].)
+    /// allocates a buffer of its own; streams use `BufferPool::get_or_wait`.)
     pub fn get(&self, len: usize) -> Buffer {
         let pid = std::process::id();
         if pid != self.pid {

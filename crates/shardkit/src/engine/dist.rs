@@ -19,7 +19,7 @@ fn env_u64(name: &str) -> Result<Option<u64>> {
 
 /// `(rank, world_size)`: the given values, else `$RANK` / `$WORLD_SIZE`, else `(0, 1)`.
 /// A malformed variable, a world size of 0 and a rank not below the world size are errors.
-pub fn rank_and_world(rank: Option<u64>, world_size: Option<u64>) -> Result<(u64, u64)> {
+pub(crate) fn rank_and_world(rank: Option<u64>, world_size: Option<u64>) -> Result<(u64, u64)> {
     let world = match world_size {
         Some(w) => w,
         None => env_u64("WORLD_SIZE")?.unwrap_or(1),

@@ -47,7 +47,7 @@ pub struct Prepared<S> {
 }
 
 /// Pieces of one region each, from consecutive `step`-byte slices of `0..len`.
-pub fn even_pieces(len: usize, step: usize) -> Vec<Vec<Range<usize>>> {
+pub(crate) fn even_pieces(len: usize, step: usize) -> Vec<Vec<Range<usize>>> {
     let step = step.max(1);
     (0..len)
         .step_by(step)
@@ -122,7 +122,7 @@ impl std::fmt::Debug for GatherPool {
 }
 
 /// The number of cores this process may use.
-pub fn available_cores() -> usize {
+pub(crate) fn available_cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
@@ -135,15 +135,19 @@ impl GatherPool {
             threads
         };
         if fault::spawn_fails() {
-            return Err(Error::Invalid(
-                "cannot start the gather threads: injected spawn failure".into(),
-            ));
+            return Err(Error::Thread {
+                what: "the gather threads".into(),
+                source: std::io::Error::other("injected spawn failure"),
+            });
         }
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("shardkit-gather-{i}"))
             .build()
-            .map_err(|e| Error::Invalid(format!("cannot start {threads} gather threads: {e}")))?;
+            .map_err(|e| Error::Thread {
+                what: format!("{threads} gather threads"),
+                source: std::io::Error::other(e),
+            })?;
         Ok(GatherPool { pool })
     }
     /// Gather threads.
@@ -159,13 +163,13 @@ impl GatherPool {
 /// A loader's gather pool, started on first use and kept across epochs; a forked child (which
 /// has none of the parent's threads) starts its own.
 #[derive(Debug, Default)]
-pub struct GatherCell {
+pub(crate) struct GatherCell {
     pool: std::sync::Mutex<Option<(u32, Arc<GatherPool>)>>,
 }
 
 impl GatherCell {
     /// The pool of this process, started with `threads` threads (0: one per core) if needed.
-    pub fn get(&self, threads: usize) -> Result<Arc<GatherPool>> {
+    pub(crate) fn get(&self, threads: usize) -> Result<Arc<GatherPool>> {
         let pid = std::process::id();
         let mut g = self.pool.lock().unwrap_or_else(|e| e.into_inner());
         match g.take() {
@@ -213,7 +217,7 @@ impl<T> std::fmt::Debug for Stream<T> {
 }
 
 /// The message of a caught panic.
-pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())
@@ -221,7 +225,7 @@ pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 }
 
 fn panicked(stage: &str, p: Box<dyn std::any::Any + Send>) -> Error {
-    Error::Invalid(format!(
+    Error::Internal(format!(
         "a loader thread panicked while {stage} a batch: {}",
         panic_message(&*p)
     ))
@@ -291,7 +295,7 @@ fn gather<J: Job>(
 
 /// Prepares, fills and finishes one batch on the calling thread and `pool` (random access:
 /// the same work a stream does, without the pipeline).
-pub fn run_one<J: Job>(job: &J, plan: J::Plan, pool: &GatherPool) -> Result<J::Item> {
+pub(crate) fn run_one<J: Job>(job: &J, plan: J::Plan, pool: &GatherPool) -> Result<J::Item> {
     let cx = Context {
         stop: &NEVER_STOPPED,
     };
@@ -352,14 +356,18 @@ where
 
 fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>> {
     if fault::spawn_fails() {
-        return Err(Error::Invalid(format!(
-            "cannot start the loader thread {name}: injected spawn failure"
-        )));
+        return Err(Error::Thread {
+            what: format!("the loader thread {name}"),
+            source: std::io::Error::other("injected spawn failure"),
+        });
     }
     std::thread::Builder::new()
         .name(name.into())
         .spawn(f)
-        .map_err(|e| Error::Invalid(format!("cannot start the loader thread {name}: {e}")))
+        .map_err(|source| Error::Thread {
+            what: format!("the loader thread {name}"),
+            source,
+        })
 }
 
 /// Prepares each planned batch in order and hands it to the lanes alternately; after the last,
@@ -472,7 +480,7 @@ impl<T> Iterator for Stream<T> {
             }
             Err(_) => {
                 self.done = true;
-                Some(Err(Error::Invalid(
+                Some(Err(Error::Internal(
                     "a loader thread stopped before the end of the epoch without reporting \
                      why; the epoch is incomplete"
                         .into(),

@@ -39,14 +39,14 @@ impl SplitMix64 {
 }
 
 /// The SplitMix64 finaliser.
-pub fn mix64(mut z: u64) -> u64 {
+pub(crate) fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
 /// A key derived from the seed, epoch and a purpose tag, so different uses never correlate.
-pub fn derive_key(seed: u64, epoch: u64, purpose: u64) -> u64 {
+pub(crate) fn derive_key(seed: u64, epoch: u64, purpose: u64) -> u64 {
     mix64(mix64(mix64(seed ^ 0x5348_4152_444b_4954) ^ epoch) ^ purpose)
 }
 
@@ -254,12 +254,12 @@ impl EpochOrder {
         &self.windows
     }
     /// The index of the window holding stream position `pos`.
-    pub fn window_of(&self, pos: u64) -> usize {
+    pub(crate) fn window_of(&self, pos: u64) -> usize {
         self.windows.partition_point(|w| w.start + w.rows() <= pos)
     }
     /// The order of window `w`'s local rows: uniform (keyed by seed, epoch and window) for the
     /// block order, the identity for the sequential order.
-    pub fn window_permutation(&self, w: usize) -> Vec<u32> {
+    pub(crate) fn window_permutation(&self, w: usize) -> Vec<u32> {
         let n = self.windows[w].rows() as usize;
         match self.order {
             Order::Block => shuffled(n, mix64(self.key ^ w as u64)),
@@ -267,7 +267,7 @@ impl EpochOrder {
         }
     }
     /// (block, row within block) of a storage-order row index.
-    pub fn locate_storage(&self, row: u64) -> (u32, u64) {
+    pub(crate) fn locate_storage(&self, row: u64) -> (u32, u64) {
         let b = self.block_prefix.partition_point(|&p| p <= row) - 1;
         (b as u32, row - self.block_prefix[b])
     }
@@ -284,7 +284,7 @@ impl EpochOrder {
 /// Rows of the epoch that rank `rank` of `world` serves, as stream ranges, for global batches of
 /// `world · batch` rows: full global batches are split evenly; the final partial global batch is
 /// dropped (`drop_last`) or split into near-equal contiguous parts.
-pub fn rank_batches(
+pub(crate) fn rank_batches(
     total: u64,
     batch: u64,
     rank: u64,

@@ -27,7 +27,7 @@ pub struct ShuffleQuality {
 }
 
 /// Entropy in bits of the distribution of absolute differences between neighbours.
-pub fn diff_entropy(ids: &[u64]) -> f64 {
+pub(crate) fn diff_entropy(ids: &[u64]) -> f64 {
     if ids.len() < 2 {
         return 0.0;
     }

@@ -11,11 +11,11 @@ use super::fault;
 use crate::error::{Error, Result};
 
 /// Largest single read issued.
-pub const MAX_READ: u64 = 8 << 20;
+pub(crate) const MAX_READ: u64 = 8 << 20;
 
 /// One range to read: `len` bytes of file `file` at `offset`, into the buffer at `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ReadRange {
+pub(crate) struct ReadRange {
     /// Index of the file (see [`Files`]).
     pub file: u32,
     /// Byte offset in the file.
@@ -39,28 +39,12 @@ pub trait Files: Sync {
 }
 
 /// Alignment O_DIRECT needs for offsets, lengths and buffers.
-pub const DIRECT_ALIGN: u64 = 4096;
+pub(crate) const DIRECT_ALIGN: u64 = 4096;
 
-/// Opens `path` read-only with O_DIRECT; `None` where that is refused (tmpfs, non-Linux).
-pub fn open_direct(path: &Path) -> Option<File> {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-            .ok()
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = path;
-        None
-    }
-}
+pub use crate::fsutil::open_direct;
 
 /// Sorts, merges adjacent ranges and splits long ones into pieces of at most [`MAX_READ`].
-pub fn plan_reads(mut ranges: Vec<ReadRange>) -> Vec<ReadRange> {
+pub(crate) fn plan_reads(mut ranges: Vec<ReadRange>) -> Vec<ReadRange> {
     ranges.sort_unstable();
     let mut merged: Vec<ReadRange> = Vec::with_capacity(ranges.len());
     for r in ranges {
@@ -102,7 +86,7 @@ unsafe impl Sync for SendPtr {}
 /// Reads every range into `buf` using up to `threads` threads. Ranges must lie inside `buf`
 /// and not overlap there (both checked: an error, before anything is read). A short read (a
 /// file that shrank) is an error naming the file.
-pub fn read_all(
+pub(crate) fn read_all(
     files: &dyn Files,
     ranges: &[ReadRange],
     buf: &mut [u8],
@@ -174,7 +158,7 @@ pub fn read_all(
         for h in handles {
             let r = h
                 .join()
-                .unwrap_or_else(|_| Err(Error::Invalid("an I/O thread panicked".into())));
+                .unwrap_or_else(|_| Err(Error::Internal("an I/O thread panicked".into())));
             if result.is_ok() {
                 result = r;
             }
@@ -184,7 +168,7 @@ pub fn read_all(
 }
 
 /// `read_exact_at` with an error that names the file and says it shrank.
-pub fn read_exact(file: &File, path: &Path, offset: u64, dst: &mut [u8]) -> Result<()> {
+pub(crate) fn read_exact(file: &File, path: &Path, offset: u64, dst: &mut [u8]) -> Result<()> {
     fault::before_read(path)?;
     file.read_exact_at(dst, offset)
         .map_err(|e| read_error(path, offset, dst.len(), e))
@@ -212,7 +196,7 @@ pub fn readahead(file: &File, offset: u64, len: u64) {
 
 /// Checks that `file` still holds at least `len` bytes (an error naming it otherwise): a
 /// memory map must never be read past the end of its file.
-pub fn check_len(file: &File, path: &Path, len: u64) -> Result<()> {
+pub(crate) fn check_len(file: &File, path: &Path, len: u64) -> Result<()> {
     fault::before_read(path)?;
     let have = file.metadata().map_err(|e| Error::io(path, e))?.len();
     if have < len {
@@ -228,7 +212,7 @@ pub fn check_len(file: &File, path: &Path, len: u64) -> Result<()> {
 }
 
 /// The first `len` bytes of `file`, mapped read-only (`len` must be non-zero). The caller
-/// checks that the file still holds them ([`check_len`]) before reading a part of the map it
+/// checks that the file still holds them (`check_len`) before reading a part of the map it
 /// has not checked since: a map must never be read past the end of its file.
 pub fn map_file(file: &File, path: &Path, len: u64) -> Result<memmap2::Mmap> {
     // SAFETY: a read-only shared map of a finished file, which shardkit never writes; its length

@@ -156,7 +156,7 @@ enum ToWriter {
 }
 
 /// Appends the documents of `inputs` (paths, glob patterns, directories or `-`; see
-/// [`expand_inputs`](super::corpus::expand_inputs)) to `split` of the dataset at `root`,
+/// `corpus::expand_inputs`) to `split` of the dataset at `root`,
 /// creating it as needed. `progress` is called after each chunk; an error it returns stops
 /// the build (what was appended is committed). Bad input (a missing column, a non-string
 /// value, a corrupt Parquet page, a truncated zstd frame) ends the build with an error naming
@@ -211,7 +211,10 @@ pub fn build<S: AsRef<str>>(
         .num_threads(threads)
         .thread_name(|i| format!("shardkit-tokenize-{i}"))
         .build()
-        .map_err(|e| Error::Invalid(format!("cannot start {threads} tokenizing threads: {e}")))?;
+        .map_err(|e| Error::Thread {
+            what: format!("{threads} tokenizing threads"),
+            source: std::io::Error::other(e),
+        })?;
     // About a MiB of documents per thread keeps every thread busy within a chunk.
     let chunk_bytes = (threads << 20).clamp(4 << 20, 64 << 20);
     let bytes_total = inputs.iter().map(|i| i.len).sum::<Option<u64>>();
@@ -226,13 +229,19 @@ pub fn build<S: AsRef<str>>(
             .spawn_scoped(s, || {
                 read_docs(&inputs, &want, skip, chunk_bytes, to_encoder)
             })
-            .map_err(|e| Error::Invalid(format!("cannot start the reading thread: {e}")));
+            .map_err(|source| Error::Thread {
+                what: "the reading thread".into(),
+                source,
+            });
         let encoder = std::thread::Builder::new()
             .name("shardkit-encode".into())
             .spawn_scoped(s, || {
                 encode_docs(encoder_rx, to_writer, &pool, &want, options, &inputs)
             })
-            .map_err(|e| Error::Invalid(format!("cannot start the encoding thread: {e}")));
+            .map_err(|source| Error::Thread {
+                what: "the encoding thread".into(),
+                source,
+            });
         let outcome = match (&reader, &encoder) {
             (Ok(_), Ok(_)) => write_docs(
                 writer_rx,
@@ -253,7 +262,7 @@ pub fn build<S: AsRef<str>>(
         let join = |h: Result<std::thread::ScopedJoinHandle<'_, Result<u64>>>, who: &str| match h {
             Err(_) => Ok(0),
             Ok(h) => h.join().unwrap_or_else(|p| {
-                Err(Error::Invalid(format!(
+                Err(Error::Internal(format!(
                     "the {who} thread panicked: {}",
                     panic_message(&p)
                 )))
@@ -270,7 +279,7 @@ pub fn build<S: AsRef<str>>(
             // failed (an error or a panic), never the end of the input.
             WriteEnd::Disconnected => match (reader_result, encoder_result) {
                 (Err(e), _) | (_, Err(e)) => e,
-                _ => Error::Invalid(
+                _ => Error::Internal(
                     "the build's worker threads stopped before the end of the input".into(),
                 ),
             },

@@ -99,7 +99,7 @@ fn corpus_extension(p: &Path) -> bool {
 /// The inputs named by `specs`, in order: `-` (standard input), a file, a directory (its
 /// JSONL/Parquet files, sorted by name), or a glob pattern (`*`, `?`, `[..]`; matches sorted
 /// by name). A pattern or directory that names no file is an error, as is a file given twice.
-pub fn expand_inputs<S: AsRef<str>>(specs: &[S]) -> Result<Vec<Input>> {
+pub(crate) fn expand_inputs<S: AsRef<str>>(specs: &[S]) -> Result<Vec<Input>> {
     if specs.is_empty() {
         return Err(Error::Invalid("no input files given".into()));
     }

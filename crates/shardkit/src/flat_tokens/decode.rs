@@ -19,7 +19,7 @@ pub struct Decoded {
 
 /// One decoded position of a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Position {
+pub(crate) struct Position {
     /// The token id to predict.
     pub target: u32,
     /// The id fed to the model.
@@ -31,7 +31,7 @@ pub struct Position {
 }
 
 /// The positions of one row of encoded tokens.
-pub fn decode_row(row: impl IntoIterator<Item = u32>) -> impl Iterator<Item = Position> {
+pub(crate) fn decode_row(row: impl IntoIterator<Item = u32>) -> impl Iterator<Item = Position> {
     let (mut prev, mut segment) = (0u32, 0u32);
     row.into_iter().enumerate().map(move |(i, e)| {
         let (target, start) = (e >> 1, e & 1 == 1);

@@ -16,7 +16,7 @@ use zarrs::plugin::{PluginCreateError, ZarrVersion};
 
 /// The `delta` codec with `dtype = astype = "<i8"`, the only configuration seqax writes.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct DeltaCodec;
+pub(crate) struct DeltaCodec;
 
 impl zarrs::plugin::ExtensionName for DeltaCodec {
     fn name(&self, version: ZarrVersion) -> Option<std::borrow::Cow<'static, str>> {

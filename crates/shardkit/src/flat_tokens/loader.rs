@@ -246,7 +246,7 @@ impl FileVerifier {
         self.maps[i]
             .get()
             .map(|m| &m[..])
-            .ok_or_else(|| Error::Invalid("internal: a map vanished".into()))
+            .ok_or_else(|| Error::Internal("internal: a map vanished".into()))
     }
 
     /// Checks every block of `files` (whole files: decoding reads a chunk whole) that needs it.
@@ -518,7 +518,7 @@ impl Job for TokenLoader {
         crate::engine::fault::before_read(split.path())?;
         let tokens = split.encoded(range)?;
         let [enc, targets, inputs, segments, starts, mask] = out else {
-            return Err(Error::Invalid(
+            return Err(Error::Internal(
                 "internal: a token row has six arrays".into(),
             ));
         };

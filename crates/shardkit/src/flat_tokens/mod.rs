@@ -22,6 +22,33 @@
 //!   tokenizing text with a Hugging Face tokenizer on every core, with the writer's resume.
 //! * [`convert`] rewrites a dataset in the other layout (seqax's v2 chunks must be decoded
 //!   whole for any row, so v3 serves random rows far faster; v2 is what seqax reads).
+//!
+//! # Example
+//!
+//! ```
+//! use shardkit::flat_tokens::{LoaderOptions, Split, TokenLoader, Writer, WriterOptions};
+//!
+//! # fn main() -> shardkit::Result<()> {
+//! let root = tempfile::tempdir().unwrap();
+//! let root = root.path().join("ds.zarr");
+//! let mut writer = Writer::create(&root, "train", WriterOptions::default())?;
+//! let docs: Vec<Vec<u32>> = (0..64u32).map(|d| (0..8).map(|t| d * 8 + t).collect()).collect();
+//! writer.append(&docs)?;
+//! writer.finish()?;
+//!
+//! // Random access: document 3's token ids.
+//! let split = Split::open(&root, "train")?;
+//! assert_eq!(split.ids(3)?, (24..32).collect::<Vec<u32>>());
+//!
+//! // Step 0 of seqax's shuffled order: 4 packed rows of 16 tokens.
+//! let mut opts = LoaderOptions::new(16, 4);
+//! opts.sequences_per_read_block = Some(4);
+//! let loader = TokenLoader::new(split, opts)?;
+//! let batch = loader.load(0)?;
+//! assert_eq!(batch.inputs().len(), 4 * 16);
+//! # Ok(())
+//! # }
+//! ```
 
 #[cfg(feature = "corpus")]
 mod build;

@@ -99,47 +99,47 @@ fn summary(s: &Split) -> Result<Value> {
 /// ids, and an interrupted shardkit write. A dataset needs at least one split.
 pub fn validate(root: impl AsRef<Path>) -> Validation {
     let root = root.as_ref();
-    let mut v = Validation::default();
+    let mut v = Validation::new(root);
     let splits = present(root);
     if splits.is_empty() {
-        v.errors.push(format!(
-            "{}: holds neither a train nor a validation split (a zarr group with either)",
-            root.display()
-        ));
+        v.error(
+            root,
+            "holds neither a train nor a validation split (a zarr group with either)",
+        );
         return v;
     }
     for name in SPLITS {
         if !splits.contains(&name) {
-            v.notes.push(format!("{}: no {name} split", root.display()));
+            v.note(root, format!("no {name} split"));
         }
     }
     let mut unmarked = false;
     for name in splits {
         match Split::open_unvalidated(root, name) {
-            Err(e) => v.errors.push(e.to_string()),
+            Err(e) => v.error_from(&e),
             Ok(s) => {
                 match s.completion() {
-                    Completion::Interrupted => v.errors.push(format!(
-                        "{}: write_completed is false: a shardkit write did not finish; resume \
-                         it (shardkit tokens build --resume)",
-                        root.display()
-                    )),
+                    Completion::Interrupted => v.error(
+                        root,
+                        "write_completed is false: a shardkit write did not finish; resume it \
+                         (shardkit tokens build --resume)",
+                    ),
                     Completion::Unmarked => unmarked = true,
                     Completion::Complete => {}
                 }
-                let p = s.path().display().to_string();
-                v.errors
-                    .extend(s.validate().into_iter().map(|e| format!("{p}: {e}")));
+                for e in s.validate() {
+                    v.error(s.path(), e);
+                }
             }
         }
     }
     if unmarked {
-        v.notes.push(format!(
-            "{}: no completion marker (seqax data); every open validates it in full until it \
-             is marked (shardkit tokens validate --mark)",
-            root.display()
-        ));
+        v.note(
+            root,
+            "no completion marker (seqax data); every open validates it in full until it is \
+             marked (shardkit tokens validate --mark)",
+        );
     }
-    v.errors.dedup();
+    v.findings.dedup();
     v
 }

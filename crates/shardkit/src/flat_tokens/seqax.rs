@@ -193,7 +193,7 @@ impl Schedule {
     /// exactly seqax's order; later epochs are new orders that seqax itself reproduces when
     /// given that (arbitrary-precision) seed. Within epoch 0 the derived seeds
     /// `seed + 1 + m*S + s` stay below 2^64 + 2^33, so epochs never share a permutation seed.
-    pub fn for_epoch(n_seq: u64, p: ShuffleParams, epoch: u64) -> Result<Schedule> {
+    pub(crate) fn for_epoch(n_seq: u64, p: ShuffleParams, epoch: u64) -> Result<Schedule> {
         let (s, r, b) = (
             p.streams,
             p.read_blocks_per_shuffle_buffer,

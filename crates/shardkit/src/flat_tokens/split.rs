@@ -387,12 +387,12 @@ impl Split {
         &self.path
     }
     /// The files (chunks or shards, below the dataset root) that hold tokens `range`.
-    pub fn token_files(&self, range: Range<u64>) -> Vec<PathBuf> {
+    pub(crate) fn token_files(&self, range: Range<u64>) -> Vec<PathBuf> {
         self.tokens
             .files_of(crate::fsutil::parent_of(&self.path), range)
     }
     /// The files that hold `seq_starts` entries `range`.
-    pub fn start_files(&self, range: Range<u64>) -> Vec<PathBuf> {
+    pub(crate) fn start_files(&self, range: Range<u64>) -> Vec<PathBuf> {
         self.starts
             .files_of(crate::fsutil::parent_of(&self.path), range)
     }

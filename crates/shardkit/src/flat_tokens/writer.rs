@@ -862,7 +862,11 @@ pub fn mark_complete(root: impl AsRef<Path>) -> Result<()> {
             root,
             format!(
                 "not marked, validation failed: {}",
-                report.errors.join("; ")
+                report
+                    .errors()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join("; ")
             ),
         ));
     }

@@ -287,7 +287,7 @@ impl Dataset {
     }
 
     /// The open file of shard `s`.
-    pub fn shard_file(&self, s: u64) -> Result<&File> {
+    pub(crate) fn shard_file(&self, s: u64) -> Result<&File> {
         let cell = self.shards.get(s as usize).ok_or(Error::OutOfRange {
             what: "shard",
             index: s as i64,
@@ -303,7 +303,7 @@ impl Dataset {
     }
 
     /// Shard `s` opened with O_DIRECT, when the file system allows it (opened once, lazily).
-    pub fn shard_file_direct(&self, s: u64) -> Option<&File> {
+    pub(crate) fn shard_file_direct(&self, s: u64) -> Option<&File> {
         self.direct
             .get(s as usize)?
             .get_or_init(|| crate::engine::reader::open_direct(&self.shard_path(s)))
@@ -420,7 +420,7 @@ impl Dataset {
                 .collect();
             handles.into_iter().try_for_each(|h| {
                 h.join()
-                    .unwrap_or_else(|_| Err(Error::Invalid("reader thread panicked".into())))
+                    .unwrap_or_else(|_| Err(Error::Internal("reader thread panicked".into())))
             })
         })?;
         Ok(out)

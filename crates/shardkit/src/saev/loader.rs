@@ -118,7 +118,7 @@ impl LoaderOptions {
 }
 
 /// The saev directory seen as blocks of selected rows.
-pub struct SaevSource {
+pub(crate) struct SaevSource {
     ds: Dataset,
     slots: Vec<usize>,
     mode: TokenMode,
@@ -149,7 +149,7 @@ impl SaevSource {
         reader::check_len(f, &self.path(s), len)?;
         let _ = cell.set(reader::map_file(f, &self.path(s), len)?);
         cell.get()
-            .ok_or_else(|| Error::Invalid("internal: shard map vanished".into()))
+            .ok_or_else(|| Error::Internal("internal: shard map vanished".into()))
     }
 
     /// Checks that every shard in `shards` still has its full length (a map is never read past
@@ -171,7 +171,7 @@ impl SaevSource {
         let (file, offset, len) = self.block(b);
         self.map(file)?
             .get(offset as usize..(offset + len) as usize)
-            .ok_or_else(|| Error::Invalid(format!("internal: example {b} lies outside its shard")))
+            .ok_or_else(|| Error::Internal(format!("internal: example {b} lies outside its shard")))
     }
 
     fn kept_count(&self, e: u64) -> u64 {
@@ -191,10 +191,6 @@ impl SaevSource {
     fn split_row(&self, e: u64, j: u64) -> (usize, u64) {
         let n = self.kept_count(e);
         ((j / n) as usize, self.selected(e, j % n))
-    }
-    /// The dataset.
-    pub fn dataset(&self) -> &Dataset {
-        &self.ds
     }
 }
 
@@ -758,7 +754,7 @@ impl SaevJob {
         }
         while r.windows.back().is_none_or(|w| w.index < last) {
             let Some(&w) = r.needed.get(r.next) else {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Internal(format!(
                     "internal: window {last} was not planned for this pass"
                 )));
             };
@@ -792,7 +788,7 @@ impl SaevJob {
             let k = windows
                 .iter()
                 .position(|w| w.index == wi)
-                .ok_or_else(|| Error::Invalid(format!("internal: window {wi} is not resident")))?;
+                .ok_or_else(|| Error::Internal(format!("internal: window {wi} is not resident")))?;
             for &q in &windows[k].perm[(p - win.start) as usize..(seg_end - win.start) as usize] {
                 let q = q as u64;
                 let i = win.row_prefix.partition_point(|&x| x <= q) - 1;
@@ -906,7 +902,7 @@ impl Job for SaevJob {
             if b.in_windows {
                 match &b.windows[i as usize].data {
                     WindowData::Read { buf, .. } => Ok(buf.as_bytes()),
-                    WindowData::Mapped => Err(Error::Invalid("internal: a mapped window".into())),
+                    WindowData::Mapped => Err(Error::Internal("internal: a mapped window".into())),
                 }
             } else {
                 src.map(i).map(|m| &m[..])
@@ -917,7 +913,7 @@ impl Job for SaevJob {
             base(i)?
                 .get(off as usize..off as usize + rb)
                 .ok_or_else(|| {
-                    Error::Invalid(format!("internal: batch row {k} lies outside its data"))
+                    Error::Internal(format!("internal: batch row {k} lies outside its data"))
                 })
         };
         let dsts = out[0].chunks_exact_mut(rb);

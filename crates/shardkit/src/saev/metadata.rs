@@ -86,7 +86,7 @@ impl WriteVersion {
     }
 
     /// Parses a `protocol` string that shardkit can write.
-    pub fn from_protocol(p: &str) -> Option<Self> {
+    pub(crate) fn from_protocol(p: &str) -> Option<Self> {
         match p {
             "1.0.0" => Some(WriteVersion::V1_0_0),
             "2.0" => Some(WriteVersion::V2_0),
@@ -613,7 +613,7 @@ impl Metadata {
         self.major
     }
     /// The version shardkit would write this metadata as, when the protocol is one it writes.
-    pub fn write_version(&self) -> Option<WriteVersion> {
+    pub(crate) fn write_version(&self) -> Option<WriteVersion> {
         WriteVersion::from_protocol(&self.protocol)
     }
     /// Model family (`family` / `vit_family`).
@@ -702,7 +702,7 @@ impl Metadata {
     }
 
     /// The recipe that produces `name` from this metadata, if any.
-    pub fn matching_recipe(&self, name: &str) -> Option<Recipe> {
+    pub(crate) fn matching_recipe(&self, name: &str) -> Option<Recipe> {
         Recipe::ALL.into_iter().find(|r| r.name(&self.raw) == name)
     }
 

@@ -11,6 +11,39 @@
 //! Reference: saev (OSU-NLP-Group/saev), `src/saev/data/shards.py`; the exact behaviour and
 //! the reference's bugs are in `shared/formats/saev.md`. Reading accepts every version by its
 //! key names; writing produces 1.0.0, 2.0 or 2.1 byte-identically to saev, crash-safely.
+//!
+//! # Example
+//!
+//! ```
+//! use shardkit::saev::{Dataset, LayerSel, Loader, LoaderOptions, Metadata, Writer};
+//!
+//! # fn main() -> shardkit::Result<()> {
+//! let root = tempfile::tempdir().unwrap();
+//! // 4 examples of one layer, 2 content tokens + CLS, 3 values wide.
+//! let config = shardkit::json::parse(
+//!     br#"{"family": "clip", "ckpt": "demo", "layers": [11], "content_tokens_per_example": 2,
+//!         "cls_token": true, "d_model": 3, "n_examples": 4, "max_tokens_per_shard": 9,
+//!         "data": "demo", "dataset": "demo", "protocol": "2.1"}"#,
+//! )
+//! .expect("valid JSON");
+//! let mut writer = Writer::create(root.path(), Metadata::for_writing(&config)?, Default::default())?;
+//! let acts: Vec<f32> = (0..4 * 3 * 3).map(|i| i as f32).collect();
+//! writer.write(&acts, None)?; // any number of whole examples per call
+//! let dir = writer.finish()?;
+//!
+//! // Random access: example 1, layer 11, token slot 2 (CLS is slot 0).
+//! assert_eq!(Dataset::open(&dir)?.get(1, 11, 2)?, [15.0, 16.0, 17.0]);
+//!
+//! // Shuffled batches of content tokens.
+//! let mut opts = LoaderOptions::new(LayerSel::Value(11));
+//! opts.order = shardkit::engine::Order::Exact;
+//! opts.batch_size = 4;
+//! let loader = Loader::new(&dir, opts)?;
+//! let rows: usize = loader.iter()?.map(|b| b.map(|b| b.n)).sum::<shardkit::Result<_>>()?;
+//! assert_eq!(rows, 8);
+//! # Ok(())
+//! # }
+//! ```
 
 mod compat;
 mod dataset;
@@ -22,10 +55,14 @@ mod writer;
 
 pub use compat::fake_dataset_data;
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
-pub use layout::{parse_shards_json, shards_json_bytes, Layout, ShardEntry, VALUE_BYTES};
+pub use layout::{Layout, VALUE_BYTES};
 pub use loader::{
-    Batch, Batches, LayerSel, Loader, LoaderOptions, LoaderState, SaevSource, DEFAULT_MEMORY_BUDGET,
+    Batch, Batches, LayerSel, Loader, LoaderOptions, LoaderState, DEFAULT_MEMORY_BUDGET,
 };
 pub use metadata::{Metadata, Recipe, WriteVersion};
 pub use validate::{inspect, validate, Problem, Report, Severity};
 pub use writer::{WriteStart, Writer, WriterOptions};
+
+// shards.json as saev reads and writes it, for the robustness tests.
+#[doc(hidden)]
+pub use layout::{parse_shards_json, shards_json_bytes, ShardEntry};

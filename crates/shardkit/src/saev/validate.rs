@@ -1,7 +1,7 @@
 //! `validate` and `inspect`: every problem of a saev directory in one report, and a summary.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::error::Error;
 use crate::fsutil;
@@ -10,81 +10,21 @@ use crate::saev::dataset::{check_complete, check_entries, leading_full_files};
 use crate::saev::layout::{parse_shards_json, Layout};
 use crate::saev::Metadata;
 
-/// How serious a finding is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Severity {
-    /// The directory cannot be served exactly.
-    Error,
-    /// Worth knowing; reading still works.
-    Warning,
-}
+pub use crate::report::{Finding, Severity, Validation};
 
-/// One finding of [`validate`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    /// Error or warning.
-    pub severity: Severity,
-    /// The file concerned.
-    pub file: PathBuf,
-    /// What is wrong.
-    pub message: String,
-}
+/// The old name of [`Validation`] (saev's report is the one every format returns).
+pub type Report = Validation;
 
-/// Everything [`validate`] found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Report {
-    /// The directory checked.
-    pub dir: PathBuf,
-    /// Findings in the order they were made.
-    pub problems: Vec<Problem>,
-}
-
-impl Report {
-    /// True when no finding is an error.
-    pub fn is_valid(&self) -> bool {
-        !self.problems.iter().any(|p| p.severity == Severity::Error)
-    }
-    /// The report as JSON (what `shardkit saev validate --json` prints).
-    pub fn to_json(&self) -> Value {
-        let list = |sev: Severity| {
-            Value::Array(
-                self.problems
-                    .iter()
-                    .filter(|p| p.severity == sev)
-                    .map(|p| {
-                        Value::Object(vec![
-                            ("file".into(), Value::String(p.file.display().to_string())),
-                            ("message".into(), Value::String(p.message.clone())),
-                        ])
-                    })
-                    .collect(),
-            )
-        };
-        Value::Object(vec![
-            ("path".into(), Value::String(self.dir.display().to_string())),
-            ("valid".into(), Value::Bool(self.is_valid())),
-            ("errors".into(), list(Severity::Error)),
-            ("warnings".into(), list(Severity::Warning)),
-        ])
-    }
-}
+/// The old name of [`Finding`].
+pub type Problem = Finding;
 
 /// Checks a saev directory and collects every problem: metadata, directory name, shards.json
 /// against metadata, each shard file (missing, empty, not regular, unreadable, wrong size),
 /// completeness, labels.bin, and leftovers of an interrupted write.
-pub fn validate(dir: impl AsRef<Path>) -> Report {
+pub fn validate(dir: impl AsRef<Path>) -> Validation {
     let dir = dir.as_ref().to_path_buf();
-    let mut r = Report {
-        dir: dir.clone(),
-        problems: Vec::new(),
-    };
-    let mut push = |sev, file: &Path, msg: String| {
-        r.problems.push(Problem {
-            severity: sev,
-            file: file.to_path_buf(),
-            message: msg,
-        })
-    };
+    let mut r = Validation::new(&dir);
+    let mut push = |sev, file: &Path, msg: String| r.push(sev, file, msg);
     if !dir.is_dir() {
         push(Severity::Error, &dir, "not a directory".into());
         return r;
@@ -93,7 +33,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
     let md = match Metadata::read(&dir) {
         Ok((md, warnings)) => {
             for w in warnings {
-                push(Severity::Warning, &md_path, w);
+                push(Severity::Note, &md_path, w);
             }
             md
         }
@@ -111,7 +51,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
         );
     }
     for w in findings.warnings {
-        push(Severity::Warning, &md_path, w);
+        push(Severity::Note, &md_path, w);
     }
     let layout = match Layout::new(&md, &md_path) {
         Ok(l) => l,
@@ -126,7 +66,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
         .unwrap_or_default();
     match md.matching_recipe(&name) {
         Some(rc) if rc != md.recipe() => push(
-            Severity::Warning,
+            Severity::Note,
             &dir,
             format!(
                 "directory name matches recipe {} although protocol {} uses {}",
@@ -137,7 +77,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
         ),
         Some(_) => {}
         None => push(
-            Severity::Warning,
+            Severity::Note,
             &dir,
             format!(
                 "directory name {name:?} matches no saev hash recipe of this metadata \
@@ -173,7 +113,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
                     && entries.last().is_some_and(|e| e.count == 0)
                 {
                     push(
-                        Severity::Warning,
+                        Severity::Note,
                         &sj,
                         "a trailing entry with 0 examples (saev's spurious empty shard); ignored"
                             .into(),
@@ -233,7 +173,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
             let (first, last) = (start, gap_end - 1);
             // A missing spurious trailing shard (beyond the metadata's count) is only a warning.
             let sev = if first >= layout.n_shards {
-                Severity::Warning
+                Severity::Note
             } else {
                 Severity::Error
             };
@@ -283,7 +223,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Report {
             .collect();
         if !leftovers.is_empty() {
             push(
-                Severity::Warning,
+                Severity::Note,
                 &dir,
                 format!(
                     "leftovers of an interrupted shardkit write: {}",

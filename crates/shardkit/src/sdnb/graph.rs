@@ -36,47 +36,47 @@ const fn slot(n: u16) -> u16 {
 
 mod fg {
     use super::slot;
-    pub const ID: u16 = slot(0);
-    pub const VARIABLES: u16 = slot(1);
-    pub const NODES: u16 = slot(2);
-    pub const OUTPUTS: u16 = slot(3);
-    pub const CONFIGURATION: u16 = slot(4);
-    pub const PLACEHOLDERS: u16 = slot(5);
-    pub const LOSS_VARIABLES: u16 = slot(6);
-    pub const TRAINING_CONFIG: u16 = slot(7);
-    pub const UPDATER_STATE: u16 = slot(8);
-    pub const METADATA_KEYS: u16 = slot(9);
-    pub const METADATA_VALUES: u16 = slot(10);
-    pub const SUB_INSTANCES: u16 = slot(11);
+    pub(crate) const ID: u16 = slot(0);
+    pub(crate) const VARIABLES: u16 = slot(1);
+    pub(crate) const NODES: u16 = slot(2);
+    pub(crate) const OUTPUTS: u16 = slot(3);
+    pub(crate) const CONFIGURATION: u16 = slot(4);
+    pub(crate) const PLACEHOLDERS: u16 = slot(5);
+    pub(crate) const LOSS_VARIABLES: u16 = slot(6);
+    pub(crate) const TRAINING_CONFIG: u16 = slot(7);
+    pub(crate) const UPDATER_STATE: u16 = slot(8);
+    pub(crate) const METADATA_KEYS: u16 = slot(9);
+    pub(crate) const METADATA_VALUES: u16 = slot(10);
+    pub(crate) const SUB_INSTANCES: u16 = slot(11);
 }
 mod fv {
     use super::slot;
-    pub const ID: u16 = slot(0);
-    pub const NAME: u16 = slot(1);
-    pub const DTYPE: u16 = slot(2);
-    pub const SHAPE: u16 = slot(3);
-    pub const NDARRAY: u16 = slot(4);
-    pub const DEVICE: u16 = slot(5);
-    pub const VARIABLETYPE: u16 = slot(6);
-    pub const CONTROL_DEPS: [u16; 3] = [slot(7), slot(8), slot(9)];
+    pub(crate) const ID: u16 = slot(0);
+    pub(crate) const NAME: u16 = slot(1);
+    pub(crate) const DTYPE: u16 = slot(2);
+    pub(crate) const SHAPE: u16 = slot(3);
+    pub(crate) const NDARRAY: u16 = slot(4);
+    pub(crate) const DEVICE: u16 = slot(5);
+    pub(crate) const VARIABLETYPE: u16 = slot(6);
+    pub(crate) const CONTROL_DEPS: [u16; 3] = [slot(7), slot(8), slot(9)];
 }
 mod fa {
     use super::slot;
-    pub const SHAPE: u16 = slot(0);
-    pub const BUFFER: u16 = slot(1);
-    pub const DTYPE: u16 = slot(2);
-    pub const BYTE_ORDER: u16 = slot(3);
-    pub const BUFFER_CHUNKS: u16 = slot(4);
-    pub const TOTAL_BUFFER_SIZE: u16 = slot(5);
-    pub const EXTERNAL_FILENAME: u16 = slot(6);
-    pub const IS_EXTERNAL: u16 = slot(7);
-    pub const APPENDED_OFFSET: u16 = slot(8);
-    pub const APPENDED_LENGTH: u16 = slot(9);
+    pub(crate) const SHAPE: u16 = slot(0);
+    pub(crate) const BUFFER: u16 = slot(1);
+    pub(crate) const DTYPE: u16 = slot(2);
+    pub(crate) const BYTE_ORDER: u16 = slot(3);
+    pub(crate) const BUFFER_CHUNKS: u16 = slot(4);
+    pub(crate) const TOTAL_BUFFER_SIZE: u16 = slot(5);
+    pub(crate) const EXTERNAL_FILENAME: u16 = slot(6);
+    pub(crate) const IS_EXTERNAL: u16 = slot(7);
+    pub(crate) const APPENDED_OFFSET: u16 = slot(8);
+    pub(crate) const APPENDED_LENGTH: u16 = slot(9);
 }
 mod ip {
     use super::slot;
-    pub const FIRST: u16 = slot(0);
-    pub const SECOND: u16 = slot(1);
+    pub(crate) const FIRST: u16 = slot(0);
+    pub(crate) const SECOND: u16 = slot(1);
 }
 
 /// The dead vector that ends every shardkit graph carrying a tail (see the module docs).
@@ -776,13 +776,13 @@ pub(crate) struct GraphOut<'a> {
 }
 
 /// Keys every SDNB carries with fixed values (samediff.md §3.3).
-pub const FORCED_METADATA: [(&str, &str); 2] = [
+pub(crate) const FORCED_METADATA: [(&str, &str); 2] = [
     ("nd4j.format.version", "1"),
     ("nd4j.format.type", "APPENDED_BLOB"),
 ];
 
 /// `metadata` with the forced keys set and sorted as Java sorts strings (by UTF-16 units).
-pub fn final_metadata(metadata: &[(String, String)]) -> Vec<(String, String)> {
+pub(crate) fn final_metadata(metadata: &[(String, String)]) -> Vec<(String, String)> {
     let mut m: Vec<(String, String)> = metadata
         .iter()
         .filter(|(k, _)| !FORCED_METADATA.iter().any(|(f, _)| f == k))
@@ -980,7 +980,7 @@ pub(crate) fn build(g: &GraphOut, path: &Path) -> Result<Vec<u8>> {
     debug_assert_eq!(out.len() % 8, 0);
     // The result must pass the same verifier and parse to the same descriptors.
     Graph::parse(&out, path).map_err(|e| {
-        Error::Invalid(format!(
+        Error::Internal(format!(
             "{}: internal error, the graph shardkit built does not parse back: {e}",
             path.display()
         ))

@@ -6,11 +6,11 @@ use std::path::Path;
 use crate::error::{Error, Result};
 
 /// `SDNB`.
-pub const MAGIC: [u8; 4] = *b"SDNB";
+pub(crate) const MAGIC: [u8; 4] = *b"SDNB";
 /// The only version written or read.
 pub const VERSION: i32 = 1;
 /// Bytes before the FlatBuffer.
-pub const HEADER_LEN: u64 = 32;
+pub(crate) const HEADER_LEN: u64 = 32;
 
 /// A parsed, bounds-checked header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -95,7 +95,7 @@ fn utf(s: &[u8]) -> Vec<u8> {
 }
 
 /// Java's modified UTF-8 of `s` (per UTF-16 unit; NUL as `C0 80`, no 4-byte forms).
-pub fn modified_utf8(s: &str) -> Vec<u8> {
+pub(crate) fn modified_utf8(s: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(s.len());
     for u in s.encode_utf16() {
         match u {
@@ -411,7 +411,7 @@ impl<'a> Reader<'a> {
 
 /// Decodes Java's modified UTF-8 strictly (no raw NUL, no overlong forms but `C0 80`, no
 /// 4-byte forms, surrogates paired).
-pub fn decode_modified_utf8(b: &[u8]) -> Option<String> {
+pub(crate) fn decode_modified_utf8(b: &[u8]) -> Option<String> {
     let mut units: Vec<u16> = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {

@@ -161,7 +161,7 @@ impl<'a> Tensor<'a> {
 }
 
 /// Reorders column-major bytes of `shape` (elements of `width` bytes) into row-major order.
-pub fn f_to_c(bytes: &[u8], shape: &[i64], width: usize) -> Vec<u8> {
+pub(crate) fn f_to_c(bytes: &[u8], shape: &[i64], width: usize) -> Vec<u8> {
     let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
     let n: usize = dims.iter().product();
     if dims.len() < 2 || n == 0 {
@@ -251,12 +251,12 @@ pub(crate) struct Part {
 }
 
 impl Part {
-    pub fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         &self.backing.bytes()[self.range.clone()]
     }
 
     /// The graph region [32, B).
-    pub fn region(&self) -> &[u8] {
+    pub(crate) fn region(&self) -> &[u8] {
         &self.bytes()[HEADER_LEN as usize..self.blob_start as usize]
     }
 
@@ -698,7 +698,7 @@ pub fn base_name(name: &str) -> &str {
 
 /// (index, count, path) of the shard set `<base>.shard<i>-of-<N>.sdnb` in `dir`, sorted.
 ///
-/// While an overwrite of the set is being published (its journal, [`pending_name`], exists),
+/// While an overwrite of the set is being published (its journal, `pending_name`, exists),
 /// this is the new set: shard i is the new temporary where it is not renamed yet, and files of
 /// the old set that the new one does not replace are left out. Without a journal it is every
 /// file that matches the pattern.

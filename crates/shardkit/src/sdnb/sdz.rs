@@ -54,7 +54,7 @@ pub enum Method {
 /// One checked archive entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ZipEntry {
-    /// The entry name (UTF-8; checked by [`check_name`]).
+    /// The entry name (UTF-8; checked by `check_name`).
     pub name: String,
     /// Stored or deflated.
     pub method: Method,
@@ -78,7 +78,7 @@ fn bad(path: &Path, rule: impl Into<String>) -> Error {
 
 /// Rejects a name that could escape a directory or mean different things on different
 /// systems: empty, absolute, with a drive letter, a `..` segment, a backslash or NUL.
-pub fn check_name(name: &[u8], path: &Path) -> Result<()> {
+pub(crate) fn check_name(name: &[u8], path: &Path) -> Result<()> {
     let shown = String::from_utf8_lossy(name);
     let reject = |why: &str| bad(path, format!("entry name {shown:?} {why}"));
     if name.is_empty() {
@@ -436,7 +436,7 @@ pub fn choose_model(bytes: &[u8], entries: &[ZipEntry], path: &Path) -> Result<M
 // ---- Writing ----
 
 /// The header ID of the alignment record (Android zipalign's).
-pub const ALIGN_EXTRA_ID: u16 = 0xD935;
+pub(crate) const ALIGN_EXTRA_ID: u16 = 0xD935;
 const ZIP64_LIMIT: u64 = 0xFFFF_FFFF;
 /// 1980-01-01 00:00:00 in DOS date/time.
 const DOS_DATE: u16 = (1 << 5) | 1;
@@ -452,7 +452,7 @@ struct CentralRecord {
 
 /// Writes a ZIP sequentially into `file`: entries are started with their exact size, their
 /// bytes written by the caller at [`ZipWriter::position`], and finished with their CRC-32.
-pub struct ZipWriter {
+pub(crate) struct ZipWriter {
     file: File,
     path: PathBuf,
     pos: u64,
@@ -464,7 +464,7 @@ pub struct ZipWriter {
 
 impl ZipWriter {
     /// A writer whose STORED entries start at multiples of `align` (a power of two ≤ 32768).
-    pub fn new(file: File, path: &Path, align: u64) -> ZipWriter {
+    pub(crate) fn new(file: File, path: &Path, align: u64) -> ZipWriter {
         ZipWriter {
             file,
             path: path.to_path_buf(),
@@ -477,28 +477,23 @@ impl ZipWriter {
     }
 
     /// Writes ZIP64 records even where sizes do not need them (tests of the ZIP64 path).
-    #[doc(hidden)]
-    pub fn force_zip64(&mut self, yes: bool) {
+    #[cfg(test)]
+    pub(crate) fn force_zip64(&mut self, yes: bool) {
         self.force_zip64 = yes;
     }
 
-    /// The file offset where the next bytes go.
-    pub fn position(&self) -> u64 {
-        self.pos
-    }
-
     /// The underlying file (for positioned writes by the caller).
-    pub fn file(&self) -> &File {
+    pub(crate) fn file(&self) -> &File {
         &self.file
     }
 
     /// Advances past `n` bytes the caller wrote at [`position`](Self::position).
-    pub fn advance(&mut self, n: u64) {
+    pub(crate) fn advance(&mut self, n: u64) {
         self.pos += n;
     }
 
     /// Starts a STORED entry of exactly `size` bytes; returns where its data starts (aligned).
-    pub fn start_stored(&mut self, name: &str, size: u64) -> Result<u64> {
+    pub(crate) fn start_stored(&mut self, name: &str, size: u64) -> Result<u64> {
         check_name(name.as_bytes(), Path::new(name))?;
         if self.open.is_some() {
             return Err(Error::Invalid("zip: an entry is still open".into()));
@@ -553,7 +548,7 @@ impl ZipWriter {
     }
 
     /// Ends the open entry, whose bytes must all have been written, recording its CRC-32.
-    pub fn finish_entry(&mut self, crc32: u32) -> Result<()> {
+    pub(crate) fn finish_entry(&mut self, crc32: u32) -> Result<()> {
         let (local, end) = self
             .open
             .take()
@@ -572,7 +567,7 @@ impl ZipWriter {
     }
 
     /// Adds a whole STORED entry from memory.
-    pub fn add_stored(&mut self, name: &str, data: &[u8]) -> Result<()> {
+    pub(crate) fn add_stored(&mut self, name: &str, data: &[u8]) -> Result<()> {
         let at = self.start_stored(name, data.len() as u64)?;
         self.file.write_all_at(data, at).at(&self.path)?;
         self.advance(data.len() as u64);
@@ -580,7 +575,7 @@ impl ZipWriter {
     }
 
     /// Writes the central directory and end records; returns the file.
-    pub fn finish(mut self) -> Result<File> {
+    pub(crate) fn finish(mut self) -> Result<File> {
         if self.open.is_some() {
             return Err(Error::Invalid("zip: an entry is still open".into()));
         }

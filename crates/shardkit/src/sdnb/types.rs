@@ -52,7 +52,7 @@ pub enum DType {
 impl DType {
     /// The type of a schema code; unknown codes are an error (FLOAT8_E5M2's code is not in
     /// any schema copy, samediff.md §3.1).
-    pub fn from_code(code: i8) -> Result<DType> {
+    pub(crate) fn from_code(code: i8) -> Result<DType> {
         use DType::*;
         Ok(match code {
             0 => Inherit,
@@ -244,7 +244,7 @@ pub enum VarType {
 
 impl VarType {
     /// The type of a schema code; unknown codes are an error.
-    pub fn from_code(code: i8) -> Result<VarType> {
+    pub(crate) fn from_code(code: i8) -> Result<VarType> {
         Ok(match code {
             0 => VarType::Variable,
             1 => VarType::Constant,
@@ -279,7 +279,7 @@ impl VarType {
         }
     }
     /// Whether variables of this type carry stored arrays.
-    pub fn has_data(self) -> bool {
+    pub(crate) fn has_data(self) -> bool {
         matches!(self, VarType::Variable | VarType::Constant)
     }
 }

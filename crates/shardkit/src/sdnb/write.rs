@@ -25,13 +25,13 @@ use crate::lock::WriteLock;
 
 /// Arrays of at least this many bytes are appended as blobs; smaller ones are inline (DL4J's
 /// `APPEND_THRESHOLD_BYTES`).
-pub const APPEND_THRESHOLD: u64 = 1 << 20;
+pub(crate) const APPEND_THRESHOLD: u64 = 1 << 20;
 /// The default shard size cap (DL4J's `MAX_SHARD_FILE_BYTES`).
-pub const DEFAULT_SHARD_SIZE: u64 = 1 << 30;
+pub(crate) const DEFAULT_SHARD_SIZE: u64 = 1 << 30;
 /// Default blob alignment.
 pub const DEFAULT_ALIGN: u64 = 64;
 /// Default zero slack after the graph, for in-place metadata edits.
-pub const DEFAULT_SLACK: u64 = 64 << 10;
+pub(crate) const DEFAULT_SLACK: u64 = 64 << 10;
 
 /// Which container to write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Iterator, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from .. import _shardkit as _core
 from .._progress import Progress
-from .._shardkit import IncompleteDatasetError
+from ..errors import IncompleteDatasetError, InvalidArgumentError
+from ..types import EngineLoader, LoaderState, SaevBatch, Validation, check_state
+from .._validation import normalize as _normalize
 
 PathLike = Union[str, "os.PathLike[str]"]
-Batch = Dict[str, np.ndarray]
+Batch = SaevBatch  # the old name
 
 __all__ = [
     "Writer",
     "Dataset",
     "IndexedView",
+    "Loader",
     "OrderedLoader",
     "ShuffledLoader",
     "open",
@@ -58,7 +61,7 @@ class Writer:
         progress: Any = None,
     ) -> None:
         self._w = _core.Writer(os.fspath(root), json.dumps(metadata), resume)
-        self._progress = Progress(progress, unit="ex", total=self._w.shape[0], initial=self._w.next_example)
+        self._progress = Progress(progress, unit="ex", total=self._w.shape["n_examples"], initial=self._w.next_example)
         self._path: str = self._w.path
         self._closed = False
 
@@ -78,16 +81,17 @@ class Writer:
         return self._w.start == "complete"
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> Tuple[int, ...]:
         """(n_examples, n_layers, tokens_per_example, d_model)."""
-        return self._w.shape
+        s = self._w.shape
+        return (s["n_examples"], s["n_layers"], s["tokens_per_example"], s["d_model"])
 
     def write(self, acts: Any, labels: Any = None) -> None:
         """Appends ``acts`` float32 (b, L, T, D) and, if the dataset has labels, uint8 (b, P)."""
         a = np.ascontiguousarray(acts, dtype=np.float32)
         lab = None if labels is None else np.ascontiguousarray(labels, dtype=np.uint8)
         self._w.write(a, lab)
-        self._progress.advance(int(a.shape[0]) if a.ndim == 4 else 0, self._w.next_example, self._w.shape[0])
+        self._progress.advance(int(a.shape[0]) if a.ndim == 4 else 0, self._w.next_example, self._w.shape["n_examples"])
 
     def close(self) -> str:
         """Completes the dataset (fails, leaving it resumable, if examples are missing)."""
@@ -127,10 +131,10 @@ class IndexedView:
         return self._len
 
     def __getitem__(self, i: int) -> Dict[str, Any]:
-        act, e, t, label = self._ds._d.indexed_get(self._layer, self._tokens, int(i))
-        row: Dict[str, Any] = {"act": _array(act), "example_idx": e, "token_idx": t}
-        if label is not None:
-            row["token_label"] = label
+        r = self._ds._d.indexed_get(self._layer, self._tokens, int(i))
+        row: Dict[str, Any] = {"act": _array(r["act"]), "example_idx": r["example_idx"], "token_idx": r["token_idx"]}
+        if r["token_label"] is not None:
+            row["token_label"] = r["token_label"]
         return row
 
 
@@ -139,19 +143,18 @@ class Dataset:
 
     def __init__(self, path: PathLike) -> None:
         self._d = _core.Dataset(os.fspath(path))
-        (
-            self.n_examples,
-            self.n_layers,
-            self.tokens_per_example,
-            self.d_model,
-            self.content_tokens_per_example,
-            self.cls_token,
-            self.examples_per_shard,
-            self.n_shards,
-        ) = self._d.layout
+        lay = self._d.layout
+        self.n_examples: int = lay["n_examples"]
+        self.n_layers: int = lay["n_layers"]
+        self.tokens_per_example: int = lay["tokens_per_example"]
+        self.d_model: int = lay["d_model"]
+        self.content_tokens_per_example: int = lay["content_tokens"]
+        self.cls_token: bool = lay["cls_token"]
+        self.examples_per_shard: int = lay["examples_per_shard"]
+        self.n_shards: int = lay["n_shards"]
         self.metadata: Dict[str, Any] = json.loads(self._d.metadata_json)
         self.protocol: str = self.metadata["protocol"]
-        self.layers: list = list(self._d.layers)
+        self.layers: List[int] = list(self._d.layers)
         self.has_labels: bool = self._d.has_labels
         self.path: str = self._d.path
 
@@ -187,98 +190,21 @@ def open(path: PathLike) -> Dataset:  # noqa: A001 - mirrors the built-in's role
     return Dataset(path)
 
 
-class _Loader:
-    def __init__(self, path: PathLike, **kw: Any) -> None:
-        kw["ignore_labels"] = [int(x) for x in kw.get("ignore_labels", ())]
-        self._l = _core.Loader(os.fspath(path), **kw)
+class Loader(EngineLoader):
+    """Batches of activation rows, shuffled (default) or in storage order.
 
-    def __len__(self) -> int:
-        return len(self._l)
+    Shuffled (the default) uses ``order="block"`` (windows of blocks) or ``"exact"`` (a full
+    permutation of rows); ``shuffle=False`` (or ``order="sequential"``) serves storage order (example-major, then token),
+    as saev's ordered loader does. The order depends only on (seed, epoch, memory_budget,
+    global batch size) and the dataset; ``rank`` and ``world_size`` default to ``$RANK`` and
+    ``$WORLD_SIZE``, and ranks take disjoint parts of one global order. ``num_threads`` gather
+    threads (default: every core) copy rows into batches, from the page cache when the data are
+    there; ``direct_io=True`` reads with O_DIRECT instead (``io_threads`` reads in flight).
+    ``verify=True`` checks every block a pass reads against the dataset's checksums sidecar
+    (``shardkit.checksum(path)`` adds one to data written by other tools); a damaged block
+    raises CorruptDataError naming the shard and the byte range.
 
-    @property
-    def rows(self) -> int:
-        """Selected rows per epoch over all ranks."""
-        return self._l.rows
-
-    @property
-    def epoch(self) -> int:
-        return self._l.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Switches to ``epoch`` (a different order) from its start."""
-        self._l.set_epoch(int(epoch))
-
-    def state_dict(self) -> Dict[str, int]:
-        """The position as four integers; pass it to ``load_state_dict`` to resume exactly."""
-        return self._l.state_dict()
-
-    def load_state_dict(self, state: Dict[str, int]) -> None:
-        self._l.load_state_dict(dict(state))
-
-    def __iter__(self) -> Iterator[Batch]:
-        it = self._l.iter()
-        try:
-            for act, ex, tok, layer, label, _cursor in it:
-                batch: Batch = {
-                    "act": _array(act),
-                    "example_idx": _array(ex),
-                    "token_idx": _array(tok),
-                }
-                if layer is not None:
-                    batch["layer"] = _array(layer)
-                if label is not None:
-                    batch["token_label"] = _array(label)
-                yield batch
-        finally:
-            it.close()  # an abandoned iteration stops its reader threads at once
-
-
-class OrderedLoader(_Loader):
-    """Batches in storage order (example-major, then token): saev's ordered loader."""
-
-    def __init__(
-        self,
-        path: PathLike,
-        *,
-        layer: Union[int, str],
-        tokens: str = "content",
-        batch_size: int = 16384,
-        drop_last: bool = False,
-        rank: Optional[int] = None,
-        world_size: Optional[int] = None,
-        memory_budget: Optional[int] = None,
-        io_threads: int = 16,
-        num_threads: Optional[int] = None,
-        direct_io: bool = False,
-        verify: bool = False,
-    ) -> None:
-        super().__init__(
-            path,
-            layer=layer,
-            tokens=tokens,
-            batch_size=batch_size,
-            order="sequential",
-            verify=verify,
-            drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
-            memory_budget=memory_budget,
-            io_threads=io_threads,
-            threads=num_threads or 0,
-            direct_io=direct_io,
-        )
-
-
-class ShuffledLoader(_Loader):
-    """Shuffled batches: ``order="block"`` (windows of blocks, default) or ``"exact"``.
-
-    The order depends only on (seed, epoch, memory_budget, global batch size) and the dataset;
-    rank and world_size default to $RANK and $WORLD_SIZE. ``num_threads`` gather threads
-    (default: every core) copy rows into batches, from the page cache when the data are there;
-    ``direct_io=True`` reads with O_DIRECT instead, bypassing the page cache (``io_threads``
-    reads in flight). ``verify=True`` checks every block a pass reads against the dataset's
-    checksums sidecar (``shardkit.checksum(path)`` adds one to data written by other tools); a
-    damaged block raises ValueError naming the shard and the byte range.
+    Yields :class:`shardkit.types.SaevBatch` dicts of numpy arrays.
     """
 
     def __init__(
@@ -288,45 +214,125 @@ class ShuffledLoader(_Loader):
         layer: Union[int, str],
         tokens: str = "content",
         batch_size: int = 16384,
+        shuffle: Optional[bool] = None,
+        order: Optional[str] = None,
         seed: int = 0,
         epoch: int = 0,
-        order: str = "block",
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         drop_last: bool = False,
+        num_threads: Optional[int] = None,
+        verify: bool = False,
         memory_budget: Optional[int] = None,
         ignore_labels: Sequence[int] = (),
         io_threads: int = 16,
-        num_threads: Optional[int] = None,
         direct_io: bool = False,
-        verify: bool = False,
     ) -> None:
-        super().__init__(
-            path,
+        if order is None:
+            order = "block" if shuffle is None or shuffle else "sequential"
+        elif shuffle is not None and (order == "sequential") == bool(shuffle):
+            raise InvalidArgumentError(
+                f"order={order!r} contradicts shuffle={shuffle!r} (shuffled orders: 'block', 'exact'; "
+                "unshuffled: 'sequential')"
+            )
+        kw: Dict[str, Any] = dict(
             layer=layer,
             tokens=tokens,
             batch_size=batch_size,
             order=order,
             verify=verify,
-            seed=seed,
-            epoch=epoch,
             rank=rank,
             world_size=world_size,
             drop_last=drop_last,
             memory_budget=memory_budget,
-            ignore_labels=ignore_labels,
             io_threads=io_threads,
             threads=num_threads or 0,
             direct_io=direct_io,
         )
+        if order != "sequential":
+            kw.update(seed=seed, epoch=epoch, ignore_labels=[int(x) for x in ignore_labels])
+        elif seed or epoch or ignore_labels:
+            raise InvalidArgumentError("seed, epoch and ignore_labels apply to shuffled orders only")
+        self._l = _core.Loader(os.fspath(path), **kw)
+
+    @property
+    def rows(self) -> int:
+        """Selected rows per epoch over all ranks."""
+        return int(self._l.rows)
+
+    def state_dict(self) -> LoaderState:
+        """The position (see :class:`shardkit.types.LoaderState`); pass it to
+        ``load_state_dict`` to resume exactly, on any number of ranks with the same global
+        batch size."""
+        st = self._l.state_dict()
+        world = self.world_size
+        gbs = st["global_batch_size"]
+        return {
+            "format": "saev",
+            "seed": st["seed"],
+            "epoch": st["epoch"],
+            "batch": st["cursor"] // gbs if gbs else 0,
+            "batch_size": gbs // world,
+            "world_size": world,
+            "cursor": st["cursor"],
+            "global_batch_size": gbs,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state(dict(state), "saev")
+        st = {k: int(state[k]) for k in ("seed", "epoch") if k in state}
+        if "cursor" in state and "global_batch_size" in state:
+            st["cursor"] = int(state["cursor"])
+            st["global_batch_size"] = int(state["global_batch_size"])
+        elif all(k in state for k in ("batch", "batch_size", "world_size")):
+            gbs = int(state["batch_size"]) * int(state["world_size"])
+            st["cursor"] = int(state["batch"]) * gbs
+            st["global_batch_size"] = gbs
+        self._l.load_state_dict(st)
+
+    def __iter__(self) -> Iterator[SaevBatch]:
+        it = self._l.iter()
+        try:
+            for b in it:
+                batch: SaevBatch = {
+                    "act": _array(b["act"]),
+                    "example_idx": _array(b["example_idx"]),
+                    "token_idx": _array(b["token_idx"]),
+                }
+                layer, label = b["layer"], b["token_label"]
+                if layer is not None:
+                    batch["layer"] = _array(layer)
+                if label is not None:
+                    batch["token_label"] = _array(label)
+                yield batch
+        finally:
+            it.close()  # an abandoned iteration stops its reader threads at once
 
 
-def validate(path: PathLike) -> Dict[str, Any]:
-    """Every problem of a directory: {"path", "valid", "errors": [...], "warnings": [...]}."""
-    return json.loads(_core.validate(os.fspath(path)))
+class OrderedLoader(Loader):
+    """``Loader(shuffle=False)``: batches in storage order, saev's ordered loader."""
+
+    def __init__(self, path: PathLike, **kw: Any) -> None:
+        super().__init__(path, shuffle=False, **kw)
+
+
+class ShuffledLoader(Loader):
+    """``Loader(shuffle=True)``: shuffled batches, saev's shuffled loader (``order="block"`` by
+    default, or ``"exact"``)."""
+
+    def __init__(self, path: PathLike, **kw: Any) -> None:
+        kw.setdefault("order", "block")
+        super().__init__(path, shuffle=True, **kw)
+
+
+def validate(path: PathLike) -> Validation:
+    """Every problem of a directory: ``{"path", "valid", "errors", "notes"}``, each finding
+    ``{"file", "message"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
+    return _normalize(json.loads(_core.validate(os.fspath(path))), os.fspath(path))
 
 
 def inspect(path: PathLike) -> Dict[str, Any]:
     """Version, shapes, layers, counts, sizes, completeness and hash recipe of a directory."""
-    return json.loads(_core.inspect(os.fspath(path)))
+    info: Dict[str, Any] = json.loads(_core.inspect(os.fspath(path)))
+    return info
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -35,7 +35,7 @@ __all__ = [
 
 def _tensor(a: Any) -> Any:
     try:
-        import torch  # type: ignore
+        import torch
     except ImportError:
         return a
     return torch.from_numpy(np.asarray(a))
@@ -55,7 +55,7 @@ def _root(shards: Optional[str], shard_root: Optional[str]) -> str:
     return os.fspath(root)
 
 
-def _keys(ds: "_saev.Dataset") -> tuple:
+def _keys(ds: "_saev.Dataset") -> Tuple[Any, ...]:
     return ("image_i", "patch_i") if ds.protocol.startswith("1") else ("example_idx", "token_idx")
 
 

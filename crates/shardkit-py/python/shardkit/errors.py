@@ -1,0 +1,124 @@
+"""The exceptions shardkit raises: every one is a :class:`ShardkitError`, and also the builtin
+exception Python code already catches for that kind of failure (``ValueError``, ``OSError`` and
+its errno subclasses, ``IndexError``), so ``except ValueError`` and ``except OSError`` keep
+working.
+
+=============================  ===============================  =================================
+exception                      also a                           raised when
+=============================  ===============================  =================================
+``CorruptDataError``           ``ValueError``                   a file breaks its format's rules,
+                                                                or fails its checksum
+``IncompleteDatasetError``     ``ValueError``                   a dataset was never finished (a
+                                                                killed writer); resumable
+``InvalidArgumentError``       ``ValueError``                   an argument or option is invalid
+``ShardkitOSError``            ``OSError``                      the operating system refused an
+                                                                operation (subclasses by errno:
+                                                                ``PermissionDeniedError`` is a
+                                                                ``PermissionError``, ...)
+``NotFoundError``              ``FileNotFoundError``            a file or directory is missing
+``AlreadyExistsError``         ``FileExistsError``              the output exists
+``LockedError``                ``BlockingIOError``              another writer holds the dataset
+``OutOfRangeError``            ``IndexError``                   an index past the end
+``InternalError``              ``RuntimeError``                 a bug or a failed thread; report it
+=============================  ===============================  =================================
+
+Every message names the file (and where useful the byte range or record) and the rule.
+"""
+
+import errno as _errno
+from typing import Dict, Optional, Type
+
+__all__ = [
+    "ShardkitError",
+    "CorruptDataError",
+    "IncompleteDatasetError",
+    "InvalidArgumentError",
+    "ShardkitOSError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "LockedError",
+    "PermissionDeniedError",
+    "OutOfRangeError",
+    "InternalError",
+]
+
+
+class ShardkitError(Exception):
+    """The base of every exception shardkit raises."""
+
+
+class CorruptDataError(ShardkitError, ValueError):
+    """A file breaks its format's rules (or its checksum): the message names it and the rule."""
+
+
+class IncompleteDatasetError(ShardkitError, ValueError):
+    """The dataset is not completely written; the message says how much is present. Its writer
+    can resume it (``resume=True`` / ``--resume``)."""
+
+
+class InvalidArgumentError(ShardkitError, ValueError):
+    """An argument or option is invalid (nothing on disk was touched)."""
+
+
+class ShardkitOSError(ShardkitError, OSError):
+    """The operating system refused an operation; ``errno`` and ``filename`` say which."""
+
+
+class NotFoundError(ShardkitOSError, FileNotFoundError):
+    """A file or directory that should exist does not."""
+
+
+class AlreadyExistsError(ShardkitOSError, FileExistsError):
+    """The output already exists (pass the overwrite or resume option to replace or continue)."""
+
+
+class LockedError(ShardkitOSError, BlockingIOError):
+    """Another live writer holds the dataset's lock; the message names its pid."""
+
+
+class PermissionDeniedError(ShardkitOSError, PermissionError):
+    """EACCES or EPERM."""
+
+
+class _IsADirectory(ShardkitOSError, IsADirectoryError):
+    pass
+
+
+class _NotADirectory(ShardkitOSError, NotADirectoryError):
+    pass
+
+
+class _Interrupted(ShardkitOSError, InterruptedError):
+    pass
+
+
+class _TimedOut(ShardkitOSError, TimeoutError):
+    pass
+
+
+class OutOfRangeError(ShardkitError, IndexError):
+    """An index (example, sample, step, variable) past the end."""
+
+
+class InternalError(ShardkitError, RuntimeError):
+    """Something that should not happen did (a bug, or a thread that could not start)."""
+
+
+_BY_ERRNO: Dict[int, Type[ShardkitOSError]] = {
+    _errno.EACCES: PermissionDeniedError,
+    _errno.EPERM: PermissionDeniedError,
+    _errno.ENOENT: NotFoundError,
+    _errno.EEXIST: AlreadyExistsError,
+    _errno.EISDIR: _IsADirectory,
+    _errno.ENOTDIR: _NotADirectory,
+    _errno.EINTR: _Interrupted,
+    _errno.ETIMEDOUT: _TimedOut,
+}
+
+
+def _os_error(errno: Optional[int], message: str) -> ShardkitOSError:
+    """The exception for an operating-system error (used by the compiled core); the message
+    already names the file, so it is not passed again as OSError's ``filename``."""
+    if errno is None:
+        return ShardkitOSError(message)
+    return _BY_ERRNO.get(errno, ShardkitOSError)(errno, message)

@@ -1,0 +1,149 @@
+"""Typed shapes shared by every format: batches, loader states and validation reports.
+
+Every loader (``saev.Loader``, ``flat_tokens.Loader``, ``eagle3.Loader``) takes the same keywords
+(``batch_size``, ``shuffle``, ``seed``, ``epoch``, ``rank``, ``world_size``, ``drop_last``,
+``num_threads``, ``verify``), has ``set_epoch``, ``__len__`` (batches per epoch on this rank),
+and ``state_dict()`` / ``load_state_dict()`` with the shape :class:`LoaderState`.
+"""
+
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired, TypedDict
+else:  # pragma: no cover - Python 3.8-3.10
+    from typing_extensions import NotRequired, TypedDict
+
+__all__ = ["SaevBatch", "TokensBatch", "Eagle3Batch", "LoaderState", "Validation", "Finding"]  # and EngineLoader (internal)
+
+
+class SaevBatch(TypedDict):
+    """A batch of activation rows (numpy arrays over the loader's buffers)."""
+
+    act: np.ndarray
+    """``(n, d_model)`` float32 activations."""
+    example_idx: np.ndarray
+    """``(n,)`` int64: the example of each row."""
+    token_idx: np.ndarray
+    """``(n,)`` int64: the token of each row (-1 for CLS)."""
+    layer: NotRequired[np.ndarray]
+    """``(n,)`` int64, when the loader reads several layers."""
+    token_label: NotRequired[np.ndarray]
+    """``(n,)`` uint8 patch labels, when the dataset has ``labels.bin``."""
+
+
+class TokensBatch(TypedDict):
+    """seqax's batch: ``(rows, seq_len)`` arrays."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    segment_ids: np.ndarray
+    is_seq_start: np.ndarray
+    mask: np.ndarray
+
+
+class Eagle3Batch(TypedDict):
+    """NeMo's collated EAGLE-3 batch (fields in NeMo's order; ``position_mask`` and
+    ``target_probs`` only when the cache stores them)."""
+
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    loss_mask: np.ndarray
+    aux_hidden_states: np.ndarray
+    position_mask: NotRequired[np.ndarray]
+    target_probs: NotRequired[np.ndarray]
+
+
+class LoaderState(TypedDict, total=False):
+    """What ``state_dict()`` returns and ``load_state_dict()`` takes, for every loader.
+
+    The first six keys are common to all formats; the rest are the format's own (the
+    parameters that decide its order, checked on load so that a state is never applied to a
+    loader that would serve other rows).
+    """
+
+    format: str
+    """``"saev"``, ``"flat_tokens"`` or ``"eagle3"``."""
+    seed: int
+    epoch: int
+    batch: int
+    """The next batch of the epoch (0-based): the one the next iteration yields."""
+    batch_size: int
+    """Rows (or samples) per batch on each rank."""
+    world_size: int
+    # saev
+    cursor: int
+    global_batch_size: int
+    # flat-tokens (seqax)
+    step: int
+    seq_len: int
+    packed: bool
+    streams: int
+    read_blocks_per_shuffle_buffer: int
+    sequences_per_read_block: int
+    epochs: bool
+
+
+class Finding(TypedDict):
+    """One problem ``validate`` found."""
+
+    file: Optional[str]
+    """The file it concerns (None when it concerns the dataset as a whole)."""
+    message: str
+
+
+class Validation(TypedDict):
+    """What every format's ``validate()`` returns."""
+
+    path: str
+    valid: bool
+    """No errors (notes may exist)."""
+    errors: List[Finding]
+    notes: List[Finding]
+    """Facts worth knowing that are not errors (e.g. a missing checksums sidecar)."""
+
+
+class EngineLoader:
+    """What the saev and EAGLE-3 loaders share: a compiled engine loader ``_l`` that keeps the
+    epoch, the rank split and the position."""
+
+    _l: Any
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return len(self._l)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._l.epoch)
+
+    @property
+    def rank(self) -> int:
+        return int(self._l.rank_world["rank"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self._l.rank_world["world_size"])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Switches to ``epoch`` (a different order) from its start."""
+        self._l.set_epoch(int(epoch))
+
+
+def env_rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """``rank`` and ``world_size``, defaulting to ``$RANK`` and ``$WORLD_SIZE`` (0 and 1)."""
+    r = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
+    w = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
+    return r, w
+
+
+def check_state(state: Dict[str, Any], fmt: str) -> None:
+    """Refuses a state saved by another format's loader."""
+    from .errors import InvalidArgumentError
+
+    got = state.get("format", fmt)
+    if got != fmt:
+        raise InvalidArgumentError(f"this state was saved by a {got} loader, not a {fmt} one")
