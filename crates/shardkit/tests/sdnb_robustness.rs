@@ -2378,6 +2378,14 @@ fn damaged_shard_set_journals_are_refused_naming_the_journal() {
     assert!(files.len() >= 2, "{files:?}");
     let journal = tmp.path().join(".m.shard-set.pending");
     let n = files.len();
+    let save_err = || {
+        sdnb::save(
+            &base,
+            &tensor_ins(&ts),
+            &save_opts(Format::Sharded, Some(4096), 0),
+        )
+        .unwrap_err()
+    };
     for (text, why) in [
         (&b"{\"shard_count\": 0}"[..], "not in 1..2^32"),
         (b"{\"shard_count\": 99999999999}", "not in 1..2^32"),
@@ -2390,13 +2398,7 @@ fn damaged_shard_set_journals_are_refused_naming_the_journal() {
         assert!(matches!(e, shardkit::Error::Format { .. }), "{e:?}");
         named(&e, &[&journal]).unwrap();
         assert!(e.to_string().contains(why), "{e}");
-        let e = sdnb::save(
-            &base,
-            &tensor_ins(&ts),
-            &save_opts(Format::Sharded, Some(4096), 0),
-        )
-        .unwrap_err();
-        named(&e, &[&journal]).unwrap();
+        named(&save_err(), &[&journal]).unwrap();
         // Nothing was replaced.
         for f in &files {
             assert!(f.is_file(), "{}", f.display());
@@ -2410,13 +2412,7 @@ fn damaged_shard_set_journals_are_refused_naming_the_journal() {
     let e = sdnb::open(&base).map(|_| ()).unwrap_err();
     named(&e, &[&journal]).unwrap();
     named(&e, &[last]).unwrap();
-    let e = sdnb::save(
-        &base,
-        &tensor_ins(&ts),
-        &save_opts(Format::Sharded, Some(4096), 0),
-    )
-    .unwrap_err();
-    named(&e, &[&journal]).unwrap();
+    named(&save_err(), &[&journal]).unwrap();
     fs::write(last, kept).unwrap();
     fs::remove_file(&journal).unwrap();
     assert_eq!(sdnb::open(&base).unwrap().variables().len(), ts.len());

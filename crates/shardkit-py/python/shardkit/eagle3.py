@@ -27,7 +27,6 @@ from . import _shardkit as _core
 from ._progress import Progress
 from .errors import IncompleteDatasetError, InvalidArgumentError
 from .types import EngineLoader, Eagle3Batch, LoaderState, Validation, check_state
-from ._validation import normalize as _normalize
 
 try:  # bf16 as a real numpy dtype when available
     import ml_dtypes as _ml_dtypes
@@ -389,7 +388,8 @@ def validate(cache_dir: PathLike, deep: bool = False) -> Validation:
     """``{"path", "valid", "errors", "notes"}``, each finding ``{"file", "message"}``
     (:class:`shardkit.types.Validation`, the same for every format); ``deep`` reads every value
     (NaN/Inf, masks, sums) and checks the checksums sidecar."""
-    return _normalize(json.loads(_core.eagle3_validate(os.fspath(cache_dir), deep)), os.fspath(cache_dir))
+    report: Validation = json.loads(_core.eagle3_validate(os.fspath(cache_dir), deep))
+    return report
 
 
 def inspect(cache_dir: PathLike) -> Dict[str, Any]:

@@ -27,7 +27,6 @@ from . import _shardkit as _core
 from ._progress import Progress
 from .errors import CorruptDataError, IncompleteDatasetError, InvalidArgumentError, NotFoundError, OutOfRangeError
 from .types import LoaderState, TokensBatch, Validation, check_state
-from ._validation import normalize as _normalize
 
 PathLike = Union[str, "os.PathLike[str]"]
 Batch = TokensBatch  # the old name
@@ -490,7 +489,8 @@ class Loader:
 def validate(path: PathLike) -> Validation:
     """Every violation of every split: ``{"path", "valid", "errors", "notes"}``, each finding
     ``{"file", "message"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
-    return _normalize(json.loads(_core.tokens_validate(os.fspath(path))), os.fspath(path))
+    report: Validation = json.loads(_core.tokens_validate(os.fspath(path)))
+    return report
 
 
 def inspect(path: PathLike) -> Dict[str, Any]:

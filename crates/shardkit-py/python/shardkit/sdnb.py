@@ -29,7 +29,6 @@ from . import _shardkit as _core
 from ._progress import Progress
 from .errors import InvalidArgumentError
 from .types import Validation
-from ._validation import normalize as _normalize
 
 try:  # bf16 and fp8 as real numpy dtypes when available
     import ml_dtypes as _ml_dtypes
@@ -188,7 +187,8 @@ def validate(path: PathLike, deep: bool = False) -> Validation:
     """Whether the container opens (every structure, offset and manifest entry checked) and,
     with ``deep``, whether every byte matches its checksums sidecar: ``{"path", "valid",
     "errors", "notes"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
-    return _normalize(json.loads(_core.sdnb_validate(os.fspath(path), bool(deep))), os.fspath(path))
+    report: Validation = json.loads(_core.sdnb_validate(os.fspath(path), bool(deep)))
+    return report
 
 
 def _as_numpy(x: Any, where: str) -> Tuple[np.ndarray, Optional[str]]:

@@ -6,9 +6,8 @@ Every loader (``saev.Loader``, ``flat_tokens.Loader``, ``eagle3.Loader``) takes 
 and ``state_dict()`` / ``load_state_dict()`` with the shape :class:`LoaderState`.
 """
 
-import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -90,8 +89,8 @@ class LoaderState(TypedDict, total=False):
 class Finding(TypedDict):
     """One problem ``validate`` found."""
 
-    file: Optional[str]
-    """The file it concerns (None when it concerns the dataset as a whole)."""
+    file: str
+    """The file it concerns (the dataset itself when the finding is about all of it)."""
     message: str
 
 
@@ -131,13 +130,6 @@ class EngineLoader:
     def set_epoch(self, epoch: int) -> None:
         """Switches to ``epoch`` (a different order) from its start."""
         self._l.set_epoch(int(epoch))
-
-
-def env_rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
-    """``rank`` and ``world_size``, defaulting to ``$RANK`` and ``$WORLD_SIZE`` (0 and 1)."""
-    r = int(os.environ.get("RANK", "0")) if rank is None else int(rank)
-    w = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else int(world_size)
-    return r, w
 
 
 def check_state(state: Dict[str, Any], fmt: str) -> None:

@@ -237,9 +237,11 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
 
 /// A message without the leading "path: " that the report already shows separately.
 fn strip_path(e: &Error, path: &Path) -> String {
-    let s = e.to_string();
-    let prefix = format!("{}: ", path.display());
-    s.strip_prefix(&prefix).map(str::to_owned).unwrap_or(s)
+    if e.path() == Some(path) {
+        e.message()
+    } else {
+        e.to_string()
+    }
 }
 
 /// A summary of a saev directory (what `shardkit saev inspect --json` prints): version, shapes,

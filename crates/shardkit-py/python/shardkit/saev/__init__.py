@@ -18,7 +18,6 @@ from .. import _shardkit as _core
 from .._progress import Progress
 from ..errors import IncompleteDatasetError, InvalidArgumentError
 from ..types import EngineLoader, LoaderState, SaevBatch, Validation, check_state
-from .._validation import normalize as _normalize
 
 PathLike = Union[str, "os.PathLike[str]"]
 Batch = SaevBatch  # the old name
@@ -328,7 +327,8 @@ class ShuffledLoader(Loader):
 def validate(path: PathLike) -> Validation:
     """Every problem of a directory: ``{"path", "valid", "errors", "notes"}``, each finding
     ``{"file", "message"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
-    return _normalize(json.loads(_core.validate(os.fspath(path))), os.fspath(path))
+    report: Validation = json.loads(_core.validate(os.fspath(path)))
+    return report
 
 
 def inspect(path: PathLike) -> Dict[str, Any]:
