@@ -62,6 +62,9 @@ pub enum BenchCmd {
     /// flat-tokens: time to the first batch at a random step, sustained packed-batch
     /// throughput against zarr-python + numpy and the sequential ceilings, writer throughput.
     Tokens(crate::bench_tokens::TokensBenchArgs),
+    /// saev and flat-tokens loaders reading from an object store (`s3://`), against the raw
+    /// parallel-GET ceiling of the same objects, at several in-flight and thread counts.
+    Remote(crate::bench_remote::RemoteBenchArgs),
     /// EAGLE-3: the shuffled loader, cold, against the sequential-read ceiling of the same
     /// shard files and a NeMo-style Python reader, in the same run.
     Eagle3(crate::bench_eagle3::Eagle3BenchArgs),
@@ -104,6 +107,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             Ok(())
         }
         BenchCmd::Tokens(args) => crate::bench_tokens::run(args),
+        BenchCmd::Remote(args) => crate::bench_remote::run(args),
         BenchCmd::Eagle3(args) => crate::bench_eagle3::run(args),
         BenchCmd::Sdnb(args) => crate::bench_sdnb::run(args),
     }
@@ -113,7 +117,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
 const VIT_L_EXAMPLE_BYTES: u64 = 2 * 257 * 1024 * 4;
 
 /// A synthetic ViT-L-shaped saev dataset of `examples` examples (at least one) under `out`.
-fn vit_l(out: PathBuf, examples: u64, resume: bool) -> SynthArgs {
+pub(crate) fn vit_l(out: PathBuf, examples: u64, resume: bool) -> SynthArgs {
     SynthArgs {
         out,
         examples: examples.max(1),

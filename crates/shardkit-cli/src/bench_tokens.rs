@@ -83,7 +83,7 @@ fn synthetic_sequence(rng: &mut SplitMix64, max_len: u64) -> Vec<u32> {
         .collect()
 }
 
-fn files_under(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -107,7 +107,7 @@ fn evict_all(files: &[PathBuf]) -> Result<()> {
 
 /// Writes the synthetic dataset unless a complete one of the right size is there; returns the
 /// writer's tokens per second when it wrote.
-fn ensure_dataset(root: &Path, layout: Layout, tokens: u64) -> Result<Option<f64>> {
+pub(crate) fn ensure_dataset(root: &Path, layout: Layout, tokens: u64) -> Result<Option<f64>> {
     if let Ok(s) = Split::open(root, "train") {
         if s.token_count() >= tokens {
             return Ok(None);

@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bench_corpus;
 mod bench_eagle3;
+mod bench_remote;
 mod bench_sdnb;
 mod bench_tokens;
 mod checksum_cmd;
@@ -41,9 +42,58 @@ enum Cmd {
     /// SameDiff containers (Deeplearning4j): SDNB files, shard sets and SDZ archives.
     #[command(subcommand)]
     Sdnb(sdnb_cmd::SdnbCmd),
+    /// Copies a local dataset (any format; a directory or a container file) to an object store
+    /// (`s3://bucket/prefix`): data objects first, the commit record last, objects already
+    /// there skipped, so a rerun after a kill finishes the upload.
+    Upload {
+        /// The local dataset directory or container file.
+        src: std::path::PathBuf,
+        /// The destination, `s3://bucket/prefix`.
+        dst: std::path::PathBuf,
+    },
+    /// Copies a dataset from an object store into a local directory (or file): each file
+    /// written atomically, the commit record last, complete files skipped on a rerun.
+    Download {
+        /// The source, `s3://bucket/prefix`.
+        src: std::path::PathBuf,
+        /// The local destination.
+        dst: std::path::PathBuf,
+    },
     /// Measurements that print JSON with the ceiling measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
+}
+
+/// `shardkit upload` / `shardkit download`: a byte bar, then a one-line summary.
+fn transfer(src: &std::path::Path, dst: &std::path::Path, up: bool) -> shardkit::Result<bool> {
+    use progress::{bar, set_total, Unit};
+    let pb = bar(
+        None,
+        if up { "uploading" } else { "downloading" },
+        Unit::Bytes,
+    );
+    let mut sized = false;
+    let mut report = |done: u64, total: u64| {
+        if !sized {
+            set_total(&pb, total, Unit::Bytes);
+            sized = true;
+        }
+        pb.set_position(done);
+    };
+    let t = if up {
+        shardkit::storage::upload(src, dst, &mut report)?
+    } else {
+        shardkit::storage::download(src, dst, &mut report)?
+    };
+    pb.finish_and_clear();
+    println!(
+        "{} {} object(s), {} bytes; {} already there",
+        if up { "uploaded" } else { "downloaded" },
+        t.copied,
+        t.bytes,
+        t.skipped
+    );
+    Ok(true)
 }
 
 fn main() -> ExitCode {
@@ -60,6 +110,8 @@ fn main() -> ExitCode {
         Cmd::Tokens(c) => tokens_cmd::run(c),
         Cmd::Eagle3(c) => eagle3_cmd::run(c),
         Cmd::Sdnb(c) => sdnb_cmd::run(c),
+        Cmd::Upload { src, dst } => transfer(&src, &dst, true),
+        Cmd::Download { src, dst } => transfer(&src, &dst, false),
         Cmd::Bench(c) => bench::run(c).map(|_| true),
     };
     match result {

@@ -198,9 +198,11 @@ impl Eagle3Cache {
     /// The fields of sample `i` (negative counts from the end), viewing the shard's map.
     fn item<'py>(&self, py: Python<'py>, i: i64) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let cache = &self.inner;
-        let item = py.allow_threads(|| cache.item(i)).map_err(to_py)?;
+        // The item owns what its fields view: the shard's map, or the rows fetched from an
+        // object store.
+        let item = Arc::new(py.allow_threads(|| cache.item(i)).map_err(to_py)?);
         let fields = cache.fields(&item).map_err(to_py)?;
-        let owner: Arc<dyn Send + Sync> = item.shard().clone();
+        let owner: Arc<dyn Send + Sync> = item.clone();
         fields
             .into_iter()
             .map(|f| {

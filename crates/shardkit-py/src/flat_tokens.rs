@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use pyo3::exceptions::{PyIndexError, PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use shardkit::flat_tokens::{
@@ -58,9 +58,9 @@ impl TokensWriter {
             layout = match layout {
                 None | Some(Layout::V3(_)) => Some(Layout::V3(s)),
                 Some(Layout::V2) => {
-                    return Err(PyValueError::new_err(
-                        "tokens_per_shard / tokens_per_chunk apply to the v3 layout only",
-                    ))
+                    return Err(to_py(shardkit::Error::Invalid(
+                        "tokens_per_shard / tokens_per_chunk apply to the v3 layout only".into(),
+                    )))
                 }
             };
         }
@@ -402,6 +402,14 @@ pub fn tokens_validate(py: Python<'_>, path: PathBuf) -> String {
     json_of(&py.allow_threads(|| flat_tokens::validate(&path)).to_json())
 }
 
+/// The splits (zarr groups) of the dataset at `path`, a directory or an `s3://` prefix.
+#[pyfunction]
+pub fn tokens_splits(py: Python<'_>, path: PathBuf) -> PyResult<Vec<String>> {
+    py.allow_threads(|| flat_tokens::splits(&path))
+        .map(|v| v.into_iter().map(str::to_string).collect())
+        .map_err(to_py)
+}
+
 /// `shardkit tokens inspect` as a JSON string.
 #[pyfunction]
 pub fn tokens_inspect(py: Python<'_>, path: PathBuf) -> PyResult<String> {
@@ -551,6 +559,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TokensBatchIter>()?;
     m.add_function(wrap_pyfunction!(tokens_validate, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens_splits, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_mark_complete, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_convert, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_build, m)?)?;

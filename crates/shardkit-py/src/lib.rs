@@ -36,6 +36,7 @@ pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
         E::OutOfRange { .. } => ("OutOfRangeError", None),
         E::Format { .. } | E::Safetensors { .. } => ("CorruptDataError", None),
         E::Invalid(_) | E::Missing(_) => ("InvalidArgumentError", None),
+        E::Remote { .. } => ("RemoteError", None),
         // A thread the system refused to start: an OSError with its errno where there is one.
         E::Thread { source, .. } if source.raw_os_error().is_some() => ("", source.raw_os_error()),
         E::Thread { .. } | E::Internal(_) => ("InternalError", None),
@@ -419,7 +420,7 @@ impl Writer {
             saev::WriteStart::AlreadyComplete => "complete".to_string(),
         };
         Ok(Writer {
-            path: w.path().display().to_string(),
+            path: w.destination().display().to_string(),
             inner: Some(w),
             start,
             shape,
@@ -919,6 +920,56 @@ fn inspect(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
         .map_err(to_py)
 }
 
+/// Copies a local dataset directory to an `s3://` prefix (or back, `upload=False`), commit
+/// record last, skipping objects already there; `progress(done_bytes, total_bytes)` is called
+/// after each object. Returns {"copied", "skipped", "bytes"}.
+#[pyfunction]
+#[pyo3(signature = (src, dst, upload, progress=None))]
+fn transfer<'py>(
+    py: Python<'py>,
+    src: std::path::PathBuf,
+    dst: std::path::PathBuf,
+    upload: bool,
+    progress: Option<PyObject>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mut report = |done: u64, total: u64| {
+        if let Some(cb) = &progress {
+            Python::with_gil(|py| {
+                if let Err(e) = cb.call1(py, (done, total)) {
+                    e.print(py);
+                }
+            });
+        }
+    };
+    let t = py
+        .allow_threads(|| {
+            if upload {
+                shardkit::storage::upload(&src, &dst, &mut report)
+            } else {
+                shardkit::storage::download(&src, &dst, &mut report)
+            }
+        })
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("copied", t.copied)?;
+    d.set_item("skipped", t.skipped)?;
+    d.set_item("bytes", t.bytes)?;
+    Ok(d)
+}
+
+/// The object-store request counters of this process: {"gets", "get_bytes", "puts",
+/// "put_bytes"}.
+#[pyfunction]
+fn storage_counters(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = shardkit::storage::counters();
+    let d = PyDict::new(py);
+    d.set_item("gets", c.gets)?;
+    d.set_item("get_bytes", c.get_bytes)?;
+    d.set_item("puts", c.puts)?;
+    d.set_item("put_bytes", c.put_bytes)?;
+    Ok(d)
+}
+
 /// Hashes every file of the dataset at `path` into its checksums sidecar; returns its path.
 #[pyfunction]
 fn checksum(py: Python<'_>, path: std::path::PathBuf) -> PyResult<std::path::PathBuf> {
@@ -994,6 +1045,8 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
     m.add_function(wrap_pyfunction!(_inject_fault, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer, m)?)?;
+    m.add_function(wrap_pyfunction!(storage_counters, m)?)?;
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;
     flat_tokens::register(m)?;

@@ -117,6 +117,17 @@ pub enum Error {
         /// The number of valid indices.
         len: u64,
     },
+    /// An object-store request failed after its retries (or could not be retried): names the
+    /// object and the byte range asked for.
+    #[error("{object}{}: {message}", range.as_ref().map(|r| format!(" (bytes {}..{})", r.start, r.end)).unwrap_or_default())]
+    Remote {
+        /// The object's URL (`s3://bucket/key`).
+        object: String,
+        /// The bytes asked for, for a ranged read.
+        range: Option<std::ops::Range<u64>>,
+        /// What the store (or the connection) said.
+        message: String,
+    },
     /// A recorded key (layer value, tensor name) is absent.
     #[error("{0}")]
     Missing(String),

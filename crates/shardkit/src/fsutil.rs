@@ -117,6 +117,25 @@ pub mod trace {
         }
     }
 
+    /// The same for uploads: with `SHARDKIT_TEST_ABORT_AFTER_PUTS=K`, the process aborts right
+    /// after its K-th object is written to an object store (`crate::storage`).
+    pub(crate) fn abort_after_put() {
+        use std::sync::atomic::AtomicU64;
+        use std::sync::OnceLock;
+        static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
+        static PUTS: AtomicU64 = AtomicU64::new(0);
+        let limit = LIMIT.get_or_init(|| {
+            std::env::var("SHARDKIT_TEST_ABORT_AFTER_PUTS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+        });
+        if let Some(k) = *limit {
+            if PUTS.fetch_add(1, Ordering::SeqCst) + 1 == k {
+                std::process::abort();
+            }
+        }
+    }
+
     pub(crate) fn record(e: Event) {
         if ON.load(Ordering::Relaxed) {
             LOG.lock().unwrap_or_else(|e| e.into_inner()).push(e);

@@ -41,6 +41,7 @@ pub mod lock;
 pub mod report;
 pub mod saev;
 pub mod sdnb;
+pub mod storage;
 
 pub use error::{Error, Result};
 

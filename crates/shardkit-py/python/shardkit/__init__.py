@@ -20,6 +20,7 @@ from .errors import (
     InternalError,
     InvalidArgumentError,
     LockedError,
+    RemoteError,
     NotFoundError,
     OutOfRangeError,
     PermissionDeniedError,
@@ -29,11 +30,59 @@ from .errors import (
 from . import eagle3, flat_tokens, saev, sdnb
 
 __all__ = [
-    "saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "errors", "__version__",
+    "saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "upload", "download",
+    "storage_counters", "errors", "__version__",
     "ShardkitError", "CorruptDataError", "IncompleteDatasetError", "InvalidArgumentError",
-    "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "PermissionDeniedError",
+    "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "RemoteError", "PermissionDeniedError",
     "OutOfRangeError", "InternalError",
 ]
+
+
+def upload(
+    src: Union[str, "os.PathLike[str]"], dst: str, *, progress: Any = None,
+) -> Dict[str, int]:
+    """Copies the dataset in local directory ``src`` (any format) to ``dst``
+    (``s3://bucket/prefix``): data objects first (large ones as multipart uploads), the commit
+    record last (saev's shards.json, EAGLE-3's manifest.json, the zarr group documents), so a
+    reader never sees a partial dataset. Objects already present at the same size are skipped:
+    rerunning after a kill finishes the upload. Returns ``{"copied", "skipped", "bytes"}``."""
+    return _transfer(src, dst, True, progress, "uploading")
+
+
+def download(
+    src: str, dst: Union[str, "os.PathLike[str]"], *, progress: Any = None,
+) -> Dict[str, int]:
+    """Copies the dataset at ``src`` (``s3://bucket/prefix``) into local directory ``dst``, each
+    file written atomically and the commit record last, skipping files already complete.
+    Returns ``{"copied", "skipped", "bytes"}``."""
+    return _transfer(src, dst, False, progress, "downloading")
+
+
+def _transfer(src: Any, dst: Any, up: bool, progress: Any, desc: str) -> Dict[str, int]:
+    from ._progress import Progress
+
+    bar = Progress(progress, unit="B", desc=desc, unit_scale=True)
+    seen = [0]
+
+    def report(done: int, total: int) -> None:
+        bar.set_total(total)
+        bar.advance(done - seen[0], done, total)
+        seen[0] = done
+
+    try:
+        out: Dict[str, int] = dict(
+            _core.transfer(os.fspath(src), os.fspath(dst), up, report if bar.active else None)
+        )
+    finally:
+        bar.close()
+    return out
+
+
+def storage_counters() -> Dict[str, int]:
+    """Object-store requests this process has made so far: ``{"gets", "get_bytes", "puts",
+    "put_bytes"}`` (GETs are ranged and coalesced: compare ``get_bytes / gets`` with the request
+    size)."""
+    return dict(_core.storage_counters())
 
 
 def checksum(path: Union[str, "os.PathLike[str]"]) -> str:

@@ -18,6 +18,9 @@ exception                      also a                           raised when
 ``NotFoundError``              ``FileNotFoundError``            a file or directory is missing
 ``AlreadyExistsError``         ``FileExistsError``              the output exists
 ``LockedError``                ``BlockingIOError``              another writer holds the dataset
+``RemoteError``                ``OSError``                      an object-store request failed
+                                                                after its retries (names the
+                                                                object and the byte range)
 ``OutOfRangeError``            ``IndexError``                   an index past the end
 ``InternalError``              ``RuntimeError``                 a bug or a failed thread; report it
 =============================  ===============================  =================================
@@ -37,6 +40,7 @@ __all__ = [
     "NotFoundError",
     "AlreadyExistsError",
     "LockedError",
+    "RemoteError",
     "PermissionDeniedError",
     "OutOfRangeError",
     "InternalError",
@@ -94,6 +98,12 @@ class _Interrupted(ShardkitOSError, InterruptedError):
 
 class _TimedOut(ShardkitOSError, TimeoutError):
     pass
+
+
+class RemoteError(ShardkitOSError):
+    """An object-store request (``s3://``) failed after its retries with backoff were spent, or
+    could not be retried (access denied, a bad endpoint); the message names the object and the
+    byte range."""
 
 
 class OutOfRangeError(ShardkitError, IndexError):

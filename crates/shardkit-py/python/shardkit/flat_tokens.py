@@ -265,9 +265,13 @@ class Dataset:
 
     def __init__(self, path: PathLike) -> None:
         self.path = os.fspath(path)
-        if not os.path.isdir(self.path):
-            raise NotFoundError(f"{self.path}: not a directory; expected a flat-tokens dataset")
-        self.splits: List[str] = [s for s in _SPLITS if os.path.isdir(os.path.join(self.path, s))]
+        self.splits: List[str]
+        if self.path.startswith(("s3://", "s3a://")):
+            self.splits = list(_core.tokens_splits(self.path))
+        else:
+            if not os.path.isdir(self.path):
+                raise NotFoundError(f"{self.path}: not a directory; expected a flat-tokens dataset")
+            self.splits = [s for s in _SPLITS if os.path.isdir(os.path.join(self.path, s))]
         if not self.splits:
             raise CorruptDataError(f"{self.path}: holds neither a train nor a validation split")
         self._open: Dict[str, Split] = {}

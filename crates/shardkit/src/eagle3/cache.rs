@@ -6,7 +6,7 @@
 //! rows from the map; nothing is copied until a caller copies it. A top-k cache's item rebuilds
 //! the full-width `target_probs` (zeros, with the stored values scattered at their indices).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -14,9 +14,12 @@ use memmap2::Mmap;
 use safetensors::Dtype;
 
 use super::manifest::{self, Manifest};
-use super::shard::{field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile};
+use super::shard::{
+    field_specs, shard_index, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile,
+};
 use super::writer::EMBEDDINGS;
 use crate::error::{Error, IoContext, Result};
+use crate::storage::{self, Remote};
 
 /// Shard handles kept open by default.
 pub const DEFAULT_OPEN_SHARDS: usize = 64;
@@ -38,6 +41,8 @@ pub struct Cache {
     specs: Vec<FieldSpec>,
     open: Mutex<OpenShards>,
     max_open: usize,
+    /// Set for a cache in an object store: its prefix and every object's size.
+    remote: Option<(Remote, HashMap<String, u64>)>,
 }
 
 #[derive(Default)]
@@ -70,12 +75,28 @@ pub struct Field<'a> {
     pub bytes: std::borrow::Cow<'a, [u8]>,
 }
 
-/// One sample: its shard stays mapped while the item lives.
+/// One sample: its shard stays mapped while the item lives (from an object store, its rows
+/// are fetched with the item, one ranged GET per stored tensor, all in flight at once).
 #[derive(Debug, Clone)]
 pub struct Item {
     shard: Arc<ShardFile>,
     row: u64,
     index: u64,
+    /// The rows of every stored tensor (specs order), for a cache in an object store.
+    fetched: Option<Arc<Vec<Vec<u8>>>>,
+}
+
+impl Item {
+    /// Row bytes of stored field `f` (index into the specs).
+    fn bytes(&self, f: usize, row_bytes: usize) -> Result<&[u8]> {
+        match &self.fetched {
+            Some(rows) => rows
+                .get(f)
+                .map(|r| &r[..])
+                .ok_or_else(|| Error::Internal(format!("internal: no fetched field {f}"))),
+            None => self.shard.row(f, self.row, row_bytes),
+        }
+    }
 }
 
 impl Cache {
@@ -87,8 +108,15 @@ impl Cache {
     }
 
     /// [`Cache::open`] keeping at most `max_open` shards mapped at once.
+    ///
+    /// `dir` may be an `s3://bucket/prefix` URL: the manifest is fetched and the objects listed
+    /// once; each shard's header is read (two ranged GETs) when the shard is first used, and
+    /// items and batches read exactly their rows.
     pub fn open_with(dir: impl AsRef<Path>, max_open: usize) -> Result<Cache> {
-        let dir = dir.as_ref().to_path_buf();
+        if storage::is_remote(dir.as_ref()) {
+            return Self::open_remote(dir.as_ref(), max_open);
+        }
+        let dir = storage::local_path(dir.as_ref());
         if !dir.is_dir() {
             return Err(Error::NotFound {
                 path: dir,
@@ -97,34 +125,44 @@ impl Cache {
         }
         let m = manifest::read(&dir)?;
         let present = shard_set(&dir)?;
-        let k = m.num_shards();
-        if let Some(problem) = shard_set_problem(&present, k) {
-            // A contiguous prefix is a writer that has not finished: say which samples.
-            let prefix = present.len() as u64;
-            if prefix < k && shard_set_problem(&present, prefix).is_none() {
-                let have = prefix * m.shard_size;
-                return Err(Error::Incomplete {
-                    path: dir,
-                    present: have,
-                    total: m.num_samples,
-                    detail: format!(
-                        "samples {have}..{} are missing (shards {}..{} absent); resume the \
-                         writer to complete it",
-                        m.num_samples,
-                        shard_name(prefix),
-                        shard_name(k - 1)
-                    ),
-                });
-            }
-            return Err(Error::format(&dir, problem));
-        }
+        check_shard_set(&dir, &m, &present)?;
         Ok(Cache {
             specs: field_specs(&m),
             dir,
             manifest: m,
             open: Mutex::default(),
             max_open: max_open.max(1),
+            remote: None,
         })
+    }
+
+    fn open_remote(url: &Path, max_open: usize) -> Result<Cache> {
+        let remote = Remote::parse(url)?;
+        let dir = PathBuf::from(remote.url());
+        let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
+        let path = remote.url_of(manifest::MANIFEST);
+        if !objects.contains_key(manifest::MANIFEST) {
+            return Err(Error::NotFound {
+                path,
+                what: "no manifest.json: not an EAGLE-3 cache, or one not uploaded yet".into(),
+            });
+        }
+        let m = Manifest::parse(&remote.get(manifest::MANIFEST)?, &path)?;
+        let present: BTreeSet<u64> = objects.keys().filter_map(|n| shard_index(n)).collect();
+        check_shard_set(&dir, &m, &present)?;
+        Ok(Cache {
+            specs: field_specs(&m),
+            dir,
+            manifest: m,
+            open: Mutex::default(),
+            max_open: max_open.max(1),
+            remote: Some((remote, objects)),
+        })
+    }
+
+    /// The object store holding the cache, when it is remote.
+    pub(crate) fn remote(&self) -> Option<&Remote> {
+        self.remote.as_ref().map(|(r, _)| r)
     }
 
     /// The directory.
@@ -157,12 +195,16 @@ impl Cache {
             return Ok(s);
         }
         drop(open);
-        // Map outside the lock: other shards stay available meanwhile.
-        let s = Arc::new(ShardFile::open(
-            &self.dir.join(shard_name(k)),
-            &self.specs,
-            self.manifest.rows_in_shard(k),
-        )?);
+        // Map (or read the header) outside the lock: other shards stay available meanwhile.
+        let rows = self.manifest.rows_in_shard(k);
+        let s = Arc::new(match &self.remote {
+            None => ShardFile::open(&self.dir.join(shard_name(k)), &self.specs, rows)?,
+            Some((remote, sizes)) => {
+                let name = shard_name(k);
+                let size = sizes.get(&name).copied().unwrap_or(0);
+                ShardFile::open_remote(remote, &name, size, &self.specs, rows)?
+            }
+        });
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         if !open.by_index.contains_key(&k) {
             while open.by_index.len() >= self.max_open {
@@ -193,10 +235,33 @@ impl Cache {
         }
         let j = j as u64;
         let s = self.manifest.shard_size;
+        let shard = self.shard(j / s)?;
+        let row = j % s;
+        let fetched = match &self.remote {
+            None => None,
+            Some((remote, _)) => {
+                // Every stored tensor's row, fetched at once (coalesced where adjacent).
+                let mut ranges = Vec::with_capacity(self.specs.len());
+                let mut at = 0;
+                for (f, spec) in self.specs.iter().enumerate() {
+                    let rb = spec.row_bytes() as u64;
+                    ranges.push((0, shard.row_offset(f, row, rb as usize), rb, at));
+                    at += rb;
+                }
+                let mut buf = vec![0u8; at as usize];
+                remote.read_ranges(&[shard_name(j / s)], &ranges, &mut buf)?;
+                let rows = ranges
+                    .iter()
+                    .map(|&(_, _, len, at)| buf[at as usize..(at + len) as usize].to_vec())
+                    .collect();
+                Some(Arc::new(rows))
+            }
+        };
         Ok(Item {
-            shard: self.shard(j / s)?,
-            row: j % s,
+            shard,
+            row,
             index: j,
+            fetched,
         })
     }
 
@@ -221,7 +286,7 @@ impl Cache {
                 name: spec.name,
                 dtype: spec.dtype,
                 shape: spec.row.clone(),
-                bytes: std::borrow::Cow::Borrowed(item.shard.row(f, item.row, spec.row_bytes())),
+                bytes: std::borrow::Cow::Borrowed(item.bytes(f, spec.row_bytes())?),
             });
         }
         Ok(out)
@@ -240,8 +305,8 @@ impl Cache {
     fn scatter_topk(&self, item: &Item) -> Result<Vec<u8>> {
         let (fv, values) = self.spec("target_probs_values");
         let (fi, indices) = self.spec("target_probs_indices");
-        let v = item.shard.row(fv, item.row, values.row_bytes());
-        let ix = item.shard.row(fi, item.row, indices.row_bytes());
+        let v = item.bytes(fv, values.row_bytes())?;
+        let ix = item.bytes(fi, indices.row_bytes())?;
         let mut out = vec![0u8; self.full_probs_bytes()];
         scatter(
             v,
@@ -262,8 +327,50 @@ impl Cache {
 
     /// The embedding table: `weight`, F32 `[rows, H]`, mapped.
     pub fn target_embeddings(&self) -> Result<Embeddings> {
-        open_embeddings(&self.dir)
+        match &self.remote {
+            None => open_embeddings(&self.dir),
+            // The table is wanted whole: one object, fetched with parallel ranged GETs.
+            Some((remote, sizes)) => {
+                let path = remote.url_of(EMBEDDINGS);
+                let Some(&size) = sizes.get(EMBEDDINGS) else {
+                    return Err(Error::NotFound {
+                        path,
+                        what: "no such object".into(),
+                    });
+                };
+                let mut bytes = vec![0u8; size as usize];
+                remote.read_ranges(&[EMBEDDINGS.to_string()], &[(0, 0, size, 0)], &mut bytes)?;
+                embeddings_in(EmbeddingBytes::Owned(bytes), &path)
+            }
+        }
     }
+}
+
+/// Checks the shard set of a cache against its manifest: exactly `0..num_shards`, or a
+/// contiguous prefix reported as an incomplete cache.
+fn check_shard_set(dir: &Path, m: &Manifest, present: &BTreeSet<u64>) -> Result<()> {
+    let k = m.num_shards();
+    if let Some(problem) = shard_set_problem(present, k) {
+        // A contiguous prefix is a writer that has not finished: say which samples.
+        let prefix = present.len() as u64;
+        if prefix < k && shard_set_problem(present, prefix).is_none() {
+            let have = prefix * m.shard_size;
+            return Err(Error::Incomplete {
+                path: dir.to_path_buf(),
+                present: have,
+                total: m.num_samples,
+                detail: format!(
+                    "samples {have}..{} are missing (shards {}..{} absent); resume the \
+                     writer to complete it",
+                    m.num_samples,
+                    shard_name(prefix),
+                    shard_name(k - 1)
+                ),
+            });
+        }
+        return Err(Error::format(dir, problem));
+    }
+    Ok(())
 }
 
 /// Maps and checks `dir/target_embeddings.safetensors`: one tensor, `weight`, F32 2-D.
@@ -272,7 +379,13 @@ pub fn open_embeddings(dir: &Path) -> Result<Embeddings> {
     let file = crate::fsutil::open_regular(&path)?;
     // SAFETY: written only by rename (never in place), see `ShardFile::open`.
     let map = unsafe { Mmap::map(&file) }.at(&path)?;
-    let (n, meta) = super::shard::read_header(&map, &path)?;
+    embeddings_in(EmbeddingBytes::Map(map), &path)
+}
+
+/// The embedding table in `bytes` (a whole safetensors file), checked.
+fn embeddings_in(bytes: EmbeddingBytes, path: &Path) -> Result<Embeddings> {
+    let path = path.to_path_buf();
+    let (n, meta) = super::shard::read_header(bytes.as_slice(), &path)?;
     let tensors = meta.tensors();
     let info = match (tensors.len(), tensors.get("weight")) {
         (1, Some(info)) => *info,
@@ -296,7 +409,7 @@ pub fn open_embeddings(dir: &Path) -> Result<Embeddings> {
         rows: info.shape[0],
         cols: info.shape[1],
         start: 8 + n + info.data_offsets.0,
-        map,
+        map: bytes,
     })
 }
 
@@ -343,9 +456,24 @@ impl Item {
     }
 }
 
-/// The mapped embedding table.
+/// The embedding file's bytes: mapped, or fetched from an object store.
+enum EmbeddingBytes {
+    Map(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl EmbeddingBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            EmbeddingBytes::Map(m) => m,
+            EmbeddingBytes::Owned(v) => v,
+        }
+    }
+}
+
+/// The embedding table (mapped, or fetched from an object store).
 pub struct Embeddings {
-    map: Mmap,
+    map: EmbeddingBytes,
     start: usize,
     /// Vocabulary rows.
     pub rows: usize,
@@ -356,6 +484,6 @@ pub struct Embeddings {
 impl Embeddings {
     /// The table's bytes (F32, little-endian, `rows × cols`).
     pub fn bytes(&self) -> &[u8] {
-        &self.map[self.start..self.start + self.rows * self.cols * 4]
+        &self.map.as_slice()[self.start..self.start + self.rows * self.cols * 4]
     }
 }

@@ -171,6 +171,8 @@ struct Inner {
     pool: Mutex<BufferPool>,
     /// With `verify`: the shards' checksums and which blocks this pass has checked.
     verifier: Option<Verifier>,
+    /// The shards' names (objects, for a cache in an object store).
+    names: Vec<String>,
 }
 
 /// Reader threads at least (see [`LoaderOptions::threads`]).
@@ -208,8 +210,16 @@ impl Loader {
             files: (0..k).map(|_| OnceLock::new()).collect(),
             maps: (0..k).map(|_| OnceLock::new()).collect(),
         };
+        if opts.verify && cache.remote().is_some() {
+            return Err(Error::Invalid(format!(
+                "{}: verify needs local files (checksums are checked as the page cache is \
+                 read); reads from an object store are checked by length, and `shardkit \
+                 checksum verify` works on a downloaded copy",
+                cache.dir().display()
+            )));
+        }
+        let names: Vec<String> = (0..k as u64).map(shard_name).collect();
         let verifier = if opts.verify {
-            let names: Vec<String> = (0..k as u64).map(shard_name).collect();
             let dir = cache.dir();
             Some(Verifier::open(&dir.join(checksum::SIDECAR), dir, &names)?)
         } else {
@@ -221,6 +231,7 @@ impl Loader {
                 files,
                 pool: Mutex::new(BufferPool::new(opts.prefetch + 8)),
                 verifier,
+                names,
             }),
             opts,
             rank,
@@ -522,6 +533,25 @@ impl Job for Eagle3Job {
                     dst: dst as u64,
                 });
             }
+        }
+        if let Some(remote) = cache.remote() {
+            // From an object store: the batch's rows fetched at once with coalesced ranged GETs,
+            // many in flight; the gather then has nothing left to do.
+            let mut buf = cx.buffer(
+                &inner.pool.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+                off,
+            )?;
+            remote.read_into(&inner.names, &ranges, buf.as_mut_bytes())?;
+            return Ok(Prepared {
+                buf,
+                regions: Vec::new(),
+                state: Eagle3Batch {
+                    indices,
+                    layout,
+                    reads: Vec::new(),
+                    staging,
+                },
+            });
         }
         // Rows are megabytes each: the reader threads' own reads keep the disk busy (asking for
         // readahead as well measured slower).

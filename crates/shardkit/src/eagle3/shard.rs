@@ -12,11 +12,12 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use safetensors::tensor::{Metadata, TensorInfo};
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, SafeTensorError, SafeTensors, View};
 
 use super::manifest::Manifest;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::storage::Remote;
 
 /// The file name of shard `k`.
 pub fn shard_name(k: u64) -> String {
@@ -181,10 +182,12 @@ fn st_err(path: &Path, source: safetensors::SafeTensorError) -> Error {
     }
 }
 
-/// A shard opened for reading: its memory map and parsed header, checked against the manifest.
+/// A shard opened for reading: its memory map (or its object in a store) and parsed header,
+/// checked against the manifest.
 pub struct ShardFile {
     path: PathBuf,
-    map: Mmap,
+    /// None for a shard in an object store, whose rows are read with ranged GETs.
+    map: Option<Mmap>,
     /// Byte offset of the data section.
     data_start: usize,
     /// Per field spec (same order as [`field_specs`]): the tensor's offset in the file.
@@ -220,7 +223,62 @@ impl ShardFile {
             data_start: 8 + n,
             offsets,
             rows,
-            map,
+            map: Some(map),
+        })
+    }
+
+    /// Reads the header of object `name` (`size` bytes) under `remote` with two ranged GETs and
+    /// checks it as [`ShardFile::open`] does.
+    pub(crate) fn open_remote(
+        remote: &Remote,
+        name: &str,
+        size: u64,
+        specs: &[FieldSpec],
+        rows: u64,
+    ) -> Result<ShardFile> {
+        let path = remote.url_of(name);
+        let names = [name.to_string()];
+        if size < 8 {
+            return Err(st_err(&path, SafeTensorError::HeaderTooSmall));
+        }
+        let mut len = [0u8; 8];
+        remote.read_ranges(&names, &[(0, 0, 8, 0)], &mut len)?;
+        let n = u64::from_le_bytes(len);
+        // The crate's own limit on headers (100 MB).
+        if n > 100_000_000 {
+            return Err(st_err(&path, SafeTensorError::HeaderTooLarge));
+        }
+        if 8 + n > size {
+            return Err(st_err(&path, SafeTensorError::InvalidHeaderLength));
+        }
+        let mut header = vec![0u8; n as usize];
+        remote.read_ranges(&names, &[(0, 8, n, 0)], &mut header)?;
+        let text = std::str::from_utf8(&header)
+            .map_err(|e| st_err(&path, SafeTensorError::InvalidHeader(e)))?;
+        // Deserializing validates offsets, dtypes and shapes as `read_metadata` does; the data
+        // section must then end exactly at the object's end.
+        let meta: Metadata = serde_json::from_str(text)
+            .map_err(|e| st_err(&path, SafeTensorError::InvalidHeaderDeserialization(e)))?;
+        if meta.data_len() as u64 + 8 + n != size {
+            return Err(st_err(&path, SafeTensorError::MetadataIncompleteBuffer));
+        }
+        let offsets = check_tensors(&meta, specs, rows, &path)?;
+        Ok(ShardFile {
+            path,
+            data_start: 8 + n as usize,
+            offsets,
+            rows,
+            map: None,
+        })
+    }
+
+    fn mapped(&self) -> Result<&Mmap> {
+        self.map.as_ref().ok_or_else(|| {
+            Error::Invalid(format!(
+                "{}: a shard in an object store has no map; its rows come with the item \
+                 (Cache::item)",
+                self.path.display()
+            ))
         })
     }
     /// The file.
@@ -231,19 +289,20 @@ impl ShardFile {
     pub fn rows(&self) -> u64 {
         self.rows
     }
-    /// The bytes of row `r` of field `f` (index into the specs), borrowed from the map.
-    pub fn row(&self, f: usize, r: u64, row_bytes: usize) -> &[u8] {
+    /// The bytes of row `r` of field `f` (index into the specs), borrowed from the map (an
+    /// error for a shard in an object store).
+    pub fn row(&self, f: usize, r: u64, row_bytes: usize) -> Result<&[u8]> {
         let start = self.data_start + self.offsets[f] + r as usize * row_bytes;
-        &self.map[start..start + row_bytes]
+        Ok(&self.mapped()?[start..start + row_bytes])
     }
     /// The file offset of row `r` of field `f`.
     pub(crate) fn row_offset(&self, f: usize, r: u64, row_bytes: usize) -> u64 {
         (self.data_start + self.offsets[f] + r as usize * row_bytes) as u64
     }
-    /// The whole tensor of field `f`.
-    pub fn tensor(&self, f: usize, row_bytes: usize) -> &[u8] {
+    /// The whole tensor of field `f` (an error for a shard in an object store).
+    pub fn tensor(&self, f: usize, row_bytes: usize) -> Result<&[u8]> {
         let start = self.data_start + self.offsets[f];
-        &self.map[start..start + self.rows as usize * row_bytes]
+        Ok(&self.mapped()?[start..start + self.rows as usize * row_bytes])
     }
 }
 

@@ -21,6 +21,9 @@ pub use crate::report::Validation;
 /// tolerance.
 pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
     let dir = dir.as_ref();
+    if crate::storage::is_remote(dir) {
+        return validate_remote(dir, deep);
+    }
     let mut v = Validation::new(dir);
     let m = match manifest::read(dir) {
         Ok(m) => m,
@@ -113,6 +116,34 @@ fn sum_tolerance(dtype: Dtype) -> f64 {
     }
 }
 
+/// A cache in an object store: the manifest, the shard set and every shard's header (its
+/// tensors against the manifest, its size), read with ranged GETs; the contents are not read.
+fn validate_remote(url: &Path, deep: bool) -> Validation {
+    let mut v = Validation::new(url);
+    match super::Cache::open(url) {
+        Err(e) => v.error_from(&e),
+        Ok(cache) => {
+            for k in 0..cache.manifest().num_shards() {
+                if let Err(e) = cache.shard(k) {
+                    v.error_from(&e);
+                }
+            }
+            v.note(
+                url,
+                if deep {
+                    "checked in the object store: manifest.json, the shard set and every \
+                     shard's header; the deep checks of values need a local copy (shardkit \
+                     download)"
+                } else {
+                    "checked in the object store: manifest.json, the shard set and every \
+                     shard's header"
+                },
+            );
+        }
+    }
+    v
+}
+
 fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
     let specs = field_specs(m);
     let tensor = |field: &str| {
@@ -121,7 +152,12 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
             .enumerate()
             .find(|(_, s)| s.name == field)
             .expect("spec");
-        (f.tensor(i, s.row_bytes()), s.dtype, s.row.clone())
+        // Deep checks run on local shards, which are always mapped.
+        (
+            f.tensor(i, s.row_bytes()).unwrap_or_default(),
+            s.dtype,
+            s.row.clone(),
+        )
     };
     // Float fields: NaN / Inf.
     for field in ["aux_hidden_states", "target_probs", "target_probs_values"] {
@@ -225,17 +261,40 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
 /// A summary: the configuration, sizes and completeness.
 pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
     let dir = dir.as_ref();
-    let m = manifest::read(dir)?;
-    let present = shard_set(dir)?;
+    // (manifest, shards present, their bytes, whether the embeddings file exists)
+    let (m, present, on_disk, embeddings) = if crate::storage::is_remote(dir) {
+        let remote = crate::storage::Remote::parse(dir)?;
+        let objects = remote.list()?;
+        let m = Manifest::parse(
+            &remote.get(manifest::MANIFEST)?,
+            &remote.url_of(manifest::MANIFEST),
+        )?;
+        let shards: Vec<(u64, u64)> = objects
+            .iter()
+            .filter_map(|(n, size)| Some((super::shard::shard_index(n)?, *size)))
+            .collect();
+        let embeddings = objects.iter().any(|(n, _)| n == EMBEDDINGS);
+        (
+            m,
+            shards.iter().map(|s| s.0).collect(),
+            shards.iter().map(|s| s.1).sum(),
+            embeddings,
+        )
+    } else {
+        let m = manifest::read(dir)?;
+        let present = shard_set(dir)?;
+        let on_disk: u64 = present
+            .iter()
+            .filter_map(|&i| std::fs::metadata(dir.join(shard_name(i))).ok())
+            .map(|md| md.len())
+            .sum();
+        (m, present, on_disk, dir.join(EMBEDDINGS).is_file())
+    };
+    let present: std::collections::BTreeSet<u64> = present;
     let k = m.num_shards();
     let prefix = (0..k).take_while(|i| present.contains(i)).count() as u64;
     let samples_present = (prefix * m.shard_size).min(m.num_samples);
     let sample_bytes = m.sample_bytes().unwrap_or(0);
-    let on_disk: u64 = present
-        .iter()
-        .filter_map(|&i| std::fs::metadata(dir.join(shard_name(i))).ok())
-        .map(|md| md.len())
-        .sum();
     let get = |key: &str| m.raw().get(key).cloned().unwrap_or(Value::Null);
     Ok(Value::Object(vec![
         ("format_version".into(), Value::int(m.format_version)),
@@ -263,10 +322,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
         ),
         ("bytes_per_sample".into(), Value::int(sample_bytes)),
         ("bytes_on_disk".into(), Value::int(on_disk)),
-        (
-            "target_embeddings".into(),
-            Value::Bool(dir.join(EMBEDDINGS).is_file()),
-        ),
+        ("target_embeddings".into(), Value::Bool(embeddings)),
     ]))
 }
 

@@ -20,6 +20,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
 use crate::lock::WriteLock;
+use crate::storage::{self, Remote};
 
 /// The embeddings file's name.
 pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
@@ -69,13 +70,34 @@ pub struct Writer {
     _lock: WriteLock,
     /// Checksums of the shards written so far (see [`crate::checksum`]).
     sums: Recorder,
+    /// Writing to an object store: the cache's prefix there (the cache is staged locally and
+    /// uploaded by [`Writer::finish`], manifest.json last).
+    upload_to: Option<Remote>,
 }
 
 impl Writer {
     /// Starts (or, with `options.resume`, continues) the cache at `dir` for the run
     /// configuration `config` (a JSON object with every key the reference producer writes).
+    ///
+    /// `dir` may be an `s3://bucket/prefix` URL naming a prefix without a cache: the cache is
+    /// then staged in a local directory ([`storage::staging_dir`], where `resume` continues a
+    /// killed write) and uploaded by [`Writer::finish`], shards first and manifest.json last.
     pub fn create(dir: impl AsRef<Path>, config: &Value, options: WriterOptions) -> Result<Writer> {
-        let dir = dir.as_ref().to_path_buf();
+        if storage::is_remote(dir.as_ref()) {
+            let remote = Remote::parse(dir.as_ref())?;
+            if remote.get_opt(manifest::MANIFEST)?.is_some() {
+                return Err(Error::Exists {
+                    path: remote.url_of(manifest::MANIFEST),
+                    why: "the prefix already holds an EAGLE-3 cache; write to another prefix"
+                        .into(),
+                });
+            }
+            let url = PathBuf::from(remote.url());
+            let mut w = Self::create(storage::staging_dir(&url), config, options)?;
+            w.upload_to = Some(remote);
+            return Ok(w);
+        }
+        let dir = storage::local_path(dir.as_ref());
         let m = Manifest::for_writing(config, options.version)?;
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Exists {
@@ -178,6 +200,7 @@ impl Writer {
             shard,
             resumed_from,
             _lock: lock,
+            upload_to: None,
             sums: Recorder::default(),
         })
     }
@@ -329,6 +352,12 @@ impl Writer {
         // The sidecar covers the manifest, every shard and the embeddings.
         self.sums.finish(&self.dir)?;
         fsutil::fsync_dir(&self.dir)?;
+        if let Some(target) = &self.upload_to {
+            let url = PathBuf::from(target.url());
+            storage::upload(&self.dir, &url, |_, _| {})?;
+            let _ = std::fs::remove_dir_all(&self.dir);
+            return Ok(url);
+        }
         Ok(self.dir)
     }
 }

@@ -83,26 +83,17 @@ struct SendPtr(*mut u8);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
-/// Reads every range into `buf` using up to `threads` threads. Ranges must lie inside `buf`
-/// and not overlap there (both checked: an error, before anything is read). A short read (a
-/// file that shrank) is an error naming the file.
-pub(crate) fn read_all(
-    files: &dyn Files,
-    ranges: &[ReadRange],
-    buf: &mut [u8],
-    threads: usize,
-    direct: bool,
-) -> Result<()> {
+/// Checks that every range's destination lies inside a `len`-byte buffer and that no two
+/// overlap there (readers write them concurrently).
+pub(crate) fn check_destinations(ranges: &[ReadRange], len: usize) -> Result<()> {
     let mut by_dst: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
     for r in ranges {
         match r.dst.checked_add(r.len) {
-            Some(end) if end <= buf.len() as u64 => by_dst.push((r.dst, end)),
+            Some(end) if end <= len as u64 => by_dst.push((r.dst, end)),
             _ => {
                 return Err(Error::Invalid(format!(
                     "read of {} bytes at buffer offset {} exceeds the {}-byte buffer",
-                    r.len,
-                    r.dst,
-                    buf.len()
+                    r.len, r.dst, len
                 )))
             }
         }
@@ -115,6 +106,20 @@ pub(crate) fn read_all(
             w[0].0, w[0].1, w[1].0, w[1].1
         )));
     }
+    Ok(())
+}
+
+/// Reads every range into `buf` using up to `threads` threads. Ranges must lie inside `buf`
+/// and not overlap there (both checked: an error, before anything is read). A short read (a
+/// file that shrank) is an error naming the file.
+pub(crate) fn read_all(
+    files: &dyn Files,
+    ranges: &[ReadRange],
+    buf: &mut [u8],
+    threads: usize,
+    direct: bool,
+) -> Result<()> {
+    check_destinations(ranges, buf.len())?;
     let next = AtomicUsize::new(0);
     let base = SendPtr(buf.as_mut_ptr());
     let threads = threads.clamp(1, ranges.len().max(1));

@@ -82,7 +82,7 @@ pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
 pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader};
 #[cfg(feature = "zarr")]
-pub use report::{inspect, validate, Validation};
+pub use report::{inspect, splits, validate, Validation};
 #[cfg(feature = "zarr")]
 pub use split::Split;
 #[cfg(feature = "zarr")]

@@ -10,11 +10,25 @@ pub use crate::report::Validation;
 
 const SPLITS: [&str; 2] = ["train", "validation"];
 
-fn present(root: &Path) -> Vec<&'static str> {
-    SPLITS
+/// The splits of the dataset at `root` (a directory, or an `s3://` prefix): those that are
+/// zarr groups.
+pub fn splits(root: impl AsRef<Path>) -> Result<Vec<&'static str>> {
+    present(root.as_ref())
+}
+
+fn present(root: &Path) -> Result<Vec<&'static str>> {
+    if crate::storage::is_remote(root) {
+        let objects = crate::storage::Remote::parse(root)?.list()?;
+        let has = |k: String| objects.iter().any(|(n, _)| *n == k);
+        return Ok(SPLITS
+            .into_iter()
+            .filter(|s| has(format!("{s}/zarr.json")) || has(format!("{s}/.zgroup")))
+            .collect());
+    }
+    Ok(SPLITS
         .into_iter()
         .filter(|s| ZarrFormat::of_group(&root.join(s)).is_some())
-        .collect()
+        .collect())
 }
 
 /// Every split summarised: format, completion, sharding, counts, `max_token_id` and sequence
@@ -22,15 +36,21 @@ fn present(root: &Path) -> Vec<&'static str> {
 /// opened). Reads `seq_starts` in full, not the tokens.
 pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
     let root = root.as_ref();
-    if !root.is_dir() {
+    if !crate::storage::is_remote(root) && !root.is_dir() {
         return Err(Error::NotFound {
             path: root.to_path_buf(),
             what: "not a directory; expected a flat-tokens dataset".into(),
         });
     }
+    let remote = crate::storage::is_remote(root);
+    let splits = if remote { present(root)? } else { Vec::new() };
     let mut out = Vec::new();
     for name in SPLITS {
-        let v = if !root.join(name).exists() {
+        let absent = match remote {
+            true => !splits.contains(&name),
+            false => !root.join(name).exists(),
+        };
+        let v = if absent {
             Value::Null
         } else {
             match Split::open_unvalidated(root, name).and_then(|s| summary(&s)) {
@@ -100,7 +120,13 @@ fn summary(s: &Split) -> Result<Value> {
 pub fn validate(root: impl AsRef<Path>) -> Validation {
     let root = root.as_ref();
     let mut v = Validation::new(root);
-    let splits = present(root);
+    let splits = match present(root) {
+        Ok(s) => s,
+        Err(e) => {
+            v.error_from(&e);
+            return v;
+        }
+    };
     if splits.is_empty() {
         v.error(
             root,

@@ -262,9 +262,19 @@ impl Split {
 
     /// Opens without the completion and content checks (structure, names and dtypes are still
     /// checked): for validation and inspection.
+    ///
+    /// `root` may be an `s3://bucket/prefix` URL: the arrays are then read through zarrs'
+    /// object-store adapter (ranged GETs of chunks and inner chunks, retried like every
+    /// request of [`crate::storage`]).
     pub fn open_unvalidated(root: impl AsRef<Path>, split: &str) -> Result<Split> {
         let root = root.as_ref();
         check_split_name(split)?;
+        if crate::storage::is_remote(root) {
+            let remote = crate::storage::Remote::parse(root)?;
+            let url = PathBuf::from(remote.url());
+            return Self::from_store(remote.zarr_store(), &url, split);
+        }
+        let root = &crate::storage::local_path(root);
         if !root.is_dir() {
             return Err(Error::NotFound {
                 path: root.to_path_buf(),

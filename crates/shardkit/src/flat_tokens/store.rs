@@ -91,12 +91,23 @@ pub(crate) fn zarr2_json(v: &Value) -> Vec<u8> {
 /// if that is what went wrong.
 pub(crate) trait IoBeneath: std::fmt::Display {
     fn io_beneath(&self) -> Option<&std::io::Error>;
+    /// A failed request of an object store beneath (zarrs' object-store adapter reports them
+    /// as `StorageError::Other`), after its retries.
+    fn remote_beneath(&self) -> Option<&str> {
+        None
+    }
 }
 
 impl IoBeneath for StorageError {
     fn io_beneath(&self) -> Option<&std::io::Error> {
         match self {
             StorageError::IOError(io) => Some(io),
+            _ => None,
+        }
+    }
+    fn remote_beneath(&self) -> Option<&str> {
+        match self {
+            StorageError::Other(msg) => Some(msg),
             _ => None,
         }
     }
@@ -119,6 +130,12 @@ impl IoBeneath for CodecError {
             _ => None,
         }
     }
+    fn remote_beneath(&self) -> Option<&str> {
+        match self {
+            CodecError::StorageError(s) => s.remote_beneath(),
+            _ => None,
+        }
+    }
 }
 
 impl IoBeneath for ArrayError {
@@ -126,6 +143,13 @@ impl IoBeneath for ArrayError {
         match self {
             ArrayError::StorageError(s) => s.io_beneath(),
             ArrayError::CodecError(c) => c.io_beneath(),
+            _ => None,
+        }
+    }
+    fn remote_beneath(&self) -> Option<&str> {
+        match self {
+            ArrayError::StorageError(s) => s.remote_beneath(),
+            ArrayError::CodecError(c) => c.remote_beneath(),
             _ => None,
         }
     }
@@ -138,12 +162,24 @@ impl IoBeneath for ArrayCreateError {
             _ => None,
         }
     }
+    fn remote_beneath(&self) -> Option<&str> {
+        match self {
+            ArrayCreateError::StorageError(s) => s.remote_beneath(),
+            _ => None,
+        }
+    }
 }
 
 impl IoBeneath for GroupCreateError {
     fn io_beneath(&self) -> Option<&std::io::Error> {
         match self {
             GroupCreateError::StorageError(s) => s.io_beneath(),
+            _ => None,
+        }
+    }
+    fn remote_beneath(&self) -> Option<&str> {
+        match self {
+            GroupCreateError::StorageError(s) => s.remote_beneath(),
             _ => None,
         }
     }
@@ -160,6 +196,13 @@ pub(crate) fn zarrs_error(
     files: &[PathBuf],
     what: impl FnOnce() -> String,
 ) -> Error {
+    if let (Some(msg), true) = (e.remote_beneath(), crate::storage::is_remote(array)) {
+        return Error::Remote {
+            object: array.display().to_string(),
+            range: None,
+            message: format!("{}: {msg}", what()),
+        };
+    }
     let Some(io) = e.io_beneath() else {
         return Error::format(array, format!("{}: {e}", what()));
     };

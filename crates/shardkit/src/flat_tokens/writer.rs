@@ -30,6 +30,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::{self, Value};
 use crate::lock::WriteLock;
+use crate::storage::{self, Remote};
 
 /// The largest token id the encoding can hold (`2*id + 1` must fit in uint32).
 pub const MAX_TOKEN_ID: u32 = (1 << 31) - 1;
@@ -454,6 +455,9 @@ pub struct Writer {
     sequences_with_id_zero: u64,
     scratch: Vec<u32>,
     _lock: WriteLock,
+    /// Writing to an object store: the dataset's prefix there (the dataset is staged locally
+    /// and uploaded by [`Writer::finish`]).
+    upload_to: Option<Remote>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -521,12 +525,36 @@ fn only_leftovers(dir: &Path) -> Result<bool> {
 impl Writer {
     /// Opens `split` of the dataset at `root` for appending, creating the dataset and the split
     /// as needed. An existing split is refused unless `options.resume`.
+    ///
+    /// `root` may be an `s3://bucket/prefix` URL naming an empty prefix: the dataset is then
+    /// staged in a local directory ([`storage::staging_dir`], where a killed write resumes) and
+    /// uploaded by [`Writer::finish`], the root group's documents (which carry
+    /// `write_completed`) last. To add a split to a dataset already in a store, download it,
+    /// write locally and upload it.
     pub fn create(root: impl AsRef<Path>, split: &str, options: WriterOptions) -> Result<Writer> {
         if split != "train" && split != "validation" {
             return Err(Error::Invalid(format!(
                 "split must be \"train\" or \"validation\", got {split:?}"
             )));
         }
+        if storage::is_remote(root.as_ref()) {
+            let remote = Remote::parse(root.as_ref())?;
+            let url = PathBuf::from(remote.url());
+            let staged = storage::staging_dir(&url);
+            if !staged.exists() && !remote.list()?.is_empty() {
+                return Err(Error::Exists {
+                    path: url,
+                    why: "already holds objects; a flat-tokens dataset is written to an empty \
+                          prefix (to add a split: shardkit download, write locally, shardkit \
+                          upload)"
+                        .into(),
+                });
+            }
+            let mut w = Self::create(&staged, split, options)?;
+            w.upload_to = Some(remote);
+            return Ok(w);
+        }
+        let root = &storage::local_path(root.as_ref());
         super::delta::register();
         let root = root.as_ref();
         let existing = existing_format(root)?;
@@ -668,6 +696,7 @@ impl Writer {
             sequences_with_id_zero: 0,
             scratch: Vec::new(),
             _lock: lock,
+            upload_to: None,
         };
         if token_count < token_shape {
             log::warn!(
@@ -795,7 +824,22 @@ impl Writer {
     }
 
     /// Commits, removes chunk files no commit covers, and marks the dataset complete.
+    ///
+    /// Writing to an object store, the staged dataset is then uploaded and its staging
+    /// directory removed; the summary's `root` is the dataset's URL.
     pub fn finish(mut self) -> Result<WriteSummary> {
+        let upload_to = self.upload_to.take();
+        let mut summary = self.finish_local()?;
+        if let Some(target) = upload_to {
+            let url = PathBuf::from(target.url());
+            storage::upload(&summary.root, &url, |_, _| {})?;
+            let _ = std::fs::remove_dir_all(&summary.root);
+            summary.root = url;
+        }
+        Ok(summary)
+    }
+
+    fn finish_local(mut self) -> Result<WriteSummary> {
         self.flush()?;
         self.tokens
             .erase_stray_chunks(&self.ds.store, &self.ds.root)?;

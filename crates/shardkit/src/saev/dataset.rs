@@ -10,10 +10,12 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::OnceLock;
 
+use crate::engine::reader::ReadRange;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::saev::layout::{parse_shards_json, Layout, ShardEntry};
 use crate::saev::Metadata;
+use crate::storage::{self, Remote};
 
 /// Which tokens of each example a flat index enumerates (saev's `tokens` option).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,43 +82,58 @@ impl TokenMode {
 /// `Error::Incomplete` with the examples present, or `Error::Format` naming the broken file.
 pub(crate) fn check_complete(dir: &Path, layout: &Layout) -> Result<()> {
     let sj = dir.join("shards.json");
-    let n = layout.n_examples;
     let bytes = match fsutil::read_json_file(&sj) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let k = leading_full_files(dir, layout);
-            return Err(Error::Incomplete {
-                path: dir.to_path_buf(),
-                present: (k * layout.examples_per_shard).min(n),
-                total: n,
-                detail: format!(
-                    "shards.json is missing (it is written last); {k} leading shard files are \
-                     full size"
-                ),
-            });
-        }
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(Error::io(&sj, e)),
+    };
+    check_complete_with(dir, layout, bytes, |name| local_size(&dir.join(name)))
+}
+
+/// The size of a regular file, or why it cannot be a shard.
+fn local_size(path: &Path) -> Result<u64, &'static str> {
+    match std::fs::metadata(path) {
+        Err(_) => Err("listed in shards.json but missing"),
+        Ok(m) if !m.is_file() => Err("not a regular file"),
+        Ok(m) => Ok(m.len()),
+    }
+}
+
+/// [`check_complete`] of a dataset anywhere: `shards_json` is the commit record's bytes (None
+/// when absent) and `size` tells a file's size (local file or object).
+pub(crate) fn check_complete_with(
+    dir: &Path,
+    layout: &Layout,
+    shards_json: Option<Vec<u8>>,
+    size: impl Fn(&str) -> Result<u64, &'static str>,
+) -> Result<()> {
+    let sj = dir.join("shards.json");
+    let n = layout.n_examples;
+    let Some(bytes) = shards_json else {
+        let k = leading_full_with(layout, &size);
+        return Err(Error::Incomplete {
+            path: dir.to_path_buf(),
+            present: (k * layout.examples_per_shard).min(n),
+            total: n,
+            detail: format!(
+                "shards.json is missing (it is written last); {k} leading shard files are full \
+                 size"
+            ),
+        });
     };
     let entries = parse_shards_json(&bytes, &sj)?;
     check_entries(&entries, &sj, layout)?;
     for s in 0..layout.n_shards {
         let name = Layout::shard_name(s);
         let path = dir.join(&name);
-        match std::fs::metadata(&path) {
-            Err(_) => {
-                return Err(Error::format(
-                    &path,
-                    "listed in shards.json but missing".to_string(),
-                ))
-            }
-            Ok(m) if !m.is_file() => return Err(Error::format(&path, "not a regular file")),
-            Ok(m) if m.len() != layout.shard_bytes() => {
+        match size(&name) {
+            Err(why) => return Err(Error::format(&path, why)),
+            Ok(len) if len != layout.shard_bytes() => {
                 return Err(Error::format(
                     &path,
                     format!(
-                        "shard is {} bytes, expected {} ({} examples x {} bytes); truncated or \
-                         not written by this metadata",
-                        m.len(),
+                        "shard is {len} bytes, expected {} ({} examples x {} bytes); truncated \
+                         or not written by this metadata",
                         layout.shard_bytes(),
                         layout.examples_per_shard,
                         layout.example_bytes()
@@ -181,10 +198,12 @@ pub(crate) fn check_entries(entries: &[ShardEntry], sj: &Path, layout: &Layout) 
 
 /// Number of leading shard files that exist at full size.
 pub(crate) fn leading_full_files(dir: &Path, layout: &Layout) -> u64 {
+    leading_full_with(layout, |name| local_size(&dir.join(name)))
+}
+
+fn leading_full_with(layout: &Layout, size: impl Fn(&str) -> Result<u64, &'static str>) -> u64 {
     (0..layout.n_shards)
-        .take_while(|&s| {
-            fsutil::regular_file_len(&dir.join(Layout::shard_name(s))) == Some(layout.shard_bytes())
-        })
+        .take_while(|&s| size(&Layout::shard_name(s)) == Ok(layout.shard_bytes()))
         .count() as u64
 }
 
@@ -207,12 +226,17 @@ pub(crate) fn read_f32_at(file: &File, path: &Path, offset: u64, out: &mut [f32]
             Error::io(path, e)
         }
     })?;
+    from_le_in_place(out);
+    Ok(())
+}
+
+/// Little-endian values read as native ones (a no-op on little-endian machines).
+fn from_le_in_place(out: &mut [f32]) {
     if cfg!(target_endian = "big") {
         for v in out.iter_mut() {
             *v = f32::from_bits(v.to_bits().swap_bytes());
         }
     }
-    Ok(())
 }
 
 /// A complete saev directory opened for reading.
@@ -225,12 +249,22 @@ pub struct Dataset {
     shards: Vec<OnceLock<File>>,
     direct: Vec<OnceLock<Option<File>>>,
     labels: Option<File>,
+    /// Set when the dataset is in an object store: its prefix and the object names read
+    /// (the shards, then labels.bin when present).
+    remote: Option<(Remote, Vec<String>)>,
 }
 
 impl Dataset {
     /// Opens `dir`, refusing an incomplete or inconsistent dataset.
+    ///
+    /// `dir` may be an `s3://bucket/prefix` URL (see [`crate::storage`]): metadata.json and
+    /// shards.json are fetched and the shards' sizes listed once; every read afterwards is a
+    /// ranged GET of exactly the bytes asked for.
     pub fn open(dir: impl AsRef<Path>) -> Result<Dataset> {
-        let dir = dir.as_ref().to_path_buf();
+        if storage::is_remote(dir.as_ref()) {
+            return Self::open_remote(dir.as_ref());
+        }
+        let dir = storage::local_path(dir.as_ref());
         if !dir.is_dir() {
             return Err(Error::NotFound {
                 path: dir,
@@ -257,7 +291,81 @@ impl Dataset {
             layout,
             warnings,
             labels,
+            remote: None,
         })
+    }
+
+    fn open_remote(url: &Path) -> Result<Dataset> {
+        let remote = Remote::parse(url)?;
+        let dir = PathBuf::from(remote.url());
+        let objects: std::collections::HashMap<String, u64> = remote.list()?.into_iter().collect();
+        let md_path = remote.url_of("metadata.json");
+        if !objects.contains_key("metadata.json") {
+            return Err(Error::NotFound {
+                path: md_path,
+                what: "no such object; expected a saev dataset prefix holding metadata.json".into(),
+            });
+        }
+        let (md, warnings) = Metadata::parse(&remote.get("metadata.json")?, &md_path)?;
+        let layout = Layout::new(&md, &md_path)?;
+        let shards_json = match objects.contains_key("shards.json") {
+            true => Some(remote.get("shards.json")?),
+            false => None,
+        };
+        check_complete_with(&dir, &layout, shards_json, |name| {
+            objects
+                .get(name)
+                .copied()
+                .ok_or("listed in shards.json but missing")
+        })?;
+        let mut names: Vec<String> = (0..layout.n_shards).map(Layout::shard_name).collect();
+        let has_labels =
+            objects.get("labels.bin") == Some(&(layout.n_examples * layout.content_tokens));
+        if has_labels {
+            names.push("labels.bin".into());
+        }
+        Ok(Dataset {
+            shards: Vec::new(),
+            direct: Vec::new(),
+            dir,
+            md,
+            layout,
+            warnings,
+            labels: None,
+            remote: Some((remote, names)),
+        })
+    }
+
+    /// The object store holding the dataset and the names of its shards (then labels.bin),
+    /// when it is remote.
+    pub(crate) fn remote(&self) -> Option<(&Remote, &[String])> {
+        self.remote.as_ref().map(|(r, n)| (r, &n[..]))
+    }
+
+    /// Reads `out.len()` bytes of shard `s` at `offset`, from its file or with ranged GETs.
+    fn read_shard_at(&self, s: u64, offset: u64, out: &mut [f32]) -> Result<()> {
+        match &self.remote {
+            None => read_f32_at(self.shard_file(s)?, &self.shard_path(s), offset, out),
+            Some((remote, names)) => {
+                // SAFETY: every bit pattern is a valid f32, and the view covers exactly `out`.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        out.as_mut_ptr().cast::<u8>(),
+                        std::mem::size_of_val(out),
+                    )
+                };
+                let len = bytes.len() as u64;
+                let r = ReadRange {
+                    file: s as u32,
+                    offset,
+                    len,
+                    dst: 0,
+                };
+                remote.read_into(names, &[r], bytes)?;
+                from_le_in_place(out);
+                Ok(())
+            }
+        }
     }
 
     /// The dataset directory.
@@ -279,9 +387,14 @@ impl Dataset {
     /// Whether a usable labels.bin (`N·P` bytes) is present.
     pub fn has_labels(&self) -> bool {
         self.labels.is_some()
+            || self
+                .remote
+                .as_ref()
+                .is_some_and(|(_, n)| n.last().is_some_and(|l| l == "labels.bin"))
     }
 
     /// The path of shard `s`.
+    /// (An `s3://` URL when the dataset is remote.)
     pub fn shard_path(&self, s: u64) -> PathBuf {
         self.dir.join(Layout::shard_name(s))
     }
@@ -350,7 +463,7 @@ impl Dataset {
         }
         let (s, _) = self.layout.locate(example);
         let off = self.layout.offset(example, slot as u64, t);
-        read_f32_at(self.shard_file(s)?, &self.shard_path(s), off, out)
+        self.read_shard_at(s, off, out)
     }
 
     /// Reads one example's contiguous slab of layer `slot` (`T·D` values) into `out`.
@@ -367,7 +480,7 @@ impl Dataset {
         }
         let (s, _) = self.layout.locate(example);
         let off = self.layout.offset(example, slot as u64, 0);
-        read_f32_at(self.shard_file(s)?, &self.shard_path(s), off, out)
+        self.read_shard_at(s, off, out)
     }
 
     /// One vector: `example`, recorded layer value `layer`, stored token slot `token` (slot 0 is
@@ -393,6 +506,26 @@ impl Dataset {
         }
         resolved.sort_unstable();
         let mut out = vec![0f32; coords.len() * d];
+        if let Some((remote, names)) = &self.remote {
+            // One coalesced batch of ranged GETs, many in flight.
+            let rb = d as u64 * 4;
+            let ranges: Vec<ReadRange> = resolved
+                .iter()
+                .map(|&(s, off, i)| ReadRange {
+                    file: s as u32,
+                    offset: off,
+                    len: rb,
+                    dst: i as u64 * rb,
+                })
+                .collect();
+            // SAFETY: every bit pattern is a valid f32, and the view covers exactly `out`.
+            let bytes = unsafe {
+                std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 4)
+            };
+            remote.read_into(names, &ranges, bytes)?;
+            from_le_in_place(&mut out);
+            return Ok(out);
+        }
         // Hand each thread a contiguous run of the sorted requests; scatter by original index.
         let threads = std::thread::available_parallelism()
             .map_or(4, |n| n.get() * 4)
@@ -429,16 +562,79 @@ impl Dataset {
     /// The labels of one example's content tokens (`P` values), if labels.bin exists.
     pub fn read_labels_into(&self, example: u64, out: &mut [u8]) -> Result<bool> {
         self.check_example(example)?;
-        let Some(f) = &self.labels else {
+        if !self.has_labels() {
             return Ok(false);
-        };
+        }
         if out.len() as u64 != self.layout.content_tokens {
             return Err(Error::Invalid("labels buffer must hold P values".into()));
         }
+        let Some(f) = &self.labels else {
+            let (remote, names) = self.remote.as_ref().ok_or_else(|| {
+                Error::Internal("internal: labels neither local nor remote".into())
+            })?;
+            let r = ReadRange {
+                file: names.len() as u32 - 1,
+                offset: example * self.layout.content_tokens,
+                len: out.len() as u64,
+                dst: 0,
+            };
+            remote.read_into(names, &[r], out)?;
+            return Ok(true);
+        };
         let path = self.dir.join("labels.bin");
         f.read_exact_at(out, example * self.layout.content_tokens)
             .map_err(|e| Error::io(&path, e))?;
         Ok(true)
+    }
+
+    /// Byte `at` of labels.bin (which must exist).
+    fn read_label(&self, at: u64) -> Result<u8> {
+        let mut b = [0u8];
+        match (&self.labels, &self.remote) {
+            (Some(f), _) => {
+                let path = self.dir.join("labels.bin");
+                f.read_exact_at(&mut b, at)
+                    .map_err(|e| Error::io(&path, e))?;
+            }
+            (None, Some((remote, names))) => {
+                let r = ReadRange {
+                    file: names.len() as u32 - 1,
+                    offset: at,
+                    len: 1,
+                    dst: 0,
+                };
+                remote.read_into(names, &[r], &mut b)?;
+            }
+            (None, None) => return Err(Error::Internal("internal: no labels.bin".into())),
+        }
+        Ok(b[0])
+    }
+
+    /// The whole of labels.bin (`N·P` bytes), when the dataset has it.
+    pub(crate) fn read_all_labels(&self) -> Result<Option<Vec<u8>>> {
+        if !self.has_labels() {
+            return Ok(None);
+        }
+        let len = self.layout.n_examples * self.layout.content_tokens;
+        let mut all = vec![0u8; len as usize];
+        match (&self.labels, &self.remote) {
+            (Some(f), _) => {
+                let path = self.dir.join("labels.bin");
+                f.read_exact_at(&mut all, 0)
+                    .map_err(|e| Error::io(&path, e))?;
+            }
+            (None, Some((remote, names))) => {
+                let r = ReadRange {
+                    file: names.len() as u32 - 1,
+                    offset: 0,
+                    len,
+                    dst: 0,
+                };
+                remote.read_into(names, &[r], &mut all)?;
+            }
+            (None, None) => return Err(Error::Internal("internal: no labels.bin".into())),
+        }
+        Ok(Some(all))
     }
 
     /// saev's indexed view: flat index → one row of `layer` under `mode`.
@@ -515,14 +711,11 @@ impl Indexed<'_> {
         let (e, t, token_idx) = self.locate(i)?;
         let mut act = vec![0f32; self.ds.layout.d_model as usize];
         self.ds.read_vector_into(e, self.slot, t, &mut act)?;
-        let token_label = match (&self.ds.labels, token_idx) {
-            (Some(f), c) if c >= 0 => {
-                let mut b = [0u8];
-                let path = self.ds.dir.join("labels.bin");
-                f.read_exact_at(&mut b, e * self.ds.layout.content_tokens + c as u64)
-                    .map_err(|err| Error::io(&path, err))?;
-                Some(b[0])
-            }
+        let token_label = match token_idx {
+            c if c >= 0 && self.ds.has_labels() => Some(
+                self.ds
+                    .read_label(e * self.ds.layout.content_tokens + c as u64)?,
+            ),
             _ => None,
         };
         Ok(Row {

@@ -332,16 +332,15 @@ impl Loader {
         if opts.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
-        let labels = if ds.has_labels() {
-            let mut all = vec![0u8; (layout.n_examples * layout.content_tokens) as usize];
-            for e in 0..layout.n_examples {
-                let p = layout.content_tokens as usize;
-                ds.read_labels_into(e, &mut all[e as usize * p..(e as usize + 1) * p])?;
-            }
-            Some(all)
-        } else {
-            None
-        };
+        let labels = ds.read_all_labels()?;
+        if opts.verify && ds.remote().is_some() {
+            return Err(Error::Invalid(format!(
+                "{}: verify needs local files (checksums are checked as the page cache is \
+                 read); reads from an object store are checked by length, and `shardkit \
+                 checksum verify` works on a downloaded copy",
+                ds.path().display()
+            )));
+        }
         let kept = if opts.ignore_labels.is_empty() {
             None
         } else {
@@ -601,7 +600,8 @@ impl Loader {
                     order: self.order.clone(),
                     batches: self.batches.clone(),
                     windows: self.windows.clone(),
-                    direct: self.opts.direct_io,
+                    // Reads from an object store always go into window buffers.
+                    direct: self.opts.direct_io || self.src.ds.remote().is_some(),
                     io_threads: self.opts.io_threads.max(1),
                     piece_rows: (PIECE_BYTES / self.src.row_bytes()).max(1) as usize,
                     resident: Mutex::new(Resident {
@@ -712,13 +712,16 @@ impl SaevJob {
                 dst += len;
             }
             let mut buf = cx.buffer(&self.windows, dst as usize)?;
-            read_all(
-                src,
-                &plan_reads(ranges),
-                buf.as_mut_bytes(),
-                self.io_threads,
-                true,
-            )?;
+            match src.ds.remote() {
+                Some((store, names)) => store.read_into(names, &ranges, buf.as_mut_bytes())?,
+                None => read_all(
+                    src,
+                    &plan_reads(ranges),
+                    buf.as_mut_bytes(),
+                    self.io_threads,
+                    true,
+                )?,
+            }
             WindowData::Read { buf, block_dst }
         } else {
             // Reads of blocks not yet in the page cache started a window ahead (or start now);
@@ -878,8 +881,31 @@ impl Job for SaevJob {
         let n = state.rows.len();
         let step = self.piece_rows * rb;
         let regions = exec::even_pieces(n * rb, step);
+        let mut buf = cx.buffer(&self.batches, n * rb)?;
+        if let (Some((store, names)), true) = (self.src.ds.remote(), state.windows.is_empty()) {
+            let ranges: Vec<ReadRange> = state
+                .src
+                .iter()
+                .enumerate()
+                .map(|(k, &(file, offset))| ReadRange {
+                    file,
+                    offset,
+                    len: rb as u64,
+                    dst: (k * rb) as u64,
+                })
+                .collect();
+            store.read_into(names, &ranges, buf.as_mut_bytes())?;
+            // Exact order from an object store: the batch's rows fetched at once with coalesced
+            // ranged GETs (one request per row would leave the network idle between round
+            // trips); the rows are in place: the gather has nothing left to do.
+            return Ok(Prepared {
+                buf,
+                regions: Vec::new(),
+                state,
+            });
+        }
         Ok(Prepared {
-            buf: cx.buffer(&self.batches, n * rb)?,
+            buf,
             regions,
             state,
         })

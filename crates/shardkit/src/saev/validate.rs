@@ -6,9 +6,14 @@ use std::path::Path;
 use crate::error::Error;
 use crate::fsutil;
 use crate::json::Value;
-use crate::saev::dataset::{check_complete, check_entries, leading_full_files};
+use crate::saev::dataset::{
+    check_complete, check_complete_with, check_entries, leading_full_files,
+};
 use crate::saev::layout::{parse_shards_json, Layout};
 use crate::saev::Metadata;
+use crate::storage::{self, Remote};
+use std::collections::HashMap;
+use std::path::PathBuf;
 
 pub use crate::report::{Finding, Severity, Validation};
 
@@ -21,8 +26,14 @@ pub type Problem = Finding;
 /// Checks a saev directory and collects every problem: metadata, directory name, shards.json
 /// against metadata, each shard file (missing, empty, not regular, unreadable, wrong size),
 /// completeness, labels.bin, and leftovers of an interrupted write.
+///
+/// An `s3://` URL is checked as [`crate::saev::Dataset::open`] checks it (metadata, shards.json,
+/// every object's size); the contents are not read.
 pub fn validate(dir: impl AsRef<Path>) -> Validation {
-    let dir = dir.as_ref().to_path_buf();
+    if storage::is_remote(dir.as_ref()) {
+        return validate_remote(dir.as_ref());
+    }
+    let dir = storage::local_path(dir.as_ref());
     let mut r = Validation::new(&dir);
     let mut push = |sev, file: &Path, msg: String| r.push(sev, file, msg);
     if !dir.is_dir() {
@@ -248,19 +259,48 @@ fn strip_path(e: &Error, path: &Path) -> String {
 /// layers, counts, sizes, completeness and hash recipe.
 pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
     let dir = dir.as_ref();
-    let (md, warnings) = Metadata::read(dir)?;
-    let layout = Layout::new(&md, &dir.join("metadata.json"))?;
+    let (md, warnings, layout, complete, labels) = if storage::is_remote(dir) {
+        let remote = Remote::parse(dir)?;
+        let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
+        let (md, warnings) = Metadata::parse(
+            &remote.get("metadata.json")?,
+            &remote.url_of("metadata.json"),
+        )?;
+        let layout = Layout::new(&md, &remote.url_of("metadata.json"))?;
+        let sj = match objects.contains_key("shards.json") {
+            true => Some(remote.get("shards.json")?),
+            false => None,
+        };
+        let url = PathBuf::from(remote.url());
+        let complete = check_complete_with(&url, &layout, sj, |n| {
+            objects
+                .get(n)
+                .copied()
+                .ok_or("listed in shards.json but missing")
+        });
+        (
+            md,
+            warnings,
+            layout,
+            complete,
+            objects.get("labels.bin").copied(),
+        )
+    } else {
+        let (md, warnings) = Metadata::read(dir)?;
+        let layout = Layout::new(&md, &dir.join("metadata.json"))?;
+        let complete = check_complete(dir, &layout);
+        let labels = fsutil::regular_file_len(&dir.join("labels.bin"));
+        (md, warnings, layout, complete, labels)
+    };
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let complete = check_complete(dir, &layout);
     let present = match &complete {
         Ok(()) => Some(layout.n_examples),
         Err(Error::Incomplete { present, .. }) => Some(*present),
         Err(_) => None,
     };
-    let labels = fsutil::regular_file_len(&dir.join("labels.bin"));
     let int = |v: u64| Value::int(v);
     let opt_str = |s: Option<&str>| s.map_or(Value::Null, |s| Value::String(s.into()));
     Ok(Value::Object(vec![
@@ -331,6 +371,31 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
             Value::Array(warnings.into_iter().map(Value::String).collect()),
         ),
     ]))
+}
+
+fn validate_remote(url: &Path) -> Validation {
+    let mut r = Validation::new(url);
+    match crate::saev::Dataset::open(url) {
+        Ok(ds) => {
+            let md_path = url.join("metadata.json");
+            for w in ds.warnings() {
+                r.push(Severity::Note, &md_path, w.clone());
+            }
+            r.push(
+                Severity::Note,
+                url,
+                "checked in the object store: metadata.json, shards.json and every object's \
+                 size (download the dataset for a check of its contents)",
+            );
+        }
+        Err(e) => {
+            let file = e
+                .path()
+                .map_or_else(|| url.to_path_buf(), Path::to_path_buf);
+            r.push(Severity::Error, &file, e.message());
+        }
+    }
+    r
 }
 
 /// The index of a shard file name `acts%06d.bin` (any number of digits).

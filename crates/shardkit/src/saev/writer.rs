@@ -21,6 +21,7 @@ use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
+use crate::storage::{self, Remote};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
@@ -69,6 +70,9 @@ pub struct Writer {
     lock: Option<WriteLock>,
     /// Checksums of the shards published so far (see [`crate::checksum`]).
     sums: Recorder,
+    /// Writing to an object store: the dataset's prefix there. The dataset is staged in a
+    /// local directory (`dir`) and uploaded, commit record last, by [`Writer::finish`].
+    upload_to: Option<Remote>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -89,8 +93,17 @@ impl Writer {
     /// * the same metadata, incomplete: refused unless `opts.resume`, then resumed from the
     ///   first missing shard (everything after it is removed first);
     /// * anything else (different metadata.json bytes, foreign files): refused, never overwritten.
+    ///
+    /// `root` may be an `s3://bucket/prefix` URL: the dataset is then staged in a local
+    /// directory ([`storage::staging_dir`]; the same rules apply there, so a killed write resumes from
+    /// it) and uploaded by [`Writer::finish`], shards first and shards.json last, skipping
+    /// objects an earlier interrupted upload completed. A prefix already holding the complete
+    /// dataset is [`WriteStart::AlreadyComplete`]; one holding a different dataset is refused.
     pub fn create(root: impl AsRef<Path>, md: Metadata, opts: WriterOptions) -> Result<Writer> {
-        let root = root.as_ref();
+        if storage::is_remote(root.as_ref()) {
+            return Self::create_remote(root.as_ref(), md, opts);
+        }
+        let root = &storage::local_path(root.as_ref());
         let layout = Layout::new(&md, Path::new("metadata.json"))?;
         let dir = root.join(md.dir_name());
         let ours = md.file_bytes();
@@ -114,6 +127,7 @@ impl Writer {
             finished: false,
             lock: Some(lock),
             sums: Recorder::default(),
+            upload_to: None,
         };
         let md_path = dir.join("metadata.json");
         match fsutil::read_json_file(&md_path) {
@@ -267,9 +281,55 @@ impl Writer {
         Ok(())
     }
 
-    /// The dataset directory (`root/<name>`).
+    fn create_remote(root: &Path, md: Metadata, opts: WriterOptions) -> Result<Writer> {
+        let target = Remote::parse(root)?.join(&md.dir_name());
+        let url = PathBuf::from(target.url());
+        if let Some(theirs) = target.get_opt("metadata.json")? {
+            if theirs != md.file_bytes() {
+                return Err(Error::Exists {
+                    path: target.url_of("metadata.json"),
+                    why: "holds a different dataset (metadata.json differs from the one being \
+                          written); refusing to overwrite it"
+                        .into(),
+                });
+            }
+            if target.get_opt("shards.json")?.is_some() {
+                // Complete if it opens; anything else is finished by uploading again.
+                if crate::saev::Dataset::open(&url).is_ok() {
+                    let layout = Layout::new(&md, Path::new("metadata.json"))?;
+                    return Ok(Writer {
+                        dir: url,
+                        start: WriteStart::AlreadyComplete,
+                        next: layout.n_examples,
+                        md,
+                        layout,
+                        shard: None,
+                        labels: None,
+                        labels_decided: true,
+                        finished: true,
+                        lock: None,
+                        sums: Recorder::default(),
+                        upload_to: None,
+                    });
+                }
+            }
+        }
+        let mut w = Self::create(storage::staging_dir(&url), md, opts)?;
+        w.upload_to = Some(target);
+        Ok(w)
+    }
+
+    /// The dataset directory (`root/<name>`; the local staging directory of a dataset being
+    /// written to an object store, see [`Writer::destination`]).
     pub fn path(&self) -> &Path {
         &self.dir
+    }
+    /// Where the finished dataset will be: [`Writer::path`], or its `s3://` URL.
+    pub fn destination(&self) -> PathBuf {
+        match &self.upload_to {
+            Some(r) => PathBuf::from(r.url()),
+            None => self.dir.clone(),
+        }
     }
     /// The metadata being written.
     pub fn metadata(&self) -> &Metadata {
@@ -424,7 +484,22 @@ impl Writer {
 
     /// Completes the dataset: publishes labels.bin, then writes shards.json (the commit record).
     /// Fails, leaving the directory resumable, if fewer than `n_examples` were written.
+    ///
+    /// Writing to an object store, the staged dataset is then uploaded (commit record last)
+    /// and its staging directory removed; the `s3://` URL of the dataset is returned.
     pub fn finish(mut self) -> Result<PathBuf> {
+        let upload_to = self.upload_to.take();
+        let dir = self.finish_local()?;
+        let Some(target) = upload_to else {
+            return Ok(dir);
+        };
+        storage::upload(&dir, Path::new(&target.url()), |_, _| {})?;
+        // The staged copy served its purpose; a failure to remove it loses nothing.
+        let _ = fs::remove_dir_all(&dir);
+        Ok(PathBuf::from(target.url()))
+    }
+
+    fn finish_local(&mut self) -> Result<PathBuf> {
         if self.start == WriteStart::AlreadyComplete {
             return Ok(self.dir.clone());
         }

@@ -48,7 +48,7 @@ pub mod graph;
 pub mod header;
 #[doc(hidden)]
 pub mod manifest;
-mod read;
+pub(crate) mod read;
 #[doc(hidden)]
 pub mod sdz;
 mod types;

@@ -476,7 +476,17 @@ pub fn open(path: impl AsRef<Path>) -> Result<Container> {
 impl Container {
     /// Opens `path`: an SDZ archive (zip magic), an SDNB file (SDNB magic), a shard file
     /// `<base>.shard<i>-of-<N>.sdnb`, or a base name whose shards sit beside it.
+    ///
+    /// `path` may be an `s3://` URL: the container (or its shard set) is copied into the
+    /// bounded local cache ([`crate::storage::cache_dir`], reused while the objects are
+    /// unchanged) and opened from there; its structures are spread through the file and
+    /// DL4J reads it whole.
     pub fn open_with(path: &Path, limits: &Limits) -> Result<Container> {
+        if crate::storage::is_remote(path) {
+            let local = crate::storage::fetch_container(path)?;
+            return Self::open_with(&local, limits);
+        }
+        let path = &crate::storage::local_path(path);
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())

@@ -1,0 +1,295 @@
+//! `shardkit bench remote`: loaders reading from an object store against the raw parallel-GET
+//! ceiling of the same objects, measured in the same run.
+//!
+//! The datasets are synthetic (a ViT-L-shaped saev dataset, a flat-tokens dataset), written
+//! locally once and uploaded under `--url` (skipped when already there). The ceiling reads every
+//! object of a dataset whole, as ranged GETs of the request size with as many in flight as the
+//! loader gets; each loader then streams one epoch (or `--steps` steps). Figures per in-flight
+//! setting and gather-thread count: GB/s, the ratio to the ceiling, and per batch the GETs
+//! issued and the bytes they returned (the payload's bytes plus what coalescing read across gaps).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+use shardkit::json::{self, Escape, Value};
+use shardkit::storage::{self, counters, Remote};
+use shardkit::Result;
+
+use crate::bench::thread_counts;
+
+/// `shardkit bench remote`.
+#[derive(Args)]
+pub struct RemoteBenchArgs {
+    /// Where the benchmark datasets go: `s3://bucket/prefix` (endpoint and credentials from the
+    /// AWS environment; `scripts/bench_remote` starts a loopback server and sets them).
+    #[arg(long)]
+    url: PathBuf,
+    /// Local directory the datasets are written in before their upload.
+    #[arg(long, default_value = "bench-data/remote")]
+    dir: PathBuf,
+    /// Size of each dataset, in MiB.
+    #[arg(long, default_value_t = 512)]
+    size_mib: u64,
+    /// Requests in flight, comma-separated (each measured for the ceiling and every loader).
+    #[arg(long, value_delimiter = ',', default_values_t = [8usize, 32, 64])]
+    inflight: Vec<usize>,
+    /// Gather threads of the loaders, comma-separated (default: 1, 2, 4, ... and the cores).
+    #[arg(long, value_delimiter = ',')]
+    threads: Vec<usize>,
+    /// Steps of the flat-tokens loader timed.
+    #[arg(long, default_value_t = 400)]
+    steps: u64,
+    /// Only these datasets (saev, tokens).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+fn num(x: f64) -> Value {
+    Value::float(x, 3)
+}
+
+fn gbps(bytes: u64, secs: f64) -> f64 {
+    bytes as f64 / secs.max(1e-9) / 1e9
+}
+
+/// Every object under `remote`, read whole with ranged GETs: (GB/s, GETs, bytes).
+fn get_ceiling(remote: &Remote, inflight: usize) -> Result<(f64, u64, u64)> {
+    let objects = remote.list()?;
+    let names: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
+    let mut ranges = Vec::new();
+    let mut dst = 0;
+    for (i, (_, len)) in objects.iter().enumerate() {
+        ranges.push((i as u32, 0u64, *len, dst));
+        dst += len;
+    }
+    let mut buf = vec![0u8; dst as usize];
+    storage::set_inflight(inflight);
+    let before = counters();
+    let t0 = Instant::now();
+    remote.read_ranges(&names, &ranges, &mut buf)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let after = counters();
+    std::hint::black_box(&buf);
+    Ok((
+        gbps(dst, secs),
+        after.gets - before.gets,
+        after.get_bytes - before.get_bytes,
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+/// One loader measurement's JSON: rate, ratio to the ceiling, and per-batch requests.
+fn loader_entry(
+    what: &str,
+    inflight: usize,
+    threads: usize,
+    payload: u64,
+    secs: f64,
+    batches: u64,
+    gets: u64,
+    get_bytes: u64,
+    ceiling: f64,
+) -> Value {
+    let rate = gbps(payload, secs);
+    let per = |x: u64| num(x as f64 / batches.max(1) as f64);
+    Value::Object(vec![
+        ("loader".into(), Value::String(what.into())),
+        ("inflight".into(), Value::int(inflight as u64)),
+        ("threads".into(), Value::int(threads as u64)),
+        ("gbps".into(), num(rate)),
+        ("ratio_to_ceiling".into(), num(rate / ceiling.max(1e-12))),
+        ("batches".into(), Value::int(batches)),
+        ("payload_bytes_per_batch".into(), per(payload)),
+        ("gets_per_batch".into(), per(gets)),
+        ("get_bytes_per_batch".into(), per(get_bytes)),
+    ])
+}
+
+fn ceilings_json(c: &[(usize, (f64, u64, u64))]) -> Value {
+    Value::Array(
+        c.iter()
+            .map(|(n, (rate, gets, bytes))| {
+                Value::Object(vec![
+                    ("inflight".into(), Value::int(*n as u64)),
+                    ("gbps".into(), num(*rate)),
+                    ("gets".into(), Value::int(*gets)),
+                    ("get_bytes".into(), Value::int(*bytes)),
+                ])
+            })
+            .collect(),
+    )
+}
+
+fn best(c: &[(usize, (f64, u64, u64))]) -> f64 {
+    c.iter().map(|(_, (r, _, _))| *r).fold(0.0, f64::max)
+}
+
+fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
+    use shardkit::engine::Order;
+    use shardkit::saev::{LayerSel, Loader, LoaderOptions};
+    let example = 2 * 257 * 1024 * 4u64;
+    let examples = ((a.size_mib << 20) / example).max(8);
+    let args = crate::bench::vit_l(a.dir.join("saev"), examples, true);
+    let local = crate::saev_cmd::synth(&args)?;
+    let name = local
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let url = PathBuf::from(format!("{}/saev/{name}", Remote::parse(&a.url)?.url()));
+    storage::upload(&local, &url, |_, _| {})?;
+    let remote = Remote::parse(&url)?;
+    let ceilings: Vec<(usize, (f64, u64, u64))> = a
+        .inflight
+        .iter()
+        .map(|&n| Ok((n, get_ceiling(&remote, n)?)))
+        .collect::<Result<_>>()?;
+    let ceiling = best(&ceilings);
+    let mut loaders = Vec::new();
+    for (what, order) in [("block", Order::Block), ("sequential", Order::Sequential)] {
+        for &n in &a.inflight {
+            for &t in threads {
+                storage::set_inflight(n);
+                let mut o = LoaderOptions::new(LayerSel::Value(-1));
+                o.order = order;
+                o.seed = 1;
+                o.threads = t;
+                let loader = Loader::new(&url, o)?;
+                let before = counters();
+                let t0 = Instant::now();
+                let (mut payload, mut batches) = (0u64, 0u64);
+                for b in loader.iter()? {
+                    let b = b?;
+                    payload += (b.n * b.d_model * 4) as u64;
+                    batches += 1;
+                }
+                let secs = t0.elapsed().as_secs_f64();
+                let after = counters();
+                loaders.push(loader_entry(
+                    &format!("saev {what}, layer -1 of 2"),
+                    n,
+                    t,
+                    payload,
+                    secs,
+                    batches,
+                    after.gets - before.gets,
+                    after.get_bytes - before.get_bytes,
+                    ceiling,
+                ));
+            }
+        }
+    }
+    Ok(Value::Object(vec![
+        ("url".into(), Value::String(url.display().to_string())),
+        ("dataset_bytes".into(), Value::int(examples * example)),
+        ("get_ceiling".into(), ceilings_json(&ceilings)),
+        ("loaders".into(), Value::Array(loaders)),
+        (
+            "note".into(),
+            Value::String(
+                "the loader reads one of the two layers (half of each example), so its GETs \
+                 skip every other 1 MiB slab; the ceiling reads every byte"
+                    .into(),
+            ),
+        ),
+    ]))
+}
+
+fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
+    use shardkit::flat_tokens::{Layout, LoaderOptions, Split, TokenLoader};
+    let local = a.dir.join("tokens");
+    crate::bench_tokens::ensure_dataset(&local, Layout::default(), (a.size_mib << 20) / 4)?;
+    let url = PathBuf::from(format!("{}/tokens", Remote::parse(&a.url)?.url()));
+    storage::upload(&local, &url, |_, _| {})?;
+    let remote = Remote::parse(&url)?;
+    let ceilings: Vec<(usize, (f64, u64, u64))> = a
+        .inflight
+        .iter()
+        .map(|&n| Ok((n, get_ceiling(&remote, n)?)))
+        .collect::<Result<_>>()?;
+    let ceiling = best(&ceilings);
+    let stored: u64 = remote.list()?.iter().map(|(_, n)| n).sum();
+    let mut loaders = Vec::new();
+    for &t in threads {
+        let split = Split::open(&url, "train")?;
+        let mut o = LoaderOptions::new(2048, 16);
+        o.threads = t;
+        o.seed = 1;
+        let loader = TokenLoader::new(split, o)?;
+        let steps = a.steps.min(loader.step_count());
+        let before = counters();
+        let t0 = Instant::now();
+        let mut tokens = 0u64;
+        for b in loader.iter(0).take(steps as usize) {
+            tokens += b?.encoded().len() as u64;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let after = counters();
+        // Payload as stored bytes: tokens times the dataset's compressed bytes per token.
+        let total_tokens = Split::open(&url, "train")?.token_count().max(1);
+        let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
+        let mut e = loader_entry(
+            "flat-tokens packed, 16 x 2048 (stored bytes)",
+            0,
+            t,
+            payload,
+            secs,
+            steps,
+            after.gets - before.gets,
+            after.get_bytes - before.get_bytes,
+            ceiling,
+        );
+        if let Value::Object(m) = &mut e {
+            m.push(("tokens_per_s".into(), num(tokens as f64 / secs)));
+        }
+        loaders.push(e);
+    }
+    Ok(Value::Object(vec![
+        ("url".into(), Value::String(url.display().to_string())),
+        ("stored_bytes".into(), Value::int(stored)),
+        ("get_ceiling".into(), ceilings_json(&ceilings)),
+        ("loaders".into(), Value::Array(loaders)),
+    ]))
+}
+
+/// `shardkit bench remote`.
+pub fn run(a: RemoteBenchArgs) -> Result<()> {
+    let threads = if a.threads.is_empty() {
+        thread_counts()
+    } else {
+        a.threads.clone()
+    };
+    let want = |w: &str| a.only.is_empty() || a.only.iter().any(|o| o == w);
+    let mut out = vec![
+        ("bench".into(), Value::String("remote".into())),
+        (
+            "endpoint".into(),
+            Value::String(std::env::var("AWS_ENDPOINT_URL").unwrap_or_default()),
+        ),
+        (
+            "request_mib".into(),
+            Value::int(storage::max_request() >> 20),
+        ),
+        (
+            "cores".into(),
+            Value::int(std::thread::available_parallelism().map_or(1, |n| n.get()) as u64),
+        ),
+    ];
+    if want("saev") {
+        out.push(("saev".into(), saev(&a, &threads)?));
+    }
+    if want("tokens") {
+        out.push(("tokens".into(), tokens(&a, &threads)?));
+    }
+    out.push((
+        "eagle3".into(),
+        Value::String(
+            "not measured: EAGLE-3 caches are uploaded and downloaded (shardkit upload / \
+             download) but not yet read in place from a store"
+                .into(),
+        ),
+    ));
+    storage::set_inflight(0);
+    println!("{}", json::to_pretty(&Value::Object(out), 2, Escape::Utf8));
+    Ok(())
+}

@@ -1,0 +1,216 @@
+"""A real S3-protocol server on loopback for the s3:// tests: moto's ThreadedMotoServer, and in
+front of it a small HTTP proxy that injects the faults object stores produce (503 SlowDown, 500
+InternalError, a connection dropped mid-body, a response slower than the client's timeout).
+
+The proxy forwards every request unchanged (moto does not check signatures, so the Host header
+the client signed for is harmless) and, while armed, replaces the next ``count`` ranged GETs
+with the fault.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce '
+    b"your request rate.</Message></Error>"
+)
+INTERNAL = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code><Message>We '
+    b"encountered an internal error. Please try again.</Message></Error>"
+)
+
+
+class FaultProxy:
+    """Forwards to ``upstream`` (host, port); ``arm(kind, count)`` faults the next ranged GETs."""
+
+    def __init__(self, upstream: tuple[str, int], stall_s: float = 3.0) -> None:
+        self.upstream = upstream
+        self.stall_s = stall_s
+        self.kind: Optional[str] = None
+        self.left = 0
+        self.injected = 0
+        self.ranged_gets = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().strip().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _forward(self) -> None:
+                body = self._body()
+                fault = None
+                if self.command == "GET" and "Range" in self.headers:
+                    with proxy.lock:
+                        proxy.ranged_gets += 1
+                        if proxy.kind is not None and proxy.left > 0:
+                            proxy.left -= 1
+                            proxy.injected += 1
+                            fault = proxy.kind
+                if fault == "503":
+                    return self._send(503, SLOWDOWN, {"Content-Type": "application/xml"})
+                if fault == "500":
+                    return self._send(500, INTERNAL, {"Content-Type": "application/xml"})
+                if fault == "stall":
+                    time.sleep(proxy.stall_s)
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                out_headers = {
+                    k: v for k, v in resp.getheaders()
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length")
+                }
+                conn.close()
+                if fault == "drop":
+                    # The headers promise the whole body; half of it arrives, then the socket closes.
+                    self.send_response(resp.status)
+                    for k, v in out_headers.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self._send(resp.status, data, out_headers, head=self.command == "HEAD")
+
+            def _send(self, status: int, data: bytes, headers: Dict[str, str], head: bool = False) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if not head or "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                # A client that gave up on a stalled response (its timeout) closes the socket.
+                pass
+
+        self.server = Server(("127.0.0.1", free_port()), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def arm(self, kind: Optional[str], count: int = 1) -> None:
+        with self.lock:
+            self.kind, self.left, self.injected = kind, count, 0
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class S3:
+    """moto on loopback, with a fault proxy in front; ``env(proxy=...)`` points shardkit at it."""
+
+    def __init__(self) -> None:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        # One log line per request would drown the test output.
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        self.port = free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proxy = FaultProxy(("127.0.0.1", self.port))
+        self._n = 0
+
+    def client(self) -> Any:
+        import boto3
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id="testing", aws_secret_access_key="testing",
+        )
+
+    def bucket(self) -> str:
+        """A new, empty bucket."""
+        self._n += 1
+        name = f"shardkit-test-{self._n}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def env(self, proxy: bool = False, **extra: str) -> Dict[str, str]:
+        env = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": self.proxy.url if proxy else self.endpoint,
+            # Backoff is fast in tests; the budgets are the defaults unless a test sets them.
+            "SHARDKIT_S3_TIMEOUT": "30",
+        }
+        env.update(extra)
+        return env
+
+    def objects(self, bucket: str, prefix: str = "") -> Dict[str, bytes]:
+        c = self.client()
+        out: Dict[str, bytes] = {}
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for o in page.get("Contents", []):
+                out[o["Key"]] = c.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+        return out
+
+    def stop(self) -> None:
+        self.proxy.close()
+        self.server.stop()
+
+
+@contextmanager
+def environment(env: Dict[str, str]) -> Iterator[None]:
+    """Sets ``env`` in os.environ for the block (shardkit reads it when a store is first used)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

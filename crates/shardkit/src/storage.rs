@@ -1,0 +1,1142 @@
+//! Where a dataset lives: a local path, or a prefix in an S3-compatible object store.
+//!
+//! ```text
+//! /data/acts, file:///data/acts     a local directory (as before)
+//! s3://bucket/prefix/acts           objects under bucket/prefix/acts/
+//! ```
+//!
+//! Every API that takes a path also takes an `s3://` URL. The endpoint, region and credentials
+//! come from the standard AWS environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+//! `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` for S3-compatible
+//! servers), falling back to the `[default]` (or `AWS_PROFILE`) section of `~/.aws/credentials`
+//! and `~/.aws/config`. Signing, retries and multipart uploads are the `object_store` crate's.
+//!
+//! Reads are ranged GETs: the ranges a batch needs are sorted, ranges of one object less than
+//! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and up to
+//! [`inflight`] requests run at once on one small tokio runtime; each response is copied into
+//! its place in the caller's buffer. Throttling (503 SlowDown), server errors, dropped
+//! connections (also mid-body) and timeouts are retried with exponential backoff, at most
+//! `SHARDKIT_S3_RETRIES` times (default 10) and for at most `SHARDKIT_S3_RETRY_TIMEOUT`
+//! seconds (default 180); then the read fails with an error naming the object and the range.
+//! A response shorter than the range asked for is retried too, never served.
+//!
+//! Writes are single PUTs for small objects and multipart uploads for large ones: an object
+//! appears whole or not at all, so a dataset's commit record, written last, is the only thing
+//! a reader needs to trust ([`upload`]).
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    BackoffConfig, ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+    WriteMultipart,
+};
+
+use crate::engine::reader::ReadRange;
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+
+/// Ranges of one object at most this far apart are fetched by one request (the gap's bytes are
+/// read and dropped: cheaper than another round trip).
+pub const COALESCE_GAP: u64 = 1 << 20;
+
+/// Objects larger than this are uploaded in parts of this size.
+const PART_SIZE: usize = 16 << 20;
+
+/// Largest ranged GET issued (`SHARDKIT_S3_REQUEST_MIB`, default 8 MiB): large enough that
+/// per-request latency is amortised, small enough that many run in parallel.
+pub fn max_request() -> u64 {
+    env_u64("SHARDKIT_S3_REQUEST_MIB")
+        .unwrap_or(8)
+        .clamp(1, 1024)
+        << 20
+}
+
+/// Requests in flight per read (`SHARDKIT_S3_INFLIGHT`, default 4 per core, at least 16 and at
+/// most 128). Memory held by responses is at most `inflight · max_request`.
+pub fn inflight() -> usize {
+    let set = INFLIGHT.load(Ordering::Relaxed);
+    if set > 0 {
+        return set as usize;
+    }
+    env_u64("SHARDKIT_S3_INFLIGHT")
+        .map(|n| n as usize)
+        .unwrap_or_else(|| (crate::engine::exec::available_cores() * 4).clamp(16, 128))
+        .clamp(1, 1024)
+}
+
+static INFLIGHT: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the requests in flight per read for this process (0: back to the default), e.g. for a
+/// benchmark's sweep; `SHARDKIT_S3_INFLIGHT` sets it from outside.
+pub fn set_inflight(n: usize) {
+    INFLIGHT.store(n as u64, Ordering::Relaxed);
+}
+
+fn env_u64(key: &str) -> Option<u64> {
+    std::env::var(key).ok()?.trim().parse().ok()
+}
+
+/// Whether `path` names an object-store location (`s3://` or `s3a://`).
+pub fn is_remote(path: &Path) -> bool {
+    path.to_str()
+        .is_some_and(|s| s.starts_with("s3://") || s.starts_with("s3a://"))
+}
+
+/// `path` as a local path (`file://` stripped).
+pub fn local_path(path: &Path) -> PathBuf {
+    match path.to_str().and_then(|s| s.strip_prefix("file://")) {
+        Some(rest) => PathBuf::from(rest),
+        None => path.to_path_buf(),
+    }
+}
+
+/// Counters of the requests this process has made (for benchmarks and reports).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Ranged or whole-object GETs completed.
+    pub gets: u64,
+    /// Bytes those GETs returned (gap bytes of coalesced requests included).
+    pub get_bytes: u64,
+    /// Objects written (PUTs and completed multipart uploads).
+    pub puts: u64,
+    /// Bytes written.
+    pub put_bytes: u64,
+}
+
+static GETS: AtomicU64 = AtomicU64::new(0);
+static GET_BYTES: AtomicU64 = AtomicU64::new(0);
+static PUTS: AtomicU64 = AtomicU64::new(0);
+static PUT_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// The process's request counters so far.
+pub fn counters() -> Counters {
+    Counters {
+        gets: GETS.load(Ordering::Relaxed),
+        get_bytes: GET_BYTES.load(Ordering::Relaxed),
+        puts: PUTS.load(Ordering::Relaxed),
+        put_bytes: PUT_BYTES.load(Ordering::Relaxed),
+    }
+}
+
+/// The runtime that drives every request: a few threads suffice, they only wait on sockets
+/// and copy responses.
+fn runtime() -> Result<&'static tokio::runtime::Runtime> {
+    static RT: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(crate::engine::exec::available_cores().clamp(2, 8))
+            .thread_name("shardkit-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| Error::Thread {
+        what: "the object-store runtime".into(),
+        source: std::io::Error::other(e.clone()),
+    })
+}
+
+fn block_on<F: std::future::Future>(f: F) -> Result<F::Output> {
+    if tokio::runtime::Handle::try_current().is_ok() {
+        return Err(Error::Invalid(
+            "shardkit's blocking object-store calls cannot run inside an async runtime; call \
+             them from a plain thread (tokio::task::spawn_blocking)"
+                .into(),
+        ));
+    }
+    Ok(runtime()?.block_on(f))
+}
+
+/// A prefix in an object store: `s3://bucket/prefix`.
+#[derive(Clone)]
+pub struct Remote {
+    bucket: String,
+    /// Without leading or trailing slashes; may be empty.
+    prefix: String,
+    store: Arc<AmazonS3>,
+}
+
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Remote({})", self.url())
+    }
+}
+
+/// Section `[name]` of an AWS INI file (credentials or config) as key/value pairs.
+fn ini_section(path: &Path, names: &[String]) -> HashMap<String, String> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return HashMap::new();
+    };
+    let mut out = HashMap::new();
+    let mut inside = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('#') || line.starts_with(';') || line.is_empty() {
+            continue;
+        }
+        if let Some(h) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            inside = names.iter().any(|n| n == h.trim());
+            continue;
+        }
+        if let (true, Some((k, v))) = (inside, line.split_once('=')) {
+            out.insert(k.trim().to_ascii_lowercase(), v.trim().to_string());
+        }
+    }
+    out
+}
+
+/// The settings of `~/.aws/credentials` and `~/.aws/config` for the active profile, as
+/// `AWS_*` keys, for those the environment does not set.
+fn aws_files() -> Vec<(AmazonS3ConfigKey, String)> {
+    let Some(home) = std::env::var_os("HOME").map(PathBuf::from) else {
+        return Vec::new();
+    };
+    let profile = std::env::var("AWS_PROFILE").unwrap_or_else(|_| "default".into());
+    let creds_path = std::env::var_os("AWS_SHARED_CREDENTIALS_FILE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home.join(".aws/credentials"));
+    let config_path = std::env::var_os("AWS_CONFIG_FILE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home.join(".aws/config"));
+    let mut found = ini_section(
+        &config_path,
+        &[format!("profile {profile}"), profile.clone()],
+    );
+    found.extend(ini_section(&creds_path, &[profile]));
+    let wanted = [
+        (
+            "aws_access_key_id",
+            "AWS_ACCESS_KEY_ID",
+            AmazonS3ConfigKey::AccessKeyId,
+        ),
+        (
+            "aws_secret_access_key",
+            "AWS_SECRET_ACCESS_KEY",
+            AmazonS3ConfigKey::SecretAccessKey,
+        ),
+        (
+            "aws_session_token",
+            "AWS_SESSION_TOKEN",
+            AmazonS3ConfigKey::Token,
+        ),
+        ("region", "AWS_REGION", AmazonS3ConfigKey::Region),
+        (
+            "endpoint_url",
+            "AWS_ENDPOINT_URL",
+            AmazonS3ConfigKey::Endpoint,
+        ),
+    ];
+    wanted
+        .into_iter()
+        .filter(|(_, env, _)| std::env::var_os(env).is_none())
+        .filter_map(|(file_key, _, key)| Some((key, found.get(file_key)?.clone())))
+        .collect()
+}
+
+/// One client per bucket, shared by every dataset of the process (its connection pool too).
+fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
+    static STORES: OnceLock<Mutex<HashMap<String, Arc<AmazonS3>>>> = OnceLock::new();
+    let mut stores = STORES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    // Keyed by the environment too: a process (a test) may point the same bucket elsewhere.
+    let mut env: Vec<String> = std::env::vars()
+        .filter(|(k, _)| k.starts_with("AWS_") || k.starts_with("SHARDKIT_S3_"))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    env.sort();
+    let key = format!("{bucket}\n{}", env.join("\n"));
+    if let Some(s) = stores.get(&key) {
+        return Ok(s.clone());
+    }
+    let mut b = AmazonS3Builder::from_env().with_bucket_name(bucket);
+    for (k, v) in aws_files() {
+        b = b.with_config(k, v);
+    }
+    if std::env::var("AWS_REGION").is_err() {
+        if let Ok(r) = std::env::var("AWS_DEFAULT_REGION") {
+            b = b.with_config(AmazonS3ConfigKey::Region, r);
+        }
+    }
+    // A plain-HTTP endpoint (a loopback or on-premises server) is allowed when named.
+    let endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint);
+    let http = endpoint
+        .as_deref()
+        .is_some_and(|e| e.starts_with("http://"));
+    let secs = |key: &str, default: u64| {
+        Duration::from_secs_f64(
+            std::env::var(key)
+                .ok()
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap_or(default as f64)
+                .max(0.001),
+        )
+    };
+    let retry = RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(15),
+            base: 2.0,
+        },
+        max_retries: env_u64("SHARDKIT_S3_RETRIES").unwrap_or(10) as usize,
+        retry_timeout: secs("SHARDKIT_S3_RETRY_TIMEOUT", 180),
+    };
+    let client = ClientOptions::new()
+        .with_allow_http(http)
+        .with_timeout(secs("SHARDKIT_S3_TIMEOUT", 60))
+        .with_connect_timeout(secs("SHARDKIT_S3_CONNECT_TIMEOUT", 10))
+        .with_pool_max_idle_per_host(1024);
+    let store = b
+        .with_retry(retry)
+        .with_client_options(client)
+        .build()
+        .map_err(|e| Error::Invalid(format!("s3://{bucket}: cannot configure the store: {e}")))?;
+    let store = Arc::new(store);
+    stores.insert(key, store.clone());
+    Ok(store)
+}
+
+impl Remote {
+    /// Parses `s3://bucket/prefix` (a trailing slash is ignored).
+    pub fn parse(url: &Path) -> Result<Remote> {
+        let s = url.to_str().unwrap_or_default();
+        let rest = s
+            .strip_prefix("s3://")
+            .or_else(|| s.strip_prefix("s3a://"))
+            .ok_or_else(|| Error::Invalid(format!("{s}: not an s3:// URL")))?;
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err(Error::Invalid(format!("{s}: the URL names no bucket")));
+        }
+        let prefix = prefix.trim_matches('/');
+        if prefix.split('/').any(|p| p == "." || p == "..") || prefix.contains("//") {
+            return Err(Error::Invalid(format!(
+                "{s}: object keys may not contain empty, `.` or `..` segments"
+            )));
+        }
+        // The runtime every request of this store runs on exists from here on.
+        runtime()?;
+        Ok(Remote {
+            bucket: bucket.to_string(),
+            prefix: prefix.to_string(),
+            store: store_for(bucket)?,
+        })
+    }
+
+    /// `s3://bucket/prefix`.
+    pub fn url(&self) -> String {
+        if self.prefix.is_empty() {
+            format!("s3://{}", self.bucket)
+        } else {
+            format!("s3://{}/{}", self.bucket, self.prefix)
+        }
+    }
+
+    /// The URL of object `name` under this prefix, as a path (for errors and for callers).
+    pub fn url_of(&self, name: &str) -> PathBuf {
+        PathBuf::from(format!("{}/{name}", self.url()))
+    }
+
+    /// The parent prefix and the last segment (`s3://b/a/m.sdnb` → `s3://b/a`, `m.sdnb`).
+    fn split_last(&self) -> Result<(Remote, String)> {
+        let (parent, name) = match self.prefix.rsplit_once('/') {
+            Some((p, n)) => (p.to_string(), n.to_string()),
+            None => (String::new(), self.prefix.clone()),
+        };
+        if name.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{}: names a bucket, not an object",
+                self.url()
+            )));
+        }
+        let mut p = self.clone();
+        p.prefix = parent;
+        Ok((p, name))
+    }
+
+    /// The prefix `name` below this one.
+    pub fn join(&self, name: &str) -> Remote {
+        let mut r = self.clone();
+        r.prefix = if r.prefix.is_empty() {
+            name.trim_matches('/').to_string()
+        } else {
+            format!("{}/{}", r.prefix, name.trim_matches('/'))
+        };
+        r
+    }
+
+    fn key(&self, name: &str) -> ObjectPath {
+        if self.prefix.is_empty() {
+            ObjectPath::from(name)
+        } else {
+            ObjectPath::from(format!("{}/{name}", self.prefix))
+        }
+    }
+
+    fn error(&self, name: &str, range: Option<Range<u64>>, e: object_store::Error) -> Error {
+        let object = self.url_of(name);
+        if let object_store::Error::NotFound { .. } = e {
+            return Error::NotFound {
+                path: object,
+                what: "no such object".into(),
+            };
+        }
+        Error::Remote {
+            object: object.display().to_string(),
+            range,
+            message: e.to_string(),
+        }
+    }
+
+    /// The whole of object `name`, or `None` when it does not exist.
+    pub fn get_opt(&self, name: &str) -> Result<Option<Vec<u8>>> {
+        let key = self.key(name);
+        let got = block_on(async {
+            let r = self.store.get(&key).await?;
+            r.bytes().await
+        })?;
+        match got {
+            Ok(b) => {
+                GETS.fetch_add(1, Ordering::Relaxed);
+                GET_BYTES.fetch_add(b.len() as u64, Ordering::Relaxed);
+                Ok(Some(b.to_vec()))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error(name, None, e)),
+        }
+    }
+
+    /// The whole of object `name`.
+    pub fn get(&self, name: &str) -> Result<Vec<u8>> {
+        self.get_opt(name)?.ok_or_else(|| Error::NotFound {
+            path: self.url_of(name),
+            what: "no such object".into(),
+        })
+    }
+
+    /// Every object under this prefix: (name relative to it, size), sorted by name.
+    pub fn list(&self) -> Result<Vec<(String, u64)>> {
+        Ok(self
+            .list_etags()?
+            .into_iter()
+            .map(|(n, size, _)| (n, size))
+            .collect())
+    }
+
+    /// [`Remote::list`] with each object's ETag (quotes removed), where the store gives one.
+    fn list_etags(&self) -> Result<Vec<(String, u64, Option<String>)>> {
+        let prefix = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
+        let metas = block_on(self.store.list(prefix.as_ref()).try_collect::<Vec<_>>())?
+            .map_err(|e| self.error("", None, e))?;
+        let skip = if self.prefix.is_empty() {
+            0
+        } else {
+            self.prefix.len() + 1
+        };
+        let mut out: Vec<(String, u64, Option<String>)> = metas
+            .into_iter()
+            .filter_map(|m| {
+                let name = m.location.as_ref().get(skip..)?.to_string();
+                let etag = m.e_tag.map(|e| e.trim_matches('"').to_string());
+                Some((name, m.size, etag))
+            })
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// Reads `ranges` of the objects `names[r.file]` into `buf` at `r.dst`: coalesced into
+    /// requests of at most [`max_request`] bytes, [`inflight`] at a time. Destinations must lie
+    /// inside `buf` and not overlap (checked before any request).
+    pub(crate) fn read_into(
+        &self,
+        names: &[String],
+        ranges: &[ReadRange],
+        buf: &mut [u8],
+    ) -> Result<()> {
+        crate::engine::reader::check_destinations(ranges, buf.len())?;
+        if let Some(r) = ranges.iter().find(|r| r.file as usize >= names.len()) {
+            return Err(Error::Internal(format!(
+                "internal: read of object {} of {}",
+                r.file,
+                names.len()
+            )));
+        }
+        let requests = coalesce(ranges, COALESCE_GAP, max_request());
+        let fetches = futures::stream::iter(requests.into_iter().map(|req| async move {
+            let name = &names[req.file as usize];
+            let bytes = self.get_range(name, req.start..req.end).await?;
+            Ok::<_, Error>((req, bytes))
+        }))
+        .buffer_unordered(inflight());
+        block_on(async {
+            futures::pin_mut!(fetches);
+            while let Some(done) = fetches.next().await {
+                let (req, bytes) = done?;
+                for p in &req.pieces {
+                    let from = (p.offset - req.start) as usize;
+                    buf[p.dst as usize..(p.dst + p.len) as usize]
+                        .copy_from_slice(&bytes[from..from + p.len as usize]);
+                }
+            }
+            Ok(())
+        })?
+    }
+
+    /// Reads `(object, offset, len, dst)` ranges of the objects `names[object]` into `buf`
+    /// (see [`COALESCE_GAP`], [`max_request`], [`inflight`]).
+    pub fn read_ranges(
+        &self,
+        names: &[String],
+        ranges: &[(u32, u64, u64, u64)],
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let ranges: Vec<ReadRange> = ranges
+            .iter()
+            .map(|&(file, offset, len, dst)| ReadRange {
+                file,
+                offset,
+                len,
+                dst,
+            })
+            .collect();
+        self.read_into(names, &ranges, buf)
+    }
+
+    /// Bytes `range` of `name`, retried (with backoff) while a response comes back short.
+    async fn get_range(&self, name: &str, range: Range<u64>) -> Result<bytes::Bytes> {
+        let key = self.key(name);
+        let want = range.end - range.start;
+        let mut short = 0u32;
+        loop {
+            let b = self
+                .store
+                .get_range(&key, range.clone())
+                .await
+                .map_err(|e| self.error(name, Some(range.clone()), e))?;
+            GETS.fetch_add(1, Ordering::Relaxed);
+            GET_BYTES.fetch_add(b.len() as u64, Ordering::Relaxed);
+            if b.len() as u64 == want {
+                return Ok(b);
+            }
+            short += 1;
+            if short > 5 {
+                return Err(Error::Remote {
+                    object: self.url_of(name).display().to_string(),
+                    range: Some(range),
+                    message: format!(
+                        "the server returned {} of {want} bytes, {short} times; the object is \
+                         shorter than the dataset says, or the connection keeps breaking",
+                        b.len()
+                    ),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100 << short)).await;
+        }
+    }
+
+    /// Writes `bytes` as object `name` (one PUT: it appears whole or not at all).
+    pub fn put(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
+        let key = self.key(name);
+        let n = bytes.len() as u64;
+        block_on(self.store.put(&key, PutPayload::from(bytes)))?
+            .map_err(|e| self.error(name, None, e))?;
+        PUTS.fetch_add(1, Ordering::Relaxed);
+        PUT_BYTES.fetch_add(n, Ordering::Relaxed);
+        fsutil::trace::abort_after_put();
+        Ok(())
+    }
+
+    /// Uploads local file `path` as object `name`: one PUT when small, else a multipart
+    /// upload, whose parts are retried and which the store publishes only when complete (an
+    /// interrupted upload is aborted, or expires, and leaves no object).
+    pub fn put_file(&self, name: &str, path: &Path) -> Result<()> {
+        let len = std::fs::metadata(path).at(path)?.len();
+        if len <= PART_SIZE as u64 {
+            return self.put(name, std::fs::read(path).at(path)?);
+        }
+        let key = self.key(name);
+        let file = std::fs::File::open(path).at(path)?;
+        block_on(async {
+            let upload = self
+                .store
+                .put_multipart(&key)
+                .await
+                .map_err(|e| self.error(name, None, e))?;
+            let mut w = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+            let mut chunk = vec![0u8; PART_SIZE];
+            let mut done = 0u64;
+            while done < len {
+                let n = ((len - done) as usize).min(PART_SIZE);
+                let read = {
+                    use std::os::unix::fs::FileExt;
+                    file.read_exact_at(&mut chunk[..n], done).at(path)
+                };
+                if let Err(e) = read {
+                    w.abort().await.ok();
+                    return Err(e);
+                }
+                if let Err(e) = w.wait_for_capacity(8).await {
+                    return Err(self.error(name, None, e));
+                }
+                w.write(&chunk[..n]);
+                done += n as u64;
+            }
+            w.finish().await.map_err(|e| self.error(name, None, e))?;
+            Ok(())
+        })??;
+        PUTS.fetch_add(1, Ordering::Relaxed);
+        PUT_BYTES.fetch_add(len, Ordering::Relaxed);
+        fsutil::trace::abort_after_put();
+        Ok(())
+    }
+
+    /// The prefix as a zarr store (blocking calls on the shared runtime), for zarrs' readers.
+    #[cfg(feature = "zarr")]
+    pub(crate) fn zarr_store(&self) -> Arc<dyn zarrs::storage::ReadableStorageTraits> {
+        use zarrs::storage::storage_adapter::async_to_sync::{
+            AsyncToSyncBlockOn, AsyncToSyncStorageAdapter,
+        };
+        struct OnRuntime;
+        impl AsyncToSyncBlockOn for OnRuntime {
+            fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+                match runtime() {
+                    Ok(rt) => rt.block_on(future),
+                    // The runtime was built when this store was (see `Remote::parse`).
+                    Err(_) => unreachable!("the object-store runtime exists once a store does"),
+                }
+            }
+        }
+        let inner = (*self.store).clone();
+        let store = object_store::prefix::PrefixStore::new(inner, self.prefix.as_str());
+        Arc::new(AsyncToSyncStorageAdapter::new(
+            Arc::new(zarrs_object_store::AsyncObjectStore::new(store)),
+            OnRuntime,
+        ))
+    }
+
+    /// Downloads object `name` into local file `path`, atomically (temporary, fsync, rename).
+    pub fn get_file(&self, name: &str, path: &Path) -> Result<()> {
+        let bytes = self.get(name)?;
+        fsutil::atomic_write(path, &bytes)
+    }
+}
+
+/// The bounded local cache of whole objects (containers read from a store): the directory
+/// `$SHARDKIT_CACHE_DIR` (default `$XDG_CACHE_HOME/shardkit`, else `~/.cache/shardkit`, else the
+/// temporary directory), holding at most `$SHARDKIT_CACHE_GIB` GiB (default 32); the least
+/// recently used objects are evicted to make room.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("SHARDKIT_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("shardkit");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache").join("shardkit"),
+        None => std::env::temp_dir().join("shardkit-cache"),
+    }
+}
+
+fn cache_limit() -> u64 {
+    let gib = std::env::var("SHARDKIT_CACHE_GIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(32.0);
+    (gib.max(0.0) * (1u64 << 30) as f64) as u64
+}
+
+/// Bytes fetched per step when an object is copied into the cache.
+const CACHE_STEP: u64 = 256 << 20;
+
+/// A local copy of object `name` under `remote` in the [`cache_dir`]: reused while its size
+/// and ETag match the object's, else fetched again (parallel ranged GETs, written atomically).
+fn cached_object(remote: &Remote, name: &str, size: u64, etag: Option<&str>) -> Result<PathBuf> {
+    let dir = cache_dir().join(&remote.bucket).join(&remote.prefix);
+    let local = dir.join(name);
+    let stamp = dir.join(format!(".{name}.etag"));
+    let stamp_ok = match (etag, std::fs::read_to_string(&stamp)) {
+        (Some(e), Ok(s)) => s == e,
+        _ => false,
+    };
+    if stamp_ok && fsutil::regular_file_len(&local) == Some(size) {
+        // Recently used: last to be evicted.
+        let _ =
+            std::fs::File::open(&local).and_then(|f| f.set_modified(std::time::SystemTime::now()));
+        return Ok(local);
+    }
+    std::fs::create_dir_all(&dir).at(&dir)?;
+    evict_cache(size)?;
+    let tmp = dir.join(format!(".{name}.tmp"));
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).at(&tmp)?;
+        let names = [name.to_string()];
+        let mut buf = vec![0u8; CACHE_STEP.min(size) as usize];
+        let mut done = 0;
+        while done < size {
+            let n = CACHE_STEP.min(size - done);
+            remote.read_ranges(&names, &[(0, done, n, 0)], &mut buf[..n as usize])?;
+            f.write_all(&buf[..n as usize]).at(&tmp)?;
+            done += n;
+        }
+        f.sync_all().at(&tmp)?;
+    }
+    let _ = std::fs::remove_file(&stamp);
+    fsutil::rename(&tmp, &local)?;
+    if let Some(e) = etag {
+        fsutil::atomic_write(&stamp, e.as_bytes())?;
+    }
+    Ok(local)
+}
+
+/// Removes the least recently used files of the cache until `incoming` more bytes fit.
+fn evict_cache(incoming: u64) -> Result<()> {
+    let root = cache_dir();
+    let limit = cache_limit();
+    let mut files = Vec::new();
+    let mut stack = vec![root.clone()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if !e.file_name().to_string_lossy().starts_with('.') {
+                let used = m.modified().unwrap_or(std::time::UNIX_EPOCH);
+                files.push((used, m.len(), e.path()));
+            }
+        }
+    }
+    let mut total: u64 = files.iter().map(|f| f.1).sum();
+    files.sort();
+    for (_, len, path) in files {
+        if total + incoming <= limit {
+            break;
+        }
+        std::fs::remove_file(&path).at(&path)?;
+        total -= len;
+    }
+    Ok(())
+}
+
+/// A container (one object, or a shard set `BASE.shard<i>-of-<N>.sdnb` beside `url`) copied into
+/// the bounded [`cache_dir`]; returns the local path to open.
+pub(crate) fn fetch_container(url: &Path) -> Result<PathBuf> {
+    let remote = Remote::parse(url)?;
+    let (parent, name) = remote.split_last()?;
+    let objects: Vec<(String, u64, Option<String>)> = parent
+        .list_etags()?
+        .into_iter()
+        .filter(|(n, _, _)| !n.contains('/'))
+        .collect();
+    let local = cache_dir()
+        .join(&parent.bucket)
+        .join(&parent.prefix)
+        .join(&name);
+    if let Some((_, size, etag)) = objects.iter().find(|(n, _, _)| *n == name) {
+        return cached_object(&parent, &name, *size, etag.as_deref());
+    }
+    let base = crate::sdnb::read::base_name(&name);
+    let shards: Vec<_> = objects
+        .iter()
+        .filter(|(n, _, _)| {
+            crate::sdnb::sdz::parse_shard_name(n).is_some_and(|(b, _, _)| b == base)
+        })
+        .collect();
+    if shards.is_empty() {
+        return Err(Error::NotFound {
+            path: PathBuf::from(remote.url()),
+            what: format!(
+                "no such object, and no shard objects {base}.shard<i>-of-<N>.sdnb beside it"
+            ),
+        });
+    }
+    for (n, size, etag) in shards {
+        cached_object(&parent, n, *size, etag.as_deref())?;
+    }
+    Ok(local)
+}
+
+/// The local directory a write to `url` is staged in: `$SHARDKIT_STAGING_DIR` (default: the
+/// system's temporary directory, `shardkit-staging`), then the bucket and key. The same URL
+/// always stages in the same place, so a killed write resumes from what it staged.
+pub fn staging_dir(url: &Path) -> PathBuf {
+    let base = std::env::var_os("SHARDKIT_STAGING_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("shardkit-staging"));
+    let key = url.to_string_lossy();
+    let key = key
+        .strip_prefix("s3://")
+        .or_else(|| key.strip_prefix("s3a://"))
+        .unwrap_or(&key);
+    base.join(key.trim_matches('/'))
+}
+
+/// One ranged GET: `start..end` of object `file`, and the pieces of the caller's buffer it
+/// fills.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Request {
+    pub file: u32,
+    pub start: u64,
+    pub end: u64,
+    pub pieces: Vec<ReadRange>,
+}
+
+/// Sorts `ranges` by object and offset and merges those less than `gap` bytes apart into
+/// requests of at most `max` bytes (a single range longer than `max` is split).
+pub(crate) fn coalesce(ranges: &[ReadRange], gap: u64, max: u64) -> Vec<Request> {
+    let mut sorted: Vec<ReadRange> = Vec::with_capacity(ranges.len());
+    for r in ranges.iter().filter(|r| r.len > 0) {
+        let mut done = 0;
+        while done < r.len {
+            let n = (r.len - done).min(max);
+            sorted.push(ReadRange {
+                file: r.file,
+                offset: r.offset + done,
+                len: n,
+                dst: r.dst + done,
+            });
+            done += n;
+        }
+    }
+    sorted.sort_unstable_by_key(|r| (r.file, r.offset, r.len));
+    let mut out: Vec<Request> = Vec::new();
+    for r in sorted {
+        let end = r.offset + r.len;
+        if let Some(last) = out.last_mut() {
+            if last.file == r.file
+                && r.offset <= last.end.saturating_add(gap)
+                && end.max(last.end) - last.start <= max
+            {
+                last.end = last.end.max(end);
+                last.pieces.push(r);
+                continue;
+            }
+        }
+        out.push(Request {
+            file: r.file,
+            start: r.offset,
+            end,
+            pieces: vec![r],
+        });
+    }
+    out
+}
+
+/// Files of a dataset written last, deepest first, then in this order: their presence says the
+/// dataset is whole (a zarr group's documents, whose root attributes carry flat-tokens'
+/// `write_completed`; EAGLE-3's manifest.json; saev's shards.json).
+const COMMIT_RECORDS: [&str; 5] = [
+    ".zgroup",
+    ".zattrs",
+    "zarr.json",
+    "manifest.json",
+    "shards.json",
+];
+
+fn is_commit_record(name: &str) -> bool {
+    COMMIT_RECORDS.contains(&name.rsplit('/').next().unwrap_or(name))
+}
+
+/// Names a local writer leaves that are not part of the dataset (locks, markers, temporaries).
+fn is_private(name: &str) -> bool {
+    let base = name.rsplit('/').next().unwrap_or(name);
+    base.ends_with(".tmp")
+        || base.contains(".tmp.")
+        || base.starts_with(".shardkit-")
+        || base.ends_with(".lock")
+        || base.ends_with(".pending")
+}
+
+/// The ETag S3 gives local file `path` (`len` bytes) uploaded by [`Remote::put_file`]: the MD5
+/// of a single PUT, or for a multipart upload the MD5 of its parts' MD5s and `-parts`. An
+/// object whose ETag differs (another writer's, or a store that computes ETags otherwise) is
+/// uploaded again rather than trusted.
+fn upload_etag(path: &Path, len: u64) -> Result<String> {
+    use md5::{Digest, Md5};
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).at(path)?;
+    let mut part = vec![0u8; PART_SIZE.min(len as usize).max(1)];
+    let hex = |d: &[u8]| d.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    if len <= PART_SIZE as u64 {
+        f.read_exact(&mut part[..len as usize]).at(path)?;
+        return Ok(hex(Md5::digest(&part[..len as usize]).as_slice()));
+    }
+    let mut parts = Md5::new();
+    let mut done = 0u64;
+    let mut count = 0;
+    while done < len {
+        let n = ((len - done) as usize).min(PART_SIZE);
+        f.read_exact(&mut part[..n]).at(path)?;
+        parts.update(Md5::digest(&part[..n]).as_slice());
+        done += n as u64;
+        count += 1;
+    }
+    Ok(format!("{}-{count}", hex(parts.finalize().as_slice())))
+}
+
+/// What [`upload`] and [`download`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Transfer {
+    /// Objects (files) copied.
+    pub copied: u64,
+    /// Objects already present at the destination with the same size, skipped.
+    pub skipped: u64,
+    /// Bytes copied.
+    pub bytes: u64,
+}
+
+/// The files under `dir`, relative, with sizes, sorted; the commit records at top level last.
+fn local_files(dir: &Path) -> Result<Vec<(String, u64)>> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let here = dir.join(&rel);
+        for entry in std::fs::read_dir(&here).at(&here)? {
+            let entry = entry.at(&here)?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let rel_name = rel.join(&name);
+            let kind = entry.file_type().at(entry.path())?;
+            if kind.is_dir() {
+                stack.push(rel_name);
+            } else if kind.is_file() {
+                let len = entry.metadata().at(entry.path())?.len();
+                out.push((rel_name.to_string_lossy().into_owned(), len));
+            }
+        }
+    }
+    out.retain(|(n, _)| !is_private(n));
+    sort_commit_last(&mut out);
+    Ok(out)
+}
+
+fn sort_commit_last(files: &mut [(String, u64)]) {
+    let key = |n: &str| {
+        let base = n.rsplit('/').next().unwrap_or(n);
+        if n == "metadata.json" {
+            // saev's configuration first: a partial upload then reads as an incomplete
+            // dataset (what is missing), not as no dataset at all.
+            return (0, 0, 0);
+        }
+        match COMMIT_RECORDS.iter().position(|c| *c == base) {
+            None => (1, 0, 0),
+            Some(i) => (2, usize::MAX - n.matches('/').count(), i + 1),
+        }
+    };
+    files.sort_by(|a, b| (key(&a.0), &a.0).cmp(&(key(&b.0), &b.0)));
+}
+
+/// Copies the dataset in local directory `src` to `dst` (`s3://bucket/prefix`), crash-safely
+/// and resumably: every data object first (those already present at the same size are
+/// skipped, so a rerun after a kill continues where it stopped), then the commit record
+/// (shards.json, manifest.json, the root zarr.json/.zgroup), so a reader never sees a dataset
+/// that is not whole. A destination whose commit record differs from the source's is refused.
+///
+/// A single file (an SDNB or SDZ container) is uploaded as the one object `dst`.
+pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Result<Transfer> {
+    let src = local_path(src);
+    let remote = Remote::parse(dst)?;
+    if src.is_file() {
+        let (parent, name) = remote.split_last()?;
+        let len = std::fs::metadata(&src).at(&src)?.len();
+        parent.put_file(&name, &src)?;
+        progress(len, len);
+        return Ok(Transfer {
+            copied: 1,
+            skipped: 0,
+            bytes: len,
+        });
+    }
+    if !src.is_dir() {
+        return Err(Error::NotFound {
+            path: src,
+            what: "not a directory or file; expected a dataset to upload".into(),
+        });
+    }
+    let files = local_files(&src)?;
+    let present: HashMap<String, (u64, Option<String>)> = remote
+        .list_etags()?
+        .into_iter()
+        .map(|(n, size, etag)| (n, (size, etag)))
+        .collect();
+    for (name, _) in files.iter().filter(|(n, _)| is_commit_record(n)) {
+        if present.contains_key(name) {
+            let theirs = remote.get(name)?;
+            let ours = std::fs::read(src.join(name)).at(src.join(name))?;
+            if theirs != ours {
+                return Err(Error::Exists {
+                    path: remote.url_of(name),
+                    why: "holds a different dataset's commit record; upload to another prefix \
+                          or delete the objects first"
+                        .into(),
+                });
+            }
+        }
+    }
+    let total: u64 = files.iter().map(|(_, n)| n).sum();
+    let mut t = Transfer::default();
+    let mut done = 0u64;
+    for (name, len) in &files {
+        let same = match present.get(name) {
+            Some((size, Some(etag))) if size == len && !is_commit_record(name) => {
+                *etag == upload_etag(&src.join(name), *len)?
+            }
+            _ => false,
+        };
+        if same {
+            t.skipped += 1;
+        } else {
+            remote.put_file(name, &src.join(name))?;
+            t.copied += 1;
+            t.bytes += len;
+        }
+        done += len;
+        progress(done, total);
+    }
+    Ok(t)
+}
+
+/// Copies the dataset at `src` (`s3://bucket/prefix`) into local directory `dst`: every object
+/// (files already present at the same size are kept), each written atomically, the commit
+/// record last, so an interrupted download is an incomplete dataset that readers refuse and a
+/// rerun completes.
+pub fn download(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Result<Transfer> {
+    let remote = Remote::parse(src)?;
+    let dst = local_path(dst);
+    let mut objects = remote.list()?;
+    if objects.is_empty() {
+        // One object (a container file) rather than a prefix.
+        let (parent, name) = remote.split_last()?;
+        let Some(bytes) = parent.get_opt(&name)? else {
+            return Err(Error::NotFound {
+                path: PathBuf::from(remote.url()),
+                what: "no such object, and no objects under this prefix".into(),
+            });
+        };
+        fsutil::atomic_write(&dst, &bytes)?;
+        let len = bytes.len() as u64;
+        progress(len, len);
+        return Ok(Transfer {
+            copied: 1,
+            skipped: 0,
+            bytes: len,
+        });
+    }
+    objects.retain(|(n, _)| !is_private(n));
+    sort_commit_last(&mut objects);
+    let total: u64 = objects.iter().map(|(_, n)| n).sum();
+    let mut t = Transfer::default();
+    let mut done = 0u64;
+    for (name, len) in &objects {
+        let path = dst.join(name);
+        if fsutil::regular_file_len(&path) == Some(*len) && !is_commit_record(name) {
+            t.skipped += 1;
+        } else {
+            let parent = fsutil::parent_of(&path).to_path_buf();
+            std::fs::create_dir_all(&parent).at(&parent)?;
+            remote.get_file(name, &path)?;
+            t.copied += 1;
+            t.bytes += len;
+        }
+        done += len;
+        progress(done, total);
+    }
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(file: u32, offset: u64, len: u64, dst: u64) -> ReadRange {
+        ReadRange {
+            file,
+            offset,
+            len,
+            dst,
+        }
+    }
+
+    #[test]
+    fn coalescing_merges_near_ranges_of_one_object_up_to_the_request_size() {
+        let ranges = [
+            r(0, 100, 10, 0),
+            r(0, 0, 10, 10),
+            r(1, 0, 10, 20),
+            r(0, 5000, 10, 30),
+            r(0, 120, 4000, 40),
+        ];
+        let reqs = coalesce(&ranges, 64, 1 << 20);
+        let spans: Vec<(u32, u64, u64)> = reqs.iter().map(|q| (q.file, q.start, q.end)).collect();
+        // 0..10 and 100..110 are 90 bytes apart (> 64): separate; 100..110 and 120..4120 merge.
+        assert_eq!(
+            spans,
+            [(0, 0, 10), (0, 100, 4120), (0, 5000, 5010), (1, 0, 10)]
+        );
+        assert_eq!(reqs[1].pieces.len(), 2);
+        // A range longer than the request size is split into pieces that fill the same bytes.
+        let reqs = coalesce(&[r(3, 7, 25, 1)], 0, 10);
+        let spans: Vec<(u64, u64, u64)> = reqs
+            .iter()
+            .map(|q| (q.start, q.end, q.pieces[0].dst))
+            .collect();
+        assert_eq!(spans, [(7, 17, 1), (17, 27, 11), (27, 32, 21)]);
+    }
+
+    #[test]
+    fn urls_parse_and_bad_ones_are_refused() {
+        assert!(is_remote(Path::new("s3://b/p")));
+        assert!(!is_remote(Path::new("/data/s3://x")));
+        assert_eq!(local_path(Path::new("file:///a/b")), PathBuf::from("/a/b"));
+        let e = Remote::parse(Path::new("s3:///x")).unwrap_err();
+        assert!(e.to_string().contains("names no bucket"), "{e}");
+        let e = Remote::parse(Path::new("s3://b/a/../c")).unwrap_err();
+        assert!(e.to_string().contains("`..`"), "{e}");
+        let ok = Remote::parse(Path::new("s3://bucket/a/b/")).unwrap();
+        assert_eq!(ok.url(), "s3://bucket/a/b");
+        assert_eq!(
+            ok.join("c").url_of("x.bin"),
+            PathBuf::from("s3://bucket/a/b/c/x.bin")
+        );
+    }
+
+    #[test]
+    fn commit_records_sort_last_and_private_files_are_skipped() {
+        let mut files = vec![
+            ("shards.json".to_string(), 1),
+            ("acts000000.bin".to_string(), 1),
+            ("metadata.json".to_string(), 1),
+            ("zarr.json".to_string(), 1),
+            ("a/zarr.json".to_string(), 1),
+        ];
+        sort_commit_last(&mut files);
+        let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "metadata.json",
+                "acts000000.bin",
+                "a/zarr.json",
+                "zarr.json",
+                "shards.json"
+            ]
+        );
+        assert!(is_private(".shardkit-writing"));
+        assert!(is_private("x/.labels.bin.tmp"));
+        assert!(!is_private("labels.bin"));
+    }
+}
