@@ -303,7 +303,158 @@ def test_flat_tokens_missing_remote_dataset_names_the_url(s3: S3, env: Dict[str,
         flat_tokens.open(f"s3://{bucket}/none")["train"]
 
 
-# --- EAGLE-3 and SDNB: upload and download round trips --------------------------------------------
+# --- EAGLE-3 ----------------------------------------------------------------------------------------
+
+
+def items_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
+    assert list(a) == list(b)
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+def write_eagle3_cache(path: Path, n: int, topk: Any = None) -> Path:
+    from test_eagle3 import config, sample
+
+    rng = np.random.default_rng(n)
+    with eagle3.Writer(path, config(n=n, topk=topk), format_version=1 if topk is None else 2) as w:
+        for i in range(n):
+            s = sample(i)
+            p = rng.random(s["target_probs"].shape)
+            p /= p.sum(axis=-1, keepdims=True)
+            if topk is None:
+                s["target_probs"] = p
+            else:
+                del s["target_probs"]
+                idx = np.argsort(-p, axis=-1)[:, :topk].astype(np.int32)
+                s["target_probs_indices"] = idx
+                s["target_probs_values"] = np.take_along_axis(p, idx, axis=-1)
+            w.add(s)
+    return path
+
+
+@pytest.mark.parametrize("topk", [None, 2])
+def test_eagle3_uploaded_reads_like_local(tmp_path: Path, s3: S3, env: Dict[str, str], topk: Any) -> None:
+    cache = write_eagle3_cache(tmp_path / "eagle3", 9, topk)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/cache"
+    shardkit.upload(cache, url)
+    remote, here = eagle3.open(url), eagle3.open(cache)
+    assert len(remote) == len(here) == 9 and remote.manifest == here.manifest
+    before = shardkit.storage_counters()
+    for i in [0, 4, 8, -1]:
+        items_equal(remote[i], here[i])
+    # Items read their rows only: a few small GETs each, never whole shards.
+    after = shardkit.storage_counters()
+    shard_bytes = sum(p.stat().st_size for p in Path(cache).glob("shard-*.safetensors"))
+    assert after["get_bytes"] - before["get_bytes"] < shard_bytes
+    for kw in [dict(batch_size=4, seed=3), dict(batch_size=3, shuffle=False), dict(batch_size=2, rank=1, world_size=2)]:
+        same_batches(batches(eagle3.Loader(url, **kw)), batches(eagle3.Loader(cache, **kw)))
+    assert eagle3.validate(url)["valid"]
+    info, local_info = eagle3.inspect(url), eagle3.inspect(cache)
+    assert info["complete"] and info["bytes_on_disk"] == local_info["bytes_on_disk"]
+    with pytest.raises(shardkit.InvalidArgumentError, match="verify needs local files"):
+        eagle3.Loader(url, batch_size=2, verify=True)
+
+
+def test_eagle3_remote_refusals(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    from test_eagle3 import write as write_eagle3
+
+    cache = Path(write_eagle3(tmp_path / "eagle3", n=9))
+    bucket = s3.bucket()
+    with pytest.raises(shardkit.NotFoundError, match=f"s3://{bucket}/none/manifest.json"):
+        eagle3.open(f"s3://{bucket}/none")
+    c = s3.client()
+    shards = sorted(cache.glob("shard-*.safetensors"))
+    c.put_object(Bucket=bucket, Key="part/manifest.json", Body=(cache / "manifest.json").read_bytes())
+    c.put_object(Bucket=bucket, Key=f"part/{shards[0].name}", Body=shards[0].read_bytes())
+    with pytest.raises(shardkit.IncompleteDatasetError):
+        eagle3.open(f"s3://{bucket}/part")
+    # A shard cut short: its header promises more bytes than the object has.
+    for sh in shards[1:]:
+        c.put_object(Bucket=bucket, Key=f"part/{sh.name}", Body=sh.read_bytes())
+    c.put_object(Bucket=bucket, Key=f"part/{shards[1].name}", Body=shards[1].read_bytes()[:-7])
+    with pytest.raises(shardkit.CorruptDataError, match=f"s3://{bucket}/part/{shards[1].name}"):
+        eagle3.open(f"s3://{bucket}/part")[2]
+    assert not eagle3.validate(f"s3://{bucket}/part")["valid"]
+
+
+# --- writers to a store -------------------------------------------------------------------------------
+
+
+def test_flat_tokens_and_eagle3_written_to_a_store(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    from test_eagle3 import config, sample
+
+    bucket = s3.bucket()
+    docs = [np.arange(1 + i % 37, dtype=np.uint32) + i + 1 for i in range(200)]
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "staging")}):
+        with flat_tokens.Writer(tmp_path / "tok", "train", progress=False) as w:
+            w.append(docs)
+        with flat_tokens.Writer(f"s3://{bucket}/tok", "train", progress=False) as w:
+            w.append(docs)
+        with eagle3.Writer(tmp_path / "e3", config(n=5)) as w:
+            for i in range(5):
+                w.add(sample(i))
+        with eagle3.Writer(f"s3://{bucket}/e3", config(n=5)) as w:
+            for i in range(5):
+                w.add(sample(i))
+        # Nothing is left staged.
+        assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()]
+        # A prefix that already holds a dataset is refused.
+        with pytest.raises(shardkit.AlreadyExistsError, match=f"s3://{bucket}/tok"):
+            flat_tokens.Writer(f"s3://{bucket}/tok", "validation", progress=False)
+        with pytest.raises(shardkit.AlreadyExistsError, match="manifest.json"):
+            eagle3.Writer(f"s3://{bucket}/e3", config(n=5))
+    for name in ["tok", "e3"]:
+        down = tmp_path / f"down-{name}"
+        shardkit.download(f"s3://{bucket}/{name}", down)
+        assert tree(down) == tree(tmp_path / name), name
+    np.testing.assert_array_equal(flat_tokens.open(f"s3://{bucket}/tok")["train"][199], docs[199])
+
+
+# --- SDNB through the local cache, and upload/download of any format ----------------------------------
+
+
+def test_sdnb_read_through_the_bounded_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    bucket = s3.bucket()
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    big = np.arange(40000, dtype=np.float32)
+    model = tmp_path / "m.sdnb"
+    sdnb.save(model, {"w": w})
+    shardkit.upload(model, f"s3://{bucket}/models/m.sdnb")
+    (tmp_path / "set").mkdir()
+    sdnb.save(tmp_path / "set" / "s.sdnb", {"w": w, "big": big}, shard_size=100_000)
+    for f in sorted((tmp_path / "set").iterdir()):
+        shardkit.upload(f, f"s3://{bucket}/models/{f.name}")
+    cache_dir = tmp_path / "cache"
+    with environment({"SHARDKIT_CACHE_DIR": str(cache_dir)}):
+        c = sdnb.open(f"s3://{bucket}/models/m.sdnb")
+        np.testing.assert_array_equal(c["w"], w)
+        gets = shardkit.storage_counters()["gets"]
+        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/m.sdnb")["w"], w)
+        assert shardkit.storage_counters()["gets"] == gets, "an unchanged object is served from the cache"
+        s = sdnb.open(f"s3://{bucket}/models/s.sdnb")
+        np.testing.assert_array_equal(s["big"], big)
+        assert sdnb.validate(f"s3://{bucket}/models/s.sdnb")["valid"]
+        # A changed object is fetched again.
+        sdnb.save(model, {"w": w * 2})
+        shardkit.upload(model, f"s3://{bucket}/models/m.sdnb")
+        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/m.sdnb")["w"], w * 2)
+        with pytest.raises(shardkit.NotFoundError, match=f"s3://{bucket}/models/none.sdnb"):
+            sdnb.open(f"s3://{bucket}/models/none.sdnb")
+    # The cache is bounded: a new object makes room by evicting the least recently used.
+    def held() -> Dict[str, int]:
+        return {p.name: p.stat().st_size for p in cache_dir.rglob("*") if p.is_file() and not p.name.startswith(".")}
+
+    before = held()
+    limit = sum(before.values()) + 1000
+    other = tmp_path / "n.sdnb"
+    sdnb.save(other, {"x": np.ones(5000, dtype=np.float32)})
+    shardkit.upload(other, f"s3://{bucket}/models/n.sdnb")
+    with environment({"SHARDKIT_CACHE_DIR": str(cache_dir), "SHARDKIT_CACHE_GIB": str(limit / 2**30)}):
+        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/n.sdnb")["x"], np.ones(5000))
+    after = held()
+    assert sum(after.values()) <= limit and "n.sdnb" in after
+    assert set(before) - set(after), "something was evicted"
 
 
 def test_eagle3_and_sdnb_round_trip_through_a_store(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
@@ -323,3 +474,40 @@ def test_eagle3_and_sdnb_round_trip_through_a_store(tmp_path: Path, s3: S3, env:
     shardkit.upload(model, f"s3://{bucket}/models/m.sdnb")
     shardkit.download(f"s3://{bucket}/models/m.sdnb", tmp_path / "m2.sdnb")
     assert (tmp_path / "m2.sdnb").read_bytes() == model.read_bytes()
+
+
+# --- torch DataLoader workers (forked after the parent used the store) --------------------------------
+
+
+def test_torch_workers_read_from_a_store_after_fork(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    import torch
+
+    from shardkit.torch import Eagle3Dataset, SaevDataset, TokensDataset
+
+    bucket = s3.bucket()
+    local = write_saev(tmp_path / "saev")
+    saev_url = f"s3://{bucket}/saev/{Path(local).name}"
+    shardkit.upload(local, saev_url)
+    docs = [np.arange(1, 2 + i % 50, dtype=np.uint32) for i in range(400)]
+    with flat_tokens.Writer(tmp_path / "tok", "train", progress=False) as w:
+        w.append(docs)
+    shardkit.upload(tmp_path / "tok", f"s3://{bucket}/tok")
+    cache = write_eagle3_cache(tmp_path / "e3", 8)
+    shardkit.upload(cache, f"s3://{bucket}/e3")
+    # The parent reads first, so its runtime and connections exist when the workers fork.
+    saev.Dataset(saev_url).get(0, 5, 0)
+
+    small = dict(sequences_per_read_block=8, read_blocks_per_shuffle_buffer=4)
+    cases = [
+        (SaevDataset(saev_url, layer=11, batch_size=16, seed=1), SaevDataset(local, layer=11, batch_size=16, seed=1),
+         lambda b: list(zip(b["example_idx"].tolist(), b["token_idx"].tolist()))),
+        (TokensDataset(f"s3://{bucket}/tok", seq_len=16, batch_size=4, **small),
+         TokensDataset(tmp_path / "tok", seq_len=16, batch_size=4, **small),
+         lambda b: [tuple(r) for r in b["inputs"].tolist()]),
+        (Eagle3Dataset(f"s3://{bucket}/e3", batch_size=2), Eagle3Dataset(cache, batch_size=2),
+         lambda b: [tuple(r) for r in b["input_ids"].tolist()]),
+    ]
+    for remote, here, ids in cases:
+        got = sorted(r for b in torch.utils.data.DataLoader(remote, batch_size=None, num_workers=2) for r in ids(b))
+        want = sorted(r for b in torch.utils.data.DataLoader(here, batch_size=None, num_workers=2) for r in ids(b))
+        assert got == want and got

@@ -303,6 +303,13 @@ fn verify_file(path: &Path, sums: &FileSums) -> Vec<Damage> {
 /// and the dataset's files (relative names). A directory is every regular file below it but
 /// the sidecar, writers' temporaries and lock files; a file is an SDNB container's files.
 pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
+    if crate::storage::is_remote(path) {
+        return Err(Error::Invalid(format!(
+            "{}: checksums are recorded and verified on local files; copy the dataset with \
+             `shardkit download` first (reads from a store are checked by length)",
+            path.display()
+        )));
+    }
     let meta = std::fs::metadata(path).at(path)?;
     if meta.is_dir() {
         let mut names = Vec::new();

@@ -127,22 +127,30 @@ pub fn counters() -> Counters {
 }
 
 /// The runtime that drives every request: a few threads suffice, they only wait on sockets
-/// and copy responses.
+/// and copy responses. One per process: a child forked from a process that used a store (a
+/// PyTorch DataLoader worker) starts its own, as the parent's threads do not exist there.
 fn runtime() -> Result<&'static tokio::runtime::Runtime> {
-    static RT: OnceLock<std::result::Result<tokio::runtime::Runtime, String>> = OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(crate::engine::exec::available_cores().clamp(2, 8))
-            .thread_name("shardkit-s3")
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())
-    })
-    .as_ref()
-    .map_err(|e| Error::Thread {
-        what: "the object-store runtime".into(),
-        source: std::io::Error::other(e.clone()),
-    })
+    static RT: Mutex<Option<(u32, &'static tokio::runtime::Runtime)>> = Mutex::new(None);
+    let mut rt = RT.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if let Some((owner, r)) = *rt {
+        if owner == pid {
+            return Ok(r);
+        }
+    }
+    let built = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(crate::engine::exec::available_cores().clamp(2, 8))
+        .thread_name("shardkit-s3")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Thread {
+            what: "the object-store runtime".into(),
+            source: e,
+        })?;
+    // Kept for the process's life (a parent's, in a forked child, is never touched again).
+    let r: &'static tokio::runtime::Runtime = Box::leak(Box::new(built));
+    *rt = Some((pid, r));
+    Ok(r)
 }
 
 fn block_on<F: std::future::Future>(f: F) -> Result<F::Output> {
@@ -162,7 +170,8 @@ pub struct Remote {
     bucket: String,
     /// Without leading or trailing slashes; may be empty.
     prefix: String,
-    store: Arc<AmazonS3>,
+    /// The client, and the process it was made in.
+    client: (u32, Arc<AmazonS3>),
 }
 
 impl std::fmt::Debug for Remote {
@@ -249,13 +258,14 @@ fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    // Keyed by the environment too: a process (a test) may point the same bucket elsewhere.
+    // Keyed by the environment too (a process, a test, may point the same bucket elsewhere),
+    // and by the process: a forked child's connections must not be its parent's.
     let mut env: Vec<String> = std::env::vars()
         .filter(|(k, _)| k.starts_with("AWS_") || k.starts_with("SHARDKIT_S3_"))
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     env.sort();
-    let key = format!("{bucket}\n{}", env.join("\n"));
+    let key = format!("{}\n{bucket}\n{}", std::process::id(), env.join("\n"));
     if let Some(s) = stores.get(&key) {
         return Ok(s.clone());
     }
@@ -324,12 +334,10 @@ impl Remote {
                 "{s}: object keys may not contain empty, `.` or `..` segments"
             )));
         }
-        // The runtime every request of this store runs on exists from here on.
-        runtime()?;
         Ok(Remote {
             bucket: bucket.to_string(),
             prefix: prefix.to_string(),
-            store: store_for(bucket)?,
+            client: (std::process::id(), store_for(bucket)?),
         })
     }
 
@@ -375,6 +383,14 @@ impl Remote {
         r
     }
 
+    /// The client of this process (a dataset opened before a fork gets a new one in the child).
+    fn store(&self) -> Result<Arc<AmazonS3>> {
+        match &self.client {
+            (pid, store) if *pid == std::process::id() => Ok(store.clone()),
+            _ => store_for(&self.bucket),
+        }
+    }
+
     fn key(&self, name: &str) -> ObjectPath {
         if self.prefix.is_empty() {
             ObjectPath::from(name)
@@ -401,8 +417,9 @@ impl Remote {
     /// The whole of object `name`, or `None` when it does not exist.
     pub fn get_opt(&self, name: &str) -> Result<Option<Vec<u8>>> {
         let key = self.key(name);
+        let store = self.store()?;
         let got = block_on(async {
-            let r = self.store.get(&key).await?;
+            let r = store.get(&key).await?;
             r.bytes().await
         })?;
         match got {
@@ -436,7 +453,8 @@ impl Remote {
     /// [`Remote::list`] with each object's ETag (quotes removed), where the store gives one.
     fn list_etags(&self) -> Result<Vec<(String, u64, Option<String>)>> {
         let prefix = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
-        let metas = block_on(self.store.list(prefix.as_ref()).try_collect::<Vec<_>>())?
+        let store = self.store()?;
+        let metas = block_on(store.list(prefix.as_ref()).try_collect::<Vec<_>>())?
             .map_err(|e| self.error("", None, e))?;
         let skip = if self.prefix.is_empty() {
             0
@@ -473,9 +491,11 @@ impl Remote {
             )));
         }
         let requests = coalesce(ranges, COALESCE_GAP, max_request());
+        let store = self.store()?;
+        let store = &store;
         let fetches = futures::stream::iter(requests.into_iter().map(|req| async move {
             let name = &names[req.file as usize];
-            let bytes = self.get_range(name, req.start..req.end).await?;
+            let bytes = self.get_range(store, name, req.start..req.end).await?;
             Ok::<_, Error>((req, bytes))
         }))
         .buffer_unordered(inflight());
@@ -514,13 +534,17 @@ impl Remote {
     }
 
     /// Bytes `range` of `name`, retried (with backoff) while a response comes back short.
-    async fn get_range(&self, name: &str, range: Range<u64>) -> Result<bytes::Bytes> {
+    async fn get_range(
+        &self,
+        store: &AmazonS3,
+        name: &str,
+        range: Range<u64>,
+    ) -> Result<bytes::Bytes> {
         let key = self.key(name);
         let want = range.end - range.start;
         let mut short = 0u32;
         loop {
-            let b = self
-                .store
+            let b = store
                 .get_range(&key, range.clone())
                 .await
                 .map_err(|e| self.error(name, Some(range.clone()), e))?;
@@ -549,7 +573,8 @@ impl Remote {
     pub fn put(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
         let key = self.key(name);
         let n = bytes.len() as u64;
-        block_on(self.store.put(&key, PutPayload::from(bytes)))?
+        let store = self.store()?;
+        block_on(store.put(&key, PutPayload::from(bytes)))?
             .map_err(|e| self.error(name, None, e))?;
         PUTS.fetch_add(1, Ordering::Relaxed);
         PUT_BYTES.fetch_add(n, Ordering::Relaxed);
@@ -567,9 +592,9 @@ impl Remote {
         }
         let key = self.key(name);
         let file = std::fs::File::open(path).at(path)?;
+        let store = self.store()?;
         block_on(async {
-            let upload = self
-                .store
+            let upload = store
                 .put_multipart(&key)
                 .await
                 .map_err(|e| self.error(name, None, e))?;
@@ -603,26 +628,27 @@ impl Remote {
 
     /// The prefix as a zarr store (blocking calls on the shared runtime), for zarrs' readers.
     #[cfg(feature = "zarr")]
-    pub(crate) fn zarr_store(&self) -> Arc<dyn zarrs::storage::ReadableStorageTraits> {
+    pub(crate) fn zarr_store(&self) -> Result<Arc<dyn zarrs::storage::ReadableStorageTraits>> {
         use zarrs::storage::storage_adapter::async_to_sync::{
             AsyncToSyncBlockOn, AsyncToSyncStorageAdapter,
         };
         struct OnRuntime;
         impl AsyncToSyncBlockOn for OnRuntime {
             fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+                // Built (or failed, refusing the store) in `zarr_store`.
                 match runtime() {
                     Ok(rt) => rt.block_on(future),
-                    // The runtime was built when this store was (see `Remote::parse`).
-                    Err(_) => unreachable!("the object-store runtime exists once a store does"),
+                    Err(e) => panic!("{e}"),
                 }
             }
         }
-        let inner = (*self.store).clone();
+        runtime()?;
+        let inner = (*self.store()?).clone();
         let store = object_store::prefix::PrefixStore::new(inner, self.prefix.as_str());
-        Arc::new(AsyncToSyncStorageAdapter::new(
+        Ok(Arc::new(AsyncToSyncStorageAdapter::new(
             Arc::new(zarrs_object_store::AsyncObjectStore::new(store)),
             OnRuntime,
-        ))
+        )))
     }
 
     /// Downloads object `name` into local file `path`, atomically (temporary, fsync, rename).
@@ -678,7 +704,12 @@ fn cached_object(remote: &Remote, name: &str, size: u64, etag: Option<&str>) -> 
     }
     std::fs::create_dir_all(&dir).at(&dir)?;
     evict_cache(size)?;
-    let tmp = dir.join(format!(".{name}.tmp"));
+    // Ranks of one node may fetch the same object at once: each into its own temporary.
+    let tmp = dir.join(format!(
+        ".{name}.{}.{:?}.tmp",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     {
         use std::io::Write;
         let mut f = std::fs::File::create(&tmp).at(&tmp)?;

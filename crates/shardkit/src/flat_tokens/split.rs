@@ -272,7 +272,7 @@ impl Split {
         if crate::storage::is_remote(root) {
             let remote = crate::storage::Remote::parse(root)?;
             let url = PathBuf::from(remote.url());
-            return Self::from_store(remote.zarr_store(), &url, split);
+            return Self::from_store(remote.zarr_store()?, &url, split);
         }
         let root = &crate::storage::local_path(root);
         if !root.is_dir() {
