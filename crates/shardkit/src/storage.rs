@@ -626,29 +626,16 @@ impl Remote {
         Ok(())
     }
 
-    /// The prefix as a zarr store (blocking calls on the shared runtime), for zarrs' readers.
+    /// The prefix as a zarr store for zarrs' readers: every partial read is one coalesced
+    /// batch of ranged GETs ([`Remote::read_ranges`]), with object sizes taken from one listing
+    /// made here (no HEAD request per read).
     #[cfg(feature = "zarr")]
     pub(crate) fn zarr_store(&self) -> Result<Arc<dyn zarrs::storage::ReadableStorageTraits>> {
-        use zarrs::storage::storage_adapter::async_to_sync::{
-            AsyncToSyncBlockOn, AsyncToSyncStorageAdapter,
-        };
-        struct OnRuntime;
-        impl AsyncToSyncBlockOn for OnRuntime {
-            fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
-                // Built (or failed, refusing the store) in `zarr_store`.
-                match runtime() {
-                    Ok(rt) => rt.block_on(future),
-                    Err(e) => panic!("{e}"),
-                }
-            }
-        }
-        runtime()?;
-        let inner = (*self.store()?).clone();
-        let store = object_store::prefix::PrefixStore::new(inner, self.prefix.as_str());
-        Ok(Arc::new(AsyncToSyncStorageAdapter::new(
-            Arc::new(zarrs_object_store::AsyncObjectStore::new(store)),
-            OnRuntime,
-        )))
+        let sizes = self.list()?.into_iter().collect();
+        Ok(Arc::new(ZarrRemote {
+            remote: self.clone(),
+            sizes,
+        }))
     }
 
     /// Downloads object `name` into local file `path`, atomically (temporary, fsync, rename).
@@ -815,6 +802,72 @@ pub fn staging_dir(url: &Path) -> PathBuf {
         .or_else(|| key.strip_prefix("s3a://"))
         .unwrap_or(&key);
     base.join(key.trim_matches('/'))
+}
+
+/// A prefix read by zarrs (see [`Remote::zarr_store`]). The dataset is complete when it is
+/// opened for reading, so the listing made then is the set of its objects.
+#[cfg(feature = "zarr")]
+struct ZarrRemote {
+    remote: Remote,
+    sizes: HashMap<String, u64>,
+}
+
+#[cfg(feature = "zarr")]
+impl zarrs::storage::ReadableStorageTraits for ZarrRemote {
+    fn get_partial_many<'a>(
+        &'a self,
+        key: &zarrs::storage::StoreKey,
+        byte_ranges: zarrs::storage::byte_range::ByteRangeIterator<'a>,
+    ) -> std::result::Result<zarrs::storage::MaybeBytesIterator<'a>, zarrs::storage::StorageError>
+    {
+        use zarrs::storage::StorageError;
+        let name = key.as_str();
+        let Some(&size) = self.sizes.get(name) else {
+            return Ok(None);
+        };
+        let mut ranges = Vec::new();
+        let mut at = 0u64;
+        for r in byte_ranges {
+            let range = r.to_range(size);
+            if range.start > range.end || range.end > size {
+                return Err(StorageError::Other(format!(
+                    "{}: bytes {}..{} asked of a {size}-byte object",
+                    self.remote.url_of(name).display(),
+                    range.start,
+                    range.end
+                )));
+            }
+            let len = range.end - range.start;
+            ranges.push(ReadRange {
+                file: 0,
+                offset: range.start,
+                len,
+                dst: at,
+            });
+            at += len;
+        }
+        let mut buf = vec![0u8; at as usize];
+        self.remote
+            .read_into(&[name.to_string()], &ranges, &mut buf)
+            .map_err(|e| StorageError::Other(e.to_string()))?;
+        let buf = bytes::Bytes::from(buf);
+        let parts: Vec<_> = ranges
+            .iter()
+            .map(|r| Ok(buf.slice(r.dst as usize..(r.dst + r.len) as usize)))
+            .collect();
+        Ok(Some(Box::new(parts.into_iter())))
+    }
+
+    fn size_key(
+        &self,
+        key: &zarrs::storage::StoreKey,
+    ) -> std::result::Result<Option<u64>, zarrs::storage::StorageError> {
+        Ok(self.sizes.get(key.as_str()).copied())
+    }
+
+    fn supports_get_partial(&self) -> bool {
+        true
+    }
 }
 
 /// One ranged GET: `start..end` of object `file`, and the pieces of the caller's buffer it

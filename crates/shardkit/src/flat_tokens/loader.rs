@@ -375,7 +375,13 @@ impl TokenLoader {
 
     /// The gather pool, started on first use.
     fn gather_pool(&self) -> Result<Arc<GatherPool>> {
-        self.inner.gather.get(self.inner.opts.threads)
+        // From an object store each thread waits on one request at a time (zarrs reads are
+        // blocking calls): by default as many threads as requests should be in flight.
+        let threads = match self.inner.opts.threads {
+            0 if crate::storage::is_remote(self.inner.split.path()) => crate::storage::inflight(),
+            t => t,
+        };
+        self.inner.gather.get(threads)
     }
 
     /// The schedule of `step` and the step within its epoch.

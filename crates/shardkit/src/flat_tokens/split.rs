@@ -263,9 +263,9 @@ impl Split {
     /// Opens without the completion and content checks (structure, names and dtypes are still
     /// checked): for validation and inspection.
     ///
-    /// `root` may be an `s3://bucket/prefix` URL: the arrays are then read through zarrs'
-    /// object-store adapter (ranged GETs of chunks and inner chunks, retried like every
-    /// request of [`crate::storage`]).
+    /// `root` may be an `s3://bucket/prefix` URL: the objects are listed once and every chunk
+    /// or inner chunk zarrs reads is a ranged GET, retried like every request of
+    /// [`crate::storage`].
     pub fn open_unvalidated(root: impl AsRef<Path>, split: &str) -> Result<Split> {
         let root = root.as_ref();
         check_split_name(split)?;

@@ -91,7 +91,7 @@ pub(crate) fn zarr2_json(v: &Value) -> Vec<u8> {
 /// if that is what went wrong.
 pub(crate) trait IoBeneath: std::fmt::Display {
     fn io_beneath(&self) -> Option<&std::io::Error>;
-    /// A failed request of an object store beneath (zarrs' object-store adapter reports them
+    /// A failed request of an object store beneath (`storage`'s zarr store reports them
     /// as `StorageError::Other`), after its retries.
     fn remote_beneath(&self) -> Option<&str> {
         None
