@@ -482,35 +482,68 @@ impl Remote {
         ranges: &[ReadRange],
         buf: &mut [u8],
     ) -> Result<()> {
-        crate::engine::reader::check_destinations(ranges, buf.len())?;
-        if let Some(r) = ranges.iter().find(|r| r.file as usize >= names.len()) {
+        self.check_reads(names.len(), ranges, buf.len())?;
+        let store = self.store()?;
+        block_on(self.fetch_into(&store, names, ranges, buf))?
+    }
+
+    /// [`Remote::read_into`] started on the runtime and left running: the caller gets `buf`
+    /// back, filled, from [`PendingRead::wait`]. A loader starts the next batch's requests this
+    /// way while the previous batches are still in flight.
+    pub(crate) fn start_read(
+        &self,
+        names: Arc<Vec<String>>,
+        ranges: Vec<ReadRange>,
+        mut buf: crate::engine::Buffer,
+    ) -> Result<PendingRead> {
+        self.check_reads(names.len(), &ranges, buf.len())?;
+        let me = self.clone();
+        let store = self.store()?;
+        let task = runtime()?.spawn(async move {
+            me.fetch_into(&store, &names, &ranges, buf.as_mut_bytes())
+                .await
+                .map(|()| buf)
+        });
+        Ok(PendingRead(Mutex::new(Some(task))))
+    }
+
+    fn check_reads(&self, objects: usize, ranges: &[ReadRange], len: usize) -> Result<()> {
+        crate::engine::reader::check_destinations(ranges, len)?;
+        if let Some(r) = ranges.iter().find(|r| r.file as usize >= objects) {
             return Err(Error::Internal(format!(
-                "internal: read of object {} of {}",
-                r.file,
-                names.len()
+                "internal: read of object {} of {objects}",
+                r.file
             )));
         }
+        Ok(())
+    }
+
+    /// The requests of `ranges` (checked by the caller), [`inflight`] at a time, each response
+    /// copied to its pieces' places in `buf`.
+    async fn fetch_into(
+        &self,
+        store: &AmazonS3,
+        names: &[String],
+        ranges: &[ReadRange],
+        buf: &mut [u8],
+    ) -> Result<()> {
         let requests = coalesce(ranges, COALESCE_GAP, max_request());
-        let store = self.store()?;
-        let store = &store;
         let fetches = futures::stream::iter(requests.into_iter().map(|req| async move {
             let name = &names[req.file as usize];
             let bytes = self.get_range(store, name, req.start..req.end).await?;
             Ok::<_, Error>((req, bytes))
         }))
         .buffer_unordered(inflight());
-        block_on(async {
-            futures::pin_mut!(fetches);
-            while let Some(done) = fetches.next().await {
-                let (req, bytes) = done?;
-                for p in &req.pieces {
-                    let from = (p.offset - req.start) as usize;
-                    buf[p.dst as usize..(p.dst + p.len) as usize]
-                        .copy_from_slice(&bytes[from..from + p.len as usize]);
-                }
+        futures::pin_mut!(fetches);
+        while let Some(done) = fetches.next().await {
+            let (req, bytes) = done?;
+            for p in &req.pieces {
+                let from = (p.offset - req.start) as usize;
+                buf[p.dst as usize..(p.dst + p.len) as usize]
+                    .copy_from_slice(&bytes[from..from + p.len as usize]);
             }
-            Ok(())
-        })?
+        }
+        Ok(())
     }
 
     /// Reads `(object, offset, len, dst)` ranges of the objects `names[object]` into `buf`
@@ -867,6 +900,29 @@ impl zarrs::storage::ReadableStorageTraits for ZarrRemote {
 
     fn supports_get_partial(&self) -> bool {
         true
+    }
+}
+
+/// A read running on the object-store runtime (see [`Remote::start_read`]).
+pub(crate) struct PendingRead(
+    Mutex<Option<tokio::task::JoinHandle<Result<crate::engine::Buffer>>>>,
+);
+
+impl PendingRead {
+    /// The buffer, once every range is in (or the read's error).
+    pub(crate) fn wait(&self) -> Result<crate::engine::Buffer> {
+        let task = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| Error::Internal("internal: a read waited for twice".into()))?;
+        match block_on(task)? {
+            Ok(read) => read,
+            Err(e) => Err(Error::Internal(format!(
+                "an object-store read stopped: {e}"
+            ))),
+        }
     }
 }
 

@@ -22,6 +22,7 @@ use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, 
 use crate::engine::order::{derive_key, shuffled};
 use crate::engine::reader::{self, plan_reads, Files, ReadRange};
 use crate::error::{Error, Result};
+use crate::storage::PendingRead;
 
 /// Options of [`Loader::new`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -172,7 +173,7 @@ struct Inner {
     /// With `verify`: the shards' checksums and which blocks this pass has checked.
     verifier: Option<Verifier>,
     /// The shards' names (objects, for a cache in an object store).
-    names: Vec<String>,
+    names: Arc<Vec<String>>,
 }
 
 /// Reader threads at least (see [`LoaderOptions::threads`]).
@@ -218,7 +219,7 @@ impl Loader {
                 cache.dir().display()
             )));
         }
-        let names: Vec<String> = (0..k as u64).map(shard_name).collect();
+        let names: Arc<Vec<String>> = Arc::new((0..k as u64).map(shard_name).collect());
         let verifier = if opts.verify {
             let dir = cache.dir();
             Some(Verifier::open(&dir.join(checksum::SIDECAR), dir, &names)?)
@@ -488,6 +489,8 @@ struct Eagle3Batch {
     reads: Vec<(ReadRange, Option<Arc<memmap2::Mmap>>)>,
     /// (field, row bytes, buffer offset) of the stored top-k values and indices.
     staging: Vec<(&'static str, usize, usize)>,
+    /// From an object store: the batch's requests, in flight; the filled buffer comes from here.
+    pending: Option<PendingRead>,
 }
 
 impl Job for Eagle3Job {
@@ -535,21 +538,23 @@ impl Job for Eagle3Job {
             }
         }
         if let Some(remote) = cache.remote() {
-            // From an object store: the batch's rows fetched at once with coalesced ranged GETs,
-            // many in flight; the gather then has nothing left to do.
-            let mut buf = cx.buffer(
+            // From an object store: the batch's rows requested at once (coalesced ranged GETs)
+            // and left in flight while the next batches are prepared; `finish` waits for them.
+            // The gather has nothing to do.
+            let buf = cx.buffer(
                 &inner.pool.lock().unwrap_or_else(|e| e.into_inner()).clone(),
                 off,
             )?;
-            remote.read_into(&inner.names, &ranges, buf.as_mut_bytes())?;
+            let pending = remote.start_read(inner.names.clone(), ranges, buf)?;
             return Ok(Prepared {
-                buf,
+                buf: crate::engine::Buffer::zeroed(0),
                 regions: Vec::new(),
                 state: Eagle3Batch {
                     indices,
                     layout,
                     reads: Vec::new(),
                     staging,
+                    pending: Some(pending),
                 },
             });
         }
@@ -615,6 +620,7 @@ impl Job for Eagle3Job {
                 layout,
                 reads,
                 staging,
+                pending: None,
             },
         })
     }
@@ -636,6 +642,9 @@ impl Job for Eagle3Job {
         let Prepared {
             mut buf, state: b, ..
         } = p;
+        if let Some(pending) = &b.pending {
+            buf = pending.wait()?;
+        }
         let cache = &self.inner.cache;
         let m = cache.manifest();
         if m.topk.is_some() {
