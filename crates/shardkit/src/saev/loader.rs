@@ -27,6 +27,7 @@ use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
 use crate::engine::Buffer;
 use crate::error::{Error, Result};
 use crate::saev::{Dataset, TokenMode};
+use crate::storage::PendingRead;
 
 /// Which layer a loader reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -608,6 +609,7 @@ impl Loader {
                         needed,
                         next: 0,
                         windows: VecDeque::new(),
+                        pending: None,
                     }),
                 };
                 exec::start(
@@ -663,6 +665,9 @@ struct Resident {
     needed: Vec<usize>,
     next: usize,
     windows: VecDeque<Arc<LoadedWindow>>,
+    /// From an object store: the next window's requests, in flight while the current windows
+    /// are gathered (window index, the read, where each block lands).
+    pending: Option<(usize, PendingRead, Vec<u64>)>,
 }
 
 /// One pass of a loader, as the engine runs it.
@@ -692,25 +697,60 @@ struct SaevBatch {
 }
 
 impl SaevJob {
-    /// Reads window `w`'s blocks into memory.
-    fn load_window(&self, w: usize, cx: &Context<'_>) -> Result<LoadedWindow> {
+    /// Where window `w`'s blocks are in their shards, and where each lands in the window's
+    /// buffer; the buffer's length.
+    fn window_ranges(&self, w: usize) -> (Vec<ReadRange>, Vec<u64>, u64) {
         let src = &*self.src;
         let win = &self.order.windows()[w];
-        let data = if self.direct {
-            let mut ranges = Vec::with_capacity(win.blocks.len());
-            let mut block_dst = Vec::with_capacity(win.blocks.len());
-            let mut dst = 0u64;
-            for &b in &win.blocks {
-                let (file, offset, len) = src.block(b);
-                ranges.push(ReadRange {
-                    file,
-                    offset,
-                    len,
-                    dst,
-                });
-                block_dst.push(dst);
-                dst += len;
+        let mut ranges = Vec::with_capacity(win.blocks.len());
+        let mut block_dst = Vec::with_capacity(win.blocks.len());
+        let mut dst = 0u64;
+        for &b in &win.blocks {
+            let (file, offset, len) = src.block(b);
+            ranges.push(ReadRange {
+                file,
+                offset,
+                len,
+                dst,
+            });
+            block_dst.push(dst);
+            dst += len;
+        }
+        (ranges, block_dst, dst)
+    }
+
+    /// Starts fetching window `w` from the object store (see [`Resident::pending`]).
+    fn start_window(
+        &self,
+        w: usize,
+        cx: &Context<'_>,
+    ) -> Result<Option<(usize, PendingRead, Vec<u64>)>> {
+        let Some((store, names)) = self.src.ds.remote() else {
+            return Ok(None);
+        };
+        let (ranges, block_dst, len) = self.window_ranges(w);
+        let buf = cx.buffer(&self.windows, len as usize)?;
+        let read = store.start_read(Arc::new(names.to_vec()), ranges, buf)?;
+        Ok(Some((w, read, block_dst)))
+    }
+
+    /// Reads window `w`'s blocks into memory (or takes them from `pending`, a fetch of it
+    /// started earlier).
+    fn load_window(
+        &self,
+        w: usize,
+        pending: Option<(usize, PendingRead, Vec<u64>)>,
+        cx: &Context<'_>,
+    ) -> Result<LoadedWindow> {
+        let src = &*self.src;
+        let win = &self.order.windows()[w];
+        let data = if let Some((_, read, block_dst)) = pending.filter(|p| p.0 == w) {
+            WindowData::Read {
+                buf: read.wait()?,
+                block_dst,
             }
+        } else if self.direct {
+            let (ranges, block_dst, dst) = self.window_ranges(w);
             let mut buf = cx.buffer(&self.windows, dst as usize)?;
             match src.ds.remote() {
                 Some((store, names)) => store.read_into(names, &ranges, buf.as_mut_bytes())?,
@@ -762,11 +802,14 @@ impl SaevJob {
                 )));
             };
             r.next += 1;
-            let loaded = self.load_window(w, cx)?;
+            let pending = r.pending.take();
+            let loaded = self.load_window(w, pending, cx)?;
             r.windows.push_back(Arc::new(loaded));
             // The next window's reads overlap the gathering of this one.
-            if let (false, Some(&next)) = (self.direct, r.needed.get(r.next)) {
-                self.readahead(next);
+            match (self.direct, r.needed.get(r.next)) {
+                (false, Some(&next)) => self.readahead(next),
+                (true, Some(&next)) => r.pending = self.start_window(next, cx)?,
+                _ => {}
             }
         }
         let windows: Vec<Arc<LoadedWindow>> = r
