@@ -511,3 +511,20 @@ def test_torch_workers_read_from_a_store_after_fork(tmp_path: Path, s3: S3, env:
         got = sorted(r for b in torch.utils.data.DataLoader(remote, batch_size=None, num_workers=2) for r in ids(b))
         want = sorted(r for b in torch.utils.data.DataLoader(here, batch_size=None, num_workers=2) for r in ids(b))
         assert got == want and got
+
+
+def test_file_urls_are_local_paths(tmp_path: Path) -> None:
+    local = write_saev(tmp_path / "saev")
+    url = f"file://{local}"
+    np.testing.assert_array_equal(saev.Dataset(url).get(3, 5, 1), saev.Dataset(local).get(3, 5, 1))
+    same_batches(batches(saev.ShuffledLoader(url, layer=5, batch_size=32)), batches(saev.ShuffledLoader(local, layer=5, batch_size=32)))
+    assert saev.validate(url)["valid"] and saev.inspect(url)["complete"]
+    with flat_tokens.Writer(f"file://{tmp_path}/tok", "train", progress=False) as w:
+        w.append([np.arange(1, 9, dtype=np.uint32)] * 10)
+    assert len(flat_tokens.open(f"file://{tmp_path}/tok")["train"]) == 10
+    assert flat_tokens.validate(f"file://{tmp_path}/tok")["valid"]
+    cache = write_eagle3_cache(tmp_path / "e3", 4)
+    assert len(eagle3.open(f"file://{cache}")) == 4 and eagle3.validate(f"file://{cache}")["valid"]
+    sdnb.save(tmp_path / "m.sdnb", {"w": np.ones(3, dtype=np.float32)})
+    np.testing.assert_array_equal(sdnb.open(f"file://{tmp_path}/m.sdnb")["w"], np.ones(3))
+    assert shardkit.verify(url)["intact"]

@@ -310,6 +310,7 @@ pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
             path.display()
         )));
     }
+    let path = &crate::storage::local_path(path);
     let meta = std::fs::metadata(path).at(path)?;
     if meta.is_dir() {
         let mut names = Vec::new();

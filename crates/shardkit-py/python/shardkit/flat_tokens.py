@@ -269,9 +269,10 @@ class Dataset:
         if self.path.startswith(("s3://", "s3a://")):
             self.splits = list(_core.tokens_splits(self.path))
         else:
-            if not os.path.isdir(self.path):
+            local = self.path[len("file://"):] if self.path.startswith("file://") else self.path
+            if not os.path.isdir(local):
                 raise NotFoundError(f"{self.path}: not a directory; expected a flat-tokens dataset")
-            self.splits = [s for s in _SPLITS if os.path.isdir(os.path.join(self.path, s))]
+            self.splits = [s for s in _SPLITS if os.path.isdir(os.path.join(local, s))]
         if not self.splits:
             raise CorruptDataError(f"{self.path}: holds neither a train nor a validation split")
         self._open: Dict[str, Split] = {}

@@ -20,7 +20,7 @@ pub use crate::report::Validation;
 /// vocabulary; and each `target_probs` row of a lossless cache summing to 1 within the dtype's
 /// tolerance.
 pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
-    let dir = dir.as_ref();
+    let dir = &crate::storage::local_path(dir.as_ref());
     if crate::storage::is_remote(dir) {
         return validate_remote(dir, deep);
     }
@@ -260,7 +260,7 @@ fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
 
 /// A summary: the configuration, sizes and completeness.
 pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
-    let dir = dir.as_ref();
+    let dir = &crate::storage::local_path(dir.as_ref());
     // (manifest, shards present, their bytes, whether the embeddings file exists)
     let (m, present, on_disk, embeddings) = if crate::storage::is_remote(dir) {
         let remote = crate::storage::Remote::parse(dir)?;

@@ -13,7 +13,7 @@ const SPLITS: [&str; 2] = ["train", "validation"];
 /// The splits of the dataset at `root` (a directory, or an `s3://` prefix): those that are
 /// zarr groups.
 pub fn splits(root: impl AsRef<Path>) -> Result<Vec<&'static str>> {
-    present(root.as_ref())
+    present(&crate::storage::local_path(root.as_ref()))
 }
 
 fn present(root: &Path) -> Result<Vec<&'static str>> {
@@ -35,7 +35,7 @@ fn present(root: &Path) -> Result<Vec<&'static str>> {
 /// length statistics (`null` for an absent split, `{"error": ...}` for one that cannot be
 /// opened). Reads `seq_starts` in full, not the tokens.
 pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
-    let root = root.as_ref();
+    let root = &crate::storage::local_path(root.as_ref());
     if !crate::storage::is_remote(root) && !root.is_dir() {
         return Err(Error::NotFound {
             path: root.to_path_buf(),
@@ -118,7 +118,7 @@ fn summary(s: &Split) -> Result<Value> {
 /// violation: structure and dtypes, `max_token_id`, `seq_starts` bounds and order, start bits,
 /// ids, and an interrupted shardkit write. A dataset needs at least one split.
 pub fn validate(root: impl AsRef<Path>) -> Validation {
-    let root = root.as_ref();
+    let root = &crate::storage::local_path(root.as_ref());
     let mut v = Validation::new(root);
     let splits = match present(root) {
         Ok(s) => s,

@@ -258,7 +258,7 @@ fn strip_path(e: &Error, path: &Path) -> String {
 /// A summary of a saev directory (what `shardkit saev inspect --json` prints): version, shapes,
 /// layers, counts, sizes, completeness and hash recipe.
 pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
-    let dir = dir.as_ref();
+    let dir = &storage::local_path(dir.as_ref());
     let (md, warnings, layout, complete, labels) = if storage::is_remote(dir) {
         let remote = Remote::parse(dir)?;
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();

@@ -68,7 +68,7 @@ pub use read::{base_name, shard_files};
 /// opens, which checks every structure, offset and manifest entry once; with `deep`, also every
 /// byte against its checksums sidecar (`BASE.checksums.json`).
 pub fn validate(path: impl AsRef<std::path::Path>, deep: bool) -> crate::report::Validation {
-    let path = path.as_ref();
+    let path = &crate::storage::local_path(path.as_ref());
     let mut v = crate::report::Validation::new(path);
     match open(path) {
         Err(e) => v.error_from(&e),
