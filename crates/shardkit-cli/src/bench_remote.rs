@@ -243,7 +243,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         let mut e = loader_entry(
             "flat-tokens packed, 16 x 2048 (stored bytes)",
             0,
-            t,
+            t * 16,
             payload,
             secs,
             steps,
