@@ -112,6 +112,17 @@ fn loader_entry(
     ])
 }
 
+/// A GET ceiling: (GB/s, GETs, bytes), per in-flight count.
+type Ceilings = Vec<(usize, (f64, u64, u64))>;
+
+/// The GET ceiling of `remote`'s objects at each in-flight count.
+fn ceilings(remote: &Remote, inflight: &[usize]) -> Result<Ceilings> {
+    inflight
+        .iter()
+        .map(|&n| Ok((n, get_ceiling(remote, n)?)))
+        .collect()
+}
+
 fn ceilings_json(c: &[(usize, (f64, u64, u64))]) -> Value {
     Value::Array(
         c.iter()
@@ -148,11 +159,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let url = PathBuf::from(format!("{}/saev/{name}", Remote::parse(&a.url)?.url()));
     storage::upload(&local, &url, |_, _| {})?;
     let remote = Remote::parse(&url)?;
-    let ceilings: Vec<(usize, (f64, u64, u64))> = a
-        .inflight
-        .iter()
-        .map(|&n| Ok((n, get_ceiling(&remote, n)?)))
-        .collect::<Result<_>>()?;
+    let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let mut loaders = Vec::new();
     for (what, order) in [("block", Order::Block), ("sequential", Order::Sequential)] {
@@ -212,11 +219,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let url = PathBuf::from(format!("{}/tokens", Remote::parse(&a.url)?.url()));
     storage::upload(&local, &url, |_, _| {})?;
     let remote = Remote::parse(&url)?;
-    let ceilings: Vec<(usize, (f64, u64, u64))> = a
-        .inflight
-        .iter()
-        .map(|&n| Ok((n, get_ceiling(&remote, n)?)))
-        .collect::<Result<_>>()?;
+    let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let stored: u64 = remote.list()?.iter().map(|(_, n)| n).sum();
     let mut loaders = Vec::new();
@@ -291,11 +294,7 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let url = PathBuf::from(format!("{}/eagle3", Remote::parse(&a.url)?.url()));
     storage::upload(&synth.out, &url, |_, _| {})?;
     let remote = Remote::parse(&url)?;
-    let ceilings: Vec<(usize, (f64, u64, u64))> = a
-        .inflight
-        .iter()
-        .map(|&n| Ok((n, get_ceiling(&remote, n)?)))
-        .collect::<Result<_>>()?;
+    let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let mut loaders = Vec::new();
     for &n in &a.inflight {

@@ -98,6 +98,16 @@ pub fn local_path(path: &Path) -> PathBuf {
     }
 }
 
+/// The refusal of a loader's `verify` for a dataset in an object store.
+pub(crate) fn verify_needs_local(url: &Path) -> Error {
+    Error::Invalid(format!(
+        "{}: verify needs local files (checksums are checked as the page cache is read); reads \
+         from an object store are checked by length, and `shardkit checksum verify` works on a \
+         downloaded copy",
+        url.display()
+    ))
+}
+
 /// Counters of the requests this process has made (for benchmarks and reports).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {

@@ -125,14 +125,25 @@ impl Cache {
         }
         let m = manifest::read(&dir)?;
         let present = shard_set(&dir)?;
-        check_shard_set(&dir, &m, &present)?;
+        Self::checked(dir, m, &present, max_open, None)
+    }
+
+    /// The cache once its shard set is checked against its manifest.
+    fn checked(
+        dir: PathBuf,
+        m: Manifest,
+        present: &BTreeSet<u64>,
+        max_open: usize,
+        remote: Option<(Remote, HashMap<String, u64>)>,
+    ) -> Result<Cache> {
+        check_shard_set(&dir, &m, present)?;
         Ok(Cache {
             specs: field_specs(&m),
             dir,
             manifest: m,
             open: Mutex::default(),
             max_open: max_open.max(1),
-            remote: None,
+            remote,
         })
     }
 
@@ -149,15 +160,7 @@ impl Cache {
         }
         let m = Manifest::parse(&remote.get(manifest::MANIFEST)?, &path)?;
         let present: BTreeSet<u64> = objects.keys().filter_map(|n| shard_index(n)).collect();
-        check_shard_set(&dir, &m, &present)?;
-        Ok(Cache {
-            specs: field_specs(&m),
-            dir,
-            manifest: m,
-            open: Mutex::default(),
-            max_open: max_open.max(1),
-            remote: Some((remote, objects)),
-        })
+        Self::checked(dir, m, &present, max_open, Some((remote, objects)))
     }
 
     /// The object store holding the cache, when it is remote.

@@ -212,12 +212,7 @@ impl Loader {
             maps: (0..k).map(|_| OnceLock::new()).collect(),
         };
         if opts.verify && cache.remote().is_some() {
-            return Err(Error::Invalid(format!(
-                "{}: verify needs local files (checksums are checked as the page cache is \
-                 read); reads from an object store are checked by length, and `shardkit \
-                 checksum verify` works on a downloaded copy",
-                cache.dir().display()
-            )));
+            return Err(crate::storage::verify_needs_local(cache.dir()));
         }
         let names: Arc<Vec<String>> = Arc::new((0..k as u64).map(shard_name).collect());
         let verifier = if opts.verify {

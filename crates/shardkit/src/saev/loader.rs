@@ -335,12 +335,7 @@ impl Loader {
         }
         let labels = ds.read_all_labels()?;
         if opts.verify && ds.remote().is_some() {
-            return Err(Error::Invalid(format!(
-                "{}: verify needs local files (checksums are checked as the page cache is \
-                 read); reads from an object store are checked by length, and `shardkit \
-                 checksum verify` works on a downloaded copy",
-                ds.path().display()
-            )));
+            return Err(crate::storage::verify_needs_local(ds.path()));
         }
         let kept = if opts.ignore_labels.is_empty() {
             None
