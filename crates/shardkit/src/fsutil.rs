@@ -63,8 +63,9 @@ pub fn rename(from: &Path, to: &Path) -> Result<()> {
 #[doc(hidden)]
 pub mod trace {
     use std::path::PathBuf;
+    use std::sync::atomic::AtomicU64;
     use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Mutex;
+    use std::sync::{Mutex, OnceLock};
 
     /// One durability call.
     #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,36 +102,24 @@ pub mod trace {
     /// process aborts (as if killed) right after its K-th rename through [`super::rename`].
     /// Kills timed from outside cannot hit the microseconds between two renames; this can.
     pub(crate) fn abort_point() {
-        use std::sync::atomic::AtomicU64;
-        use std::sync::OnceLock;
         static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
         static RENAMES: AtomicU64 = AtomicU64::new(0);
-        let limit = LIMIT.get_or_init(|| {
-            std::env::var("SHARDKIT_TEST_ABORT_AFTER_RENAMES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-        });
-        if let Some(k) = *limit {
-            if RENAMES.fetch_add(1, Ordering::SeqCst) + 1 == k {
-                std::process::abort();
-            }
-        }
+        abort_at("SHARDKIT_TEST_ABORT_AFTER_RENAMES", &LIMIT, &RENAMES);
     }
 
     /// The same for uploads: with `SHARDKIT_TEST_ABORT_AFTER_PUTS=K`, the process aborts right
     /// after its K-th object is written to an object store (`crate::storage`).
     pub(crate) fn abort_after_put() {
-        use std::sync::atomic::AtomicU64;
-        use std::sync::OnceLock;
         static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
         static PUTS: AtomicU64 = AtomicU64::new(0);
-        let limit = LIMIT.get_or_init(|| {
-            std::env::var("SHARDKIT_TEST_ABORT_AFTER_PUTS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-        });
+        abort_at("SHARDKIT_TEST_ABORT_AFTER_PUTS", &LIMIT, &PUTS);
+    }
+
+    /// Aborts when `count`, counting this call, reaches the limit `$var` sets.
+    fn abort_at(var: &str, limit: &OnceLock<Option<u64>>, count: &AtomicU64) {
+        let limit = limit.get_or_init(|| std::env::var(var).ok().and_then(|v| v.parse().ok()));
         if let Some(k) = *limit {
-            if PUTS.fetch_add(1, Ordering::SeqCst) + 1 == k {
+            if count.fetch_add(1, Ordering::SeqCst) + 1 == k {
                 std::process::abort();
             }
         }
