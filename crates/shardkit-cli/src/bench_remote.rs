@@ -222,42 +222,57 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let stored: u64 = remote.list()?.iter().map(|(_, n)| n).sum();
+    let total_tokens = Split::open(&url, "train")?.token_count().max(1);
     let mut loaders = Vec::new();
-    for &t in threads {
-        let split = Split::open(&url, "train")?;
-        let mut o = LoaderOptions::new(2048, 16);
-        // Gather threads are the requests in flight here (zarrs reads block): the sweep's
-        // thread counts times 16.
-        o.threads = t * 16;
-        o.seed = 1;
-        let loader = TokenLoader::new(split, o)?;
-        let steps = a.steps.min(loader.step_count());
-        let before = counters();
-        let t0 = Instant::now();
-        let mut tokens = 0u64;
-        for b in loader.iter(0).take(steps as usize) {
-            tokens += b?.encoded().len() as u64;
+    // Row by row (one zarrs read per row), then with each shuffle buffer read whole into
+    // memory; the latter over a whole epoch, since a buffer's read is spread over its steps.
+    for in_memory in [false, true] {
+        for &t in threads {
+            let split = Split::open(&url, "train")?;
+            let mut o = LoaderOptions::new(2048, 16);
+            // Row by row, gather threads are the requests in flight (zarrs reads block): the
+            // sweep's thread counts times 16. In memory, the threads decode.
+            o.threads = if in_memory { t } else { t * 16 };
+            o.seed = 1;
+            o.buffer_in_memory = Some(in_memory);
+            let loader = TokenLoader::new(split, o)?;
+            let steps = if in_memory {
+                loader.step_count()
+            } else {
+                a.steps.min(loader.step_count())
+            };
+            let before = counters();
+            let t0 = Instant::now();
+            let mut tokens = 0u64;
+            for b in loader.iter(0).take(steps as usize) {
+                tokens += b?.encoded().len() as u64;
+            }
+            let secs = t0.elapsed().as_secs_f64();
+            let after = counters();
+            // Payload as stored bytes: tokens times the dataset's compressed bytes per token.
+            let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
+            let name = if in_memory {
+                "flat-tokens packed, 16 x 2048, shuffle buffers in memory, one epoch (stored bytes)"
+            } else {
+                "flat-tokens packed, 16 x 2048, row by row (stored bytes)"
+            };
+            let mut e = loader_entry(
+                name,
+                // In memory, each shard's request list runs `inflight` requests at a time.
+                if in_memory { storage::inflight() } else { 0 },
+                loader.options().threads,
+                payload,
+                secs,
+                steps,
+                after.gets - before.gets,
+                after.get_bytes - before.get_bytes,
+                ceiling,
+            );
+            if let Value::Object(m) = &mut e {
+                m.push(("tokens_per_s".into(), num(tokens as f64 / secs)));
+            }
+            loaders.push(e);
         }
-        let secs = t0.elapsed().as_secs_f64();
-        let after = counters();
-        // Payload as stored bytes: tokens times the dataset's compressed bytes per token.
-        let total_tokens = Split::open(&url, "train")?.token_count().max(1);
-        let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
-        let mut e = loader_entry(
-            "flat-tokens packed, 16 x 2048 (stored bytes)",
-            0,
-            t * 16,
-            payload,
-            secs,
-            steps,
-            after.gets - before.gets,
-            after.get_bytes - before.get_bytes,
-            ceiling,
-        );
-        if let Value::Object(m) = &mut e {
-            m.push(("tokens_per_s".into(), num(tokens as f64 / secs)));
-        }
-        loaders.push(e);
     }
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),

@@ -283,7 +283,7 @@ impl TokensLoader {
     #[new]
     #[pyo3(signature = (path, split, seq_len, batch_size, packed, streams,
         read_blocks_per_shuffle_buffer, sequences_per_read_block, seed, host_index, host_count,
-        epochs, threads=0, verify=false))]
+        epochs, threads=0, verify=false, buffer_in_memory=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -301,6 +301,7 @@ impl TokensLoader {
         epochs: bool,
         threads: usize,
         verify: bool,
+        buffer_in_memory: Option<bool>,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(seq_len, batch_size);
         o.packing = if packed {
@@ -317,6 +318,7 @@ impl TokensLoader {
         o.epochs = epochs;
         o.threads = threads;
         o.verify = verify;
+        o.buffer_in_memory = buffer_in_memory;
         let split = split.to_string();
         let inner = py
             .allow_threads(|| TokenLoader::new(Split::open(path, &split)?, o))
@@ -334,6 +336,11 @@ impl TokensLoader {
         self.inner
             .set_batch_buffers(external_pool(keeper, regions)?);
         Ok(())
+    }
+    /// Whether shuffle buffers are read whole into memory.
+    #[getter]
+    fn buffers_in_memory(&self) -> bool {
+        self.inner.buffers_in_memory()
     }
     /// Steps in an epoch.
     #[getter]

@@ -290,7 +290,22 @@ def test_flat_tokens_uploaded_reads_like_local(tmp_path: Path, s3: S3, env: Dict
     np.testing.assert_array_equal(remote.encoded(100, 5000), here.encoded(100, 5000))
     small = dict(sequences_per_read_block=8, read_blocks_per_shuffle_buffer=4)
     for kw in [dict(seq_len=32, batch_size=8, **small), dict(seq_len=16, batch_size=4, packed=False, seed=3, **small)]:
-        same_batches(batches(flat_tokens.Loader(url, "train", **kw)), batches(flat_tokens.Loader(local, "train", **kw)))
+        # From the store each shuffle buffer is read whole into memory (few large GETs); row by
+        # row on request. Both serve the local batches exactly.
+        buffered = flat_tokens.Loader(url, "train", **kw)
+        assert buffered.buffers_in_memory
+        rows = flat_tokens.Loader(url, "train", buffer_in_memory=False, **kw)
+        assert not rows.buffers_in_memory
+        want = batches(flat_tokens.Loader(local, "train", **kw))
+        same_batches(batches(buffered), want)
+        same_batches(batches(rows), want)
+    # A cap below the buffer's size falls back to row-by-row reads; a bad cap is refused.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SHARDKIT_TOKEN_BUFFER_GIB", "0")
+        assert not flat_tokens.Loader(url, "train", seq_len=32, batch_size=8, **small).buffers_in_memory
+        mp.setenv("SHARDKIT_TOKEN_BUFFER_GIB", "lots")
+        with pytest.raises(shardkit.InvalidArgumentError, match="SHARDKIT_TOKEN_BUFFER_GIB"):
+            flat_tokens.Loader(url, "train", seq_len=32, batch_size=8, **small)
     assert flat_tokens.validate(url)["valid"]
     down = tmp_path / "down"
     shardkit.download(url, down)

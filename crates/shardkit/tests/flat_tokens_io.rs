@@ -153,3 +153,124 @@ fn a_v2_step_reads_only_the_chunks_its_rows_overlap() {
     );
     assert_eq!(batch.rows.len(), 8);
 }
+
+/// Every step of `loader`'s first epoch and a few of its second.
+fn all_steps(loader: &TokenLoader) -> Vec<shardkit::flat_tokens::TokenBatch> {
+    let n = loader.step_count();
+    (0..n + 3).map(|s| loader.load(s).unwrap()).collect()
+}
+
+#[test]
+fn buffers_in_memory_serve_the_same_batches_as_rows_read_one_by_one() {
+    let sharded = Layout::V3(Sharded {
+        tokens_per_shard: 256,
+        tokens_per_chunk: 16,
+        starts_per_shard: 16,
+        starts_per_chunk: 4,
+        ..Default::default()
+    });
+    for (name, layout) in [("v3", sharded), ("v2", Layout::V2)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ds.zarr");
+        write(&root, layout);
+        for packing in [
+            shardkit::flat_tokens::Packing::Packed,
+            shardkit::flat_tokens::Packing::Unpacked,
+        ] {
+            // Two streams, the second of two hosts: several minipochs, rows of both streams.
+            for (streams, host) in [(1, 0), (2, 1)] {
+                let mut o = options();
+                o.packing = packing;
+                o.streams = streams;
+                o.host_count = 2;
+                o.host_index = host;
+                o.epochs = true;
+                if packing == shardkit::flat_tokens::Packing::Unpacked {
+                    o.sequences_per_read_block = Some(2);
+                    o.read_blocks_per_shuffle_buffer = 3;
+                }
+                let load = |in_memory| {
+                    let mut o = o.clone();
+                    o.buffer_in_memory = Some(in_memory);
+                    let loader = TokenLoader::new(Split::open(&root, "train").unwrap(), o).unwrap();
+                    assert_eq!(loader.buffers_in_memory(), in_memory);
+                    all_steps(&loader)
+                };
+                let (rows, buffered) = (load(false), load(true));
+                assert_eq!(rows.len(), buffered.len());
+                for (a, b) in rows.iter().zip(&buffered) {
+                    assert!(
+                        a == b,
+                        "{name} {packing:?} S={streams}: step {} differs",
+                        a.step
+                    );
+                }
+                // The iterator (steps prepared ahead, across minipochs) gives the same.
+                let mut o2 = o.clone();
+                o2.buffer_in_memory = Some(true);
+                let loader = TokenLoader::new(Split::open(&root, "train").unwrap(), o2).unwrap();
+                let n = loader.step_count() as usize;
+                let streamed: Vec<_> = loader.iter(0).take(n + 3).map(|b| b.unwrap()).collect();
+                assert!(
+                    streamed == buffered,
+                    "{name} {packing:?}: iter differs from load"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_buffer_in_memory_fetches_each_inner_chunk_once_and_serves_its_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ds.zarr");
+    let chunk = 16u64;
+    write(
+        &root,
+        Layout::V3(Sharded {
+            tokens_per_shard: 256,
+            tokens_per_chunk: chunk,
+            ..Default::default()
+        }),
+    );
+    let (store, split) = counted(&root);
+    let mut o = options();
+    o.buffer_in_memory = Some(true);
+    let loader = TokenLoader::new(split, o).unwrap();
+    // R·B = 16 rows a stream per minipoch, 8 a step: steps 0 and 1 share a buffer.
+    let schedule = loader.schedule();
+    let blocks = schedule.buffer_blocks(0, 0);
+    assert_eq!(blocks.len(), 4);
+    let first = loader.load(0).unwrap();
+    let reads = store.reads.lock().unwrap().clone();
+    // The buffer's blocks (4 rows of 40 tokens each) and the inner chunks they lie in.
+    let mut needed = BTreeSet::new();
+    for &k in &blocks {
+        needed.extend((k * 4 * 40) / chunk..=((k + 1) * 4 * 40 - 1) / chunk);
+    }
+    let data: BTreeSet<(String, u64)> = reads
+        .iter()
+        .filter(|(k, r)| k.contains("encoded_tokens/c/") && !matches!(r, ByteRange::Suffix(_)))
+        .map(|(k, r)| match r {
+            ByteRange::FromStart(o, _) => (k.clone(), *o),
+            ByteRange::Suffix(_) => unreachable!(),
+        })
+        .collect();
+    // Each inner chunk is fetched once (decoding reads it from memory).
+    let fetched = reads
+        .iter()
+        .filter(|(k, r)| k.contains("encoded_tokens/c/") && !matches!(r, ByteRange::Suffix(_)))
+        .count();
+    assert_eq!(
+        fetched,
+        data.len(),
+        "an inner chunk was fetched twice: {reads:?}"
+    );
+    assert_eq!(data.len(), needed.len(), "{reads:?}");
+    assert!(first.rows.iter().all(|r| blocks.contains(&(r / 4))));
+    // The next step draws from the same buffer: no reads at all.
+    store.reads.lock().unwrap().clear();
+    let second = loader.load(1).unwrap();
+    assert!(store.reads.lock().unwrap().is_empty());
+    assert!(second.rows.iter().all(|r| blocks.contains(&(r / 4))));
+}

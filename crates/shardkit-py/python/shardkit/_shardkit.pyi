@@ -212,7 +212,10 @@ class TokensLoader:
         epochs: bool,
         threads: int = ...,
         verify: bool = ...,
+        buffer_in_memory: Optional[bool] = ...,
     ) -> None: ...
+    @property
+    def buffers_in_memory(self) -> bool: ...
     @property
     def step_count(self) -> int: ...
     @property

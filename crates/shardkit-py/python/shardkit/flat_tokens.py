@@ -323,6 +323,11 @@ class Loader:
     or use ``load_state_dict`` to resume), prepared ahead on ``num_threads`` threads (default:
     every core) that read and decode rows in parallel. ``verify=True`` checks the chunk files a
     step decodes against the dataset's checksums sidecar first (ValueError naming a damaged one).
+
+    ``buffer_in_memory`` reads each shuffle buffer whole into memory when a step first needs it
+    and serves rows from there, as seqax does: ``None`` (default) does so for ``s3://`` splits
+    whose buffers fit in ``SHARDKIT_TOKEN_BUFFER_GIB`` (16), ``True`` always, ``False`` never
+    (rows are read one by one). ``buffers_in_memory`` says which was chosen.
     """
 
     def __init__(
@@ -342,6 +347,7 @@ class Loader:
         epochs: bool = False,
         num_threads: Optional[int] = None,
         verify: bool = False,
+        buffer_in_memory: Optional[bool] = None,
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         epoch: int = 0,
@@ -380,6 +386,7 @@ class Loader:
             bool(epochs),
             int(num_threads or 0),
             bool(verify),
+            None if buffer_in_memory is None else bool(buffer_in_memory),
         )
         self._order = {
             "seq_len": int(seq_len),
@@ -395,6 +402,11 @@ class Loader:
         self.step = 0
         if epoch:
             self.set_epoch(epoch)
+
+    @property
+    def buffers_in_memory(self) -> bool:
+        """Whether shuffle buffers are read whole into memory (see ``buffer_in_memory``)."""
+        return self._l.buffers_in_memory
 
     @property
     def step_count(self) -> int:

@@ -61,6 +61,13 @@ pub struct LoaderOptions {
     /// before decoding them, each file again only when it has left the page cache since; a
     /// damaged file is an error naming it and the byte range.
     pub verify: bool,
+    /// Read each shuffle buffer whole into memory when a step first needs it, and serve its
+    /// rows from there (seqax's own strategy): a few large reads per buffer instead of one
+    /// small read per row. `None` (the default) does so for splits in an object store whose
+    /// buffers fit in `SHARDKIT_TOKEN_BUFFER_GIB` (16 by default) and reads row by row
+    /// otherwise; `Some(true)` always (e.g. seqax's compressed 4 Mi-token chunks on a parallel
+    /// file system), `Some(false)` never.
+    pub buffer_in_memory: Option<bool>,
 }
 
 impl LoaderOptions {
@@ -80,6 +87,7 @@ impl LoaderOptions {
             epochs: false,
             threads: 0,
             verify: false,
+            buffer_in_memory: None,
         }
     }
 
@@ -179,6 +187,36 @@ impl TokenBatch {
 const MAX_BATCH_TOKENS: u64 = 1 << 31;
 /// Steps prepared ahead of the caller by [`TokenLoader::iter`].
 const PREFETCH: usize = 4;
+/// Default bound on the shuffle buffers held in memory when reading from an object store.
+const BUFFER_GIB: u64 = 16;
+/// Tokens of a shuffle buffer fetched and decoded in one go (bounds the fetched bytes held
+/// before decoding), and the longest contiguous piece it is held in.
+const BUFFER_PIECE_TOKENS: u64 = 1 << 26;
+
+/// One stream's shuffle buffer of one minipoch, in memory: the tokens of every sequence it
+/// holds (a packed row, or a document cut to the row length).
+struct Resident {
+    /// (epoch, minipoch, stream).
+    key: (u64, u64, u64),
+    pieces: Vec<Vec<u32>>,
+    /// Sequence → (piece, first token in it, tokens).
+    rows: std::collections::HashMap<u64, (usize, usize, usize)>,
+}
+
+impl Resident {
+    fn tokens(&self, seq: u64) -> Result<&[u32]> {
+        let &(p, at, n) = self.rows.get(&seq).ok_or_else(|| {
+            Error::Internal(format!(
+                "internal: sequence {seq} is not in shuffle buffer {:?}",
+                self.key
+            ))
+        })?;
+        self.pieces
+            .get(p)
+            .and_then(|piece| piece.get(at..at + n))
+            .ok_or_else(|| Error::Internal("internal: a buffer row is out of its piece".into()))
+    }
+}
 
 struct Inner {
     split: Split,
@@ -194,6 +232,9 @@ struct Inner {
     buffers: Mutex<BufferPool>,
     /// With `verify`: the checksums of the split's files.
     verify: Option<FileVerifier>,
+    /// Shuffle buffers in memory (see [`LoaderOptions::buffer_in_memory`]); `None` when rows
+    /// are read one by one.
+    residents: Option<Mutex<Vec<Arc<Resident>>>>,
 }
 
 /// The split's files with their checksums, mapped on first use.
@@ -319,6 +360,13 @@ impl TokenLoader {
             None
         };
         let host_rows = opts.host_index * per_host..(opts.host_index + 1) * per_host;
+        let in_memory = match opts.buffer_in_memory {
+            Some(yes) => yes,
+            None => {
+                crate::storage::is_remote(split.path())
+                    && buffer_bytes(&epoch0, &host_rows, opts.seq_len) <= buffer_cap()?
+            }
+        };
         Ok(TokenLoader {
             inner: Arc::new(Inner {
                 split,
@@ -330,6 +378,7 @@ impl TokenLoader {
                 gather: GatherCell::default(),
                 buffers: Mutex::new(BufferPool::new(PREFETCH + 6)),
                 verify,
+                residents: in_memory.then(Mutex::default),
             }),
         })
     }
@@ -414,6 +463,107 @@ impl TokenLoader {
         Ok((s, step % n))
     }
 
+    /// Whether shuffle buffers are read whole into memory (see
+    /// [`LoaderOptions::buffer_in_memory`]).
+    pub fn buffers_in_memory(&self) -> bool {
+        self.inner.residents.is_some()
+    }
+
+    /// The in-memory shuffle buffer `key` = (epoch, minipoch, stream) of `schedule`, read now
+    /// unless it is held. Buffers of earlier minipochs are let go (steps already prepared
+    /// keep theirs).
+    fn resident(
+        &self,
+        schedule: &Schedule,
+        key: (u64, u64, u64),
+        held: &Mutex<Vec<Arc<Resident>>>,
+    ) -> Result<Arc<Resident>> {
+        let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(r) = held.iter().find(|r| r.key == key) {
+            return Ok(r.clone());
+        }
+        held.retain(|r| (r.key.0, r.key.1) == (key.0, key.1));
+        let r = Arc::new(self.read_buffer(schedule, key)?);
+        held.push(r.clone());
+        Ok(r)
+    }
+
+    /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
+    /// pieces of at most [`BUFFER_PIECE_TOKENS`], each fetched and decoded in parallel.
+    fn read_buffer(&self, schedule: &Schedule, key: (u64, u64, u64)) -> Result<Resident> {
+        let split = &self.inner.split;
+        let pool = self.gather_pool()?;
+        let pool = pool.pool();
+        let b = schedule.params().sequences_per_read_block;
+        let len = self.inner.opts.seq_len;
+        let mut blocks = schedule.buffer_blocks(key.1, key.2);
+        blocks.sort_unstable();
+        // Every sequence of the buffer with its token range, in file order.
+        let mut seqs: Vec<(u64, Range<u64>)> = Vec::with_capacity(blocks.len() * b as usize);
+        match self.inner.opts.packing {
+            Packing::Packed => {
+                for &k in &blocks {
+                    seqs.extend((k * b..(k + 1) * b).map(|i| (i, i * len..(i + 1) * len)));
+                }
+            }
+            Packing::Unpacked => {
+                crate::engine::fault::before_read(split.path())?;
+                let ranges: Vec<Range<u64>> =
+                    blocks.iter().map(|&k| k * b..(k + 1) * b + 1).collect();
+                let starts = split.seq_starts_many(&ranges, pool)?;
+                for (&k, st) in blocks.iter().zip(&starts) {
+                    for (i, w) in st.windows(2).enumerate() {
+                        let seq = k * b + i as u64;
+                        if w[1] < w[0] || w[1] > split.token_count() {
+                            return Err(Error::format(
+                                split.path().join("seq_starts"),
+                                format!(
+                                    "sequence {seq} spans {}..{}, outside 0..{}",
+                                    w[0],
+                                    w[1],
+                                    split.token_count()
+                                ),
+                            ));
+                        }
+                        seqs.push((seq, w[0]..w[1].min(w[0] + len)));
+                    }
+                }
+            }
+        }
+        // Contiguous spans of tokens, cut between sequences to stay within a piece.
+        let mut spans: Vec<Range<u64>> = Vec::new();
+        let mut rows = std::collections::HashMap::with_capacity(seqs.len());
+        for (seq, r) in seqs {
+            let n = (r.end - r.start) as usize;
+            let piece = spans.len();
+            match spans.last_mut() {
+                Some(last) if last.end == r.start && r.end - last.start <= BUFFER_PIECE_TOKENS => {
+                    rows.insert(seq, (piece - 1, (r.start - last.start) as usize, n));
+                    last.end = r.end;
+                }
+                _ => {
+                    rows.insert(seq, (piece, 0, n));
+                    spans.push(r);
+                }
+            }
+        }
+        // Fetched and decoded a group of pieces at a time.
+        let mut pieces = Vec::with_capacity(spans.len());
+        let mut group: Vec<Range<u64>> = Vec::new();
+        let mut tokens = 0;
+        for (i, span) in spans.iter().enumerate() {
+            tokens += span.end - span.start;
+            group.push(span.clone());
+            if tokens >= BUFFER_PIECE_TOKENS || i + 1 == spans.len() {
+                crate::engine::fault::before_read(split.path())?;
+                pieces.extend(split.encoded_many(&group, pool)?);
+                group.clear();
+                tokens = 0;
+            }
+        }
+        Ok(Resident { key, pieces, rows })
+    }
+
     /// The sequence index of every row this host serves at `step`.
     pub fn sequences(&self, step: u64) -> Result<Vec<u64>> {
         let (schedule, t) = self.locate(step)?;
@@ -452,6 +602,8 @@ pub struct StepRows {
     step: u64,
     rows: Vec<u64>,
     fields: Vec<Field>,
+    /// With buffers in memory: the buffer holding each row.
+    from: Vec<Arc<Resident>>,
 }
 
 impl Job for TokenLoader {
@@ -461,6 +613,22 @@ impl Job for TokenLoader {
 
     fn prepare(&self, step: u64, cx: &Context<'_>) -> Result<Prepared<StepRows>> {
         let rows = self.sequences(step)?;
+        // With buffers in memory: the buffer each row is served from, read now if new.
+        let mut from = Vec::new();
+        if let Some(held) = &self.inner.residents {
+            let (schedule, t) = self.locate(step)?;
+            let mut last: Option<Arc<Resident>> = None;
+            for b in self.host_rows() {
+                let (m, s) = schedule.buffer_of(t, b);
+                let key = (schedule.epoch(), m, s);
+                let r = match last {
+                    Some(r) if r.key == key => r,
+                    _ => self.resident(&schedule, key, held)?,
+                };
+                from.push(r.clone());
+                last = Some(r);
+            }
+        }
         if let Some(fv) = &self.inner.verify {
             // The files this step decodes, checked before any of them is read.
             let split = &self.inner.split;
@@ -505,7 +673,12 @@ impl Job for TokenLoader {
         Ok(Prepared {
             buf: cx.buffer(&pool, bytes)?,
             regions,
-            state: StepRows { step, rows, fields },
+            state: StepRows {
+                step,
+                rows,
+                fields,
+                from,
+            },
         })
     }
 
@@ -514,15 +687,22 @@ impl Job for TokenLoader {
         let split = &self.inner.split;
         let len = self.inner.opts.seq_len as usize;
         let seq = st.rows[r];
-        let range = match self.inner.opts.packing {
-            Packing::Packed => seq * len as u64..(seq + 1) * len as u64,
-            Packing::Unpacked => {
-                let d = split.document(seq)?;
-                d.start..d.end.min(d.start + len as u64)
+        let read;
+        let tokens: &[u32] = match st.from.get(r) {
+            Some(resident) => resident.tokens(seq)?,
+            None => {
+                let range = match self.inner.opts.packing {
+                    Packing::Packed => seq * len as u64..(seq + 1) * len as u64,
+                    Packing::Unpacked => {
+                        let d = split.document(seq)?;
+                        d.start..d.end.min(d.start + len as u64)
+                    }
+                };
+                crate::engine::fault::before_read(split.path())?;
+                read = split.encoded(range)?;
+                &read
             }
         };
-        crate::engine::fault::before_read(split.path())?;
-        let tokens = split.encoded(range)?;
         let [enc, targets, inputs, segments, starts, mask] = out else {
             return Err(Error::Internal(
                 "internal: a token row has six arrays".into(),
@@ -551,6 +731,39 @@ impl Job for TokenLoader {
             data: p.buf,
             fields: p.state.fields,
         })
+    }
+}
+
+/// Bytes of the shuffle buffers a host holds at once with buffers in memory (an upper bound:
+/// unpacked documents shorter than a row take less).
+fn buffer_bytes(schedule: &Schedule, host_rows: &Range<u64>, seq_len: u64) -> u64 {
+    let bips = schedule.rows_per_stream().max(1);
+    let streams =
+        (host_rows.end.saturating_sub(1) / bips + 1).saturating_sub(host_rows.start / bips);
+    let p = schedule.params();
+    let blocks = p
+        .read_blocks_per_shuffle_buffer
+        .min(schedule.read_blocks() / p.streams.max(1));
+    streams
+        .saturating_mul(blocks)
+        .saturating_mul(p.sequences_per_read_block)
+        .saturating_mul(seq_len)
+        .saturating_mul(4)
+}
+
+/// `SHARDKIT_TOKEN_BUFFER_GIB` in bytes (16 GiB when unset).
+fn buffer_cap() -> Result<u64> {
+    match std::env::var("SHARDKIT_TOKEN_BUFFER_GIB") {
+        Err(_) => Ok(BUFFER_GIB << 30),
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .map(|g| g.saturating_mul(1 << 30))
+            .map_err(|_| {
+                Error::Invalid(format!(
+                    "SHARDKIT_TOKEN_BUFFER_GIB must be a whole number of GiB, got {v:?}"
+                ))
+            }),
     }
 }
 

@@ -286,21 +286,23 @@ impl Schedule {
         self.epoch
     }
 
+    /// Read blocks in each stream's buffer of minipoch `m` (R, fewer in the last).
+    fn blocks_in(&self, m: u64) -> u64 {
+        let (sn, r) = (self.p.streams, self.p.read_blocks_per_shuffle_buffer);
+        if m < self.minipochs - 1 {
+            r
+        } else {
+            self.rbc / sn - r * m
+        }
+    }
+
     fn buffer_perm(&self, m: u64, s: u64) -> Arc<Vec<u32>> {
         let mut cache = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = cache.get(&(m, s)) {
             return p.clone();
         }
-        let (sn, r, b) = (
-            self.p.streams,
-            self.p.read_blocks_per_shuffle_buffer,
-            self.p.sequences_per_read_block,
-        );
-        let blocks_m = if m < self.minipochs - 1 {
-            r
-        } else {
-            self.rbc / sn - r * m
-        };
+        let (sn, b) = (self.p.streams, self.p.sequences_per_read_block);
+        let blocks_m = self.blocks_in(m);
         let seed = self.base_seed + 1 + u128::from(m) * u128::from(sn) + u128::from(s);
         let p = Arc::new(perm(seed, (blocks_m * b) as usize));
         // Keep the cache small: a stream moves through minipochs in order.
@@ -344,6 +346,25 @@ impl Schedule {
         let p = u64::from(self.buffer_perm(m, s)[row as usize]);
         let block = u64::from(self.p0[((m * r + p / bb) * sn + s) as usize]);
         Ok(block * bb + p % bb)
+    }
+
+    /// The shuffle buffer (minipoch, stream) that row `b` of step `t` is drawn from.
+    pub fn buffer_of(&self, t: u64, b: u64) -> (u64, u64) {
+        let q = t * self.bips + b % self.bips;
+        let m = q / (self.p.read_blocks_per_shuffle_buffer * self.p.sequences_per_read_block);
+        (m, b / self.bips)
+    }
+
+    /// The read blocks making up stream `s`'s buffer in minipoch `m` (block `k` holds sequences
+    /// `[k·B, (k+1)·B)`), in buffer order.
+    pub fn buffer_blocks(&self, m: u64, s: u64) -> Vec<u64> {
+        let (sn, r) = (self.p.streams, self.p.read_blocks_per_shuffle_buffer);
+        if m >= self.minipochs || s >= sn {
+            return Vec::new();
+        }
+        (0..self.blocks_in(m))
+            .map(|k| u64::from(self.p0[((m * r + k) * sn + s) as usize]))
+            .collect()
     }
 
     /// Every row of step `t`.

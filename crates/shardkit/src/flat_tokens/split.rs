@@ -100,20 +100,258 @@ impl Column {
             }
             Access::Chunked(cache) => cache.retrieve_array_subset::<Vec<T>>(&subset, &opts),
         };
-        r.map_err(|e| {
-            // Name the chunk (or shard) files the range lies in: the one that failed is there.
-            let keys = self.chunk_keys(&subset, 64);
-            let root = self.store_root();
-            let files: Vec<PathBuf> = keys.iter().map(|k| root.join(k)).collect();
-            zarrs_error(&e, &self.path, &files, || {
-                format!(
-                    "cannot read {what}s {}..{} (in {})",
-                    subset.start()[0],
-                    subset.end_exc()[0],
-                    keys[..keys.len().min(4)].join(", ")
-                )
-            })
+        r.map_err(|e| self.read_error(&e, &subset, what))
+    }
+
+    /// A failed read of `subset`, naming the chunk (or shard) files it lies in: the one that
+    /// failed is there.
+    fn read_error(&self, e: &impl IoBeneath, subset: &ArraySubset, what: &str) -> Error {
+        let keys = self.chunk_keys(subset, 64);
+        let root = self.store_root();
+        let files: Vec<PathBuf> = keys.iter().map(|k| root.join(k)).collect();
+        zarrs_error(e, &self.path, &files, || {
+            format!(
+                "cannot read {what}s {}..{} (in {})",
+                subset.start()[0],
+                subset.end_exc()[0],
+                keys[..keys.len().min(4)].join(", ")
+            )
         })
+    }
+
+    /// Elements `ranges`, read together: first every stored byte they need is fetched, in
+    /// parallel on `pool` (whole chunks; for a sharded array only the inner chunks the ranges
+    /// touch, one request list per shard, which an object store coalesces into a few large
+    /// GETs), then each range is decoded from memory. Through zarrs alone an object store would
+    /// see one small request per inner chunk.
+    fn read_many<T: ElementOwned + Send>(
+        &self,
+        ranges: &[Range<u64>],
+        what: &'static str,
+        pool: &rayon::ThreadPool,
+    ) -> Result<Vec<Vec<T>>> {
+        use rayon::prelude::*;
+        for r in ranges {
+            if r.start > r.end || r.end > self.len() {
+                return Err(Error::OutOfRange {
+                    what,
+                    index: r.end.min(i64::MAX as u64) as i64,
+                    len: self.len(),
+                });
+            }
+        }
+        let fetched = Arc::new(Prefetched::new(self.array.storage()));
+        let array = self.array.with_storage(fetched.clone());
+        let sharded = ArrayShardedReadableExtCache::new(&array);
+        let opts = CodecOptions::default();
+        let subset_of = |r: &Range<u64>| ArraySubset::new_with_ranges(std::slice::from_ref(r));
+        let wanted: Vec<&Range<u64>> = ranges.iter().filter(|r| !r.is_empty()).collect();
+        // The chunks (or shards) the ranges lie in, each once.
+        let mut chunks = std::collections::BTreeSet::new();
+        for r in &wanted {
+            let subset = subset_of(r);
+            let grid = array
+                .chunks_in_array_subset(&subset)
+                .map_err(|e| Error::format(&self.path, format!("chunk grid: {e}")))?;
+            if let Some(grid) = grid {
+                chunks.extend(grid.indices().iter().map(|c| c[0]));
+            }
+        }
+        let chunks: Vec<u64> = chunks.into_iter().collect();
+        let inner_len = array
+            .effective_subchunk_shape()
+            .map(|s| s[0].get())
+            .filter(|_| sharded.array_is_exclusively_sharded());
+        pool.install(|| {
+            chunks.par_iter().try_for_each(|&c| {
+                let key = array.chunk_key(&[c]);
+                let bounds = array
+                    .chunk_subset(&[c])
+                    .map_err(|e| Error::format(&self.path, format!("chunk grid: {e}")))?;
+                let (lo, hi) = (bounds.start()[0], bounds.end_exc()[0]);
+                let byte_ranges = match inner_len {
+                    None => vec![zarrs::storage::byte_range::ByteRange::FromStart(0, None)],
+                    Some(n) => {
+                        // The inner chunks of this shard that some range touches, in order
+                        // (the shard index is read once, through the cache).
+                        let mut inner = std::collections::BTreeSet::new();
+                        for r in &wanted {
+                            let (a, b) = (r.start.max(lo), r.end.min(hi));
+                            if a < b {
+                                inner.extend(a / n..=(b - 1) / n);
+                            }
+                        }
+                        let mut v = Vec::with_capacity(inner.len());
+                        for i in inner {
+                            let at = array
+                                .subchunk_byte_range(&sharded, &[i])
+                                .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))?;
+                            v.extend(at);
+                        }
+                        v
+                    }
+                };
+                fetched
+                    .fetch(&key, byte_ranges)
+                    .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))
+            })
+        })?;
+        pool.install(|| {
+            ranges
+                .par_iter()
+                .map(|r| {
+                    if r.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    let subset = subset_of(r);
+                    let got = if inner_len.is_some() {
+                        array.retrieve_array_subset_sharded_opt::<Vec<T>>(&sharded, &subset, &opts)
+                    } else {
+                        array.retrieve_array_subset_opt::<Vec<T>>(&subset, &opts)
+                    };
+                    got.map_err(|e| self.read_error(&e, &subset, what))
+                })
+                .collect()
+        })
+    }
+}
+
+/// Byte ranges of a store's objects fetched ahead and served from memory; anything else is
+/// read from the store beneath.
+struct Prefetched {
+    inner: Arc<Storage>,
+    /// Fetched bytes by key and first byte; a whole object sits at 0 and is in `whole`.
+    spans: std::sync::RwLock<
+        std::collections::HashMap<String, std::collections::BTreeMap<u64, bytes::Bytes>>,
+    >,
+    whole: std::sync::RwLock<std::collections::HashSet<String>>,
+}
+
+impl Prefetched {
+    fn new(inner: Arc<Storage>) -> Prefetched {
+        Prefetched {
+            inner,
+            spans: Default::default(),
+            whole: Default::default(),
+        }
+    }
+
+    /// Fetches `ranges` of `key` in one request list and keeps them (a missing object is
+    /// left to the read, which gives the fill value or the error).
+    fn fetch(
+        &self,
+        key: &StoreKey,
+        ranges: Vec<zarrs::storage::byte_range::ByteRange>,
+    ) -> std::result::Result<(), zarrs::storage::StorageError> {
+        use zarrs::storage::byte_range::ByteRange;
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let starts: Vec<(u64, bool)> = ranges
+            .iter()
+            .map(|r| match *r {
+                ByteRange::FromStart(o, len) => (o, len.is_none() && o == 0),
+                ByteRange::Suffix(_) => (u64::MAX, false),
+            })
+            .collect();
+        let Some(parts) = self
+            .inner
+            .get_partial_many(key, Box::new(ranges.into_iter()))?
+        else {
+            return Ok(());
+        };
+        let mut got = std::collections::BTreeMap::new();
+        let mut whole = false;
+        for (part, (at, all)) in parts.zip(starts) {
+            let part = part?;
+            if at != u64::MAX {
+                whole |= all;
+                got.insert(at, part);
+            }
+        }
+        let name = key.as_str().to_string();
+        if whole {
+            self.whole
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name.clone());
+        }
+        self.spans
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name)
+            .or_default()
+            .extend(got);
+        Ok(())
+    }
+
+    /// `range` of `key` if it was fetched.
+    fn lookup(
+        &self,
+        key: &str,
+        range: zarrs::storage::byte_range::ByteRange,
+    ) -> Option<bytes::Bytes> {
+        use zarrs::storage::byte_range::ByteRange;
+        let spans = self.spans.read().unwrap_or_else(|e| e.into_inner());
+        let spans = spans.get(key)?;
+        let whole = || {
+            self.whole
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(key)
+                .then(|| spans.get(&0).cloned())
+                .flatten()
+        };
+        match range {
+            ByteRange::FromStart(o, Some(len)) => {
+                let (&at, b) = spans.range(..=o).next_back()?;
+                let from = usize::try_from(o - at).ok()?;
+                let to = from.checked_add(usize::try_from(len).ok()?)?;
+                (to <= b.len()).then(|| b.slice(from..to))
+            }
+            ByteRange::FromStart(o, None) => {
+                let b = whole()?;
+                let from = usize::try_from(o).ok()?;
+                (from <= b.len()).then(|| b.slice(from..))
+            }
+            ByteRange::Suffix(n) => {
+                let b = whole()?;
+                let n = usize::try_from(n).ok()?;
+                (n <= b.len()).then(|| b.slice(b.len() - n..))
+            }
+        }
+    }
+}
+
+impl ReadableStorageTraits for Prefetched {
+    fn get_partial_many<'a>(
+        &'a self,
+        key: &StoreKey,
+        byte_ranges: zarrs::storage::byte_range::ByteRangeIterator<'a>,
+    ) -> std::result::Result<zarrs::storage::MaybeBytesIterator<'a>, zarrs::storage::StorageError>
+    {
+        let ranges: Vec<_> = byte_ranges.collect();
+        let hits: Option<Vec<bytes::Bytes>> = ranges
+            .iter()
+            .map(|&r| self.lookup(key.as_str(), r))
+            .collect();
+        match hits {
+            Some(hits) => Ok(Some(Box::new(hits.into_iter().map(Ok)))),
+            None => self
+                .inner
+                .get_partial_many(key, Box::new(ranges.into_iter())),
+        }
+    }
+
+    fn size_key(
+        &self,
+        key: &StoreKey,
+    ) -> std::result::Result<Option<u64>, zarrs::storage::StorageError> {
+        self.inner.size_key(key)
+    }
+
+    fn supports_get_partial(&self) -> bool {
+        true
     }
 }
 
@@ -467,6 +705,26 @@ impl Split {
     /// Encoded tokens `range`.
     pub fn encoded(&self, range: Range<u64>) -> Result<Vec<u32>> {
         self.tokens.read(range, "token")
+    }
+
+    /// Encoded tokens of each of `ranges`, fetched together on `pool` before decoding (few
+    /// large requests to an object store instead of one per inner chunk).
+    pub(crate) fn encoded_many(
+        &self,
+        ranges: &[Range<u64>],
+        pool: &rayon::ThreadPool,
+    ) -> Result<Vec<Vec<u32>>> {
+        self.tokens.read_many(ranges, "token", pool)
+    }
+
+    /// Entries of `seq_starts` in each of `ranges`, fetched together like
+    /// [`Split::encoded_many`].
+    pub(crate) fn seq_starts_many(
+        &self,
+        ranges: &[Range<u64>],
+        pool: &rayon::ThreadPool,
+    ) -> Result<Vec<Vec<u64>>> {
+        self.starts.read_many(ranges, "seq_starts entry", pool)
     }
 
     /// The token ids of document `i` (decoded: `enc >> 1`).
