@@ -156,7 +156,8 @@ impl SdnbContainer {
     /// order.
     fn array<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
         let c = self.get()?;
-        let t = c.tensor(name).map_err(to_py)?;
+        // From an object store the first access fetches the blob: without the GIL.
+        let t = py.allow_threads(|| c.tensor(name)).map_err(to_py)?;
         let fmt = format(t.dtype).ok_or_else(|| {
             PyValueError::new_err(format!(
                 "{}: variable {name:?} has dtype {}, which has no numpy equivalent",

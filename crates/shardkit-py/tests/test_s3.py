@@ -426,49 +426,99 @@ def test_flat_tokens_and_eagle3_written_to_a_store(tmp_path: Path, s3: S3, env: 
     np.testing.assert_array_equal(flat_tokens.open(f"s3://{bucket}/tok")["train"][199], docs[199])
 
 
-# --- SDNB through the local cache, and upload/download of any format ----------------------------------
+# --- SDNB by range, SDZ through the local cache, and upload/download of any format ---------------------
 
 
-def test_sdnb_read_through_the_bounded_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     bucket = s3.bucket()
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
-    big = np.arange(40000, dtype=np.float32)
+    big = np.arange(3_000_000, dtype=np.float32)  # 12 MB: a blob, past the fetched-whole size
+    other = np.full(2_000_000, 7, dtype=np.int32)
     model = tmp_path / "m.sdnb"
-    sdnb.save(model, {"w": w})
-    shardkit.upload(model, f"s3://{bucket}/models/m.sdnb")
+    sdnb.save(model, {"w": w, "big": big, "other": other})
+    url = f"s3://{bucket}/models/m.sdnb"
+    shardkit.upload(model, url)
+    size = model.stat().st_size
+    before = shardkit.storage_counters()
+    c = sdnb.open(url)
+    opened = shardkit.storage_counters()
+    # Opening reads header, graph region and manifest only.
+    assert opened["get_bytes"] - before["get_bytes"] < 1 << 20 < size
+    np.testing.assert_array_equal(c["w"], w)
+    np.testing.assert_array_equal(c["big"], big)
+    got_big = shardkit.storage_counters()
+    assert got_big["get_bytes"] - opened["get_bytes"] == big.nbytes, "exactly the blob's bytes"
+    np.testing.assert_array_equal(c["big"], big)
+    assert shardkit.storage_counters()["gets"] == got_big["gets"], "a fetched blob is kept"
+    np.testing.assert_array_equal(c["other"], other)
+    local = sdnb.open(model)
+    assert sorted(c) == sorted(local) and c.metadata == local.metadata
+    assert sdnb.validate(url)["valid"]
+    # Checksums are checked against local files (download first); deep validation says so.
+    deep = sdnb.validate(url, deep=True)
+    assert not deep["valid"] and "local" in json.dumps(deep), deep
+
+    # A shard set, opened by its base name or any shard.
     (tmp_path / "set").mkdir()
-    sdnb.save(tmp_path / "set" / "s.sdnb", {"w": w, "big": big}, shard_size=100_000)
+    sdnb.save(tmp_path / "set" / "s.sdnb", {"w": w, "big": big}, shard_size=4_000_000)
     for f in sorted((tmp_path / "set").iterdir()):
         shardkit.upload(f, f"s3://{bucket}/models/{f.name}")
+    shards = sorted(p.name for p in (tmp_path / "set").iterdir() if ".shard" in p.name)
+    assert len(shards) >= 2
+    for name in ["s.sdnb", shards[-1]]:
+        s = sdnb.open(f"s3://{bucket}/models/{name}")
+        assert s.kind == "sharded"
+        np.testing.assert_array_equal(s["big"], big)
+        np.testing.assert_array_equal(s["w"], w)
+    assert sdnb.validate(f"s3://{bucket}/models/s.sdnb")["valid"]
+
+    # Refusals name the object: a missing shard, a missing object, a non-container, an edit.
+    s3.client().delete_object(Bucket=bucket, Key=f"models/{shards[0]}")
+    with pytest.raises(shardkit.CorruptDataError, match="missing"):
+        sdnb.open(f"s3://{bucket}/models/s.sdnb")
+    with pytest.raises(shardkit.NotFoundError, match=f"s3://{bucket}/models/none.sdnb"):
+        sdnb.open(f"s3://{bucket}/models/none.sdnb")
+    s3.client().put_object(Bucket=bucket, Key="models/junk.sdnb", Body=b"not a model at all")
+    with pytest.raises(shardkit.CorruptDataError, match=f"s3://{bucket}/models/junk.sdnb.*not a SameDiff"):
+        sdnb.open(f"s3://{bucket}/models/junk.sdnb")
+    with pytest.raises(shardkit.InvalidArgumentError, match="in place, in a local file"):
+        sdnb.set_metadata(url, {"k": "v"})
+
+
+def test_sdz_read_through_the_bounded_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    bucket = s3.bucket()
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    model = tmp_path / "m.sdz"
+    sdnb.save(model, {"w": w})
+    shardkit.upload(model, f"s3://{bucket}/models/m.sdz")
     cache_dir = tmp_path / "cache"
     with environment({"SHARDKIT_CACHE_DIR": str(cache_dir)}):
-        c = sdnb.open(f"s3://{bucket}/models/m.sdnb")
+        c = sdnb.open(f"s3://{bucket}/models/m.sdz")
+        assert c.kind == "sdz"
         np.testing.assert_array_equal(c["w"], w)
         gets = shardkit.storage_counters()["gets"]
-        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/m.sdnb")["w"], w)
-        assert shardkit.storage_counters()["gets"] == gets, "an unchanged object is served from the cache"
-        s = sdnb.open(f"s3://{bucket}/models/s.sdnb")
-        np.testing.assert_array_equal(s["big"], big)
-        assert sdnb.validate(f"s3://{bucket}/models/s.sdnb")["valid"]
+        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/m.sdz")["w"], w)
+        # Listing the prefix and reading the first bytes; the archive itself from the cache.
+        assert shardkit.storage_counters()["gets"] - gets <= 1, "an unchanged object is served from the cache"
+        assert sdnb.validate(f"s3://{bucket}/models/m.sdz")["valid"]
         # A changed object is fetched again.
         sdnb.save(model, {"w": w * 2})
-        shardkit.upload(model, f"s3://{bucket}/models/m.sdnb")
-        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/m.sdnb")["w"], w * 2)
-        with pytest.raises(shardkit.NotFoundError, match=f"s3://{bucket}/models/none.sdnb"):
-            sdnb.open(f"s3://{bucket}/models/none.sdnb")
+        shardkit.upload(model, f"s3://{bucket}/models/m.sdz")
+        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/m.sdz")["w"], w * 2)
     # The cache is bounded: a new object makes room by evicting the least recently used.
     def held() -> Dict[str, int]:
         return {p.name: p.stat().st_size for p in cache_dir.rglob("*") if p.is_file() and not p.name.startswith(".")}
 
     before = held()
     limit = sum(before.values()) + 1000
-    other = tmp_path / "n.sdnb"
-    sdnb.save(other, {"x": np.ones(5000, dtype=np.float32)})
-    shardkit.upload(other, f"s3://{bucket}/models/n.sdnb")
+    other = tmp_path / "n.sdz"
+    sdnb.save(other, {"x": np.ones(12, dtype=np.float32)})
+    assert other.stat().st_size < limit
+    shardkit.upload(other, f"s3://{bucket}/models/n.sdz")
     with environment({"SHARDKIT_CACHE_DIR": str(cache_dir), "SHARDKIT_CACHE_GIB": str(limit / 2**30)}):
-        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/n.sdnb")["x"], np.ones(5000))
+        np.testing.assert_array_equal(sdnb.open(f"s3://{bucket}/models/n.sdz")["x"], np.ones(12))
     after = held()
-    assert sum(after.values()) <= limit and "n.sdnb" in after
+    assert sum(after.values()) <= limit and "n.sdz" in after
     assert set(before) - set(after), "something was evicted"
 
 

@@ -366,7 +366,7 @@ impl Remote {
     }
 
     /// The parent prefix and the last segment (`s3://b/a/m.sdnb` → `s3://b/a`, `m.sdnb`).
-    fn split_last(&self) -> Result<(Remote, String)> {
+    pub(crate) fn split_last(&self) -> Result<(Remote, String)> {
         let (parent, name) = match self.prefix.rsplit_once('/') {
             Some((p, n)) => (p.to_string(), n.to_string()),
             None => (String::new(), self.prefix.clone()),
@@ -794,42 +794,23 @@ fn evict_cache(incoming: u64) -> Result<()> {
     Ok(())
 }
 
-/// A container (one object, or a shard set `BASE.shard<i>-of-<N>.sdnb` beside `url`) copied into
-/// the bounded [`cache_dir`]; returns the local path to open.
+/// The SDZ archive at `url`, copied into the bounded cache (reused while its size and ETag
+/// are unchanged): a ZIP's entries are found through its central directory and DEFLATE
+/// entries are inflated whole, so the archive is read whole.
 pub(crate) fn fetch_container(url: &Path) -> Result<PathBuf> {
     let remote = Remote::parse(url)?;
     let (parent, name) = remote.split_last()?;
-    let objects: Vec<(String, u64, Option<String>)> = parent
+    let found = parent
         .list_etags()?
         .into_iter()
-        .filter(|(n, _, _)| !n.contains('/'))
-        .collect();
-    let local = cache_dir()
-        .join(&parent.bucket)
-        .join(&parent.prefix)
-        .join(&name);
-    if let Some((_, size, etag)) = objects.iter().find(|(n, _, _)| *n == name) {
-        return cached_object(&parent, &name, *size, etag.as_deref());
-    }
-    let base = crate::sdnb::read::base_name(&name);
-    let shards: Vec<_> = objects
-        .iter()
-        .filter(|(n, _, _)| {
-            crate::sdnb::sdz::parse_shard_name(n).is_some_and(|(b, _, _)| b == base)
-        })
-        .collect();
-    if shards.is_empty() {
-        return Err(Error::NotFound {
+        .find(|(n, _, _)| *n == name);
+    match found {
+        Some((_, size, etag)) => cached_object(&parent, &name, size, etag.as_deref()),
+        None => Err(Error::NotFound {
             path: PathBuf::from(remote.url()),
-            what: format!(
-                "no such object, and no shard objects {base}.shard<i>-of-<N>.sdnb beside it"
-            ),
-        });
+            what: "no such object".into(),
+        }),
     }
-    for (n, size, etag) in shards {
-        cached_object(&parent, n, *size, etag.as_deref())?;
-    }
-    Ok(local)
 }
 
 /// The local directory a write to `url` is staged in: `$SHARDKIT_STAGING_DIR` (default: the

@@ -45,6 +45,13 @@ pub fn set_metadata(
             )));
         }
     }
+    if crate::storage::is_remote(path) {
+        return Err(Error::Invalid(format!(
+            "{}: metadata is edited in place, in a local file; download the container, edit it \
+             and upload it",
+            path.display()
+        )));
+    }
     let c = read::open(path)?;
     let apply = |m: &[(String, String)]| -> Vec<(String, String)> {
         let mut m = m.to_vec();

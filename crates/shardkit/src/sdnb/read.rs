@@ -212,6 +212,8 @@ pub struct PartLayout {
 pub(crate) enum Backing {
     Map(Mmap),
     Owned(Vec<u8>),
+    /// An object in a store, read by range (see [`RemotePart`]).
+    Remote(RemotePart),
 }
 
 impl Backing {
@@ -219,7 +221,52 @@ impl Backing {
         match self {
             Backing::Map(m) => m,
             Backing::Owned(v) => v,
+            Backing::Remote(r) => &r.skeleton,
         }
+    }
+}
+
+/// An SDNB object in a store. `skeleton` is an anonymous map of the object's size (no swap
+/// reserved, so any size opens) holding only what opening checks: header, graph region and
+/// manifest; the pages between are never touched. Each blob is fetched with ranged GETs the
+/// first time its tensor is asked for, into a buffer of its own, and kept.
+pub(crate) struct RemotePart {
+    remote: crate::storage::Remote,
+    name: String,
+    skeleton: Mmap,
+    /// The blob section's ranges by first byte, each filled on first use.
+    blobs: std::sync::OnceLock<HashMap<usize, Blob>>,
+}
+
+/// A blob's end and, once fetched, its bytes.
+type Blob = (usize, std::sync::OnceLock<Vec<u8>>);
+
+impl RemotePart {
+    /// Bytes `r` of the object: from the skeleton below the blob section, else the blob's own
+    /// buffer, fetched now if it is not yet.
+    fn range(&self, r: Range<usize>) -> Result<&[u8]> {
+        let blob = self
+            .blobs
+            .get()
+            .and_then(|b| b.get(&r.start))
+            .filter(|(end, _)| *end == r.end);
+        let Some((_, cell)) = blob else {
+            return Ok(&self.skeleton[r]);
+        };
+        if let Some(v) = cell.get() {
+            return Ok(v);
+        }
+        let mut buf = vec![0u8; r.len()];
+        self.remote.read_ranges(
+            std::slice::from_ref(&self.name),
+            &[(0, r.start as u64, r.len() as u64, 0)],
+            &mut buf,
+        )?;
+        // Two threads may fetch the same blob at once; the first kept wins, both are equal.
+        let _ = cell.set(buf);
+        cell.get()
+            .map(|v| &v[..])
+            .ok_or_else(|| Error::Internal("internal: a fetched blob vanished".into()))
     }
 }
 
@@ -253,6 +300,14 @@ pub(crate) struct Part {
 impl Part {
     pub(crate) fn bytes(&self) -> &[u8] {
         &self.backing.bytes()[self.range.clone()]
+    }
+
+    /// Bytes `r` of the part (a tensor's data): from the map, or fetched from a store.
+    fn data(&self, r: Range<usize>) -> Result<&[u8]> {
+        match &*self.backing {
+            Backing::Remote(remote) => remote.range(r),
+            _ => Ok(&self.bytes()[r]),
+        }
     }
 
     /// The graph region [32, B).
@@ -477,14 +532,14 @@ impl Container {
     /// Opens `path`: an SDZ archive (zip magic), an SDNB file (SDNB magic), a shard file
     /// `<base>.shard<i>-of-<N>.sdnb`, or a base name whose shards sit beside it.
     ///
-    /// `path` may be an `s3://` URL: the container (or its shard set) is copied into the
-    /// bounded local cache ([`crate::storage::cache_dir`], reused while the objects are
-    /// unchanged) and opened from there; its structures are spread through the file and
-    /// DL4J reads it whole.
+    /// `path` may be an `s3://` URL. An SDNB object (or shard set) is read by range: opening
+    /// fetches each part's header, graph region and manifest, and a tensor's blob is fetched
+    /// the first time it is asked for. An SDZ archive is copied into the bounded local cache
+    /// ([`crate::storage::cache_dir`], reused while the object is unchanged) and opened from
+    /// there.
     pub fn open_with(path: &Path, limits: &Limits) -> Result<Container> {
         if crate::storage::is_remote(path) {
-            let local = crate::storage::fetch_container(path)?;
-            return Self::open_with(&local, limits);
+            return open_remote(path, limits);
         }
         let path = &crate::storage::local_path(path);
         let name = path
@@ -675,7 +730,7 @@ impl Container {
             (Some(s), _) => s,
         };
         let bytes = match &v.data {
-            Some((p, r)) => &self.parts[*p].bytes()[r.clone()],
+            Some((p, r)) => self.parts[*p].data(r.clone())?,
             None => &[][..],
         };
         Ok(Tensor {
@@ -845,6 +900,171 @@ fn open_single(path: &Path, limits: &Limits) -> Result<Container> {
     };
     let part = Part::parse(backing, 0..len, path.to_path_buf(), origin, limits)?;
     assemble(path, Kind::Sdnb, vec![part], None)
+}
+
+/// Objects of at most this size are fetched whole: one GET costs less than three round trips.
+const REMOTE_WHOLE_BYTES: u64 = 8 << 20;
+
+/// Opens the container at `url` (see [`Container::open_with`]).
+fn open_remote(url: &Path, limits: &Limits) -> Result<Container> {
+    let remote = crate::storage::Remote::parse(url)?;
+    let (parent, name): (_, String) = remote.split_last()?;
+    let objects: Vec<(String, u64)> = parent
+        .list()?
+        .into_iter()
+        .filter(|(n, _)| !n.contains('/'))
+        .collect();
+    let url = PathBuf::from(remote.url());
+    // A shard's name stands for its whole set.
+    let base = sdz::parse_shard_name(&name).map_or_else(|| base_name(&name), |(b, _, _)| b);
+    let shards: Vec<(u32, u32, String, u64)> = objects
+        .iter()
+        .filter_map(|(n, size)| {
+            sdz::parse_shard_name(n)
+                .filter(|(b, _, _)| *b == base)
+                .map(|(_, i, count)| (i, count, n.clone(), *size))
+        })
+        .collect();
+    let single = objects.iter().find(|(n, _)| *n == name).map(|(_, s)| *s);
+    let is_shard = sdz::parse_shard_name(&name).is_some();
+    match single {
+        Some(size) if !is_shard => {
+            let mut head = [0u8; 4];
+            let n = size.min(4) as usize;
+            parent.read_ranges(
+                std::slice::from_ref(&name),
+                &[(0, 0, n as u64, 0)],
+                &mut head[..n],
+            )?;
+            if &head[..n] == b"PK\x03\x04" {
+                let local = crate::storage::fetch_container(&url)?;
+                return open_sdz(&local, limits);
+            }
+            if head[..n] != MAGIC {
+                return Err(Error::format(
+                    &url,
+                    format!(
+                        "not a SameDiff container: starts {:02x?}, neither a ZIP (50 4b 03 04, \
+                         SDZ) nor \"SDNB\"",
+                        &head[..n]
+                    ),
+                ));
+            }
+            if !shards.is_empty() {
+                return Err(Error::format(
+                    &url,
+                    format!(
+                        "ambiguous: an SDNB object and shard objects {base}.shard*.sdnb sit \
+                         side by side (DL4J would silently load the shards); remove one of them"
+                    ),
+                ));
+            }
+            let part = remote_part(&parent, &name, size, limits)?;
+            assemble(&url, Kind::Sdnb, vec![part], None)
+        }
+        _ if !shards.is_empty() => {
+            let what = parent.url_of(&format!("{base}.shard*.sdnb"));
+            let set = complete_set(
+                shards.iter().map(|(i, n, name, _)| (*i, *n, name.clone())),
+                &what,
+            )?;
+            let parts = set
+                .into_iter()
+                .map(|k| remote_part(&parent, &shards[k].2, shards[k].3, limits))
+                .collect::<Result<Vec<_>>>()?;
+            let n = parts.len();
+            assemble(&url, Kind::Sharded { shards: n }, parts, None)
+        }
+        _ => Err(Error::NotFound {
+            path: url,
+            what: format!(
+                "no such object, and no shard objects {base}.shard<i>-of-<N>.sdnb beside it"
+            ),
+        }),
+    }
+}
+
+/// One SDNB object of `parent`, checked like a local part. Small objects are fetched whole;
+/// larger ones as header, then graph region and manifest, with blobs left for first use.
+fn remote_part(
+    parent: &crate::storage::Remote,
+    name: &str,
+    size: u64,
+    limits: &Limits,
+) -> Result<Part> {
+    let url = parent.url_of(name);
+    let names = [name.to_string()];
+    let origin = Origin {
+        file: url.clone(),
+        offset: 0,
+        entry: None,
+    };
+    let len = usize::try_from(size)
+        .map_err(|_| Error::format(&url, format!("{size} bytes do not fit in memory here")))?;
+    if size <= REMOTE_WHOLE_BYTES {
+        let mut all = vec![0u8; len];
+        parent.read_ranges(&names, &[(0, 0, size, 0)], &mut all)?;
+        return Part::parse(Arc::new(Backing::Owned(all)), 0..len, url, origin, limits);
+    }
+    let mut skeleton = memmap2::MmapOptions::new()
+        .len(len)
+        .no_reserve_swap()
+        .map_anon()
+        .map_err(|e| Error::io(&url, e))?;
+    parent.read_ranges(
+        &names,
+        &[(0, 0, HEADER_LEN, 0)],
+        &mut skeleton[..HEADER_LEN as usize],
+    )?;
+    let header = Header::parse(&skeleton, size, &url)?;
+    let (m, mlen) = (header.manifest_offset, header.manifest_len);
+    // Past a cap, Part::parse refuses the part without reading the region: never fetch it.
+    if mlen <= limits.max_manifest_bytes {
+        parent.read_ranges(&names, &[(0, m, mlen, m)], &mut skeleton)?;
+        let manifest = manifest::decode(
+            &skeleton[m as usize..(m + mlen) as usize],
+            &url,
+            limits.max_manifest_entries,
+        )?;
+        let blob_start = manifest
+            .iter()
+            .map(|e| e.offset)
+            .min()
+            .unwrap_or(m)
+            .clamp(HEADER_LEN, m);
+        if blob_start - HEADER_LEN <= limits.max_graph_bytes {
+            parent.read_ranges(
+                &names,
+                &[(0, HEADER_LEN, blob_start - HEADER_LEN, HEADER_LEN)],
+                &mut skeleton,
+            )?;
+        }
+    }
+    let part_remote = RemotePart {
+        remote: parent.clone(),
+        name: name.to_string(),
+        skeleton: skeleton.make_read_only().map_err(|e| Error::io(&url, e))?,
+        blobs: std::sync::OnceLock::new(),
+    };
+    let part = Part::parse(
+        Arc::new(Backing::Remote(part_remote)),
+        0..len,
+        url,
+        origin,
+        limits,
+    )?;
+    if let Backing::Remote(r) = &*part.backing {
+        // Every data range at or past the blob section is a blob, fetched on first use.
+        let blobs = part
+            .located
+            .iter()
+            .filter_map(|(_, _, range)| range.clone())
+            .filter(|r| r.start as u64 >= part.blob_start && !r.is_empty())
+            .map(|r| (r.start, (r.end, std::sync::OnceLock::new())))
+            .collect();
+        let _ = r.blobs.set(blobs);
+    }
+    Ok(part)
 }
 
 fn open_sharded(path: &Path, dir: &Path, base: &str, limits: &Limits) -> Result<Container> {
