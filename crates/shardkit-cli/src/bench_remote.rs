@@ -40,7 +40,7 @@ pub struct RemoteBenchArgs {
     /// Steps of the flat-tokens loader timed.
     #[arg(long, default_value_t = 400)]
     steps: u64,
-    /// Only these datasets (saev, tokens, eagle3).
+    /// Only these datasets (saev, tokens, eagle3, sdnb).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -350,6 +350,104 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     ]))
 }
 
+/// An SDNB model of 16 MiB float tensors read by range: opening (bytes fetched), then every
+/// tensor, one after another and from `threads` threads at once, against the GET ceiling.
+fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
+    use shardkit::sdnb::{self, DType, Order, SaveOptions, TensorIn, VarType};
+    const TENSOR: usize = 16 << 20;
+    let count = ((a.size_mib << 20) as usize / TENSOR).max(2);
+    let local = a.dir.join("model.sdnb");
+    let want_size = (count * TENSOR) as u64;
+    if std::fs::metadata(&local).map_or(true, |m| m.len() < want_size) {
+        std::fs::create_dir_all(&a.dir).map_err(|e| shardkit::Error::io(&a.dir, e))?;
+        let data: Vec<Vec<u8>> = (0..count)
+            .map(|i| (0..TENSOR).map(|j| (i * 31 + j) as u8).collect())
+            .collect();
+        let names: Vec<String> = (0..count).map(|i| format!("layer{i}.weight")).collect();
+        let tensors: Vec<TensorIn> = (0..count)
+            .map(|i| TensorIn {
+                name: names[i].clone(),
+                var_type: VarType::Variable,
+                dtype: DType::Float,
+                shape: vec![(TENSOR / 4) as i64],
+                order: Order::C,
+                bytes: &data[i],
+            })
+            .collect();
+        sdnb::save(&local, &tensors, &SaveOptions::default())?;
+    }
+    let prefix = Remote::parse(&a.url)?.url();
+    let url = PathBuf::from(format!("{prefix}/sdnb/model.sdnb"));
+    storage::upload(&local, &url, |_, _| {})?;
+    let remote = Remote::parse(&PathBuf::from(format!("{prefix}/sdnb")))?;
+    let ceilings = ceilings(&remote, &a.inflight)?;
+    let ceiling = best(&ceilings);
+    let mut reads = Vec::new();
+    for &n in &a.inflight {
+        storage::set_inflight(n);
+        for &t in threads {
+            let before = counters();
+            let t0 = Instant::now();
+            let c = sdnb::open(&url)?;
+            let opened = counters();
+            let open_secs = t0.elapsed().as_secs_f64();
+            let names: Vec<String> = c.variables().iter().map(|v| v.name.clone()).collect();
+            // Thread k reads tensors k, k + t, k + 2t, ...
+            let per_thread: Vec<Result<u64>> = std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..t.max(1))
+                    .map(|k| {
+                        let (c, names) = (&c, &names);
+                        scope.spawn(move || {
+                            let mut n = 0u64;
+                            for name in names.iter().skip(k).step_by(t.max(1)) {
+                                n += std::hint::black_box(c.tensor(name)?.bytes).len() as u64;
+                            }
+                            Ok(n)
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(shardkit::Error::Internal("a reader thread panicked".into()))
+                        })
+                    })
+                    .collect()
+            });
+            let bytes = per_thread.into_iter().sum::<Result<u64>>()?;
+            let secs = t0.elapsed().as_secs_f64();
+            let after = counters();
+            let mut e = loader_entry(
+                "sdnb: open, then every tensor (threads read tensors at once)",
+                n,
+                t,
+                bytes,
+                secs,
+                names.len() as u64,
+                after.gets - before.gets,
+                after.get_bytes - before.get_bytes,
+                ceiling,
+            );
+            if let Value::Object(m) = &mut e {
+                m.push(("open_s".into(), num(open_secs)));
+                m.push((
+                    "open_get_bytes".into(),
+                    Value::int(opened.get_bytes - before.get_bytes),
+                ));
+            }
+            reads.push(e);
+        }
+    }
+    Ok(Value::Object(vec![
+        ("url".into(), Value::String(url.display().to_string())),
+        ("tensors".into(), Value::int(count as u64)),
+        ("tensor_bytes".into(), Value::int(TENSOR as u64)),
+        ("get_ceiling".into(), ceilings_json(&ceilings)),
+        ("reads".into(), Value::Array(reads)),
+    ]))
+}
+
 /// `shardkit bench remote`.
 pub fn run(a: RemoteBenchArgs) -> Result<()> {
     let threads = if a.threads.is_empty() {
@@ -381,6 +479,9 @@ pub fn run(a: RemoteBenchArgs) -> Result<()> {
     }
     if want("eagle3") {
         out.push(("eagle3".into(), eagle3(&a, &threads)?));
+    }
+    if want("sdnb") {
+        out.push(("sdnb".into(), sdnb(&a, &threads)?));
     }
     storage::set_inflight(0);
     println!("{}", json::to_pretty(&Value::Object(out), 2, Escape::Utf8));
