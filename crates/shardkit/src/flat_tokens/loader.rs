@@ -547,20 +547,40 @@ impl TokenLoader {
                 }
             }
         }
-        // Fetched and decoded a group of pieces at a time.
-        let mut pieces = Vec::with_capacity(spans.len());
-        let mut group: Vec<Range<u64>> = Vec::new();
+        // Groups of spans of about BUFFER_PIECE_TOKENS tokens: the next group is fetched while
+        // this one decodes.
+        let mut groups: Vec<Vec<Range<u64>>> = vec![Vec::new()];
         let mut tokens = 0;
-        for (i, span) in spans.iter().enumerate() {
-            tokens += span.end - span.start;
-            group.push(span.clone());
-            if tokens >= BUFFER_PIECE_TOKENS || i + 1 == spans.len() {
-                crate::engine::fault::before_read(split.path())?;
-                pieces.extend(split.encoded_many(&group, pool)?);
-                group.clear();
+        for span in spans {
+            if tokens >= BUFFER_PIECE_TOKENS {
+                groups.push(Vec::new());
                 tokens = 0;
             }
+            tokens += span.end - span.start;
+            groups.last_mut().expect("one group").push(span);
         }
+        let fetch = |g: &[Range<u64>]| {
+            crate::engine::fault::before_read(split.path())?;
+            split.fetch_encoded(g)
+        };
+        let mut pieces = Vec::new();
+        std::thread::scope(|scope| -> Result<()> {
+            let mut next = Some(scope.spawn(|| fetch(&groups[0])));
+            for i in 0..groups.len() {
+                let fetched = next
+                    .take()
+                    .map(|h| h.join())
+                    .ok_or_else(|| {
+                        Error::Internal("internal: a buffer group was not fetched".into())
+                    })?
+                    .unwrap_or_else(|_| Err(Error::Internal("a fetch thread panicked".into())))?;
+                if let Some(g) = groups.get(i + 1) {
+                    next = Some(scope.spawn(move || fetch(g)));
+                }
+                pieces.extend(split.decode_encoded(&fetched, pool)?);
+            }
+            Ok(())
+        })?;
         Ok(Resident { key, pieces, rows })
     }
 

@@ -119,18 +119,22 @@ impl Column {
         })
     }
 
-    /// Elements `ranges`, read together: first every stored byte they need is fetched, in
-    /// parallel on `pool` (whole chunks; for a sharded array only the inner chunks the ranges
-    /// touch, one request list per shard, which an object store coalesces into a few large
-    /// GETs), then each range is decoded from memory. Through zarrs alone an object store would
-    /// see one small request per inner chunk.
+    /// Elements `ranges`, read together: [`Column::fetch`], then [`Column::decode`].
     fn read_many<T: ElementOwned + Send>(
         &self,
         ranges: &[Range<u64>],
         what: &'static str,
         pool: &rayon::ThreadPool,
     ) -> Result<Vec<Vec<T>>> {
-        use rayon::prelude::*;
+        let fetched = self.fetch(ranges, what)?;
+        self.decode(&fetched, what, pool)
+    }
+
+    /// Fetches every stored byte `ranges` need, without decoding: whole chunks, or for a
+    /// sharded array only the inner chunks the ranges touch, as one request list per shard
+    /// (which an object store coalesces into a few large GETs). Up to [`FETCH_LANES`] chunks
+    /// or shards are fetched at once, on threads of their own: they mostly wait.
+    fn fetch(&self, ranges: &[Range<u64>], what: &'static str) -> Result<Fetched> {
         for r in ranges {
             if r.start > r.end || r.end > self.len() {
                 return Err(Error::OutOfRange {
@@ -143,15 +147,12 @@ impl Column {
         let fetched = Arc::new(Prefetched::new(self.array.storage()));
         let array = self.array.with_storage(fetched.clone());
         let sharded = ArrayShardedReadableExtCache::new(&array);
-        let opts = CodecOptions::default();
-        let subset_of = |r: &Range<u64>| ArraySubset::new_with_ranges(std::slice::from_ref(r));
         let wanted: Vec<&Range<u64>> = ranges.iter().filter(|r| !r.is_empty()).collect();
         // The chunks (or shards) the ranges lie in, each once.
         let mut chunks = std::collections::BTreeSet::new();
         for r in &wanted {
-            let subset = subset_of(r);
             let grid = array
-                .chunks_in_array_subset(&subset)
+                .chunks_in_array_subset(&subset_of(r))
                 .map_err(|e| Error::format(&self.path, format!("chunk grid: {e}")))?;
             if let Some(grid) = grid {
                 chunks.extend(grid.indices().iter().map(|c| c[0]));
@@ -162,58 +163,136 @@ impl Column {
             .effective_subchunk_shape()
             .map(|s| s[0].get())
             .filter(|_| sharded.array_is_exclusively_sharded());
-        pool.install(|| {
-            chunks.par_iter().try_for_each(|&c| {
-                let key = array.chunk_key(&[c]);
-                let bounds = array
-                    .chunk_subset(&[c])
-                    .map_err(|e| Error::format(&self.path, format!("chunk grid: {e}")))?;
-                let (lo, hi) = (bounds.start()[0], bounds.end_exc()[0]);
-                let byte_ranges = match inner_len {
-                    None => vec![zarrs::storage::byte_range::ByteRange::FromStart(0, None)],
-                    Some(n) => {
-                        // The inner chunks of this shard that some range touches, in order
-                        // (the shard index is read once, through the cache).
-                        let mut inner = std::collections::BTreeSet::new();
-                        for r in &wanted {
-                            let (a, b) = (r.start.max(lo), r.end.min(hi));
-                            if a < b {
-                                inner.extend(a / n..=(b - 1) / n);
-                            }
+        let fetch_one = |c: u64| -> Result<()> {
+            let key = array.chunk_key(&[c]);
+            let bounds = array
+                .chunk_subset(&[c])
+                .map_err(|e| Error::format(&self.path, format!("chunk grid: {e}")))?;
+            let (lo, hi) = (bounds.start()[0], bounds.end_exc()[0]);
+            let byte_ranges = match inner_len {
+                None => vec![zarrs::storage::byte_range::ByteRange::FromStart(0, None)],
+                Some(n) => {
+                    // The inner chunks of this shard that some range touches, in order (the
+                    // shard index is read once, through the cache).
+                    let mut inner = std::collections::BTreeSet::new();
+                    for r in &wanted {
+                        let (a, b) = (r.start.max(lo), r.end.min(hi));
+                        if a < b {
+                            inner.extend(a / n..=(b - 1) / n);
                         }
-                        let mut v = Vec::with_capacity(inner.len());
-                        for i in inner {
-                            let at = array
-                                .subchunk_byte_range(&sharded, &[i])
-                                .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))?;
-                            v.extend(at);
-                        }
-                        v
                     }
-                };
-                fetched
-                    .fetch(&key, byte_ranges)
-                    .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))
-            })
+                    let mut v = Vec::with_capacity(inner.len());
+                    for i in inner {
+                        let at = array
+                            .subchunk_byte_range(&sharded, &[i])
+                            .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))?;
+                        v.extend(at);
+                    }
+                    v
+                }
+            };
+            fetched
+                .fetch(&key, byte_ranges)
+                .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))
+        };
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let lane = || -> Result<()> {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                match chunks.get(i) {
+                    Some(&c) => fetch_one(c)?,
+                    None => return Ok(()),
+                }
+            }
+        };
+        std::thread::scope(|scope| {
+            let lanes: Vec<_> = (1..FETCH_LANES.min(chunks.len()))
+                .map(|_| scope.spawn(lane))
+                .collect();
+            let mut result = lane();
+            for l in lanes {
+                let r = l
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::Internal("a fetch thread panicked".into())));
+                result = result.and(r);
+            }
+            result
         })?;
-        pool.install(|| {
-            ranges
+        Ok(Fetched {
+            array,
+            sharded,
+            by_inner_chunk: inner_len.is_some(),
+            ranges: ranges.to_vec(),
+        })
+    }
+
+    /// Decodes what [`Column::fetch`] fetched, range by range, in pieces of at most
+    /// [`DECODE_PIECE`] elements spread over `pool`.
+    fn decode<T: ElementOwned + Send>(
+        &self,
+        f: &Fetched,
+        what: &'static str,
+        pool: &rayon::ThreadPool,
+    ) -> Result<Vec<Vec<T>>> {
+        use rayon::prelude::*;
+        let opts = CodecOptions::default();
+        let pieces: Vec<(usize, Range<u64>)> = f
+            .ranges
+            .iter()
+            .enumerate()
+            .flat_map(|(i, r)| {
+                (r.start..r.end)
+                    .step_by(DECODE_PIECE as usize)
+                    .map(move |a| (i, a..(a + DECODE_PIECE).min(r.end)))
+            })
+            .collect();
+        let decoded: Vec<Vec<T>> = pool.install(|| {
+            pieces
                 .par_iter()
-                .map(|r| {
-                    if r.is_empty() {
-                        return Ok(Vec::new());
-                    }
+                .map(|(_, r)| {
                     let subset = subset_of(r);
-                    let got = if inner_len.is_some() {
-                        array.retrieve_array_subset_sharded_opt::<Vec<T>>(&sharded, &subset, &opts)
+                    let got = if f.by_inner_chunk {
+                        f.array
+                            .retrieve_array_subset_sharded_opt::<Vec<T>>(&f.sharded, &subset, &opts)
                     } else {
-                        array.retrieve_array_subset_opt::<Vec<T>>(&subset, &opts)
+                        f.array.retrieve_array_subset_opt::<Vec<T>>(&subset, &opts)
                     };
                     got.map_err(|e| self.read_error(&e, &subset, what))
                 })
-                .collect()
-        })
+                .collect::<Result<_>>()
+        })?;
+        let mut out: Vec<Vec<T>> = f
+            .ranges
+            .iter()
+            .map(|r| Vec::with_capacity((r.end - r.start) as usize))
+            .collect();
+        for ((i, _), piece) in pieces.iter().zip(decoded) {
+            if out[*i].is_empty() {
+                out[*i] = piece;
+            } else {
+                out[*i].extend(piece);
+            }
+        }
+        Ok(out)
     }
+}
+
+/// Chunks (or shards) fetched at once by [`Column::fetch`].
+const FETCH_LANES: usize = 16;
+/// Elements decoded by one task of [`Column::decode`].
+const DECODE_PIECE: u64 = 1 << 20;
+
+/// A subset of a 1-D array.
+fn subset_of(r: &Range<u64>) -> ArraySubset {
+    ArraySubset::new_with_ranges(std::slice::from_ref(r))
+}
+
+/// Stored bytes of some ranges of an array, fetched and waiting to be decoded.
+pub(crate) struct Fetched {
+    array: Array<Prefetched>,
+    sharded: ArrayShardedReadableExtCache,
+    by_inner_chunk: bool,
+    ranges: Vec<Range<u64>>,
 }
 
 /// Byte ranges of a store's objects fetched ahead and served from memory; anything else is
@@ -707,14 +786,19 @@ impl Split {
         self.tokens.read(range, "token")
     }
 
-    /// Encoded tokens of each of `ranges`, fetched together on `pool` before decoding (few
-    /// large requests to an object store instead of one per inner chunk).
-    pub(crate) fn encoded_many(
+    /// The stored bytes of encoded tokens `ranges`, fetched together (few large requests to
+    /// an object store instead of one per inner chunk), for [`Split::decode_encoded`].
+    pub(crate) fn fetch_encoded(&self, ranges: &[Range<u64>]) -> Result<Fetched> {
+        self.tokens.fetch(ranges, "token")
+    }
+
+    /// The encoded tokens of each range [`Split::fetch_encoded`] fetched, decoded on `pool`.
+    pub(crate) fn decode_encoded(
         &self,
-        ranges: &[Range<u64>],
+        f: &Fetched,
         pool: &rayon::ThreadPool,
     ) -> Result<Vec<Vec<u32>>> {
-        self.tokens.read_many(ranges, "token", pool)
+        self.tokens.decode(f, "token", pool)
     }
 
     /// Entries of `seq_starts` in each of `ranges`, fetched together like
