@@ -1,12 +1,14 @@
 //! `shardkit bench remote`: loaders reading from an object store against the raw parallel-GET
 //! ceiling of the same objects, measured in the same run.
 //!
-//! The datasets are synthetic (a ViT-L-shaped saev dataset, a flat-tokens dataset), written
-//! locally once and uploaded under `--url` (skipped when already there). The ceiling reads every
-//! object of a dataset whole, as ranged GETs of the request size with as many in flight as the
-//! loader gets; each loader then streams one epoch (or `--steps` steps). Figures per in-flight
-//! setting and gather-thread count: GB/s, the ratio to the ceiling, and per batch the GETs
-//! issued and the bytes they returned (the payload's bytes plus what coalescing read across gaps).
+//! The datasets are synthetic (a ViT-L-shaped saev dataset, a flat-tokens dataset, an EAGLE-3
+//! cache, an SDNB model), written locally once and uploaded under `--url` (skipped when already
+//! there). The ceiling reads every object of a dataset whole, as ranged GETs of the request size
+//! with as many in flight as the loader gets; each loader then streams one epoch (or `--steps`
+//! steps). Figures per in-flight setting and gather-thread count: GB/s, the ratio to the
+//! ceiling, and per batch the GETs issued and the bytes they returned (the payload's bytes plus
+//! what coalescing read across gaps). flat-tokens also gets a decode ceiling: its in-memory
+//! loader over the local copy in page cache.
 
 use std::path::PathBuf;
 use std::time::Instant;
