@@ -485,7 +485,51 @@ def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
         sdnb.set_metadata(url, {"k": "v"})
 
 
-def test_sdz_read_through_the_bounded_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+def test_sdz_archives_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    import zipfile
+
+    bucket = s3.bucket()
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    big = np.arange(3_000_000, dtype=np.float32)
+    # STORED (shardkit's own archives), single and sharded: only the central directory, local
+    # headers and each model entry's header, graph and manifest are read on open.
+    for name, kw in [("m.sdz", {}), ("s.sdz", {"shard_size": 4_000_000})]:
+        local = tmp_path / name
+        sdnb.save(local, {"w": w, "big": big}, **kw)
+        url = f"s3://{bucket}/models/{name}"
+        shardkit.upload(local, url)
+        before = shardkit.storage_counters()
+        c = sdnb.open(url)
+        opened = shardkit.storage_counters()
+        assert c.kind == "sdz"
+        assert opened["get_bytes"] - before["get_bytes"] < 1 << 20 < local.stat().st_size
+        np.testing.assert_array_equal(c["big"], big)
+        assert shardkit.storage_counters()["get_bytes"] - opened["get_bytes"] == big.nbytes
+        np.testing.assert_array_equal(c["w"], w)
+        assert sorted(c) == sorted(sdnb.open(local))
+        assert sdnb.validate(url)["valid"]
+    # A DEFLATE archive written by Python's zipfile, with an extra entry: the model entry is
+    # fetched and inflated; the extra entry is fetched when asked for.
+    plain = tmp_path / "plain.sdnb"
+    # Random values, so the entry compresses within the archive limit's 100:1 ratio.
+    noise = np.random.default_rng(0).random(60_000).astype(np.float32)
+    sdnb.save(plain, {"w": w, "noise": noise})
+    deflated = tmp_path / "d.sdz"
+    with zipfile.ZipFile(deflated, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("model.sdnb", plain.read_bytes())
+        z.writestr("notes.txt", b"trained on shards 0-7\n" * 100)
+    shardkit.upload(deflated, f"s3://{bucket}/models/d.sdz")
+    d = sdnb.open(f"s3://{bucket}/models/d.sdz")
+    np.testing.assert_array_equal(d["w"], w)
+    np.testing.assert_array_equal(d["noise"], noise)
+    assert d.extra_entry("notes.txt") == b"trained on shards 0-7\n" * 100
+    # Not an archive after all: a truncated one is refused naming the object.
+    s3.client().put_object(Bucket=bucket, Key="models/cut.sdz", Body=deflated.read_bytes()[:-30])
+    with pytest.raises(shardkit.CorruptDataError, match=f"s3://{bucket}/models/cut.sdz"):
+        sdnb.open(f"s3://{bucket}/models/cut.sdz")
+
+
+def test_containers_through_the_opt_in_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     bucket = s3.bucket()
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
     model = tmp_path / "m.sdz"

@@ -688,10 +688,17 @@ impl Remote {
     }
 }
 
-/// The bounded local cache of whole objects (containers read from a store): the directory
-/// `$SHARDKIT_CACHE_DIR` (default `$XDG_CACHE_HOME/shardkit`, else `~/.cache/shardkit`, else the
-/// temporary directory), holding at most `$SHARDKIT_CACHE_GIB` GiB (default 32); the least
-/// recently used objects are evicted to make room.
+/// Whether SDNB/SDZ containers read from a store go through the local cache: only when
+/// `$SHARDKIT_CACHE_DIR` is set. Otherwise they are read by range.
+pub fn cache_enabled() -> bool {
+    std::env::var_os("SHARDKIT_CACHE_DIR").is_some_and(|d| !d.is_empty())
+}
+
+/// The bounded local cache of whole objects (containers read from a store, when
+/// [`cache_enabled`]): the directory `$SHARDKIT_CACHE_DIR` (default `$XDG_CACHE_HOME/shardkit`,
+/// else `~/.cache/shardkit`, else the temporary directory), holding at most
+/// `$SHARDKIT_CACHE_GIB` GiB (default 32); the least recently used objects are evicted to make
+/// room.
 pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("SHARDKIT_CACHE_DIR") {
         return PathBuf::from(d);
@@ -794,23 +801,43 @@ fn evict_cache(incoming: u64) -> Result<()> {
     Ok(())
 }
 
-/// The SDZ archive at `url`, copied into the bounded cache (reused while its size and ETag
-/// are unchanged): a ZIP's entries are found through its central directory and DEFLATE
-/// entries are inflated whole, so the archive is read whole.
+/// A container (one object, or a shard set `BASE.shard<i>-of-<N>.sdnb` beside `url`) copied into
+/// the bounded [`cache_dir`] (reused while each object's size and ETag are unchanged); returns
+/// the local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_enabled`]).
 pub(crate) fn fetch_container(url: &Path) -> Result<PathBuf> {
     let remote = Remote::parse(url)?;
     let (parent, name) = remote.split_last()?;
-    let found = parent
+    let objects: Vec<(String, u64, Option<String>)> = parent
         .list_etags()?
         .into_iter()
-        .find(|(n, _, _)| *n == name);
-    match found {
-        Some((_, size, etag)) => cached_object(&parent, &name, size, etag.as_deref()),
-        None => Err(Error::NotFound {
-            path: PathBuf::from(remote.url()),
-            what: "no such object".into(),
-        }),
+        .filter(|(n, _, _)| !n.contains('/'))
+        .collect();
+    let local = cache_dir()
+        .join(&parent.bucket)
+        .join(&parent.prefix)
+        .join(&name);
+    if let Some((_, size, etag)) = objects.iter().find(|(n, _, _)| *n == name) {
+        return cached_object(&parent, &name, *size, etag.as_deref());
     }
+    let base = crate::sdnb::read::base_name(&name);
+    let shards: Vec<_> = objects
+        .iter()
+        .filter(|(n, _, _)| {
+            crate::sdnb::sdz::parse_shard_name(n).is_some_and(|(b, _, _)| b == base)
+        })
+        .collect();
+    if shards.is_empty() {
+        return Err(Error::NotFound {
+            path: PathBuf::from(remote.url()),
+            what: format!(
+                "no such object, and no shard objects {base}.shard<i>-of-<N>.sdnb beside it"
+            ),
+        });
+    }
+    for (n, size, etag) in shards {
+        cached_object(&parent, n, *size, etag.as_deref())?;
+    }
+    Ok(local)
 }
 
 /// The local directory a write to `url` is staged in: `$SHARDKIT_STAGING_DIR` (default: the

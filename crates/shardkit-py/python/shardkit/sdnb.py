@@ -178,7 +178,9 @@ def open(path: PathLike) -> Container:  # noqa: A001 - mirrors the built-in
     """Opens an ``.sdnb`` file, an ``.sdz`` archive, any shard of a set, or a set's base name.
 
     Every offset is checked once here; a damaged or foreign file raises ValueError naming the
-    path, a missing one FileNotFoundError.
+    path, a missing one FileNotFoundError. An ``s3://`` URL is read by range: opening fetches
+    headers, graphs and manifests, and each tensor is fetched the first time it is indexed
+    (with ``SHARDKIT_CACHE_DIR`` set, the objects are copied whole into that cache instead).
     """
     return Container(path)
 

@@ -4,7 +4,9 @@
 //!
 //! Opening touches only each part's header, graph region and manifest; blob pages are read when
 //! a tensor's bytes are. STORED archive entries are mapped in place; DEFLATE entries are inflated
-//! (within the archive limits) into memory.
+//! (within the archive limits) into memory. A container in an object store is read the same way
+//! by ranged GETs: what opening checks is fetched into an anonymous map of the object's size
+//! (a [`Skeleton`]), and each blob into a buffer of its own when its tensor is first asked for.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -242,6 +244,17 @@ pub(crate) struct RemotePart {
 type Blob = (usize, std::sync::OnceLock<Vec<u8>>);
 
 impl RemotePart {
+    /// `len` bytes at `offset` of the object, read now.
+    fn fetch(&self, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let mut buf = vec![0u8; len as usize];
+        self.remote.read_ranges(
+            std::slice::from_ref(&self.name),
+            &[(0, offset, len, 0)],
+            &mut buf,
+        )?;
+        Ok(buf)
+    }
+
     /// Bytes `r` of the object: from the skeleton below the blob section, else the blob's own
     /// buffer, fetched now if it is not yet.
     fn range(&self, r: Range<usize>) -> Result<&[u8]> {
@@ -256,12 +269,7 @@ impl RemotePart {
         if let Some(v) = cell.get() {
             return Ok(v);
         }
-        let mut buf = vec![0u8; r.len()];
-        self.remote.read_ranges(
-            std::slice::from_ref(&self.name),
-            &[(0, r.start as u64, r.len() as u64, 0)],
-            &mut buf,
-        )?;
+        let buf = self.fetch(r.start as u64, r.len() as u64)?;
         // Two threads may fetch the same blob at once; the first kept wins, both are equal.
         let _ = cell.set(buf);
         cell.get()
@@ -305,7 +313,10 @@ impl Part {
     /// Bytes `r` of the part (a tensor's data): from the map, or fetched from a store.
     fn data(&self, r: Range<usize>) -> Result<&[u8]> {
         match &*self.backing {
-            Backing::Remote(remote) => remote.range(r),
+            Backing::Remote(remote) => {
+                let at = self.range.start;
+                remote.range(at + r.start..at + r.end)
+            }
             _ => Ok(&self.bytes()[r]),
         }
     }
@@ -532,13 +543,18 @@ impl Container {
     /// Opens `path`: an SDZ archive (zip magic), an SDNB file (SDNB magic), a shard file
     /// `<base>.shard<i>-of-<N>.sdnb`, or a base name whose shards sit beside it.
     ///
-    /// `path` may be an `s3://` URL. An SDNB object (or shard set) is read by range: opening
-    /// fetches each part's header, graph region and manifest, and a tensor's blob is fetched
-    /// the first time it is asked for. An SDZ archive is copied into the bounded local cache
-    /// ([`crate::storage::cache_dir`], reused while the object is unchanged) and opened from
-    /// there.
+    /// `path` may be an `s3://` URL. The container (an SDNB object, a shard set or an SDZ
+    /// archive) is read by range: opening fetches each part's header, graph region and
+    /// manifest (for an archive first its central directory and local headers), and a
+    /// tensor's blob is fetched the first time it is asked for. With `SHARDKIT_CACHE_DIR` set,
+    /// the objects are instead copied whole into that bounded cache
+    /// ([`crate::storage::cache_dir`], reused while unchanged) and opened from there.
     pub fn open_with(path: &Path, limits: &Limits) -> Result<Container> {
         if crate::storage::is_remote(path) {
+            if crate::storage::cache_enabled() {
+                let local = crate::storage::fetch_container(path)?;
+                return Self::open_with(&local, limits);
+            }
             return open_remote(path, limits);
         }
         let path = &crate::storage::local_path(path);
@@ -702,6 +718,18 @@ impl Container {
                 self.path.display()
             )));
         };
+        if let Backing::Remote(remote) = &**map {
+            // Fetched now: an archive in a store holds only what opening read.
+            let data = remote.fetch(e.data.start, e.data.end - e.data.start)?;
+            let e = ZipEntry {
+                data: 0..data.len() as u64,
+                ..e.clone()
+            };
+            return match e.method {
+                Method::Stored => Ok(data),
+                Method::Deflate => sdz::inflate(&data, &e, &self.path),
+            };
+        }
         match e.method {
             Method::Stored => Ok(map.bytes()[e.data.start as usize..e.data.end as usize].to_vec()),
             Method::Deflate => sdz::inflate(map.bytes(), e, &self.path),
@@ -937,8 +965,7 @@ fn open_remote(url: &Path, limits: &Limits) -> Result<Container> {
                 &mut head[..n],
             )?;
             if &head[..n] == b"PK\x03\x04" {
-                let local = crate::storage::fetch_container(&url)?;
-                return open_sdz(&local, limits);
+                return open_sdz_remote(&parent, &name, size, limits);
             }
             if head[..n] != MAGIC {
                 return Err(Error::format(
@@ -993,37 +1020,97 @@ fn remote_part(
     limits: &Limits,
 ) -> Result<Part> {
     let url = parent.url_of(name);
-    let names = [name.to_string()];
     let origin = Origin {
         file: url.clone(),
         offset: 0,
         entry: None,
     };
-    let len = usize::try_from(size)
-        .map_err(|_| Error::format(&url, format!("{size} bytes do not fit in memory here")))?;
     if size <= REMOTE_WHOLE_BYTES {
-        let mut all = vec![0u8; len];
-        parent.read_ranges(&names, &[(0, 0, size, 0)], &mut all)?;
-        return Part::parse(Arc::new(Backing::Owned(all)), 0..len, url, origin, limits);
+        let mut all = vec![0u8; size as usize];
+        parent.read_ranges(&[name.to_string()], &[(0, 0, size, 0)], &mut all)?;
+        let n = all.len();
+        return Part::parse(Arc::new(Backing::Owned(all)), 0..n, url, origin, limits);
     }
-    let mut skeleton = memmap2::MmapOptions::new()
-        .len(len)
-        .no_reserve_swap()
-        .map_anon()
-        .map_err(|e| Error::io(&url, e))?;
-    parent.read_ranges(
-        &names,
-        &[(0, 0, HEADER_LEN, 0)],
-        &mut skeleton[..HEADER_LEN as usize],
-    )?;
-    let header = Header::parse(&skeleton, size, &url)?;
-    let (m, mlen) = (header.manifest_offset, header.manifest_len);
-    // Past a cap, Part::parse refuses the part without reading the region: never fetch it.
-    if mlen <= limits.max_manifest_bytes {
-        parent.read_ranges(&names, &[(0, m, mlen, m)], &mut skeleton)?;
+    let mut skeleton = Skeleton::new(parent, name, size)?;
+    skeleton.fetch_sdnb(0, size, limits)?;
+    let backing = Arc::new(Backing::Remote(skeleton.freeze()?));
+    let part = Part::parse(backing.clone(), 0..size as usize, url, origin, limits)?;
+    register_blobs(&backing, std::slice::from_ref(&part));
+    Ok(part)
+}
+
+/// An object of a store being read into an anonymous map of its size, range by range, before
+/// it is parsed (see [`RemotePart`]).
+struct Skeleton {
+    parent: crate::storage::Remote,
+    name: String,
+    url: PathBuf,
+    map: memmap2::MmapMut,
+}
+
+impl Skeleton {
+    fn new(parent: &crate::storage::Remote, name: &str, size: u64) -> Result<Skeleton> {
+        let url = parent.url_of(name);
+        let len = usize::try_from(size)
+            .map_err(|_| Error::format(&url, format!("{size} bytes do not fit in memory here")))?;
+        let map = memmap2::MmapOptions::new()
+            .len(len.max(1))
+            .no_reserve_swap()
+            .map_anon()
+            .map_err(|e| Error::io(&url, e))?;
+        Ok(Skeleton {
+            parent: parent.clone(),
+            name: name.to_string(),
+            url,
+            map,
+        })
+    }
+
+    fn size(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// Fetches `(offset, len)` ranges (cut at the object's end) into place, in one request list.
+    fn fetch(&mut self, ranges: &[(u64, u64)]) -> Result<()> {
+        let size = self.size();
+        // Cut at the end, sorted, overlapping ranges merged (each byte lands once).
+        let mut cut: Vec<(u64, u64)> = ranges
+            .iter()
+            .filter(|(o, n)| *o < size && *n > 0)
+            .map(|&(o, n)| (o, o + n.min(size - o)))
+            .collect();
+        cut.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(cut.len());
+        for (a, b) in cut {
+            match merged.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => merged.push((a, b)),
+            }
+        }
+        let ranges: Vec<(u32, u64, u64, u64)> =
+            merged.into_iter().map(|(a, b)| (0, a, b - a, a)).collect();
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        self.parent
+            .read_ranges(std::slice::from_ref(&self.name), &ranges, &mut self.map)
+    }
+
+    /// Fetches what opening the SDNB at `[base, base + len)` checks: its header, then its
+    /// manifest and graph region (each only within its cap: past one, opening refuses the part
+    /// without reading it).
+    fn fetch_sdnb(&mut self, base: u64, len: u64, limits: &Limits) -> Result<()> {
+        self.fetch(&[(base, HEADER_LEN.min(len))])?;
+        let at = |o: u64| (base + o) as usize;
+        let header = Header::parse(&self.map[at(0)..at(len)], len, &self.url)?;
+        let (m, mlen) = (header.manifest_offset, header.manifest_len);
+        if mlen > limits.max_manifest_bytes {
+            return Ok(());
+        }
+        self.fetch(&[(base + m, mlen)])?;
         let manifest = manifest::decode(
-            &skeleton[m as usize..(m + mlen) as usize],
-            &url,
+            &self.map[at(m)..at(m + mlen)],
+            &self.url,
             limits.max_manifest_entries,
         )?;
         let blob_start = manifest
@@ -1033,38 +1120,204 @@ fn remote_part(
             .unwrap_or(m)
             .clamp(HEADER_LEN, m);
         if blob_start - HEADER_LEN <= limits.max_graph_bytes {
-            parent.read_ranges(
-                &names,
-                &[(0, HEADER_LEN, blob_start - HEADER_LEN, HEADER_LEN)],
-                &mut skeleton,
-            )?;
+            self.fetch(&[(base + HEADER_LEN, blob_start - HEADER_LEN)])?;
+        }
+        Ok(())
+    }
+
+    fn freeze(self) -> Result<RemotePart> {
+        Ok(RemotePart {
+            remote: self.parent,
+            name: self.name,
+            skeleton: self
+                .map
+                .make_read_only()
+                .map_err(|e| Error::io(&self.url, e))?,
+            blobs: std::sync::OnceLock::new(),
+        })
+    }
+}
+
+/// Marks every data range of `parts` at or past its part's blob section as a blob of
+/// `backing`, fetched on first use.
+fn register_blobs(backing: &Arc<Backing>, parts: &[Part]) {
+    let Backing::Remote(r) = &**backing else {
+        return;
+    };
+    let blobs = parts
+        .iter()
+        .filter(|p| Arc::ptr_eq(&p.backing, backing))
+        .flat_map(|p| {
+            let at = p.range.start;
+            p.located
+                .iter()
+                .filter_map(|(_, _, range)| range.clone())
+                .filter(move |r| r.start as u64 >= p.blob_start && !r.is_empty())
+                .map(move |r| (at + r.start, (at + r.end, std::sync::OnceLock::new())))
+        })
+        .collect();
+    let _ = r.blobs.set(blobs);
+}
+
+/// An SDZ archive in a store, read by range: its end records and central directory, each
+/// entry's local header, then each model entry as [`remote_part`] reads an SDNB (STORED) or
+/// whole (DEFLATE, inflated here). Extra entries are fetched when asked for.
+fn open_sdz_remote(
+    parent: &crate::storage::Remote,
+    name: &str,
+    size: u64,
+    limits: &Limits,
+) -> Result<Container> {
+    let mut sk = Skeleton::new(parent, name, size)?;
+    let url = sk.url.clone();
+    let bad = |rule: &str| Error::format(&url, format!("not a readable ZIP archive: {rule}"));
+    // The end record (with its comment, at most 64 KiB) and the ZIP64 locator before it.
+    let tail = size.min(22 + 0xFFFF + 20);
+    sk.fetch(&[(size - tail, tail)])?;
+    let (cd_start, cd_len) = {
+        let bytes = &sk.map[..];
+        let eocd = (size - tail..=size.saturating_sub(22))
+            .rev()
+            .find(|&i| bytes[i as usize..i as usize + 4] == [0x50, 0x4b, 0x05, 0x06])
+            .ok_or_else(|| bad("no end of central directory record"))? as usize;
+        let u32_at =
+            |o: usize| u64::from(u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4")));
+        let (len, start) = (u32_at(eocd + 12), u32_at(eocd + 16));
+        if (len == 0xFFFF_FFFF || start == 0xFFFF_FFFF) && eocd >= 20 {
+            // ZIP64: the locator names the ZIP64 end record, which holds the real values.
+            let loc = eocd - 20;
+            if u32_at(loc) != 0x0706_4b50 {
+                return Err(bad("a ZIP64 end record without its locator"));
+            }
+            let rec = u64::from_le_bytes(bytes[loc + 8..loc + 16].try_into().expect("8"));
+            if rec.checked_add(56).is_none_or(|e| e > size) {
+                return Err(bad("the ZIP64 end record lies past the archive's end"));
+            }
+            sk.fetch(&[(rec, 56)])?;
+            let r = rec as usize;
+            let u64_at = |o: usize| u64::from_le_bytes(sk.map[o..o + 8].try_into().expect("8"));
+            (u64_at(r + 48), u64_at(r + 40))
+        } else {
+            (start, len)
+        }
+    };
+    if cd_start.checked_add(cd_len).is_none_or(|e| e > size) {
+        return Err(bad("the central directory lies past the archive's end"));
+    }
+    sk.fetch(&[(cd_start, cd_len)])?;
+    // Each central record names its local header; fetch the fixed part, then the name and
+    // extra field with the first bytes of the data (enough to tell an SDNB entry).
+    let locals = local_headers(
+        &sk.map[cd_start as usize..(cd_start + cd_len) as usize],
+        limits,
+    );
+    sk.fetch(&locals.iter().map(|&o| (o, 30)).collect::<Vec<_>>())?;
+    let rest: Vec<(u64, u64)> = locals
+        .iter()
+        .filter(|&&o| o + 30 <= size)
+        .map(|&o| {
+            let h = o as usize;
+            let u16_at =
+                |i: usize| u64::from(u16::from_le_bytes([sk.map[h + i], sk.map[h + i + 1]]));
+            (o + 30, u16_at(26) + u16_at(28) + PEEK_BYTES)
+        })
+        .collect();
+    sk.fetch(&rest)?;
+    let entries = sdz::entries(&sk.map, &url, &limits.zip)?;
+    let chosen = sdz::choose_model(&sk.map, &entries, &url)?;
+    let order: Vec<usize> = match &chosen {
+        ModelEntries::Single(i) => vec![*i],
+        ModelEntries::Sharded(v) => v.clone(),
+    };
+    for &i in &order {
+        let e = &entries[i];
+        match e.method {
+            Method::Stored => sk.fetch_sdnb(e.data.start, e.data.end - e.data.start, limits)?,
+            Method::Deflate => sk.fetch(&[(e.data.start, e.data.end - e.data.start)])?,
         }
     }
-    let part_remote = RemotePart {
-        remote: parent.clone(),
-        name: name.to_string(),
-        skeleton: skeleton.make_read_only().map_err(|e| Error::io(&url, e))?,
-        blobs: std::sync::OnceLock::new(),
-    };
-    let part = Part::parse(
-        Arc::new(Backing::Remote(part_remote)),
-        0..len,
-        url,
-        origin,
-        limits,
-    )?;
-    if let Backing::Remote(r) = &*part.backing {
-        // Every data range at or past the blob section is a blob, fetched on first use.
-        let blobs = part
-            .located
-            .iter()
-            .filter_map(|(_, _, range)| range.clone())
-            .filter(|r| r.start as u64 >= part.blob_start && !r.is_empty())
-            .map(|r| (r.start, (r.end, std::sync::OnceLock::new())))
-            .collect();
-        let _ = r.blobs.set(blobs);
+    let backing = Arc::new(Backing::Remote(sk.freeze()?));
+    let mut parts = Vec::with_capacity(order.len());
+    for &i in &order {
+        let e = &entries[i];
+        let label = PathBuf::from(format!("{}!{}", url.display(), e.name));
+        let origin = Origin {
+            file: url.clone(),
+            offset: e.data.start,
+            entry: Some(e.clone()),
+        };
+        let part = match e.method {
+            Method::Stored => {
+                let r = e.data.start as usize..e.data.end as usize;
+                Part::parse(backing.clone(), r, label, origin, limits)?
+            }
+            Method::Deflate => {
+                let v = sdz::inflate(backing.bytes(), e, &url)?;
+                let n = v.len();
+                Part::parse(Arc::new(Backing::Owned(v)), 0..n, label, origin, limits)?
+            }
+        };
+        parts.push(part);
     }
-    Ok(part)
+    register_blobs(&backing, &parts);
+    let extras = entries
+        .into_iter()
+        .enumerate()
+        .filter(|(i, e)| !e.is_dir && !order.contains(i))
+        .map(|(_, e)| e)
+        .collect();
+    let n = parts.len();
+    assemble(
+        &url,
+        Kind::Sdz { shards: n },
+        parts,
+        Some((backing, extras)),
+    )
+}
+
+/// Bytes of each entry's data fetched with its local header: an SDNB's magic, or enough
+/// DEFLATE input to inflate it.
+const PEEK_BYTES: u64 = 4096;
+
+/// The local header offsets the central directory records in `cd` name (at most the archive
+/// limit's count; records past a malformed one are left to the full parse, which refuses it).
+fn local_headers(cd: &[u8], limits: &Limits) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while out.len() < limits.zip.max_entries && at + 46 <= cd.len() {
+        let u16_at = |o: usize| u16::from_le_bytes([cd[at + o], cd[at + o + 1]]) as usize;
+        let u32_at = |o: usize| u32::from_le_bytes(cd[at + o..at + o + 4].try_into().expect("4"));
+        if u32_at(0) != 0x0201_4b50 {
+            break;
+        }
+        let (name, extra, comment) = (u16_at(28), u16_at(30), u16_at(32));
+        let mut offset = u64::from(u32_at(42));
+        if offset == 0xFFFF_FFFF {
+            // ZIP64 extra field: the 64-bit values present are those whose 32-bit field is full.
+            let ex = cd
+                .get(at + 46 + name..at + 46 + name + extra)
+                .unwrap_or(&[]);
+            let mut i = 0;
+            while i + 4 <= ex.len() {
+                let (id, n) = (
+                    u16::from_le_bytes([ex[i], ex[i + 1]]),
+                    u16::from_le_bytes([ex[i + 2], ex[i + 3]]) as usize,
+                );
+                if id == 1 {
+                    let full = |o: usize| u32_at(o) == 0xFFFF_FFFF;
+                    let skip = 8 * (usize::from(full(24)) + usize::from(full(20)));
+                    if let Some(v) = ex.get(i + 4 + skip..i + 4 + skip + 8) {
+                        offset = u64::from_le_bytes(v.try_into().expect("8"));
+                    }
+                    break;
+                }
+                i += 4 + n;
+            }
+        }
+        out.push(offset);
+        at += 46 + name + extra + comment;
+    }
+    out
 }
 
 fn open_sharded(path: &Path, dir: &Path, base: &str, limits: &Limits) -> Result<Container> {
