@@ -529,6 +529,37 @@ def test_sdz_archives_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
         sdnb.open(f"s3://{bucket}/models/cut.sdz")
 
 
+def test_damaged_remote_containers_are_refused_never_crash(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    # Bytes flipped where opening by range reads (headers, manifests, graphs, the archive's end
+    # records, central directory and local headers): every open either succeeds (a harmless
+    # byte) or raises a shardkit error; a Rust panic would surface as PanicException instead.
+    bucket = s3.bucket()
+    big = np.arange(2_500_000, dtype=np.float32)
+    sources = {}
+    for name in ["m.sdnb", "m.sdz"]:
+        sdnb.save(tmp_path / name, {"w": np.ones((3, 4), np.float32), "big": big})
+        sources[name] = (tmp_path / name).read_bytes()
+    rng = np.random.default_rng(7)
+    refused = 0
+    for i in range(40):
+        name = ["m.sdnb", "m.sdz"][i % 2]
+        data = bytearray(sources[name])
+        # In the SDNB header and graph's start, or the last bytes (manifest, ZIP end records
+        # and central directory); STORED archives start with a local header.
+        at = int(rng.integers(0, 160)) if rng.random() < 0.5 else len(data) - 1 - int(rng.integers(0, 400))
+        data[at] ^= int(rng.integers(1, 256))
+        key = f"damaged/{i}-{name}"
+        s3.client().put_object(Bucket=bucket, Key=key, Body=bytes(data))
+        try:
+            c = sdnb.open(f"s3://{bucket}/{key}")
+            for v in c:
+                c[v]
+        except shardkit.ShardkitError as e:
+            assert f"s3://{bucket}/{key}" in str(e), e
+            refused += 1
+    assert refused >= 10, refused
+
+
 def test_containers_through_the_opt_in_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     bucket = s3.bucket()
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
