@@ -229,6 +229,61 @@ def test_saev_remote_write_killed_after_every_object_resumes_identically(
         assert tree(down) == tree(local), k
 
 
+KILLED_TOKENS_AND_EAGLE3 = """
+import sys
+sys.path.insert(0, {here!r})
+from test_s3 import write_tokens_and_eagle3
+write_tokens_and_eagle3(sys.argv[1], sys.argv[2])
+"""
+
+
+def write_tokens_and_eagle3(what: str, root: str, resume: bool = False) -> None:
+    """Writes the small flat-tokens dataset or EAGLE-3 cache of the kill test to `root`
+    (`resume`: continue a killed flat-tokens write, as locally)."""
+    from test_eagle3 import config, sample
+
+    if what == "tokens":
+        docs = [np.arange(1 + i % 37, dtype=np.uint32) + i + 1 for i in range(300)]
+        with flat_tokens.Writer(
+            root, "train", progress=False, resume=resume, tokens_per_shard=1024, tokens_per_chunk=256
+        ) as w:
+            if not resume:
+                w.append(docs)
+    else:
+        with eagle3.Writer(root, config(n=6, s=2), resume=resume) as w:
+            for i in range(w.next_sample, 6):
+                w.add(sample(i))
+
+
+@pytest.mark.parametrize("what", ["tokens", "eagle3"])
+def test_tokens_and_eagle3_remote_writes_killed_after_every_object_resume_identically(
+    tmp_path: Path, s3: S3, env: Dict[str, str], what: str
+) -> None:
+    local = tmp_path / "local"
+    write_tokens_and_eagle3(what, str(local))
+    n_objects = len(tree(local))
+    script = KILLED_TOKENS_AND_EAGLE3.format(here=str(HERE))
+    opener = (lambda u: flat_tokens.open(u)["train"]) if what == "tokens" else eagle3.open
+    for k in range(1, n_objects + 1):
+        bucket = s3.bucket()
+        url = f"s3://{bucket}/ds"
+        staging = tmp_path / f"staging{k}"
+        child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(staging), SHARDKIT_TEST_ABORT_AFTER_PUTS=str(k))
+        r = subprocess.run([sys.executable, "-c", script, what, url], env=child_env, capture_output=True)
+        assert r.returncode != 0, (k, r.stderr[-2000:])
+        if k < n_objects:
+            # The commit record goes last: until then readers refuse the dataset.
+            with pytest.raises(shardkit.ShardkitError):
+                opener(url)
+        with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
+            # A killed write is continued with resume=True, as locally; here every token or
+            # sample was staged, so only the upload remains.
+            write_tokens_and_eagle3(what, url, resume=True)
+        down = tmp_path / f"down{k}"
+        shardkit.download(url, down)
+        assert tree(down) == tree(local), k
+
+
 # --- faults ---------------------------------------------------------------------------------------
 
 
