@@ -1237,42 +1237,7 @@ fn open_sdz_remote(
         }
     }
     let backing = Arc::new(Backing::Remote(sk.freeze()?));
-    let mut parts = Vec::with_capacity(order.len());
-    for &i in &order {
-        let e = &entries[i];
-        let label = PathBuf::from(format!("{}!{}", url.display(), e.name));
-        let origin = Origin {
-            file: url.clone(),
-            offset: e.data.start,
-            entry: Some(e.clone()),
-        };
-        let part = match e.method {
-            Method::Stored => {
-                let r = e.data.start as usize..e.data.end as usize;
-                Part::parse(backing.clone(), r, label, origin, limits)?
-            }
-            Method::Deflate => {
-                let v = sdz::inflate(backing.bytes(), e, &url)?;
-                let n = v.len();
-                Part::parse(Arc::new(Backing::Owned(v)), 0..n, label, origin, limits)?
-            }
-        };
-        parts.push(part);
-    }
-    register_blobs(&backing, &parts);
-    let extras = entries
-        .into_iter()
-        .enumerate()
-        .filter(|(i, e)| !e.is_dir && !order.contains(i))
-        .map(|(_, e)| e)
-        .collect();
-    let n = parts.len();
-    assemble(
-        &url,
-        Kind::Sdz { shards: n },
-        parts,
-        Some((backing, extras)),
-    )
+    sdz_container(&url, backing, entries, &order, limits)
 }
 
 /// Bytes of each entry's data fetched with its local header: an SDNB's magic, or enough
@@ -1413,8 +1378,20 @@ fn open_sdz(path: &Path, limits: &Limits) -> Result<Container> {
         ModelEntries::Single(i) => vec![*i],
         ModelEntries::Sharded(v) => v.clone(),
     };
+    sdz_container(path, map, entries, &order, limits)
+}
+
+/// The container of an archive at `path` held in `backing`: the model entries `order` parsed
+/// (STORED in place, DEFLATE inflated), the other entries kept as extras.
+fn sdz_container(
+    path: &Path,
+    backing: Arc<Backing>,
+    entries: Vec<ZipEntry>,
+    order: &[usize],
+    limits: &Limits,
+) -> Result<Container> {
     let mut parts = Vec::with_capacity(order.len());
-    for &i in &order {
+    for &i in order {
         let e = &entries[i];
         let label = PathBuf::from(format!("{}!{}", path.display(), e.name));
         let origin = Origin {
@@ -1425,16 +1402,17 @@ fn open_sdz(path: &Path, limits: &Limits) -> Result<Container> {
         let part = match e.method {
             Method::Stored => {
                 let r = e.data.start as usize..e.data.end as usize;
-                Part::parse(map.clone(), r, label, origin, limits)?
+                Part::parse(backing.clone(), r, label, origin, limits)?
             }
             Method::Deflate => {
-                let v = sdz::inflate(bytes, e, path)?;
+                let v = sdz::inflate(backing.bytes(), e, path)?;
                 let n = v.len();
                 Part::parse(Arc::new(Backing::Owned(v)), 0..n, label, origin, limits)?
             }
         };
         parts.push(part);
     }
+    register_blobs(&backing, &parts);
     let extras = entries
         .into_iter()
         .enumerate()
@@ -1442,7 +1420,12 @@ fn open_sdz(path: &Path, limits: &Limits) -> Result<Container> {
         .map(|(_, e)| e)
         .collect();
     let n = parts.len();
-    assemble(path, Kind::Sdz { shards: n }, parts, Some((map, extras)))
+    assemble(
+        path,
+        Kind::Sdz { shards: n },
+        parts,
+        Some((backing, extras)),
+    )
 }
 
 /// Merges the parts' variables (§9.6 for sets) into one listing.
