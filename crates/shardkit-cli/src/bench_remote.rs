@@ -481,6 +481,28 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             }
             reads.push(e);
         }
+        // One reader that asks for every tensor at once first (`Container::prefetch`).
+        let before = counters();
+        let t0 = Instant::now();
+        let c = sdnb::open(&url)?;
+        c.prefetch::<&str>(&[])?;
+        let mut bytes = 0u64;
+        for v in c.variables() {
+            bytes += std::hint::black_box(c.tensor_of(v)?.bytes).len() as u64;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let after = counters();
+        reads.push(loader_entry(
+            "sdnb: open, prefetch every tensor, then read them (one thread)",
+            n,
+            1,
+            bytes,
+            secs,
+            c.variables().len() as u64,
+            after.gets - before.gets,
+            after.get_bytes - before.get_bytes,
+            ceiling,
+        ));
     }
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),

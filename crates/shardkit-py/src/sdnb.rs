@@ -183,6 +183,11 @@ impl SdnbContainer {
         let view = RustBuffer::view(c.clone(), bytes, fmt, &shape, fortran, false);
         record(py, [("dtype", obj(py, dtype)?), ("array", obj(py, view)?)])
     }
+    /// Fetches these tensors of a container read from a store in one batch (without the GIL).
+    fn prefetch(&self, py: Python<'_>, names: Vec<String>) -> PyResult<()> {
+        let c = self.get()?;
+        py.allow_threads(|| c.prefetch(&names)).map_err(to_py)
+    }
     /// Drops this object's reference to the container; arrays handed out stay valid.
     fn close(&self) {
         self.inner.write().unwrap_or_else(|e| e.into_inner()).take();

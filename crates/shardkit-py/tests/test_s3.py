@@ -506,6 +506,18 @@ def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
     np.testing.assert_array_equal(c["big"], big)
     assert shardkit.storage_counters()["gets"] == got_big["gets"], "a fetched blob is kept"
     np.testing.assert_array_equal(c["other"], other)
+    # prefetch fetches every blob in one batch; indexing then makes no request.
+    c2 = sdnb.open(url)
+    before = shardkit.storage_counters()
+    c2.prefetch()
+    fetched = shardkit.storage_counters()
+    assert fetched["get_bytes"] - before["get_bytes"] == big.nbytes + other.nbytes
+    np.testing.assert_array_equal(c2["big"], big)
+    np.testing.assert_array_equal(c2["other"], other)
+    c2.prefetch(["big"])
+    assert shardkit.storage_counters()["gets"] == fetched["gets"]
+    with pytest.raises(KeyError):
+        c2.prefetch(["nope"])
     local = sdnb.open(model)
     assert sorted(c) == sorted(local) and c.metadata == local.metadata
     assert sdnb.validate(url)["valid"]
@@ -563,6 +575,13 @@ def test_sdz_archives_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
         np.testing.assert_array_equal(c["w"], w)
         assert sorted(c) == sorted(sdnb.open(local))
         assert sdnb.validate(url)["valid"]
+        # Prefetching every tensor of a fresh open fetches exactly the blobs.
+        fresh = sdnb.open(url)
+        before = shardkit.storage_counters()
+        fresh.prefetch()
+        assert shardkit.storage_counters()["get_bytes"] - before["get_bytes"] == big.nbytes
+        np.testing.assert_array_equal(fresh["big"], big)
+        sdnb.open(local).prefetch()  # local: nothing to do
     # A DEFLATE archive written by Python's zipfile, with an extra entry: the model entry is
     # fetched and inflated; the extra entry is fetched when asked for.
     plain = tmp_path / "plain.sdnb"

@@ -21,7 +21,7 @@ import collections.abc
 import json
 import dataclasses
 import os
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -138,6 +138,16 @@ class Container(collections.abc.Mapping):  # type: ignore[type-arg]
 
     def __contains__(self, name: object) -> bool:
         return name in self._known
+
+    def prefetch(self, names: Optional[Iterable[str]] = None) -> None:
+        """Fetches these tensors (default: all) of a container read from ``s3://`` in a few
+        lists of parallel ranged GETs, so indexing them afterwards makes no request: the fast
+        way to load a whole model from a store. Does nothing for a local container."""
+        wanted = list(self._names if names is None else names)
+        for n in wanted:
+            if n not in self._known:
+                raise KeyError(n)
+        self._c.prefetch(wanted)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

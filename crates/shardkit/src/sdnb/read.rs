@@ -276,6 +276,62 @@ impl RemotePart {
             .map(|v| &v[..])
             .ok_or_else(|| Error::Internal("internal: a fetched blob vanished".into()))
     }
+
+    /// Fetches the blobs among `ranges` not yet held, many per request list (at most
+    /// [`PREFETCH_GROUP_BYTES`] each), so their GETs run in parallel and coalesce.
+    fn prefetch(&self, ranges: &[Range<usize>]) -> Result<()> {
+        let Some(blobs) = self.blobs.get() else {
+            return Ok(());
+        };
+        let mut want: Vec<(Range<usize>, &std::sync::OnceLock<Vec<u8>>)> = ranges
+            .iter()
+            .filter_map(|r| {
+                let (end, cell) = blobs.get(&r.start)?;
+                (*end == r.end && cell.get().is_none()).then(|| (r.clone(), cell))
+            })
+            .collect();
+        want.sort_by_key(|(r, _)| r.start);
+        want.dedup_by_key(|(r, _)| r.start);
+        for group in group_by_bytes(&want, PREFETCH_GROUP_BYTES) {
+            let mut reqs = Vec::with_capacity(group.len());
+            let mut dst = 0u64;
+            for (r, _) in group {
+                reqs.push((0u32, r.start as u64, r.len() as u64, dst));
+                dst += r.len() as u64;
+            }
+            let mut buf = vec![0u8; dst as usize];
+            self.remote
+                .read_ranges(std::slice::from_ref(&self.name), &reqs, &mut buf)?;
+            let mut at = 0;
+            for (r, cell) in group {
+                let _ = cell.set(buf[at..at + r.len()].to_vec());
+                at += r.len();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of blobs fetched by one request list of [`RemotePart::prefetch`] (bounds the
+/// transient copy).
+const PREFETCH_GROUP_BYTES: usize = 1 << 30;
+
+/// `items` cut into consecutive groups of at most `cap` bytes of ranges (a larger range is a
+/// group of its own).
+fn group_by_bytes<T>(items: &[(Range<usize>, T)], cap: usize) -> Vec<&[(Range<usize>, T)]> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (r, _)) in items.iter().enumerate() {
+        if i > start && bytes + r.len() > cap {
+            out.push(&items[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += r.len();
+    }
+    if start < items.len() {
+        out.push(&items[start..]);
+    }
+    out
 }
 
 /// Where a part sits on disk, for in-place edits.
@@ -742,6 +798,47 @@ impl Container {
             Error::Missing(format!("{}: no variable {name:?}", self.path.display()))
         })?;
         self.tensor_of(v)
+    }
+
+    /// Fetches the tensors `names` (every one when empty) of a container read from an object
+    /// store in a few lists of parallel, coalesced ranged GETs, so that reading them afterwards
+    /// costs no request; tensors already fetched are skipped. Does nothing for a local
+    /// container.
+    pub fn prefetch<S: AsRef<str>>(&self, names: &[S]) -> Result<()> {
+        let vars: Vec<&Variable> = if names.is_empty() {
+            self.variables.iter().collect()
+        } else {
+            names
+                .iter()
+                .map(|n| {
+                    self.variable(n.as_ref()).ok_or_else(|| {
+                        Error::Missing(format!(
+                            "{}: no variable {:?}",
+                            self.path.display(),
+                            n.as_ref()
+                        ))
+                    })
+                })
+                .collect::<Result<_>>()?
+        };
+        let mut by_part: std::collections::BTreeMap<usize, Vec<Range<usize>>> = Default::default();
+        for v in vars {
+            if let Some((p, r)) = &v.data {
+                by_part.entry(*p).or_default().push(r.clone());
+            }
+        }
+        for (p, ranges) in by_part {
+            let part = &self.parts[p];
+            if let Backing::Remote(remote) = &*part.backing {
+                let at = part.range.start;
+                let ranges: Vec<Range<usize>> = ranges
+                    .into_iter()
+                    .map(|r| at + r.start..at + r.end)
+                    .collect();
+                remote.prefetch(&ranges)?;
+            }
+        }
+        Ok(())
     }
 
     /// The tensor of a listed variable.
