@@ -688,28 +688,14 @@ impl Remote {
     }
 }
 
-/// Whether SDNB/SDZ containers read from a store go through the local cache: only when
-/// `$SHARDKIT_CACHE_DIR` is set. Otherwise they are read by range.
-pub fn cache_enabled() -> bool {
-    std::env::var_os("SHARDKIT_CACHE_DIR").is_some_and(|d| !d.is_empty())
-}
-
-/// The bounded local cache of whole objects (containers read from a store, when
-/// [`cache_enabled`]): the directory `$SHARDKIT_CACHE_DIR` (default `$XDG_CACHE_HOME/shardkit`,
-/// else `~/.cache/shardkit`, else the temporary directory), holding at most
-/// `$SHARDKIT_CACHE_GIB` GiB (default 32); the least recently used objects are evicted to make
-/// room.
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("SHARDKIT_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("shardkit");
-    }
-    match std::env::var_os("HOME") {
-        Some(h) => PathBuf::from(h).join(".cache").join("shardkit"),
-        None => std::env::temp_dir().join("shardkit-cache"),
-    }
+/// The bounded local cache of whole objects, `$SHARDKIT_CACHE_DIR`, when it is set: SDNB/SDZ
+/// containers read from a store are then copied whole into it (at most `$SHARDKIT_CACHE_GIB`
+/// GiB, default 32; the least recently used objects are evicted to make room) instead of read
+/// by range.
+pub fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os("SHARDKIT_CACHE_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
 }
 
 fn cache_limit() -> u64 {
@@ -723,10 +709,16 @@ fn cache_limit() -> u64 {
 /// Bytes fetched per step when an object is copied into the cache.
 const CACHE_STEP: u64 = 256 << 20;
 
-/// A local copy of object `name` under `remote` in the [`cache_dir`]: reused while its size
+/// A local copy of object `name` under `remote` in the cache at `cache`: reused while its size
 /// and ETag match the object's, else fetched again (parallel ranged GETs, written atomically).
-fn cached_object(remote: &Remote, name: &str, size: u64, etag: Option<&str>) -> Result<PathBuf> {
-    let dir = cache_dir().join(&remote.bucket).join(&remote.prefix);
+fn cached_object(
+    cache: &Path,
+    remote: &Remote,
+    name: &str,
+    size: u64,
+    etag: Option<&str>,
+) -> Result<PathBuf> {
+    let dir = cache.join(&remote.bucket).join(&remote.prefix);
     let local = dir.join(name);
     let stamp = dir.join(format!(".{name}.etag"));
     let stamp_ok = match (etag, std::fs::read_to_string(&stamp)) {
@@ -740,7 +732,7 @@ fn cached_object(remote: &Remote, name: &str, size: u64, etag: Option<&str>) -> 
         return Ok(local);
     }
     std::fs::create_dir_all(&dir).at(&dir)?;
-    evict_cache(size)?;
+    evict_cache(cache, size)?;
     // Ranks of one node may fetch the same object at once: each into its own temporary.
     let tmp = dir.join(format!(
         ".{name}.{}.{:?}.tmp",
@@ -769,9 +761,10 @@ fn cached_object(remote: &Remote, name: &str, size: u64, etag: Option<&str>) -> 
     Ok(local)
 }
 
-/// Removes the least recently used files of the cache until `incoming` more bytes fit.
-fn evict_cache(incoming: u64) -> Result<()> {
-    let root = cache_dir();
+/// Removes the least recently used files of the cache at `root` until `incoming` more bytes
+/// fit.
+fn evict_cache(root: &Path, incoming: u64) -> Result<()> {
+    let root = root.to_path_buf();
     let limit = cache_limit();
     let mut files = Vec::new();
     let mut stack = vec![root.clone()];
@@ -803,8 +796,8 @@ fn evict_cache(incoming: u64) -> Result<()> {
 
 /// A container (one object, or a shard set `BASE.shard<i>-of-<N>.sdnb` beside `url`) copied into
 /// the bounded [`cache_dir`] (reused while each object's size and ETag are unchanged); returns
-/// the local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_enabled`]).
-pub(crate) fn fetch_container(url: &Path) -> Result<PathBuf> {
+/// the local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_dir`]).
+pub(crate) fn fetch_container(url: &Path, cache: &Path) -> Result<PathBuf> {
     let remote = Remote::parse(url)?;
     let (parent, name) = remote.split_last()?;
     let objects: Vec<(String, u64, Option<String>)> = parent
@@ -812,12 +805,9 @@ pub(crate) fn fetch_container(url: &Path) -> Result<PathBuf> {
         .into_iter()
         .filter(|(n, _, _)| !n.contains('/'))
         .collect();
-    let local = cache_dir()
-        .join(&parent.bucket)
-        .join(&parent.prefix)
-        .join(&name);
+    let local = cache.join(&parent.bucket).join(&parent.prefix).join(&name);
     if let Some((_, size, etag)) = objects.iter().find(|(n, _, _)| *n == name) {
-        return cached_object(&parent, &name, *size, etag.as_deref());
+        return cached_object(cache, &parent, &name, *size, etag.as_deref());
     }
     let base = crate::sdnb::read::base_name(&name);
     let shards: Vec<_> = objects
@@ -835,7 +825,7 @@ pub(crate) fn fetch_container(url: &Path) -> Result<PathBuf> {
         });
     }
     for (n, size, etag) in shards {
-        cached_object(&parent, n, *size, etag.as_deref())?;
+        cached_object(cache, &parent, n, *size, etag.as_deref())?;
     }
     Ok(local)
 }

@@ -72,6 +72,22 @@ fn counted(root: &Path) -> (Arc<Counting>, Split) {
     (store, split)
 }
 
+/// The dataset of [`write`] sharded in 256 tokens, 16-token inner chunks, in a temporary
+/// directory (kept while the first value lives).
+fn sharded_16_256() -> (tempfile::TempDir, std::path::PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ds.zarr");
+    write(
+        &root,
+        Layout::V3(Sharded {
+            tokens_per_shard: 256,
+            tokens_per_chunk: 16,
+            ..Default::default()
+        }),
+    );
+    (tmp, root)
+}
+
 fn options() -> LoaderOptions {
     let mut o = LoaderOptions::new(40, 8);
     o.sequences_per_read_block = Some(4);
@@ -82,17 +98,8 @@ fn options() -> LoaderOptions {
 
 #[test]
 fn a_sharded_step_reads_only_the_inner_chunks_of_its_rows() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("ds.zarr");
+    let (_tmp, root) = sharded_16_256();
     let chunk = 16u64;
-    write(
-        &root,
-        Layout::V3(Sharded {
-            tokens_per_shard: 256,
-            tokens_per_chunk: chunk,
-            ..Default::default()
-        }),
-    );
     let (store, split) = counted(&root);
     let loader = TokenLoader::new(split, options()).unwrap();
     for step in [0, 5, loader.step_count() - 1] {
@@ -222,17 +229,8 @@ fn buffers_in_memory_serve_the_same_batches_as_rows_read_one_by_one() {
 
 #[test]
 fn a_buffer_in_memory_fetches_each_inner_chunk_once_and_serves_its_steps() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().join("ds.zarr");
+    let (_tmp, root) = sharded_16_256();
     let chunk = 16u64;
-    write(
-        &root,
-        Layout::V3(Sharded {
-            tokens_per_shard: 256,
-            tokens_per_chunk: chunk,
-            ..Default::default()
-        }),
-    );
     let (store, split) = counted(&root);
     let mut o = options();
     o.buffer_in_memory = Some(true);

@@ -760,13 +760,9 @@ fn buffer_bytes(schedule: &Schedule, host_rows: &Range<u64>, seq_len: u64) -> u6
     let bips = schedule.rows_per_stream().max(1);
     let streams =
         (host_rows.end.saturating_sub(1) / bips + 1).saturating_sub(host_rows.start / bips);
-    let p = schedule.params();
-    let blocks = p
-        .read_blocks_per_shuffle_buffer
-        .min(schedule.read_blocks() / p.streams.max(1));
     streams
-        .saturating_mul(blocks)
-        .saturating_mul(p.sequences_per_read_block)
+        .saturating_mul(schedule.blocks_in(0))
+        .saturating_mul(schedule.params().sequences_per_read_block)
         .saturating_mul(seq_len)
         .saturating_mul(4)
 }

@@ -287,7 +287,7 @@ impl Schedule {
     }
 
     /// Read blocks in each stream's buffer of minipoch `m` (R, fewer in the last).
-    fn blocks_in(&self, m: u64) -> u64 {
+    pub(crate) fn blocks_in(&self, m: u64) -> u64 {
         let (sn, r) = (self.p.streams, self.p.read_blocks_per_shuffle_buffer);
         if m < self.minipochs - 1 {
             r
@@ -339,20 +339,24 @@ impl Schedule {
             self.p.read_blocks_per_shuffle_buffer,
             self.p.sequences_per_read_block,
         );
-        let s = b / self.bips;
-        let q = t * self.bips + b % self.bips;
-        let m = q / (r * bb);
-        let row = q % (r * bb);
+        let (m, s, row) = self.position(t, b);
         let p = u64::from(self.buffer_perm(m, s)[row as usize]);
         let block = u64::from(self.p0[((m * r + p / bb) * sn + s) as usize]);
         Ok(block * bb + p % bb)
     }
 
+    /// Where row `b` of step `t` is drawn from (§5.4): (minipoch, stream, row of that
+    /// stream's shuffled buffer).
+    fn position(&self, t: u64, b: u64) -> (u64, u64, u64) {
+        let per_buffer = self.p.read_blocks_per_shuffle_buffer * self.p.sequences_per_read_block;
+        let q = t * self.bips + b % self.bips;
+        (q / per_buffer, b / self.bips, q % per_buffer)
+    }
+
     /// The shuffle buffer (minipoch, stream) that row `b` of step `t` is drawn from.
     pub fn buffer_of(&self, t: u64, b: u64) -> (u64, u64) {
-        let q = t * self.bips + b % self.bips;
-        let m = q / (self.p.read_blocks_per_shuffle_buffer * self.p.sequences_per_read_block);
-        (m, b / self.bips)
+        let (m, s, _) = self.position(t, b);
+        (m, s)
     }
 
     /// The read blocks making up stream `s`'s buffer in minipoch `m` (block `k` holds sequences

@@ -607,8 +607,8 @@ impl Container {
     /// ([`crate::storage::cache_dir`], reused while unchanged) and opened from there.
     pub fn open_with(path: &Path, limits: &Limits) -> Result<Container> {
         if crate::storage::is_remote(path) {
-            if crate::storage::cache_enabled() {
-                let local = crate::storage::fetch_container(path)?;
+            if let Some(cache) = crate::storage::cache_dir() {
+                let local = crate::storage::fetch_container(path, &cache)?;
                 return Self::open_with(&local, limits);
             }
             return open_remote(path, limits);
