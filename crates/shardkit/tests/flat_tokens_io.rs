@@ -272,3 +272,49 @@ fn a_buffer_in_memory_fetches_each_inner_chunk_once_and_serves_its_steps() {
     assert!(store.reads.lock().unwrap().is_empty());
     assert!(second.rows.iter().all(|r| blocks.contains(&(r / 4))));
 }
+
+#[test]
+fn buffers_in_memory_read_inner_chunks_and_shards_a_zero_run_left_unstored() {
+    // 600 zero ids after a start: inner chunks, and shard 1 whole, hold only the fill value,
+    // so the writer stores none of them (zarr's store_empty_chunks = false).
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ds.zarr");
+    let mut w = Writer::create(
+        &root,
+        "train",
+        shardkit::flat_tokens::WriterOptions {
+            layout: Some(Layout::V3(Sharded {
+                tokens_per_shard: 256,
+                tokens_per_chunk: 16,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut seqs = vec![(1..=90).collect::<Vec<u32>>(), vec![0; 600]];
+    seqs.extend((0..30u32).map(|i| (0..i * 11 % 70 + 1).map(|j| i + j + 1).collect()));
+    w.append(&seqs).unwrap();
+    w.finish().unwrap();
+    assert!(!root.join("train/encoded_tokens/c/1").exists());
+    let mut o = LoaderOptions::new(32, 4);
+    o.sequences_per_read_block = Some(4);
+    o.read_blocks_per_shuffle_buffer = 8;
+    o.epochs = true;
+    let load = |in_memory| {
+        let mut o = o.clone();
+        o.buffer_in_memory = Some(in_memory);
+        let loader = TokenLoader::new(Split::open(&root, "train").unwrap(), o).unwrap();
+        all_steps(&loader)
+    };
+    let (rows, buffered) = (load(false), load(true));
+    assert!(
+        rows == buffered,
+        "buffers in memory differ from rows read one by one"
+    );
+    let zeros = buffered
+        .iter()
+        .flat_map(|b| b.encoded())
+        .filter(|&&e| e == 0);
+    assert!(zeros.count() >= 500, "the zero run is served");
+}

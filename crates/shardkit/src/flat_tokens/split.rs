@@ -5,6 +5,9 @@
 //! fast whatever the size; `seq_starts` is read on demand, like the tokens. Sharded arrays are
 //! read by inner chunk (partial decoding, shard indexes cached); other arrays by whole chunk
 //! through a small cache of decoded chunks (a seqax v2 chunk must be decoded whole anyway).
+//! Bulk reads ([`Column::fetch`], then [`Column::decode`]) fetch the inner chunks they need as
+//! one request list per shard, located through the shard's index, and decode zstd inner chunks
+//! directly (one reused zstd context per thread) rather than through zarrs' codec pipeline.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -43,6 +46,115 @@ struct Column {
     array: Arc<Array<Storage>>,
     path: PathBuf,
     access: Access,
+    /// How inner chunks are encoded, and the element size, when [`Column::decode`] can decode
+    /// them itself.
+    inner: Option<(InnerCodec, usize)>,
+    /// Where a shard keeps its index (sharded arrays only).
+    index: Option<ShardIndex>,
+}
+
+/// A shard's index of inner chunks, read by [`Column::fetch`] itself: zarrs 0.23's
+/// `subchunk_byte_range` overflows on an inner chunk the shard does not store (a run of fill
+/// values, such as 2,048 zero tokens), so the offsets are looked up here.
+struct ShardIndex {
+    codec: zarrs::array::codec::ShardingCodec,
+    /// Inner chunks per shard.
+    per_shard: std::num::NonZeroU64,
+    /// The bytes holding the index: its exact extent for the usual index codecs (`bytes`,
+    /// then maybe `crc32c`), else the whole shard.
+    extent: zarrs::storage::byte_range::ByteRange,
+}
+
+impl ShardIndex {
+    fn of(array: &Array<Storage>) -> Option<ShardIndex> {
+        use zarrs::storage::byte_range::ByteRange;
+        if !array.is_exclusively_sharded() {
+            return None;
+        }
+        let codecs = array.codecs();
+        let codec = codecs
+            .array_to_bytes_codec()
+            .as_any()
+            .downcast_ref::<zarrs::array::codec::ShardingCodec>()?
+            .clone();
+        let shard = array.chunk_shape(&[0]).ok()?[0].get();
+        let inner = array.subchunk_shape()?[0].get();
+        let per_shard = std::num::NonZeroU64::new(shard / inner)?;
+        let meta = serde_json::to_value(array.metadata()).ok()?;
+        let config = meta.get("codecs")?.get(0)?.get("configuration")?;
+        let mut len = Some(16 * per_shard.get());
+        for c in config.get("index_codecs")?.as_array()? {
+            match c.get("name").and_then(|n| n.as_str()) {
+                Some("bytes") => {}
+                Some("crc32c") => len = len.map(|l| l + 4),
+                _ => len = None,
+            }
+        }
+        let at_start = config.get("index_location").and_then(|l| l.as_str()) == Some("start");
+        let extent = match len {
+            Some(len) if at_start => ByteRange::FromStart(0, Some(len)),
+            Some(len) => ByteRange::Suffix(len),
+            None => ByteRange::FromStart(0, None),
+        };
+        Some(ShardIndex {
+            codec,
+            per_shard,
+            extent,
+        })
+    }
+}
+
+/// Encodings of a sharded array's inner chunks that [`Column::decode`] decodes directly (one
+/// reused zstd context per thread, straight into the output) instead of through zarrs' codec
+/// pipeline, which sets up a decoder and its bookkeeping for every few-KiB inner chunk and
+/// was most of the cost of a flat-tokens buffer read. Anything else goes through zarrs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum InnerCodec {
+    /// `bytes` (little-endian) alone.
+    Raw,
+    /// `bytes` (little-endian), then `zstd`.
+    Zstd,
+}
+
+impl InnerCodec {
+    /// The direct decoding that suits `array`, with its element size: a sharded array
+    /// (nothing around the sharding codec) of 32- or 64-bit unsigned integers stored
+    /// little-endian, maybe zstd-compressed, whose fill value is 0.
+    fn of(array: &Array<Storage>) -> Option<(InnerCodec, usize)> {
+        if cfg!(target_endian = "big") || !array.is_exclusively_sharded() {
+            return None;
+        }
+        let meta = serde_json::to_value(array.metadata()).ok()?;
+        let dtype = meta.get("data_type")?.as_str()?;
+        let fill_is_zero = meta.get("fill_value")?.as_u64() == Some(0);
+        let elem_size = match dtype {
+            "uint32" => 4,
+            "uint64" => 8,
+            _ => return None,
+        };
+        if !fill_is_zero {
+            return None;
+        }
+        let [sharding] = meta.get("codecs")?.as_array()?.as_slice() else {
+            return None;
+        };
+        if sharding.get("name")?.as_str()? != "sharding_indexed" {
+            return None;
+        }
+        let inner = sharding.get("configuration")?.get("codecs")?.as_array()?;
+        let name = |c: &serde_json::Value| c.get("name").and_then(|n| n.as_str()).map(String::from);
+        let little = |c: &serde_json::Value| {
+            let endian = c.get("configuration").and_then(|c| c.get("endian"));
+            endian.is_none_or(|e| e.as_str() == Some("little"))
+        };
+        match inner.as_slice() {
+            [b] if name(b)? == "bytes" && little(b) => Some((InnerCodec::Raw, elem_size)),
+            [b, z] if name(b)? == "bytes" && little(b) && name(z)? == "zstd" => {
+                Some((InnerCodec::Zstd, elem_size))
+            }
+            _ => None,
+        }
+    }
 }
 
 enum Access {
@@ -62,6 +174,8 @@ impl Column {
             ))
         };
         Column {
+            inner: InnerCodec::of(&array),
+            index: ShardIndex::of(&array),
             array,
             path,
             access,
@@ -120,7 +234,7 @@ impl Column {
     }
 
     /// Elements `ranges`, read together: [`Column::fetch`], then [`Column::decode`].
-    fn read_many<T: ElementOwned + Send>(
+    fn read_many<T: ElementOwned + bytemuck::Pod + Send>(
         &self,
         ranges: &[Range<u64>],
         what: &'static str,
@@ -162,7 +276,8 @@ impl Column {
         let inner_len = array
             .effective_subchunk_shape()
             .map(|s| s[0].get())
-            .filter(|_| sharded.array_is_exclusively_sharded());
+            .filter(|_| self.index.is_some());
+        let located = std::sync::Mutex::new(std::collections::HashMap::new());
         let fetch_one = |c: u64| -> Result<()> {
             let key = array.chunk_key(&[c]);
             let bounds = array
@@ -172,8 +287,7 @@ impl Column {
             let byte_ranges = match inner_len {
                 None => vec![zarrs::storage::byte_range::ByteRange::FromStart(0, None)],
                 Some(n) => {
-                    // The inner chunks of this shard that some range touches, in order (the
-                    // shard index is read once, through the cache).
+                    // The inner chunks of this shard that some range touches, in order.
                     let mut inner = std::collections::BTreeSet::new();
                     for r in &wanted {
                         let (a, b) = (r.start.max(lo), r.end.min(hi));
@@ -181,18 +295,24 @@ impl Column {
                             inner.extend(a / n..=(b - 1) / n);
                         }
                     }
-                    let mut v = Vec::with_capacity(inner.len());
-                    for i in inner {
-                        let at = array
-                            .subchunk_byte_range(&sharded, &[i])
-                            .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))?;
-                        v.extend(at);
+                    let inner: Vec<u64> = inner.into_iter().collect();
+                    let at = self.locate(&fetched, &key, c, &(lo..hi), &inner, what)?;
+                    if self.inner.is_some() {
+                        let key: Arc<str> = key.as_str().into();
+                        let mut located = located.lock().unwrap_or_else(|e| e.into_inner());
+                        located.extend(
+                            inner
+                                .iter()
+                                .zip(&at)
+                                .map(|(&i, &at)| (i, (key.clone(), at))),
+                        );
                     }
-                    v
+                    at.into_iter().flatten().collect()
                 }
             };
             fetched
                 .fetch(&key, byte_ranges)
+                .map(|_| ())
                 .map_err(|e| self.read_error(&e, &subset_of(&(lo..hi)), what))
         };
         let next = std::sync::atomic::AtomicUsize::new(0);
@@ -218,17 +338,79 @@ impl Column {
             }
             result
         })?;
+        let direct = match (self.inner, inner_len) {
+            (Some((codec, elem_size)), Some(inner_len)) => Some(Direct {
+                codec,
+                elem_size,
+                inner_len,
+                located: located.into_inner().unwrap_or_else(|e| e.into_inner()),
+            }),
+            _ => None,
+        };
         Ok(Fetched {
             array,
+            fetched,
             sharded,
             by_inner_chunk: inner_len.is_some(),
+            direct,
             ranges: ranges.to_vec(),
         })
     }
 
+    /// The byte ranges of inner chunks `inner` (indexes in the whole array) in shard `shard`
+    /// (`None`: not stored, all fill value), from the shard's index, which is fetched into
+    /// `fetched` (the decoding that may follow reads it there).
+    fn locate(
+        &self,
+        fetched: &Prefetched,
+        key: &StoreKey,
+        shard: u64,
+        span: &Range<u64>,
+        inner: &[u64],
+        what: &'static str,
+    ) -> Result<Vec<Option<zarrs::storage::byte_range::ByteRange>>> {
+        use zarrs::storage::byte_range::ByteRange;
+        let file = || self.store_root().join(key.as_str());
+        let Some(index) = &self.index else {
+            return Err(Error::Internal("locate: not a sharded array".into()));
+        };
+        let present = fetched
+            .fetch(key, vec![index.extent])
+            .map_err(|e| self.read_error(&e, &subset_of(span), what))?;
+        if !present {
+            return Ok(vec![None; inner.len()]); // no shard: all fill value
+        }
+        let bytes = fetched
+            .lookup(key.as_str(), index.extent)
+            .ok_or_else(|| Error::format(file(), "the shard is shorter than its index"))?;
+        let offsets = index
+            .codec
+            .decode_index(&bytes, &[index.per_shard], &CodecOptions::default())
+            .map_err(|e| Error::format(file(), format!("shard index: {e}")))?;
+        let first = shard * index.per_shard.get();
+        inner
+            .iter()
+            .map(|&i| {
+                let j = usize::try_from(i.checked_sub(first)?).ok()?;
+                match (*offsets.get(2 * j)?, *offsets.get(2 * j + 1)?) {
+                    (u64::MAX, u64::MAX) => Some(None),
+                    (at, len) => at
+                        .checked_add(len)
+                        .map(|_| Some(ByteRange::FromStart(at, Some(len)))),
+                }
+            })
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                Error::format(
+                    file(),
+                    "shard index: an inner chunk's offset is out of range",
+                )
+            })
+    }
+
     /// Decodes what [`Column::fetch`] fetched, range by range, in pieces of at most
     /// [`DECODE_PIECE`] elements spread over `pool`.
-    fn decode<T: ElementOwned + Send>(
+    fn decode<T: ElementOwned + bytemuck::Pod + Send>(
         &self,
         f: &Fetched,
         what: &'static str,
@@ -250,6 +432,10 @@ impl Column {
             pieces
                 .par_iter()
                 .map(|(_, r)| {
+                    let direct = f.direct.as_ref();
+                    if let Some(v) = direct.and_then(|d| d.decode(&f.fetched, r, self.len())) {
+                        return Ok(v);
+                    }
                     let subset = subset_of(r);
                     let got = if f.by_inner_chunk {
                         f.array
@@ -290,9 +476,82 @@ fn subset_of(r: &Range<u64>) -> ArraySubset {
 /// Stored bytes of some ranges of an array, fetched and waiting to be decoded.
 pub(crate) struct Fetched {
     array: Array<Prefetched>,
+    fetched: Arc<Prefetched>,
     sharded: ArrayShardedReadableExtCache,
     by_inner_chunk: bool,
+    /// Where each fetched inner chunk lies, when they can be decoded directly.
+    direct: Option<Direct>,
     ranges: Vec<Range<u64>>,
+}
+
+/// The fetched inner chunks of a sharded array whose encoding [`InnerCodec`] decodes.
+struct Direct {
+    codec: InnerCodec,
+    elem_size: usize,
+    /// Elements per inner chunk.
+    inner_len: u64,
+    /// Inner chunk index → (shard key, byte range in the shard); `None` for an inner chunk the
+    /// shard does not store (all fill value).
+    located:
+        std::collections::HashMap<u64, (Arc<str>, Option<zarrs::storage::byte_range::ByteRange>)>,
+}
+
+thread_local! {
+    /// One zstd context per decoding thread, reused for every inner chunk.
+    static ZSTD: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+    /// An inner chunk decoded whole when only part of it is wanted.
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Direct {
+    /// Elements `r` of a column of length `len`, decoded straight from the fetched inner
+    /// chunks; `None` when anything is amiss (a chunk not fetched, a size that does not match,
+    /// a damaged frame), so that the caller decodes through zarrs, which names the fault.
+    fn decode<T: bytemuck::Pod>(&self, f: &Prefetched, r: &Range<u64>, len: u64) -> Option<Vec<T>> {
+        if std::mem::size_of::<T>() != self.elem_size || r.end > len {
+            return None;
+        }
+        let n = self.inner_len;
+        let chunk_bytes = usize::try_from(n).ok()?.checked_mul(self.elem_size)?;
+        let mut out = vec![T::zeroed(); usize::try_from(r.end - r.start).ok()?];
+        for c in r.start / n..r.end.div_ceil(n) {
+            let (key, at) = self.located.get(&c)?;
+            let Some(at) = at else {
+                continue; // not stored: the fill value, 0, already there
+            };
+            let bytes = f.lookup(key, *at)?;
+            let (lo, hi) = (r.start.max(c * n), r.end.min((c + 1) * n));
+            let dst = &mut out[(lo - r.start) as usize..(hi - r.start) as usize];
+            let dst: &mut [u8] = bytemuck::cast_slice_mut(dst);
+            if dst.len() == chunk_bytes {
+                self.decode_chunk(&bytes, dst)?;
+            } else {
+                SCRATCH.with_borrow_mut(|scratch| {
+                    scratch.resize(chunk_bytes, 0);
+                    self.decode_chunk(&bytes, scratch)?;
+                    let from = ((lo - c * n) as usize) * self.elem_size;
+                    dst.copy_from_slice(&scratch[from..from + dst.len()]);
+                    Some(())
+                })?;
+            }
+        }
+        Some(out)
+    }
+
+    /// One inner chunk's stored bytes decoded into `dst`, which it must fill exactly.
+    fn decode_chunk(&self, src: &[u8], dst: &mut [u8]) -> Option<()> {
+        match self.codec {
+            InnerCodec::Raw => (src.len() == dst.len()).then(|| dst.copy_from_slice(src)),
+            InnerCodec::Zstd => ZSTD.with_borrow_mut(|z| {
+                if z.is_none() {
+                    *z = zstd::bulk::Decompressor::new().ok();
+                }
+                let got = z.as_mut()?.decompress_to_buffer(src, dst).ok()?;
+                (got == dst.len()).then_some(())
+            }),
+        }
+    }
 }
 
 /// Byte ranges of a store's objects fetched ahead and served from memory; anything else is
@@ -304,6 +563,8 @@ struct Prefetched {
         std::collections::HashMap<String, std::collections::BTreeMap<u64, bytes::Bytes>>,
     >,
     whole: std::sync::RwLock<std::collections::HashSet<String>>,
+    /// Fetched ends of objects (shard indexes), by key.
+    suffixes: std::sync::RwLock<std::collections::HashMap<String, bytes::Bytes>>,
 }
 
 impl Prefetched {
@@ -312,19 +573,20 @@ impl Prefetched {
             inner,
             spans: Default::default(),
             whole: Default::default(),
+            suffixes: Default::default(),
         }
     }
 
-    /// Fetches `ranges` of `key` in one request list and keeps them (a missing object is
-    /// left to the read, which gives the fill value or the error).
+    /// Fetches `ranges` of `key` in one request list and keeps them; false if there is no
+    /// such object (left to the read, which gives the fill value or the error).
     fn fetch(
         &self,
         key: &StoreKey,
         ranges: Vec<zarrs::storage::byte_range::ByteRange>,
-    ) -> std::result::Result<(), zarrs::storage::StorageError> {
+    ) -> std::result::Result<bool, zarrs::storage::StorageError> {
         use zarrs::storage::byte_range::ByteRange;
         if ranges.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
         let starts: Vec<(u64, bool)> = ranges
             .iter()
@@ -337,18 +599,23 @@ impl Prefetched {
             .inner
             .get_partial_many(key, Box::new(ranges.into_iter()))?
         else {
-            return Ok(());
+            return Ok(false);
         };
         let mut got = std::collections::BTreeMap::new();
         let mut whole = false;
+        let name = key.as_str().to_string();
         for (part, (at, all)) in parts.zip(starts) {
             let part = part?;
             if at != u64::MAX {
                 whole |= all;
                 got.insert(at, part);
+            } else {
+                self.suffixes
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(name.clone(), part);
             }
         }
-        let name = key.as_str().to_string();
         if whole {
             self.whole
                 .write()
@@ -361,7 +628,7 @@ impl Prefetched {
             .entry(name)
             .or_default()
             .extend(got);
-        Ok(())
+        Ok(true)
     }
 
     /// `range` of `key` if it was fetched.
@@ -371,6 +638,15 @@ impl Prefetched {
         range: zarrs::storage::byte_range::ByteRange,
     ) -> Option<bytes::Bytes> {
         use zarrs::storage::byte_range::ByteRange;
+        if let ByteRange::Suffix(n) = range {
+            let suffixes = self.suffixes.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(b) = suffixes.get(key) {
+                let n = usize::try_from(n).ok()?;
+                if n <= b.len() {
+                    return Some(b.slice(b.len() - n..));
+                }
+            }
+        }
         let spans = self.spans.read().unwrap_or_else(|e| e.into_inner());
         let spans = spans.get(key)?;
         let whole = || {
@@ -1003,5 +1279,180 @@ impl Scan {
         let v = self.peek(s)?;
         self.at += usize::from(v.is_some());
         Ok(v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flat_tokens::{Layout, Sharded, Writer, WriterOptions};
+
+    /// A v3 split of 2,000 tokens in 16-token inner chunks, 256-token shards; the second
+    /// sequence is 500 zero ids (encoded 0 after its first token), so some inner chunks, and
+    /// all of shard 1, hold only the fill value and are not stored.
+    fn v3(root: &Path) -> Split {
+        let mut w = Writer::create(
+            root,
+            "train",
+            WriterOptions {
+                layout: Some(Layout::V3(Sharded {
+                    tokens_per_shard: 256,
+                    tokens_per_chunk: 16,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut seqs: Vec<Vec<u32>> = vec![(1..=37).collect(), vec![0; 500]];
+        seqs.extend((0..20u32).map(|i| (0..(i * 13 % 120 + 1)).map(|j| i * 7 + j).collect()));
+        let total: usize = seqs.iter().map(Vec::len).sum();
+        seqs.push((0..2000 - total as u32).map(|j| j % 50_000).collect());
+        w.append(&seqs).unwrap();
+        w.finish().unwrap();
+        Split::open(root, "train").unwrap()
+    }
+
+    fn pool() -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn inner_chunks_are_decoded_directly_and_agree_with_zarrs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let split = v3(&tmp.path().join("ds.zarr"));
+        assert_eq!(split.tokens.inner, Some((InnerCodec::Zstd, 4)));
+        assert_eq!(split.starts.inner, Some((InnerCodec::Zstd, 8)));
+        // Whole chunks, chunk parts, a range across shards, the array's partial last chunk.
+        let ranges = [0..16, 3..29, 40..150, 250..700, 1990..2000, 0..2000, 5..5];
+        let f = split.fetch_encoded(&ranges).unwrap();
+        let direct = f
+            .direct
+            .as_ref()
+            .expect("zstd inner chunks are decoded directly");
+        let root = tmp.path().join("ds.zarr/train/encoded_tokens/c");
+        assert!(root.join("0").exists() && !root.join("1").exists());
+        assert!(direct.located[&15].1.is_none(), "stored with shard 0");
+        assert!((16..32).all(|i| direct.located[&i].1.is_none()));
+        let decoded = split.decode_encoded(&f, &pool()).unwrap();
+        for (r, got) in ranges.iter().zip(&decoded) {
+            let by_zarrs = split.encoded(r.clone()).unwrap();
+            assert_eq!(got, &by_zarrs, "{r:?}");
+            let direct: Vec<u32> = direct.decode(&f.fetched, r, split.tokens.len()).unwrap();
+            assert_eq!(direct, by_zarrs, "{r:?} decoded directly");
+        }
+        // seq_starts (u64) too, through read_many.
+        let m = split.starts.len();
+        let starts = split.seq_starts_many(&[0..m, 1..3], &pool()).unwrap();
+        assert_eq!(starts[0], split.starts.read::<u64>(0..m, "s").unwrap());
+        assert_eq!(starts[1], split.starts.read::<u64>(1..3, "s").unwrap());
+    }
+
+    #[test]
+    fn a_damaged_inner_chunk_is_left_to_zarrs_which_names_the_shard() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ds.zarr");
+        let split = v3(&root);
+        let f = split
+            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .unwrap();
+        let direct = f.direct.as_ref().unwrap();
+        // Overwrite the middle of the first inner chunk of shard 3.
+        let (_, at) = direct.located[&48].clone();
+        let Some(zarrs::storage::byte_range::ByteRange::FromStart(at, Some(len))) = at else {
+            panic!("inner chunk 48 is stored with a known length: {at:?}")
+        };
+        let shard = root.join("train/encoded_tokens/c/3");
+        let mut bytes = std::fs::read(&shard).unwrap();
+        for b in &mut bytes[(at + len / 2) as usize..(at + len / 2 + 4) as usize] {
+            *b ^= 0x5a;
+        }
+        std::fs::write(&shard, bytes).unwrap();
+        let f = split
+            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .unwrap();
+        let direct = f.direct.as_ref().unwrap();
+        assert!(direct
+            .decode::<u32>(&f.fetched, &(768..784), 2000)
+            .is_none());
+        let e = split.decode_encoded(&f, &pool()).unwrap_err().to_string();
+        assert!(e.contains("encoded_tokens/c/3"), "{e}");
+        // The chunks after it are still decoded directly.
+        assert!(direct
+            .decode::<u32>(&f.fetched, &(784..1024), 2000)
+            .is_some());
+        // An element type of another size is never decoded directly.
+        assert!(direct
+            .decode::<u64>(&f.fetched, &(800..810), 2000)
+            .is_none());
+        // A damaged shard index is refused, naming the shard.
+        let mut bytes = std::fs::read(&shard).unwrap();
+        let n = bytes.len();
+        bytes[n - 10] ^= 0xff;
+        std::fs::write(&shard, bytes).unwrap();
+        let e = split
+            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("encoded_tokens/c/3") && e.contains("shard index"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn only_known_inner_encodings_are_decoded_directly() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("v2.zarr");
+        let mut w = Writer::create(
+            &root,
+            "train",
+            WriterOptions {
+                layout: Some(Layout::V2),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        w.append(&[vec![1, 2, 3]]).unwrap();
+        w.finish().unwrap();
+        let split = Split::open(&root, "train").unwrap();
+        assert_eq!(
+            split.tokens.inner, None,
+            "seqax's blosc chunks go through zarrs"
+        );
+        // Sharded arrays built by hand: raw inner chunks, crc32c after zstd, big-endian.
+        use zarrs::array::codec::{BytesCodec, Crc32cCodec, ZstdCodec};
+        let store: Arc<Storage> = Arc::new(FilesystemStore::new(tmp.path()).unwrap());
+        let build =
+            |name: &str,
+             bytes: BytesCodec,
+             after: Vec<Arc<dyn zarrs::array::codec::api::BytesToBytesCodecTraits>>| {
+                let a = zarrs::array::ArrayBuilder::new(
+                    vec![100],
+                    vec![std::num::NonZeroU64::new(50).unwrap()],
+                    data_type::uint32(),
+                    zarrs::array::FillValue::from(0u32),
+                )
+                .subchunk_shape(vec![10u64])
+                .array_to_bytes_codec(Arc::new(bytes))
+                .bytes_to_bytes_codecs(after)
+                .build(store.clone(), &format!("/{name}"))
+                .unwrap();
+                InnerCodec::of(&a)
+            };
+        let little = || BytesCodec::little();
+        assert_eq!(build("raw", little(), vec![]), Some((InnerCodec::Raw, 4)));
+        let zstd = || Arc::new(ZstdCodec::new(3, true)) as Arc<_>;
+        assert_eq!(
+            build("z", little(), vec![zstd()]),
+            Some((InnerCodec::Zstd, 4))
+        );
+        let crc = Arc::new(Crc32cCodec::new()) as Arc<_>;
+        assert_eq!(build("crc", little(), vec![zstd(), crc]), None);
+        assert_eq!(build("big", BytesCodec::big(), vec![]), None);
     }
 }
