@@ -17,53 +17,54 @@ pub struct Decoded {
     pub segment_ids: Vec<u32>,
 }
 
-/// One decoded position of a row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Position {
-    /// The token id to predict.
-    pub target: u32,
-    /// The id fed to the model.
-    pub input: u32,
-    /// Whether the position starts a sequence.
-    pub start: bool,
-    /// Starts so far along the row.
-    pub segment: u32,
-}
-
-/// The positions of one row of encoded tokens.
-pub(crate) fn decode_row(row: impl IntoIterator<Item = u32>) -> impl Iterator<Item = Position> {
+/// Writes the model inputs of one row of encoded tokens, `enc`, into slices of its length:
+/// the one decoding loop behind [`decode`] and the token loaders' batches.
+pub(crate) fn decode_into(
+    enc: &[u32],
+    targets: &mut [u32],
+    inputs: &mut [u32],
+    segments: &mut [u32],
+    starts: &mut [u8],
+) {
     let (mut prev, mut segment) = (0u32, 0u32);
-    row.into_iter().enumerate().map(move |(i, e)| {
-        let (target, start) = (e >> 1, e & 1 == 1);
-        segment += u32::from(start);
-        let input = if i == 0 || start { 0 } else { prev };
-        prev = target;
-        Position {
-            target,
-            input,
-            start,
-            segment,
-        }
-    })
+    let outs = targets
+        .iter_mut()
+        .zip(inputs.iter_mut())
+        .zip(segments.iter_mut())
+        .zip(starts.iter_mut());
+    for (i, (&e, (((target, input), seg), start))) in enc.iter().zip(outs).enumerate() {
+        let (t, s) = (e >> 1, e & 1);
+        segment += s;
+        *input = if i == 0 || s == 1 { 0 } else { prev };
+        *target = t;
+        *seg = segment;
+        *start = s as u8;
+        prev = t;
+    }
 }
 
 /// Decodes `enc` (`rows × len` encoded tokens).
 pub fn decode(enc: &[u32], len: usize) -> Decoded {
-    let mut d = Decoded {
-        targets: Vec::with_capacity(enc.len()),
-        inputs: Vec::with_capacity(enc.len()),
-        is_seq_start: Vec::with_capacity(enc.len()),
-        segment_ids: Vec::with_capacity(enc.len()),
-    };
-    for row in enc.chunks(len.max(1)) {
-        for p in decode_row(row.iter().copied()) {
-            d.inputs.push(p.input);
-            d.targets.push(p.target);
-            d.is_seq_start.push(p.start);
-            d.segment_ids.push(p.segment);
-        }
+    let n = enc.len();
+    let (mut targets, mut inputs, mut segment_ids) = (vec![0; n], vec![0; n], vec![0; n]);
+    let mut starts = vec![0u8; n];
+    let len = len.max(1);
+    for (k, row) in enc.chunks(len).enumerate() {
+        let at = k * len..k * len + row.len();
+        decode_into(
+            row,
+            &mut targets[at.clone()],
+            &mut inputs[at.clone()],
+            &mut segment_ids[at.clone()],
+            &mut starts[at],
+        );
     }
-    d
+    Decoded {
+        targets,
+        inputs,
+        is_seq_start: starts.into_iter().map(|s| s == 1).collect(),
+        segment_ids,
+    }
 }
 
 #[cfg(test)]

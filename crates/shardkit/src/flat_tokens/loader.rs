@@ -17,7 +17,7 @@ use crate::engine::batch::{lay_out, Buffer, BufferPool, Field};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::reader;
 use crate::error::{Error, Result};
-use crate::flat_tokens::decode::decode_row;
+use crate::flat_tokens::decode::decode_into;
 use crate::flat_tokens::seqax::{Schedule, ShuffleParams};
 use crate::flat_tokens::Split;
 
@@ -729,17 +729,22 @@ impl Job for TokenLoader {
             ));
         };
         let real = tokens.len().min(len);
+        mask[..real].fill(1);
+        mask[real..].fill(0);
+        // Batch fields start at multiples of 64 in page-aligned memory (engine::batch), so
+        // each row of a u32 field is u32-aligned.
+        let words = bytemuck::try_cast_slice_mut::<u8, u32>;
+        let (Ok(e), Ok(t), Ok(i), Ok(s)) =
+            (words(enc), words(targets), words(inputs), words(segments))
+        else {
+            return Err(Error::Internal(
+                "internal: a token batch field is not u32-aligned".into(),
+            ));
+        };
+        e[..real].copy_from_slice(&tokens[..real]);
         // Padding is seqax's encoded 1 (target 0, "start"); packed rows overwrite all of it.
-        let row = tokens.iter().copied().chain(std::iter::repeat(1)).take(len);
-        for (i, (e, p)) in row.clone().zip(decode_row(row)).enumerate() {
-            let at = 4 * i..4 * i + 4;
-            enc[at.clone()].copy_from_slice(&e.to_ne_bytes());
-            targets[at.clone()].copy_from_slice(&p.target.to_ne_bytes());
-            inputs[at.clone()].copy_from_slice(&p.input.to_ne_bytes());
-            segments[at].copy_from_slice(&p.segment.to_ne_bytes());
-            starts[i] = u8::from(p.start);
-            mask[i] = u8::from(i < real);
-        }
+        e[real..].fill(1);
+        decode_into(e, t, i, s, starts);
         Ok(())
     }
 
