@@ -243,3 +243,42 @@ def test_convert_between_layouts(tmp_path):
     assert (v3.encoded() == flat_tokens.open(FIXTURE).train.encoded()).all()
     with pytest.raises(FileExistsError):
         flat_tokens.convert(FIXTURE, tmp_path / "v3.zarr", layout="v2")
+
+
+def test_buffers_read_ahead_survive_a_fork(tmp_path):
+    """A loader that read ahead in the parent (a background thread the child does not have)
+    still serves every batch in a forked child, as a DataLoader worker would, instead of
+    waiting forever for the parent's thread."""
+    import os
+    import time
+
+    kw = dict(seq_len=64, batch_size=16, read_blocks_per_shuffle_buffer=32, sequences_per_read_block=8,
+              buffer_in_memory=True, seed=3)
+    loader = flat_tokens.Loader(FIXTURE, **kw)
+    assert loader.buffers_in_memory
+    want = [b["targets"].copy() for b in flat_tokens.Loader(FIXTURE, **kw)]
+    assert len(want) > 8
+    it = iter(loader)
+    next(it)  # steps of the first minipoch prepared; the next minipoch's read started
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            got = [b["targets"].copy() for b in loader.iter(0)]
+            code = 0 if len(got) == len(want) and all((a == b).all() for a, b in zip(got, want)) else 1
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on the parent's read-ahead")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+    rest = [b["targets"].copy() for b in it]
+    assert all((a == b).all() for a, b in zip(rest, want[1:]))

@@ -81,11 +81,14 @@ fn tokens_dataset(root: &Path) -> PathBuf {
     out
 }
 
-fn tokens_loader(ds: &Path) -> TokenLoader {
+/// Rows read one by one, or each minipoch's shuffle buffers read whole into memory (the next
+/// minipoch's read ahead on a thread of its own).
+fn tokens_loader(ds: &Path, in_memory: bool) -> TokenLoader {
     let mut o = flat_tokens::LoaderOptions::new(16, 4);
     o.sequences_per_read_block = Some(4);
     o.read_blocks_per_shuffle_buffer = 2;
     o.threads = 2;
+    o.buffer_in_memory = Some(in_memory);
     TokenLoader::new(Split::open(ds, "train").unwrap(), o).unwrap()
 }
 
@@ -168,15 +171,19 @@ fn drain<T>(it: impl Iterator<Item = shardkit::Result<T>>) -> Outcome {
 #[derive(Clone, Copy, Debug)]
 enum Which {
     Saev(Order),
-    Tokens,
+    /// flat-tokens, with shuffle buffers in memory or not.
+    Tokens {
+        in_memory: bool,
+    },
     Eagle3,
 }
 
-const ALL: [Which; 5] = [
+const ALL: [Which; 6] = [
     Which::Saev(Order::Sequential),
     Which::Saev(Order::Block),
     Which::Saev(Order::Exact),
-    Which::Tokens,
+    Which::Tokens { in_memory: false },
+    Which::Tokens { in_memory: true },
     Which::Eagle3,
 ];
 
@@ -201,9 +208,9 @@ fn setup(which: Which, root: &Path) -> (Box<dyn Fn() -> Outcome>, usize, PathBuf
                 dir.join("acts000003.bin"),
             )
         }
-        Which::Tokens => {
+        Which::Tokens { in_memory } => {
             let ds = tokens_dataset(root);
-            let l = tokens_loader(&ds);
+            let l = tokens_loader(&ds, in_memory);
             let n = l.step_count() as usize;
             let shard = std::fs::read_dir(ds.join("train/encoded_tokens/c"))
                 .unwrap()

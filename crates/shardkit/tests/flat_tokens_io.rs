@@ -318,3 +318,54 @@ fn buffers_in_memory_read_inner_chunks_and_shards_a_zero_run_left_unstored() {
         .filter(|&&e| e == 0);
     assert!(zeros.count() >= 500, "the zero run is served");
 }
+
+#[test]
+fn streaming_reads_the_next_minipochs_buffer_ahead_and_load_does_not() {
+    let (_tmp, root) = sharded_16_256();
+    let mut o = options();
+    o.buffer_in_memory = Some(true);
+    // Minipoch 0 holds steps 0..20: more than the iterator prepares ahead (about 10 with
+    // the batches in its channels), so reads past the first minipoch's come from the
+    // read-ahead alone.
+    o.read_blocks_per_shuffle_buffer = 40;
+    let reads = |store: &Counting| store.reads.lock().unwrap().len();
+    // A direct load reads its minipoch's buffer, and nothing more after it returns.
+    let (store, split) = counted(&root);
+    let loader = TokenLoader::new(split, o.clone()).unwrap();
+    let schedule = loader.schedule();
+    assert!(schedule.minipochs() >= 3);
+    assert!(
+        (0..8).all(|b| schedule.buffer_of(7, b).0 == 0),
+        "steps 0..8 in minipoch 0"
+    );
+    loader.load(0).unwrap();
+    let first_minipoch = reads(&store);
+    assert!(first_minipoch > 0);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(reads(&store), first_minipoch, "load read ahead");
+    // Streaming: after the first batch, minipoch 1's buffer is read without being asked for.
+    let (store, split) = counted(&root);
+    let loader = TokenLoader::new(split, o).unwrap();
+    let mut it = loader.iter(0);
+    let first = it.next().unwrap().unwrap();
+    let t0 = std::time::Instant::now();
+    while reads(&store) <= first_minipoch {
+        assert!(
+            t0.elapsed().as_secs() < 60,
+            "minipoch 1's buffer was never read ahead"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Every batch of the epoch still comes, in order, equal to direct loads.
+    let mut all = vec![first];
+    all.extend(it.map(|b| b.unwrap()));
+    assert_eq!(all.len() as u64, loader.step_count());
+    let direct = TokenLoader::new(
+        Split::open(&root, "train").unwrap(),
+        loader.options().clone(),
+    )
+    .unwrap();
+    for b in &all {
+        assert!(b == &direct.load(b.step).unwrap(), "step {}", b.step);
+    }
+}

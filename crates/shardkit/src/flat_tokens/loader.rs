@@ -63,10 +63,12 @@ pub struct LoaderOptions {
     pub verify: bool,
     /// Read each shuffle buffer whole into memory when a step first needs it, and serve its
     /// rows from there (seqax's own strategy): a few large reads per buffer instead of one
-    /// small read per row. `None` (the default) does so for splits in an object store whose
-    /// buffers fit in `SHARDKIT_TOKEN_BUFFER_GIB` (16 by default) and reads row by row
-    /// otherwise; `Some(true)` always (e.g. seqax's compressed 4 Mi-token chunks on a parallel
-    /// file system), `Some(false)` never.
+    /// small read per row. While [`TokenLoader::iter`] serves a minipoch, the next minipoch's
+    /// buffers of the epoch are read in the background, so memory holds two minipochs'
+    /// buffers. `None` (the default) does so for splits in an object store whose two
+    /// minipochs' buffers fit in `SHARDKIT_TOKEN_BUFFER_GIB` (16 by default) and reads row by
+    /// row otherwise; `Some(true)` always (e.g. seqax's compressed 4 Mi-token chunks on a
+    /// parallel file system), `Some(false)` never.
     pub buffer_in_memory: Option<bool>,
 }
 
@@ -232,9 +234,29 @@ struct Inner {
     buffers: Mutex<BufferPool>,
     /// With `verify`: the checksums of the split's files.
     verify: Option<FileVerifier>,
-    /// Shuffle buffers in memory (see [`LoaderOptions::buffer_in_memory`]); `None` when rows
-    /// are read one by one.
-    residents: Option<Mutex<Vec<Arc<Resident>>>>,
+    /// Shuffle buffers in memory (see [`LoaderOptions::buffer_in_memory`]) of the process
+    /// using them; `None` when rows are read one by one.
+    residents: Option<Mutex<(u32, Arc<Residents>)>>,
+    /// Whether [`TokenLoader::iter`] has run (plain `load` calls may jump anywhere, so they do
+    /// not read ahead).
+    streaming: std::sync::atomic::AtomicBool,
+}
+
+/// The shuffle buffers one process holds. A forked child (a DataLoader worker) starts with
+/// none of its own: the parent's locks may be held by threads the child does not have, and
+/// its reads ahead run on such threads, so the child must not touch either.
+#[derive(Default)]
+struct Residents {
+    /// The buffers of the minipoch being served.
+    held: Mutex<Vec<Arc<Resident>>>,
+    /// Under [`TokenLoader::iter`]: the next minipoch's buffers, being read in the background.
+    ahead: Mutex<Vec<ReadAhead>>,
+}
+
+/// A shuffle buffer being read on a thread of its own.
+struct ReadAhead {
+    key: (u64, u64, u64),
+    read: std::thread::JoinHandle<Result<Resident>>,
 }
 
 /// The split's files with their checksums, mapped on first use.
@@ -363,8 +385,9 @@ impl TokenLoader {
         let in_memory = match opts.buffer_in_memory {
             Some(yes) => yes,
             None => {
-                crate::storage::is_remote(split.path())
-                    && buffer_bytes(&epoch0, &host_rows, opts.seq_len) <= buffer_cap()?
+                // Two minipochs' buffers: the one served and the next, read ahead.
+                let two = buffer_bytes(&epoch0, &host_rows, opts.seq_len).saturating_mul(2);
+                crate::storage::is_remote(split.path()) && two <= buffer_cap()?
             }
         };
         Ok(TokenLoader {
@@ -378,7 +401,8 @@ impl TokenLoader {
                 gather: GatherCell::default(),
                 buffers: Mutex::new(BufferPool::new(PREFETCH + 6)),
                 verify,
-                residents: in_memory.then(Mutex::default),
+                residents: in_memory.then(|| Mutex::new((std::process::id(), Arc::default()))),
+                streaming: Default::default(),
             }),
         })
     }
@@ -469,22 +493,54 @@ impl TokenLoader {
         self.inner.residents.is_some()
     }
 
-    /// The in-memory shuffle buffer `key` = (epoch, minipoch, stream) of `schedule`, read now
-    /// unless it is held. Buffers of earlier minipochs are let go (steps already prepared
-    /// keep theirs).
+    /// The in-memory shuffle buffer `key` = (epoch, minipoch, stream) of `schedule`: held, or
+    /// read ahead (waited for), or read now. Buffers of earlier minipochs are let go (steps
+    /// already prepared keep theirs). Under [`TokenLoader::iter`], the same stream's buffer of
+    /// the next minipoch of the epoch is then read ahead, so that only the first minipoch's
+    /// steps wait for a read.
     fn resident(
         &self,
-        schedule: &Schedule,
+        schedule: &Arc<Schedule>,
         key: (u64, u64, u64),
-        held: &Mutex<Vec<Arc<Resident>>>,
+        residents: &Residents,
     ) -> Result<Arc<Resident>> {
-        let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut held = residents.held.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = held.iter().find(|r| r.key == key) {
             return Ok(r.clone());
         }
         held.retain(|r| (r.key.0, r.key.1) == (key.0, key.1));
-        let r = Arc::new(self.read_buffer(schedule, key)?);
+        let mut ahead = residents.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = ahead.iter().position(|a| a.key == key);
+        let r = match pending.map(|i| ahead.swap_remove(i)) {
+            Some(a) => a
+                .read
+                .join()
+                .unwrap_or_else(|_| Err(Error::Internal("a buffer read-ahead panicked".into())))?,
+            None => self.read_buffer(schedule, key)?,
+        };
+        let r = Arc::new(r);
         held.push(r.clone());
+        let next = (key.0, key.1 + 1, key.2);
+        let streaming = self
+            .inner
+            .streaming
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if streaming && next.1 < schedule.minipochs() {
+            // Reads of minipochs already passed are let go (a detached thread finishes its
+            // one buffer and drops it).
+            ahead.retain(|a| (a.key.0, a.key.1) >= (next.0, next.1));
+            if !ahead.iter().any(|a| a.key == next) {
+                let (me, schedule) = (self.clone(), schedule.clone());
+                let read = std::thread::Builder::new()
+                    .name("shardkit-buffer".into())
+                    .spawn(move || me.read_buffer(&schedule, next))
+                    .map_err(|e| Error::Thread {
+                        what: "a shuffle buffer's read-ahead".into(),
+                        source: e,
+                    })?;
+                ahead.push(ReadAhead { key: next, read });
+            }
+        }
         Ok(r)
     }
 
@@ -599,6 +655,9 @@ impl TokenLoader {
     /// or without end when epochs are enabled. A fault (an error, a panicking or unstartable
     /// thread) is an error, never an early end; dropping the iterator stops the threads.
     pub fn iter(&self, step: u64) -> Batches {
+        self.inner
+            .streaming
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let end = if self.inner.opts.epochs {
             u64::MAX
         } else {
@@ -635,7 +694,16 @@ impl Job for TokenLoader {
         let rows = self.sequences(step)?;
         // With buffers in memory: the buffer each row is served from, read now if new.
         let mut from = Vec::new();
-        if let Some(held) = &self.inner.residents {
+        if let Some(residents) = &self.inner.residents {
+            // This process's buffers (a forked child leaves its parent's alone, leaked).
+            let residents = {
+                let mut r = residents.lock().unwrap_or_else(|e| e.into_inner());
+                let pid = std::process::id();
+                if r.0 != pid {
+                    std::mem::forget(std::mem::replace(&mut *r, (pid, Arc::default())));
+                }
+                r.1.clone()
+            };
             let (schedule, t) = self.locate(step)?;
             let mut last: Option<Arc<Resident>> = None;
             for b in self.host_rows() {
@@ -643,7 +711,7 @@ impl Job for TokenLoader {
                 let key = (schedule.epoch(), m, s);
                 let r = match last {
                     Some(r) if r.key == key => r,
-                    _ => self.resident(&schedule, key, held)?,
+                    _ => self.resident(&schedule, key, &residents)?,
                 };
                 from.push(r.clone());
                 last = Some(r);
