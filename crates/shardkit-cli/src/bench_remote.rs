@@ -253,11 +253,19 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     }
     let mut loaders = Vec::new();
     // Row by row (one zarrs read per row), then with each shuffle buffer read whole into
-    // memory; the latter over a whole epoch, since a buffer's read is spread over its steps.
-    for in_memory in [false, true] {
+    // memory; the latter over a whole epoch, since a buffer's read is spread over its steps:
+    // with seqax's default buffers (one minipoch here), and with four minipochs, each
+    // minipoch's buffer read while the one before is served.
+    let blocks = TokenLoader::new(Split::open(&url, "train")?, LoaderOptions::new(2048, 16))?
+        .schedule()
+        .read_blocks();
+    for (in_memory, minipochs) in [(false, 1), (true, 1), (true, 4)] {
         for &t in threads {
             let split = Split::open(&url, "train")?;
             let mut o = LoaderOptions::new(2048, 16);
+            if minipochs > 1 {
+                o.read_blocks_per_shuffle_buffer = blocks.div_ceil(minipochs).max(1);
+            }
             // Row by row, gather threads are the requests in flight (zarrs reads block): the
             // sweep's thread counts times 16. In memory, the threads decode.
             o.threads = if in_memory { t } else { t * 16 };
@@ -283,13 +291,15 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             let after = counters();
             // Payload as stored bytes: tokens times the dataset's compressed bytes per token.
             let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
-            let name = if in_memory {
-                "flat-tokens packed, 16 x 2048, shuffle buffers in memory, one epoch (stored bytes)"
-            } else {
-                "flat-tokens packed, 16 x 2048, row by row (stored bytes)"
+            let name = match (in_memory, loader.schedule().minipochs()) {
+                (false, _) => "flat-tokens packed, 16 x 2048, row by row (stored bytes)".into(),
+                (true, m) => format!(
+                    "flat-tokens packed, 16 x 2048, shuffle buffers in memory, one epoch of {m} \
+                     minipoch(s) (stored bytes)"
+                ),
             };
             let mut e = loader_entry(
-                name,
+                &name,
                 // In memory, each shard's request list runs `inflight` requests at a time.
                 if in_memory { storage::inflight() } else { 0 },
                 loader.options().threads,
