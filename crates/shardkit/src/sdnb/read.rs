@@ -240,8 +240,9 @@ pub(crate) struct RemotePart {
     blobs: std::sync::OnceLock<HashMap<usize, Blob>>,
 }
 
-/// A blob's end and, once fetched, its bytes.
-type Blob = (usize, std::sync::OnceLock<Vec<u8>>);
+/// A blob's end and, once fetched, its bytes (a buffer of its own, or its slice of the buffer
+/// a prefetch read many blobs into).
+type Blob = (usize, std::sync::OnceLock<bytes::Bytes>);
 
 impl RemotePart {
     /// `len` bytes at `offset` of the object, read now.
@@ -271,7 +272,7 @@ impl RemotePart {
         }
         let buf = self.fetch(r.start as u64, r.len() as u64)?;
         // Two threads may fetch the same blob at once; the first kept wins, both are equal.
-        let _ = cell.set(buf);
+        let _ = cell.set(buf.into());
         cell.get()
             .map(|v| &v[..])
             .ok_or_else(|| Error::Internal("internal: a fetched blob vanished".into()))
@@ -283,7 +284,7 @@ impl RemotePart {
         let Some(blobs) = self.blobs.get() else {
             return Ok(());
         };
-        let mut want: Vec<(Range<usize>, &std::sync::OnceLock<Vec<u8>>)> = ranges
+        let mut want: Vec<(Range<usize>, &std::sync::OnceLock<bytes::Bytes>)> = ranges
             .iter()
             .filter_map(|r| {
                 let (end, cell) = blobs.get(&r.start)?;
@@ -293,19 +294,20 @@ impl RemotePart {
         want.sort_by_key(|(r, _)| r.start);
         want.dedup_by_key(|(r, _)| r.start);
         for group in group_by_bytes(&want, PREFETCH_GROUP_BYTES) {
+            // Each blob lands at a 64-byte boundary of one buffer, which its tensor then
+            // views in place: no copy after the GETs.
             let mut reqs = Vec::with_capacity(group.len());
             let mut dst = 0u64;
             for (r, _) in group {
                 reqs.push((0u32, r.start as u64, r.len() as u64, dst));
-                dst += r.len() as u64;
+                dst = (dst + r.len() as u64).next_multiple_of(64);
             }
             let mut buf = vec![0u8; dst as usize];
             self.remote
                 .read_ranges(std::slice::from_ref(&self.name), &reqs, &mut buf)?;
-            let mut at = 0;
-            for (r, cell) in group {
-                let _ = cell.set(buf[at..at + r.len()].to_vec());
-                at += r.len();
+            let buf = bytes::Bytes::from(buf);
+            for ((_, cell), &(_, _, len, at)) in group.iter().zip(&reqs) {
+                let _ = cell.set(buf.slice(at as usize..(at + len) as usize));
             }
         }
         Ok(())
