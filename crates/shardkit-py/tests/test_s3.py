@@ -497,8 +497,10 @@ def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
     before = shardkit.storage_counters()
     c = sdnb.open(url)
     opened = shardkit.storage_counters()
-    # Opening reads header, graph region and manifest only.
+    # Opening reads header, graph region and manifest only, the header once (it also tells
+    # SDNB from SDZ): three GETs.
     assert opened["get_bytes"] - before["get_bytes"] < 1 << 20 < size
+    assert opened["gets"] - before["gets"] == 3, opened["gets"] - before["gets"]
     np.testing.assert_array_equal(c["w"], w)
     np.testing.assert_array_equal(c["big"], big)
     got_big = shardkit.storage_counters()

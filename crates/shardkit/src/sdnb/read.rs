@@ -1056,13 +1056,20 @@ fn open_remote(url: &Path, limits: &Limits) -> Result<Container> {
     let is_shard = sdz::parse_shard_name(&name).is_some();
     match single {
         Some(size) if !is_shard => {
-            let mut head = [0u8; 4];
-            let n = size.min(4) as usize;
+            // The first bytes tell SDZ from SDNB; they are an SDNB's header, or the whole of a
+            // small object, so opening an SDNB reads them once.
+            let probe = if size <= REMOTE_WHOLE_BYTES {
+                size
+            } else {
+                HEADER_LEN
+            };
+            let mut head = vec![0u8; probe.min(size) as usize];
             parent.read_ranges(
                 std::slice::from_ref(&name),
-                &[(0, 0, n as u64, 0)],
-                &mut head[..n],
+                &[(0, 0, head.len() as u64, 0)],
+                &mut head,
             )?;
+            let n = head.len().min(4);
             if &head[..n] == b"PK\x03\x04" {
                 return open_sdz_remote(&parent, &name, size, limits);
             }
@@ -1085,7 +1092,7 @@ fn open_remote(url: &Path, limits: &Limits) -> Result<Container> {
                     ),
                 ));
             }
-            let part = remote_part(&parent, &name, size, limits)?;
+            let part = remote_part(&parent, &name, size, limits, head)?;
             assemble(&url, Kind::Sdnb, vec![part], None)
         }
         _ if !shards.is_empty() => {
@@ -1096,7 +1103,7 @@ fn open_remote(url: &Path, limits: &Limits) -> Result<Container> {
             )?;
             let parts = set
                 .into_iter()
-                .map(|k| remote_part(&parent, &shards[k].2, shards[k].3, limits))
+                .map(|k| remote_part(&parent, &shards[k].2, shards[k].3, limits, Vec::new()))
                 .collect::<Result<Vec<_>>>()?;
             let n = parts.len();
             assemble(&url, Kind::Sharded { shards: n }, parts, None)
@@ -1112,11 +1119,13 @@ fn open_remote(url: &Path, limits: &Limits) -> Result<Container> {
 
 /// One SDNB object of `parent`, checked like a local part. Small objects are fetched whole;
 /// larger ones as header, then graph region and manifest, with blobs left for first use.
+/// `head` is the object's first bytes, already fetched (maybe none).
 fn remote_part(
     parent: &crate::storage::Remote,
     name: &str,
     size: u64,
     limits: &Limits,
+    head: Vec<u8>,
 ) -> Result<Part> {
     let url = parent.url_of(name);
     let origin = Origin {
@@ -1125,12 +1134,18 @@ fn remote_part(
         entry: None,
     };
     if size <= REMOTE_WHOLE_BYTES {
-        let mut all = vec![0u8; size as usize];
-        parent.read_ranges(&[name.to_string()], &[(0, 0, size, 0)], &mut all)?;
+        let all = if head.len() as u64 == size {
+            head
+        } else {
+            let mut all = vec![0u8; size as usize];
+            parent.read_ranges(&[name.to_string()], &[(0, 0, size, 0)], &mut all)?;
+            all
+        };
         let n = all.len();
         return Part::parse(Arc::new(Backing::Owned(all)), 0..n, url, origin, limits);
     }
     let mut skeleton = Skeleton::new(parent, name, size)?;
+    skeleton.have_prefix(&head);
     skeleton.fetch_sdnb(0, size, limits)?;
     let backing = Arc::new(Backing::Remote(skeleton.freeze()?));
     let part = Part::parse(backing.clone(), 0..size as usize, url, origin, limits)?;
@@ -1145,6 +1160,8 @@ struct Skeleton {
     name: String,
     url: PathBuf,
     map: memmap2::MmapMut,
+    /// Bytes at the start already in place (never fetched again).
+    have: u64,
 }
 
 impl Skeleton {
@@ -1162,21 +1179,31 @@ impl Skeleton {
             name: name.to_string(),
             url,
             map,
+            have: 0,
         })
+    }
+
+    /// Puts the object's first bytes, fetched already, in place.
+    fn have_prefix(&mut self, head: &[u8]) {
+        let n = head.len().min(self.map.len());
+        self.map[..n].copy_from_slice(&head[..n]);
+        self.have = n as u64;
     }
 
     fn size(&self) -> u64 {
         self.map.len() as u64
     }
 
-    /// Fetches `(offset, len)` ranges (cut at the object's end) into place, in one request list.
+    /// Fetches `(offset, len)` ranges (cut at the object's end, less what is in place already)
+    /// into place, in one request list.
     fn fetch(&mut self, ranges: &[(u64, u64)]) -> Result<()> {
         let size = self.size();
         // Cut at the end, sorted, overlapping ranges merged (each byte lands once).
         let mut cut: Vec<(u64, u64)> = ranges
             .iter()
             .filter(|(o, n)| *o < size && *n > 0)
-            .map(|&(o, n)| (o, o + n.min(size - o)))
+            .map(|&(o, n)| (o.max(self.have), o + n.min(size - o)))
+            .filter(|(a, b)| a < b)
             .collect();
         cut.sort_unstable();
         let mut merged: Vec<(u64, u64)> = Vec::with_capacity(cut.len());
