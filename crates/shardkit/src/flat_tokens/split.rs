@@ -262,17 +262,20 @@ impl Column {
         let array = self.array.with_storage(fetched.clone());
         let sharded = ArrayShardedReadableExtCache::new(&array);
         let wanted: Vec<&Range<u64>> = ranges.iter().filter(|r| !r.is_empty()).collect();
-        // The chunks (or shards) the ranges lie in, each once.
-        let mut chunks = std::collections::BTreeSet::new();
+        // The chunks (or shards) the ranges lie in, each once, with the ranges in each (an
+        // unpacked buffer asks for many short ranges: no shard scans them all).
+        let mut in_chunk: std::collections::BTreeMap<u64, Vec<&Range<u64>>> = Default::default();
         for r in &wanted {
             let grid = array
                 .chunks_in_array_subset(&subset_of(r))
                 .map_err(|e| Error::format(&self.path, format!("chunk grid: {e}")))?;
             if let Some(grid) = grid {
-                chunks.extend(grid.indices().iter().map(|c| c[0]));
+                for c in grid.indices().iter() {
+                    in_chunk.entry(c[0]).or_default().push(r);
+                }
             }
         }
-        let chunks: Vec<u64> = chunks.into_iter().collect();
+        let chunks: Vec<u64> = in_chunk.keys().copied().collect();
         let inner_len = array
             .effective_subchunk_shape()
             .map(|s| s[0].get())
@@ -289,7 +292,7 @@ impl Column {
                 Some(n) => {
                     // The inner chunks of this shard that some range touches, in order.
                     let mut inner = std::collections::BTreeSet::new();
-                    for r in &wanted {
+                    for r in in_chunk.get(&c).into_iter().flatten() {
                         let (a, b) = (r.start.max(lo), r.end.min(hi));
                         if a < b {
                             inner.extend(a / n..=(b - 1) / n);
