@@ -523,9 +523,21 @@ def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
     local = sdnb.open(model)
     assert sorted(c) == sorted(local) and c.metadata == local.metadata
     assert sdnb.validate(url)["valid"]
-    # Checksums are checked against local files (download first); deep validation says so.
+    # Deep validation checks the object against its sidecar in the store, block by block.
     deep = sdnb.validate(url, deep=True)
-    assert not deep["valid"] and "local" in json.dumps(deep), deep
+    assert deep["valid"] and "no checksums sidecar" in json.dumps(deep), deep
+    sidecar = tmp_path / "m.checksums.json"
+    assert sidecar.is_file(), "sdnb.save records checksums"
+    shardkit.upload(sidecar, f"s3://{bucket}/models/m.checksums.json")
+    deep = sdnb.validate(url, deep=True)
+    assert deep["valid"] and "every block matches" in json.dumps(deep), deep
+    damaged = bytearray(model.read_bytes())
+    damaged[size - 1000] ^= 0xFF  # in the last blob
+    s3.client().put_object(Bucket=bucket, Key="models/m.sdnb", Body=bytes(damaged))
+    deep = sdnb.validate(url, deep=True)
+    assert not deep["valid"] and "does not match its checksum" in json.dumps(deep), deep
+    assert url in json.dumps(deep)
+    s3.client().put_object(Bucket=bucket, Key="models/m.sdnb", Body=model.read_bytes())
 
     # A shard set, opened by its base name or any shard.
     (tmp_path / "set").mkdir()
@@ -744,3 +756,41 @@ def test_file_urls_are_local_paths(tmp_path: Path) -> None:
     sdnb.save(tmp_path / "m.sdnb", {"w": np.ones(3, dtype=np.float32)})
     np.testing.assert_array_equal(sdnb.open(f"file://{tmp_path}/m.sdnb")["w"], np.ones(3))
     assert shardkit.verify(url)["intact"]
+
+
+# --- checksums verified in the store ------------------------------------------------------------------
+
+
+def test_checksums_are_verified_in_the_store_without_a_local_copy(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    bucket = s3.bucket()
+    local = Path(write_saev(tmp_path / "saev"))
+    assert (local / "shardkit.checksums.json").is_file(), "the writer records checksums"
+    url = f"s3://{bucket}/saev/{local.name}"
+    shardkit.upload(local, url)
+    before = shardkit.storage_counters()
+    v = shardkit.verify(url)
+    assert v["sidecar"] and v["intact"] and not v["damage"], v
+    read = shardkit.storage_counters()["get_bytes"] - before["get_bytes"]
+    total = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    assert total - (1 << 20) < read <= total + (1 << 20), (read, total)
+    # A flipped byte, a missing object and an object the sidecar does not cover: each named.
+    c = s3.client()
+    key = f"saev/{local.name}/acts000001.bin"
+    body = bytearray((local / "acts000001.bin").read_bytes())
+    body[len(body) // 2] ^= 1
+    c.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    c.delete_object(Bucket=bucket, Key=f"saev/{local.name}/acts000002.bin")
+    c.put_object(Bucket=bucket, Key=f"saev/{local.name}/stray.bin", Body=b"x" * 10)
+    v = shardkit.verify(url)
+    assert v["sidecar"] and not v["intact"]
+    by_file = {Path(d["file"]).name: d for d in v["damage"]}
+    assert set(by_file) == {"acts000001.bin", "acts000002.bin", "stray.bin"}, v
+    half = len(body) // 2
+    assert by_file["acts000001.bin"]["start"] <= half < by_file["acts000001.bin"]["end"]
+    assert by_file["acts000001.bin"]["what"] == "does not match its checksum"
+    assert "no such object" in by_file["acts000002.bin"]["what"]
+    assert "not covered" in by_file["stray.bin"]["what"]
+    assert all(d["file"].startswith(f"s3://{bucket}/saev/") for d in v["damage"])
+    # Without a sidecar there is nothing to check, and it says so.
+    c.delete_object(Bucket=bucket, Key=f"saev/{local.name}/shardkit.checksums.json")
+    assert shardkit.verify(url) == {"sidecar": False, "intact": False, "damage": []}

@@ -305,8 +305,9 @@ fn verify_file(path: &Path, sums: &FileSums) -> Vec<Damage> {
 pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
     if crate::storage::is_remote(path) {
         return Err(Error::Invalid(format!(
-            "{}: checksums are recorded and verified on local files; copy the dataset with \
-             `shardkit download` first (reads from a store are checked by length)",
+            "{}: checksums are recorded on local files (a writer given a URL records them \
+             before it uploads); to add them to a dataset in a store, download it, run \
+             `checksum`, and upload it again",
             path.display()
         )));
     }
@@ -353,16 +354,21 @@ fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) -> Result<()> {
         let ty = e.file_type().at(e.path())?;
         if ty.is_dir() {
             walk(&e.path(), &format!("{rel}/"), out)?;
-        } else if ty.is_file()
-            && name != SIDECAR
-            && !fsutil::is_temp_name(&name)
-            && !(name.starts_with('.') && name.ends_with(".lock"))
-            && !name.starts_with(".shardkit")
-        {
+        } else if ty.is_file() && is_data_name(&name) {
             out.push(rel);
         }
     }
     Ok(())
+}
+
+/// Whether a file named `leaf` is part of a dataset's data (not its sidecar, a writer's
+/// temporary, a lock file or shardkit's own bookkeeping).
+fn is_data_name(leaf: &str) -> bool {
+    let ours = leaf == SIDECAR
+        || fsutil::is_temp_name(leaf)
+        || (leaf.starts_with('.') && leaf.ends_with(".lock"))
+        || leaf.starts_with(".shardkit");
+    !ours
 }
 
 /// Hashes every file of the dataset at `path` (those in `known` whose length still matches are
@@ -449,8 +455,12 @@ pub enum Verdict {
     Damaged(Vec<Damage>),
 }
 
-/// Checks the dataset at `path` against its sidecar (`validate --deep`).
+/// Checks the dataset at `path` against its sidecar (`validate --deep`). A dataset in an
+/// object store is read once with ranged GETs, block by block, without a local copy.
 pub fn verify(path: &Path) -> Result<Verdict> {
+    if crate::storage::is_remote(path) {
+        return verify_remote(path);
+    }
     let (sidecar, base, names) = dataset_files(path)?;
     let Some(sums) = Checksums::read(&sidecar)? else {
         return Ok(Verdict::NoSidecar);
@@ -470,6 +480,132 @@ pub fn verify(path: &Path) -> Result<Verdict> {
             bytes: sums.files.values().map(|s| s.bytes).sum(),
         })
     } else {
+        Ok(Verdict::Damaged(damage))
+    }
+}
+
+/// Bytes of blocks read by one request list of [`verify_remote`] (bounds its memory).
+const REMOTE_VERIFY_GROUP: u64 = 256 << 20;
+
+/// [`verify`] of a dataset directory or a container object in a store: the sidecar object,
+/// then every block of every file it records, fetched in parallel groups of ranged GETs and
+/// hashed on every core; objects the sidecar does not cover are reported as locally.
+fn verify_remote(url: &Path) -> Result<Verdict> {
+    use crate::storage::Remote;
+    let remote = Remote::parse(url)?;
+    let below = remote.list()?;
+    // A dataset directory: every object below the prefix. Nothing below: a container object
+    // (SDNB, shard set, SDZ), with its files and `BASE.checksums.json` beside it.
+    let (base, sidecar, objects): (Remote, String, Vec<(String, u64)>) = if below.is_empty() {
+        let (parent, _) = remote.split_last()?;
+        let beside = parent.list()?;
+        let files: Vec<String> = crate::sdnb::open(url)?
+            .files()
+            .iter()
+            .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .collect();
+        let objects = beside
+            .into_iter()
+            .filter(|(n, _)| files.contains(n))
+            .collect();
+        (parent, sidecar_name(url), objects)
+    } else {
+        let objects = below
+            .into_iter()
+            .filter(|(n, _)| is_data_name(n.rsplit('/').next().unwrap_or(n)))
+            .collect();
+        (remote, SIDECAR.to_string(), objects)
+    };
+    let sidecar_url = base.url_of(&sidecar);
+    let Some(bytes) = base.get_opt(&sidecar)? else {
+        return Ok(Verdict::NoSidecar);
+    };
+    let sums = Checksums::parse(&bytes, &sidecar_url)?;
+    let sizes: BTreeMap<&str, u64> = objects.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+    let mut damage = Vec::new();
+    // Every block present in its object: (file, block, range).
+    let names: Vec<String> = sums.files.keys().cloned().collect();
+    let mut blocks: Vec<(usize, usize, Range<u64>)> = Vec::new();
+    for (f, (name, s)) in sums.files.iter().enumerate() {
+        let file = base.url_of(name);
+        let Some(&len) = sizes.get(name.as_str()) else {
+            damage.push(Damage {
+                file,
+                range: 0..s.bytes,
+                what: "cannot be read: no such object".into(),
+            });
+            continue;
+        };
+        if len != s.bytes {
+            damage.push(Damage {
+                file,
+                range: len.min(s.bytes)..len.max(s.bytes),
+                what: format!("is {len} bytes; its checksums record {}", s.bytes),
+            });
+        }
+        for b in 0..s.blocks.len() {
+            let r = s.block(b);
+            if r.end <= len {
+                blocks.push((f, b, r));
+            }
+        }
+    }
+    let mut group: Vec<(usize, usize, Range<u64>)> = Vec::new();
+    let mut group_bytes = 0;
+    let mut check = |group: &mut Vec<(usize, usize, Range<u64>)>| -> Result<()> {
+        let mut reqs = Vec::with_capacity(group.len());
+        let mut dst = 0u64;
+        for (f, _, r) in group.iter() {
+            reqs.push((*f as u32, r.start, r.end - r.start, dst));
+            dst += r.end - r.start;
+        }
+        let mut buf = vec![0u8; dst as usize];
+        base.read_ranges(&names, &reqs, &mut buf)?;
+        let bad: Vec<Damage> = group
+            .par_iter()
+            .zip(&reqs)
+            .filter_map(|((f, b, r), &(_, _, len, at))| {
+                let data = &buf[at as usize..(at + len) as usize];
+                let want = sums.files.get(&names[*f])?.blocks.get(*b)?;
+                (xxh3_64(data) != *want).then(|| Damage {
+                    file: base.url_of(&names[*f]),
+                    range: r.clone(),
+                    what: "does not match its checksum".into(),
+                })
+            })
+            .collect();
+        damage.extend(bad);
+        group.clear();
+        Ok(())
+    };
+    for block in blocks {
+        let n = block.2.end - block.2.start;
+        if !group.is_empty() && group_bytes + n > REMOTE_VERIFY_GROUP {
+            check(&mut group)?;
+            group_bytes = 0;
+        }
+        group_bytes += n;
+        group.push(block);
+    }
+    if !group.is_empty() {
+        check(&mut group)?;
+    }
+    for (n, len) in &objects {
+        if !sums.files.contains_key(n) {
+            damage.push(Damage {
+                file: base.url_of(n),
+                range: 0..*len,
+                what: format!("is not covered by {}", sidecar_url.display()),
+            });
+        }
+    }
+    if damage.is_empty() {
+        Ok(Verdict::Intact {
+            files: sums.files.len(),
+            bytes: sums.files.values().map(|s| s.bytes).sum(),
+        })
+    } else {
+        damage.sort_by(|a, b| (&a.file, a.range.start).cmp(&(&b.file, b.range.start)));
         Ok(Verdict::Damaged(damage))
     }
 }

@@ -102,8 +102,8 @@ pub fn local_path(path: &Path) -> PathBuf {
 pub(crate) fn verify_needs_local(url: &Path) -> Error {
     Error::Invalid(format!(
         "{}: verify needs local files (checksums are checked as the page cache is read); reads \
-         from an object store are checked by length, and `shardkit checksum verify` works on a \
-         downloaded copy",
+         from an object store are checked by length; `validate --deep` and `shardkit.verify` \
+         check a store's objects against their checksums in one pass",
         url.display()
     ))
 }
