@@ -794,3 +794,57 @@ def test_checksums_are_verified_in_the_store_without_a_local_copy(tmp_path: Path
     # Without a sidecar there is nothing to check, and it says so.
     c.delete_object(Bucket=bucket, Key=f"saev/{local.name}/shardkit.checksums.json")
     assert shardkit.verify(url) == {"sidecar": False, "intact": False, "damage": []}
+
+
+# --- datasets through the opt-in local cache ------------------------------------------------------------
+
+
+def test_dataset_readers_go_through_the_opt_in_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """With SHARDKIT_CACHE_DIR, each object a loader reads is copied whole into the cache once;
+    later epochs (and later loaders) read the copies, with the same batches. Objects larger
+    than the cache are read from the store."""
+    bucket = s3.bucket()
+    sv = Path(write_saev(tmp_path / "saev"))
+    saev_url = f"s3://{bucket}/saev/{sv.name}"
+    shardkit.upload(sv, saev_url)
+    docs = [np.arange(1, 2 + i % 50, dtype=np.uint32) for i in range(400)]
+    with flat_tokens.Writer(tmp_path / "tok", "train", progress=False, tokens_per_chunk=512) as w:
+        w.append(docs)
+    shardkit.upload(tmp_path / "tok", f"s3://{bucket}/tok")
+    e3 = write_eagle3_cache(tmp_path / "e3", 8)
+    shardkit.upload(e3, f"s3://{bucket}/e3")
+    small = dict(sequences_per_read_block=8, read_blocks_per_shuffle_buffer=4)
+    cases = [
+        (lambda p: saev.ShuffledLoader(p, layer=5, batch_size=32, seed=1), saev_url, sv,
+         [p for p in sv.iterdir() if p.name.startswith("acts")]),
+        (lambda p: flat_tokens.Loader(p, "train", seq_len=16, batch_size=4, **small), f"s3://{bucket}/tok",
+         tmp_path / "tok", [p for p in (tmp_path / "tok").rglob("*") if p.is_file() and "/c/" in str(p)]),
+        (lambda p: eagle3.Loader(p, batch_size=2, seed=3), f"s3://{bucket}/e3", e3,
+         list(Path(e3).glob("shard-*.safetensors"))),
+    ]
+    for make, url, local, data in cases:
+        cache = tmp_path / f"cache-{len(list(tmp_path.iterdir()))}"
+        want = batches(make(local))
+        with environment({"SHARDKIT_CACHE_DIR": str(cache)}):
+            before = shardkit.storage_counters()
+            same_batches(batches(make(url)), want)
+            first = shardkit.storage_counters()
+            same_batches(batches(make(url)), want)
+            second = shardkit.storage_counters()
+        # Copies sit at CACHE/bucket/key, each the size of its object.
+        copies = cache / bucket / url.split("/", 3)[3]
+        for p in data:
+            copy = copies / p.relative_to(local)
+            assert copy.is_file() and copy.stat().st_size == p.stat().st_size, (url, copy)
+        data_bytes = sum(p.stat().st_size for p in data)
+        assert first["get_bytes"] - before["get_bytes"] >= data_bytes, url
+        # The second pass reads only what is not data (listings, commit records).
+        assert second["get_bytes"] - first["get_bytes"] < min(data_bytes, 1 << 16), (url, second, first)
+        # A cache of 1 KiB: larger objects come from the store, batches unchanged.
+        tiny = tmp_path / f"tiny-{len(list(tmp_path.iterdir()))}"
+        with environment({"SHARDKIT_CACHE_DIR": str(tiny), "SHARDKIT_CACHE_GIB": str(1024 / 2**30)}):
+            before = shardkit.storage_counters()
+            same_batches(batches(make(url)), want)
+            assert shardkit.storage_counters()["get_bytes"] - before["get_bytes"] > 0
+        held = [p for p in tiny.rglob("*") if p.is_file() and not p.name.startswith(".")] if tiny.exists() else []
+        assert all(p.stat().st_size <= 1024 for p in held), held

@@ -182,6 +182,8 @@ pub struct Remote {
     prefix: String,
     /// The client, and the process it was made in.
     client: (u32, Arc<AmazonS3>),
+    /// With [`Remote::with_object_cache`]: the cache directory reads go through.
+    object_cache: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Remote {
@@ -348,7 +350,19 @@ impl Remote {
             bucket: bucket.to_string(),
             prefix: prefix.to_string(),
             client: (std::process::id(), store_for(bucket)?),
+            object_cache: None,
         })
+    }
+
+    /// This prefix, read through the bounded local cache when `SHARDKIT_CACHE_DIR` is set
+    /// ([`cache_dir`]): each object a read touches is copied whole into the cache the first
+    /// time (checked against the store's size and ETag), and every read of it is then served
+    /// from the local copy. Objects larger than the cache are read from the store. The saev,
+    /// EAGLE-3 and flat-tokens readers use it; checksum verification and transfers read the
+    /// store itself.
+    pub(crate) fn with_object_cache(mut self) -> Remote {
+        self.object_cache = cache_dir();
+        self
     }
 
     /// `s3://bucket/prefix`.
@@ -493,8 +507,86 @@ impl Remote {
         buf: &mut [u8],
     ) -> Result<()> {
         self.check_reads(names.len(), ranges, buf.len())?;
+        let rest = self.read_cached(names, ranges, buf)?;
+        if rest.is_empty() {
+            return Ok(());
+        }
         let store = self.store()?;
-        block_on(self.fetch_into(&store, names, ranges, buf))?
+        block_on(self.fetch_into(&store, names, &rest, buf))?
+    }
+
+    /// With the object cache: reads the ranges whose objects are (or now get) cached from the
+    /// local copies, and returns the others.
+    fn read_cached(
+        &self,
+        names: &[String],
+        ranges: &[ReadRange],
+        buf: &mut [u8],
+    ) -> Result<Vec<ReadRange>> {
+        use std::os::unix::fs::FileExt;
+        let Some(cache) = &self.object_cache else {
+            return Ok(ranges.to_vec());
+        };
+        let mut files: HashMap<u32, Option<std::fs::File>> = HashMap::new();
+        let mut rest = Vec::new();
+        for r in ranges {
+            let file = match files.entry(r.file) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(self.cached_file(cache, &names[r.file as usize])?)
+                }
+            };
+            let dst = &mut buf[r.dst as usize..(r.dst + r.len) as usize];
+            match file {
+                // A copy shorter than the range: the store answers (and errs as it should).
+                Some(f) if f.read_exact_at(dst, r.offset).is_ok() => {}
+                _ => rest.push(*r),
+            }
+        }
+        Ok(rest)
+    }
+
+    /// The cached copy of object `name`, fetched into the cache now if needed; `None` when it
+    /// does not fit the cache. Each object is checked against the store (one HEAD) once per
+    /// process; threads asking for the same object wait for one copy.
+    fn cached_file(&self, cache: &Path, name: &str) -> Result<Option<std::fs::File>> {
+        let slot = {
+            let mut slots = CACHED.lock().unwrap_or_else(|e| e.into_inner());
+            let pid = std::process::id();
+            if slots.0 != pid {
+                // A forked child: the parent's slots may be locked by its threads.
+                let fresh = (pid, std::collections::BTreeMap::new());
+                std::mem::forget(std::mem::replace(&mut *slots, fresh));
+            }
+            let key = format!("{}\n{}", self.url_of(name).display(), cache.display());
+            slots.1.entry(key).or_default().clone()
+        };
+        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+        match &*slot {
+            CachedObject::TooLarge => return Ok(None),
+            CachedObject::At(path) => match std::fs::File::open(path) {
+                Ok(f) => {
+                    // Recently used: last to be evicted.
+                    let _ = f.set_modified(std::time::SystemTime::now());
+                    return Ok(Some(f));
+                }
+                Err(_) => *slot = CachedObject::Unknown, // evicted since
+            },
+            CachedObject::Unknown => {}
+        }
+        let store = self.store()?;
+        let meta = block_on(store.head(&self.key(name)))?.map_err(|e| self.error(name, None, e))?;
+        if meta.size > cache_limit() {
+            *slot = CachedObject::TooLarge;
+            return Ok(None);
+        }
+        let mut direct = self.clone();
+        direct.object_cache = None;
+        let etag = meta.e_tag.map(|e| e.trim_matches('"').to_string());
+        let path = cached_object(cache, &direct, name, meta.size, etag.as_deref())?;
+        let f = std::fs::File::open(&path).at(&path)?;
+        *slot = CachedObject::At(path);
+        Ok(Some(f))
     }
 
     /// [`Remote::read_into`] started on the runtime and left running: the caller gets `buf`
@@ -507,6 +599,8 @@ impl Remote {
         mut buf: crate::engine::Buffer,
     ) -> Result<PendingRead> {
         self.check_reads(names.len(), &ranges, buf.len())?;
+        // Cached objects are read (or first copied into the cache) here, before returning.
+        let ranges = self.read_cached(&names, &ranges, buf.as_mut_bytes())?;
         let me = self.clone();
         let store = self.store()?;
         let task = runtime()?.spawn(async move {
@@ -689,9 +783,10 @@ impl Remote {
 }
 
 /// The bounded local cache of whole objects, `$SHARDKIT_CACHE_DIR`, when it is set: SDNB/SDZ
-/// containers read from a store are then copied whole into it (at most `$SHARDKIT_CACHE_GIB`
-/// GiB, default 32; the least recently used objects are evicted to make room) instead of read
-/// by range.
+/// containers read from a store are then copied whole into it instead of read by range, and
+/// the objects dataset readers read too ([`Remote::with_object_cache`]); at most
+/// `$SHARDKIT_CACHE_GIB` GiB, default 32, the least recently used objects evicted to make
+/// room.
 pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("SHARDKIT_CACHE_DIR")
         .filter(|d| !d.is_empty())
@@ -709,6 +804,25 @@ fn cache_limit() -> u64 {
 /// Bytes fetched per step when an object is copied into the cache.
 const CACHE_STEP: u64 = 256 << 20;
 
+/// What this process knows of an object's cached copy ([`Remote::cached_file`]).
+#[derive(Default)]
+enum CachedObject {
+    #[default]
+    Unknown,
+    /// Copied, at this path (checked against the store's size and ETag).
+    At(PathBuf),
+    /// Larger than the whole cache: read from the store.
+    TooLarge,
+}
+
+/// Per object URL and cache directory, this process's [`CachedObject`] (and the process: a
+/// forked child starts afresh).
+#[allow(clippy::type_complexity)]
+static CACHED: Mutex<(
+    u32,
+    std::collections::BTreeMap<String, Arc<Mutex<CachedObject>>>,
+)> = Mutex::new((0, std::collections::BTreeMap::new()));
+
 /// A local copy of object `name` under `remote` in the cache at `cache`: reused while its size
 /// and ETag match the object's, else fetched again (parallel ranged GETs, written atomically).
 fn cached_object(
@@ -718,9 +832,14 @@ fn cached_object(
     size: u64,
     etag: Option<&str>,
 ) -> Result<PathBuf> {
-    let dir = cache.join(&remote.bucket).join(&remote.prefix);
-    let local = dir.join(name);
-    let stamp = dir.join(format!(".{name}.etag"));
+    // `name` may hold `/` (a zarr chunk key): the copy and its stamp go in its own directory.
+    let local = cache.join(&remote.bucket).join(&remote.prefix).join(name);
+    let dir = fsutil::parent_of(&local).to_path_buf();
+    let leaf = local
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stamp = dir.join(format!(".{leaf}.etag"));
     let stamp_ok = match (etag, std::fs::read_to_string(&stamp)) {
         (Some(e), Ok(s)) => s == e,
         _ => false,
@@ -735,7 +854,7 @@ fn cached_object(
     evict_cache(cache, size)?;
     // Ranks of one node may fetch the same object at once: each into its own temporary.
     let tmp = dir.join(format!(
-        ".{name}.{}.{:?}.tmp",
+        ".{leaf}.{}.{:?}.tmp",
         std::process::id(),
         std::thread::current().id()
     ));

@@ -148,7 +148,7 @@ impl Cache {
     }
 
     fn open_remote(url: &Path, max_open: usize) -> Result<Cache> {
-        let remote = Remote::parse(url)?;
+        let remote = Remote::parse(url)?.with_object_cache();
         let dir = PathBuf::from(remote.url());
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
         let path = remote.url_of(manifest::MANIFEST);

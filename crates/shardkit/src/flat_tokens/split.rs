@@ -866,7 +866,7 @@ impl Split {
         let root = root.as_ref();
         check_split_name(split)?;
         if crate::storage::is_remote(root) {
-            let remote = crate::storage::Remote::parse(root)?;
+            let remote = crate::storage::Remote::parse(root)?.with_object_cache();
             let url = PathBuf::from(remote.url());
             return Self::from_store(remote.zarr_store()?, &url, split);
         }

@@ -296,7 +296,7 @@ impl Dataset {
     }
 
     fn open_remote(url: &Path) -> Result<Dataset> {
-        let remote = Remote::parse(url)?;
+        let remote = Remote::parse(url)?.with_object_cache();
         let dir = PathBuf::from(remote.url());
         let objects: std::collections::HashMap<String, u64> = remote.list()?.into_iter().collect();
         let md_path = remote.url_of("metadata.json");
