@@ -46,10 +46,8 @@ struct Column {
     array: Arc<Array<Storage>>,
     path: PathBuf,
     access: Access,
-    /// How inner chunks are encoded, and the element size, when [`Column::decode`] can decode
-    /// them itself.
-    inner: Option<(InnerCodec, usize)>,
-    /// Where a shard keeps its index (sharded arrays only).
+    /// Where a shard keeps its index, and how its inner chunks are encoded (sharded arrays
+    /// only).
     index: Option<ShardIndex>,
 }
 
@@ -63,6 +61,9 @@ struct ShardIndex {
     /// The bytes holding the index: its exact extent for the usual index codecs (`bytes`,
     /// then maybe `crc32c`), else the whole shard.
     extent: zarrs::storage::byte_range::ByteRange,
+    /// How inner chunks are encoded, and the element size, when [`Column::decode`] can decode
+    /// them itself.
+    direct: Option<(InnerCodec, usize)>,
 }
 
 impl ShardIndex {
@@ -100,6 +101,7 @@ impl ShardIndex {
             codec,
             per_shard,
             extent,
+            direct: InnerCodec::of(&meta),
         })
     }
 }
@@ -117,14 +119,13 @@ enum InnerCodec {
 }
 
 impl InnerCodec {
-    /// The direct decoding that suits `array`, with its element size: a sharded array
-    /// (nothing around the sharding codec) of 32- or 64-bit unsigned integers stored
-    /// little-endian, maybe zstd-compressed, whose fill value is 0.
-    fn of(array: &Array<Storage>) -> Option<(InnerCodec, usize)> {
-        if cfg!(target_endian = "big") || !array.is_exclusively_sharded() {
+    /// The direct decoding that suits an exclusively sharded array of metadata `meta`, with
+    /// its element size: 32- or 64-bit unsigned integers stored little-endian, maybe
+    /// zstd-compressed, whose fill value is 0.
+    fn of(meta: &serde_json::Value) -> Option<(InnerCodec, usize)> {
+        if cfg!(target_endian = "big") {
             return None;
         }
-        let meta = serde_json::to_value(array.metadata()).ok()?;
         let dtype = meta.get("data_type")?.as_str()?;
         let fill_is_zero = meta.get("fill_value")?.as_u64() == Some(0);
         let elem_size = match dtype {
@@ -174,7 +175,6 @@ impl Column {
             ))
         };
         Column {
-            inner: InnerCodec::of(&array),
             index: ShardIndex::of(&array),
             array,
             path,
@@ -280,6 +280,7 @@ impl Column {
             .effective_subchunk_shape()
             .map(|s| s[0].get())
             .filter(|_| self.index.is_some());
+        let direct = self.index.as_ref().and_then(|i| i.direct);
         let located = std::sync::Mutex::new(std::collections::HashMap::new());
         let fetch_one = |c: u64| -> Result<()> {
             let key = array.chunk_key(&[c]);
@@ -300,7 +301,7 @@ impl Column {
                     }
                     let inner: Vec<u64> = inner.into_iter().collect();
                     let at = self.locate(&fetched, &key, c, &(lo..hi), &inner, what)?;
-                    if self.inner.is_some() {
+                    if direct.is_some() {
                         let key: Arc<str> = key.as_str().into();
                         let mut located = located.lock().unwrap_or_else(|e| e.into_inner());
                         located.extend(
@@ -341,7 +342,7 @@ impl Column {
             }
             result
         })?;
-        let direct = match (self.inner, inner_len) {
+        let direct = match (direct, inner_len) {
             (Some((codec, elem_size)), Some(inner_len)) => Some(Direct {
                 codec,
                 elem_size,
@@ -1327,8 +1328,9 @@ mod tests {
     fn inner_chunks_are_decoded_directly_and_agree_with_zarrs() {
         let tmp = tempfile::tempdir().unwrap();
         let split = v3(&tmp.path().join("ds.zarr"));
-        assert_eq!(split.tokens.inner, Some((InnerCodec::Zstd, 4)));
-        assert_eq!(split.starts.inner, Some((InnerCodec::Zstd, 8)));
+        let direct = |c: &Column| c.index.as_ref().and_then(|i| i.direct);
+        assert_eq!(direct(&split.tokens), Some((InnerCodec::Zstd, 4)));
+        assert_eq!(direct(&split.starts), Some((InnerCodec::Zstd, 8)));
         // Whole chunks, chunk parts, a range across shards, the array's partial last chunk.
         let ranges = [0..16, 3..29, 40..150, 250..700, 1990..2000, 0..2000, 5..5];
         let f = split.fetch_encoded(&ranges).unwrap();
@@ -1423,8 +1425,8 @@ mod tests {
         w.append(&[vec![1, 2, 3]]).unwrap();
         w.finish().unwrap();
         let split = Split::open(&root, "train").unwrap();
-        assert_eq!(
-            split.tokens.inner, None,
+        assert!(
+            split.tokens.index.is_none(),
             "seqax's blosc chunks go through zarrs"
         );
         // Sharded arrays built by hand: raw inner chunks, crc32c after zstd, big-endian.
@@ -1445,7 +1447,7 @@ mod tests {
                 .bytes_to_bytes_codecs(after)
                 .build(store.clone(), &format!("/{name}"))
                 .unwrap();
-                InnerCodec::of(&a)
+                ShardIndex::of(&a).and_then(|i| i.direct)
             };
         let little = || BytesCodec::little();
         assert_eq!(build("raw", little(), vec![]), Some((InnerCodec::Raw, 4)));
