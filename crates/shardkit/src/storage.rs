@@ -517,15 +517,15 @@ impl Remote {
 
     /// With the object cache: reads the ranges whose objects are (or now get) cached from the
     /// local copies, and returns the others.
-    fn read_cached(
+    fn read_cached<'r>(
         &self,
         names: &[String],
-        ranges: &[ReadRange],
+        ranges: &'r [ReadRange],
         buf: &mut [u8],
-    ) -> Result<Vec<ReadRange>> {
+    ) -> Result<std::borrow::Cow<'r, [ReadRange]>> {
         use std::os::unix::fs::FileExt;
         let Some(cache) = &self.object_cache else {
-            return Ok(ranges.to_vec());
+            return Ok(ranges.into());
         };
         let mut files: HashMap<u32, Option<std::fs::File>> = HashMap::new();
         let mut rest = Vec::new();
@@ -543,7 +543,7 @@ impl Remote {
                 _ => rest.push(*r),
             }
         }
-        Ok(rest)
+        Ok(rest.into())
     }
 
     /// The cached copy of object `name`, fetched into the cache now if needed; `None` when it
@@ -600,7 +600,12 @@ impl Remote {
     ) -> Result<PendingRead> {
         self.check_reads(names.len(), &ranges, buf.len())?;
         // Cached objects are read (or first copied into the cache) here, before returning.
-        let ranges = self.read_cached(&names, &ranges, buf.as_mut_bytes())?;
+        let ranges = match self.object_cache {
+            Some(_) => self
+                .read_cached(&names, &ranges, buf.as_mut_bytes())?
+                .into_owned(),
+            None => ranges,
+        };
         let me = self.clone();
         let store = self.store()?;
         let task = runtime()?.spawn(async move {
