@@ -420,6 +420,9 @@ def test_eagle3_uploaded_reads_like_local(tmp_path: Path, s3: S3, env: Dict[str,
     for kw in [dict(batch_size=4, seed=3), dict(batch_size=3, shuffle=False), dict(batch_size=2, rank=1, world_size=2)]:
         same_batches(batches(eagle3.Loader(url, **kw)), batches(eagle3.Loader(cache, **kw)))
     assert eagle3.validate(url)["valid"]
+    # Deep validation checks every byte in the store against the checksums sidecar.
+    deep = eagle3.validate(url, deep=True)
+    assert deep["valid"] and "every block matches" in json.dumps(deep), deep
     info, local_info = eagle3.inspect(url), eagle3.inspect(cache)
     assert info["complete"] and info["bytes_on_disk"] == local_info["bytes_on_disk"]
     with pytest.raises(shardkit.InvalidArgumentError, match="verify needs local files"):
@@ -446,6 +449,17 @@ def test_eagle3_remote_refusals(tmp_path: Path, s3: S3, env: Dict[str, str]) -> 
     with pytest.raises(shardkit.CorruptDataError, match=f"s3://{bucket}/part/{shards[1].name}"):
         eagle3.open(f"s3://{bucket}/part")[2]
     assert not eagle3.validate(f"s3://{bucket}/part")["valid"]
+    # A flipped byte inside a shard: the structure holds; deep validation's checksums find it.
+    assert (cache / "shardkit.checksums.json").is_file(), "the writer records checksums"
+    shardkit.upload(cache, f"s3://{bucket}/whole")
+    body = bytearray(shards[1].read_bytes())
+    body[-3] ^= 0xFF
+    c.put_object(Bucket=bucket, Key=f"whole/{shards[1].name}", Body=bytes(body))
+    assert eagle3.validate(f"s3://{bucket}/whole")["valid"]
+    deep = eagle3.validate(f"s3://{bucket}/whole", deep=True)
+    assert not deep["valid"], deep
+    assert [e["file"] for e in deep["errors"]] == [f"s3://{bucket}/whole/{shards[1].name}"], deep
+    assert "does not match its checksum" in deep["errors"][0]["message"]
 
 
 # --- writers to a store -------------------------------------------------------------------------------

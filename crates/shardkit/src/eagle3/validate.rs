@@ -131,15 +131,18 @@ fn validate_remote(url: &Path, deep: bool) -> Validation {
             v.note(
                 url,
                 if deep {
-                    "checked in the object store: manifest.json, the shard set and every \
-                     shard's header; the deep checks of values need a local copy (shardkit \
-                     download)"
+                    "checked in the object store: manifest.json, the shard set, every shard's \
+                     header, and every byte against the checksums sidecar; the checks of values \
+                     need a local copy (shardkit download)"
                 } else {
                     "checked in the object store: manifest.json, the shard set and every \
                      shard's header"
                 },
             );
         }
+    }
+    if deep {
+        crate::checksum::verify_into(url, &mut v);
     }
     v
 }
