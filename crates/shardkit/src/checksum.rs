@@ -252,6 +252,18 @@ impl Checksums {
         fsutil::atomic_write(path, text.as_bytes())
     }
 
+    /// Intact (every recorded file and byte) when `damage` is empty, else damaged.
+    fn verdict(&self, damage: Vec<Damage>) -> Verdict {
+        if damage.is_empty() {
+            Verdict::Intact {
+                files: self.files.len(),
+                bytes: self.files.values().map(|s| s.bytes).sum(),
+            }
+        } else {
+            Verdict::Damaged(damage)
+        }
+    }
+
     /// Checks every file below `base`: present, of the recorded length, every block matching.
     pub fn verify(&self, base: &Path) -> Vec<Damage> {
         let mut out: Vec<Damage> = self
@@ -474,14 +486,7 @@ pub fn verify(path: &Path) -> Result<Verdict> {
             what: format!("is not covered by {}", sidecar.display()),
         });
     }
-    if damage.is_empty() {
-        Ok(Verdict::Intact {
-            files: sums.files.len(),
-            bytes: sums.files.values().map(|s| s.bytes).sum(),
-        })
-    } else {
-        Ok(Verdict::Damaged(damage))
-    }
+    Ok(sums.verdict(damage))
 }
 
 /// Bytes of blocks read by one request list of [`verify_remote`] (bounds its memory).
@@ -599,15 +604,8 @@ fn verify_remote(url: &Path) -> Result<Verdict> {
             });
         }
     }
-    if damage.is_empty() {
-        Ok(Verdict::Intact {
-            files: sums.files.len(),
-            bytes: sums.files.values().map(|s| s.bytes).sum(),
-        })
-    } else {
-        damage.sort_by(|a, b| (&a.file, a.range.start).cmp(&(&b.file, b.range.start)));
-        Ok(Verdict::Damaged(damage))
-    }
+    damage.sort_by(|a, b| (&a.file, a.range.start).cmp(&(&b.file, b.range.start)));
+    Ok(sums.verdict(damage))
 }
 
 /// [`verify`] as findings of `report` (what `validate --deep` adds): an error per damaged range
