@@ -520,9 +520,11 @@ impl Writer {
             .map_err(to_py)
     }
 
-    /// Drops the writer without completing: the directory stays resumable.
-    fn abort(&mut self) {
-        self.inner = None;
+    /// Drops the writer without completing: the directory stays resumable. (Writing to a
+    /// store, the shards already finished are uploaded first, without holding the GIL.)
+    fn abort(&mut self, py: Python<'_>) {
+        let w = self.inner.take();
+        py.allow_threads(move || drop(w));
     }
 }
 

@@ -57,12 +57,15 @@ def saev_acts(first: int, n: int) -> np.ndarray:
     return (1000 * e + rest).astype(np.float32)
 
 
-def write_saev(root: Any, n: int = 40, labels: bool = True) -> str:
-    with saev.Writer(root, saev_metadata(n), progress=False) as w:
-        for e in range(0, n, 8):
+def saev_labels(first: int, n: int) -> np.ndarray:
+    return ((np.arange(n * 6).reshape(n, 6) + 6 * first) % 5).astype(np.uint8)
+
+
+def write_saev(root: Any, n: int = 40, labels: bool = True, resume: bool = False) -> str:
+    with saev.Writer(root, saev_metadata(n), progress=False, resume=resume) as w:
+        for e in range(w.next_example, n, 8):
             b = min(8, n - e)
-            lab = (np.arange(b * 6, dtype=np.uint8).reshape(b, 6) + e) % 5 if labels else None
-            w.write(saev_acts(e, b), lab)
+            w.write(saev_acts(e, b), saev_labels(e, b) if labels else None)
     return w.path
 
 
@@ -200,33 +203,109 @@ KILLED_WRITER = """
 import sys, numpy as np
 sys.path.insert(0, {here!r})
 from test_s3 import write_saev
-write_saev(sys.argv[1])
+write_saev(sys.argv[1], labels=sys.argv[2] == "labels")
 """
+
+
+def puts_of_a_whole_saev_write(tmp_path: Path, s3: S3, labels: bool) -> int:
+    """The PUTs an uninterrupted remote write of `write_saev`'s dataset makes."""
+    before = shardkit.storage_counters()["puts"]
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "staging-count")}):
+        write_saev(f"s3://{s3.bucket()}/root", labels=labels)
+    return shardkit.storage_counters()["puts"] - before
 
 
 def test_saev_remote_write_killed_after_every_object_resumes_identically(
     tmp_path: Path, s3: S3, env: Dict[str, str]
 ) -> None:
+    # Shards are uploaded as they are finished, each followed by the upload journal; the kill
+    # comes after every one of those PUTs in turn.
     local = Path(write_saev(tmp_path / "local"))
-    n_objects = len(tree(local)) + 1  # the files and the checksums sidecar
+    n_puts = puts_of_a_whole_saev_write(tmp_path, s3, labels=True)
+    n_shards = len(list(local.glob("acts*.bin")))
+    assert n_shards >= 3 and n_puts >= 2 * n_shards + 3, (n_shards, n_puts)
     script = KILLED_WRITER.format(here=str(HERE))
-    for k in range(1, n_objects + 1):
+    for k in range(1, n_puts + 1):
         bucket = s3.bucket()
         root = f"s3://{bucket}/root"
         staging = tmp_path / f"staging{k}"
         child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(staging), SHARDKIT_TEST_ABORT_AFTER_PUTS=str(k))
-        r = subprocess.run([sys.executable, "-c", script, root], env=child_env, capture_output=True)
+        r = subprocess.run([sys.executable, "-c", script, root, "labels"], env=child_env, capture_output=True)
         assert r.returncode != 0, (k, r.stderr[-2000:])
         url = f"{root}/{local.name}"
-        if k < n_objects:
+        if k < n_puts:
             # The commit record goes last: until then readers refuse the dataset.
             with pytest.raises(shardkit.IncompleteDatasetError):
                 saev.Dataset(url)
         with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
-            assert write_saev(root) == url
+            assert write_saev(root, resume=True) == url
         down = tmp_path / f"down{k}"
         shardkit.download(url, down)
         assert tree(down) == tree(local), k
+        # The journal goes with the commit; the staging directory with the write.
+        assert not [o for o in s3.objects(bucket, "root/") if o.endswith(".shardkit-upload.json")], k
+        assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()], k
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_saev_remote_write_resumes_on_another_machine(
+    tmp_path: Path, s3: S3, env: Dict[str, str], labels: bool
+) -> None:
+    """A killed remote write resumed without its staging directory (a new machine) keeps the
+    shards its journal names; a dataset with labels, whose labels stayed behind, starts over."""
+    local = Path(write_saev(tmp_path / "local", labels=labels))
+    n_shards = len(list(local.glob("acts*.bin")))
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/root"
+    url = f"{root}/{local.name}"
+    # metadata.json, then shard 0 and the journal, shard 1 and the journal: killed there.
+    child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(tmp_path / "lost"), SHARDKIT_TEST_ABORT_AFTER_PUTS="5")
+    script = KILLED_WRITER.format(here=str(HERE))
+    r = subprocess.run([sys.executable, "-c", script, root, "labels" if labels else "none"], env=child_env, capture_output=True)
+    assert r.returncode != 0, r.stderr[-2000:]
+    journal = json.loads(s3.objects(bucket, "root/")[f"root/{local.name}/.shardkit-upload.json"])
+    assert sorted(journal["files"]) == ["acts000000.bin", "acts000001.bin"]
+    assert journal["labels"] is labels
+
+    staging = tmp_path / "new-machine"
+    with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
+        # An interrupted write is not overwritten without resume=True.
+        with pytest.raises(shardkit.AlreadyExistsError, match="interrupted write"):
+            saev.Writer(root, saev_metadata(), progress=False)
+        w = saev.Writer(root, saev_metadata(), progress=False, resume=True)
+        per_shard = saev_metadata()["max_tokens_per_shard"] // 7 // 2
+        assert w.next_example == (0 if labels else 2 * per_shard)
+        w.abort()
+        before = shardkit.storage_counters()["puts"]
+        assert write_saev(root, labels=labels, resume=True) == url
+        puts = shardkit.storage_counters()["puts"] - before
+    # Kept shards are not uploaded again: per shard written, the shard and the journal; then
+    # labels.bin (with labels), the sidecar and shards.json.
+    written = n_shards if labels else n_shards - 2
+    assert puts == 2 * written + 2 + int(labels), puts
+    down = tmp_path / "down"
+    shardkit.download(url, down)
+    assert tree(down) == tree(local)
+    # The sidecar covers the kept shards too (their checksums came from the journal).
+    assert shardkit.verify(url)["intact"]
+
+
+def test_saev_remote_write_stages_a_few_shards_not_the_dataset(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    n = 9 * 30  # 30 shards of 9 examples
+    staging = tmp_path / "staging"
+    most = 0
+    with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
+        with saev.Writer(f"s3://{s3.bucket()}/root", saev_metadata(n), progress=False) as w:
+            for e in range(0, n, 6):
+                w.write(saev_acts(e, 6), saev_labels(e, 6))
+                most = max(most, len(list(staging.rglob("acts*.bin"))))
+    local = Path(write_saev(tmp_path / "local", n=n))
+    assert len(list(local.glob("acts*.bin"))) == 30
+    # One being uploaded, two queued, one being written (which the bound counts too).
+    assert 1 <= most <= 4, most
+    down = tmp_path / "down"
+    shardkit.download(w.path, down)
+    assert tree(down) == tree(local)
 
 
 KILLED_TOKENS_AND_EAGLE3 = """

@@ -234,7 +234,11 @@ impl Checksums {
 
     /// Writes the sidecar atomically.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let v = Value::Object(vec![
+        fsutil::atomic_write(path, &document_bytes(self.to_json()))
+    }
+
+    fn to_json(&self) -> Vec<(String, Value)> {
+        vec![
             ("shardkit_checksums".into(), Value::int(1)),
             ("algorithm".into(), Value::String("xxh3-64".into())),
             (
@@ -246,10 +250,7 @@ impl Checksums {
                         .collect(),
                 ),
             ),
-        ]);
-        let mut text = json::to_pretty(&v, 1, Escape::Utf8);
-        text.push('\n');
-        fsutil::atomic_write(path, text.as_bytes())
+        ]
     }
 
     /// Intact (every recorded file and byte) when `damage` is empty, else damaged.
@@ -448,6 +449,48 @@ pub(crate) fn remove_sidecar(sidecar: &Path) -> Result<()> {
         Ok(()) => fsutil::fsync_dir(fsutil::parent_of(sidecar)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(Error::io(sidecar, e)),
+    }
+}
+
+fn document_bytes(fields: Vec<(String, Value)>) -> Vec<u8> {
+    let mut text = json::to_pretty(&Value::Object(fields), 1, Escape::Utf8);
+    text.push('\n');
+    text.into_bytes()
+}
+
+/// What a writer streaming a dataset to an object store has put there: the checksums of the
+/// files uploaded so far (in the sidecar's format) and what a resumed write cannot tell from the
+/// store (saev: whether the dataset has labels). The writer rewrites it after each upload, so
+/// it never names a file the store does not hold; a resumed write keeps the files it names that
+/// are present at their size, and their checksums go into the finished dataset's sidecar.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Journal {
+    pub files: Checksums,
+    pub labels: Option<bool>,
+}
+
+impl Journal {
+    /// The journal's object name, beside the dataset's files.
+    pub(crate) const NAME: &'static str = ".shardkit-upload.json";
+
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
+        let mut fields = self.files.to_json();
+        if let Some(l) = self.labels {
+            fields.push(("labels".into(), Value::Bool(l)));
+        }
+        document_bytes(fields)
+    }
+
+    /// Parses a journal (`path` names it in errors).
+    pub(crate) fn parse(bytes: &[u8], path: &Path) -> Result<Journal> {
+        let files = Checksums::parse(bytes, path)?;
+        let v = json::parse(bytes).map_err(|e| Error::format(path, e.to_string()))?;
+        let labels = match v.get("labels") {
+            None => None,
+            Some(Value::Bool(b)) => Some(*b),
+            Some(_) => return Err(Error::format(path, "`labels` must be true or false")),
+        };
+        Ok(Journal { files, labels })
     }
 }
 
@@ -651,6 +694,14 @@ impl Recorder {
     pub(crate) fn add_bytes(&mut self, name: &str, bytes: &[u8]) {
         self.known
             .insert(name.to_string(), FileSums::of_bytes(bytes));
+    }
+    /// Records `name`'s hashes, known from elsewhere (an upload journal).
+    pub(crate) fn insert(&mut self, name: &str, sums: FileSums) {
+        self.known.insert(name.to_string(), sums);
+    }
+    /// The hashes recorded for `name`.
+    pub(crate) fn get(&self, name: &str) -> Option<&FileSums> {
+        self.known.get(name)
     }
     /// Writes the sidecar of the finished dataset at `path`.
     pub(crate) fn finish(&self, path: &Path) -> Result<PathBuf> {

@@ -780,6 +780,16 @@ impl Remote {
         }))
     }
 
+    /// Deletes object `name` (absent already is fine).
+    pub(crate) fn delete(&self, name: &str) -> Result<()> {
+        let key = self.key(name);
+        let store = self.store()?;
+        match block_on(store.delete(&key))? {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.error(name, None, e)),
+        }
+    }
+
     /// Downloads object `name` into local file `path`, atomically (temporary, fsync, rename).
     pub fn get_file(&self, name: &str, path: &Path) -> Result<()> {
         let bytes = self.get(name)?;
@@ -967,6 +977,101 @@ pub fn staging_dir(url: &Path) -> PathBuf {
         .or_else(|| key.strip_prefix("s3a://"))
         .unwrap_or(&key);
     base.join(key.trim_matches('/'))
+}
+
+/// One finished file for [`Uploader`]: uploaded as object `name`, then `journal` (the writer's
+/// record of what the store now holds) is written, then the local file is removed.
+#[derive(Debug)]
+pub(crate) struct Upload {
+    pub name: String,
+    pub path: PathBuf,
+    /// (object name, bytes) written once `name` is in the store.
+    pub journal: Option<(String, Vec<u8>)>,
+}
+
+/// Streams a writer's finished files to the store while it goes on writing: one thread uploads
+/// them in the order sent (each file a multipart upload with its own parts in flight), so the
+/// local staging directory holds only the files not uploaded yet. At most [`Uploader::QUEUE`]
+/// wait: a writer faster than the network waits for the upload instead of filling the disk. A
+/// failed upload stops the thread; the writer's next [`Uploader::send`] (or
+/// [`Uploader::finish`]) returns its error, naming the object.
+#[derive(Debug)]
+pub(crate) struct Uploader {
+    tx: Option<std::sync::mpsc::SyncSender<Upload>>,
+    worker: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl Uploader {
+    /// Finished files that may wait for the upload thread (besides the one it is uploading).
+    pub(crate) const QUEUE: usize = 2;
+
+    pub(crate) fn start(remote: Remote) -> Result<Uploader> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Upload>(Self::QUEUE);
+        let worker = std::thread::Builder::new()
+            .name("shardkit-upload".into())
+            .spawn(move || {
+                for job in rx {
+                    remote.put_file(&job.name, &job.path)?;
+                    if let Some((name, bytes)) = job.journal {
+                        remote.put(&name, bytes)?;
+                    }
+                    // In the store and journaled: the staged copy is no longer needed.
+                    std::fs::remove_file(&job.path).at(&job.path)?;
+                }
+                Ok(())
+            })
+            .map_err(|e| Error::Thread {
+                what: "the upload thread shardkit-upload".into(),
+                source: e,
+            })?;
+        Ok(Uploader {
+            tx: Some(tx),
+            worker: Some(worker),
+        })
+    }
+
+    /// Queues `job`, waiting while the queue is full; an error is an earlier upload's.
+    pub(crate) fn send(&mut self, job: Upload) -> Result<()> {
+        let sent = match &self.tx {
+            Some(tx) => tx.send(job).is_ok(),
+            None => false,
+        };
+        if sent {
+            Ok(())
+        } else {
+            // The thread has ended, which it does only on an error.
+            self.join().and_then(|()| {
+                Err(Error::Internal(
+                    "the upload thread ended before the writer did".into(),
+                ))
+            })
+        }
+    }
+
+    /// Waits until every queued file is in the store.
+    pub(crate) fn finish(mut self) -> Result<()> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<()> {
+        self.tx = None;
+        match self.worker.take().map(|w| w.join()) {
+            None | Some(Ok(Ok(()))) => Ok(()),
+            Some(Ok(Err(e))) => Err(e),
+            Some(Err(p)) => Err(Error::Internal(format!(
+                "the upload thread panicked: {}",
+                crate::engine::exec::panic_message(&*p)
+            ))),
+        }
+    }
+}
+
+impl Drop for Uploader {
+    /// A writer dropped unfinished still uploads the files it finished: a resumed write then
+    /// finds them in the store.
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
 }
 
 /// A prefix read by zarrs (see [`Remote::zarr_store`]). The dataset is complete when it is

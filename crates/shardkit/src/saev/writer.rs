@@ -7,13 +7,22 @@
 //! is a shardkit write in progress, so resume can trust final-named full-size shards even before
 //! shards.json exists. A killed writer therefore leaves a directory that readers refuse as
 //! incomplete and that [`Writer::create`] with `resume` continues byte-identically.
+//!
+//! To an object store: the same steps in a local staging directory, and each shard, once
+//! published there, is uploaded in the background and its staged copy removed (so the staging
+//! disk holds a few shards, not the dataset). After each upload an upload journal
+//! ([`Journal`]) records the shards in the store with their checksums; a resumed write, on this
+//! machine or another, keeps the journaled shards. `finish` uploads labels.bin, the checksums
+//! sidecar and, last, shards.json.
 
 use std::fs::{self, File};
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::checksum::Recorder;
+use std::collections::BTreeMap;
+
+use crate::checksum::{FileSums, Journal, Recorder};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::lock::WriteLock;
@@ -21,7 +30,7 @@ use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
-use crate::storage::{self, Remote};
+use crate::storage::{self, Remote, Upload, Uploader};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
@@ -70,9 +79,23 @@ pub struct Writer {
     lock: Option<WriteLock>,
     /// Checksums of the shards published so far (see [`crate::checksum`]).
     sums: Recorder,
-    /// Writing to an object store: the dataset's prefix there. The dataset is staged in a
-    /// local directory (`dir`) and uploaded, commit record last, by [`Writer::finish`].
-    upload_to: Option<Remote>,
+    /// Writing to an object store: staged in `dir`, shards streamed as they are published.
+    upload_to: Option<Streamed>,
+}
+
+/// A dataset being written to an object store.
+struct Streamed {
+    target: Remote,
+    uploader: Uploader,
+    /// The journal as of the last shard sent: the shards in the store or queued for it.
+    journal: Journal,
+}
+
+/// What an interrupted write left in the store: the journaled shards present at their size.
+#[derive(Default)]
+struct Uploaded {
+    shards: BTreeMap<String, FileSums>,
+    labels: Option<bool>,
 }
 
 impl std::fmt::Debug for Writer {
@@ -95,15 +118,30 @@ impl Writer {
     /// * anything else (different metadata.json bytes, foreign files): refused, never overwritten.
     ///
     /// `root` may be an `s3://bucket/prefix` URL: the dataset is then staged in a local
-    /// directory ([`storage::staging_dir`]; the same rules apply there, so a killed write resumes from
-    /// it) and uploaded by [`Writer::finish`], shards first and shards.json last, skipping
-    /// objects an earlier interrupted upload completed. A prefix already holding the complete
+    /// directory ([`storage::staging_dir`]), each shard uploaded as soon as it is complete and
+    /// its staged copy removed, and the rest uploaded by [`Writer::finish`], shards.json last.
+    /// The same rules apply to what the store holds: an interrupted write (shards named in its
+    /// upload journal) is refused unless `opts.resume`, then continued from the first shard in
+    /// neither the store nor the staging directory, so a killed job resumes on another machine
+    /// too. (Labels are kept in the staging directory until the end: a dataset with labels
+    /// resumed without its staging directory starts over.) A prefix already holding the complete
     /// dataset is [`WriteStart::AlreadyComplete`]; one holding a different dataset is refused.
     pub fn create(root: impl AsRef<Path>, md: Metadata, opts: WriterOptions) -> Result<Writer> {
         if storage::is_remote(root.as_ref()) {
             return Self::create_remote(root.as_ref(), md, opts);
         }
-        let root = &storage::local_path(root.as_ref());
+        Self::create_local(root.as_ref(), md, opts, &Uploaded::default())
+    }
+
+    /// [`Writer::create`] in a local directory; `uploaded` is what an interrupted write to a
+    /// store left there (`dir` is then its staging directory).
+    fn create_local(
+        root: &Path,
+        md: Metadata,
+        opts: WriterOptions,
+        uploaded: &Uploaded,
+    ) -> Result<Writer> {
+        let root = &storage::local_path(root);
         let layout = Layout::new(&md, Path::new("metadata.json"))?;
         let dir = root.join(md.dir_name());
         let ours = md.file_bytes();
@@ -132,7 +170,15 @@ impl Writer {
         let md_path = dir.join("metadata.json");
         match fsutil::read_json_file(&md_path) {
             Ok(existing) if existing == ours => {
-                match check_complete(&dir, &w.layout) {
+                // Staged whole, with its shards in the store: killed while finish() uploaded.
+                let complete = check_complete(&dir, &w.layout).or_else(|e| {
+                    if staged_whole(&dir, &w.layout, uploaded) {
+                        Ok(())
+                    } else {
+                        Err(e)
+                    }
+                });
+                match complete {
                     Ok(()) => {
                         w.start = WriteStart::AlreadyComplete;
                         w.next = w.layout.n_examples;
@@ -150,7 +196,7 @@ impl Writer {
                             ),
                         })
                     }
-                    Err(Error::Incomplete { .. }) => w.prepare_resume()?,
+                    Err(Error::Incomplete { .. }) => w.prepare_resume(uploaded)?,
                     Err(e) => {
                         return Err(Error::Exists {
                             path: dir,
@@ -194,6 +240,9 @@ impl Writer {
                 }
                 File::create(dir.join(MARKER)).at(dir.join(MARKER))?;
                 fsutil::atomic_write(&md_path, &ours)?;
+                if !uploaded.shards.is_empty() {
+                    w.prepare_resume(uploaded)?;
+                }
             }
             Err(e) => return Err(Error::io(&md_path, e)),
         }
@@ -201,11 +250,12 @@ impl Writer {
     }
 
     /// Finds the resume point and removes everything written after it.
-    fn prepare_resume(&mut self) -> Result<()> {
+    fn prepare_resume(&mut self, uploaded: &Uploaded) -> Result<()> {
         let dir = self.dir.clone();
         let full = |s: u64| {
-            fsutil::regular_file_len(&dir.join(Layout::shard_name(s)))
-                == Some(self.layout.shard_bytes())
+            let name = Layout::shard_name(s);
+            uploaded.shards.contains_key(&name)
+                || fsutil::regular_file_len(&dir.join(&name)) == Some(self.layout.shard_bytes())
         };
         let eps = self.layout.examples_per_shard;
         let k = if dir.join(MARKER).exists() {
@@ -251,7 +301,9 @@ impl Writer {
                 .at(&tmp_labels)?;
             self.labels = Some(f);
             self.labels_decided = true;
-        } else if from > 0 && fsutil::regular_file_len(&tmp_labels).is_some() {
+        } else if from > 0
+            && (fsutil::regular_file_len(&tmp_labels).is_some() || uploaded.labels == Some(true))
+        {
             // Labels of the kept shards are not recoverable: start over.
             from = 0;
         } else if from > 0 {
@@ -259,6 +311,11 @@ impl Writer {
         }
         // Every shard holding examples below `from` is complete, the last partial one included.
         let keep_shards = from.div_ceil(eps);
+        for (name, sums) in &uploaded.shards {
+            if shard_index(name).is_some_and(|i| i < keep_shards) {
+                self.sums.insert(name, sums.clone());
+            }
+        }
 
         for name in list_dir(&dir)? {
             let remove = match name.as_str() {
@@ -284,8 +341,9 @@ impl Writer {
     fn create_remote(root: &Path, md: Metadata, opts: WriterOptions) -> Result<Writer> {
         let target = Remote::parse(root)?.join(&md.dir_name());
         let url = PathBuf::from(target.url());
-        if let Some(theirs) = target.get_opt("metadata.json")? {
-            if theirs != md.file_bytes() {
+        let theirs = target.get_opt("metadata.json")?;
+        if let Some(theirs) = &theirs {
+            if *theirs != md.file_bytes() {
                 return Err(Error::Exists {
                     path: target.url_of("metadata.json"),
                     why: "holds a different dataset (metadata.json differs from the one being \
@@ -293,30 +351,123 @@ impl Writer {
                         .into(),
                 });
             }
-            if target.get_opt("shards.json")?.is_some() {
-                // Complete if it opens; anything else is finished by uploading again.
-                if crate::saev::Dataset::open(&url).is_ok() {
-                    let layout = Layout::new(&md, Path::new("metadata.json"))?;
-                    return Ok(Writer {
-                        dir: url,
-                        start: WriteStart::AlreadyComplete,
-                        next: layout.n_examples,
-                        md,
-                        layout,
-                        shard: None,
-                        labels: None,
-                        labels_decided: true,
-                        finished: true,
-                        lock: None,
-                        sums: Recorder::default(),
-                        upload_to: None,
-                    });
+            // Complete if it opens; anything else is finished by uploading again.
+            if target.get_opt("shards.json")?.is_some() && crate::saev::Dataset::open(&url).is_ok()
+            {
+                // A journal left by a kill between the commit and its removal (readers ignore
+                // it; a failure to remove it is no reason to refuse the dataset).
+                let _ = target.delete(Journal::NAME);
+                // So is the staged copy, unless another writer holds it.
+                let staged = storage::staging_dir(&url).join(md.dir_name());
+                if let Ok(_lock) = WriteLock::dir(&staged) {
+                    let _ = fs::remove_dir_all(&staged);
                 }
+                let layout = Layout::new(&md, Path::new("metadata.json"))?;
+                return Ok(Writer {
+                    dir: url,
+                    start: WriteStart::AlreadyComplete,
+                    next: layout.n_examples,
+                    md,
+                    layout,
+                    shard: None,
+                    labels: None,
+                    labels_decided: true,
+                    finished: true,
+                    lock: None,
+                    sums: Recorder::default(),
+                    upload_to: None,
+                });
             }
         }
-        let mut w = Self::create(storage::staging_dir(&url), md, opts)?;
-        w.upload_to = Some(target);
+        let uploaded = Self::uploaded(&target)?;
+        if !uploaded.shards.is_empty() && !opts.resume {
+            return Err(Error::Exists {
+                path: url,
+                why: format!(
+                    "holds an interrupted write of this dataset ({} shard(s) uploaded); resume \
+                     it or delete its objects",
+                    uploaded.shards.len()
+                ),
+            });
+        }
+        let mut w = Self::create_local(&storage::staging_dir(&url), md, opts, &uploaded)?;
+        if w.start == WriteStart::AlreadyComplete {
+            // Staged whole by an earlier run (killed while uploading): finish uploads it.
+            w.upload_to = Some(Streamed {
+                uploader: Uploader::start(target.clone())?,
+                target,
+                journal: Journal::default(),
+            });
+            return Ok(w);
+        }
+        // The store's journal from now on: the shards kept, and whether there are labels.
+        let mut journal = Journal {
+            labels: w.labels_decided.then_some(w.labels.is_some()),
+            ..Journal::default()
+        };
+        let eps = w.layout.examples_per_shard;
+        let kept = w.next.div_ceil(eps);
+        for (name, sums) in &uploaded.shards {
+            if shard_index(name).is_some_and(|i| i < kept) {
+                journal.files.files.insert(name.clone(), sums.clone());
+            }
+        }
+        if theirs.is_none() {
+            // Claims the prefix for this dataset before any shard goes there.
+            target.put("metadata.json", w.md.file_bytes())?;
+        }
+        if !uploaded.shards.is_empty() && journal.files.files != uploaded.shards {
+            target.put(Journal::NAME, journal.to_bytes())?;
+        }
+        let mut streamed = Streamed {
+            uploader: Uploader::start(target.clone())?,
+            target,
+            journal,
+        };
+        // Shards the interrupted run staged but did not upload go first.
+        for s in 0..kept {
+            let name = Layout::shard_name(s);
+            if !streamed.journal.files.files.contains_key(&name) {
+                w.sums.add(&w.dir, &name)?;
+                w.send(&mut streamed, name)?;
+            }
+        }
+        w.upload_to = Some(streamed);
         Ok(w)
+    }
+
+    /// The shards an interrupted write put in `target`, from its journal.
+    fn uploaded(target: &Remote) -> Result<Uploaded> {
+        let Some(bytes) = target.get_opt(Journal::NAME)? else {
+            return Ok(Uploaded::default());
+        };
+        let journal = Journal::parse(&bytes, &target.url_of(Journal::NAME))?;
+        let present: BTreeMap<String, u64> = target.list()?.into_iter().collect();
+        let shards = journal
+            .files
+            .files
+            .into_iter()
+            .filter(|(name, sums)| present.get(name) == Some(&sums.bytes))
+            .collect();
+        Ok(Uploaded {
+            shards,
+            labels: journal.labels,
+        })
+    }
+
+    /// Queues the published shard `name` for upload, with the journal that will then be true.
+    fn send(&self, up: &mut Streamed, name: String) -> Result<()> {
+        let sums =
+            self.sums.get(&name).cloned().ok_or_else(|| {
+                Error::Internal(format!("{name}: published without its checksums"))
+            })?;
+        up.journal.files.files.insert(name.clone(), sums);
+        up.journal.labels = Some(self.labels.is_some());
+        up.uploader.send(Upload {
+            path: self.dir.join(&name),
+            name,
+            journal: Some((Journal::NAME.into(), up.journal.to_bytes())),
+        })
     }
 
     /// The dataset directory (`root/<name>`; the local staging directory of a dataset being
@@ -327,7 +478,7 @@ impl Writer {
     /// Where the finished dataset will be: [`Writer::path`], or its `s3://` URL.
     pub fn destination(&self) -> PathBuf {
         match &self.upload_to {
-            Some(r) => PathBuf::from(r.url()),
+            Some(r) => PathBuf::from(r.target.url()),
             None => self.dir.clone(),
         }
     }
@@ -471,7 +622,13 @@ impl Writer {
         let name = Layout::shard_name(shard.index);
         fsutil::publish(&shard.tmp, &self.dir.join(&name))?;
         // Hashed now, while its pages are still in memory.
-        self.sums.add(&self.dir, &name)
+        self.sums.add(&self.dir, &name)?;
+        if let Some(mut up) = self.upload_to.take() {
+            let sent = self.send(&mut up, name);
+            self.upload_to = Some(up);
+            sent?;
+        }
+        Ok(())
     }
 
     /// Ends the writer as a killed process would (tests of crash recovery): nothing runs on
@@ -490,10 +647,19 @@ impl Writer {
     pub fn finish(mut self) -> Result<PathBuf> {
         let upload_to = self.upload_to.take();
         let dir = self.finish_local()?;
-        let Some(target) = upload_to else {
+        let Some(Streamed {
+            target, uploader, ..
+        }) = upload_to
+        else {
             return Ok(dir);
         };
+        uploader.finish()?;
+        // What is left: labels.bin, the sidecar, shards.json last (and whatever an earlier run
+        // staged whole); objects already in the store are skipped.
         storage::upload(&dir, Path::new(&target.url()), |_, _| {})?;
+        // The dataset is committed: a journal left behind is ignored by readers and removed
+        // by the next writer of this dataset.
+        let _ = target.delete(Journal::NAME);
         // The staged copy served its purpose; a failure to remove it loses nothing.
         let _ = fs::remove_dir_all(&dir);
         Ok(PathBuf::from(target.url()))
@@ -532,6 +698,19 @@ impl Writer {
         self.finished = true;
         Ok(self.dir.clone())
     }
+}
+
+/// Whether the staging directory `dir` holds a finished write (shards.json staged: finish()
+/// writes it last) whose shards are each either staged or in the store: only the final upload
+/// remains.
+fn staged_whole(dir: &Path, layout: &Layout, uploaded: &Uploaded) -> bool {
+    !uploaded.shards.is_empty()
+        && dir.join("shards.json").is_file()
+        && (0..layout.n_shards).all(|s| {
+            let name = Layout::shard_name(s);
+            uploaded.shards.contains_key(&name)
+                || fsutil::regular_file_len(&dir.join(&name)) == Some(layout.shard_bytes())
+        })
 }
 
 /// Writes native float32 bytes as little-endian.

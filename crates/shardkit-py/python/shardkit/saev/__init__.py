@@ -49,6 +49,10 @@ class Writer:
     manager: a clean exit completes the dataset; an exception leaves it resumable with
     ``resume=True``. ``progress`` is None (a bar on a terminal if tqdm is installed), a bool, or a
     callable ``f(examples_done, n_examples)``.
+
+    ``root`` may be an ``s3://bucket/prefix`` URL: each shard is uploaded in the background as
+    soon as it is full (the local staging directory holds a few shards), the commit record last
+    on exit; a killed write resumes (``resume=True``) from what the store holds, on any machine.
     """
 
     def __init__(
