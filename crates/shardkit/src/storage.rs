@@ -39,6 +39,7 @@ use object_store::{
     WriteMultipart,
 };
 
+use crate::checksum::{FileSums, Journal};
 use crate::engine::reader::ReadRange;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
@@ -982,11 +983,11 @@ pub fn staging_dir(url: &Path) -> PathBuf {
 /// One finished file for [`Uploader`]: uploaded as object `name`, then `journal` (the writer's
 /// record of what the store now holds) is written, then the local file is removed.
 #[derive(Debug)]
-pub(crate) struct Upload {
-    pub name: String,
-    pub path: PathBuf,
+struct Upload {
+    name: String,
+    path: PathBuf,
     /// (object name, bytes) written once `name` is in the store.
-    pub journal: Option<(String, Vec<u8>)>,
+    journal: Option<(String, Vec<u8>)>,
 }
 
 /// Streams a writer's finished files to the store while it goes on writing: one thread uploads
@@ -996,16 +997,16 @@ pub(crate) struct Upload {
 /// failed upload stops the thread; the writer's next [`Uploader::send`] (or
 /// [`Uploader::finish`]) returns its error, naming the object.
 #[derive(Debug)]
-pub(crate) struct Uploader {
+struct Uploader {
     tx: Option<std::sync::mpsc::SyncSender<Upload>>,
     worker: Option<std::thread::JoinHandle<Result<()>>>,
 }
 
 impl Uploader {
     /// Finished files that may wait for the upload thread (besides the one it is uploading).
-    pub(crate) const QUEUE: usize = 2;
+    const QUEUE: usize = 2;
 
-    pub(crate) fn start(remote: Remote) -> Result<Uploader> {
+    fn start(remote: Remote) -> Result<Uploader> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Upload>(Self::QUEUE);
         let worker = std::thread::Builder::new()
             .name("shardkit-upload".into())
@@ -1031,7 +1032,7 @@ impl Uploader {
     }
 
     /// Queues `job`, waiting while the queue is full; an error is an earlier upload's.
-    pub(crate) fn send(&mut self, job: Upload) -> Result<()> {
+    fn send(&mut self, job: Upload) -> Result<()> {
         let sent = match &self.tx {
             Some(tx) => tx.send(job).is_ok(),
             None => false,
@@ -1049,7 +1050,7 @@ impl Uploader {
     }
 
     /// Waits until every queued file is in the store.
-    pub(crate) fn finish(mut self) -> Result<()> {
+    fn finish(mut self) -> Result<()> {
         self.join()
     }
 
@@ -1071,6 +1072,71 @@ impl Drop for Uploader {
     /// finds them in the store.
     fn drop(&mut self) {
         let _ = self.join();
+    }
+}
+
+/// A dataset a writer streams to `target`: staged locally, each finished data file uploaded
+/// in the background and journaled ([`Journal`]), the rest by [`Streaming::finish`].
+#[derive(Debug)]
+pub(crate) struct Streaming {
+    pub target: Remote,
+    uploader: Uploader,
+    /// As of the last file sent: the files in the store or queued for it.
+    pub journal: Journal,
+}
+
+impl Streaming {
+    /// What an interrupted write left in `target`: its journal, keeping only the files present
+    /// at their size (an empty journal when there is none).
+    pub(crate) fn left_in(target: &Remote) -> Result<Journal> {
+        let Some(bytes) = target.get_opt(Journal::NAME)? else {
+            return Ok(Journal::default());
+        };
+        let mut journal = Journal::parse(&bytes, &target.url_of(Journal::NAME))?;
+        let present: HashMap<String, u64> = target.list()?.into_iter().collect();
+        journal
+            .files
+            .files
+            .retain(|name, sums| present.get(name) == Some(&sums.bytes));
+        Ok(journal)
+    }
+
+    /// Starts streaming to `target`, whose journal now says `journal` (written first when it
+    /// differs from `was`, what the store's journal said).
+    pub(crate) fn start(target: Remote, journal: Journal, was: &Journal) -> Result<Streaming> {
+        if journal != *was && !was.files.files.is_empty() {
+            target.put(Journal::NAME, journal.to_bytes())?;
+        }
+        Ok(Streaming {
+            uploader: Uploader::start(target.clone())?,
+            target,
+            journal,
+        })
+    }
+
+    /// Queues the finished file `dir/name` (whose checksums are `sums`) for upload, with the
+    /// journal that will then be true; the staged file is removed once both are in the store.
+    pub(crate) fn send(&mut self, dir: &Path, name: &str, sums: FileSums) -> Result<()> {
+        self.journal.files.files.insert(name.into(), sums);
+        self.uploader.send(Upload {
+            path: dir.join(name),
+            name: name.into(),
+            journal: Some((Journal::NAME.into(), self.journal.to_bytes())),
+        })
+    }
+
+    /// Waits for the queued uploads, uploads what is left in the staging directory `dir` (the
+    /// commit record last, objects already in the store skipped), removes the journal and the
+    /// staging directory; returns the dataset's URL.
+    pub(crate) fn finish(self, dir: &Path) -> Result<PathBuf> {
+        self.uploader.finish()?;
+        let url = PathBuf::from(self.target.url());
+        upload(dir, &url, |_, _| {})?;
+        // The dataset is committed: a journal left behind is ignored by readers and removed by
+        // the next writer of this dataset; the staged copy served its purpose.
+        let _ = self.target.delete(Journal::NAME);
+        let _ = std::fs::remove_dir_all(dir);
+        Ok(url)
     }
 }
 

@@ -20,17 +20,16 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use std::collections::BTreeMap;
-
-use crate::checksum::{FileSums, Journal, Recorder};
+use crate::checksum::{Journal, Recorder};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::json::Value;
 use crate::lock::WriteLock;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
-use crate::storage::{self, Remote, Upload, Uploader};
+use crate::storage::{self, Remote, Streaming};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
@@ -80,23 +79,11 @@ pub struct Writer {
     /// Checksums of the shards published so far (see [`crate::checksum`]).
     sums: Recorder,
     /// Writing to an object store: staged in `dir`, shards streamed as they are published.
-    upload_to: Option<Streamed>,
+    upload_to: Option<Streaming>,
 }
 
-/// A dataset being written to an object store.
-struct Streamed {
-    target: Remote,
-    uploader: Uploader,
-    /// The journal as of the last shard sent: the shards in the store or queued for it.
-    journal: Journal,
-}
-
-/// What an interrupted write left in the store: the journaled shards present at their size.
-#[derive(Default)]
-struct Uploaded {
-    shards: BTreeMap<String, FileSums>,
-    labels: Option<bool>,
-}
+/// The journal fact saying whether the dataset has labels.
+const LABELS: &str = "labels";
 
 impl std::fmt::Debug for Writer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -130,7 +117,7 @@ impl Writer {
         if storage::is_remote(root.as_ref()) {
             return Self::create_remote(root.as_ref(), md, opts);
         }
-        Self::create_local(root.as_ref(), md, opts, &Uploaded::default())
+        Self::create_local(root.as_ref(), md, opts, &Journal::default())
     }
 
     /// [`Writer::create`] in a local directory; `uploaded` is what an interrupted write to a
@@ -139,7 +126,7 @@ impl Writer {
         root: &Path,
         md: Metadata,
         opts: WriterOptions,
-        uploaded: &Uploaded,
+        uploaded: &Journal,
     ) -> Result<Writer> {
         let root = &storage::local_path(root);
         let layout = Layout::new(&md, Path::new("metadata.json"))?;
@@ -240,7 +227,7 @@ impl Writer {
                 }
                 File::create(dir.join(MARKER)).at(dir.join(MARKER))?;
                 fsutil::atomic_write(&md_path, &ours)?;
-                if !uploaded.shards.is_empty() {
+                if !uploaded.files.files.is_empty() {
                     w.prepare_resume(uploaded)?;
                 }
             }
@@ -250,11 +237,11 @@ impl Writer {
     }
 
     /// Finds the resume point and removes everything written after it.
-    fn prepare_resume(&mut self, uploaded: &Uploaded) -> Result<()> {
+    fn prepare_resume(&mut self, uploaded: &Journal) -> Result<()> {
         let dir = self.dir.clone();
         let full = |s: u64| {
             let name = Layout::shard_name(s);
-            uploaded.shards.contains_key(&name)
+            uploaded.files.files.contains_key(&name)
                 || fsutil::regular_file_len(&dir.join(&name)) == Some(self.layout.shard_bytes())
         };
         let eps = self.layout.examples_per_shard;
@@ -302,7 +289,8 @@ impl Writer {
             self.labels = Some(f);
             self.labels_decided = true;
         } else if from > 0
-            && (fsutil::regular_file_len(&tmp_labels).is_some() || uploaded.labels == Some(true))
+            && (fsutil::regular_file_len(&tmp_labels).is_some()
+                || uploaded.fact(LABELS) == Some(&Value::Bool(true)))
         {
             // Labels of the kept shards are not recoverable: start over.
             from = 0;
@@ -311,7 +299,7 @@ impl Writer {
         }
         // Every shard holding examples below `from` is complete, the last partial one included.
         let keep_shards = from.div_ceil(eps);
-        for (name, sums) in &uploaded.shards {
+        for (name, sums) in &uploaded.files.files {
             if shard_index(name).is_some_and(|i| i < keep_shards) {
                 self.sums.insert(name, sums.clone());
             }
@@ -379,35 +367,25 @@ impl Writer {
                 });
             }
         }
-        let uploaded = Self::uploaded(&target)?;
-        if !uploaded.shards.is_empty() && !opts.resume {
+        let uploaded = Streaming::left_in(&target)?;
+        if !uploaded.files.files.is_empty() && !opts.resume {
             return Err(Error::Exists {
                 path: url,
                 why: format!(
                     "holds an interrupted write of this dataset ({} shard(s) uploaded); resume \
                      it or delete its objects",
-                    uploaded.shards.len()
+                    uploaded.files.files.len()
                 ),
             });
         }
         let mut w = Self::create_local(&storage::staging_dir(&url), md, opts, &uploaded)?;
-        if w.start == WriteStart::AlreadyComplete {
-            // Staged whole by an earlier run (killed while uploading): finish uploads it.
-            w.upload_to = Some(Streamed {
-                uploader: Uploader::start(target.clone())?,
-                target,
-                journal: Journal::default(),
-            });
-            return Ok(w);
-        }
         // The store's journal from now on: the shards kept, and whether there are labels.
-        let mut journal = Journal {
-            labels: w.labels_decided.then_some(w.labels.is_some()),
-            ..Journal::default()
-        };
-        let eps = w.layout.examples_per_shard;
-        let kept = w.next.div_ceil(eps);
-        for (name, sums) in &uploaded.shards {
+        let mut journal = Journal::default();
+        if w.labels_decided {
+            journal.set_fact(LABELS, Value::Bool(w.labels.is_some()));
+        }
+        let kept = w.next.div_ceil(w.layout.examples_per_shard);
+        for (name, sums) in &uploaded.files.files {
             if shard_index(name).is_some_and(|i| i < kept) {
                 journal.files.files.insert(name.clone(), sums.clone());
             }
@@ -416,58 +394,30 @@ impl Writer {
             // Claims the prefix for this dataset before any shard goes there.
             target.put("metadata.json", w.md.file_bytes())?;
         }
-        if !uploaded.shards.is_empty() && journal.files.files != uploaded.shards {
-            target.put(Journal::NAME, journal.to_bytes())?;
-        }
-        let mut streamed = Streamed {
-            uploader: Uploader::start(target.clone())?,
-            target,
-            journal,
-        };
-        // Shards the interrupted run staged but did not upload go first.
-        for s in 0..kept {
-            let name = Layout::shard_name(s);
-            if !streamed.journal.files.files.contains_key(&name) {
-                w.sums.add(&w.dir, &name)?;
-                w.send(&mut streamed, name)?;
+        let mut streaming = Streaming::start(target, journal, &uploaded)?;
+        if w.start != WriteStart::AlreadyComplete {
+            // Shards the interrupted run staged but did not upload go first.
+            for s in 0..kept {
+                let name = Layout::shard_name(s);
+                if !streaming.journal.files.files.contains_key(&name) {
+                    w.sums.add(&w.dir, &name)?;
+                    w.send(&mut streaming, &name)?;
+                }
             }
         }
-        w.upload_to = Some(streamed);
+        w.upload_to = Some(streaming);
         Ok(w)
     }
 
-    /// The shards an interrupted write put in `target`, from its journal.
-    fn uploaded(target: &Remote) -> Result<Uploaded> {
-        let Some(bytes) = target.get_opt(Journal::NAME)? else {
-            return Ok(Uploaded::default());
-        };
-        let journal = Journal::parse(&bytes, &target.url_of(Journal::NAME))?;
-        let present: BTreeMap<String, u64> = target.list()?.into_iter().collect();
-        let shards = journal
-            .files
-            .files
-            .into_iter()
-            .filter(|(name, sums)| present.get(name) == Some(&sums.bytes))
-            .collect();
-        Ok(Uploaded {
-            shards,
-            labels: journal.labels,
-        })
-    }
-
-    /// Queues the published shard `name` for upload, with the journal that will then be true.
-    fn send(&self, up: &mut Streamed, name: String) -> Result<()> {
+    /// Queues the published shard `name` for upload.
+    fn send(&self, up: &mut Streaming, name: &str) -> Result<()> {
         let sums =
-            self.sums.get(&name).cloned().ok_or_else(|| {
+            self.sums.get(name).cloned().ok_or_else(|| {
                 Error::Internal(format!("{name}: published without its checksums"))
             })?;
-        up.journal.files.files.insert(name.clone(), sums);
-        up.journal.labels = Some(self.labels.is_some());
-        up.uploader.send(Upload {
-            path: self.dir.join(&name),
-            name,
-            journal: Some((Journal::NAME.into(), up.journal.to_bytes())),
-        })
+        up.journal
+            .set_fact(LABELS, Value::Bool(self.labels.is_some()));
+        up.send(&self.dir, name, sums)
     }
 
     /// The dataset directory (`root/<name>`; the local staging directory of a dataset being
@@ -624,7 +574,7 @@ impl Writer {
         // Hashed now, while its pages are still in memory.
         self.sums.add(&self.dir, &name)?;
         if let Some(mut up) = self.upload_to.take() {
-            let sent = self.send(&mut up, name);
+            let sent = self.send(&mut up, &name);
             self.upload_to = Some(up);
             sent?;
         }
@@ -647,22 +597,12 @@ impl Writer {
     pub fn finish(mut self) -> Result<PathBuf> {
         let upload_to = self.upload_to.take();
         let dir = self.finish_local()?;
-        let Some(Streamed {
-            target, uploader, ..
-        }) = upload_to
-        else {
-            return Ok(dir);
-        };
-        uploader.finish()?;
-        // What is left: labels.bin, the sidecar, shards.json last (and whatever an earlier run
-        // staged whole); objects already in the store are skipped.
-        storage::upload(&dir, Path::new(&target.url()), |_, _| {})?;
-        // The dataset is committed: a journal left behind is ignored by readers and removed
-        // by the next writer of this dataset.
-        let _ = target.delete(Journal::NAME);
-        // The staged copy served its purpose; a failure to remove it loses nothing.
-        let _ = fs::remove_dir_all(&dir);
-        Ok(PathBuf::from(target.url()))
+        match upload_to {
+            // labels.bin, the sidecar, shards.json last (and whatever an earlier run staged
+            // whole) are what is left to upload.
+            Some(streaming) => streaming.finish(&dir),
+            None => Ok(dir),
+        }
     }
 
     fn finish_local(&mut self) -> Result<PathBuf> {
@@ -703,12 +643,12 @@ impl Writer {
 /// Whether the staging directory `dir` holds a finished write (shards.json staged: finish()
 /// writes it last) whose shards are each either staged or in the store: only the final upload
 /// remains.
-fn staged_whole(dir: &Path, layout: &Layout, uploaded: &Uploaded) -> bool {
-    !uploaded.shards.is_empty()
+fn staged_whole(dir: &Path, layout: &Layout, uploaded: &Journal) -> bool {
+    !uploaded.files.files.is_empty()
         && dir.join("shards.json").is_file()
         && (0..layout.n_shards).all(|s| {
             let name = Layout::shard_name(s);
-            uploaded.shards.contains_key(&name)
+            uploaded.files.files.contains_key(&name)
                 || fsutil::regular_file_len(&dir.join(&name)) == Some(layout.shard_bytes())
         })
 }
