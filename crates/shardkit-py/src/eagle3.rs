@@ -164,8 +164,10 @@ impl Eagle3Writer {
             .map_err(to_py)
     }
     /// Stops without finishing: the written shards stay, and a resumed writer continues.
-    fn abort(&mut self) {
-        self.inner = None;
+    /// (Writing to a store, the shards already written are uploaded first, without the GIL.)
+    fn abort(&mut self, py: Python<'_>) {
+        let w = self.inner.take();
+        py.allow_threads(move || drop(w));
     }
 }
 

@@ -316,9 +316,9 @@ write_tokens_and_eagle3(sys.argv[1], sys.argv[2])
 """
 
 
-def write_tokens_and_eagle3(what: str, root: str, resume: bool = False) -> None:
-    """Writes the small flat-tokens dataset or EAGLE-3 cache of the kill test to `root`
-    (`resume`: continue a killed flat-tokens write, as locally)."""
+def write_tokens_and_eagle3(what: str, root: str, resume: bool = False, n: int = 6) -> None:
+    """Writes the small flat-tokens dataset or EAGLE-3 cache (`n` samples, 2 per shard) of the
+    kill test to `root` (`resume`: continue a killed write, as locally)."""
     from test_eagle3 import config, sample
 
     if what == "tokens":
@@ -329,8 +329,8 @@ def write_tokens_and_eagle3(what: str, root: str, resume: bool = False) -> None:
             if not resume:
                 w.append(docs)
     else:
-        with eagle3.Writer(root, config(n=6, s=2), resume=resume) as w:
-            for i in range(w.next_sample, 6):
+        with eagle3.Writer(root, config(n=n, s=2), resume=resume) as w:
+            for i in range(w.next_sample, n):
                 w.add(sample(i))
 
 
@@ -340,27 +340,87 @@ def test_tokens_and_eagle3_remote_writes_killed_after_every_object_resume_identi
 ) -> None:
     local = tmp_path / "local"
     write_tokens_and_eagle3(what, str(local))
-    n_objects = len(tree(local))
+    before = shardkit.storage_counters()["puts"]
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "staging-count")}):
+        write_tokens_and_eagle3(what, f"s3://{s3.bucket()}/ds")
+    n_puts = shardkit.storage_counters()["puts"] - before
+    if what == "eagle3":
+        # 3 shards streamed, each with the journal; then the sidecar and manifest.json.
+        assert n_puts == 3 * 2 + 2, n_puts
     script = KILLED_TOKENS_AND_EAGLE3.format(here=str(HERE))
     opener = (lambda u: flat_tokens.open(u)["train"]) if what == "tokens" else eagle3.open
-    for k in range(1, n_objects + 1):
+    for k in range(1, n_puts + 1):
         bucket = s3.bucket()
         url = f"s3://{bucket}/ds"
         staging = tmp_path / f"staging{k}"
         child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(staging), SHARDKIT_TEST_ABORT_AFTER_PUTS=str(k))
         r = subprocess.run([sys.executable, "-c", script, what, url], env=child_env, capture_output=True)
         assert r.returncode != 0, (k, r.stderr[-2000:])
-        if k < n_objects:
+        if k < n_puts:
             # The commit record goes last: until then readers refuse the dataset.
             with pytest.raises(shardkit.ShardkitError):
                 opener(url)
         with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
-            # A killed write is continued with resume=True, as locally; here every token or
-            # sample was staged, so only the upload remains.
+            # A killed write is continued with resume=True, as locally (killed after the
+            # commit, the rerun finds the dataset complete and writes nothing).
             write_tokens_and_eagle3(what, url, resume=True)
         down = tmp_path / f"down{k}"
         shardkit.download(url, down)
         assert tree(down) == tree(local), k
+        assert not [o for o in s3.objects(bucket) if o.endswith(".shardkit-upload.json")], k
+        assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()], k
+
+
+def test_eagle3_remote_write_resumes_on_another_machine(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """A killed remote EAGLE-3 write resumed without its staging directory keeps the shards its
+    journal names (the journal carries the manifest, which the store gets last)."""
+    n = 40  # 20 shards
+    local = tmp_path / "local"
+    write_tokens_and_eagle3("eagle3", str(local), n=n)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ds"
+    script = KILLED_TOKENS_AND_EAGLE3.format(here=str(HERE)).replace(
+        "sys.argv[2])", "sys.argv[2], n=40)"
+    )
+    child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(tmp_path / "lost"), SHARDKIT_TEST_ABORT_AFTER_PUTS="8")
+    r = subprocess.run([sys.executable, "-c", script, "eagle3", url], env=child_env, capture_output=True)
+    assert r.returncode != 0, r.stderr[-2000:]
+    journal = json.loads(s3.objects(bucket)["ds/.shardkit-upload.json"])
+    assert sorted(journal["files"]) == [f"shard-{k:06d}.safetensors" for k in range(4)]
+    assert json.loads(journal["manifest"])["num_samples"] == n
+    from test_eagle3 import config
+
+    staging = tmp_path / "new-machine"
+    with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
+        with pytest.raises(shardkit.AlreadyExistsError, match="interrupted write"):
+            eagle3.Writer(url, config(n=n, s=2))
+        # Another configuration is refused, naming the keys.
+        with pytest.raises(shardkit.AlreadyExistsError, match="seq_length"):
+            eagle3.Writer(url, config(n=n, s=2, seq=6), resume=True)
+        before = shardkit.storage_counters()["puts"]
+        most = 0
+        with eagle3.Writer(url, config(n=n, s=2), resume=True) as w:
+            assert w.next_sample == 8 and w.resumed_from == 8
+            from test_eagle3 import sample
+
+            for i in range(8, n):
+                w.add(sample(i))
+                most = max(most, len(list(staging.rglob("shard-*.safetensors"))))
+        puts = shardkit.storage_counters()["puts"] - before
+    # The 16 shards left, each with the journal; then the sidecar and manifest.json.
+    assert puts == 16 * 2 + 2, puts
+    # The staging directory held a few shards at a time, never the cache.
+    assert 1 <= most <= 4, most
+    down = tmp_path / "down"
+    shardkit.download(url, down)
+    assert tree(down) == tree(local)
+    assert shardkit.verify(url)["intact"]
+    # Resuming the complete cache writes nothing.
+    with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
+        with pytest.raises(shardkit.AlreadyExistsError, match="complete"):
+            eagle3.Writer(url, config(n=n, s=2))
+        with eagle3.Writer(url, config(n=n, s=2), resume=True) as w:
+            assert w.next_sample == n
 
 
 # --- faults ---------------------------------------------------------------------------------------

@@ -695,11 +695,11 @@ pub(crate) struct Recorder {
 }
 
 impl Recorder {
-    /// Hashes `dir/name`, just written.
-    pub(crate) fn add(&mut self, dir: &Path, name: &str) -> Result<()> {
+    /// Hashes `dir/name`, just written; returns its hashes.
+    pub(crate) fn add(&mut self, dir: &Path, name: &str) -> Result<FileSums> {
         let s = FileSums::of_file(&dir.join(name))?;
-        self.known.insert(name.to_string(), s);
-        Ok(())
+        self.known.insert(name.to_string(), s.clone());
+        Ok(s)
     }
     /// Records `name`'s hashes from its bytes (a file about to be written).
     pub(crate) fn add_bytes(&mut self, name: &str, bytes: &[u8]) {
@@ -709,10 +709,6 @@ impl Recorder {
     /// Records `name`'s hashes, known from elsewhere (an upload journal).
     pub(crate) fn insert(&mut self, name: &str, sums: FileSums) {
         self.known.insert(name.to_string(), sums);
-    }
-    /// The hashes recorded for `name`.
-    pub(crate) fn get(&self, name: &str) -> Option<&FileSums> {
-        self.known.get(name)
     }
     /// Writes the sidecar of the finished dataset at `path`.
     pub(crate) fn finish(&self, path: &Path) -> Result<PathBuf> {

@@ -124,6 +124,10 @@ class Writer:
     same configuration (the differing keys are listed) and a contiguous prefix of shards, and
     continues at ``next_sample``. As a context manager, a clean exit finishes the cache (every
     sample must have been added); an exception leaves it resumable.
+
+    ``cache_dir`` may be an ``s3://bucket/prefix`` URL: each shard is uploaded in the background
+    as soon as it is written (the local staging directory holds a few shards), manifest.json last
+    on exit; a killed write resumes (``resume=True``) from what the store holds, on any machine.
     """
 
     def __init__(

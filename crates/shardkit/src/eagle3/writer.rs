@@ -6,7 +6,14 @@
 //! resumed writer checks that the prefix is contiguous and that its configuration equals the
 //! recorded one, then continues at sample `k·shard_size`; the finished directory equals that of
 //! an uninterrupted run.
+//!
+//! To an object store: the same steps in a local staging directory, and each shard, once
+//! written there, is uploaded in the background and its staged copy removed; an upload journal
+//! ([`Journal`]) records the shards in the store with their checksums, and the manifest. A
+//! resumed write, on this machine or another, keeps the journaled shards. `finish` uploads the
+//! embeddings, the checksums sidecar and, last, manifest.json (the store's commit record).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
@@ -15,12 +22,12 @@ use super::manifest::{self, Manifest};
 use super::shard::{
     self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
 };
-use crate::checksum::Recorder;
+use crate::checksum::{Journal, Recorder};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
 use crate::lock::WriteLock;
-use crate::storage::{self, Remote};
+use crate::storage::{self, Remote, Streaming};
 
 /// The embeddings file's name.
 pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
@@ -67,37 +74,123 @@ pub struct Writer {
     shard: u64,
     resumed_from: Option<u64>,
     /// Held for the writer's life: a second writer of this cache fails at once.
-    _lock: WriteLock,
+    /// `None` for a cache already complete in the store (nothing is staged).
+    lock: Option<WriteLock>,
     /// Checksums of the shards written so far (see [`crate::checksum`]).
     sums: Recorder,
-    /// Writing to an object store: the cache's prefix there (the cache is staged locally and
-    /// uploaded by [`Writer::finish`], manifest.json last).
-    upload_to: Option<Remote>,
+    /// Writing to an object store: staged in `dir`, shards streamed as they are written.
+    upload_to: Option<Streaming>,
 }
+
+/// The journal fact holding the manifest (as its text): the store gets manifest.json last.
+const MANIFEST_FACT: &str = "manifest";
 
 impl Writer {
     /// Starts (or, with `options.resume`, continues) the cache at `dir` for the run
     /// configuration `config` (a JSON object with every key the reference producer writes).
     ///
     /// `dir` may be an `s3://bucket/prefix` URL naming a prefix without a cache: the cache is
-    /// then staged in a local directory ([`storage::staging_dir`], where `resume` continues a
-    /// killed write) and uploaded by [`Writer::finish`], shards first and manifest.json last.
+    /// then staged in a local directory ([`storage::staging_dir`]), each shard uploaded as soon
+    /// as it is written and its staged copy removed, and the rest uploaded by
+    /// [`Writer::finish`], manifest.json last. The same rules apply to what the store holds: an
+    /// interrupted write (shards named in its upload journal) is refused unless
+    /// `options.resume`, then continued after the journaled shards, on any machine.
     pub fn create(dir: impl AsRef<Path>, config: &Value, options: WriterOptions) -> Result<Writer> {
         if storage::is_remote(dir.as_ref()) {
-            let remote = Remote::parse(dir.as_ref())?;
-            if remote.get_opt(manifest::MANIFEST)?.is_some() {
+            return Self::create_remote(dir.as_ref(), config, options);
+        }
+        Self::create_local(dir.as_ref(), config, options, &Journal::default())
+    }
+
+    fn create_remote(dir: &Path, config: &Value, options: WriterOptions) -> Result<Writer> {
+        let remote = Remote::parse(dir)?;
+        if let Some(bytes) = remote.get_opt(manifest::MANIFEST)? {
+            // The store's commit record: the cache there is complete.
+            let path = remote.url_of(manifest::MANIFEST);
+            let theirs = Manifest::parse(&bytes, &path)?;
+            let m = Manifest::for_writing(config, options.version)?;
+            let differ = m.differing_keys(&theirs);
+            if !differ.is_empty() {
                 return Err(Error::Exists {
-                    path: remote.url_of(manifest::MANIFEST),
-                    why: "the prefix already holds an EAGLE-3 cache; write to another prefix"
+                    path,
+                    why: format!(
+                        "the prefix already holds an EAGLE-3 cache of another configuration \
+                         (these keys differ: {}); write to another prefix",
+                        differ.join(", ")
+                    ),
+                });
+            }
+            if !options.resume {
+                return Err(Error::Exists {
+                    path,
+                    why: "the prefix already holds this EAGLE-3 cache, complete; resume finds \
+                          nothing to write"
                         .into(),
                 });
             }
-            let url = PathBuf::from(remote.url());
-            let mut w = Self::create(storage::staging_dir(&url), config, options)?;
-            w.upload_to = Some(remote);
-            return Ok(w);
+            // Killed right after the commit: the journal and the staged copy are left over.
+            let _ = remote.delete(Journal::NAME);
+            let staged = storage::staging_dir(Path::new(&remote.url()));
+            if let Ok(_lock) = WriteLock::dir(&staged) {
+                let _ = std::fs::remove_dir_all(&staged);
+            }
+            let specs = field_specs(&m);
+            return Ok(Writer {
+                dir: PathBuf::from(remote.url()),
+                bufs: specs.iter().map(|_| Vec::new()).collect(),
+                specs,
+                rows_buffered: 0,
+                shard: m.num_shards(),
+                resumed_from: Some(m.num_samples),
+                manifest: m,
+                lock: None,
+                sums: Recorder::default(),
+                upload_to: None,
+            });
         }
-        let dir = storage::local_path(dir.as_ref());
+        let uploaded = Streaming::left_in(&remote)?;
+        if !uploaded.files.files.is_empty() && !options.resume {
+            return Err(Error::Exists {
+                path: PathBuf::from(remote.url()),
+                why: format!(
+                    "holds an interrupted write of this cache ({} shard(s) uploaded); resume it \
+                     or delete its objects",
+                    uploaded.files.files.len()
+                ),
+            });
+        }
+        let staging = storage::staging_dir(Path::new(&remote.url()));
+        let mut w = Self::create_local(&staging, config, options, &uploaded)?;
+        let mut journal = Journal::default();
+        let text = String::from_utf8_lossy(&w.manifest.to_bytes()).into_owned();
+        journal.set_fact(MANIFEST_FACT, Value::String(text));
+        for (name, sums) in &uploaded.files.files {
+            if shard::shard_index(name).is_some_and(|k| k < w.shard) {
+                journal.files.files.insert(name.clone(), sums.clone());
+            }
+        }
+        let mut streaming = Streaming::start(remote, journal, &uploaded)?;
+        // Shards the interrupted run staged but did not upload go first.
+        for k in 0..w.shard {
+            let name = shard_name(k);
+            if !streaming.journal.files.files.contains_key(&name) {
+                let sums = w.sums.add(&w.dir, &name)?;
+                streaming.send(&w.dir, &name, sums)?;
+            }
+        }
+        w.upload_to = Some(streaming);
+        Ok(w)
+    }
+
+    /// [`Writer::create`] in a local directory; `uploaded` is what an interrupted write to a
+    /// store left there (`dir` is then its staging directory).
+    fn create_local(
+        dir: &Path,
+        config: &Value,
+        options: WriterOptions,
+        uploaded: &Journal,
+    ) -> Result<Writer> {
+        let dir = storage::local_path(dir);
         let m = Manifest::for_writing(config, options.version)?;
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Exists {
@@ -112,7 +205,14 @@ impl Writer {
         } else {
             None
         };
-        let present = shard_set(&dir)?;
+        let in_store: BTreeSet<u64> = uploaded
+            .files
+            .files
+            .keys()
+            .filter_map(|n| shard::shard_index(n))
+            .collect();
+        let mut present = shard_set(&dir)?;
+        present.extend(&in_store);
         let mut resumed_from = None;
         let mut shard = 0;
         if !present.is_empty() {
@@ -127,9 +227,13 @@ impl Writer {
                     ),
                 });
             }
-            let recorded = match manifest::read(&dir) {
-                Ok(r) => r,
-                Err(Error::NotFound { .. }) => {
+            let recorded = match (manifest::read(&dir), uploaded.fact(MANIFEST_FACT)) {
+                (Ok(r), _) => r,
+                // Resumed without the staging directory: the journal kept the manifest.
+                (Err(Error::NotFound { .. }), Some(Value::String(text))) => {
+                    Manifest::parse(text.as_bytes(), Path::new(Journal::NAME))?
+                }
+                (Err(Error::NotFound { .. }), _) => {
                     return Err(Error::Exists {
                         path: dir.join(manifest::MANIFEST),
                         why: "shards are present but no manifest records their configuration; \
@@ -137,7 +241,7 @@ impl Writer {
                             .into(),
                     })
                 }
-                Err(e) => return Err(e),
+                (Err(e), _) => return Err(e),
             };
             let differ = m.differing_keys(&recorded);
             if !differ.is_empty() {
@@ -164,8 +268,9 @@ impl Writer {
                     shard_set_problem(&present, m.num_shards()).unwrap_or_default(),
                 ));
             }
-            // Every kept shard must be whole and of this configuration.
-            for i in 0..k {
+            // Every kept shard must be whole and of this configuration (those in the store are
+            // as their journal says).
+            for i in (0..k).filter(|i| !in_store.contains(i)) {
                 ShardFile::open(&dir.join(shard_name(i)), &specs, m.rows_in_shard(i))?;
             }
             shard = k;
@@ -191,6 +296,10 @@ impl Writer {
         shard::remove_temporaries(&dir)?;
         manifest::write(&dir, &m)?;
         let bufs = specs.iter().map(|_| Vec::new()).collect();
+        let mut sums = Recorder::default();
+        for (name, s) in &uploaded.files.files {
+            sums.insert(name, s.clone());
+        }
         Ok(Writer {
             dir,
             manifest: m,
@@ -199,9 +308,9 @@ impl Writer {
             rows_buffered: 0,
             shard,
             resumed_from,
-            _lock: lock,
+            lock: Some(lock),
             upload_to: None,
-            sums: Recorder::default(),
+            sums,
         })
     }
 
@@ -217,9 +326,14 @@ impl Writer {
     pub fn fields(&self) -> &[FieldSpec] {
         &self.specs
     }
-    /// The first sample still to be written (`k·shard_size` after a resume).
+    /// The first sample still to be written (`k·shard_size` after a resume; `num_samples`
+    /// once every shard is written).
     pub fn next_sample(&self) -> u64 {
-        self.shard * self.manifest.shard_size + self.rows_buffered
+        (self.shard * self.manifest.shard_size + self.rows_buffered).min(self.manifest.num_samples)
+    }
+    /// A resumed write of a cache the store already holds complete: nothing is written.
+    fn complete_in_store(&self) -> bool {
+        self.lock.is_none()
     }
     /// When the cache had shards before: the first sample this writer had to write.
     pub fn resumed_from(&self) -> Option<u64> {
@@ -316,7 +430,10 @@ impl Writer {
             .collect();
         let name = shard_name(self.shard);
         shard::write_safetensors(&self.dir.join(&name), tensors)?;
-        self.sums.add(&self.dir, &name)?;
+        let sums = self.sums.add(&self.dir, &name)?;
+        if let Some(up) = &mut self.upload_to {
+            up.send(&self.dir, &name, sums)?;
+        }
         for b in &mut self.bufs {
             b.clear();
         }
@@ -328,12 +445,19 @@ impl Writer {
     /// Writes `target_embeddings.safetensors`: one F32 tensor `weight` of `rows × cols`
     /// (little-endian bytes), replacing any previous one by rename.
     pub fn write_target_embeddings(&self, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+        if self.complete_in_store() {
+            return Err(Error::Exists {
+                path: self.dir.join(EMBEDDINGS),
+                why: "the cache is complete in the store; a writer resuming it writes nothing"
+                    .into(),
+            });
+        }
         write_embeddings(&self.dir, &self.manifest, data, rows, cols)
     }
 
     /// Finishes the cache: every sample must have been added (the last shard is written when
     /// its last sample arrives). Otherwise the cache stays resumable and the error says where.
-    pub fn finish(self) -> Result<PathBuf> {
+    pub fn finish(mut self) -> Result<PathBuf> {
         let written = self.shard * self.manifest.shard_size;
         let total = self.manifest.num_samples;
         if self.next_sample() < total {
@@ -349,16 +473,17 @@ impl Writer {
                 ),
             });
         }
+        if self.complete_in_store() {
+            return Ok(self.dir);
+        }
         // The sidecar covers the manifest, every shard and the embeddings.
         self.sums.finish(&self.dir)?;
         fsutil::fsync_dir(&self.dir)?;
-        if let Some(target) = &self.upload_to {
-            let url = PathBuf::from(target.url());
-            storage::upload(&self.dir, &url, |_, _| {})?;
-            let _ = std::fs::remove_dir_all(&self.dir);
-            return Ok(url);
+        match self.upload_to.take() {
+            // The embeddings, the sidecar and manifest.json last are what is left to upload.
+            Some(streaming) => streaming.finish(&self.dir),
+            None => Ok(self.dir),
         }
-        Ok(self.dir)
     }
 }
 

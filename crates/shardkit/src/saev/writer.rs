@@ -20,7 +20,7 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::checksum::{Journal, Recorder};
+use crate::checksum::{FileSums, Journal, Recorder};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
@@ -400,8 +400,8 @@ impl Writer {
             for s in 0..kept {
                 let name = Layout::shard_name(s);
                 if !streaming.journal.files.files.contains_key(&name) {
-                    w.sums.add(&w.dir, &name)?;
-                    w.send(&mut streaming, &name)?;
+                    let sums = w.sums.add(&w.dir, &name)?;
+                    w.send(&mut streaming, &name, sums)?;
                 }
             }
         }
@@ -409,12 +409,8 @@ impl Writer {
         Ok(w)
     }
 
-    /// Queues the published shard `name` for upload.
-    fn send(&self, up: &mut Streaming, name: &str) -> Result<()> {
-        let sums =
-            self.sums.get(name).cloned().ok_or_else(|| {
-                Error::Internal(format!("{name}: published without its checksums"))
-            })?;
+    /// Queues the published shard `name` (whose checksums are `sums`) for upload.
+    fn send(&self, up: &mut Streaming, name: &str, sums: FileSums) -> Result<()> {
         up.journal
             .set_fact(LABELS, Value::Bool(self.labels.is_some()));
         up.send(&self.dir, name, sums)
@@ -572,9 +568,9 @@ impl Writer {
         let name = Layout::shard_name(shard.index);
         fsutil::publish(&shard.tmp, &self.dir.join(&name))?;
         // Hashed now, while its pages are still in memory.
-        self.sums.add(&self.dir, &name)?;
+        let sums = self.sums.add(&self.dir, &name)?;
         if let Some(mut up) = self.upload_to.take() {
-            let sent = self.send(&mut up, &name);
+            let sent = self.send(&mut up, &name, sums);
             self.upload_to = Some(up);
             sent?;
         }
