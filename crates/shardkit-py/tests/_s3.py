@@ -36,12 +36,14 @@ INTERNAL = (
 
 
 class FaultProxy:
-    """Forwards to ``upstream`` (host, port); ``arm(kind, count)`` faults the next ranged GETs."""
+    """Forwards to ``upstream`` (host, port); ``arm(kind, count)`` faults the next ranged GETs
+    (``arm(kind, count, on="PUT")``: the next PUTs, whole objects and multipart parts)."""
 
     def __init__(self, upstream: tuple[str, int], stall_s: float = 3.0) -> None:
         self.upstream = upstream
         self.stall_s = stall_s
         self.kind: Optional[str] = None
+        self.on = "GET"
         self.left = 0
         self.injected = 0
         self.ranged_gets = 0
@@ -70,9 +72,10 @@ class FaultProxy:
             def _forward(self) -> None:
                 body = self._body()
                 fault = None
-                if self.command == "GET" and "Range" in self.headers:
+                targeted = (self.command == "GET" and "Range" in self.headers) if proxy.on == "GET" else self.command == proxy.on
+                if targeted:
                     with proxy.lock:
-                        proxy.ranged_gets += 1
+                        proxy.ranged_gets += self.command == "GET"
                         if proxy.kind is not None and proxy.left > 0:
                             proxy.left -= 1
                             proxy.injected += 1
@@ -83,6 +86,11 @@ class FaultProxy:
                     return self._send(500, INTERNAL, {"Content-Type": "application/xml"})
                 if fault == "stall":
                     time.sleep(proxy.stall_s)
+                if fault == "drop" and self.command != "GET":
+                    # An upload whose connection breaks before any answer: nothing is stored.
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
                 headers["Content-Length"] = str(len(body))
@@ -135,9 +143,9 @@ class FaultProxy:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def arm(self, kind: Optional[str], count: int = 1) -> None:
+    def arm(self, kind: Optional[str], count: int = 1, on: str = "GET") -> None:
         with self.lock:
-            self.kind, self.left, self.injected = kind, count, 0
+            self.kind, self.left, self.injected, self.on = kind, count, 0, on
 
     def close(self) -> None:
         self.server.shutdown()

@@ -1,7 +1,7 @@
 """s3:// URLs against a real S3-protocol server on loopback (moto), with injected faults.
 
 Round trips (written locally, uploaded, read remotely: equal items and batches; written
-remotely, downloaded: byte-identical), kill-and-resume of a remote write at every object, and
+remotely, downloaded: byte-identical), kill-and-resume of a remote write after every PUT, and
 each fault an object store produces: 503 SlowDown, 500 InternalError, a connection dropped
 mid-body, a response slower than the timeout; retried within the budget, an error naming the
 object and the byte range past it.
@@ -462,6 +462,42 @@ def test_a_spent_retry_budget_fails_naming_object_and_range(tmp_path: Path, s3: 
                 pass
         assert s3.proxy.injected >= 3
         s3.proxy.arm(None)
+
+
+@pytest.mark.parametrize("kind", ["503", "500", "drop"])
+def test_streamed_uploads_retry_faults_and_report_a_spent_budget(tmp_path: Path, s3: S3, kind: str) -> None:
+    """Shards go up on a background thread: its faults are retried, and once the budget is
+    spent the writer's caller gets the error naming the object; the write then resumes."""
+    local = Path(write_saev(tmp_path / "local"))
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/root"
+    staging = tmp_path / "staging"
+    with environment(s3.env(proxy=True, SHARDKIT_STAGING_DIR=str(staging))):
+        s3.proxy.arm(kind, 3, on="PUT")
+        assert write_saev(root) == f"{root}/{local.name}"
+        assert s3.proxy.injected == 3
+        shardkit.download(f"{root}/{local.name}", tmp_path / "down")
+        assert tree(tmp_path / "down") == tree(local)
+
+        bucket = s3.bucket()
+        root = f"s3://{bucket}/root"
+        with environment({"SHARDKIT_S3_RETRIES": "2"}):
+            s3.proxy.arm(kind, 1000, on="PUT")
+            # metadata.json goes up first, on the caller's thread; then the shards, behind it.
+            with pytest.raises(shardkit.RemoteError, match=rf"s3://{bucket}/root/{local.name}/metadata\.json"):
+                write_saev(root)
+            s3.proxy.arm(None)
+            w = saev.Writer(root, saev_metadata(), progress=False, resume=True)
+            s3.proxy.arm(kind, 1000, on="PUT")
+            with pytest.raises(shardkit.RemoteError, match=rf"s3://{bucket}/root/{local.name}/acts000000\.bin"):
+                for e in range(0, 40, 8):
+                    w.write(saev_acts(e, 8), saev_labels(e, 8))
+                w.close()
+            w.abort()
+        s3.proxy.arm(None)
+        assert write_saev(root, resume=True) == f"{root}/{local.name}"
+        shardkit.download(f"{root}/{local.name}", tmp_path / "down2")
+    assert tree(tmp_path / "down2") == tree(local)
 
 
 # --- flat-tokens ----------------------------------------------------------------------------------
