@@ -314,8 +314,8 @@ impl RemotePart {
     }
 }
 
-/// Bytes of blobs fetched by one request list of [`RemotePart::prefetch`] (bounds the
-/// transient copy).
+/// Bytes of blobs fetched by one request list of [`RemotePart::prefetch`]: the size of each
+/// buffer a list fills (its blobs are then served as views of it, without a copy).
 const PREFETCH_GROUP_BYTES: usize = 1 << 30;
 
 /// `items` cut into consecutive groups of at most `cap` bytes of ranges (a larger range is a
