@@ -913,6 +913,27 @@ mod tests {
     }
 
     #[test]
+    fn an_upload_journal_round_trips_its_files_and_facts() {
+        let mut j = Journal::default();
+        j.files
+            .files
+            .insert("acts000000.bin".into(), FileSums::of_bytes(&[7u8; 3000]));
+        j.set_fact("labels", Value::Bool(true));
+        j.set_fact("labels", Value::Bool(false)); // replaced, not repeated
+        j.set_fact("manifest", Value::String("{\"a\": 1}".into()));
+        let path = Path::new("s3://b/d/.shardkit-upload.json");
+        let back = Journal::parse(&j.to_bytes(), path).unwrap();
+        assert_eq!(back, j);
+        assert_eq!(back.fact("labels"), Some(&Value::Bool(false)));
+        assert_eq!(back.fact("missing"), None);
+        // A journal is a sidecar document: the same rules, and errors name it.
+        for bad in [&b"[1]"[..], b"{}", b"not json"] {
+            let e = Journal::parse(bad, path).unwrap_err().to_string();
+            assert!(e.contains(".shardkit-upload.json"), "{e}");
+        }
+    }
+
+    #[test]
     fn hostile_sidecars_are_errors_naming_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join(SIDECAR);
