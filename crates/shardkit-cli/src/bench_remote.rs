@@ -9,6 +9,11 @@
 //! ceiling, and per batch the GETs issued and the bytes they returned (the payload's bytes plus
 //! what coalescing read across gaps). flat-tokens also gets a decode ceiling: its in-memory
 //! loader over the local copy in page cache.
+//!
+//! `saev-write` times the saev writer streaming the same synthetic dataset to the store against
+//! its two ceilings measured in the same run: writing it locally, and uploading the local copy
+//! (`shardkit upload`: the same PUTs without the writing). Streaming overlaps the two, so the
+//! ideal is the slower of them.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -42,7 +47,7 @@ pub struct RemoteBenchArgs {
     /// Steps of the flat-tokens loader timed.
     #[arg(long, default_value_t = 400)]
     steps: u64,
-    /// Only these datasets (saev, tokens, eagle3, sdnb).
+    /// Only these datasets (saev, saev-write, tokens, eagle3, sdnb).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -524,6 +529,65 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
 }
 
 /// `shardkit bench remote`.
+/// The saev writer streaming to the store, against writing locally and uploading a local copy.
+fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
+    let example = 2 * 257 * 1024 * 4u64;
+    let examples = ((a.size_mib << 20) / example).max(8);
+    let bytes = examples * example;
+    // Fresh names each run: every write below starts from nothing.
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let base = Remote::parse(&a.url)?.url();
+    let synth_to = |out: PathBuf| -> Result<(PathBuf, f64)> {
+        let mut args = crate::bench::vit_l(out, examples, true);
+        args.budget = Some(8 * 2 * 257); // shards of 8 examples (17 MiB), as `saev` reads
+        let t0 = Instant::now();
+        let path = crate::saev_cmd::synth(&args)?;
+        Ok((path, t0.elapsed().as_secs_f64()))
+    };
+    let local_root = a.dir.join(format!("saev-write-{run}"));
+    let (local, local_s) = synth_to(local_root.clone())?;
+    let before = counters();
+    let t0 = Instant::now();
+    storage::upload(
+        &local,
+        &PathBuf::from(format!("{base}/saev-upload-{run}")),
+        |_, _| {},
+    )?;
+    let upload_s = t0.elapsed().as_secs_f64();
+    let upload_puts = counters().puts - before.puts;
+    let _ = std::fs::remove_dir_all(&local_root);
+    let before = counters();
+    let (url, streamed_s) = synth_to(PathBuf::from(format!("{base}/saev-streamed-{run}")))?;
+    let after = counters();
+    let ideal = gbps(bytes, local_s).min(gbps(bytes, upload_s));
+    let rate = gbps(bytes, streamed_s);
+    Ok(Value::Object(vec![
+        ("url".into(), Value::String(url.display().to_string())),
+        ("dataset_bytes".into(), Value::int(bytes)),
+        ("local_write_gbps".into(), num(gbps(bytes, local_s))),
+        ("upload_gbps".into(), num(gbps(bytes, upload_s))),
+        ("upload_puts".into(), Value::int(upload_puts)),
+        ("streamed_write_gbps".into(), num(rate)),
+        ("streamed_puts".into(), Value::int(after.puts - before.puts)),
+        (
+            "streamed_put_bytes".into(),
+            Value::int(after.put_bytes - before.put_bytes),
+        ),
+        ("ratio_to_ideal".into(), num(rate / ideal.max(1e-12))),
+        (
+            "note".into(),
+            Value::String(
+                "ideal: the slower of writing locally and uploading the local copy; the \
+                 streamed write does both, overlapped (multipart parts count as one PUT per \
+                 object; the streamed write also PUTs the upload journal after each shard)"
+                    .into(),
+            ),
+        ),
+    ]))
+}
+
 pub fn run(a: RemoteBenchArgs) -> Result<()> {
     let threads = if a.threads.is_empty() {
         thread_counts()
@@ -548,6 +612,9 @@ pub fn run(a: RemoteBenchArgs) -> Result<()> {
     ];
     if want("saev") {
         out.push(("saev".into(), saev(&a, &threads)?));
+    }
+    if want("saev-write") {
+        out.push(("saev_write".into(), saev_write(&a)?));
     }
     if want("tokens") {
         out.push(("tokens".into(), tokens(&a, &threads)?));
