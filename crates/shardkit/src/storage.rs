@@ -27,7 +27,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -790,17 +790,11 @@ impl Remote {
             Err(e) => Err(self.error(name, None, e)),
         }
     }
-
-    /// Downloads object `name` into local file `path`, atomically (temporary, fsync, rename).
-    pub fn get_file(&self, name: &str, path: &Path) -> Result<()> {
-        let bytes = self.get(name)?;
-        fsutil::atomic_write(path, &bytes)
-    }
 }
 
 /// The bounded local cache of whole objects, `$SHARDKIT_CACHE_DIR`, when it is set: SDNB/SDZ
 /// containers read from a store are then copied whole into it instead of read by range, and
-/// the objects dataset readers read too ([`Remote::with_object_cache`]); at most
+/// the objects the saev, flat-tokens and EAGLE-3 readers read too; at most
 /// `$SHARDKIT_CACHE_GIB` GiB, default 32, the least recently used objects evicted to make
 /// room.
 pub fn cache_dir() -> Option<PathBuf> {
@@ -1389,7 +1383,8 @@ fn sort_commit_last(files: &mut [(String, u64)]) {
 /// (shards.json, manifest.json, the root zarr.json/.zgroup), so a reader never sees a dataset
 /// that is not whole. A destination whose commit record differs from the source's is refused.
 ///
-/// A single file (an SDNB or SDZ container) is uploaded as the one object `dst`.
+/// A single file (an SDNB or SDZ container) is uploaded as the one object `dst`. Data files go
+/// up several at a time (`inflight() / 8`, at least 2), each a multipart upload when large.
 pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Result<Transfer> {
     let src = local_path(src);
     let remote = Remote::parse(dst)?;
@@ -1433,22 +1428,74 @@ pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Res
     let total: u64 = files.iter().map(|(_, n)| n).sum();
     let mut t = Transfer::default();
     let mut done = 0u64;
-    for (name, len) in &files {
+    // One file: uploaded unless the store holds it already (same size and ETag).
+    let put = |name: &str, len: u64| -> Result<bool> {
         let same = match present.get(name) {
-            Some((size, Some(etag))) if size == len && !is_commit_record(name) => {
-                *etag == upload_etag(&src.join(name), *len)?
+            Some((size, Some(etag))) if *size == len && !is_commit_record(name) => {
+                *etag == upload_etag(&src.join(name), len)?
             }
             _ => false,
         };
-        if same {
-            t.skipped += 1;
-        } else {
+        if !same {
             remote.put_file(name, &src.join(name))?;
+        }
+        Ok(!same)
+    };
+    let mut tally = |len: u64, copied: bool| {
+        if copied {
             t.copied += 1;
             t.bytes += len;
+        } else {
+            t.skipped += 1;
         }
         done += len;
         progress(done, total);
+    };
+    // saev's metadata.json first, then the data files several at a time (each a multipart
+    // upload with its own parts in flight), then the commit records one by one, in order.
+    let (commit, data): (Vec<_>, Vec<_>) = files.iter().partition(|(n, _)| is_commit_record(n));
+    let (first, data): (Vec<_>, Vec<_>) = data.into_iter().partition(|(n, _)| n == "metadata.json");
+    for (name, len) in first {
+        tally(*len, put(name, *len)?);
+    }
+    let workers = (inflight() / 8).clamp(2, 16).min(data.len().max(1));
+    let next = AtomicUsize::new(0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (tx, rx) = std::sync::mpsc::channel::<Result<(u64, bool)>>();
+    let failed = std::thread::scope(|scope| {
+        for _ in 0..workers {
+            let tx = tx.clone();
+            let (next, stop, data, put) = (&next, &stop, &data, &put);
+            scope.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let Some((name, len)) = data.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                        break;
+                    };
+                    let r = put(name, *len).map(|copied| (*len, copied));
+                    stop.fetch_or(r.is_err(), Ordering::Relaxed);
+                    if tx.send(r).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let mut failed = None;
+        for r in rx {
+            match r {
+                Ok((len, copied)) => tally(len, copied),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        failed
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    for (name, len) in commit {
+        tally(*len, put(name, *len)?);
     }
     Ok(t)
 }
@@ -1456,7 +1503,9 @@ pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Res
 /// Copies the dataset at `src` (`s3://bucket/prefix`) into local directory `dst`: every object
 /// (files already present at the same size are kept), each written atomically, the commit
 /// record last, so an interrupted download is an incomplete dataset that readers refuse and a
-/// rerun completes.
+/// rerun completes. Objects are read in bounded windows of parallel ranged GETs
+/// ([`inflight`] × [`max_request`] bytes). A `src` naming one object (a container file) is
+/// copied into the file `dst`.
 pub fn download(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Result<Transfer> {
     let remote = Remote::parse(src)?;
     let dst = local_path(dst);
@@ -1464,41 +1513,121 @@ pub fn download(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> R
     if objects.is_empty() {
         // One object (a container file) rather than a prefix.
         let (parent, name) = remote.split_last()?;
-        let Some(bytes) = parent.get_opt(&name)? else {
-            return Err(Error::NotFound {
-                path: PathBuf::from(remote.url()),
-                what: "no such object, and no objects under this prefix".into(),
-            });
+        let store = parent.store()?;
+        let size = match block_on(store.head(&parent.key(&name)))? {
+            Ok(meta) => meta.size,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(Error::NotFound {
+                    path: PathBuf::from(remote.url()),
+                    what: "no such object, and no objects under this prefix".into(),
+                })
+            }
+            Err(e) => return Err(parent.error(&name, None, e)),
         };
-        fsutil::atomic_write(&dst, &bytes)?;
-        let len = bytes.len() as u64;
-        progress(len, len);
+        let leaf = PathBuf::from(&name);
+        let into = fsutil::parent_of(&dst).to_path_buf();
+        let as_name = dst.file_name().map_or_else(|| leaf.clone(), PathBuf::from);
+        fetch_files(&parent, &[(name, size)], &into, Some(&as_name), |n| {
+            progress(n, size)
+        })?;
         return Ok(Transfer {
             copied: 1,
             skipped: 0,
-            bytes: len,
+            bytes: size,
         });
     }
     objects.retain(|(n, _)| !is_private(n));
     sort_commit_last(&mut objects);
     let total: u64 = objects.iter().map(|(_, n)| n).sum();
     let mut t = Transfer::default();
-    let mut done = 0u64;
-    for (name, len) in &objects {
-        let path = dst.join(name);
-        if fsutil::regular_file_len(&path) == Some(*len) && !is_commit_record(name) {
+    let mut skipped_bytes = 0u64;
+    objects.retain(|(name, len)| {
+        let keep =
+            is_commit_record(name) || fsutil::regular_file_len(&dst.join(name)) != Some(*len);
+        if !keep {
             t.skipped += 1;
-        } else {
-            let parent = fsutil::parent_of(&path).to_path_buf();
-            std::fs::create_dir_all(&parent).at(&parent)?;
-            remote.get_file(name, &path)?;
-            t.copied += 1;
-            t.bytes += len;
+            skipped_bytes += len;
         }
-        done += len;
-        progress(done, total);
-    }
+        keep
+    });
+    progress(skipped_bytes, total);
+    fetch_files(&remote, &objects, &dst, None, |n| {
+        progress(skipped_bytes + n, total)
+    })?;
+    t.copied = objects.len() as u64;
+    t.bytes = objects.iter().map(|(_, n)| n).sum();
     Ok(t)
+}
+
+/// Copies `objects` (name, size) of `remote` into files below `dst` (or, for one object, into
+/// `dst/as_name`): each written under a temporary name and published (fsync, rename) once
+/// whole, in the order given. They are read in windows of `inflight · max_request` bytes (several
+/// small objects per window, a large one over several), so a window's ranged GETs run in
+/// parallel and memory stays bounded however large the objects. `done` gets the bytes copied so
+/// far after each window.
+fn fetch_files(
+    remote: &Remote,
+    objects: &[(String, u64)],
+    dst: &Path,
+    as_name: Option<&Path>,
+    mut done: impl FnMut(u64),
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let window = (inflight() as u64 * max_request()).max(max_request());
+    let names: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
+    let path_of = |i: usize| match as_name {
+        Some(n) => dst.join(n),
+        None => dst.join(&objects[i].0),
+    };
+    let mut open: HashMap<usize, (std::fs::File, PathBuf)> = HashMap::new();
+    let mut buf = Vec::new();
+    let (mut next, mut offset, mut copied) = (0usize, 0u64, 0u64);
+    while next < objects.len() {
+        // The next window: (object, offset, len, position in buf).
+        let mut pieces = Vec::new();
+        let mut bytes = 0u64;
+        while next < objects.len() && bytes < window {
+            let size = objects[next].1;
+            let take = (size - offset).min(window - bytes);
+            pieces.push((next as u32, offset, take, bytes));
+            bytes += take;
+            offset += take;
+            if offset == size {
+                next += 1;
+                offset = 0;
+            }
+        }
+        buf.resize(bytes as usize, 0);
+        let ranges: Vec<(u32, u64, u64, u64)> =
+            pieces.iter().copied().filter(|p| p.2 > 0).collect();
+        remote.read_ranges(&names, &ranges, &mut buf)?;
+        for &(i, at, len, pos) in &pieces {
+            let i = i as usize;
+            let path = path_of(i);
+            let (file, tmp) = match open.entry(i) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let parent = fsutil::parent_of(&path).to_path_buf();
+                    std::fs::create_dir_all(&parent).at(&parent)?;
+                    let tmp = fsutil::temp_sibling(&path);
+                    let f = std::fs::File::create(&tmp).at(&tmp)?;
+                    e.insert((f, tmp))
+                }
+            };
+            file.write_all_at(&buf[pos as usize..(pos + len) as usize], at)
+                .at(&*tmp)?;
+            if at + len == objects[i].1 {
+                if let Some((file, tmp)) = open.remove(&i) {
+                    file.sync_all().at(&tmp)?;
+                    drop(file);
+                    fsutil::publish(&tmp, &path)?;
+                }
+            }
+        }
+        copied += bytes;
+        done(copied);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -44,17 +44,19 @@ def upload(
     """Copies the dataset in local directory ``src`` (any format) to ``dst``
     (``s3://bucket/prefix``): data objects first (large ones as multipart uploads), the commit
     record last (saev's shards.json, EAGLE-3's manifest.json, the zarr group documents), so a
-    reader never sees a partial dataset. Objects already present at the same size are skipped:
-    rerunning after a kill finishes the upload. Returns ``{"copied", "skipped", "bytes"}``."""
+    reader never sees a partial dataset. Several files go up at once. Objects already present at
+    the same size (and ETag) are skipped: rerunning after a kill finishes the upload. Returns
+    ``{"copied", "skipped", "bytes"}``."""
     return _transfer(src, dst, True, progress, "uploading")
 
 
 def download(
     src: str, dst: Union[str, "os.PathLike[str]"], *, progress: Any = None,
 ) -> Dict[str, int]:
-    """Copies the dataset at ``src`` (``s3://bucket/prefix``) into local directory ``dst``, each
-    file written atomically and the commit record last, skipping files already complete.
-    Returns ``{"copied", "skipped", "bytes"}``."""
+    """Copies the dataset at ``src`` (``s3://bucket/prefix``, or one object into the file
+    ``dst``) into local directory ``dst``, each file written atomically and the commit record
+    last, skipping files already complete. Objects are read with parallel ranged GETs in windows
+    of bounded size. Returns ``{"copied", "skipped", "bytes"}``."""
     return _transfer(src, dst, False, progress, "downloading")
 
 
