@@ -13,7 +13,8 @@
 //! `saev-write` times the saev writer streaming the same synthetic dataset to the store against
 //! its two ceilings measured in the same run: writing it locally, and uploading the local copy
 //! (`shardkit upload`: the same PUTs without the writing). Streaming overlaps the two, so the
-//! ideal is the slower of them.
+//! ideal is the slower of them. Then `shardkit download` of the streamed dataset against the
+//! GET ceiling of its objects.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -563,6 +564,13 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
     let after = counters();
     let ideal = gbps(bytes, local_s).min(gbps(bytes, upload_s));
     let rate = gbps(bytes, streamed_s);
+    // And back: `shardkit download` against the GET ceiling of the same objects.
+    let remote = Remote::parse(&url)?;
+    let (get_ceiling, _, _) = get_ceiling(&remote, storage::inflight())?;
+    let t0 = Instant::now();
+    storage::download(&url, &local_root, |_, _| {})?;
+    let download_s = t0.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(&local_root);
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),
         ("dataset_bytes".into(), Value::int(bytes)),
@@ -576,6 +584,12 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
             Value::int(after.put_bytes - before.put_bytes),
         ),
         ("ratio_to_ideal".into(), num(rate / ideal.max(1e-12))),
+        ("download_gbps".into(), num(gbps(bytes, download_s))),
+        ("get_ceiling_gbps".into(), num(get_ceiling)),
+        (
+            "download_ratio_to_get_ceiling".into(),
+            num(gbps(bytes, download_s) / get_ceiling.max(1e-12)),
+        ),
         (
             "note".into(),
             Value::String(

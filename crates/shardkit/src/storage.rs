@@ -43,6 +43,7 @@ use crate::checksum::{FileSums, Journal};
 use crate::engine::reader::ReadRange;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::json::Value;
 
 /// Ranges of one object at most this far apart are fetched by one request (the gap's bytes are
 /// read and dropped: cheaper than another round trip).
@@ -974,114 +975,37 @@ pub fn staging_dir(url: &Path) -> PathBuf {
     base.join(key.trim_matches('/'))
 }
 
-/// One finished file for [`Uploader`]: uploaded as object `name`, then `journal` (the writer's
-/// record of what the store now holds) is written, then the local file is removed.
-#[derive(Debug)]
-struct Upload {
-    name: String,
-    path: PathBuf,
-    /// (object name, bytes) written once `name` is in the store.
-    journal: Option<(String, Vec<u8>)>,
-}
-
-/// Streams a writer's finished files to the store while it goes on writing: one thread uploads
-/// them in the order sent (each file a multipart upload with its own parts in flight), so the
-/// local staging directory holds only the files not uploaded yet. At most [`Uploader::QUEUE`]
-/// wait: a writer faster than the network waits for the upload instead of filling the disk. A
-/// failed upload stops the thread; the writer's next [`Uploader::send`] (or
-/// [`Uploader::finish`]) returns its error, naming the object.
-#[derive(Debug)]
-struct Uploader {
-    tx: Option<std::sync::mpsc::SyncSender<Upload>>,
-    worker: Option<std::thread::JoinHandle<Result<()>>>,
-}
-
-impl Uploader {
-    /// Finished files that may wait for the upload thread (besides the one it is uploading).
-    const QUEUE: usize = 2;
-
-    fn start(remote: Remote) -> Result<Uploader> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<Upload>(Self::QUEUE);
-        let worker = std::thread::Builder::new()
-            .name("shardkit-upload".into())
-            .spawn(move || {
-                for job in rx {
-                    remote.put_file(&job.name, &job.path)?;
-                    if let Some((name, bytes)) = job.journal {
-                        remote.put(&name, bytes)?;
-                    }
-                    // In the store and journaled: the staged copy is no longer needed.
-                    std::fs::remove_file(&job.path).at(&job.path)?;
-                }
-                Ok(())
-            })
-            .map_err(|e| Error::Thread {
-                what: "the upload thread shardkit-upload".into(),
-                source: e,
-            })?;
-        Ok(Uploader {
-            tx: Some(tx),
-            worker: Some(worker),
-        })
-    }
-
-    /// Queues `job`, waiting while the queue is full; an error is an earlier upload's.
-    fn send(&mut self, job: Upload) -> Result<()> {
-        let sent = match &self.tx {
-            Some(tx) => tx.send(job).is_ok(),
-            None => false,
-        };
-        if sent {
-            Ok(())
-        } else {
-            // The thread has ended, which it does only on an error.
-            self.join().and_then(|()| {
-                Err(Error::Internal(
-                    "the upload thread ended before the writer did".into(),
-                ))
-            })
-        }
-    }
-
-    /// Waits until every queued file is in the store.
-    fn finish(mut self) -> Result<()> {
-        self.join()
-    }
-
-    fn join(&mut self) -> Result<()> {
-        self.tx = None;
-        match self.worker.take().map(|w| w.join()) {
-            None | Some(Ok(Ok(()))) => Ok(()),
-            Some(Ok(Err(e))) => Err(e),
-            Some(Err(p)) => Err(Error::Internal(format!(
-                "the upload thread panicked: {}",
-                crate::engine::exec::panic_message(&*p)
-            ))),
-        }
-    }
-}
-
-impl Drop for Uploader {
-    /// A writer dropped unfinished still uploads the files it finished: a resumed write then
-    /// finds them in the store.
-    fn drop(&mut self) {
-        let _ = self.join();
-    }
-}
-
-/// A dataset a writer streams to `target`: staged locally, each finished data file uploaded
-/// in the background and journaled ([`Journal`]), the rest by [`Streaming::finish`].
+/// A dataset a writer streams to `target`: staged locally, each finished data file uploaded in
+/// the background, the rest by [`Streaming::finish`].
+///
+/// [`Streaming::workers`] threads upload the files sent, several at once (each a multipart
+/// upload with its own parts in flight). After each upload the journal ([`Journal`]), now naming
+/// that file, is rewritten, then the staged copy removed, so the journal never names a file the
+/// store does not hold. As many files as there are workers may wait, so the staging directory
+/// holds at most twice that many finished files: a writer faster than the network waits instead
+/// of filling the disk. The first failed upload stops the workers, and the writer's next
+/// [`Streaming::send`] (or [`Streaming::finish`]) returns its error, naming the object.
 #[derive(Debug)]
 pub(crate) struct Streaming {
     pub target: Remote,
-    uploader: Uploader,
-    /// As of the last file sent: the files in the store or queued for it.
-    pub journal: Journal,
+    tx: Option<std::sync::mpsc::SyncSender<(String, PathBuf, FileSums)>>,
+    workers: Vec<std::thread::JoinHandle<Result<()>>>,
+    failed: Arc<std::sync::atomic::AtomicBool>,
+    /// The store's journal: the files uploaded so far (the workers add them) and the facts.
+    journal: Arc<Mutex<Journal>>,
+    /// Files in the store or queued for it.
+    sent: std::collections::BTreeSet<String>,
 }
 
 impl Streaming {
+    /// Upload threads: `inflight() / 8` (each file keeps up to 8 parts in flight), 2 to 16.
+    pub(crate) fn workers() -> usize {
+        (inflight() / 8).clamp(2, 16)
+    }
+
     /// What an interrupted write left in `target`: its journal, keeping only the files present
-    /// at their size (an empty journal when there is none).
+    /// at their size (an empty journal when there is none). Files upload several at a time, so
+    /// the files kept need not be a prefix of the dataset's.
     pub(crate) fn left_in(target: &Remote) -> Result<Journal> {
         let Some(bytes) = target.get_opt(Journal::NAME)? else {
             return Ok(Journal::default());
@@ -1101,29 +1025,82 @@ impl Streaming {
         if journal != *was && !was.files.files.is_empty() {
             target.put(Journal::NAME, journal.to_bytes())?;
         }
-        Ok(Streaming {
-            uploader: Uploader::start(target.clone())?,
+        let workers = Self::workers();
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(String, PathBuf, FileSums)>(workers);
+        let rx = Arc::new(Mutex::new(rx));
+        let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sent = journal.files.files.keys().cloned().collect();
+        let journal = Arc::new(Mutex::new(journal));
+        let mut s = Streaming {
             target,
+            tx: Some(tx),
+            workers: Vec::new(),
+            failed,
             journal,
-        })
+            sent,
+        };
+        for i in 0..workers {
+            let (remote, rx) = (s.target.clone(), rx.clone());
+            let (journal, failed) = (s.journal.clone(), s.failed.clone());
+            let worker = std::thread::Builder::new()
+                .name(format!("shardkit-upload-{i}"))
+                .spawn(move || loop {
+                    let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                    let Ok((name, path, sums)) = job else {
+                        return Ok(());
+                    };
+                    if failed.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    let done = upload_journaled(&remote, &journal, name, &path, sums);
+                    if done.is_err() {
+                        failed.store(true, Ordering::Relaxed);
+                        return done;
+                    }
+                })
+                .map_err(|e| Error::Thread {
+                    what: "the upload threads shardkit-upload".into(),
+                    source: e,
+                })?;
+            s.workers.push(worker);
+        }
+        Ok(s)
     }
 
-    /// Queues the finished file `dir/name` (whose checksums are `sums`) for upload, with the
-    /// journal that will then be true; the staged file is removed once both are in the store.
+    /// Records `value` under `key` in the journal (written with the next upload).
+    pub(crate) fn set_fact(&self, key: &str, value: Value) {
+        let mut j = self.journal.lock().unwrap_or_else(|e| e.into_inner());
+        j.set_fact(key, value);
+    }
+
+    /// Whether `name` is in the store (kept from an interrupted write) or queued for it.
+    pub(crate) fn has_sent(&self, name: &str) -> bool {
+        self.sent.contains(name)
+    }
+
+    /// Queues the finished file `dir/name` (whose checksums are `sums`) for upload, waiting
+    /// while every worker is busy and the queue full; an error is an earlier upload's.
     pub(crate) fn send(&mut self, dir: &Path, name: &str, sums: FileSums) -> Result<()> {
-        self.journal.files.files.insert(name.into(), sums);
-        self.uploader.send(Upload {
-            path: dir.join(name),
-            name: name.into(),
-            journal: Some((Journal::NAME.into(), self.journal.to_bytes())),
-        })
+        let sent = !self.failed.load(Ordering::Relaxed)
+            && self
+                .tx
+                .as_ref()
+                .is_some_and(|tx| tx.send((name.into(), dir.join(name), sums)).is_ok());
+        if sent {
+            self.sent.insert(name.into());
+            return Ok(());
+        }
+        self.join()?;
+        Err(Error::Internal(
+            "the upload threads ended before the writer did".into(),
+        ))
     }
 
     /// Waits for the queued uploads, uploads what is left in the staging directory `dir` (the
     /// commit record last, objects already in the store skipped), removes the journal and the
     /// staging directory; returns the dataset's URL.
-    pub(crate) fn finish(self, dir: &Path) -> Result<PathBuf> {
-        self.uploader.finish()?;
+    pub(crate) fn finish(mut self, dir: &Path) -> Result<PathBuf> {
+        self.join()?;
         let url = PathBuf::from(self.target.url());
         upload(dir, &url, |_, _| {})?;
         // The dataset is committed: a journal left behind is ignored by readers and removed by
@@ -1132,6 +1109,52 @@ impl Streaming {
         let _ = std::fs::remove_dir_all(dir);
         Ok(url)
     }
+
+    /// Lets the workers finish what is queued, then returns the first error any of them met.
+    fn join(&mut self) -> Result<()> {
+        self.tx = None;
+        let mut first = Ok(());
+        for w in self.workers.drain(..) {
+            let r = match w.join() {
+                Ok(r) => r,
+                Err(p) => Err(Error::Internal(format!(
+                    "an upload thread panicked: {}",
+                    crate::engine::exec::panic_message(&*p)
+                ))),
+            };
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+impl Drop for Streaming {
+    /// A writer dropped unfinished still uploads the files it finished: a resumed write then
+    /// finds them in the store.
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
+}
+
+/// Uploads `path` as `name`, then rewrites the journal naming it too, then removes `path`.
+fn upload_journaled(
+    remote: &Remote,
+    journal: &Mutex<Journal>,
+    name: String,
+    path: &Path,
+    sums: FileSums,
+) -> Result<()> {
+    remote.put_file(&name, path)?;
+    {
+        // Held across the PUT, so journals reach the store in the order they grow.
+        let mut j = journal.lock().unwrap_or_else(|e| e.into_inner());
+        j.files.files.insert(name, sums);
+        remote.put(Journal::NAME, j.to_bytes())?;
+    }
+    // In the store and journaled: the staged copy is no longer needed.
+    std::fs::remove_file(path).at(path)
 }
 
 /// A prefix read by zarrs (see [`Remote::zarr_store`]). The dataset is complete when it is
@@ -1562,9 +1585,9 @@ pub fn download(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> R
 /// Copies `objects` (name, size) of `remote` into files below `dst` (or, for one object, into
 /// `dst/as_name`): each written under a temporary name and published (fsync, rename) once
 /// whole, in the order given. They are read in windows of `inflight · max_request` bytes (several
-/// small objects per window, a large one over several), so a window's ranged GETs run in
-/// parallel and memory stays bounded however large the objects. `done` gets the bytes copied so
-/// far after each window.
+/// small objects per window, a large one over several): a window's ranged GETs run in parallel,
+/// and the next window's while this one is written out, so memory stays at two windows however
+/// large the objects. `done` gets the bytes copied so far after each window.
 fn fetch_files(
     remote: &Remote,
     objects: &[(String, u64)],
@@ -1573,36 +1596,36 @@ fn fetch_files(
     mut done: impl FnMut(u64),
 ) -> Result<()> {
     use std::os::unix::fs::FileExt;
-    let window = (inflight() as u64 * max_request()).max(max_request());
-    let names: Vec<String> = objects.iter().map(|(n, _)| n.clone()).collect();
+    let windows = windows_of(
+        objects,
+        (inflight() as u64 * max_request()).max(max_request()),
+    );
+    let names = Arc::new(objects.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>());
+    let start = |w: &Vec<ReadRange>| {
+        let bytes = w.iter().map(|r| r.dst + r.len).max().unwrap_or(0);
+        let ranges = w.iter().filter(|r| r.len > 0).cloned().collect();
+        remote.start_read(
+            names.clone(),
+            ranges,
+            crate::engine::Buffer::zeroed(bytes as usize),
+        )
+    };
     let path_of = |i: usize| match as_name {
         Some(n) => dst.join(n),
         None => dst.join(&objects[i].0),
     };
     let mut open: HashMap<usize, (std::fs::File, PathBuf)> = HashMap::new();
-    let mut buf = Vec::new();
-    let (mut next, mut offset, mut copied) = (0usize, 0u64, 0u64);
-    while next < objects.len() {
-        // The next window: (object, offset, len, position in buf).
-        let mut pieces = Vec::new();
-        let mut bytes = 0u64;
-        while next < objects.len() && bytes < window {
-            let size = objects[next].1;
-            let take = (size - offset).min(window - bytes);
-            pieces.push((next as u32, offset, take, bytes));
-            bytes += take;
-            offset += take;
-            if offset == size {
-                next += 1;
-                offset = 0;
-            }
-        }
-        buf.resize(bytes as usize, 0);
-        let ranges: Vec<(u32, u64, u64, u64)> =
-            pieces.iter().copied().filter(|p| p.2 > 0).collect();
-        remote.read_ranges(&names, &ranges, &mut buf)?;
-        for &(i, at, len, pos) in &pieces {
-            let i = i as usize;
+    let mut copied = 0u64;
+    let mut pending = windows.first().map(start).transpose()?;
+    for (k, window) in windows.iter().enumerate() {
+        let next = windows.get(k + 1).map(start).transpose()?;
+        let buf = match pending.take() {
+            Some(p) => p.wait()?,
+            None => break,
+        };
+        pending = next;
+        for r in window {
+            let i = r.file as usize;
             let path = path_of(i);
             let (file, tmp) = match open.entry(i) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
@@ -1614,20 +1637,48 @@ fn fetch_files(
                     e.insert((f, tmp))
                 }
             };
-            file.write_all_at(&buf[pos as usize..(pos + len) as usize], at)
-                .at(&*tmp)?;
-            if at + len == objects[i].1 {
+            let piece = &buf.as_bytes()[r.dst as usize..(r.dst + r.len) as usize];
+            file.write_all_at(piece, r.offset).at(&*tmp)?;
+            if r.offset + r.len == objects[i].1 {
                 if let Some((file, tmp)) = open.remove(&i) {
                     file.sync_all().at(&tmp)?;
                     drop(file);
                     fsutil::publish(&tmp, &path)?;
                 }
             }
+            copied += r.len;
         }
-        copied += bytes;
         done(copied);
     }
     Ok(())
+}
+
+/// `objects` (name, size) cut into windows of at most `window` bytes, in order: each piece is
+/// (object, offset, len, place in the window's buffer). Empty objects get an empty piece.
+fn windows_of(objects: &[(String, u64)], window: u64) -> Vec<Vec<ReadRange>> {
+    let mut out = Vec::new();
+    let (mut next, mut offset) = (0usize, 0u64);
+    while next < objects.len() {
+        let (mut pieces, mut bytes) = (Vec::new(), 0u64);
+        while next < objects.len() && bytes < window {
+            let size = objects[next].1;
+            let len = (size - offset).min(window - bytes);
+            pieces.push(ReadRange {
+                file: next as u32,
+                offset,
+                len,
+                dst: bytes,
+            });
+            bytes += len;
+            offset += len;
+            if offset == size {
+                next += 1;
+                offset = 0;
+            }
+        }
+        out.push(pieces);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -1641,6 +1692,32 @@ mod tests {
             len,
             dst,
         }
+    }
+
+    #[test]
+    fn transfer_windows_split_large_objects_and_share_small_ones() {
+        let objects: Vec<(String, u64)> = [("a", 25), ("empty", 0), ("b", 3), ("c", 10)]
+            .iter()
+            .map(|(n, s)| (n.to_string(), *s))
+            .collect();
+        let spans = |w: &Vec<ReadRange>| -> Vec<(u32, u64, u64, u64)> {
+            w.iter().map(|r| (r.file, r.offset, r.len, r.dst)).collect()
+        };
+        let windows: Vec<_> = windows_of(&objects, 10).iter().map(spans).collect();
+        assert_eq!(
+            windows,
+            [
+                vec![(0, 0, 10, 0)],
+                vec![(0, 10, 10, 0)],
+                vec![(0, 20, 5, 0), (1, 0, 0, 5), (2, 0, 3, 5), (3, 0, 2, 8)],
+                vec![(3, 2, 8, 0)],
+            ]
+        );
+        // Every byte of every object once, in order.
+        let total: u64 = windows.iter().flatten().map(|p| p.2).sum();
+        assert_eq!(total, 38);
+        assert!(windows_of(&[], 10).is_empty());
+        assert_eq!(windows_of(&objects[1..2], 10).len(), 1);
     }
 
     #[test]

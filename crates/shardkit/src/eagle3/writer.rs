@@ -148,7 +148,16 @@ impl Writer {
                 upload_to: None,
             });
         }
-        let uploaded = Streaming::left_in(&remote)?;
+        let found = Streaming::left_in(&remote)?;
+        let mut uploaded = found.clone();
+        // Shards upload several at a time: those after the first one missing are written again.
+        let first_missing = (0u64..)
+            .find(|&k| !uploaded.files.files.contains_key(&shard_name(k)))
+            .unwrap_or(0);
+        uploaded
+            .files
+            .files
+            .retain(|n, _| shard::shard_index(n).is_some_and(|k| k < first_missing));
         if !uploaded.files.files.is_empty() && !options.resume {
             return Err(Error::Exists {
                 path: PathBuf::from(remote.url()),
@@ -169,11 +178,11 @@ impl Writer {
                 journal.files.files.insert(name.clone(), sums.clone());
             }
         }
-        let mut streaming = Streaming::start(remote, journal, &uploaded)?;
+        let mut streaming = Streaming::start(remote, journal, &found)?;
         // Shards the interrupted run staged but did not upload go first.
         for k in 0..w.shard {
             let name = shard_name(k);
-            if !streaming.journal.files.files.contains_key(&name) {
+            if !streaming.has_sent(&name) {
                 let sums = w.sums.add(&w.dir, &name)?;
                 streaming.send(&w.dir, &name, sums)?;
             }

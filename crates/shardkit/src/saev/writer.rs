@@ -399,7 +399,7 @@ impl Writer {
             // Shards the interrupted run staged but did not upload go first.
             for s in 0..kept {
                 let name = Layout::shard_name(s);
-                if !streaming.journal.files.files.contains_key(&name) {
+                if !streaming.has_sent(&name) {
                     let sums = w.sums.add(&w.dir, &name)?;
                     w.send(&mut streaming, &name, sums)?;
                 }
@@ -411,8 +411,7 @@ impl Writer {
 
     /// Queues the published shard `name` (whose checksums are `sums`) for upload.
     fn send(&self, up: &mut Streaming, name: &str, sums: FileSums) -> Result<()> {
-        up.journal
-            .set_fact(LABELS, Value::Bool(self.labels.is_some()));
+        up.set_fact(LABELS, Value::Bool(self.labels.is_some()));
         up.send(&self.dir, name, sums)
     }
 
