@@ -1407,7 +1407,8 @@ fn sort_commit_last(files: &mut [(String, u64)]) {
 /// that is not whole. A destination whose commit record differs from the source's is refused.
 ///
 /// A single file (an SDNB or SDZ container) is uploaded as the one object `dst`. Data files go
-/// up several at a time (`inflight() / 8`, at least 2), each a multipart upload when large.
+/// up several at a time (`SHARDKIT_S3_INFLIGHT` / 8 of them, 2 to 16), each a multipart upload
+/// when large.
 pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Result<Transfer> {
     let src = local_path(src);
     let remote = Remote::parse(dst)?;
@@ -1481,7 +1482,7 @@ pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Res
     for (name, len) in first {
         tally(*len, put(name, *len)?);
     }
-    let workers = (inflight() / 8).clamp(2, 16).min(data.len().max(1));
+    let workers = Streaming::workers().min(data.len().max(1));
     let next = AtomicUsize::new(0);
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (tx, rx) = std::sync::mpsc::channel::<Result<(u64, bool)>>();
