@@ -46,7 +46,8 @@ pub struct LoaderOptions {
     /// Threads that read rows into batches (0: one per core, and at least 16: a row read
     /// blocks on the disk when the cache is cold, so more reads than cores stay in flight).
     pub threads: usize,
-    /// Batches prepared ahead of the caller.
+    /// Batches prepared ahead of the caller. From an object store, at least as many as keep
+    /// `SHARDKIT_S3_INFLIGHT` × the request size of GETs in flight (at most 256).
     pub prefetch: usize,
     /// Check every block of the shard bytes a pass reads against the cache's checksums
     /// sidecar (`shardkit.checksums.json`), once per pass; a damaged block is an error naming
@@ -221,11 +222,12 @@ impl Loader {
         } else {
             None
         };
+        let pool_size = depth(&cache, &opts) + 8;
         Ok(Loader {
             inner: Arc::new(Inner {
                 cache,
                 files,
-                pool: Mutex::new(BufferPool::new(opts.prefetch + 8)),
+                pool: Mutex::new(BufferPool::new(pool_size)),
                 verifier,
                 names,
             }),
@@ -379,7 +381,7 @@ impl Loader {
                 batches.into_iter(),
                 pool,
                 StreamOptions {
-                    ahead: self.opts.prefetch.max(1),
+                    ahead: depth(&self.inner.cache, &self.opts),
                 },
             ),
         };
@@ -415,6 +417,21 @@ impl Loader {
         };
         exec::run_one(&job, indices.to_vec(), &pool)
     }
+}
+
+/// Batches prepared ahead: `prefetch`, or from a store at least enough to keep
+/// `inflight · max_request` bytes of GETs in flight (a few batches' requests alone leave the
+/// store idle between them), at most 256. Their buffers are what the GETs fill, so memory stays
+/// at about that many bytes.
+fn depth(cache: &Cache, opts: &LoaderOptions) -> usize {
+    let asked = opts.prefetch.max(1);
+    if cache.remote().is_none() {
+        return asked;
+    }
+    let per_batch = batch_layout(cache, opts.batch_size.max(1) as usize).map_or(1, |l| l.2);
+    let in_flight = crate::storage::inflight() as u64 * crate::storage::max_request();
+    let want = in_flight.div_ceil(per_batch.max(1) as u64).min(256) as usize;
+    asked.max(want)
 }
 
 /// The fields of a batch of `b` samples, then (top-k caches) the staging areas of the stored

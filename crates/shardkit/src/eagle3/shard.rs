@@ -24,6 +24,9 @@ pub fn shard_name(k: u64) -> String {
     format!("shard-{k:06}.safetensors")
 }
 
+/// Bytes read from the start of a shard in a store when it is opened: its header, in one GET.
+const HEADER_PROBE: u64 = 64 << 10;
+
 /// The shard index a file name carries, if it is exactly `shard-` + 6 digits + `.safetensors`.
 pub fn shard_index(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("shard-")?.strip_suffix(".safetensors")?;
@@ -241,8 +244,13 @@ impl ShardFile {
         if size < 8 {
             return Err(st_err(&path, SafeTensorError::HeaderTooSmall));
         }
+        // One GET usually brings the whole header (a few hundred bytes for a cache's tensors):
+        // a shard is opened while its batch is prepared, so every round trip here is one the
+        // loader waits for.
+        let mut head = vec![0u8; HEADER_PROBE.min(size) as usize];
+        remote.read_ranges(&names, &[(0, 0, head.len() as u64, 0)], &mut head)?;
         let mut len = [0u8; 8];
-        remote.read_ranges(&names, &[(0, 0, 8, 0)], &mut len)?;
+        len.copy_from_slice(&head[..8]); // `size` is at least 8
         let n = u64::from_le_bytes(len);
         // The crate's own limit on headers (100 MB).
         if n > 100_000_000 {
@@ -251,8 +259,14 @@ impl ShardFile {
         if 8 + n > size {
             return Err(st_err(&path, SafeTensorError::InvalidHeaderLength));
         }
-        let mut header = vec![0u8; n as usize];
-        remote.read_ranges(&names, &[(0, 8, n, 0)], &mut header)?;
+        let header = if 8 + n <= head.len() as u64 {
+            head.truncate(8 + n as usize);
+            head.split_off(8)
+        } else {
+            let mut rest = vec![0u8; n as usize];
+            remote.read_ranges(&names, &[(0, 8, n, 0)], &mut rest)?;
+            rest
+        };
         let text = std::str::from_utf8(&header)
             .map_err(|e| st_err(&path, SafeTensorError::InvalidHeader(e)))?;
         // Deserializing validates offsets, dtypes and shapes as `read_metadata` does; the data
