@@ -406,6 +406,38 @@ fn a_resumed_writer_that_writes_nothing_keeps_a_complete_dataset_complete() {
     assert!(Split::open(&root, "train").unwrap().is_marked_complete());
 }
 
+/// Finishing a resumed writer that added nothing leaves every metadata document as it was (not
+/// rewritten with the same bytes: a kill mid-rewrite would leave a stray temporary beside a
+/// complete dataset).
+#[test]
+fn finishing_a_resumed_writer_that_added_nothing_rewrites_no_metadata() {
+    use std::os::unix::fs::MetadataExt;
+    for layout in [Layout::V2, tiny_v3()] {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ds.zarr");
+        write_all(&root, "train", layout, &corpus(20, 10), &[]);
+        let docs = [
+            ".zattrs",
+            ".zgroup",
+            "zarr.json",
+            "train/.zattrs",
+            "train/zarr.json",
+        ];
+        let inodes = |root: &Path| -> Vec<(String, u64)> {
+            docs.iter()
+                .filter_map(|d| Some((d.to_string(), std::fs::metadata(root.join(d)).ok()?.ino())))
+                .collect()
+        };
+        let before = inodes(&root);
+        assert!(!before.is_empty());
+        let w = Writer::create(&root, "train", resume_opts(layout, 1 << 20)).unwrap();
+        assert_eq!(w.resumed_from(), Some(20));
+        w.finish().unwrap();
+        assert_eq!(inodes(&root), before, "{layout:?}");
+        assert!(Split::open(&root, "train").unwrap().is_marked_complete());
+    }
+}
+
 #[test]
 fn seqax_data_is_marked_once_validated_and_can_be_appended_to() {
     let tmp = tempfile::tempdir().unwrap();

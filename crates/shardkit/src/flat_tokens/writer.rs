@@ -315,6 +315,9 @@ impl Dataset {
                 }
                 let v = json::parse(value.to_string().as_bytes())
                     .map_err(|e| Error::Invalid(e.to_string()))?;
+                if attrs.get(name) == Some(&v) {
+                    return Ok(()); // unchanged: no rewrite a kill could leave half-done
+                }
                 attrs.set(name, v);
                 put_zarr2_json(&*self.store, &self.root, &k, &attrs)
             }
@@ -325,6 +328,9 @@ impl Dataset {
                     .metadata()
                     .clone();
                 if let GroupMetadata::V3(m) = &mut meta {
+                    if m.attributes.get(name) == Some(&value) {
+                        return Ok(()); // unchanged: no rewrite a kill could leave half-done
+                    }
                     m.attributes.insert(name.to_string(), value);
                 }
                 self.store_v3_group(group, meta)
