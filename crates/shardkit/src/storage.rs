@@ -1067,6 +1067,17 @@ impl Streaming {
         Ok(s)
     }
 
+    /// Clears what a write killed right after its commit leaves behind: the journal in
+    /// `target` and the staged copy `staged` (unless another writer holds it). Neither is
+    /// needed once the store holds the whole dataset, and readers ignore both, so a failure
+    /// here loses nothing.
+    pub(crate) fn clear_leftovers(target: &Remote, staged: &Path) {
+        let _ = target.delete(Journal::NAME);
+        if let Ok(_lock) = crate::lock::WriteLock::dir(staged) {
+            let _ = std::fs::remove_dir_all(staged);
+        }
+    }
+
     /// Records `value` under `key` in the journal (written with the next upload).
     pub(crate) fn set_fact(&self, key: &str, value: Value) {
         let mut j = self.journal.lock().unwrap_or_else(|e| e.into_inner());

@@ -128,12 +128,7 @@ impl Writer {
                         .into(),
                 });
             }
-            // Killed right after the commit: the journal and the staged copy are left over.
-            let _ = remote.delete(Journal::NAME);
-            let staged = storage::staging_dir(Path::new(&remote.url()));
-            if let Ok(_lock) = WriteLock::dir(&staged) {
-                let _ = std::fs::remove_dir_all(&staged);
-            }
+            Streaming::clear_leftovers(&remote, &storage::staging_dir(Path::new(&remote.url())));
             let specs = field_specs(&m);
             return Ok(Writer {
                 dir: PathBuf::from(remote.url()),

@@ -342,14 +342,8 @@ impl Writer {
             // Complete if it opens; anything else is finished by uploading again.
             if target.get_opt("shards.json")?.is_some() && crate::saev::Dataset::open(&url).is_ok()
             {
-                // A journal left by a kill between the commit and its removal (readers ignore
-                // it; a failure to remove it is no reason to refuse the dataset).
-                let _ = target.delete(Journal::NAME);
-                // So is the staged copy, unless another writer holds it.
                 let staged = storage::staging_dir(&url).join(md.dir_name());
-                if let Ok(_lock) = WriteLock::dir(&staged) {
-                    let _ = fs::remove_dir_all(&staged);
-                }
+                Streaming::clear_leftovers(&target, &staged);
                 let layout = Layout::new(&md, Path::new("metadata.json"))?;
                 return Ok(Writer {
                     dir: url,
