@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator
+from typing import Any, Dict, Iterator, List
 
 import numpy as np
 import pytest
@@ -313,6 +313,27 @@ def test_saev_remote_write_stages_a_few_shards_not_the_dataset(tmp_path: Path, s
     assert tree(down) == tree(local)
 
 
+def tokens_docs(n: int = 300) -> List[Any]:
+    return [np.arange(1 + i % 37, dtype=np.uint32) + i + 1 for i in range(n)]
+
+
+def write_tokens(root: str, resume: bool = False, n: int = 300) -> None:
+    """Writes the small flat-tokens dataset of the kill tests (`n` sequences, 1 Ki-token
+    shards, a commit every 1,000 tokens) to `root`; resumed, it appends what the split lacks."""
+    docs = tokens_docs(n)
+    with flat_tokens.Writer(
+        root,
+        "train",
+        progress=False,
+        resume=resume,
+        checkpoint_tokens=1000,
+        tokens_per_shard=1024,
+        tokens_per_chunk=256,
+    ) as w:
+        for i in range(w.resumed_from or 0, n, 25):
+            w.append(docs[i : i + 25])
+
+
 KILLED_TOKENS_AND_EAGLE3 = """
 import sys
 sys.path.insert(0, {here!r})
@@ -327,12 +348,7 @@ def write_tokens_and_eagle3(what: str, root: str, resume: bool = False, n: int =
     from test_eagle3 import config, sample
 
     if what == "tokens":
-        docs = [np.arange(1 + i % 37, dtype=np.uint32) + i + 1 for i in range(300)]
-        with flat_tokens.Writer(
-            root, "train", progress=False, resume=resume, tokens_per_shard=1024, tokens_per_chunk=256
-        ) as w:
-            if not resume:
-                w.append(docs)
+        write_tokens(root, resume=resume)
     else:
         with eagle3.Writer(root, config(n=n, s=2), resume=resume) as w:
             for i in range(w.next_sample, n):
@@ -372,8 +388,81 @@ def test_tokens_and_eagle3_remote_writes_killed_after_every_object_resume_identi
         down = tmp_path / f"down{k}"
         shardkit.download(url, down)
         assert tree(down) == tree(local), k
-        assert not [o for o in s3.objects(bucket) if o.endswith(".shardkit-upload.json")], k
+        assert not [o for o in s3.objects(bucket) if ".shardkit-" in o], k
         assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()], k
+
+
+def test_tokens_remote_write_resumes_on_another_machine(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """A killed remote flat-tokens write resumed without its staging directory continues from
+    the last checkpoint in the store: the chunks below it are not uploaded again."""
+    n = 1200  # about 22,000 tokens: 22 shards, a commit every 1,000 tokens
+    local = tmp_path / "local"
+    write_tokens(str(local), n=n)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ds"
+    script = KILLED_TOKENS_AND_EAGLE3.format(here=str(HERE)).replace(
+        "write_tokens_and_eagle3(sys.argv[1], sys.argv[2])", "write_tokens(sys.argv[2], n=1200)"
+    ).replace("import write_tokens_and_eagle3", "import write_tokens")
+    child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(tmp_path / "lost"), SHARDKIT_TEST_ABORT_AFTER_PUTS="40")
+    r = subprocess.run([sys.executable, "-c", script, "tokens", url], env=child_env, capture_output=True)
+    assert r.returncode != 0, r.stderr[-2000:]
+    objects = s3.objects(bucket)
+    journal = json.loads(objects["ds/.shardkit-upload.json"])
+    cp = journal["flat_tokens_checkpoint"]
+    assert cp["split"] == "train" and cp["seqs"] > 1
+    # The checkpoint's trailing chunks are in the store under private names; every chunk the
+    # journal names is there.
+    assert all(f"ds/.shardkit-tail-{cp['slot']}/{k}" in objects for k in cp["tails"])
+    assert journal["files"] and all(f"ds/{name}" in objects for name in journal["files"])
+    # Nothing of the dataset itself is visible yet.
+    with pytest.raises(shardkit.ShardkitError):
+        flat_tokens.open(url)
+
+    # A chunk a killed run uploaded past where the resumed write will end is deleted at the end.
+    client = s3.client()
+    client.put_object(Bucket=bucket, Key="ds/train/encoded_tokens/c/999", Body=b"stray")
+    staging = tmp_path / "new-machine"
+    with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
+        with pytest.raises(shardkit.AlreadyExistsError, match="interrupted write"):
+            flat_tokens.Writer(url, "train", progress=False)
+        # A checkpoint chunk that is not what the checkpoint recorded is refused, naming it;
+        # nothing is staged.
+        tail = f"ds/.shardkit-tail-{cp['slot']}/{next(iter(cp['tails']))}"
+        client.put_object(Bucket=bucket, Key=tail, Body=objects[tail][:-1] + b"!")
+        with pytest.raises(shardkit.ShardkitError, match=f"{tail}.*does not match the checksums"):
+            flat_tokens.Writer(url, "train", progress=False, resume=True)
+        assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()]
+        client.put_object(Bucket=bucket, Key=tail, Body=objects[tail])
+        with pytest.raises(shardkit.AlreadyExistsError, match="interrupted write of split \"train\""):
+            flat_tokens.Writer(url, "validation", progress=False, resume=True)
+        before = shardkit.storage_counters()["puts"]
+        most = 0
+        docs = tokens_docs(n)
+        with flat_tokens.Writer(
+            url, "train", progress=False, resume=True, checkpoint_tokens=1000, tokens_per_shard=1024, tokens_per_chunk=256
+        ) as w:
+            assert w.resumed_from == cp["seqs"] - 1
+            for i in range(w.resumed_from, n, 25):
+                w.append(docs[i : i + 25])
+                most = max(most, len([p for p in staging.rglob("*") if p.is_file() and "/c/" in str(p)]))
+        puts = shardkit.storage_counters()["puts"] - before
+    # The kept chunks were not uploaded again (each would have cost its PUT and a journal's).
+    kept = len(journal["files"])
+    before = shardkit.storage_counters()["puts"]
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "whole")}):
+        write_tokens(f"s3://{s3.bucket()}/ds", n=n)
+    whole = shardkit.storage_counters()["puts"] - before
+    assert kept >= 5 and puts <= whole - 2 * kept, (kept, puts, whole)
+    # The staging directory held about one commit's chunks (1,000 tokens: one or two shards),
+    # the trailing ones and those uploading; never the dataset.
+    assert 1 <= most <= 8, most
+    down = tmp_path / "down"
+    shardkit.download(url, down)
+    assert tree(down) == tree(local)
+    assert shardkit.verify(url)["intact"]
+    # The checkpoints' chunks and the journal went with the commit.
+    assert not [o for o in s3.objects(bucket) if ".shardkit-" in o]
+    assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()]
 
 
 def test_eagle3_remote_write_resumes_on_another_machine(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:

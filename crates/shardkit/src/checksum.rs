@@ -106,7 +106,7 @@ impl FileSums {
             ..(range.end.div_ceil(self.block_bytes) as usize).min(self.blocks.len())
     }
 
-    fn to_json(&self) -> Value {
+    pub(crate) fn to_json(&self) -> Value {
         Value::Object(vec![
             ("bytes".into(), Value::int(self.bytes)),
             ("block_bytes".into(), Value::int(self.block_bytes)),
@@ -122,7 +122,7 @@ impl FileSums {
         ])
     }
 
-    fn from_json(v: &Value, name: &str, src: &Path) -> Result<FileSums> {
+    pub(crate) fn from_json(v: &Value, name: &str, src: &Path) -> Result<FileSums> {
         let bad = |rule: String| Error::format(src, format!("files[{name:?}]: {rule}"));
         let num = |k: &str| {
             v.get(k)

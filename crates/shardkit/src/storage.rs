@@ -995,6 +995,8 @@ pub(crate) struct Streaming {
     journal: Arc<Mutex<Journal>>,
     /// Files in the store or queued for it.
     sent: std::collections::BTreeSet<String>,
+    /// Files sent whose upload has not ended yet (see [`Streaming::drain`]).
+    pending: Arc<(Mutex<usize>, std::sync::Condvar)>,
 }
 
 impl Streaming {
@@ -1022,7 +1024,7 @@ impl Streaming {
     /// Starts streaming to `target`, whose journal now says `journal` (written first when it
     /// differs from `was`, what the store's journal said).
     pub(crate) fn start(target: Remote, journal: Journal, was: &Journal) -> Result<Streaming> {
-        if journal != *was && !was.files.files.is_empty() {
+        if journal != *was && *was != Journal::default() {
             target.put(Journal::NAME, journal.to_bytes())?;
         }
         let workers = Self::workers();
@@ -1038,10 +1040,12 @@ impl Streaming {
             failed,
             journal,
             sent,
+            pending: Arc::default(),
         };
         for i in 0..workers {
             let (remote, rx) = (s.target.clone(), rx.clone());
             let (journal, failed) = (s.journal.clone(), s.failed.clone());
+            let pending = s.pending.clone();
             let worker = std::thread::Builder::new()
                 .name(format!("shardkit-upload-{i}"))
                 .spawn(move || loop {
@@ -1055,8 +1059,12 @@ impl Streaming {
                     let done = upload_journaled(&remote, &journal, name, &path, sums);
                     if done.is_err() {
                         failed.store(true, Ordering::Relaxed);
-                        return done;
                     }
+                    // Counted down after `failed` is set, so a drain never waits on a failure.
+                    let (count, ended) = &*pending;
+                    *count.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+                    ended.notify_all();
+                    done?;
                 })
                 .map_err(|e| Error::Thread {
                     what: "the upload threads shardkit-upload".into(),
@@ -1092,6 +1100,8 @@ impl Streaming {
     /// Queues the finished file `dir/name` (whose checksums are `sums`) for upload, waiting
     /// while every worker is busy and the queue full; an error is an earlier upload's.
     pub(crate) fn send(&mut self, dir: &Path, name: &str, sums: FileSums) -> Result<()> {
+        let (count, _) = &*self.pending;
+        *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         let sent = !self.failed.load(Ordering::Relaxed)
             && self
                 .tx
@@ -1101,19 +1111,60 @@ impl Streaming {
             self.sent.insert(name.into());
             return Ok(());
         }
+        *count.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
         self.join()?;
         Err(Error::Internal(
             "the upload threads ended before the writer did".into(),
         ))
     }
 
+    /// Waits until every file sent is in the store and journaled; an error is an upload's.
+    fn drain(&mut self) -> Result<()> {
+        let (count, ended) = &*self.pending;
+        let mut left = count.lock().unwrap_or_else(|e| e.into_inner());
+        while *left > 0 && !self.failed.load(Ordering::Relaxed) {
+            left = ended.wait(left).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(left);
+        if self.failed.load(Ordering::Relaxed) {
+            self.join()?;
+            return Err(Error::Internal(
+                "the upload threads ended before the writer did".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A checkpoint of the store's state: once every file sent is there, records `facts` in
+    /// the journal and writes it. A write resumed from the store alone trusts only what a
+    /// checkpoint recorded (flat-tokens: the documents and trailing chunks of its last commit).
+    pub(crate) fn checkpoint(&mut self, facts: Vec<(String, Value)>) -> Result<()> {
+        self.drain()?;
+        let mut j = self.journal.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, v) in facts {
+            j.set_fact(&k, v);
+        }
+        self.target.put(Journal::NAME, j.to_bytes())
+    }
+
+    /// The files uploaded so far, with their checksums (after [`Streaming::drain`], all sent).
+    pub(crate) fn uploaded(&mut self) -> Result<std::collections::BTreeMap<String, FileSums>> {
+        self.drain()?;
+        let j = self.journal.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(j.files.files.clone())
+    }
+
     /// Waits for the queued uploads, uploads what is left in the staging directory `dir` (the
-    /// commit record last, objects already in the store skipped), removes the journal and the
-    /// staging directory; returns the dataset's URL.
-    pub(crate) fn finish(mut self, dir: &Path) -> Result<PathBuf> {
+    /// commit record last, objects already in the store skipped), deletes the objects
+    /// `leftovers` (private ones the write kept there), the journal and the staging directory;
+    /// returns the dataset's URL.
+    pub(crate) fn finish(mut self, dir: &Path, leftovers: &[String]) -> Result<PathBuf> {
         self.join()?;
         let url = PathBuf::from(self.target.url());
         upload(dir, &url, |_, _| {})?;
+        for name in leftovers {
+            self.target.delete(name)?;
+        }
         // The dataset is committed: a journal left behind is ignored by readers and removed by
         // the next writer of this dataset; the staged copy served its purpose.
         let _ = self.target.delete(Journal::NAME);
@@ -1323,10 +1374,12 @@ fn is_commit_record(name: &str) -> bool {
     COMMIT_RECORDS.contains(&name.rsplit('/').next().unwrap_or(name))
 }
 
-/// Names a local writer leaves that are not part of the dataset (locks, markers, temporaries).
-fn is_private(name: &str) -> bool {
+/// Names a local writer leaves that are not part of the dataset (locks, markers, temporaries,
+/// and whatever lies below a `.shardkit-*` directory, such as a checkpoint's chunks).
+pub(crate) fn is_private(name: &str) -> bool {
     let base = name.rsplit('/').next().unwrap_or(name);
-    base.ends_with(".tmp")
+    name.split('/').any(|c| c.starts_with(".shardkit-"))
+        || base.ends_with(".tmp")
         || base.contains(".tmp.")
         || base.starts_with(".shardkit-")
         || base.ends_with(".lock")
@@ -1372,7 +1425,7 @@ pub struct Transfer {
 }
 
 /// The files under `dir`, relative, with sizes, sorted; the commit records at top level last.
-fn local_files(dir: &Path) -> Result<Vec<(String, u64)>> {
+pub(crate) fn local_files(dir: &Path) -> Result<Vec<(String, u64)>> {
     let mut out = Vec::new();
     let mut stack = vec![PathBuf::new()];
     while let Some(rel) = stack.pop() {

@@ -485,7 +485,7 @@ impl Writer {
         fsutil::fsync_dir(&self.dir)?;
         match self.upload_to.take() {
             // The embeddings, the sidecar and manifest.json last are what is left to upload.
-            Some(streaming) => streaming.finish(&self.dir),
+            Some(streaming) => streaming.finish(&self.dir, &[]),
             None => Ok(self.dir),
         }
     }

@@ -26,11 +26,12 @@ use zarrs::storage::{ListableStorageTraits, StorePrefix, WritableStorageTraits};
 
 use super::layout::{self, Layout};
 use super::store::{self, get_json, put_zarr2_json, zarrs_error, Completion, ZarrFormat, MARKER};
+use crate::checksum::{FileSums, Journal};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::{self, Value};
 use crate::lock::WriteLock;
-use crate::storage::{self, Remote};
+use crate::storage::{self, Remote, Streaming};
 
 /// The largest token id the encoding can hold (`2*id + 1` must fit in uint32).
 pub const MAX_TOKEN_ID: u32 = (1 << 31) - 1;
@@ -208,6 +209,15 @@ impl<T: Element + ElementOwned + Copy + Default> Column<T> {
         })?;
         self.dirty = false;
         Ok(())
+    }
+
+    /// The names (root-relative) of the stored chunks `from..` that are full, and of the
+    /// trailing chunk when it holds elements.
+    fn chunk_names(&self, from: u64) -> (Vec<String>, Option<String>) {
+        let key = |i: u64| self.array.chunk_key(&[i]).as_str().to_string();
+        let full = self.len() / self.unit;
+        let tail = (!self.len().is_multiple_of(self.unit)).then(|| key(full));
+        ((from..full).map(key).collect(), tail)
     }
 
     /// The directory holding this array's chunk files.
@@ -461,9 +471,37 @@ pub struct Writer {
     sequences_with_id_zero: u64,
     scratch: Vec<u32>,
     _lock: WriteLock,
-    /// Writing to an object store: the dataset's prefix there (the dataset is staged locally
-    /// and uploaded by [`Writer::finish`]).
-    upload_to: Option<Remote>,
+    /// Writing to an object store: the dataset is staged locally and streamed there.
+    upload_to: Option<Upload>,
+}
+
+/// A writer's stream to an object store (see [`Writer::create`]).
+struct Upload {
+    streaming: Streaming,
+    /// Full chunks of `encoded_tokens` and of `seq_starts` in the store or queued for it.
+    sent: [u64; 2],
+    /// The checkpoint slot the next commit's trailing chunks go to (the other one holds those
+    /// of the checkpoint the journal names).
+    slot: u64,
+}
+
+/// The journal fact recording a flat-tokens write's last checkpoint: `split`, `seqs` (the
+/// commit's `seq_starts` length), `slot`, `documents` (every metadata document of the staged
+/// dataset, by path, as text) and `tails` (the trailing chunks, by path, with their
+/// checksums; each in the store as `.shardkit-tail-<slot>/<path>`).
+const CHECKPOINT: &str = "flat_tokens_checkpoint";
+
+/// Where a checkpoint keeps the trailing chunk `key`: a private name, never a dataset object.
+fn tail_object(slot: u64, key: &str) -> String {
+    format!(".shardkit-tail-{slot}/{key}")
+}
+
+/// The metadata documents of a zarr hierarchy, by base name.
+fn is_document(name: &str) -> bool {
+    matches!(
+        name.rsplit('/').next().unwrap_or(name),
+        "zarr.json" | ".zgroup" | ".zattrs" | ".zarray"
+    )
 }
 
 impl std::fmt::Debug for Writer {
@@ -533,10 +571,17 @@ impl Writer {
     /// as needed. An existing split is refused unless `options.resume`.
     ///
     /// `root` may be an `s3://bucket/prefix` URL naming an empty prefix: the dataset is then
-    /// staged in a local directory ([`storage::staging_dir`], where a killed write resumes) and
-    /// uploaded by [`Writer::finish`], the root group's documents (which carry
-    /// `write_completed`) last. To add a split to a dataset already in a store, download it,
-    /// write locally and upload it.
+    /// staged in a local directory ([`storage::staging_dir`]) and streamed to the store. At
+    /// each commit the chunks it completed are uploaded in the background (their staged copies
+    /// removed once they are in the store), and the commit is recorded in the store's upload
+    /// journal as a checkpoint: the trailing chunks (under private names) and the metadata
+    /// documents. The staging directory thus holds at most one commit's worth of chunks
+    /// (`checkpoint_tokens`) plus the trailing ones. [`Writer::finish`] uploads the rest, the
+    /// root group's documents (which carry `write_completed`) last. A killed write is resumed
+    /// with `options.resume`: from the staging directory on the same machine, and from the
+    /// last checkpoint in the store on any other (the chunks below it are not uploaded again).
+    /// To add a split to a dataset already in a store, download it, write locally and upload
+    /// it.
     pub fn create(root: impl AsRef<Path>, split: &str, options: WriterOptions) -> Result<Writer> {
         if split != "train" && split != "validation" {
             return Err(Error::Invalid(format!(
@@ -544,21 +589,7 @@ impl Writer {
             )));
         }
         if storage::is_remote(root.as_ref()) {
-            let remote = Remote::parse(root.as_ref())?;
-            let url = PathBuf::from(remote.url());
-            let staged = storage::staging_dir(&url);
-            if !staged.exists() && !remote.list()?.is_empty() {
-                return Err(Error::Exists {
-                    path: url,
-                    why: "already holds objects; a flat-tokens dataset is written to an empty \
-                          prefix (to add a split: shardkit download, write locally, shardkit \
-                          upload)"
-                        .into(),
-                });
-            }
-            let mut w = Self::create(&staged, split, options)?;
-            w.upload_to = Some(remote);
-            return Ok(w);
+            return Self::create_remote(root.as_ref(), split, options);
         }
         let root = &storage::local_path(root.as_ref());
         super::delta::register();
@@ -631,6 +662,99 @@ impl Writer {
         let mut w = Self::open_split(ds, split, lock, &options)?;
         w.root_marked_writing = root_marked_writing;
         w.resumed_seqs = split_exists.then(|| w.seq_count());
+        Ok(w)
+    }
+
+    /// [`Writer::create`] for an `s3://` URL (see there).
+    fn create_remote(url: &Path, split: &str, options: WriterOptions) -> Result<Writer> {
+        let target = Remote::parse(url)?;
+        let url = PathBuf::from(target.url());
+        let staged = storage::staging_dir(&url);
+        let was = Streaming::left_in(&target)?;
+        let checkpoint = was.fact(CHECKPOINT);
+        if let Some(theirs) = checkpoint.and_then(|c| c.get("split")?.as_str()) {
+            if theirs != split {
+                return Err(Error::Exists {
+                    path: url,
+                    why: format!(
+                        "holds an interrupted write of split {theirs:?}; resume that write or \
+                         delete its objects"
+                    ),
+                });
+            }
+        }
+        if !staged.exists() {
+            if was != Journal::default() {
+                if !options.resume {
+                    return Err(Error::Exists {
+                        path: url,
+                        why: format!(
+                            "holds an interrupted write ({} chunk file(s) uploaded); resume it \
+                             or delete its objects",
+                            was.files.files.len()
+                        ),
+                    });
+                }
+                if let Some(cp) = checkpoint {
+                    rebuild_staging(&target, cp, &staged)?;
+                }
+            } else if target.list()?.iter().any(|(n, _)| !storage::is_private(n)) {
+                return Err(Error::Exists {
+                    path: url,
+                    why: "already holds objects; a flat-tokens dataset is written to an empty \
+                          prefix (to add a split: shardkit download, write locally, shardkit \
+                          upload)"
+                        .into(),
+                });
+            }
+        }
+        let mut w = Self::create(&staged, split, options)?;
+        // The store's journal from now on: the full chunks below the staged commit that are
+        // there, and the checkpoint if the staged commit is not behind it.
+        let (tokens_full, _) = w.tokens.chunk_names(0);
+        let (starts_full, _) = w.starts.chunk_names(0);
+        let mut journal = Journal::default();
+        let mut unsent = Vec::new();
+        for name in tokens_full.iter().chain(&starts_full) {
+            match was.files.files.get(name) {
+                Some(sums) => {
+                    journal.files.files.insert(name.clone(), sums.clone());
+                }
+                None => unsent.push(name.clone()),
+            }
+        }
+        let mut slot = 0;
+        if let Some(cp) = checkpoint {
+            // Its trailing chunks stay where they are until the next checkpoint is written.
+            slot = 1 - cp.get("slot").and_then(Value::as_u64).unwrap_or(1).min(1);
+            if cp.get("seqs").and_then(Value::as_u64) <= Some(w.starts.len()) {
+                journal.set_fact(CHECKPOINT, cp.clone());
+            }
+        }
+        let mut streaming = Streaming::start(target, journal, &was)?;
+        for name in unsent {
+            // Chunks the interrupted run committed but did not upload: staged, or lost.
+            let path = w.ds.root.join(&name);
+            if fsutil::regular_file_len(&path).is_none() {
+                return Err(Error::format(
+                    &path,
+                    format!(
+                        "is committed but neither staged nor in {url} (its upload journal does \
+                         not name it); delete the staging directory {} to resume from the \
+                         store's checkpoint, or it and the objects to start over",
+                        w.ds.root.display(),
+                        url = url.display()
+                    ),
+                ));
+            }
+            let sums = FileSums::of_file(&path)?;
+            streaming.send(&w.ds.root, &name, sums)?;
+        }
+        w.upload_to = Some(Upload {
+            streaming,
+            sent: [tokens_full.len() as u64, starts_full.len() as u64],
+            slot,
+        });
         Ok(w)
     }
 
@@ -826,6 +950,11 @@ impl Writer {
             fsutil::fsync_dir(&self.ds.root.join(key))?;
         }
         self.committed_tokens = self.tokens.len();
+        if let Some(mut up) = self.upload_to.take() {
+            let streamed = up.commit(self);
+            self.upload_to = Some(up);
+            streamed?;
+        }
         Ok(())
     }
 
@@ -834,18 +963,22 @@ impl Writer {
     /// Writing to an object store, the staged dataset is then uploaded and its staging
     /// directory removed; the summary's `root` is the dataset's URL.
     pub fn finish(mut self) -> Result<WriteSummary> {
-        let upload_to = self.upload_to.take();
-        let mut summary = self.finish_local()?;
-        if let Some(target) = upload_to {
-            let url = PathBuf::from(target.url());
-            storage::upload(&summary.root, &url, |_, _| {})?;
-            let _ = std::fs::remove_dir_all(&summary.root);
-            summary.root = url;
-        }
+        let Some(mut up) = self.upload_to.take() else {
+            return self.finish_local(&Default::default());
+        };
+        // The final commit's chunks go up with the rest, in `Streaming::finish`.
+        let uploaded = up.streaming.uploaded()?;
+        let mut summary = self.finish_local(&uploaded)?;
+        let url = up.finish(&summary.root, &self.split, &uploaded)?;
+        summary.root = url;
         Ok(summary)
     }
 
-    fn finish_local(mut self) -> Result<WriteSummary> {
+    /// `uploaded`: files in the store, not staged (their checksums go into the sidecar).
+    fn finish_local(
+        &mut self,
+        uploaded: &std::collections::BTreeMap<String, FileSums>,
+    ) -> Result<WriteSummary> {
         self.flush()?;
         self.tokens
             .erase_stray_chunks(&self.ds.store, &self.ds.root)?;
@@ -854,7 +987,7 @@ impl Writer {
         self.fsync_chunk_dirs()?;
         self.ds.set_marker(true)?;
         // zarrs writes the shard files: they are hashed here, once the dataset is complete.
-        crate::checksum::record(&self.ds.root)?;
+        crate::checksum::record_with(&self.ds.root, uploaded)?;
         Ok(WriteSummary {
             root: self.ds.root.clone(),
             seq_count: self.seq_count(),
@@ -886,6 +1019,157 @@ impl Writer {
         }
         Ok(())
     }
+}
+
+impl Upload {
+    /// Streams the commit `w` just made: queues the chunks it completed, uploads its trailing
+    /// chunks to this checkpoint's slot, and (once every chunk sent is in the store) records
+    /// the checkpoint in the journal.
+    fn commit(&mut self, w: &Writer) -> Result<()> {
+        let root = &w.ds.root;
+        let (tokens_full, tokens_tail) = w.tokens.chunk_names(self.sent[0]);
+        let (starts_full, starts_tail) = w.starts.chunk_names(self.sent[1]);
+        for name in tokens_full.iter().chain(&starts_full) {
+            let sums = FileSums::of_file(&root.join(name))?;
+            self.streaming.send(root, name, sums)?;
+        }
+        self.sent[0] += tokens_full.len() as u64;
+        self.sent[1] += starts_full.len() as u64;
+        let mut tails = Vec::new();
+        for key in tokens_tail.iter().chain(&starts_tail) {
+            let path = root.join(key);
+            let sums = FileSums::of_file(&path)?;
+            self.streaming
+                .target
+                .put_file(&tail_object(self.slot, key), &path)?;
+            tails.push((key.clone(), sums.to_json()));
+        }
+        let mut documents = Vec::new();
+        for (name, _) in storage::local_files(root)? {
+            if is_document(&name) {
+                let path = root.join(&name);
+                let text = std::fs::read_to_string(&path).at(&path)?;
+                documents.push((name, Value::String(text)));
+            }
+        }
+        let fact = Value::Object(vec![
+            ("split".into(), Value::String(w.split.clone())),
+            ("seqs".into(), Value::int(w.starts.len())),
+            ("slot".into(), Value::int(self.slot)),
+            ("documents".into(), Value::Object(documents)),
+            ("tails".into(), Value::Object(tails)),
+        ]);
+        self.streaming.checkpoint(vec![(CHECKPOINT.into(), fact)])?;
+        self.slot = 1 - self.slot;
+        Ok(())
+    }
+
+    /// Uploads what is left of the finished dataset staged in `root` (commit record last),
+    /// after deleting the chunk objects of a killed run past where this one ended (`uploaded`:
+    /// the chunks in the store); then the checkpoints' trailing chunks and the journal go.
+    fn finish(
+        self,
+        root: &Path,
+        split: &str,
+        uploaded: &std::collections::BTreeMap<String, FileSums>,
+    ) -> Result<PathBuf> {
+        let target = self.streaming.target.clone();
+        let staged: std::collections::HashSet<String> = storage::local_files(root)?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let arrays = [
+            format!("{split}/encoded_tokens/"),
+            format!("{split}/seq_starts/"),
+        ];
+        let mut tails = Vec::new();
+        for (name, _) in target.list()? {
+            if name.starts_with(".shardkit-tail-") {
+                tails.push(name);
+            } else if arrays.iter().any(|a| name.starts_with(a.as_str()))
+                && !staged.contains(&name)
+                && !uploaded.contains_key(&name)
+            {
+                target.delete(&name)?;
+            }
+        }
+        self.streaming.finish(root, &tails)
+    }
+}
+
+/// Recreates the staging directory `staged` of an interrupted write from its last checkpoint
+/// `cp` in `target` (a write resumed on another machine): its metadata documents, and its
+/// trailing chunks, checked against the checksums the checkpoint recorded. It is built beside
+/// and renamed into place, so a kill here never leaves a partial staging directory.
+fn rebuild_staging(target: &Remote, cp: &Value, staged: &Path) -> Result<()> {
+    let journal = target.url_of(Journal::NAME);
+    let bad = |rule: String| Error::format(&journal, format!("{CHECKPOINT}: {rule}"));
+    let slot = cp
+        .get("slot")
+        .and_then(Value::as_u64)
+        .filter(|s| *s < 2)
+        .ok_or_else(|| bad("`slot` must be 0 or 1".into()))?;
+    let building = fsutil::temp_sibling(staged);
+    match std::fs::remove_dir_all(&building) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&building, e)),
+        _ => {}
+    }
+    let built = build_staging(target, cp, &building, slot).and_then(|()| {
+        let parent = fsutil::parent_of(staged);
+        std::fs::create_dir_all(parent).at(parent)?;
+        fsutil::rename(&building, staged)?;
+        fsutil::fsync_dir(parent)
+    });
+    if built.is_err() {
+        let _ = std::fs::remove_dir_all(&building);
+    }
+    built
+}
+
+/// [`rebuild_staging`]'s files, written into `building`.
+fn build_staging(target: &Remote, cp: &Value, building: &Path, slot: u64) -> Result<()> {
+    let journal = target.url_of(Journal::NAME);
+    let bad = |rule: String| Error::format(&journal, format!("{CHECKPOINT}: {rule}"));
+    let (Some(Value::Object(documents)), Some(Value::Object(tails))) =
+        (cp.get("documents"), cp.get("tails"))
+    else {
+        return Err(bad("`documents` and `tails` must be objects".into()));
+    };
+    let below =
+        |p: &str| !p.is_empty() && p.split('/').all(|c| !c.is_empty() && c != "." && c != "..");
+    let put = |rel: &str, bytes: &[u8]| -> Result<()> {
+        let path = building.join(rel);
+        let dir = fsutil::parent_of(&path);
+        std::fs::create_dir_all(dir).at(dir)?;
+        fsutil::atomic_write(&path, bytes)
+    };
+    for (name, text) in documents {
+        match text.as_str() {
+            Some(text) if below(name) && is_document(name) => put(name, text.as_bytes())?,
+            _ => {
+                return Err(bad(format!(
+                    "documents[{name:?}] must be a zarr metadata document's text, by its path"
+                )))
+            }
+        }
+    }
+    for (key, sums) in tails {
+        if !below(key) || is_document(key) {
+            return Err(bad(format!("tails[{key:?}] is not a chunk's path")));
+        }
+        let sums = FileSums::from_json(sums, key, &journal)?;
+        let object = tail_object(slot, key);
+        let bytes = target.get(&object)?;
+        if FileSums::of_bytes(&bytes) != sums {
+            return Err(Error::format(
+                target.url_of(&object),
+                "does not match the checksums of the checkpoint that names it; the write cannot \
+                 be resumed from the store (delete its objects to start over)",
+            ));
+        }
+        put(key, &bytes)?;
+    }
+    Ok(())
 }
 
 /// Validates every split of an unmarked dataset (seqax's) in full and, when all pass, sets

@@ -589,7 +589,7 @@ impl Writer {
         match upload_to {
             // labels.bin, the sidecar, shards.json last (and whatever an earlier run staged
             // whole) are what is left to upload.
-            Some(streaming) => streaming.finish(&dir),
+            Some(streaming) => streaming.finish(&dir, &[]),
             None => Ok(dir),
         }
     }
