@@ -603,6 +603,37 @@ def test_streamed_uploads_retry_faults_and_report_a_spent_budget(tmp_path: Path,
     assert tree(tmp_path / "down2") == tree(local)
 
 
+@pytest.mark.parametrize("kind", ["503", "drop"])
+def test_streamed_tokens_uploads_retry_faults_and_report_a_spent_budget(tmp_path: Path, s3: S3, kind: str) -> None:
+    """A flat-tokens write streams each commit's chunks on background threads and its
+    checkpoint on the caller's: faults in either are retried, a spent budget reaches the
+    caller naming the object, and the write then resumes from what it staged."""
+    local = tmp_path / "local"
+    write_tokens(str(local))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ds"
+    with environment(s3.env(proxy=True, SHARDKIT_STAGING_DIR=str(tmp_path / "staging"))):
+        s3.proxy.arm(kind, 3, on="PUT")
+        write_tokens(url)
+        assert s3.proxy.injected == 3
+        shardkit.download(url, tmp_path / "down")
+        assert tree(tmp_path / "down") == tree(local)
+
+        bucket = s3.bucket()
+        url = f"s3://{bucket}/ds"
+        with environment({"SHARDKIT_S3_RETRIES": "2"}):
+            s3.proxy.arm(kind, 1000, on="PUT")
+            with pytest.raises(shardkit.RemoteError, match=rf"s3://{bucket}/ds/\S+"):
+                write_tokens(url)
+        s3.proxy.arm(None)
+        with pytest.raises(shardkit.ShardkitError):
+            flat_tokens.open(url)
+        write_tokens(url, resume=True)
+        shardkit.download(url, tmp_path / "down2")
+    assert tree(tmp_path / "down2") == tree(local)
+    assert not [o for o in s3.objects(bucket) if ".shardkit-" in o]
+
+
 # --- flat-tokens ----------------------------------------------------------------------------------
 
 

@@ -103,6 +103,10 @@ class Writer:
     what was appended and leaves the dataset unfinished (``IncompleteDatasetError`` on open,
     ``resume=True`` continues it). ``progress`` is None (a token counter on a terminal when
     tqdm is installed), a bool, or a callable ``f(seq_count, token_count)``.
+
+    ``path`` may be an ``s3://bucket/prefix`` URL: the dataset is staged locally, each commit's
+    chunks are uploaded as it is made (every ``checkpoint_tokens`` tokens), and a killed write
+    resumes with ``resume=True`` on this machine or any other (see docs/storage.md).
     """
 
     def __init__(

@@ -11,6 +11,11 @@
 //! a resumed writer reads `seq_starts`, rolls `encoded_tokens` back to `seq_starts[-1]`, and
 //! carries on. The root group says `write_completed: false` from the first change until
 //! [`Writer::finish`] sets it to `true`, so an unfinished dataset is never served.
+//!
+//! Writing to an object store, the dataset is staged locally and streamed by commit: the chunks
+//! a commit completed go up in the background, then the commit is recorded in the store as a
+//! checkpoint (its trailing chunks under private names, its metadata documents in the upload
+//! journal), from which a killed write resumes on any machine.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
