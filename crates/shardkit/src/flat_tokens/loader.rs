@@ -191,9 +191,24 @@ const MAX_BATCH_TOKENS: u64 = 1 << 31;
 const PREFETCH: usize = 4;
 /// Default bound on the shuffle buffers held in memory when reading from an object store.
 const BUFFER_GIB: u64 = 16;
-/// Tokens of a shuffle buffer fetched and decoded in one go (bounds the fetched bytes held
-/// before decoding), and the longest contiguous piece it is held in.
+/// The longest contiguous piece of a shuffle buffer in memory, in tokens.
 const BUFFER_PIECE_TOKENS: u64 = 1 << 26;
+
+/// Tokens of a buffer fetched together (a v3 shard's worth by default, 32 MB or so stored).
+const GROUP_TOKENS: u64 = 1 << 24;
+
+/// Groups of a buffer fetched at once: from a store, enough to keep `inflight` requests of
+/// the request size outstanding (2 to 16); locally 4 (reads of local files are quick, and a
+/// cold disk gains from a few in flight).
+fn fetch_lanes(path: &std::path::Path) -> usize {
+    if !crate::storage::is_remote(path) {
+        return 4;
+    }
+    // About 2 stored bytes per token (zstd over typical token ids).
+    let group_bytes = 2 * GROUP_TOKENS;
+    let want = crate::storage::inflight() as u64 * crate::storage::max_request();
+    want.div_ceil(group_bytes).clamp(2, 16) as usize
+}
 
 /// One stream's shuffle buffer of one minipoch, in memory: the tokens of every sequence it
 /// holds (a packed row, or a document cut to the row length).
@@ -545,7 +560,8 @@ impl TokenLoader {
     }
 
     /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
-    /// pieces of at most [`BUFFER_PIECE_TOKENS`], each fetched and decoded in parallel.
+    /// pieces of at most [`BUFFER_PIECE_TOKENS`], fetched in groups of about [`GROUP_TOKENS`]
+    /// ([`fetch_lanes`] groups at once) and decoded in parallel as they arrive.
     fn read_buffer(&self, schedule: &Schedule, key: (u64, u64, u64)) -> Result<Resident> {
         let split = &self.inner.split;
         let pool = self.gather_pool()?;
@@ -603,39 +619,78 @@ impl TokenLoader {
                 }
             }
         }
-        // Groups of spans of about BUFFER_PIECE_TOKENS tokens: the next group is fetched while
-        // this one decodes.
-        let mut groups: Vec<Vec<Range<u64>>> = vec![Vec::new()];
+        // Groups of spans of about GROUP_TOKENS tokens, several fetched at once while those
+        // already fetched decode (in whatever order they arrive): reading a buffer takes the
+        // longer of fetching and decoding, not their sum.
+        let mut groups: Vec<(usize, Vec<Range<u64>>)> = vec![(0, Vec::new())];
         let mut tokens = 0;
-        for span in spans {
-            if tokens >= BUFFER_PIECE_TOKENS {
-                groups.push(Vec::new());
+        let n_spans = spans.len();
+        for (i, span) in spans.into_iter().enumerate() {
+            if tokens >= GROUP_TOKENS {
+                groups.push((i, Vec::new()));
                 tokens = 0;
             }
             tokens += span.end - span.start;
-            groups.last_mut().expect("one group").push(span);
+            groups.last_mut().expect("one group").1.push(span);
         }
         let fetch = |g: &[Range<u64>]| {
             crate::engine::fault::before_read(split.path())?;
             split.fetch_encoded(g)
         };
-        let mut pieces = Vec::new();
+        let lanes = fetch_lanes(split.path()).min(groups.len()).max(1);
+        let mut pieces: Vec<Vec<u32>> = vec![Vec::new(); n_spans];
+        let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|scope| -> Result<()> {
-            let mut next = Some(scope.spawn(|| fetch(&groups[0])));
-            for i in 0..groups.len() {
-                let fetched = next
-                    .take()
-                    .map(|h| h.join())
-                    .ok_or_else(|| {
-                        Error::Internal("internal: a buffer group was not fetched".into())
-                    })?
-                    .unwrap_or_else(|_| Err(Error::Internal("a fetch thread panicked".into())))?;
-                if let Some(g) = groups.get(i + 1) {
-                    next = Some(scope.spawn(move || fetch(g)));
+            // At most `lanes` groups fetched and waiting, `lanes` more being fetched.
+            let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Result<_>)>(lanes);
+            let (groups, next, fetch) = (&groups, &next, &fetch);
+            let handles: Vec<_> = (0..lanes)
+                .map(|_| {
+                    let tx = tx.clone();
+                    scope.spawn(move || loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((_, g)) = groups.get(i) else {
+                            return;
+                        };
+                        if tx.send((i, fetch(g))).is_err() {
+                            return; // the reader stopped at an error
+                        }
+                    })
+                })
+                .collect();
+            drop(tx);
+            let mut result = Ok(());
+            let mut decoded_groups = 0;
+            for (i, fetched) in rx.iter() {
+                match fetched.and_then(|f| split.decode_encoded(&f, pool)) {
+                    Ok(decoded) => {
+                        let first = groups[i].0;
+                        for (k, piece) in decoded.into_iter().enumerate() {
+                            pieces[first + k] = piece;
+                        }
+                        decoded_groups += 1;
+                    }
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
                 }
-                pieces.extend(split.decode_encoded(&fetched, pool)?);
             }
-            Ok(())
+            // Unblocks fetchers waiting to send, so that they see the end.
+            drop(rx);
+            next.store(groups.len(), std::sync::atomic::Ordering::Relaxed);
+            for h in handles {
+                if h.join().is_err() && result.is_ok() {
+                    result = Err(Error::Internal("a buffer fetch thread panicked".into()));
+                }
+            }
+            if result.is_ok() && decoded_groups != groups.len() {
+                result = Err(Error::Internal(format!(
+                    "internal: {decoded_groups} of a buffer's {} groups were read",
+                    groups.len()
+                )));
+            }
+            result
         })?;
         Ok(Resident { key, pieces, rows })
     }
