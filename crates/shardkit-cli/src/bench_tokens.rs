@@ -108,6 +108,17 @@ fn evict_all(files: &[PathBuf]) -> Result<()> {
 /// Writes the synthetic dataset unless a complete one of the right size is there; returns the
 /// writer's tokens per second when it wrote.
 pub(crate) fn ensure_dataset(root: &Path, layout: Layout, tokens: u64) -> Result<Option<f64>> {
+    ensure_dataset_with(root, layout, tokens, WriterOptions::default().checkpoint_tokens)
+}
+
+/// [`ensure_dataset`] committing every `checkpoint_tokens` tokens (a writer streaming to a
+/// store uploads at each commit).
+pub(crate) fn ensure_dataset_with(
+    root: &Path,
+    layout: Layout,
+    tokens: u64,
+    checkpoint_tokens: u64,
+) -> Result<Option<f64>> {
     if let Ok(s) = Split::open(root, "train") {
         if s.token_count() >= tokens {
             return Ok(None);
@@ -123,6 +134,7 @@ pub(crate) fn ensure_dataset(root: &Path, layout: Layout, tokens: u64) -> Result
         "train",
         WriterOptions {
             layout: Some(layout),
+            checkpoint_tokens,
             ..Default::default()
         },
     )?;

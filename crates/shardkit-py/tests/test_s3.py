@@ -392,6 +392,30 @@ def test_tokens_and_eagle3_remote_writes_killed_after_every_object_resume_identi
         assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()], k
 
 
+def test_tokens_remote_write_commits_chunks_that_hold_only_the_fill_value(
+    tmp_path: Path, s3: S3, env: Dict[str, str]
+) -> None:
+    """Empty sequences first: seq_starts' trailing chunk is all zeros, which zarr does not
+    store; a commit streams without it and the dataset comes out as a local write's."""
+    docs = [np.array([], dtype=np.uint32)] * 5 + tokens_docs(60)
+
+    def write(root: str) -> None:
+        with flat_tokens.Writer(
+            root, "train", progress=False, checkpoint_tokens=1, tokens_per_shard=1024, tokens_per_chunk=256
+        ) as w:
+            w.append(docs[:5])
+            w.flush()
+            w.append(docs[5:])
+
+    write(str(tmp_path / "local"))
+    url = f"s3://{s3.bucket()}/ds"
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "staging")}):
+        write(url)
+    shardkit.download(url, tmp_path / "down")
+    assert tree(tmp_path / "down") == tree(tmp_path / "local")
+    assert len(flat_tokens.open(url)["train"]) == 65
+
+
 def test_tokens_remote_write_resumes_on_another_machine(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     """A killed remote flat-tokens write resumed without its staging directory continues from
     the last checkpoint in the store: the chunks below it are not uploaded again."""

@@ -55,10 +55,23 @@ const PART_SIZE: usize = 16 << 20;
 /// Largest ranged GET issued (`SHARDKIT_S3_REQUEST_MIB`, default 8 MiB): large enough that
 /// per-request latency is amortised, small enough that many run in parallel.
 pub fn max_request() -> u64 {
+    let set = MAX_REQUEST.load(Ordering::Relaxed);
+    if set > 0 {
+        return set;
+    }
     env_u64("SHARDKIT_S3_REQUEST_MIB")
         .unwrap_or(8)
         .clamp(1, 1024)
         << 20
+}
+
+static MAX_REQUEST: AtomicU64 = AtomicU64::new(0);
+
+/// Sets the largest ranged GET for this process, in MiB (1 to 1024; 0: back to the default),
+/// e.g. for a benchmark's sweep; `SHARDKIT_S3_REQUEST_MIB` sets it from outside.
+pub fn set_max_request_mib(mib: u64) {
+    let bytes = if mib == 0 { 0 } else { mib.clamp(1, 1024) << 20 };
+    MAX_REQUEST.store(bytes, Ordering::Relaxed);
 }
 
 /// Requests in flight per read (`SHARDKIT_S3_INFLIGHT`, default 4 per core, at least 16 and at

@@ -1034,14 +1034,17 @@ impl Upload {
         let root = &w.ds.root;
         let (tokens_full, tokens_tail) = w.tokens.chunk_names(self.sent[0]);
         let (starts_full, starts_tail) = w.starts.chunk_names(self.sent[1]);
-        for name in tokens_full.iter().chain(&starts_full) {
+        // A chunk holding only the fill value is not stored (zarr reads it as fill): there is
+        // nothing to upload, and a checkpoint without it restores it the same way.
+        let stored = |name: &String| fsutil::regular_file_len(&root.join(name)).is_some();
+        for name in tokens_full.iter().chain(&starts_full).filter(|n| stored(n)) {
             let sums = FileSums::of_file(&root.join(name))?;
             self.streaming.send(root, name, sums)?;
         }
         self.sent[0] += tokens_full.len() as u64;
         self.sent[1] += starts_full.len() as u64;
         let mut tails = Vec::new();
-        for key in tokens_tail.iter().chain(&starts_tail) {
+        for key in tokens_tail.iter().chain(&starts_tail).filter(|n| stored(n)) {
             let path = root.join(key);
             let sums = FileSums::of_file(&path)?;
             self.streaming
