@@ -187,7 +187,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let ceiling = best(&ceilings);
     // The same client issuing exactly the GETs a one-layer loader needs (each example's slab
     // of that layer, coalesced as the loader's reads are): what the store gives this layout.
-    let layout = shardkit::saev::Dataset::open(&url)?.layout().clone();
+    let layout = *shardkit::saev::Dataset::open(&url)?.layout();
     let layer_ceilings: Ceilings = a
         .inflight
         .iter()

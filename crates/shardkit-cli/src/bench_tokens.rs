@@ -108,7 +108,12 @@ fn evict_all(files: &[PathBuf]) -> Result<()> {
 /// Writes the synthetic dataset unless a complete one of the right size is there; returns the
 /// writer's tokens per second when it wrote.
 pub(crate) fn ensure_dataset(root: &Path, layout: Layout, tokens: u64) -> Result<Option<f64>> {
-    ensure_dataset_with(root, layout, tokens, WriterOptions::default().checkpoint_tokens)
+    ensure_dataset_with(
+        root,
+        layout,
+        tokens,
+        WriterOptions::default().checkpoint_tokens,
+    )
 }
 
 /// [`ensure_dataset`] committing every `checkpoint_tokens` tokens (a writer streaming to a

@@ -70,7 +70,11 @@ static MAX_REQUEST: AtomicU64 = AtomicU64::new(0);
 /// Sets the largest ranged GET for this process, in MiB (1 to 1024; 0: back to the default),
 /// e.g. for a benchmark's sweep; `SHARDKIT_S3_REQUEST_MIB` sets it from outside.
 pub fn set_max_request_mib(mib: u64) {
-    let bytes = if mib == 0 { 0 } else { mib.clamp(1, 1024) << 20 };
+    let bytes = if mib == 0 {
+        0
+    } else {
+        mib.clamp(1, 1024) << 20
+    };
     MAX_REQUEST.store(bytes, Ordering::Relaxed);
 }
 
@@ -998,18 +1002,64 @@ pub fn staging_dir(url: &Path) -> PathBuf {
 /// holds at most twice that many finished files: a writer faster than the network waits instead
 /// of filling the disk. The first failed upload stops the workers, and the writer's next
 /// [`Streaming::send`] (or [`Streaming::finish`]) returns its error, naming the object.
+///
+/// A writer may also record a checkpoint ([`Streaming::checkpoint`]): facts the journal takes
+/// once every file sent before it is in the store, without the writer waiting for that.
 #[derive(Debug)]
 pub(crate) struct Streaming {
     pub target: Remote,
-    tx: Option<std::sync::mpsc::SyncSender<(String, PathBuf, FileSums)>>,
+    tx: Option<std::sync::mpsc::SyncSender<Job>>,
     workers: Vec<std::thread::JoinHandle<Result<()>>>,
     failed: Arc<std::sync::atomic::AtomicBool>,
-    /// The store's journal: the files uploaded so far (the workers add them) and the facts.
-    journal: Arc<Mutex<Journal>>,
+    /// The journal and the uploads in flight, shared with the workers (who notify the
+    /// condition variable as each upload ends).
+    shared: Arc<(Mutex<Shared>, std::sync::Condvar)>,
     /// Files in the store or queued for it.
     sent: std::collections::BTreeSet<String>,
-    /// Files sent whose upload has not ended yet (see [`Streaming::drain`]).
-    pending: Arc<(Mutex<usize>, std::sync::Condvar)>,
+}
+
+/// A file to upload: (its number in sending order, name, staged path, checksums).
+type Job = (u64, String, PathBuf, FileSums);
+
+#[derive(Debug, Default)]
+struct Shared {
+    /// The store's journal: the files uploaded so far (the workers add them) and the facts.
+    journal: Journal,
+    /// Numbers of the files sent whose upload has not ended.
+    outstanding: std::collections::BTreeSet<u64>,
+    /// The number the next file sent gets.
+    next: u64,
+    /// A checkpoint waiting for the files sent before it: (files sent before it, its facts).
+    checkpoint: Option<(u64, Vec<(String, Value)>)>,
+}
+
+impl Shared {
+    /// Writes the journal to `remote`, with the pending checkpoint's facts when every file
+    /// sent before it is uploaded; the checkpoint counts as recorded only once that write
+    /// succeeded.
+    fn write_journal(&mut self, remote: &Remote) -> Result<()> {
+        let ready = self
+            .checkpoint
+            .as_ref()
+            .is_some_and(|(n, _)| self.outstanding.range(..*n).next().is_none());
+        let bytes = match (&self.checkpoint, ready) {
+            (Some((_, facts)), true) => {
+                let mut j = self.journal.clone();
+                for (k, v) in facts {
+                    j.set_fact(k, v.clone());
+                }
+                j.to_bytes()
+            }
+            _ => self.journal.to_bytes(),
+        };
+        remote.put(Journal::NAME, bytes)?;
+        if let (true, Some((_, facts))) = (ready, self.checkpoint.take()) {
+            for (k, v) in facts {
+                self.journal.set_fact(&k, v);
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Streaming {
@@ -1041,42 +1091,44 @@ impl Streaming {
             target.put(Journal::NAME, journal.to_bytes())?;
         }
         let workers = Self::workers();
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(String, PathBuf, FileSums)>(workers);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Job>(workers);
         let rx = Arc::new(Mutex::new(rx));
         let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let sent = journal.files.files.keys().cloned().collect();
-        let journal = Arc::new(Mutex::new(journal));
+        let shared = Arc::new((
+            Mutex::new(Shared {
+                journal,
+                ..Shared::default()
+            }),
+            std::sync::Condvar::new(),
+        ));
         let mut s = Streaming {
             target,
             tx: Some(tx),
             workers: Vec::new(),
             failed,
-            journal,
+            shared,
             sent,
-            pending: Arc::default(),
         };
         for i in 0..workers {
             let (remote, rx) = (s.target.clone(), rx.clone());
-            let (journal, failed) = (s.journal.clone(), s.failed.clone());
-            let pending = s.pending.clone();
+            let (shared, failed) = (s.shared.clone(), s.failed.clone());
             let worker = std::thread::Builder::new()
                 .name(format!("shardkit-upload-{i}"))
                 .spawn(move || loop {
                     let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-                    let Ok((name, path, sums)) = job else {
+                    let Ok((seq, name, path, sums)) = job else {
                         return Ok(());
                     };
                     if failed.load(Ordering::Relaxed) {
                         return Ok(());
                     }
-                    let done = upload_journaled(&remote, &journal, name, &path, sums);
+                    let done = upload_journaled(&remote, &shared.0, seq, name, &path, sums);
                     if done.is_err() {
                         failed.store(true, Ordering::Relaxed);
                     }
-                    // Counted down after `failed` is set, so a drain never waits on a failure.
-                    let (count, ended) = &*pending;
-                    *count.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-                    ended.notify_all();
+                    // After `failed` is set, so that a waiting writer never misses a failure.
+                    shared.1.notify_all();
                     done?;
                 })
                 .map_err(|e| Error::Thread {
@@ -1099,10 +1151,13 @@ impl Streaming {
         }
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Records `value` under `key` in the journal (written with the next upload).
     pub(crate) fn set_fact(&self, key: &str, value: Value) {
-        let mut j = self.journal.lock().unwrap_or_else(|e| e.into_inner());
-        j.set_fact(key, value);
+        self.lock().journal.set_fact(key, value);
     }
 
     /// Whether `name` is in the store (kept from an interrupted write) or queued for it.
@@ -1113,32 +1168,37 @@ impl Streaming {
     /// Queues the finished file `dir/name` (whose checksums are `sums`) for upload, waiting
     /// while every worker is busy and the queue full; an error is an earlier upload's.
     pub(crate) fn send(&mut self, dir: &Path, name: &str, sums: FileSums) -> Result<()> {
-        let (count, _) = &*self.pending;
-        *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        let seq = {
+            let mut s = self.lock();
+            let seq = s.next;
+            s.next += 1;
+            s.outstanding.insert(seq);
+            seq
+        };
         let sent = !self.failed.load(Ordering::Relaxed)
             && self
                 .tx
                 .as_ref()
-                .is_some_and(|tx| tx.send((name.into(), dir.join(name), sums)).is_ok());
+                .is_some_and(|tx| tx.send((seq, name.into(), dir.join(name), sums)).is_ok());
         if sent {
             self.sent.insert(name.into());
             return Ok(());
         }
-        *count.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        self.lock().outstanding.remove(&seq);
         self.join()?;
         Err(Error::Internal(
             "the upload threads ended before the writer did".into(),
         ))
     }
 
-    /// Waits until every file sent is in the store and journaled; an error is an upload's.
-    fn drain(&mut self) -> Result<()> {
-        let (count, ended) = &*self.pending;
-        let mut left = count.lock().unwrap_or_else(|e| e.into_inner());
-        while *left > 0 && !self.failed.load(Ordering::Relaxed) {
-            left = ended.wait(left).unwrap_or_else(|e| e.into_inner());
+    /// Waits until `done` holds of the shared state; an error is an upload's.
+    fn wait_until(&mut self, done: impl Fn(&Shared) -> bool) -> Result<()> {
+        {
+            let mut s = self.lock();
+            while !done(&s) && !self.failed.load(Ordering::Relaxed) {
+                s = self.shared.1.wait(s).unwrap_or_else(|e| e.into_inner());
+            }
         }
-        drop(left);
         if self.failed.load(Ordering::Relaxed) {
             self.join()?;
             return Err(Error::Internal(
@@ -1148,23 +1208,31 @@ impl Streaming {
         Ok(())
     }
 
-    /// A checkpoint of the store's state: once every file sent is there, records `facts` in
-    /// the journal and writes it. A write resumed from the store alone trusts only what a
-    /// checkpoint recorded (flat-tokens: the documents and trailing chunks of its last commit).
+    /// Records `facts` in the journal once every file sent so far is in the store, and
+    /// returns at once: the journal takes them with the upload that completes that set (or
+    /// now, when it is complete already). A write resumed from the store alone trusts only
+    /// what a checkpoint recorded. An earlier checkpoint must be recorded first
+    /// ([`Streaming::wait_checkpoint`]).
     pub(crate) fn checkpoint(&mut self, facts: Vec<(String, Value)>) -> Result<()> {
-        self.drain()?;
-        let mut j = self.journal.lock().unwrap_or_else(|e| e.into_inner());
-        for (k, v) in facts {
-            j.set_fact(&k, v);
+        self.wait_checkpoint()?;
+        let mut s = self.lock();
+        s.checkpoint = Some((s.next, facts));
+        if s.outstanding.is_empty() {
+            s.write_journal(&self.target)?;
         }
-        self.target.put(Journal::NAME, j.to_bytes())
+        Ok(())
     }
 
-    /// The files uploaded so far, with their checksums (after [`Streaming::drain`], all sent).
+    /// Waits until the last checkpoint is recorded in the store's journal.
+    pub(crate) fn wait_checkpoint(&mut self) -> Result<()> {
+        self.wait_until(|s| s.checkpoint.is_none())
+    }
+
+    /// The files uploaded, with their checksums, once every file sent is (and the last
+    /// checkpoint recorded).
     pub(crate) fn uploaded(&mut self) -> Result<std::collections::BTreeMap<String, FileSums>> {
-        self.drain()?;
-        let j = self.journal.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(j.files.files.clone())
+        self.wait_until(|s| s.outstanding.is_empty() && s.checkpoint.is_none())?;
+        Ok(self.lock().journal.files.files.clone())
     }
 
     /// Waits for the queued uploads, uploads what is left in the staging directory `dir` (the
@@ -1213,10 +1281,12 @@ impl Drop for Streaming {
     }
 }
 
-/// Uploads `path` as `name`, then rewrites the journal naming it too, then removes `path`.
+/// Uploads `path` as `name` (file number `seq`), then rewrites the journal naming it too (and
+/// taking a checkpoint this upload completes), then removes `path`.
 fn upload_journaled(
     remote: &Remote,
-    journal: &Mutex<Journal>,
+    shared: &Mutex<Shared>,
+    seq: u64,
     name: String,
     path: &Path,
     sums: FileSums,
@@ -1224,9 +1294,10 @@ fn upload_journaled(
     remote.put_file(&name, path)?;
     {
         // Held across the PUT, so journals reach the store in the order they grow.
-        let mut j = journal.lock().unwrap_or_else(|e| e.into_inner());
-        j.files.files.insert(name, sums);
-        remote.put(Journal::NAME, j.to_bytes())?;
+        let mut s = shared.lock().unwrap_or_else(|e| e.into_inner());
+        s.journal.files.files.insert(name, sums);
+        s.outstanding.remove(&seq);
+        s.write_journal(remote)?;
     }
     // In the store and journaled: the staged copy is no longer needed.
     std::fs::remove_file(path).at(path)

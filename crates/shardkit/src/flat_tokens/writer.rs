@@ -1030,6 +1030,9 @@ impl Upload {
     /// Streams the commit `w` just made: queues the chunks it completed, uploads its trailing
     /// chunks to this checkpoint's slot, and (once every chunk sent is in the store) records
     /// the checkpoint in the journal.
+    ///
+    /// The writer does not wait for this commit's chunks: only, at the next commit, for this
+    /// one's checkpoint (whose slot the next one's trailing chunks would overwrite).
     fn commit(&mut self, w: &Writer) -> Result<()> {
         let root = &w.ds.root;
         let (tokens_full, tokens_tail) = w.tokens.chunk_names(self.sent[0]);
@@ -1043,6 +1046,8 @@ impl Upload {
         }
         self.sent[0] += tokens_full.len() as u64;
         self.sent[1] += starts_full.len() as u64;
+        // The journal then names the previous checkpoint, in the other slot, or none.
+        self.streaming.wait_checkpoint()?;
         let mut tails = Vec::new();
         for key in tokens_tail.iter().chain(&starts_tail).filter(|n| stored(n)) {
             let path = root.join(key);
