@@ -191,8 +191,9 @@ const MAX_BATCH_TOKENS: u64 = 1 << 31;
 const PREFETCH: usize = 4;
 /// Default bound on the shuffle buffers held in memory when reading from an object store.
 const BUFFER_GIB: u64 = 16;
-/// The longest contiguous piece of a shuffle buffer in memory, in tokens.
-const BUFFER_PIECE_TOKENS: u64 = 1 << 26;
+/// The longest contiguous piece of a shuffle buffer in memory, in tokens: no more than a
+/// group, so that a buffer of long contiguous runs still comes in many groups.
+const BUFFER_PIECE_TOKENS: u64 = GROUP_TOKENS;
 
 /// Tokens of a buffer fetched together (a v3 shard's worth by default, 32 MB or so stored).
 const GROUP_TOKENS: u64 = 1 << 24;
