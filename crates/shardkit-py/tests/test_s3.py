@@ -392,6 +392,50 @@ def test_tokens_and_eagle3_remote_writes_killed_after_every_object_resume_identi
         assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()], k
 
 
+KILLED_V2_TOKENS = """
+import sys
+sys.path.insert(0, {here!r})
+from test_s3 import write_v2_tokens
+write_v2_tokens(sys.argv[1])
+"""
+
+
+def write_v2_tokens(root: str, resume: bool = False) -> None:
+    """About 12 M tokens in seqax's v2 layout (4 Mi-token blosc chunks), a commit every 2 M."""
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(1, 50000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 4000, size=6000)]
+    with flat_tokens.Writer(
+        root, "train", None if resume else "v2", progress=False, resume=resume, checkpoint_tokens=2_000_000
+    ) as w:
+        for i in range(w.resumed_from or 0, len(docs), 200):
+            w.append(docs[i : i + 200])
+
+
+def test_tokens_v2_remote_write_resumes_on_another_machine(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """seqax's own layout streams and resumes the same way: killed once full chunks are in the
+    store, resumed without the staging directory, byte-identical to a local write."""
+    local = tmp_path / "local"
+    write_v2_tokens(str(local))
+    assert (local / "train" / "encoded_tokens" / ".zarray").exists()
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ds"
+    child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(tmp_path / "lost"), SHARDKIT_TEST_ABORT_AFTER_PUTS="14")
+    script = KILLED_V2_TOKENS.format(here=str(HERE))
+    r = subprocess.run([sys.executable, "-c", script, url], env=child_env, capture_output=True)
+    assert r.returncode != 0, r.stderr[-2000:]
+    journal = json.loads(s3.objects(bucket)["ds/.shardkit-upload.json"])
+    # v2 chunk keys; uploads run beside the writer, so how many are in varies from run to run.
+    assert journal["files"] and all(
+        n in {f"train/encoded_tokens/{i}" for i in range(3)} for n in journal["files"]
+    ), journal["files"]
+    assert journal["flat_tokens_checkpoint"]["seqs"] > 1
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "new-machine")}):
+        write_v2_tokens(url, resume=True)
+    shardkit.download(url, tmp_path / "down")
+    assert tree(tmp_path / "down") == tree(local)
+    assert not [o for o in s3.objects(bucket) if ".shardkit-" in o]
+
+
 def test_tokens_remote_write_commits_chunks_that_hold_only_the_fill_value(
     tmp_path: Path, s3: S3, env: Dict[str, str]
 ) -> None:
