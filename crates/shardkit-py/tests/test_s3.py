@@ -223,7 +223,9 @@ def test_saev_remote_write_killed_after_every_object_resumes_identically(
     local = Path(write_saev(tmp_path / "local"))
     n_puts = puts_of_a_whole_saev_write(tmp_path, s3, labels=True)
     n_shards = len(list(local.glob("acts*.bin")))
-    assert n_shards >= 3 and n_puts >= 2 * n_shards + 3, (n_shards, n_puts)
+    # metadata.json; per shard its labels, a journal, the shard, a journal; labels.bin, the
+    # sidecar and shards.json.
+    assert n_shards >= 3 and n_puts == 4 * n_shards + 4, (n_shards, n_puts)
     script = KILLED_WRITER.format(here=str(HERE))
     for k in range(1, n_puts + 1):
         bucket = s3.bucket()
@@ -243,7 +245,7 @@ def test_saev_remote_write_killed_after_every_object_resumes_identically(
         shardkit.download(url, down)
         assert tree(down) == tree(local), k
         # The journal goes with the commit; the staging directory with the write.
-        assert not [o for o in s3.objects(bucket, "root/") if o.endswith(".shardkit-upload.json")], k
+        assert not [o for o in s3.objects(bucket, "root/") if ".shardkit-" in o], k
         assert not staging.exists() or not [p for p in staging.rglob("*") if p.is_file()], k
 
 
@@ -252,14 +254,17 @@ def test_saev_remote_write_resumes_on_another_machine(
     tmp_path: Path, s3: S3, env: Dict[str, str], labels: bool
 ) -> None:
     """A killed remote write resumed without its staging directory (a new machine) keeps the
-    shards its journal names; a dataset with labels, whose labels stayed behind, starts over."""
+    shards its journal names, and with labels the shards whose labels it names too (labels.bin
+    is rebuilt from them)."""
     local = Path(write_saev(tmp_path / "local", labels=labels))
     n_shards = len(list(local.glob("acts*.bin")))
     bucket = s3.bucket()
     root = f"s3://{bucket}/root"
     url = f"{root}/{local.name}"
-    # metadata.json, then shards and journals (two uploading at a time): killed after 5 PUTs.
-    child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(tmp_path / "lost"), SHARDKIT_TEST_ABORT_AFTER_PUTS="5")
+    # metadata.json, then (labels and) shards and journals, two uploading at a time: killed
+    # after two shards' worth of PUTs.
+    abort_after = "9" if labels else "5"
+    child_env = dict(os.environ, SHARDKIT_STAGING_DIR=str(tmp_path / "lost"), SHARDKIT_TEST_ABORT_AFTER_PUTS=abort_after)
     script = KILLED_WRITER.format(here=str(HERE))
     r = subprocess.run([sys.executable, "-c", script, root, "labels" if labels else "none"], env=child_env, capture_output=True)
     assert r.returncode != 0, r.stderr[-2000:]
@@ -268,28 +273,44 @@ def test_saev_remote_write_resumes_on_another_machine(
     assert journal["labels"] is labels
     # The journal names only shards in the store; the resumed write keeps its longest prefix.
     assert journal["files"] and all(f"root/{local.name}/{n}" in objects for n in journal["files"])
-    kept = next(k for k in range(n_shards + 1) if f"acts{k:06d}.bin" not in journal["files"])
+
+    def journaled(k: int) -> bool:
+        names = [f"acts{k:06d}.bin"] + ([f".shardkit-labels/acts{k:06d}.bin"] if labels else [])
+        return all(n in journal["files"] for n in names)
+
+    kept = next(k for k in range(n_shards + 1) if not journaled(k))
     assert kept >= 1
+    # The resumed write's journal drops what lies past the kept prefix: one PUT when it differs.
+    past = [n for n in journal["files"] if int(n[-10:-4]) >= kept]
 
     staging = tmp_path / "new-machine"
     with environment({"SHARDKIT_STAGING_DIR": str(staging)}):
         # An interrupted write is not overwritten without resume=True.
         with pytest.raises(shardkit.AlreadyExistsError, match="interrupted write"):
             saev.Writer(root, saev_metadata(), progress=False)
+        if labels:
+            # Labels fetched back are checked against the journal's checksums.
+            key = f"root/{local.name}/.shardkit-labels/acts000000.bin"
+            good = objects[key]
+            s3.client().put_object(Bucket=bucket, Key=key, Body=bytes([good[0] ^ 1]) + good[1:])
+            with pytest.raises(shardkit.ShardkitError, match="shardkit-labels/acts000000.bin.*does not match the checksums"):
+                saev.Writer(root, saev_metadata(), progress=False, resume=True)
+            s3.client().put_object(Bucket=bucket, Key=key, Body=good)
         w = saev.Writer(root, saev_metadata(), progress=False, resume=True)
         per_shard = saev_metadata()["max_tokens_per_shard"] // 7 // 2
-        assert w.next_example == (0 if labels else kept * per_shard)
+        assert w.next_example == kept * per_shard
         w.abort()
         before = shardkit.storage_counters()["puts"]
         assert write_saev(root, labels=labels, resume=True) == url
         puts = shardkit.storage_counters()["puts"] - before
-    # Kept shards are not uploaded again: per shard written, the shard and the journal; then
-    # labels.bin (with labels), the sidecar and shards.json.
-    written = n_shards if labels else n_shards - kept
-    assert puts == 2 * written + 2 + int(labels), puts
+    # Kept shards are not uploaded again: per shard written, (its labels and a journal,) the
+    # shard and a journal; then labels.bin (with labels), the sidecar and shards.json.
+    written = n_shards - kept
+    assert puts == (4 if labels else 2) * written + 2 + int(labels) + int(bool(past)), puts
     down = tmp_path / "down"
     shardkit.download(url, down)
     assert tree(down) == tree(local)
+    assert not [o for o in s3.objects(bucket, "root/") if ".shardkit-" in o]
     # The sidecar covers the kept shards too (their checksums came from the journal).
     assert shardkit.verify(url)["intact"]
 
@@ -664,8 +685,12 @@ def test_streamed_uploads_retry_faults_and_report_a_spent_budget(tmp_path: Path,
             s3.proxy.arm(None)
             w = saev.Writer(root, saev_metadata(), progress=False, resume=True)
             s3.proxy.arm(kind, 1000, on="PUT")
-            # Shards upload two at a time: the error names whichever failed first.
-            with pytest.raises(shardkit.RemoteError, match=rf"s3://{bucket}/root/{local.name}/acts00000\d\.bin"):
+            # Shards (each after its labels) upload two at a time: the error names whichever
+            # failed first.
+            with pytest.raises(
+                shardkit.RemoteError,
+                match=rf"s3://{bucket}/root/{local.name}/(\.shardkit-labels/)?acts00000\d\.bin",
+            ):
                 for e in range(0, 40, 8):
                     w.write(saev_acts(e, 8), saev_labels(e, 8))
                 w.close()

@@ -366,7 +366,10 @@ fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) -> Result<()> {
         let rel = format!("{prefix}{name}");
         let ty = e.file_type().at(e.path())?;
         if ty.is_dir() {
-            walk(&e.path(), &format!("{rel}/"), out)?;
+            // A writer's private directory (a store write's labels pieces) holds no data.
+            if !name.starts_with(".shardkit") {
+                walk(&e.path(), &format!("{rel}/"), out)?;
+            }
         } else if ty.is_file() && is_data_name(&name) {
             out.push(rel);
         }

@@ -12,8 +12,10 @@
 //! published there, is uploaded in the background and its staged copy removed (so the staging
 //! disk holds a few shards, not the dataset). After each upload an upload journal
 //! ([`Journal`]) records the shards in the store with their checksums; a resumed write, on this
-//! machine or another, keeps the journaled shards. `finish` uploads labels.bin, the checksums
-//! sidecar and, last, shards.json.
+//! machine or another, keeps the journaled shards. A dataset with labels also sends, before
+//! each shard, that shard's labels as a private object (`.shardkit-labels/<shard name>`), so a
+//! write resumed on another machine rebuilds labels.bin's kept part from them. `finish`
+//! uploads labels.bin, the checksums sidecar and, last, shards.json, then deletes the pieces.
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -33,6 +35,18 @@ use crate::storage::{self, Remote, Streaming};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
+/// Where a write to a store keeps each shard's labels until labels.bin is uploaded.
+const LABEL_PIECES: &str = ".shardkit-labels";
+
+/// The private object holding the labels of shard `s` (a write to a store with labels).
+fn label_piece(s: u64) -> String {
+    format!("{LABEL_PIECES}/{}", Layout::shard_name(s))
+}
+
+/// The shard whose labels the private object `name` holds.
+fn label_piece_index(name: &str) -> Option<u64> {
+    shard_index(name.strip_prefix(LABEL_PIECES)?.strip_prefix('/')?)
+}
 
 /// What [`Writer::create`] found at the destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,23 +124,24 @@ impl Writer {
     /// The same rules apply to what the store holds: an interrupted write (shards named in its
     /// upload journal) is refused unless `opts.resume`, then continued from the first shard in
     /// neither the store nor the staging directory, so a killed job resumes on another machine
-    /// too. (Labels are kept in the staging directory until the end: a dataset with labels
-    /// resumed without its staging directory starts over.) A prefix already holding the complete
-    /// dataset is [`WriteStart::AlreadyComplete`]; one holding a different dataset is refused.
+    /// too, labels included (each shard's labels are in the store beside it, checked against
+    /// their checksums when fetched back). A prefix already holding the complete dataset is
+    /// [`WriteStart::AlreadyComplete`]; one holding a different dataset is refused.
     pub fn create(root: impl AsRef<Path>, md: Metadata, opts: WriterOptions) -> Result<Writer> {
         if storage::is_remote(root.as_ref()) {
             return Self::create_remote(root.as_ref(), md, opts);
         }
-        Self::create_local(root.as_ref(), md, opts, &Journal::default())
+        Self::create_local(root.as_ref(), md, opts, &Journal::default(), None)
     }
 
-    /// [`Writer::create`] in a local directory; `uploaded` is what an interrupted write to a
-    /// store left there (`dir` is then its staging directory).
+    /// [`Writer::create`] in a local directory; `uploaded` is what an interrupted write to the
+    /// store `target` left there (`dir` is then its staging directory).
     fn create_local(
         root: &Path,
         md: Metadata,
         opts: WriterOptions,
         uploaded: &Journal,
+        target: Option<&Remote>,
     ) -> Result<Writer> {
         let root = &storage::local_path(root);
         let layout = Layout::new(&md, Path::new("metadata.json"))?;
@@ -183,7 +198,7 @@ impl Writer {
                             ),
                         })
                     }
-                    Err(Error::Incomplete { .. }) => w.prepare_resume(uploaded)?,
+                    Err(Error::Incomplete { .. }) => w.prepare_resume(uploaded, target)?,
                     Err(e) => {
                         return Err(Error::Exists {
                             path: dir,
@@ -228,7 +243,7 @@ impl Writer {
                 File::create(dir.join(MARKER)).at(dir.join(MARKER))?;
                 fsutil::atomic_write(&md_path, &ours)?;
                 if !uploaded.files.files.is_empty() {
-                    w.prepare_resume(uploaded)?;
+                    w.prepare_resume(uploaded, target)?;
                 }
             }
             Err(e) => return Err(Error::io(&md_path, e)),
@@ -236,8 +251,9 @@ impl Writer {
         Ok(w)
     }
 
-    /// Finds the resume point and removes everything written after it.
-    fn prepare_resume(&mut self, uploaded: &Journal) -> Result<()> {
+    /// Finds the resume point and removes everything written after it. `uploaded` is what
+    /// the store `target` holds of an interrupted write to it.
+    fn prepare_resume(&mut self, uploaded: &Journal, target: Option<&Remote>) -> Result<()> {
         let dir = self.dir.clone();
         let full = |s: u64| {
             let name = Layout::shard_name(s);
@@ -280,6 +296,21 @@ impl Writer {
         {
             fsutil::rename(&final_labels, &tmp_labels)?;
         }
+        if let Some(target) = target.filter(|_| {
+            from > 0
+                && fsutil::regular_file_len(&tmp_labels) != Some(labels_len)
+                && uploaded.fact(LABELS) == Some(&Value::Bool(true))
+        }) {
+            // Resumed without the staged labels (another machine): those of the shards kept
+            // come back from their pieces in the store, as far as the pieces go.
+            let pieces = (0..k)
+                .take_while(|&s| uploaded.files.files.contains_key(&label_piece(s)))
+                .count() as u64;
+            from = (pieces * eps).min(self.layout.n_examples);
+            if pieces > 0 {
+                self.fetch_labels(target, uploaded, pieces, &tmp_labels)?;
+            }
+        }
         if from > 0 && fsutil::regular_file_len(&tmp_labels) == Some(labels_len) {
             let f = fs::OpenOptions::new()
                 .read(true)
@@ -292,7 +323,8 @@ impl Writer {
             && (fsutil::regular_file_len(&tmp_labels).is_some()
                 || uploaded.fact(LABELS) == Some(&Value::Bool(true)))
         {
-            // Labels of the kept shards are not recoverable: start over.
+            // Labels of the kept shards are not recoverable (a write by a version of shardkit
+            // that kept them only in the staging directory): start over.
             from = 0;
         } else if from > 0 {
             self.labels_decided = true; // kept shards were written without labels
@@ -309,6 +341,12 @@ impl Writer {
             let remove = match name.as_str() {
                 "metadata.json" => false,
                 MARKER => false,
+                // Pieces staged and not sent are made again from the labels, before sending.
+                LABEL_PIECES => {
+                    let p = dir.join(LABEL_PIECES);
+                    fs::remove_dir_all(&p).at(&p)?;
+                    false
+                }
                 LABELS_TMP => !self.labels_decided || self.labels.is_none(),
                 "shards.json" | "labels.bin" => true,
                 n if fsutil::is_temp_name(n) => true,
@@ -324,6 +362,58 @@ impl Writer {
         self.next = from;
         self.start = WriteStart::Resumed { from };
         Ok(())
+    }
+
+    /// Rebuilds the temporary labels file `tmp` from the pieces of shards `0..pieces` in
+    /// `target`, each checked against the checksums `uploaded` records for it. Built beside
+    /// and renamed into place: a full-size `tmp` is trusted by the next resume.
+    fn fetch_labels(
+        &self,
+        target: &Remote,
+        uploaded: &Journal,
+        pieces: u64,
+        tmp: &Path,
+    ) -> Result<()> {
+        let building = fsutil::temp_sibling(tmp);
+        let built = self
+            .write_fetched_labels(target, uploaded, pieces, &building)
+            .and_then(|()| fsutil::rename(&building, tmp));
+        if built.is_err() {
+            let _ = fs::remove_file(&building);
+        }
+        built
+    }
+
+    /// [`Writer::fetch_labels`]'s file, written at `path`.
+    fn write_fetched_labels(
+        &self,
+        target: &Remote,
+        uploaded: &Journal,
+        pieces: u64,
+        tmp: &Path,
+    ) -> Result<()> {
+        let p = self.layout.content_tokens;
+        let f = fsutil::create_sized(tmp, self.layout.n_examples * p)?;
+        for s in 0..pieces {
+            let name = label_piece(s);
+            let bytes = target.get(&name)?;
+            let expected = self.layout.shard_count(s) * p;
+            if uploaded.files.files.get(&name) != Some(&FileSums::of_bytes(&bytes))
+                || bytes.len() as u64 != expected
+            {
+                return Err(Error::format(
+                    target.url_of(&name),
+                    format!(
+                        "does not match the checksums the upload journal records for it (the \
+                         labels of shard {s}, {expected} bytes); the write cannot be resumed \
+                         from the store (delete its objects to start over)"
+                    ),
+                ));
+            }
+            f.write_all_at(&bytes, s * self.layout.examples_per_shard * p)
+                .at(tmp)?;
+        }
+        fsutil::sync_file(&f, tmp)
     }
 
     fn create_remote(root: &Path, md: Metadata, opts: WriterOptions) -> Result<Writer> {
@@ -343,6 +433,9 @@ impl Writer {
             if target.get_opt("shards.json")?.is_some() && crate::saev::Dataset::open(&url).is_ok()
             {
                 let staged = storage::staging_dir(&url).join(md.dir_name());
+                // Left by a write killed after its commit: nothing needs them, and readers
+                // ignore them, so a failure here loses nothing.
+                let _ = delete_label_pieces(&target);
                 Streaming::clear_leftovers(&target, &staged);
                 let layout = Layout::new(&md, Path::new("metadata.json"))?;
                 return Ok(Writer {
@@ -372,15 +465,23 @@ impl Writer {
                 ),
             });
         }
-        let mut w = Self::create_local(&storage::staging_dir(&url), md, opts, &uploaded)?;
-        // The store's journal from now on: the shards kept, and whether there are labels.
+        let mut w = Self::create_local(
+            &storage::staging_dir(&url),
+            md,
+            opts,
+            &uploaded,
+            Some(&target),
+        )?;
+        // The store's journal from now on: the shards kept (and their labels), and whether
+        // there are labels.
         let mut journal = Journal::default();
         if w.labels_decided {
             journal.set_fact(LABELS, Value::Bool(w.labels.is_some()));
         }
         let kept = w.next.div_ceil(w.layout.examples_per_shard);
         for (name, sums) in &uploaded.files.files {
-            if shard_index(name).is_some_and(|i| i < kept) {
+            let shard = shard_index(name).or_else(|| label_piece_index(name));
+            if shard.is_some_and(|i| i < kept) {
                 journal.files.files.insert(name.clone(), sums.clone());
             }
         }
@@ -393,6 +494,9 @@ impl Writer {
             // Shards the interrupted run staged but did not upload go first.
             for s in 0..kept {
                 let name = Layout::shard_name(s);
+                if w.labels.is_some() && !streaming.has_sent(&label_piece(s)) {
+                    w.send_labels(&mut streaming, s)?;
+                }
                 if !streaming.has_sent(&name) {
                     let sums = w.sums.add(&w.dir, &name)?;
                     w.send(&mut streaming, &name, sums)?;
@@ -407,6 +511,27 @@ impl Writer {
     fn send(&self, up: &mut Streaming, name: &str, sums: FileSums) -> Result<()> {
         up.set_fact(LABELS, Value::Bool(self.labels.is_some()));
         up.send(&self.dir, name, sums)
+    }
+
+    /// Stages the labels of shard `s` (durable in the temporary labels file already) as their
+    /// piece and queues it for upload, ahead of the shard: a journal naming a shard then
+    /// names its labels too, unless a kill fell between the two uploads.
+    fn send_labels(&self, up: &mut Streaming, s: u64) -> Result<()> {
+        let Some(f) = &self.labels else {
+            return Ok(());
+        };
+        let p = self.layout.content_tokens;
+        let mut bytes = vec![0u8; (self.layout.shard_count(s) * p) as usize];
+        let tmp = self.dir.join(LABELS_TMP);
+        f.read_exact_at(&mut bytes, s * self.layout.examples_per_shard * p)
+            .at(&tmp)?;
+        let name = label_piece(s);
+        let path = self.dir.join(&name);
+        let dir = fsutil::parent_of(&path);
+        fs::create_dir_all(dir).at(dir)?;
+        // Not fsynced: a piece lost in a crash was not journaled, and is made again.
+        fs::write(&path, &bytes).at(&path)?;
+        up.send(&self.dir, &name, FileSums::of_bytes(&bytes))
     }
 
     /// The dataset directory (`root/<name>`; the local staging directory of a dataset being
@@ -563,7 +688,9 @@ impl Writer {
         // Hashed now, while its pages are still in memory.
         let sums = self.sums.add(&self.dir, &name)?;
         if let Some(mut up) = self.upload_to.take() {
-            let sent = self.send(&mut up, &name, sums);
+            let sent = self
+                .send_labels(&mut up, shard.index)
+                .and_then(|()| self.send(&mut up, &name, sums));
             self.upload_to = Some(up);
             sent?;
         }
@@ -588,8 +715,19 @@ impl Writer {
         let dir = self.finish_local()?;
         match upload_to {
             // labels.bin, the sidecar, shards.json last (and whatever an earlier run staged
-            // whole) are what is left to upload.
-            Some(streaming) => streaming.finish(&dir, &[]),
+            // whole) are what is left to upload; then the labels' pieces go.
+            Some(mut streaming) => {
+                // Listed once no upload is in flight, so that none is missed.
+                streaming.uploaded()?;
+                let pieces = streaming
+                    .target
+                    .join(LABEL_PIECES)
+                    .list()?
+                    .into_iter()
+                    .map(|(n, _)| format!("{LABEL_PIECES}/{n}"))
+                    .collect::<Vec<_>>();
+                streaming.finish(&dir, &pieces)
+            }
             None => Ok(dir),
         }
     }
@@ -640,6 +778,15 @@ fn staged_whole(dir: &Path, layout: &Layout, uploaded: &Journal) -> bool {
             uploaded.files.files.contains_key(&name)
                 || fsutil::regular_file_len(&dir.join(&name)) == Some(layout.shard_bytes())
         })
+}
+
+/// Deletes the labels' pieces a write to `target` left (killed after its commit).
+fn delete_label_pieces(target: &Remote) -> Result<()> {
+    let pieces = target.join(LABEL_PIECES);
+    for (name, _) in pieces.list()? {
+        pieces.delete(&name)?;
+    }
+    Ok(())
 }
 
 /// Writes native float32 bytes as little-endian.
