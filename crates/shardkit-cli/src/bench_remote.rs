@@ -73,16 +73,28 @@ fn get_ceiling(remote: &Remote, inflight: usize) -> Result<(f64, u64, u64)> {
         ranges.push((i as u32, 0u64, *len, dst));
         dst += len;
     }
-    let mut buf = vec![0u8; dst as usize];
+    timed_read(remote, &names, &ranges, dst, inflight)
+}
+
+/// Reads `ranges` of `names` (`total` bytes) with `inflight` requests in flight, timed: the
+/// rate in GB/s, and the GETs and bytes the store served.
+fn timed_read(
+    remote: &Remote,
+    names: &[String],
+    ranges: &[(u32, u64, u64, u64)],
+    total: u64,
+    inflight: usize,
+) -> Result<(f64, u64, u64)> {
+    let mut buf = vec![0u8; total as usize];
     storage::set_inflight(inflight);
     let before = counters();
     let t0 = Instant::now();
-    remote.read_ranges(&names, &ranges, &mut buf)?;
+    remote.read_ranges(names, ranges, &mut buf)?;
     let secs = t0.elapsed().as_secs_f64();
     let after = counters();
     std::hint::black_box(&buf);
     Ok((
-        gbps(dst, secs),
+        gbps(total, secs),
         after.gets - before.gets,
         after.get_bytes - before.get_bytes,
     ))
@@ -288,19 +300,7 @@ fn layer_get_ceiling(
         ranges.push((shard as u32, layout.offset(g, slot, first), len, dst));
         dst += len;
     }
-    let mut buf = vec![0u8; dst as usize];
-    storage::set_inflight(inflight);
-    let before = counters();
-    let t0 = Instant::now();
-    remote.read_ranges(&names, &ranges, &mut buf)?;
-    let secs = t0.elapsed().as_secs_f64();
-    let after = counters();
-    std::hint::black_box(&buf);
-    Ok((
-        gbps(dst, secs),
-        after.gets - before.gets,
-        after.get_bytes - before.get_bytes,
-    ))
+    timed_read(remote, &names, &ranges, dst, inflight)
 }
 
 fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {

@@ -440,7 +440,8 @@ impl Column {
         pool.install(|| {
             pieces.into_par_iter().try_for_each(|(r, dst)| {
                 let direct = f.direct.as_ref();
-                if direct.is_some_and(|d| d.decode_into(&f.fetched, &r, self.len(), dst)) {
+                if direct.is_some_and(|d| d.decode_into(&f.fetched, &r, self.len(), dst).is_some())
+                {
                     return Ok(());
                 }
                 let subset = subset_of(&r);
@@ -532,20 +533,10 @@ thread_local! {
 
 impl Direct {
     /// Elements `r` of a column of length `len`, decoded straight from the fetched inner
-    /// chunks into `out`; false when anything is amiss (a chunk not fetched, a size that does
+    /// chunks into `out`; `None` when anything is amiss (a chunk not fetched, a size that does
     /// not match, a damaged frame), so that the caller decodes through zarrs, which names the
-    /// fault.
+    /// fault (`None`).
     fn decode_into<T: bytemuck::Pod>(
-        &self,
-        f: &Prefetched,
-        r: &Range<u64>,
-        len: u64,
-        out: &mut [T],
-    ) -> bool {
-        self.try_decode_into(f, r, len, out).is_some()
-    }
-
-    fn try_decode_into<T: bytemuck::Pod>(
         &self,
         f: &Prefetched,
         r: &Range<u64>,
@@ -1391,7 +1382,9 @@ mod tests {
             assert_eq!(got, &by_zarrs, "{r:?}");
             // Into a buffer holding an earlier attempt's bytes: every element is written.
             let mut directly = vec![u32::MAX; by_zarrs.len()];
-            assert!(direct.decode_into(&f.fetched, r, split.tokens.len(), &mut directly[..]));
+            assert!(direct
+                .decode_into(&f.fetched, r, split.tokens.len(), &mut directly[..])
+                .is_some());
             assert_eq!(directly, by_zarrs, "{r:?} decoded directly");
         }
         // seq_starts (u64) too, through read_many.
@@ -1425,13 +1418,19 @@ mod tests {
             .fetch_encoded(std::slice::from_ref(&(768..1024)))
             .unwrap();
         let direct = f.direct.as_ref().unwrap();
-        assert!(!direct.decode_into(&f.fetched, &(768..784), 2000, &mut [0u32; 16]));
+        assert!(direct
+            .decode_into(&f.fetched, &(768..784), 2000, &mut [0u32; 16])
+            .is_none());
         let e = split.decode_encoded(&f, &pool()).unwrap_err().to_string();
         assert!(e.contains("encoded_tokens/c/3"), "{e}");
         // The chunks after it are still decoded directly.
-        assert!(direct.decode_into(&f.fetched, &(784..1024), 2000, &mut [0u32; 240]));
+        assert!(direct
+            .decode_into(&f.fetched, &(784..1024), 2000, &mut [0u32; 240])
+            .is_some());
         // An element type of another size is never decoded directly.
-        assert!(!direct.decode_into(&f.fetched, &(800..810), 2000, &mut [0u64; 10]));
+        assert!(direct
+            .decode_into(&f.fetched, &(800..810), 2000, &mut [0u64; 10])
+            .is_none());
         // A damaged shard index is refused, naming the shard.
         let mut bytes = std::fs::read(&shard).unwrap();
         let n = bytes.len();
