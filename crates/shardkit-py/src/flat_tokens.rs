@@ -168,7 +168,12 @@ impl TokensWriter {
     /// Commits what was appended (best effort) and stops without marking the dataset complete.
     fn abort(&mut self, py: Python<'_>) {
         if let Some(mut w) = self.inner.take() {
-            let _ = py.allow_threads(|| w.flush());
+            // Dropped without the GIL too: ending the writer waits for its uploads and
+            // releases its lock in the store.
+            py.allow_threads(move || {
+                let _ = w.flush();
+                drop(w);
+            });
         }
     }
 }

@@ -31,7 +31,7 @@ pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
         E::NotFound { .. } => ("NotFoundError", None),
         E::Io { source, .. } => ("", Some(source.raw_os_error().unwrap_or(0))),
         E::Exists { .. } => ("AlreadyExistsError", None),
-        E::Locked { .. } => ("LockedError", None),
+        E::Locked { .. } | E::LockedRemote { .. } => ("LockedError", None),
         E::Incomplete { .. } | E::Interrupted { .. } => ("IncompleteDatasetError", None),
         E::OutOfRange { .. } => ("OutOfRangeError", None),
         E::Format { .. } | E::Safetensors { .. } => ("CorruptDataError", None),

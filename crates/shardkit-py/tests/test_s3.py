@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
@@ -313,6 +315,147 @@ def test_saev_remote_write_resumes_on_another_machine(
     assert not [o for o in s3.objects(bucket, "root/") if ".shardkit-" in o]
     # The sidecar covers the kept shards too (their checksums came from the journal).
     assert shardkit.verify(url)["intact"]
+
+
+def lock_of(s3: S3, bucket: str, prefix: str) -> Any:
+    objects = s3.objects(bucket, prefix)
+    key = f"{prefix}.shardkit-lock.json"
+    return json.loads(objects[key]) if key in objects else None
+
+
+def test_two_writers_of_one_dataset_in_a_store_exclude_each_other(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """Two writers of one dataset on two machines (two staging directories): the second is
+    refused while the first runs, naming it; once the first ends, the second resumes."""
+    local = Path(write_saev(tmp_path / "local"))
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/root"
+    prefix = f"root/{local.name}/"
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "a")}):
+        a = saev.Writer(root, saev_metadata(), progress=False)
+        a.write(saev_acts(0, 8), saev_labels(0, 8))
+    lock = lock_of(s3, bucket, prefix)
+    assert lock["host"] == socket.gethostname() and lock["pid"] == os.getpid(), lock
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "b")}):
+        for resume in (False, True):
+            with pytest.raises(shardkit.LockedError, match=rf"\.shardkit-lock\.json: another writer \(.* pid {os.getpid()},"):
+                saev.Writer(root, saev_metadata(), progress=False, resume=resume)
+        # The refused writer left the lock as it was.
+        assert lock_of(s3, bucket, prefix) == lock
+        a.abort()
+        # A writer that ends releases its lock.
+        assert lock_of(s3, bucket, prefix) is None
+        assert write_saev(root, resume=True) == f"{root}/{local.name}"
+    down = tmp_path / "down"
+    shardkit.download(f"{root}/{local.name}", down)
+    assert tree(down) == tree(local)
+    assert not [o for o in s3.objects(bucket, "root/") if ".shardkit-" in o]
+
+
+@pytest.mark.parametrize("what", ["tokens", "eagle3"])
+def test_flat_tokens_and_eagle3_writers_in_a_store_exclude_each_other(
+    tmp_path: Path, s3: S3, env: Dict[str, str], what: str
+) -> None:
+    """The same lock guards flat-tokens and EAGLE-3 writes to a store."""
+    from test_eagle3 import config
+
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ds"
+
+    def open_writer() -> Any:
+        if what == "tokens":
+            return flat_tokens.Writer(
+                url, "train", progress=False, resume=True,
+                checkpoint_tokens=1000, tokens_per_shard=1024, tokens_per_chunk=256,
+            )
+        return eagle3.Writer(url, config(n=6, s=2), resume=True)
+
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "a")}):
+        a = open_writer()
+    assert lock_of(s3, bucket, "ds/")["pid"] == os.getpid()
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "b")}):
+        with pytest.raises(shardkit.LockedError, match=r"ds/\.shardkit-lock\.json: another writer"):
+            open_writer()
+        a.abort()
+        assert lock_of(s3, bucket, "ds/") is None
+        write_tokens_and_eagle3(what, url, resume=True)
+    assert not [o for o in s3.objects(bucket) if ".shardkit-" in o]
+    local = tmp_path / "local"
+    write_tokens_and_eagle3(what, str(local))
+    shardkit.download(url, tmp_path / "down")
+    assert tree(tmp_path / "down") == tree(local)
+
+
+def test_a_store_lock_is_taken_over_only_when_its_holder_is_gone(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """Another machine's lock stands until its lease runs out; then it is taken over. A lock
+    object that is not shardkit's is refused, naming it."""
+    local = Path(write_saev(tmp_path / "local"))
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/root"
+    key = f"root/{local.name}/.shardkit-lock.json"
+
+    def plant(body: bytes) -> None:
+        s3.client().put_object(Bucket=bucket, Key=key, Body=body)
+
+    def other(renewed: int) -> bytes:
+        return json.dumps({
+            "shardkit_lock": 1, "host": "other-node", "boot_id": "elsewhere", "pid": 1,
+            "token": "t", "renewed_unix": renewed, "lease_s": 120,
+        }).encode()
+
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "staging")}):
+        plant(other(int(time.time()) - 60))
+        with pytest.raises(shardkit.LockedError, match=r"another writer \(other-node pid 1, lock renewed \d+ s ago, lease 120 s\)"):
+            saev.Writer(root, saev_metadata(), progress=False)
+        plant(b"{}")
+        with pytest.raises(shardkit.CorruptDataError, match=r"\.shardkit-lock\.json.*not a shardkit writer's lock"):
+            saev.Writer(root, saev_metadata(), progress=False)
+        plant(other(int(time.time()) - 121))
+        assert write_saev(root) == f"{root}/{local.name}"
+    assert not [o for o in s3.objects(bucket, "root/") if ".shardkit-" in o]
+    down = tmp_path / "down"
+    shardkit.download(f"{root}/{local.name}", down)
+    assert tree(down) == tree(local)
+
+
+def test_a_writer_whose_store_lock_was_taken_over_does_not_commit(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """The lock is renewed every quarter lease; a writer that finds it taken over writes
+    nothing more, commits nothing and leaves the new holder's lock in place."""
+    local = Path(write_saev(tmp_path / "local"))
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/root"
+    prefix = f"root/{local.name}/"
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "staging"), "SHARDKIT_S3_LOCK_LEASE_S": "2"}):
+        w = saev.Writer(root, saev_metadata(), progress=False)
+        w.write(saev_acts(0, 8), saev_labels(0, 8))
+        first = lock_of(s3, bucket, prefix)
+        assert first["lease_s"] == 2
+        deadline = time.time() + 10
+        while lock_of(s3, bucket, prefix)["renewed_unix"] == first["renewed_unix"]:
+            assert time.time() < deadline, "the lock was not renewed"
+            time.sleep(0.2)
+        theirs = dict(first, host="other-node", boot_id="elsewhere", pid=1, token="theirs")
+        s3.client().put_object(Bucket=bucket, Key=f"{prefix}.shardkit-lock.json", Body=json.dumps(theirs).encode())
+        with pytest.raises(shardkit.LockedError, match="taken over by another writer"):
+            for e in range(8, 40, 8):
+                w.write(saev_acts(e, 8), saev_labels(e, 8))
+            w.close()
+        w.abort()
+    objects = s3.objects(bucket, prefix)
+    assert f"{prefix}shards.json" not in objects
+    assert json.loads(objects[f"{prefix}.shardkit-lock.json"])["token"] == "theirs"
+
+
+def test_store_writes_without_the_lock_when_it_is_turned_off(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """SHARDKIT_S3_LOCK=0 (for stores without conditional writes): no lock object is made."""
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/root"
+    with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / "staging"), "SHARDKIT_S3_LOCK": "0"}):
+        with saev.Writer(root, saev_metadata(), progress=False) as w:
+            w.write(saev_acts(0, 8), saev_labels(0, 8))
+            assert not [o for o in s3.objects(bucket, "root/") if o.endswith(".shardkit-lock.json")]
+            for e in range(8, 40, 8):
+                w.write(saev_acts(e, 8), saev_labels(e, 8))
+    assert saev.Dataset(w.path).n_examples == 40
 
 
 def test_saev_remote_write_stages_a_few_shards_not_the_dataset(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
@@ -679,8 +822,9 @@ def test_streamed_uploads_retry_faults_and_report_a_spent_budget(tmp_path: Path,
         root = f"s3://{bucket}/root"
         with environment({"SHARDKIT_S3_RETRIES": "2"}):
             s3.proxy.arm(kind, 1000, on="PUT")
-            # metadata.json goes up first, on the caller's thread; then the shards, behind it.
-            with pytest.raises(shardkit.RemoteError, match=rf"s3://{bucket}/root/{local.name}/metadata\.json"):
+            # The writer's lock is taken first, on the caller's thread; then metadata.json and
+            # the shards, behind it.
+            with pytest.raises(shardkit.RemoteError, match=rf"s3://{bucket}/root/{local.name}/\.shardkit-lock\.json"):
                 write_saev(root)
             s3.proxy.arm(None)
             w = saev.Writer(root, saev_metadata(), progress=False, resume=True)

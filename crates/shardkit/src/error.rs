@@ -90,6 +90,15 @@ pub enum Error {
         /// The process holding the lock, where the system tells.
         pid: Option<u32>,
     },
+    /// Another writer holds the lock of a dataset being written to an object store, or this
+    /// writer's lock there was taken over (see `store_lock`).
+    #[error("{}: {why}", path.display())]
+    LockedRemote {
+        /// The lock object.
+        path: PathBuf,
+        /// Who holds it, and what to do.
+        why: String,
+    },
     /// A caller-supplied argument is invalid (shape, range, option): the caller's mistake,
     /// fixed by calling differently.
     #[error("{0}")]
@@ -147,7 +156,8 @@ impl Error {
             | Error::Interrupted { path, .. }
             | Error::Safetensors { path, .. }
             | Error::Exists { path, .. }
-            | Error::Locked { path, .. } => Some(path),
+            | Error::Locked { path, .. }
+            | Error::LockedRemote { path, .. } => Some(path),
             _ => None,
         }
     }

@@ -42,6 +42,7 @@ pub mod report;
 pub mod saev;
 pub mod sdnb;
 pub mod storage;
+mod store_lock;
 
 pub use error::{Error, Result};
 

@@ -44,6 +44,7 @@ use crate::engine::reader::ReadRange;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
+pub(crate) use crate::store_lock::StoreLock;
 
 /// Ranges of one object at most this far apart are fetched by one request (the gap's bytes are
 /// read and dropped: cheaper than another round trip).
@@ -472,6 +473,56 @@ impl Remote {
                 Ok(Some(b.to_vec()))
             }
             Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error(name, None, e)),
+        }
+    }
+
+    /// Object `name` with its ETag, or `None` when it does not exist (the store lock's reads:
+    /// not counted among the dataset's GETs).
+    pub(crate) fn get_tagged(&self, name: &str) -> Result<Option<(Vec<u8>, Option<String>)>> {
+        let key = self.key(name);
+        let store = self.store()?;
+        let got = block_on(async {
+            let r = store.get(&key).await?;
+            let etag = r.meta.e_tag.clone();
+            Ok::<_, object_store::Error>((r.bytes().await?, etag))
+        })?;
+        match got {
+            Ok((b, etag)) => Ok(Some((b.to_vec(), etag))),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error(name, None, e)),
+        }
+    }
+
+    /// Writes `bytes` as object `name` only if it is absent (`expect` `None`) or its ETag is
+    /// still `expect`: the new ETag, or `None` when the condition failed. The store lock's
+    /// writes: not counted among the dataset's PUTs.
+    pub(crate) fn put_if(
+        &self,
+        name: &str,
+        bytes: Vec<u8>,
+        expect: Option<&str>,
+    ) -> Result<Option<String>> {
+        use object_store::{PutMode, UpdateVersion};
+        let key = self.key(name);
+        let store = self.store()?;
+        let mode = match expect {
+            None => PutMode::Create,
+            Some(e) => PutMode::Update(UpdateVersion {
+                e_tag: Some(e.to_string()),
+                version: None,
+            }),
+        };
+        match block_on(store.put_opts(&key, PutPayload::from(bytes), mode.into()))? {
+            Ok(r) => r.e_tag.map(Some).ok_or_else(|| Error::Remote {
+                object: self.url_of(name).display().to_string(),
+                range: None,
+                message: "the store gave no ETag for a conditional write".into(),
+            }),
+            Err(
+                object_store::Error::AlreadyExists { .. }
+                | object_store::Error::Precondition { .. },
+            ) => Ok(None),
             Err(e) => Err(self.error(name, None, e)),
         }
     }
@@ -1016,6 +1067,9 @@ pub(crate) struct Streaming {
     shared: Arc<(Mutex<Shared>, std::sync::Condvar)>,
     /// Files in the store or queued for it.
     sent: std::collections::BTreeSet<String>,
+    /// The writer's lock on the dataset in the store, released when this ends (after the
+    /// uploads, as fields drop after [`Drop::drop`]).
+    lock: StoreLock,
 }
 
 /// A file to upload: (its number in sending order, name, staged path, checksums).
@@ -1085,8 +1139,13 @@ impl Streaming {
     }
 
     /// Starts streaming to `target`, whose journal now says `journal` (written first when it
-    /// differs from `was`, what the store's journal said).
-    pub(crate) fn start(target: Remote, journal: Journal, was: &Journal) -> Result<Streaming> {
+    /// differs from `was`, what the store's journal said), under the writer's `lock` on it.
+    pub(crate) fn start(
+        target: Remote,
+        journal: Journal,
+        was: &Journal,
+        lock: StoreLock,
+    ) -> Result<Streaming> {
         if journal != *was && *was != Journal::default() {
             target.put(Journal::NAME, journal.to_bytes())?;
         }
@@ -1109,6 +1168,7 @@ impl Streaming {
             failed,
             shared,
             sent,
+            lock,
         };
         for i in 0..workers {
             let (remote, rx) = (s.target.clone(), rx.clone());
@@ -1140,12 +1200,16 @@ impl Streaming {
         Ok(s)
     }
 
-    /// Clears what a write killed right after its commit leaves behind: the journal in
-    /// `target` and the staged copy `staged` (unless another writer holds it). Neither is
-    /// needed once the store holds the whole dataset, and readers ignore both, so a failure
-    /// here loses nothing.
+    /// Clears what a write killed right after its commit leaves behind: the journal and the
+    /// lock (unless its holder is alive) in `target`, and the staged copy `staged` (unless
+    /// another writer holds it). None is needed once the store holds the whole dataset, and
+    /// readers ignore them, so a failure here loses nothing.
     pub(crate) fn clear_leftovers(target: &Remote, staged: &Path) {
         let _ = target.delete(Journal::NAME);
+        if let Ok(Some(_)) = target.get_tagged(crate::store_lock::NAME) {
+            // A lock whose holder is gone is taken, and deleted as it drops; a live one stays.
+            let _ = StoreLock::acquire(target);
+        }
         if let Ok(_lock) = crate::lock::WriteLock::dir(staged) {
             let _ = std::fs::remove_dir_all(staged);
         }
@@ -1168,6 +1232,7 @@ impl Streaming {
     /// Queues the finished file `dir/name` (whose checksums are `sums`) for upload, waiting
     /// while every worker is busy and the queue full; an error is an earlier upload's.
     pub(crate) fn send(&mut self, dir: &Path, name: &str, sums: FileSums) -> Result<()> {
+        self.lock.check()?;
         let seq = {
             let mut s = self.lock();
             let seq = s.next;
@@ -1223,6 +1288,12 @@ impl Streaming {
         Ok(())
     }
 
+    /// Renews the writer's lock now: fails if another writer took it over (before deleting
+    /// objects, or committing).
+    pub(crate) fn confirm_lock(&self) -> Result<()> {
+        self.lock.confirm()
+    }
+
     /// Waits until the last checkpoint is recorded in the store's journal.
     pub(crate) fn wait_checkpoint(&mut self) -> Result<()> {
         self.wait_until(|s| s.checkpoint.is_none())
@@ -1241,6 +1312,7 @@ impl Streaming {
     /// returns the dataset's URL.
     pub(crate) fn finish(mut self, dir: &Path, leftovers: &[String]) -> Result<PathBuf> {
         self.join()?;
+        self.lock.confirm()?;
         let url = PathBuf::from(self.target.url());
         upload(dir, &url, |_, _| {})?;
         for name in leftovers {

@@ -128,6 +128,7 @@ class Writer:
     ``cache_dir`` may be an ``s3://bucket/prefix`` URL: each shard is uploaded in the background
     as soon as it is written (the local staging directory holds a few shards), manifest.json last
     on exit; a killed write resumes (``resume=True``) from what the store holds, on any machine.
+    A lock object in the store keeps out a second writer on any machine (``LockedError``).
     """
 
     def __init__(

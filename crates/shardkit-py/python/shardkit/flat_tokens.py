@@ -107,6 +107,7 @@ class Writer:
     ``path`` may be an ``s3://bucket/prefix`` URL: the dataset is staged locally, each commit's
     chunks are uploaded as it is made (every ``checkpoint_tokens`` tokens), and a killed write
     resumes with ``resume=True`` on this machine or any other (see docs/storage.md).
+    A lock object in the store keeps out a second writer on any machine (``LockedError``).
     """
 
     def __init__(

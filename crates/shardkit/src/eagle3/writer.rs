@@ -27,7 +27,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
 use crate::lock::WriteLock;
-use crate::storage::{self, Remote, Streaming};
+use crate::storage::{self, Remote, StoreLock, Streaming};
 
 /// The embeddings file's name.
 pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
@@ -143,6 +143,8 @@ impl Writer {
                 upload_to: None,
             });
         }
+        // Held from before the journal is read until the write ends.
+        let lock = StoreLock::acquire(&remote)?;
         let found = Streaming::left_in(&remote)?;
         let mut uploaded = found.clone();
         // Shards upload several at a time: those after the first one missing are written again.
@@ -173,7 +175,7 @@ impl Writer {
                 journal.files.files.insert(name.clone(), sums.clone());
             }
         }
-        let mut streaming = Streaming::start(remote, journal, &found)?;
+        let mut streaming = Streaming::start(remote, journal, &found, lock)?;
         // Shards the interrupted run staged but did not upload go first.
         for k in 0..w.shard {
             let name = shard_name(k);

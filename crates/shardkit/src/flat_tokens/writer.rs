@@ -36,7 +36,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::{self, Value};
 use crate::lock::WriteLock;
-use crate::storage::{self, Remote, Streaming};
+use crate::storage::{self, Remote, StoreLock, Streaming};
 
 /// The largest token id the encoding can hold (`2*id + 1` must fit in uint32).
 pub const MAX_TOKEN_ID: u32 = (1 << 31) - 1;
@@ -675,6 +675,8 @@ impl Writer {
         let target = Remote::parse(url)?;
         let url = PathBuf::from(target.url());
         let staged = storage::staging_dir(&url);
+        // Held from before the journal is read until the write ends.
+        let lock = StoreLock::acquire(&target)?;
         let was = Streaming::left_in(&target)?;
         let checkpoint = was.fact(CHECKPOINT);
         if let Some(theirs) = checkpoint.and_then(|c| c.get("split")?.as_str()) {
@@ -736,7 +738,7 @@ impl Writer {
                 journal.set_fact(CHECKPOINT, cp.clone());
             }
         }
-        let mut streaming = Streaming::start(target, journal, &was)?;
+        let mut streaming = Streaming::start(target, journal, &was, lock)?;
         for name in unsent {
             // Chunks the interrupted run committed but did not upload: staged, or lost.
             let path = w.ds.root.join(&name);
@@ -1086,6 +1088,8 @@ impl Upload {
         split: &str,
         uploaded: &std::collections::BTreeMap<String, FileSums>,
     ) -> Result<PathBuf> {
+        // A writer whose lock was taken over deletes nothing.
+        self.streaming.confirm_lock()?;
         let target = self.streaming.target.clone();
         let staged: std::collections::HashSet<String> = storage::local_files(root)?
             .into_iter()

@@ -31,7 +31,7 @@ use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
-use crate::storage::{self, Remote, Streaming};
+use crate::storage::{self, Remote, StoreLock, Streaming};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
@@ -454,6 +454,8 @@ impl Writer {
                 });
             }
         }
+        // Held from before the journal is read until the write ends.
+        let lock = StoreLock::acquire(&target)?;
         let uploaded = Streaming::left_in(&target)?;
         if !uploaded.files.files.is_empty() && !opts.resume {
             return Err(Error::Exists {
@@ -489,7 +491,7 @@ impl Writer {
             // Claims the prefix for this dataset before any shard goes there.
             target.put("metadata.json", w.md.file_bytes())?;
         }
-        let mut streaming = Streaming::start(target, journal, &uploaded)?;
+        let mut streaming = Streaming::start(target, journal, &uploaded, lock)?;
         if w.start != WriteStart::AlreadyComplete {
             // Shards the interrupted run staged but did not upload go first.
             for s in 0..kept {

@@ -53,6 +53,7 @@ class Writer:
     ``root`` may be an ``s3://bucket/prefix`` URL: each shard is uploaded in the background as
     soon as it is full (the local staging directory holds a few shards), the commit record last
     on exit; a killed write resumes (``resume=True``) from what the store holds, on any machine.
+    A lock object in the store keeps out a second writer on any machine (``LockedError``).
     """
 
     def __init__(

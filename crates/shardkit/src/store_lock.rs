@@ -1,0 +1,453 @@
+//! One writer per dataset in an object store, across machines.
+//!
+//! The lock is the object `.shardkit-lock.json` beside the dataset, taken with a conditional
+//! PUT (`If-None-Match: *`), which the store grants to one writer only. A background thread
+//! renews it every quarter lease (`If-Match` the ETag it last wrote, so a writer whose lock was
+//! taken over learns so), and the writer deletes it when it ends. A lock whose holder is gone is
+//! taken over, again by a conditional PUT on the ETag seen, so of two writers taking over one
+//! wins. A holder is gone when:
+//!
+//! * on this machine (same host name and boot), its process has exited, or, in this process,
+//!   its writer has ended without releasing it (a test's simulated kill);
+//! * anywhere, its lease (`SHARDKIT_S3_LOCK_LEASE_S`, 120 s by default) has run out since its
+//!   last renewal, by this machine's clock.
+//!
+//! Before uploading its commit record a writer renews the lock once more, and refuses to commit
+//! if it was taken over. `SHARDKIT_S3_LOCK=0` writes without the lock, for stores that refuse
+//! conditional writes.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
+use crate::json::{self, Value};
+use crate::storage::Remote;
+
+/// The lock object's name, beside the dataset's objects.
+pub(crate) const NAME: &str = ".shardkit-lock.json";
+
+/// The tokens of the locks this process holds now.
+static HELD: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+fn held(f: impl FnOnce(&mut HashSet<String>)) {
+    f(HELD
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashSet::new))
+}
+
+fn held_here(token: &str) -> bool {
+    let mut here = false;
+    held(|h| here = h.contains(token));
+    here
+}
+
+/// Seconds a lock stays valid after its last renewal.
+fn lease_s() -> u64 {
+    std::env::var("SHARDKIT_S3_LOCK_LEASE_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(120u64)
+        .max(1)
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Who holds a lock: what the lock object says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Holder {
+    host: String,
+    /// The kernel's boot id (Linux), so that a host name reused after a reboot, or by another
+    /// container, is not taken for this machine's.
+    boot: String,
+    pid: u32,
+    /// Unique per lock taken.
+    token: String,
+    renewed: u64,
+    lease: u64,
+}
+
+impl Holder {
+    fn me() -> Holder {
+        static COUNT: AtomicU64 = AtomicU64::new(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let pid = std::process::id();
+        Holder {
+            host: hostname(),
+            boot: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
+            pid,
+            token: format!(
+                "{pid:x}-{nanos:x}-{:x}",
+                COUNT.fetch_add(1, Ordering::Relaxed)
+            ),
+            renewed: now_unix(),
+            lease: lease_s(),
+        }
+    }
+
+    fn to_bytes(&self) -> Vec<u8> {
+        let v = Value::Object(vec![
+            ("shardkit_lock".into(), Value::int(1)),
+            ("host".into(), Value::String(self.host.clone())),
+            ("boot_id".into(), Value::String(self.boot.clone())),
+            ("pid".into(), Value::int(self.pid)),
+            ("token".into(), Value::String(self.token.clone())),
+            ("renewed_unix".into(), Value::int(self.renewed)),
+            ("lease_s".into(), Value::int(self.lease)),
+        ]);
+        let mut text = json::to_pretty(&v, 1, json::Escape::Utf8);
+        text.push('\n');
+        text.into_bytes()
+    }
+
+    fn parse(bytes: &[u8]) -> Option<Holder> {
+        let v = json::parse(bytes).ok()?;
+        if v.get("shardkit_lock")?.as_u64()? != 1 {
+            return None;
+        }
+        Some(Holder {
+            host: v.get("host")?.as_str()?.to_string(),
+            boot: v.get("boot_id")?.as_str()?.to_string(),
+            pid: u32::try_from(v.get("pid")?.as_u64()?).ok()?,
+            token: v.get("token")?.as_str()?.to_string(),
+            renewed: v.get("renewed_unix")?.as_u64()?,
+            lease: v.get("lease_s")?.as_u64()?,
+        })
+    }
+
+    /// Whether the lock `self` describes is abandoned, as seen by `me` at `now`: its lease ran
+    /// out, or its holder on this machine is gone (`alive` says whether a pid is running,
+    /// `held_here` whether a token is a lock this process holds).
+    fn is_gone(
+        &self,
+        me: &Holder,
+        now: u64,
+        alive: impl Fn(u32) -> bool,
+        held_here: impl Fn(&str) -> bool,
+    ) -> bool {
+        let expired = now > self.renewed.saturating_add(self.lease);
+        let this_machine = self.host == me.host && !me.boot.is_empty() && self.boot == me.boot;
+        let gone_here = this_machine
+            && if self.pid == me.pid {
+                !held_here(&self.token)
+            } else {
+                !alive(self.pid)
+            };
+        expired || gone_here
+    }
+
+    fn describe(&self, now: u64) -> String {
+        format!(
+            "{} pid {}, lock renewed {} s ago, lease {} s",
+            self.host,
+            self.pid,
+            now.saturating_sub(self.renewed),
+            self.lease
+        )
+    }
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `len` bytes into the buffer we own.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if ok {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        String::new()
+    }
+}
+
+fn pid_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 || *libc::__errno_location() == libc::EPERM }
+}
+
+/// The state the writer and the renewing thread share.
+#[derive(Debug)]
+struct Shared {
+    target: Remote,
+    holder: Mutex<(Holder, String)>,
+    /// Set once a renewal found the lock taken over.
+    lost: AtomicBool,
+}
+
+impl Shared {
+    /// Rewrites the lock with a new renewal time, on the ETag last written.
+    fn renew(&self) -> Result<()> {
+        let mut g = self.holder.lock().unwrap_or_else(|e| e.into_inner());
+        if self.lost.load(Ordering::Relaxed) {
+            return Err(self.lost_error());
+        }
+        let (holder, etag) = &mut *g;
+        holder.renewed = now_unix();
+        match self
+            .target
+            .put_if(NAME, holder.to_bytes(), Some(etag.as_str()))?
+        {
+            Some(e) => {
+                *etag = e;
+                Ok(())
+            }
+            None => {
+                self.lost.store(true, Ordering::Relaxed);
+                Err(self.lost_error())
+            }
+        }
+    }
+
+    fn lost_error(&self) -> Error {
+        Error::LockedRemote {
+            path: self.target.url_of(NAME),
+            why: "this writer's lock was taken over by another writer (its renewals stopped \
+                  for longer than the lease); nothing more is written, resume the write once \
+                  the other writer is stopped"
+                .into(),
+        }
+    }
+}
+
+/// A held store lock (or none, with `SHARDKIT_S3_LOCK=0`); dropping it stops the renewals and
+/// deletes the lock object.
+#[derive(Debug)]
+pub(crate) struct StoreLock {
+    shared: Option<Arc<Shared>>,
+    stop: Option<mpsc::Sender<()>>,
+    renewer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StoreLock {
+    /// Takes the lock of the dataset at `target`, or fails with [`Error::LockedRemote`]
+    /// naming its holder.
+    pub(crate) fn acquire(target: &Remote) -> Result<StoreLock> {
+        if std::env::var("SHARDKIT_S3_LOCK").is_ok_and(|v| v == "0") {
+            return Ok(StoreLock {
+                shared: None,
+                stop: None,
+                renewer: None,
+            });
+        }
+        let me = Holder::me();
+        let url = target.url_of(NAME);
+        let unsupported = |e: Error| match e {
+            Error::Remote {
+                object,
+                range,
+                message,
+            } if message.contains("501") || message.contains("NotImplemented") => Error::Remote {
+                object,
+                range,
+                message: format!(
+                    "{message} (taking the writer's lock with a conditional PUT; if this store \
+                     does not support conditional writes, set SHARDKIT_S3_LOCK=0 to write \
+                     without the lock)"
+                ),
+            },
+            e => e,
+        };
+        for _ in 0..4 {
+            if let Some(etag) = target
+                .put_if(NAME, me.to_bytes(), None)
+                .map_err(unsupported)?
+            {
+                return Self::start(target, me, etag);
+            }
+            let Some((bytes, etag)) = target.get_tagged(NAME)? else {
+                continue; // released meanwhile
+            };
+            let theirs = Holder::parse(&bytes).ok_or_else(|| {
+                Error::format(
+                    &url,
+                    "is not a shardkit writer's lock; delete it if no writer is writing this \
+                     dataset",
+                )
+            })?;
+            let now = now_unix();
+            if !theirs.is_gone(&me, now, pid_alive, held_here) {
+                return Err(Error::LockedRemote {
+                    path: url,
+                    why: format!(
+                        "another writer ({}) is writing this dataset; wait for it to finish or \
+                         stop it (a lock whose lease has run out, or whose process on this \
+                         machine has exited, is taken over)",
+                        theirs.describe(now)
+                    ),
+                });
+            }
+            let Some(etag) = etag else {
+                return Err(Error::Remote {
+                    object: url.display().to_string(),
+                    range: None,
+                    message: "the store gave no ETag for the lock object".into(),
+                });
+            };
+            if let Some(etag) = target.put_if(NAME, me.to_bytes(), Some(&etag))? {
+                return Self::start(target, me, etag);
+            }
+            // Another writer took it over first: look again.
+        }
+        Err(Error::LockedRemote {
+            path: url,
+            why: "other writers keep taking this dataset's lock; try again".into(),
+        })
+    }
+
+    fn start(target: &Remote, me: Holder, etag: String) -> Result<StoreLock> {
+        held(|h| {
+            h.insert(me.token.clone());
+        });
+        let period = Duration::from_millis(me.lease * 1000 / 4);
+        let shared = Arc::new(Shared {
+            target: target.clone(),
+            holder: Mutex::new((me, etag)),
+            lost: AtomicBool::new(false),
+        });
+        let (stop, stopped) = mpsc::channel::<()>();
+        let renewing = shared.clone();
+        let mut lock = StoreLock {
+            shared: Some(shared),
+            stop: Some(stop),
+            renewer: None,
+        };
+        // On failure the lock is dropped, which deletes it.
+        let renewer = std::thread::Builder::new()
+            .name("shardkit-lock".into())
+            .spawn(move || {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(period) {
+                    // A failed renewal is tried again next period; a lost lock stops them.
+                    if renewing.renew().is_err() && renewing.lost.load(Ordering::Relaxed) {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| Error::Thread {
+                what: "the lock renewal thread shardkit-lock".into(),
+                source: e,
+            })?;
+        lock.renewer = Some(renewer);
+        Ok(lock)
+    }
+
+    /// Fails if a renewal found the lock taken over (no request).
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self.shared {
+            Some(s) if s.lost.load(Ordering::Relaxed) => Err(s.lost_error()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Renews the lock now (before a commit record): fails if it was taken over.
+    pub(crate) fn confirm(&self) -> Result<()> {
+        match &self.shared {
+            Some(s) => s.renew(),
+            None => Ok(()),
+        }
+    }
+
+    /// The lock object's URL, when a lock is held.
+    #[cfg(test)]
+    fn url(&self) -> Option<std::path::PathBuf> {
+        self.shared.as_ref().map(|s| s.target.url_of(NAME))
+    }
+}
+
+impl Drop for StoreLock {
+    fn drop(&mut self) {
+        self.stop.take();
+        if let Some(t) = self.renewer.take() {
+            let _ = t.join();
+        }
+        if let Some(s) = self.shared.take() {
+            let token = {
+                let g = s.holder.lock().unwrap_or_else(|e| e.into_inner());
+                g.0.token.clone()
+            };
+            // Never delete a lock another writer took over.
+            if !s.lost.load(Ordering::Relaxed) {
+                let _ = s.target.delete(NAME);
+            }
+            held(|h| {
+                h.remove(&token);
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn holder(host: &str, boot: &str, pid: u32, token: &str, renewed: u64) -> Holder {
+        Holder {
+            host: host.into(),
+            boot: boot.into(),
+            pid,
+            token: token.into(),
+            renewed,
+            lease: 120,
+        }
+    }
+
+    #[test]
+    fn the_lock_object_round_trips() {
+        let h = holder("node-7", "b00t", 4242, "t-1", 1_700_000_000);
+        assert_eq!(Holder::parse(&h.to_bytes()), Some(h));
+        assert_eq!(Holder::parse(b"{\"shardkit_lock\": 2}"), None);
+        assert_eq!(Holder::parse(b"not json"), None);
+    }
+
+    #[test]
+    fn a_lock_is_taken_over_only_when_its_holder_is_gone() {
+        let me = holder("node-1", "boot-a", 100, "mine", 1000);
+        let alive = |p: u32| p == 200;
+        let none_held = |_: &str| false;
+        // Another machine: only an expired lease frees it.
+        let other = holder("node-2", "boot-b", 200, "t", 1000);
+        assert!(!other.is_gone(&me, 1000 + 120, alive, none_held));
+        assert!(other.is_gone(&me, 1000 + 121, alive, none_held));
+        // This machine: a live process keeps it, an exited one frees it at once.
+        let here_live = holder("node-1", "boot-a", 200, "t", 1000);
+        assert!(!here_live.is_gone(&me, 1001, alive, none_held));
+        let here_dead = holder("node-1", "boot-a", 300, "t", 1000);
+        assert!(here_dead.is_gone(&me, 1001, alive, none_held));
+        // The same host name after a reboot (or in another container) is another machine.
+        let rebooted = holder("node-1", "boot-z", 300, "t", 1000);
+        assert!(!rebooted.is_gone(&me, 1001, alive, none_held));
+        // This process: a lock it still holds is in use; one it no longer holds is not.
+        let ours = holder("node-1", "boot-a", 100, "t", 1000);
+        assert!(!ours.is_gone(&me, 1001, alive, |t: &str| t == "t"));
+        assert!(ours.is_gone(&me, 1001, alive, none_held));
+        // Without a boot id nothing is known of the machine: only the lease counts.
+        let me_unknown = holder("node-1", "", 100, "mine", 1000);
+        let blank = holder("node-1", "", 300, "t", 1000);
+        assert!(!blank.is_gone(&me_unknown, 1001, alive, none_held));
+    }
+
+    #[test]
+    fn this_process_is_alive_and_a_lock_disabled_holds_nothing() {
+        assert!(pid_alive(std::process::id()));
+        std::env::set_var("SHARDKIT_S3_LOCK", "0");
+        let r = Remote::parse(std::path::Path::new("s3://bucket/prefix")).unwrap();
+        let lock = StoreLock::acquire(&r).unwrap();
+        std::env::remove_var("SHARDKIT_S3_LOCK");
+        assert_eq!(lock.url(), None);
+        lock.check().unwrap();
+        lock.confirm().unwrap();
+    }
+}
