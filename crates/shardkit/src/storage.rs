@@ -1085,6 +1085,8 @@ struct Shared {
     next: u64,
     /// A checkpoint waiting for the files sent before it: (files sent before it, its facts).
     checkpoint: Option<(u64, Vec<(String, Value)>)>,
+    /// Whether the writer's lock in the store was taken over: then nothing more is written.
+    lock: crate::store_lock::LockWatch,
 }
 
 impl Shared {
@@ -1092,6 +1094,7 @@ impl Shared {
     /// sent before it is uploaded; the checkpoint counts as recorded only once that write
     /// succeeded.
     fn write_journal(&mut self, remote: &Remote) -> Result<()> {
+        self.lock.check()?;
         let ready = self
             .checkpoint
             .as_ref()
@@ -1157,6 +1160,7 @@ impl Streaming {
         let shared = Arc::new((
             Mutex::new(Shared {
                 journal,
+                lock: lock.watch(),
                 ..Shared::default()
             }),
             std::sync::Condvar::new(),
@@ -1363,6 +1367,12 @@ fn upload_journaled(
     path: &Path,
     sums: FileSums,
 ) -> Result<()> {
+    let watch = shared
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .lock
+        .clone();
+    watch.check()?;
     remote.put_file(&name, path)?;
     {
         // Held across the PUT, so journals reach the store in the order they grow.

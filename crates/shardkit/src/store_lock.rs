@@ -64,8 +64,8 @@ fn now_unix() -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Holder {
     host: String,
-    /// The kernel's boot id (Linux), so that a host name reused after a reboot, or by another
-    /// container, is not taken for this machine's.
+    /// The kernel's boot id and pid namespace ([`machine_id`]), so that a host name reused
+    /// after a reboot, or by another container, is not taken for this machine's.
     boot: String,
     pid: u32,
     /// Unique per lock taken.
@@ -84,9 +84,7 @@ impl Holder {
         let pid = std::process::id();
         Holder {
             host: hostname(),
-            boot: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-                .map(|s| s.trim().to_string())
-                .unwrap_or_default(),
+            boot: machine_id(),
             pid,
             token: format!(
                 "{pid:x}-{nanos:x}-{:x}",
@@ -156,6 +154,18 @@ impl Holder {
             now.saturating_sub(self.renewed),
             self.lease
         )
+    }
+}
+
+/// This kernel's boot id and this process's pid namespace: processes that share both see each
+/// other's pids (containers on one host share a boot id, not a pid namespace). Empty where
+/// either is unknown.
+fn machine_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id");
+    let pid_ns = std::fs::read_link("/proc/self/ns/pid");
+    match (boot, pid_ns) {
+        (Ok(b), Ok(ns)) => format!("{}/{}", b.trim(), ns.display()),
+        _ => String::new(),
     }
 }
 
@@ -346,10 +356,12 @@ impl StoreLock {
 
     /// Fails if a renewal found the lock taken over (no request).
     pub(crate) fn check(&self) -> Result<()> {
-        match &self.shared {
-            Some(s) if s.lost.load(Ordering::Relaxed) => Err(s.lost_error()),
-            _ => Ok(()),
-        }
+        self.watch().check()
+    }
+
+    /// A handle the writer's upload threads check before each request.
+    pub(crate) fn watch(&self) -> LockWatch {
+        LockWatch(self.shared.clone())
     }
 
     /// Renews the lock now (before a commit record): fails if it was taken over.
@@ -364,6 +376,20 @@ impl StoreLock {
     #[cfg(test)]
     fn url(&self) -> Option<std::path::PathBuf> {
         self.shared.as_ref().map(|s| s.target.url_of(NAME))
+    }
+}
+
+/// Tells whether a [`StoreLock`] was taken over (none: never).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LockWatch(Option<Arc<Shared>>);
+
+impl LockWatch {
+    /// Fails if a renewal found the lock taken over (no request).
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self.0 {
+            Some(s) if s.lost.load(Ordering::Relaxed) => Err(s.lost_error()),
+            _ => Ok(()),
+        }
     }
 }
 
