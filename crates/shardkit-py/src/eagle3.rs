@@ -49,6 +49,14 @@ pub struct Eagle3Writer {
     num_samples: u64,
 }
 
+impl Drop for Eagle3Writer {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            crate::drop_without_gil(w);
+        }
+    }
+}
+
 #[pymethods]
 impl Eagle3Writer {
     #[new]

@@ -31,6 +31,14 @@ pub struct TokensWriter {
     format: &'static str,
 }
 
+impl Drop for TokensWriter {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            crate::drop_without_gil(w);
+        }
+    }
+}
+
 #[pymethods]
 impl TokensWriter {
     #[new]

@@ -391,6 +391,21 @@ pub struct Writer {
     content_tokens: usize,
 }
 
+impl Drop for Writer {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            drop_without_gil(w);
+        }
+    }
+}
+
+/// Drops `value` (a writer) with the GIL released: ending a writer that streams to a store
+/// waits for its uploads and deletes its lock there, which must not stall the other Python
+/// threads (nor a server running in this process) when a writer is garbage-collected unclosed.
+pub(crate) fn drop_without_gil<T: Send>(value: T) {
+    Python::with_gil(|py| py.allow_threads(move || drop(value)));
+}
+
 #[pymethods]
 impl Writer {
     #[new]

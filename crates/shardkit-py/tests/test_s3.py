@@ -9,6 +9,7 @@ object and the byte range past it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -448,6 +449,35 @@ def test_a_writer_whose_store_lock_was_taken_over_does_not_commit(tmp_path: Path
     objects = s3.objects(bucket, prefix)
     assert f"{prefix}shards.json" not in objects
     assert json.loads(objects[f"{prefix}.shardkit-lock.json"])["token"] == "theirs"
+
+
+def test_a_writer_dropped_unclosed_ends_without_the_gil(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """A writer garbage-collected without close() or abort() ends as abort() does (its
+    finished shards uploaded, its lock deleted), with the GIL released: the server here runs in
+    this process, so a writer ending with the GIL held would stall until its requests time out."""
+    local = Path(write_saev(tmp_path / "local"))
+    bucket = s3.bucket()
+    root = f"s3://{bucket}/root"
+    prefix = f"root/{local.name}/"
+    for what in ("saev", "tokens"):
+        with environment({"SHARDKIT_STAGING_DIR": str(tmp_path / what)}):
+            if what == "saev":
+                w: Any = saev.Writer(root, saev_metadata(), progress=False)
+                w.write(saev_acts(0, 32), saev_labels(0, 32))
+            else:
+                prefix = "ds/"
+                w = flat_tokens.Writer(f"s3://{bucket}/ds", "train", progress=False, checkpoint_tokens=1000)
+                w.append(tokens_docs(60))
+                w.flush()  # a commit: its checkpoint goes to the journal
+            assert lock_of(s3, bucket, prefix) is not None
+            t = time.monotonic()
+            del w
+            gc.collect()
+            assert time.monotonic() - t < 10, what
+        assert lock_of(s3, bucket, prefix) is None, what
+        # What it had finished is in the store, journaled.
+        journal = json.loads(s3.objects(bucket, prefix)[f"{prefix}.shardkit-upload.json"])
+        assert journal["files"] if what == "saev" else journal["flat_tokens_checkpoint"]["seqs"] == 61, what  # seq_starts: 60 + 1
 
 
 def test_store_writes_without_the_lock_when_it_is_turned_off(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
