@@ -460,25 +460,16 @@ impl Remote {
 
     /// The whole of object `name`, or `None` when it does not exist.
     pub fn get_opt(&self, name: &str) -> Result<Option<Vec<u8>>> {
-        let key = self.key(name);
-        let store = self.store()?;
-        let got = block_on(async {
-            let r = store.get(&key).await?;
-            r.bytes().await
-        })?;
-        match got {
-            Ok(b) => {
-                GETS.fetch_add(1, Ordering::Relaxed);
-                GET_BYTES.fetch_add(b.len() as u64, Ordering::Relaxed);
-                Ok(Some(b.to_vec()))
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.error(name, None, e)),
+        let got = self.get_tagged(name)?.map(|(b, _)| b);
+        if let Some(b) = &got {
+            GETS.fetch_add(1, Ordering::Relaxed);
+            GET_BYTES.fetch_add(b.len() as u64, Ordering::Relaxed);
         }
+        Ok(got)
     }
 
-    /// Object `name` with its ETag, or `None` when it does not exist (the store lock's reads:
-    /// not counted among the dataset's GETs).
+    /// Object `name` with its ETag, or `None` when it does not exist (not counted among the
+    /// dataset's GETs: the store lock's reads; [`Remote::get_opt`] counts its own).
     pub(crate) fn get_tagged(&self, name: &str) -> Result<Option<(Vec<u8>, Option<String>)>> {
         let key = self.key(name);
         let store = self.store()?;
@@ -1069,7 +1060,7 @@ pub(crate) struct Streaming {
     sent: std::collections::BTreeSet<String>,
     /// The writer's lock on the dataset in the store, released when this ends (after the
     /// uploads, as fields drop after [`Drop::drop`]).
-    lock: StoreLock,
+    store_lock: StoreLock,
 }
 
 /// A file to upload: (its number in sending order, name, staged path, checksums).
@@ -1172,7 +1163,7 @@ impl Streaming {
             failed,
             shared,
             sent,
-            lock,
+            store_lock: lock,
         };
         for i in 0..workers {
             let (remote, rx) = (s.target.clone(), rx.clone());
@@ -1236,7 +1227,7 @@ impl Streaming {
     /// Queues the finished file `dir/name` (whose checksums are `sums`) for upload, waiting
     /// while every worker is busy and the queue full; an error is an earlier upload's.
     pub(crate) fn send(&mut self, dir: &Path, name: &str, sums: FileSums) -> Result<()> {
-        self.lock.check()?;
+        self.store_lock.check()?;
         let seq = {
             let mut s = self.lock();
             let seq = s.next;
@@ -1295,7 +1286,7 @@ impl Streaming {
     /// Renews the writer's lock now: fails if another writer took it over (before deleting
     /// objects, or committing).
     pub(crate) fn confirm_lock(&self) -> Result<()> {
-        self.lock.confirm()
+        self.store_lock.confirm()
     }
 
     /// Waits until the last checkpoint is recorded in the store's journal.
@@ -1316,7 +1307,7 @@ impl Streaming {
     /// returns the dataset's URL.
     pub(crate) fn finish(mut self, dir: &Path, leftovers: &[String]) -> Result<PathBuf> {
         self.join()?;
-        self.lock.confirm()?;
+        self.store_lock.confirm()?;
         let url = PathBuf::from(self.target.url());
         upload(dir, &url, |_, _| {})?;
         for name in leftovers {
@@ -1367,12 +1358,12 @@ fn upload_journaled(
     path: &Path,
     sums: FileSums,
 ) -> Result<()> {
-    let watch = shared
+    // A writer whose lock was taken over sends nothing more.
+    shared
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .lock
-        .clone();
-    watch.check()?;
+        .check()?;
     remote.put_file(&name, path)?;
     {
         // Held across the PUT, so journals reach the store in the order they grow.

@@ -375,45 +375,36 @@ impl Writer {
         tmp: &Path,
     ) -> Result<()> {
         let building = fsutil::temp_sibling(tmp);
-        let built = self
-            .write_fetched_labels(target, uploaded, pieces, &building)
+        let p = self.layout.content_tokens;
+        let write = |f: &File| -> Result<()> {
+            for s in 0..pieces {
+                let name = label_piece(s);
+                let bytes = target.get(&name)?;
+                let expected = self.layout.shard_count(s) * p;
+                if uploaded.files.files.get(&name) != Some(&FileSums::of_bytes(&bytes))
+                    || bytes.len() as u64 != expected
+                {
+                    return Err(Error::format(
+                        target.url_of(&name),
+                        format!(
+                            "does not match the checksums the upload journal records for it \
+                             (the labels of shard {s}, {expected} bytes); the write cannot be \
+                             resumed from the store (delete its objects to start over)"
+                        ),
+                    ));
+                }
+                f.write_all_at(&bytes, s * self.layout.examples_per_shard * p)
+                    .at(&building)?;
+            }
+            fsutil::sync_file(f, &building)
+        };
+        let built = fsutil::create_sized(&building, self.layout.n_examples * p)
+            .and_then(|f| write(&f))
             .and_then(|()| fsutil::rename(&building, tmp));
         if built.is_err() {
             let _ = fs::remove_file(&building);
         }
         built
-    }
-
-    /// [`Writer::fetch_labels`]'s file, written at `path`.
-    fn write_fetched_labels(
-        &self,
-        target: &Remote,
-        uploaded: &Journal,
-        pieces: u64,
-        tmp: &Path,
-    ) -> Result<()> {
-        let p = self.layout.content_tokens;
-        let f = fsutil::create_sized(tmp, self.layout.n_examples * p)?;
-        for s in 0..pieces {
-            let name = label_piece(s);
-            let bytes = target.get(&name)?;
-            let expected = self.layout.shard_count(s) * p;
-            if uploaded.files.files.get(&name) != Some(&FileSums::of_bytes(&bytes))
-                || bytes.len() as u64 != expected
-            {
-                return Err(Error::format(
-                    target.url_of(&name),
-                    format!(
-                        "does not match the checksums the upload journal records for it (the \
-                         labels of shard {s}, {expected} bytes); the write cannot be resumed \
-                         from the store (delete its objects to start over)"
-                    ),
-                ));
-            }
-            f.write_all_at(&bytes, s * self.layout.examples_per_shard * p)
-                .at(tmp)?;
-        }
-        fsutil::sync_file(&f, tmp)
     }
 
     fn create_remote(root: &Path, md: Metadata, opts: WriterOptions) -> Result<Writer> {
