@@ -351,7 +351,10 @@ impl BufferPool {
                         free.clear(); // too small for current use: let them go
                     }
                     drop(free);
-                    Raw::alloc(len)
+                    // With room to spare: a loader's windows (and last batches) differ a little
+                    // in length, and a buffer a few bytes short would be allocated afresh (and
+                    // its pages faulted in and zeroed) for every one.
+                    Raw::alloc((len + len / 16).next_multiple_of(ALIGN))
                 }
             }
         };
