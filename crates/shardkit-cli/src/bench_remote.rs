@@ -12,6 +12,10 @@
 //! page cache. saev also gets a layer ceiling: exactly the GETs its one-layer loaders issue
 //! (each example's slab of that layer), raw; and a loader reading both layers.
 //!
+//! `saev-cache` reads the saev dataset through the local cache (`SHARDKIT_CACHE_DIR`): an
+//! epoch without it and a cold one against the GET ceiling, warm ones against the same loader
+//! over the local copy.
+//!
 //! `saev-write` times the saev writer streaming the same synthetic dataset to the store against
 //! its two ceilings measured in the same run: writing it locally, and uploading the local copy
 //! (`shardkit upload`: the same PUTs without the writing). Streaming overlaps the two, so the
@@ -50,7 +54,7 @@ pub struct RemoteBenchArgs {
     /// Steps of the flat-tokens loader timed.
     #[arg(long, default_value_t = 400)]
     steps: u64,
-    /// Only these datasets (saev, saev-write, tokens, tokens-write, eagle3, sdnb).
+    /// Only these datasets (saev, saev-cache, saev-write, tokens, tokens-write, eagle3, sdnb).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -178,9 +182,9 @@ fn best(c: &Ceilings) -> f64 {
     c.iter().map(|(_, _, (r, _, _))| *r).fold(0.0, f64::max)
 }
 
-fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
-    use shardkit::engine::Order;
-    use shardkit::saev::{LayerSel, Loader, LoaderOptions};
+/// The synthetic saev dataset (two ViT-L layers), written locally and uploaded once: its local
+/// path, its URL and its bytes.
+fn saev_dataset(a: &RemoteBenchArgs) -> Result<(PathBuf, PathBuf, u64)> {
     let example = 2 * 257 * 1024 * 4u64;
     let examples = ((a.size_mib << 20) / example).max(8);
     let mut args = crate::bench::vit_l(a.dir.join("saev"), examples, true);
@@ -194,6 +198,60 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         .unwrap_or_default();
     let url = PathBuf::from(format!("{}/saev/{name}", Remote::parse(&a.url)?.url()));
     storage::upload(&local, &url, |_, _| {})?;
+    Ok((local, url, examples * example))
+}
+
+/// The saev loader timed here over `path`: batches of 4096 rows of layer -1 of 2, or both.
+fn saev_loader(
+    path: &std::path::Path,
+    layer: shardkit::saev::LayerSel,
+    order: shardkit::engine::Order,
+    threads: usize,
+) -> Result<shardkit::saev::Loader> {
+    let mut o = shardkit::saev::LoaderOptions::new(layer);
+    o.batch_size = 4096;
+    o.order = order;
+    o.seed = 1;
+    o.threads = threads;
+    shardkit::saev::Loader::new(path, o)
+}
+
+/// A timed epoch: (payload bytes, seconds, batches, GETs, GET bytes).
+type Epoch = (u64, f64, u64, u64, u64);
+
+/// Epoch `epoch` of `loader`, timed.
+fn timed_epoch(loader: &mut shardkit::saev::Loader, epoch: u64) -> Result<Epoch> {
+    loader.set_epoch(epoch)?;
+    let before = counters();
+    let t0 = Instant::now();
+    let (mut payload, mut batches) = (0u64, 0u64);
+    for b in loader.iter()? {
+        let b = b?;
+        payload += (b.n * b.d_model * 4) as u64;
+        batches += 1;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let after = counters();
+    Ok((
+        payload,
+        secs,
+        batches,
+        after.gets - before.gets,
+        after.get_bytes - before.get_bytes,
+    ))
+}
+
+/// Epochs added up.
+fn total(epochs: &[Epoch]) -> Epoch {
+    epochs.iter().fold((0, 0.0, 0, 0, 0), |t, e| {
+        (t.0 + e.0, t.1 + e.1, t.2 + e.2, t.3 + e.3, t.4 + e.4)
+    })
+}
+
+fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
+    use shardkit::engine::Order;
+    use shardkit::saev::LayerSel;
+    let (_, url, dataset_bytes) = saev_dataset(a)?;
     let remote = Remote::parse(&url)?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
@@ -218,22 +276,8 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         for &n in &a.inflight {
             for &t in threads {
                 storage::set_inflight(n);
-                let mut o = LoaderOptions::new(layer);
-                o.batch_size = 4096;
-                o.order = order;
-                o.seed = 1;
-                o.threads = t;
-                let loader = Loader::new(&url, o)?;
-                let before = counters();
-                let t0 = Instant::now();
-                let (mut payload, mut batches) = (0u64, 0u64);
-                for b in loader.iter()? {
-                    let b = b?;
-                    payload += (b.n * b.d_model * 4) as u64;
-                    batches += 1;
-                }
-                let secs = t0.elapsed().as_secs_f64();
-                let after = counters();
+                let (payload, secs, batches, gets, get_bytes) =
+                    timed_epoch(&mut saev_loader(&url, layer, order, t)?, 0)?;
                 let one_layer = layer != LayerSel::All;
                 let mut e = loader_entry(
                     &if one_layer {
@@ -246,8 +290,8 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                     payload,
                     secs,
                     batches,
-                    after.gets - before.gets,
-                    after.get_bytes - before.get_bytes,
+                    gets,
+                    get_bytes,
                     ceiling,
                 );
                 if let (true, Value::Object(m)) = (one_layer, &mut e) {
@@ -263,7 +307,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     }
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),
-        ("dataset_bytes".into(), Value::int(examples * example)),
+        ("dataset_bytes".into(), Value::int(dataset_bytes)),
         ("get_ceiling".into(), ceilings_json(&ceilings)),
         ("layer_get_ceiling".into(), ceilings_json(&layer_ceilings)),
         ("loaders".into(), Value::Array(loaders)),
@@ -278,6 +322,110 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             ),
         ),
     ]))
+}
+
+/// saev through the local cache (`SHARDKIT_CACHE_DIR`), at each thread count: an epoch without
+/// the cache; with a fresh cache, a cold epoch, which fetches and keeps the pages it touches, against the GET ceiling;
+/// then [`WARM_EPOCHS`] served from the cache by the same loader, against a loader over the
+/// local copy (its first epoch unmeasured), both from the OS page cache.
+fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
+    use shardkit::engine::Order;
+    use shardkit::saev::LayerSel;
+    let (local, url, dataset_bytes) = saev_dataset(a)?;
+    let inflight = storage::inflight();
+    let ceiling = best(&ceilings(&Remote::parse(&url)?, &[inflight])?);
+    let layer = LayerSel::Value(-1);
+    let mut loaders = Vec::new();
+    for &t in threads {
+        let mut on_disk = saev_loader(&local, layer, Order::Block, t)?;
+        timed_epoch(&mut on_disk, 0)?;
+        let warm_local = (1..=WARM_EPOCHS)
+            .map(|e| timed_epoch(&mut on_disk, e))
+            .collect::<Result<Vec<_>>>()?;
+        let warm_local = total(&warm_local);
+        let local_rate = gbps(warm_local.0, warm_local.1);
+        std::env::remove_var("SHARDKIT_CACHE_DIR");
+        let uncached = timed_epoch(&mut saev_loader(&url, layer, Order::Block, t)?, 0)?;
+        let dir = a.dir.join(format!("object-cache-{t}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::env::set_var("SHARDKIT_CACHE_DIR", &dir);
+        let epochs = saev_loader(&url, layer, Order::Block, t).and_then(|mut l| {
+            let cold = timed_epoch(&mut l, 0)?;
+            storage::wait_for_cache()?;
+            let warm = (1..=WARM_EPOCHS)
+                .map(|e| timed_epoch(&mut l, e))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((cold, total(&warm)))
+        });
+        std::env::remove_var("SHARDKIT_CACHE_DIR");
+        let held = tree_bytes(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        let (cold, warm) = epochs?;
+        for (what, (payload, secs, batches, gets, get_bytes), against) in [
+            ("no cache", uncached, ceiling),
+            ("cold cache", cold, ceiling),
+            ("warm cache", warm, local_rate),
+        ] {
+            let mut e = loader_entry(
+                &format!("saev block, layer -1 of 2, {what}"),
+                inflight,
+                t,
+                payload,
+                secs,
+                batches,
+                gets,
+                get_bytes,
+                against,
+            );
+            if let (Value::Object(m), false) = (&mut e, what == "no cache") {
+                m.push(("cache_bytes".into(), Value::int(held)));
+            }
+            loaders.push(e);
+        }
+        loaders.push(Value::Object(vec![
+            (
+                "loader".into(),
+                Value::String("saev block, layer -1 of 2, local copy".into()),
+            ),
+            ("threads".into(), Value::int(t as u64)),
+            ("gbps".into(), num(local_rate)),
+        ]));
+    }
+    Ok(Value::Object(vec![
+        ("url".into(), Value::String(url.display().to_string())),
+        ("dataset_bytes".into(), Value::int(dataset_bytes)),
+        ("get_ceiling_gbps".into(), num(ceiling)),
+        ("loaders".into(), Value::Array(loaders)),
+        (
+            "note".into(),
+            Value::String(format!(
+                "the no-cache epoch reads the store as without SHARDKIT_CACHE_DIR; each thread \
+                 count then starts from an empty cache; the cold epoch fetches whole \
+                 pages (both layers' bytes) and its ratio is to the GET ceiling; the warm figure \
+                 is epochs 1 to {WARM_EPOCHS} of the same loader, its ratio to a loader over \
+                 the local copy (epochs 1 to {WARM_EPOCHS}, after one unmeasured); cache_bytes \
+                 is what the cache held after them"
+            )),
+        ),
+    ]))
+}
+
+/// Epochs timed from a warm cache (and from the local copy).
+const WARM_EPOCHS: u64 = 2;
+
+/// Bytes of the files under `dir`.
+fn tree_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => tree_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
 }
 
 /// The GETs of one layer's content tokens (`slot`) of every example, raw, at `inflight`:
@@ -775,6 +923,9 @@ pub fn run(a: RemoteBenchArgs) -> Result<()> {
     ];
     if want("saev") {
         out.push(("saev".into(), saev(&a, &threads)?));
+    }
+    if want("saev-cache") {
+        out.push(("saev_cache".into(), saev_cache(&a, &threads)?));
     }
     if want("saev-write") {
         out.push(("saev_write".into(), saev_write(&a)?));

@@ -114,6 +114,8 @@ fn main() -> ExitCode {
         Cmd::Download { src, dst } => transfer(&src, &dst, false),
         Cmd::Bench(c) => bench::run(c).map(|_| true),
     };
+    // Pages fetched through SHARDKIT_CACHE_DIR are written after the reads return: kept now.
+    let result = result.and_then(|ok| shardkit::storage::wait_for_cache().map(|()| ok));
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),

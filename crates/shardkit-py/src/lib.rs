@@ -987,6 +987,14 @@ fn storage_counters(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// Waits until pages fetched through the local cache are written into it; raises the first
+/// failure to write them since the last call.
+#[pyfunction]
+fn wait_for_cache(py: Python<'_>) -> PyResult<()> {
+    py.allow_threads(shardkit::storage::wait_for_cache)
+        .map_err(to_py)
+}
+
 /// Hashes every file of the dataset at `path` into its checksums sidecar; returns its path.
 #[pyfunction]
 fn checksum(py: Python<'_>, path: std::path::PathBuf) -> PyResult<std::path::PathBuf> {
@@ -1064,6 +1072,7 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
     m.add_function(wrap_pyfunction!(transfer, m)?)?;
     m.add_function(wrap_pyfunction!(storage_counters, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_for_cache, m)?)?;
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;
     flat_tokens::register(m)?;

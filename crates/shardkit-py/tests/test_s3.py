@@ -1436,9 +1436,9 @@ def test_checksums_are_verified_in_the_store_without_a_local_copy(tmp_path: Path
 
 
 def test_dataset_readers_go_through_the_opt_in_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
-    """With SHARDKIT_CACHE_DIR, each object a loader reads is copied whole into the cache once;
-    later epochs (and later loaders) read the copies, with the same batches. Objects larger
-    than the cache are read from the store."""
+    """With SHARDKIT_CACHE_DIR, the pages of each object a loader reads are kept in the cache;
+    later epochs (and later loaders) read the pages, with the same batches. A cache smaller
+    than a page holds nothing: everything is read from the store."""
     bucket = s3.bucket()
     sv = Path(write_saev(tmp_path / "saev"))
     saev_url = f"s3://{bucket}/saev/{sv.name}"
@@ -1461,26 +1461,163 @@ def test_dataset_readers_go_through_the_opt_in_cache(tmp_path: Path, s3: S3, env
     for make, url, local, data in cases:
         cache = tmp_path / f"cache-{len(list(tmp_path.iterdir()))}"
         want = batches(make(local))
+        before = shardkit.storage_counters()
+        same_batches(batches(make(url)), want)
+        uncached = shardkit.storage_counters()["get_bytes"] - before["get_bytes"]
         with environment({"SHARDKIT_CACHE_DIR": str(cache)}):
             before = shardkit.storage_counters()
             same_batches(batches(make(url)), want)
+            shardkit.wait_for_cache()  # pages are written after the reads return
             first = shardkit.storage_counters()
             same_batches(batches(make(url)), want)
             second = shardkit.storage_counters()
-        # Copies sit at CACHE/bucket/key, each the size of its object.
+        # Pages sit at CACHE/bucket/key.pages/<version>/<index>: one version, every page held.
         copies = cache / bucket / url.split("/", 3)[3]
         for p in data:
-            copy = copies / p.relative_to(local)
-            assert copy.is_file() and copy.stat().st_size == p.stat().st_size, (url, copy)
+            versions = list((copies / f"{p.relative_to(local)}.pages").iterdir())
+            assert len(versions) == 1, (url, versions)
+            pages = [q for q in versions[0].iterdir() if not q.name.startswith(".")]
+            assert sum(q.stat().st_size for q in pages) == p.stat().st_size, (url, p)
+            assert sorted(int(q.name) for q in pages) == list(range(len(pages))), (url, p)
         data_bytes = sum(p.stat().st_size for p in data)
         assert first["get_bytes"] - before["get_bytes"] >= data_bytes, url
         # The second pass reads only what is not data (listings, commit records).
         assert second["get_bytes"] - first["get_bytes"] < min(data_bytes, 1 << 16), (url, second, first)
-        # A cache of 1 KiB: larger objects come from the store, batches unchanged.
+        # A cache of 1 KiB, smaller than a page: everything from the store, batches unchanged.
         tiny = tmp_path / f"tiny-{len(list(tmp_path.iterdir()))}"
         with environment({"SHARDKIT_CACHE_DIR": str(tiny), "SHARDKIT_CACHE_GIB": str(1024 / 2**30)}):
             before = shardkit.storage_counters()
             same_batches(batches(make(url)), want)
-            assert shardkit.storage_counters()["get_bytes"] - before["get_bytes"] > 0
-        held = [p for p in tiny.rglob("*") if p.is_file() and not p.name.startswith(".")] if tiny.exists() else []
-        assert all(p.stat().st_size <= 1024 for p in held), held
+            assert shardkit.storage_counters()["get_bytes"] - before["get_bytes"] == uncached
+        held = [p for p in tiny.rglob("*") if p.is_file()] if tiny.exists() else []
+        assert held == [], held
+
+
+def big_saev(root: Path, n: int = 96) -> str:
+    """A saev dataset of 7.3 MB shards (32 examples of 2 layers x 7 tokens x 4096 floats)."""
+    meta = dict(saev_metadata(n), d_model=4096, max_tokens_per_shard=7 * 2 * 32)
+    with saev.Writer(root, meta, progress=False) as w:
+        for e in range(0, n, 8):
+            acts = np.random.default_rng(e).standard_normal((8, 2, 7, 4096), dtype=np.float32)
+            w.write(acts, None)
+    return w.path
+
+
+def page_files(cache: Path) -> List[Path]:
+    return [p for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+
+def test_the_cache_keeps_pages_not_whole_objects(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """A read through the cache fetches and keeps the pages it touches, not the objects: one row
+    of a 7 MB shard costs one page; a cache smaller than the dataset keeps the most recent
+    pages within its limit, and the batches are still exact."""
+    local = Path(big_saev(tmp_path / "saev"))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    shardkit.upload(local, url)
+    shard = min(p for p in local.iterdir() if p.name.startswith("acts"))
+    assert shard.stat().st_size == 7 << 20
+    page = 1 << 20
+    cache = tmp_path / "cache"
+    with environment({"SHARDKIT_CACHE_DIR": str(cache), "SHARDKIT_CACHE_PAGE_MIB": "1"}):
+        want = saev.Dataset(local).get(40, 11, 3)
+        ds = saev.Dataset(url)
+        before = shardkit.storage_counters()
+        np.testing.assert_array_equal(ds.get(40, 11, 3), want)
+        spent = shardkit.storage_counters()["get_bytes"] - before["get_bytes"]
+        assert spent == page, spent
+        shardkit.wait_for_cache()
+        [kept] = page_files(cache)
+        assert kept.stat().st_size == page and kept.parent.parent.name == "acts000001.bin.pages", kept
+        # The same page again: no request.
+        before = shardkit.storage_counters()
+        np.testing.assert_array_equal(ds.get(40, 11, 4), saev.Dataset(local).get(40, 11, 4))
+        assert shardkit.storage_counters()["gets"] == before["gets"]
+
+    # A cache of 5 pages for a 22 MB dataset: every epoch exact, the cache never over its limit
+    # by more than the slack (an eighth of it), and no shard ever copied whole.
+    data_bytes = sum(p.stat().st_size for p in local.iterdir() if p.name.startswith("acts"))
+    limit = 5 * page
+    small = tmp_path / "small"
+    make = lambda p: saev.ShuffledLoader(p, layer=11, batch_size=64, seed=4)  # noqa: E731
+    want_batches = batches(make(local))
+    with environment({"SHARDKIT_CACHE_DIR": str(small), "SHARDKIT_CACHE_PAGE_MIB": "1",
+                      "SHARDKIT_CACHE_GIB": str(limit / 2**30)}):
+        for epoch in range(2):
+            before = shardkit.storage_counters()
+            same_batches(batches(make(url)), want_batches)
+            spent = shardkit.storage_counters()["get_bytes"] - before["get_bytes"]
+            shardkit.wait_for_cache()
+            held = page_files(small)
+            assert sum(p.stat().st_size for p in held) <= limit + limit // 8, held
+            assert all(p.stat().st_size <= page for p in held), held
+            print(f"epoch {epoch}: {spent} bytes fetched for {data_bytes} of data")
+            assert 0 < spent <= 2 * data_bytes, (epoch, spent, data_bytes)
+
+
+def test_the_cache_does_not_mix_versions_of_an_object(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """Pages are kept per object version (its ETag): when an object is replaced, a new process
+    reads the new bytes, and the old version's pages are removed."""
+    local = Path(big_saev(tmp_path / "saev", n=32))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    shardkit.upload(local, url)
+    cache = tmp_path / "cache"
+    with environment({"SHARDKIT_CACHE_DIR": str(cache), "SHARDKIT_CACHE_PAGE_MIB": "1"}):
+        np.testing.assert_array_equal(saev.Dataset(url).get(3, 11, 2), saev.Dataset(local).get(3, 11, 2))
+        shardkit.wait_for_cache()
+    [old] = page_files(cache)
+    # Replace the shard with other bytes of the same size (the checks at open still pass).
+    shard = local / "acts000000.bin"
+    x = np.fromfile(shard, dtype=np.float32)
+    (x + 1).tofile(shard)
+    s3.client().put_object(Bucket=bucket, Key=f"acts/{local.name}/acts000000.bin", Body=shard.read_bytes())
+    script = f"""
+import numpy as np
+from shardkit import saev
+a = saev.Dataset({url!r}).get(3, 11, 2)
+b = saev.Dataset({str(local)!r}).get(3, 11, 2)
+np.testing.assert_array_equal(a, b)
+"""
+    with environment({"SHARDKIT_CACHE_DIR": str(cache), "SHARDKIT_CACHE_PAGE_MIB": "1"}):
+        subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ))
+    # Kept by then: the interpreter waits for the cache's writes at exit.
+    [new] = page_files(cache)
+    assert new.parent != old.parent and not old.parent.exists(), (old, new)
+    assert new.name == old.name
+
+
+def test_a_failure_to_keep_pages_is_reported_and_the_read_is_whole(
+    tmp_path: Path, s3: S3, env: Dict[str, str]
+) -> None:
+    """Pages are written after the read returns. When that fails (here a file stands where the
+    pages' directory goes), the read is still whole and exact, and the failure is raised, naming
+    the path, by wait_for_cache (or the next read through the cache), once."""
+    local = Path(big_saev(tmp_path / "saev", n=32))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    shardkit.upload(local, url)
+    cache = tmp_path / "cache"
+    blocker = cache / bucket / "acts" / local.name / "acts000000.bin.pages"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_bytes(b"not a directory")
+    with environment({"SHARDKIT_CACHE_DIR": str(cache), "SHARDKIT_CACHE_PAGE_MIB": "1"}):
+        ds = saev.Dataset(url)
+        np.testing.assert_array_equal(ds.get(3, 11, 2), saev.Dataset(local).get(3, 11, 2))
+        with pytest.raises(shardkit.ShardkitOSError) as e:
+            shardkit.wait_for_cache()
+        assert "acts000000.bin.pages" in str(e.value), e.value
+        shardkit.wait_for_cache()  # reported once
+        # Without wait_for_cache, a later read through the cache raises it (once the write
+        # has failed: until then, reads go on and succeed).
+        np.testing.assert_array_equal(ds.get(4, 11, 2), saev.Dataset(local).get(4, 11, 2))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                np.testing.assert_array_equal(ds.get(5, 11, 2), saev.Dataset(local).get(5, 11, 2))
+            except shardkit.ShardkitOSError as e:
+                assert "acts000000.bin.pages" in str(e), e
+                break
+            assert time.monotonic() < deadline, "the failure was never reported"
+            time.sleep(0.05)
+    assert blocker.read_bytes() == b"not a directory"

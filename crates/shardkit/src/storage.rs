@@ -45,6 +45,10 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
 pub(crate) use crate::store_lock::StoreLock;
+pub(crate) use cache::fetch_container;
+pub use cache::{cache_dir, wait_for_cache};
+
+mod cache;
 
 /// Ranges of one object at most this far apart are fetched by one request (the gap's bytes are
 /// read and dropped: cheaper than another round trip).
@@ -375,11 +379,9 @@ impl Remote {
     }
 
     /// This prefix, read through the bounded local cache when `SHARDKIT_CACHE_DIR` is set
-    /// ([`cache_dir`]): each object a read touches is copied whole into the cache the first
-    /// time (checked against the store's size and ETag), and every read of it is then served
-    /// from the local copy. Objects larger than the cache are read from the store. The saev,
-    /// EAGLE-3 and flat-tokens readers use it; checksum verification and transfers read the
-    /// store itself.
+    /// ([`cache_dir`]): the pages of an object a read touches are fetched into the cache the
+    /// first time, and served from there after (see the `cache` module). The saev, EAGLE-3 and
+    /// flat-tokens readers use it; checksum verification and transfers read the store itself.
     pub(crate) fn with_object_cache(mut self) -> Remote {
         self.object_cache = cache_dir();
         self
@@ -568,86 +570,19 @@ impl Remote {
         buf: &mut [u8],
     ) -> Result<()> {
         self.check_reads(names.len(), ranges, buf.len())?;
-        let rest = self.read_cached(names, ranges, buf)?;
-        if rest.is_empty() {
+        let Some(cache) = &self.object_cache else {
+            let store = self.store()?;
+            return block_on(self.fetch_into(&store, names, ranges, buf))?;
+        };
+        let paged = self.read_cached(cache, names, ranges, buf)?;
+        if paged.is_done() {
             return Ok(());
         }
         let store = self.store()?;
-        block_on(self.fetch_into(&store, names, &rest, buf))?
-    }
-
-    /// With the object cache: reads the ranges whose objects are (or now get) cached from the
-    /// local copies, and returns the others.
-    fn read_cached<'r>(
-        &self,
-        names: &[String],
-        ranges: &'r [ReadRange],
-        buf: &mut [u8],
-    ) -> Result<std::borrow::Cow<'r, [ReadRange]>> {
-        use std::os::unix::fs::FileExt;
-        let Some(cache) = &self.object_cache else {
-            return Ok(ranges.into());
-        };
-        let mut files: HashMap<u32, Option<std::fs::File>> = HashMap::new();
-        let mut rest = Vec::new();
-        for r in ranges {
-            let file = match files.entry(r.file) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(self.cached_file(cache, &names[r.file as usize])?)
-                }
-            };
-            let dst = &mut buf[r.dst as usize..(r.dst + r.len) as usize];
-            match file {
-                // A copy shorter than the range: the store answers (and errs as it should).
-                Some(f) if f.read_exact_at(dst, r.offset).is_ok() => {}
-                _ => rest.push(*r),
-            }
-        }
-        Ok(rest.into())
-    }
-
-    /// The cached copy of object `name`, fetched into the cache now if needed; `None` when it
-    /// does not fit the cache. Each object is checked against the store (one HEAD) once per
-    /// process; threads asking for the same object wait for one copy.
-    fn cached_file(&self, cache: &Path, name: &str) -> Result<Option<std::fs::File>> {
-        let slot = {
-            let mut slots = CACHED.lock().unwrap_or_else(|e| e.into_inner());
-            let pid = std::process::id();
-            if slots.0 != pid {
-                // A forked child: the parent's slots may be locked by its threads.
-                let fresh = (pid, std::collections::BTreeMap::new());
-                std::mem::forget(std::mem::replace(&mut *slots, fresh));
-            }
-            let key = format!("{}\n{}", self.url_of(name).display(), cache.display());
-            slots.1.entry(key).or_default().clone()
-        };
-        let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
-        match &*slot {
-            CachedObject::TooLarge => return Ok(None),
-            CachedObject::At(path) => match std::fs::File::open(path) {
-                Ok(f) => {
-                    // Recently used: last to be evicted.
-                    let _ = f.set_modified(std::time::SystemTime::now());
-                    return Ok(Some(f));
-                }
-                Err(_) => *slot = CachedObject::Unknown, // evicted since
-            },
-            CachedObject::Unknown => {}
-        }
-        let store = self.store()?;
-        let meta = block_on(store.head(&self.key(name)))?.map_err(|e| self.error(name, None, e))?;
-        if meta.size > cache_limit() {
-            *slot = CachedObject::TooLarge;
-            return Ok(None);
-        }
-        let mut direct = self.clone();
-        direct.object_cache = None;
-        let etag = meta.e_tag.map(|e| e.trim_matches('"').to_string());
-        let path = cached_object(cache, &direct, name, meta.size, etag.as_deref())?;
-        let f = std::fs::File::open(&path).at(&path)?;
-        *slot = CachedObject::At(path);
-        Ok(Some(f))
+        block_on(async {
+            self.fetch_into(&store, names, &paged.direct, buf).await?;
+            self.fill_pages(&store, names, paged.missing, buf).await
+        })?
     }
 
     /// [`Remote::read_into`] started on the runtime and left running: the caller gets `buf`
@@ -660,19 +595,19 @@ impl Remote {
         mut buf: crate::engine::Buffer,
     ) -> Result<PendingRead> {
         self.check_reads(names.len(), &ranges, buf.len())?;
-        // Cached objects are read (or first copied into the cache) here, before returning.
-        let ranges = match self.object_cache {
-            Some(_) => self
-                .read_cached(&names, &ranges, buf.as_mut_bytes())?
-                .into_owned(),
-            None => ranges,
+        // Pages already in the cache are read here, before returning; the rest in the task.
+        let paged = match &self.object_cache {
+            Some(cache) => self.read_cached(cache, &names, &ranges, buf.as_mut_bytes())?,
+            None => cache::Paged::direct(ranges),
         };
         let me = self.clone();
         let store = self.store()?;
         let task = runtime()?.spawn(async move {
-            me.fetch_into(&store, &names, &ranges, buf.as_mut_bytes())
-                .await
-                .map(|()| buf)
+            me.fetch_into(&store, &names, &paged.direct, buf.as_mut_bytes())
+                .await?;
+            me.fill_pages(&store, &names, paged.missing, buf.as_mut_bytes())
+                .await?;
+            Ok(buf)
         });
         Ok(PendingRead(Mutex::new(Some(task))))
     }
@@ -850,173 +785,6 @@ impl Remote {
             Err(e) => Err(self.error(name, None, e)),
         }
     }
-}
-
-/// The bounded local cache of whole objects, `$SHARDKIT_CACHE_DIR`, when it is set: SDNB/SDZ
-/// containers read from a store are then copied whole into it instead of read by range, and
-/// the objects the saev, flat-tokens and EAGLE-3 readers read too; at most
-/// `$SHARDKIT_CACHE_GIB` GiB, default 32, the least recently used objects evicted to make
-/// room.
-pub fn cache_dir() -> Option<PathBuf> {
-    std::env::var_os("SHARDKIT_CACHE_DIR")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
-}
-
-fn cache_limit() -> u64 {
-    let gib = std::env::var("SHARDKIT_CACHE_GIB")
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or(32.0);
-    (gib.max(0.0) * (1u64 << 30) as f64) as u64
-}
-
-/// Bytes fetched per step when an object is copied into the cache.
-const CACHE_STEP: u64 = 256 << 20;
-
-/// What this process knows of an object's cached copy ([`Remote::cached_file`]).
-#[derive(Default)]
-enum CachedObject {
-    #[default]
-    Unknown,
-    /// Copied, at this path (checked against the store's size and ETag).
-    At(PathBuf),
-    /// Larger than the whole cache: read from the store.
-    TooLarge,
-}
-
-/// Per object URL and cache directory, this process's [`CachedObject`] (and the process: a
-/// forked child starts afresh).
-#[allow(clippy::type_complexity)]
-static CACHED: Mutex<(
-    u32,
-    std::collections::BTreeMap<String, Arc<Mutex<CachedObject>>>,
-)> = Mutex::new((0, std::collections::BTreeMap::new()));
-
-/// A local copy of object `name` under `remote` in the cache at `cache`: reused while its size
-/// and ETag match the object's, else fetched again (parallel ranged GETs, written atomically).
-fn cached_object(
-    cache: &Path,
-    remote: &Remote,
-    name: &str,
-    size: u64,
-    etag: Option<&str>,
-) -> Result<PathBuf> {
-    // `name` may hold `/` (a zarr chunk key): the copy and its stamp go in its own directory.
-    let local = cache.join(&remote.bucket).join(&remote.prefix).join(name);
-    let dir = fsutil::parent_of(&local).to_path_buf();
-    let leaf = local
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let stamp = dir.join(format!(".{leaf}.etag"));
-    let stamp_ok = match (etag, std::fs::read_to_string(&stamp)) {
-        (Some(e), Ok(s)) => s == e,
-        _ => false,
-    };
-    if stamp_ok && fsutil::regular_file_len(&local) == Some(size) {
-        // Recently used: last to be evicted.
-        let _ =
-            std::fs::File::open(&local).and_then(|f| f.set_modified(std::time::SystemTime::now()));
-        return Ok(local);
-    }
-    std::fs::create_dir_all(&dir).at(&dir)?;
-    evict_cache(cache, size)?;
-    // Ranks of one node may fetch the same object at once: each into its own temporary.
-    let tmp = dir.join(format!(
-        ".{leaf}.{}.{:?}.tmp",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp).at(&tmp)?;
-        let names = [name.to_string()];
-        let mut buf = vec![0u8; CACHE_STEP.min(size) as usize];
-        let mut done = 0;
-        while done < size {
-            let n = CACHE_STEP.min(size - done);
-            remote.read_ranges(&names, &[(0, done, n, 0)], &mut buf[..n as usize])?;
-            f.write_all(&buf[..n as usize]).at(&tmp)?;
-            done += n;
-        }
-        f.sync_all().at(&tmp)?;
-    }
-    let _ = std::fs::remove_file(&stamp);
-    fsutil::rename(&tmp, &local)?;
-    if let Some(e) = etag {
-        fsutil::atomic_write(&stamp, e.as_bytes())?;
-    }
-    Ok(local)
-}
-
-/// Removes the least recently used files of the cache at `root` until `incoming` more bytes
-/// fit.
-fn evict_cache(root: &Path, incoming: u64) -> Result<()> {
-    let root = root.to_path_buf();
-    let limit = cache_limit();
-    let mut files = Vec::new();
-    let mut stack = vec![root.clone()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let Ok(m) = e.metadata() else { continue };
-            if m.is_dir() {
-                stack.push(e.path());
-            } else if !e.file_name().to_string_lossy().starts_with('.') {
-                let used = m.modified().unwrap_or(std::time::UNIX_EPOCH);
-                files.push((used, m.len(), e.path()));
-            }
-        }
-    }
-    let mut total: u64 = files.iter().map(|f| f.1).sum();
-    files.sort();
-    for (_, len, path) in files {
-        if total + incoming <= limit {
-            break;
-        }
-        std::fs::remove_file(&path).at(&path)?;
-        total -= len;
-    }
-    Ok(())
-}
-
-/// A container (one object, or a shard set `BASE.shard<i>-of-<N>.sdnb` beside `url`) copied into
-/// the bounded [`cache_dir`] (reused while each object's size and ETag are unchanged); returns
-/// the local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_dir`]).
-pub(crate) fn fetch_container(url: &Path, cache: &Path) -> Result<PathBuf> {
-    let remote = Remote::parse(url)?;
-    let (parent, name) = remote.split_last()?;
-    let objects: Vec<(String, u64, Option<String>)> = parent
-        .list_etags()?
-        .into_iter()
-        .filter(|(n, _, _)| !n.contains('/'))
-        .collect();
-    let local = cache.join(&parent.bucket).join(&parent.prefix).join(&name);
-    if let Some((_, size, etag)) = objects.iter().find(|(n, _, _)| *n == name) {
-        return cached_object(cache, &parent, &name, *size, etag.as_deref());
-    }
-    let base = crate::sdnb::read::base_name(&name);
-    let shards: Vec<_> = objects
-        .iter()
-        .filter(|(n, _, _)| {
-            crate::sdnb::sdz::parse_shard_name(n).is_some_and(|(b, _, _)| b == base)
-        })
-        .collect();
-    if shards.is_empty() {
-        return Err(Error::NotFound {
-            path: PathBuf::from(remote.url()),
-            what: format!(
-                "no such object, and no shard objects {base}.shard<i>-of-<N>.sdnb beside it"
-            ),
-        });
-    }
-    for (n, size, etag) in shards {
-        cached_object(cache, &parent, n, *size, etag.as_deref())?;
-    }
-    Ok(local)
 }
 
 /// The local directory a write to `url` is staged in: `$SHARDKIT_STAGING_DIR` (default: the

@@ -7,6 +7,7 @@ SDNB/SDZ containers). Arrays are numpy arrays over memory owned by the Rust core
 ``shardkit.torch`` adapts loaders to PyTorch.
 """
 
+import atexit
 import os
 from typing import Any, Dict, Union
 
@@ -31,7 +32,7 @@ from . import eagle3, flat_tokens, saev, sdnb
 
 __all__ = [
     "saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "upload", "download",
-    "storage_counters", "errors", "__version__",
+    "storage_counters", "wait_for_cache", "errors", "__version__",
     "ShardkitError", "CorruptDataError", "IncompleteDatasetError", "InvalidArgumentError",
     "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "RemoteError", "PermissionDeniedError",
     "OutOfRangeError", "InternalError",
@@ -85,6 +86,26 @@ def storage_counters() -> Dict[str, int]:
     "put_bytes"}`` (GETs are ranged and coalesced: compare ``get_bytes / gets`` with the request
     size)."""
     return dict(_core.storage_counters())
+
+
+def wait_for_cache() -> None:
+    """Waits until the pages that reads fetched through the local cache (``SHARDKIT_CACHE_DIR``)
+    are written into it: reads return first, and the pages are written in the background.
+    Raises the first failure to write them since the last call (the cache's disk full, say).
+    Runs at interpreter exit, so the pages a job read stay cached for the next."""
+    _core.wait_for_cache()
+
+
+def _keep_cache_at_exit() -> None:
+    try:
+        _core.wait_for_cache()
+    except ShardkitError as e:  # at exit there is no caller left to raise to
+        import sys
+
+        print(f"shardkit: {e}", file=sys.stderr)
+
+
+atexit.register(_keep_cache_at_exit)
 
 
 def checksum(path: Union[str, "os.PathLike[str]"]) -> str:

@@ -1,0 +1,717 @@
+//! The opt-in local cache of a store's objects: `$SHARDKIT_CACHE_DIR`, at most
+//! `$SHARDKIT_CACHE_GIB` GiB (default 32).
+//!
+//! ```text
+//! CACHE/bucket/key                            an SDNB/SDZ container, copied whole
+//! CACHE/bucket/key.etag                       (hidden: .key.etag) the ETag it was copied at
+//! CACHE/bucket/key.pages/<version>/<index>    page <index> of a data object, as read
+//! ```
+//!
+//! Data objects (saev and EAGLE-3 shards, zarr chunks) are cached by page
+//! (`$SHARDKIT_CACHE_PAGE_MIB`, default 4 MiB), never whole. A read is served from the pages it
+//! touches: held ones are read on every core by the engine's reader; the others are fetched
+//! whole (coalesced ranged GETs, as without a cache), copied into the read, and written into
+//! the cache after the read returns (at most [`KEEPING_MIB`] waiting; [`wait_for_cache`] waits
+//! for them and reports a failure). So one row of a 1 GB shard costs one page, not the shard,
+//! and a cache smaller than the data holds the pages read most recently. `<version>` hashes
+//! the object's ETag and size and the page size, learned by one HEAD per object per process,
+//! so pages of a replaced object never mix with its predecessor's; an object without an ETag
+//! is not cached.
+//!
+//! Every file is written aside, synced and renamed, so it is whole or absent, and a page is
+//! used only at its expected length. Files are evicted least recently used first (a read
+//! touches what it uses). Each process sums the cache when it starts adding to it and again
+//! whenever its own count passes the limit, then evicts down to the limit less an eighth of it
+//! (at most 1 GiB): processes sharing a cache may overrun it by that much each between sums.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use futures::StreamExt;
+
+use object_store::aws::AmazonS3;
+use object_store::ObjectStoreExt;
+
+use super::{block_on, inflight, max_request, Remote};
+use crate::engine::reader::{read_all, Files, ReadRange};
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+
+/// The cache directory, `$SHARDKIT_CACHE_DIR`, when it is set: the saev, flat-tokens and
+/// EAGLE-3 readers then keep the pages of the objects they read in it, and SDNB/SDZ containers
+/// read from a store are copied whole into it and opened from there. At most
+/// `$SHARDKIT_CACHE_GIB` GiB (default 32), the least recently used files evicted to make room.
+pub fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os("SHARDKIT_CACHE_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+}
+
+fn cache_limit() -> u64 {
+    let gib = std::env::var("SHARDKIT_CACHE_GIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(32.0);
+    (gib.max(0.0) * (1u64 << 30) as f64) as u64
+}
+
+/// Bytes per cached page of a data object (`SHARDKIT_CACHE_PAGE_MIB`, 1 to 64, default 4).
+fn page_size() -> u64 {
+    super::env_u64("SHARDKIT_CACHE_PAGE_MIB")
+        .unwrap_or(4)
+        .clamp(1, 64)
+        << 20
+}
+
+/// Bytes fetched per step when a container is copied whole.
+const COPY_STEP: u64 = 256 << 20;
+
+/// A temporary this old was left by a killed process: eviction removes it.
+const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Most bytes of pages one read fetches at a time: its memory beyond the caller's buffer.
+const PAGE_GROUP: u64 = 256 << 20;
+
+/// The pieces of a read that the cache did not serve at once ([`Remote::read_cached`]).
+pub(super) struct Paged {
+    /// Ranges of objects that are not cached: read from the store as without a cache.
+    pub direct: Vec<ReadRange>,
+    /// Pages to fetch, keep, and copy into the read.
+    pub missing: Vec<MissingPage>,
+}
+
+impl Paged {
+    /// Everything read from the store (no cache).
+    pub fn direct(ranges: Vec<ReadRange>) -> Paged {
+        Paged {
+            direct: ranges,
+            missing: Vec::new(),
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.direct.is_empty() && self.missing.is_empty()
+    }
+}
+
+/// Part of a read inside one page: (offset in the page, length, offset in the read's buffer).
+type Piece = (u64, u64, u64);
+
+/// A page the cache lacks, and the pieces of the read it serves.
+pub(super) struct MissingPage {
+    file: u32,
+    offset: u64,
+    len: u64,
+    /// Where the page is kept.
+    path: PathBuf,
+    pieces: Vec<Piece>,
+}
+
+/// Where a data object's pages are kept: its version's directory, its size and the page size.
+#[derive(Clone)]
+struct ObjectPages {
+    dir: PathBuf,
+    size: u64,
+    page: u64,
+}
+
+/// Per object URL and cache directory, where its pages are kept, or `None` when it is not
+/// cached (no ETag to check pages against, or a cache smaller than a page); per process: a
+/// forked child asks again.
+static KNOWN: Mutex<(u32, BTreeMap<String, Option<ObjectPages>>)> =
+    Mutex::new((0, BTreeMap::new()));
+
+/// What this process counts in a cache directory ([`reserve`]).
+#[derive(Default)]
+struct Held {
+    /// The sum at its last sweep, plus what it has added since; `None` before its first sweep.
+    swept: Option<u64>,
+    /// Bytes it is writing now (not yet in a sweep's sum of the files).
+    writing: u64,
+}
+
+/// Per cache directory, what this process counts in it.
+static HELD: Mutex<(u32, BTreeMap<PathBuf, Held>)> = Mutex::new((0, BTreeMap::new()));
+
+/// The most MiB of fetched pages waiting to be written into the cache: a read that would pass
+/// it waits for the writes (so a disk slower than the network slows reads, not memory).
+const KEEPING_MIB: u32 = 512;
+
+/// This process's limit on pages waiting to be written ([`KEEPING_MIB`]).
+fn keeping() -> Arc<tokio::sync::Semaphore> {
+    static KEEPING: Mutex<(u32, Option<Arc<tokio::sync::Semaphore>>)> = Mutex::new((0, None));
+    let mut k = KEEPING.lock().unwrap_or_else(|e| e.into_inner());
+    for_this_process(&mut k)
+        .get_or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(KEEPING_MIB as usize)))
+        .clone()
+}
+
+// A read's pages fit the limit on pages waiting to be written, or it would wait forever.
+const _: () = assert!(PAGE_GROUP >> 20 <= KEEPING_MIB as u64);
+
+/// Waits until the pages that earlier reads fetched are written into the cache (reads return
+/// before that), then reports the first failure to write them since the last report. A process
+/// that wants its pages kept calls it before it exits: shardkit's CLI does, and the Python
+/// package at interpreter exit.
+pub fn wait_for_cache() -> Result<()> {
+    let keeping = keeping();
+    let all = block_on(keeping.acquire_many(KEEPING_MIB))?
+        .map_err(|e| Error::Internal(format!("internal: waiting for cache pages: {e}")))?;
+    drop(all);
+    Remote::keep_failure()
+}
+
+/// The first failure to write pages into the cache in the background, not yet reported.
+static KEEP_FAILED: Mutex<(u32, Option<Error>)> = Mutex::new((0, None));
+
+/// This process's entry of a process-wide table, reset in a forked child.
+fn for_this_process<T: Default>(table: &mut (u32, T)) -> &mut T {
+    let pid = std::process::id();
+    if table.0 != pid {
+        // Forget, not drop: the parent's values may be held by threads the child lacks.
+        std::mem::forget(std::mem::replace(table, (pid, T::default())));
+    }
+    &mut table.1
+}
+
+impl Remote {
+    /// Serves what it can of `ranges` from the pages held in `cache` (copying into `buf`), and
+    /// returns the rest: ranges of objects not cached, and the pages to fetch.
+    pub(super) fn read_cached(
+        &self,
+        cache: &Path,
+        names: &[String],
+        ranges: &[ReadRange],
+        buf: &mut [u8],
+    ) -> Result<Paged> {
+        // A page the cache failed to keep in the background (its disk full, say) fails the
+        // next read, so the failure is seen; the read it came from was served whole.
+        Remote::keep_failure()?;
+        let objects = self.objects_in(cache, names, ranges)?;
+        // The pieces of the read per page, so that each page is opened once (and closed
+        // before the next: a read may touch more pages than a process may hold open).
+        let mut by_page: BTreeMap<(u32, u64), Vec<Piece>> = BTreeMap::new();
+        let mut out = Paged::direct(Vec::new());
+        for r in ranges {
+            let Some(Some(o)) = objects.get(&r.file) else {
+                out.direct.push(*r);
+                continue;
+            };
+            if r.offset + r.len > o.size {
+                // The store answers, and errs as it should.
+                out.direct.push(*r);
+                continue;
+            }
+            let mut at = r.offset;
+            while at < r.offset + r.len {
+                let index = at / o.page;
+                let start = index * o.page;
+                let take = (start + o.page).min(r.offset + r.len) - at;
+                by_page.entry((r.file, index)).or_default().push((
+                    at - start,
+                    take,
+                    r.dst + (at - r.offset),
+                ));
+                at += take;
+            }
+        }
+        // Held pages are read by the engine's reader, on every core, a bounded number open
+        // at a time (a read may touch more pages than a process may hold open).
+        let mut held = PageFiles(Vec::new());
+        let mut reads = Vec::new();
+        for ((file, index), pieces) in by_page {
+            let Some(Some(o)) = objects.get(&file) else {
+                continue;
+            };
+            let start = index * o.page;
+            let len = o.page.min(o.size - start);
+            let path = o.dir.join(index.to_string());
+            let Some(f) = open_page(&path, len) else {
+                out.missing.push(MissingPage {
+                    file,
+                    offset: start,
+                    len,
+                    path,
+                    pieces,
+                });
+                continue;
+            };
+            let i = held.0.len() as u32;
+            held.0.push((f, path));
+            reads.extend(pieces.iter().map(|&(offset, len, dst)| ReadRange {
+                file: i,
+                offset,
+                len,
+                dst,
+            }));
+            if held.0.len() == OPEN_PAGES {
+                held.read(&mut reads, buf)?;
+            }
+        }
+        held.read(&mut reads, buf)?;
+        Ok(out)
+    }
+
+    /// The first failure to keep pages since the last call, if any (reported once).
+    fn keep_failure() -> Result<()> {
+        let mut failed = KEEP_FAILED.lock().unwrap_or_else(|e| e.into_inner());
+        match for_this_process(&mut failed).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Where the pages of each object `ranges` read are kept (`None`: not cached). Objects
+    /// this process has not seen yet are asked about with one HEAD each, all in flight at once.
+    fn objects_in(
+        &self,
+        cache: &Path,
+        names: &[String],
+        ranges: &[ReadRange],
+    ) -> Result<HashMap<u32, Option<ObjectPages>>> {
+        let key = |file: u32| {
+            let url = self.url_of(&names[file as usize]);
+            format!("{}\n{}", url.display(), cache.display())
+        };
+        let mut files: Vec<u32> = ranges.iter().map(|r| r.file).collect();
+        files.sort_unstable();
+        files.dedup();
+        let mut out = HashMap::new();
+        let mut unknown = Vec::new();
+        {
+            let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+            let known = for_this_process(&mut known);
+            for file in files {
+                match known.get(&key(file)) {
+                    Some(o) => drop(out.insert(file, o.clone())),
+                    None => unknown.push(file),
+                }
+            }
+        }
+        if unknown.is_empty() {
+            return Ok(out);
+        }
+        let store = self.store()?;
+        let heads = block_on(
+            futures::stream::iter(unknown.iter().map(|&file| {
+                let (store, name) = (&store, &names[file as usize]);
+                async move {
+                    let meta = store.head(&self.key(name)).await;
+                    (file, meta.map_err(|e| self.error(name, None, e)))
+                }
+            }))
+            .buffer_unordered(inflight())
+            .collect::<Vec<_>>(),
+        )?;
+        let page = page_size();
+        for (file, meta) in heads {
+            let meta = meta?;
+            let name = &names[file as usize];
+            let etag = meta.e_tag.as_deref().map(|e| e.trim_matches('"'));
+            let object = etag.filter(|_| cache_limit() >= page).map(|etag| {
+                let version = format!("{etag}\n{}\n{page}", meta.size);
+                let version = xxhash_rust::xxh3::xxh3_64(version.as_bytes());
+                let pages = cache
+                    .join(&self.bucket)
+                    .join(&self.prefix)
+                    .join(format!("{name}.pages"));
+                let dir = pages.join(format!("{version:016x}"));
+                // Pages of earlier versions (or page sizes) will not be read again.
+                if let Ok(entries) = std::fs::read_dir(&pages) {
+                    for e in entries.flatten().filter(|e| e.path() != dir) {
+                        let _ = std::fs::remove_dir_all(e.path());
+                    }
+                }
+                ObjectPages {
+                    dir,
+                    size: meta.size,
+                    page,
+                }
+            });
+            let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
+            for_this_process(&mut known).insert(key(file), object.clone());
+            out.insert(file, object);
+        }
+        Ok(out)
+    }
+
+    /// Fetches the `missing` pages (at most [`PAGE_GROUP`] bytes of them at a time, as
+    /// coalesced ranged GETs), copies their pieces into `buf`, and keeps them in the cache.
+    pub(super) async fn fill_pages(
+        &self,
+        store: &AmazonS3,
+        names: &[String],
+        missing: Vec<MissingPage>,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let Some(cache) = self.object_cache.clone() else {
+            return Ok(());
+        };
+        let group_bytes = (inflight() as u64 * max_request()).min(PAGE_GROUP);
+        let mut rest = missing;
+        while !rest.is_empty() {
+            let mut bytes = 0;
+            let n = rest
+                .iter()
+                .take_while(|p| {
+                    bytes += p.len;
+                    bytes - p.len == 0 || bytes <= group_bytes
+                })
+                .count();
+            let group: Vec<MissingPage> = rest.drain(..n).collect();
+            let mut ranges = Vec::with_capacity(group.len());
+            let mut dst = 0;
+            for p in &group {
+                ranges.push(ReadRange {
+                    file: p.file,
+                    offset: p.offset,
+                    len: p.len,
+                    dst,
+                });
+                dst += p.len;
+            }
+            let mut fetched = vec![0u8; dst as usize];
+            self.fetch_into(store, names, &ranges, &mut fetched).await?;
+            for (p, r) in group.iter().zip(&ranges) {
+                for &(at, len, to) in &p.pieces {
+                    let from = (r.dst + at) as usize;
+                    buf[to as usize..(to + len) as usize]
+                        .copy_from_slice(&fetched[from..from + len as usize]);
+                }
+            }
+            // The read is complete: the pages are kept in the background, while the loader
+            // goes on fetching (writes and syncs would otherwise take turns with GETs).
+            let permit = keeping()
+                .acquire_many_owned(fetched.len().div_ceil(1 << 20) as u32)
+                .await
+                .map_err(|e| Error::Internal(format!("internal: keeping cache pages: {e}")))?;
+            let cache = cache.clone();
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = keep_pages(&cache, &group, &ranges, &fetched) {
+                    let mut failed = KEEP_FAILED.lock().unwrap_or_else(|e| e.into_inner());
+                    for_this_process(&mut failed).get_or_insert(e);
+                }
+                drop(permit);
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Most cached pages a read holds open at once.
+const OPEN_PAGES: usize = 256;
+
+/// Open cache pages, as files for the engine's reader.
+struct PageFiles(Vec<(std::fs::File, PathBuf)>);
+
+impl Files for PageFiles {
+    fn file(&self, i: u32) -> Result<&std::fs::File> {
+        Ok(&self.0[i as usize].0)
+    }
+
+    fn path(&self, i: u32) -> PathBuf {
+        self.0[i as usize].1.clone()
+    }
+}
+
+impl PageFiles {
+    /// Reads `reads` (of these pages) into `buf` on every core, then closes the pages.
+    fn read(&mut self, reads: &mut Vec<ReadRange>, buf: &mut [u8]) -> Result<()> {
+        if !reads.is_empty() {
+            let threads = crate::engine::exec::available_cores().min(reads.len());
+            read_all(self, reads, buf, threads, false)?;
+        }
+        reads.clear();
+        self.0.clear();
+        Ok(())
+    }
+}
+
+/// The page at `path` when it is held at its full length `len` (marked used: evicted last).
+fn open_page(path: &Path, len: u64) -> Option<std::fs::File> {
+    let f = std::fs::File::open(path).ok()?;
+    if f.metadata().ok()?.len() != len {
+        return None;
+    }
+    let _ = f.set_modified(std::time::SystemTime::now());
+    Some(f)
+}
+
+/// Writes the fetched pages of `group` (at `ranges[i].dst` in `fetched`) into the cache, each
+/// aside, synced and renamed into place, several at once.
+fn keep_pages(
+    cache: &Path,
+    group: &[MissingPage],
+    ranges: &[ReadRange],
+    fetched: &[u8],
+) -> Result<()> {
+    use rayon::prelude::*;
+    // In parallel: each page is synced before its rename, and syncs wait on the disk.
+    group.par_iter().zip(ranges).try_for_each(|(p, r)| {
+        let _writing = reserve(cache, p.len)?;
+        let bytes = &fetched[r.dst as usize..(r.dst + p.len) as usize];
+        write_aside(&p.path, |f, tmp| {
+            use std::io::Write;
+            f.write_all(bytes).at(tmp)
+        })
+    })
+}
+
+/// Writes `path` through `fill` into a temporary beside it (one per process and thread, so
+/// ranks of a node may write the same file at once), synced, then renamed into place.
+fn write_aside(
+    path: &Path,
+    fill: impl FnOnce(&mut std::fs::File, &Path) -> Result<()>,
+) -> Result<()> {
+    let dir = fsutil::parent_of(path);
+    std::fs::create_dir_all(dir).at(dir)?;
+    let leaf = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(
+        ".{leaf}.{}.{:?}.tmp",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp).at(&tmp)?;
+        fill(&mut f, &tmp)?;
+        f.sync_data().at(&tmp)?;
+        fsutil::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
+/// Makes room for `incoming` more bytes in the cache at `root`, counted as being written until
+/// the returned reservation is dropped. When this process's count would pass the limit (or it
+/// has not counted yet), sums the cache and evicts the least recently used files down to the
+/// limit less an eighth of it (at most 1 GiB), counting the files this process is writing.
+fn reserve(root: &Path, incoming: u64) -> Result<Reservation> {
+    let limit = cache_limit();
+    let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+    let held = for_this_process(&mut held)
+        .entry(root.to_path_buf())
+        .or_default();
+    if held.swept.is_none_or(|n| n + incoming > limit) {
+        let slack = (limit / 8).min(1 << 30);
+        let target = limit.saturating_sub(slack);
+        held.swept = Some(evict(root, held.writing + incoming, target)? + held.writing);
+    }
+    held.swept = held.swept.map(|n| n + incoming);
+    held.writing += incoming;
+    Ok(Reservation {
+        root: root.to_path_buf(),
+        bytes: incoming,
+    })
+}
+
+/// Bytes being written into a cache ([`reserve`]), until dropped.
+struct Reservation {
+    root: PathBuf,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = for_this_process(&mut held).get_mut(&self.root) {
+            h.writing = h.writing.saturating_sub(self.bytes);
+        }
+    }
+}
+
+/// Removes the least recently used files of the cache at `root` until `incoming` more bytes
+/// fit under `target`; the bytes it then holds.
+fn evict(root: &Path, incoming: u64, target: u64) -> Result<u64> {
+    let mut files = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            let name = e.file_name().to_string_lossy().into_owned();
+            let used = m.modified().unwrap_or(std::time::UNIX_EPOCH);
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if !name.starts_with('.') {
+                files.push((used, m.len(), e.path()));
+            } else if name.ends_with(".tmp") && used.elapsed().unwrap_or_default() > STALE_TMP {
+                // Left by a process killed while writing (a live writer renames within seconds).
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    let mut total: u64 = files.iter().map(|f| f.1).sum();
+    files.sort();
+    for (_, len, path) in files {
+        if total + incoming <= target {
+            break;
+        }
+        match std::fs::remove_file(&path) {
+            // Another process evicted it first.
+            Ok(()) => total -= len,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => total -= len,
+            Err(e) => return Err(e).at(&path),
+        }
+    }
+    Ok(total)
+}
+
+/// A local copy of object `name` under `remote` in the cache at `cache`: reused while its size
+/// and ETag match the object's, else fetched again (parallel ranged GETs, written aside).
+fn whole_copy(
+    cache: &Path,
+    remote: &Remote,
+    name: &str,
+    size: u64,
+    etag: Option<&str>,
+) -> Result<PathBuf> {
+    let local = cache.join(&remote.bucket).join(&remote.prefix).join(name);
+    let dir = fsutil::parent_of(&local).to_path_buf();
+    let leaf = local
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let stamp = dir.join(format!(".{leaf}.etag"));
+    let stamp_ok = match (etag, std::fs::read_to_string(&stamp)) {
+        (Some(e), Ok(s)) => s == e,
+        _ => false,
+    };
+    if stamp_ok && fsutil::regular_file_len(&local) == Some(size) {
+        // Recently used: last to be evicted.
+        let _ =
+            std::fs::File::open(&local).and_then(|f| f.set_modified(std::time::SystemTime::now()));
+        return Ok(local);
+    }
+    let _writing = reserve(cache, size)?;
+    let _ = std::fs::remove_file(&stamp);
+    write_aside(&local, |f, tmp| {
+        use std::io::Write;
+        let names = [name.to_string()];
+        let mut buf = vec![0u8; COPY_STEP.min(size) as usize];
+        let mut done = 0;
+        while done < size {
+            let n = COPY_STEP.min(size - done);
+            remote.read_ranges(&names, &[(0, done, n, 0)], &mut buf[..n as usize])?;
+            f.write_all(&buf[..n as usize]).at(tmp)?;
+            done += n;
+        }
+        Ok(())
+    })?;
+    if let Some(e) = etag {
+        fsutil::atomic_write(&stamp, e.as_bytes())?;
+    }
+    Ok(local)
+}
+
+/// A container (one object, or a shard set `BASE.shard<i>-of-<N>.sdnb` beside `url`) copied into
+/// the cache at `cache` (reused while each object's size and ETag are unchanged); returns the
+/// local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_dir`]).
+pub(crate) fn fetch_container(url: &Path, cache: &Path) -> Result<PathBuf> {
+    let remote = Remote::parse(url)?;
+    let (parent, name) = remote.split_last()?;
+    let objects: Vec<(String, u64, Option<String>)> = parent
+        .list_etags()?
+        .into_iter()
+        .filter(|(n, _, _)| !n.contains('/'))
+        .collect();
+    let local = cache.join(&parent.bucket).join(&parent.prefix).join(&name);
+    if let Some((_, size, etag)) = objects.iter().find(|(n, _, _)| *n == name) {
+        return whole_copy(cache, &parent, &name, *size, etag.as_deref());
+    }
+    let base = crate::sdnb::read::base_name(&name);
+    let shards: Vec<_> = objects
+        .iter()
+        .filter(|(n, _, _)| {
+            crate::sdnb::sdz::parse_shard_name(n).is_some_and(|(b, _, _)| b == base)
+        })
+        .collect();
+    if shards.is_empty() {
+        return Err(Error::NotFound {
+            path: PathBuf::from(remote.url()),
+            what: format!(
+                "no such object, and no shard objects {base}.shard<i>-of-<N>.sdnb beside it"
+            ),
+        });
+    }
+    for (n, size, etag) in shards {
+        whole_copy(cache, &parent, n, *size, etag.as_deref())?;
+    }
+    Ok(local)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    fn file(path: &Path, len: usize, age_s: u64) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, vec![7u8; len]).unwrap();
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        f.set_modified(SystemTime::now() - Duration::from_secs(age_s))
+            .unwrap();
+    }
+
+    #[test]
+    fn eviction_removes_the_least_recently_used_until_the_incoming_bytes_fit() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        let pages = root.join("b/acts/acts000000.bin.pages/00ff");
+        file(&pages.join("0"), 100, 50);
+        file(&pages.join("1"), 100, 40);
+        file(&pages.join("2"), 100, 30);
+        file(&root.join("b/m.sdz"), 100, 10);
+        // Hidden files are not counted: stamps, and a live writer's temporary.
+        file(&root.join("b/.m.sdz.etag"), 5, 60);
+        file(&pages.join(".3.1.ThreadId(2).tmp"), 100, 60);
+        // A temporary left by a killed process is removed.
+        let stale = pages.join(".4.1.ThreadId(2).tmp");
+        file(&stale, 100, 2 * 3600);
+
+        assert_eq!(evict(root, 0, 400).unwrap(), 400);
+        assert!(!stale.exists());
+        assert_eq!(evict(root, 150, 400).unwrap(), 200);
+        assert!(!pages.join("0").exists() && !pages.join("1").exists());
+        assert!(pages.join("2").exists() && root.join("b/m.sdz").exists());
+        assert!(root.join("b/.m.sdz.etag").exists());
+        assert!(pages.join(".3.1.ThreadId(2).tmp").exists());
+        // More than the target: everything goes.
+        assert_eq!(evict(root, 1000, 400).unwrap(), 0);
+        assert!(!root.join("b/m.sdz").exists());
+    }
+
+    #[test]
+    fn a_file_written_aside_is_whole_or_absent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.pages/v/0");
+        write_aside(&path, |f, tmp| {
+            use std::io::Write;
+            f.write_all(b"page").at(tmp)
+        })
+        .unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"page");
+        // A failed write leaves the old page and no temporary.
+        let err = write_aside(&path, |_, tmp| {
+            Err(Error::Io {
+                path: tmp.to_path_buf(),
+                source: std::io::Error::other("disk full"),
+            })
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("disk full"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"page");
+        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("0")]);
+    }
+}
