@@ -1621,3 +1621,47 @@ def test_a_failure_to_keep_pages_is_reported_and_the_read_is_whole(
             assert time.monotonic() < deadline, "the failure was never reported"
             time.sleep(0.05)
     assert blocker.read_bytes() == b"not a directory"
+
+
+def test_ranks_of_a_node_share_one_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """Two processes (two ranks of a node) read the same dataset at once through one cache
+    smaller than the data: each gets its exact batches, every page left is whole, no
+    temporary is left behind, and the cache ends within its limit plus each one's slack."""
+    local = Path(big_saev(tmp_path / "saev"))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    shardkit.upload(local, url)
+    cache = tmp_path / "cache"
+    limit = 6 << 20
+    script = f"""
+import sys, numpy as np, shardkit
+from shardkit import saev
+rank = int(sys.argv[1])
+def rows(p):
+    return [np.array(b["act"]) for b in saev.ShuffledLoader(p, layer=11, batch_size=64, seed=2, rank=rank, world_size=2)]
+want = rows({str(local)!r})
+for epoch in range(2):
+    got = rows({url!r})
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+shardkit.wait_for_cache()
+"""
+    with environment({"SHARDKIT_CACHE_DIR": str(cache), "SHARDKIT_CACHE_PAGE_MIB": "1",
+                      "SHARDKIT_CACHE_GIB": str(limit / 2**30)}):
+        ranks = [subprocess.Popen([sys.executable, "-c", script, str(r)], env=dict(os.environ),
+                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
+        for p in ranks:
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err
+    files = [p for p in cache.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.name.endswith(".tmp")], files
+    pages = [p for p in files if not p.name.startswith(".")]
+    assert pages and all(p.stat().st_size == 1 << 20 for p in pages), pages
+    assert sum(p.stat().st_size for p in pages) <= limit + 2 * (limit // 8), len(pages)
+    # Every page held is the object's bytes at its place.
+    for p in pages:
+        shard = local / p.parent.parent.name.removesuffix(".pages")
+        with open(shard, "rb") as f:
+            f.seek(int(p.name) << 20)
+            assert f.read(1 << 20) == p.read_bytes(), p
