@@ -1626,7 +1626,7 @@ def test_a_failure_to_keep_pages_is_reported_and_the_read_is_whole(
 def test_ranks_of_a_node_share_one_cache(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     """Two processes (two ranks of a node) read the same dataset at once through one cache
     smaller than the data: each gets its exact batches, every page left is whole, no
-    temporary is left behind, and the cache ends within its limit plus each one's slack."""
+    temporary is left behind, and the cache ends within its limit plus each one's overrun."""
     local = Path(big_saev(tmp_path / "saev"))
     bucket = s3.bucket()
     url = f"s3://{bucket}/acts/{local.name}"
@@ -1658,7 +1658,9 @@ shardkit.wait_for_cache()
     assert not [p for p in files if p.name.endswith(".tmp")], files
     pages = [p for p in files if not p.name.startswith(".")]
     assert pages and all(p.stat().st_size == 1 << 20 for p in pages), pages
-    assert sum(p.stat().st_size for p in pages) <= limit + 2 * (limit // 8), len(pages)
+    # Each process may overrun the limit by its slack plus the pages it is writing (one per core).
+    overrun = limit // 8 + (os.cpu_count() or 1) * (1 << 20)
+    assert sum(p.stat().st_size for p in pages) <= limit + 2 * overrun, len(pages)
     # Every page held is the object's bytes at its place.
     for p in pages:
         shard = local / p.parent.parent.name.removesuffix(".pages")

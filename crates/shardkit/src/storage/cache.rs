@@ -22,7 +22,9 @@
 //! used only at its expected length. Files are evicted least recently used first (a read
 //! touches what it uses). Each process sums the cache when it starts adding to it and again
 //! whenever its own count passes the limit, then evicts down to the limit less an eighth of it
-//! (at most 1 GiB): processes sharing a cache may overrun it by that much each between sums.
+//! (at most 1 GiB), counting what it is writing. Processes sharing a cache do not see each
+//! other's writes in progress, so each may overrun it by that eighth plus the pages it is
+//! writing (one per core).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
