@@ -101,6 +101,9 @@ class FaultProxy:
                     k: v for k, v in resp.getheaders()
                     if k.lower() not in ("transfer-encoding", "connection", "content-length")
                 }
+                if self.command == "HEAD" and resp.getheader("Content-Length") is not None:
+                    # A HEAD answers with the object's length, not its (empty) body's.
+                    out_headers["Content-Length"] = resp.getheader("Content-Length")
                 conn.close()
                 if fault == "drop":
                     # The headers promise the whole body; half of it arrives, then the socket closes.

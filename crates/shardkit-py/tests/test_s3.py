@@ -813,6 +813,39 @@ def test_faults_are_retried_and_never_served(tmp_path: Path, s3: S3, kind: str) 
         s3.proxy.arm(None)
 
 
+@pytest.mark.parametrize("kind", ["503", "drop"])
+def test_faults_through_the_cache_never_reach_a_page(tmp_path: Path, s3: S3, kind: str) -> None:
+    """Through the local cache, faults are retried as without it and the pages kept are the
+    objects' bytes; when the budget runs out, the read fails naming the object and range, and
+    nothing is kept for it."""
+    local = write_saev(tmp_path)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/{Path(local).name}"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    cache = tmp_path / "cache"
+    expected = batches(saev.ShuffledLoader(local, layer=11, batch_size=40, seed=5))
+    with environment(s3.env(proxy=True, SHARDKIT_CACHE_DIR=str(cache), SHARDKIT_S3_RETRIES="2")):
+        ds = saev.Dataset(url)
+        s3.proxy.arm(kind, 1000)
+        with pytest.raises(shardkit.RemoteError, match=rf"s3://{bucket}/.*/acts00000\d\.bin \(bytes \d+\.\.\d+\)"):
+            ds.get(7, 5, 3)
+        s3.proxy.arm(None)
+        shardkit.wait_for_cache()
+        assert page_files(cache) == []
+    with environment(s3.env(proxy=True, SHARDKIT_CACHE_DIR=str(cache))):
+        s3.proxy.arm(kind, 3)
+        same_batches(batches(saev.ShuffledLoader(url, layer=11, batch_size=40, seed=5)), expected)
+        assert s3.proxy.injected == 3
+        s3.proxy.arm(None)
+        shardkit.wait_for_cache()
+    pages = page_files(cache)
+    assert pages
+    for p in pages:
+        shard = Path(local) / p.parent.parent.name.removesuffix(".pages")
+        assert p.read_bytes() == shard.read_bytes()[int(p.name) << 22:][: 4 << 20], p
+
+
 @pytest.mark.parametrize("kind", ["503", "500", "drop"])
 def test_a_spent_retry_budget_fails_naming_object_and_range(tmp_path: Path, s3: S3, kind: str) -> None:
     local = write_saev(tmp_path)
