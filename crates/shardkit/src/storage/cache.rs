@@ -140,9 +140,12 @@ static HELD: Mutex<(u32, BTreeMap<PathBuf, Held>)> = Mutex::new((0, BTreeMap::ne
 /// it waits for the writes (so a disk slower than the network slows reads, not memory).
 const KEEPING_MIB: u32 = 512;
 
-/// This process's limit on pages waiting to be written ([`KEEPING_MIB`]).
+/// This process's limit on pages waiting to be written ([`KEEPING_MIB`]), once a read has
+/// fetched pages.
+static KEEPING: Mutex<(u32, Option<Arc<tokio::sync::Semaphore>>)> = Mutex::new((0, None));
+
+/// [`KEEPING`], made now if need be.
 fn keeping() -> Arc<tokio::sync::Semaphore> {
-    static KEEPING: Mutex<(u32, Option<Arc<tokio::sync::Semaphore>>)> = Mutex::new((0, None));
     let mut k = KEEPING.lock().unwrap_or_else(|e| e.into_inner());
     for_this_process(&mut k)
         .get_or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(KEEPING_MIB as usize)))
@@ -157,10 +160,17 @@ const _: () = assert!(PAGE_GROUP >> 20 <= KEEPING_MIB as u64);
 /// that wants its pages kept calls it before it exits: shardkit's CLI does, and the Python
 /// package at interpreter exit.
 pub fn wait_for_cache() -> Result<()> {
-    let keeping = keeping();
-    let all = block_on(keeping.acquire_many(KEEPING_MIB))?
-        .map_err(|e| Error::Internal(format!("internal: waiting for cache pages: {e}")))?;
-    drop(all);
+    // A process that never fetched a page through the cache has nothing to wait for (and
+    // starts no runtime to find that out).
+    let started = {
+        let mut k = KEEPING.lock().unwrap_or_else(|e| e.into_inner());
+        for_this_process(&mut k).clone()
+    };
+    if let Some(keeping) = started {
+        let all = block_on(keeping.acquire_many(KEEPING_MIB))?
+            .map_err(|e| Error::Internal(format!("internal: waiting for cache pages: {e}")))?;
+        drop(all);
+    }
     Remote::keep_failure()
 }
 
