@@ -241,11 +241,14 @@ fn timed_epoch(loader: &mut shardkit::saev::Loader, epoch: u64) -> Result<Epoch>
     ))
 }
 
-/// Epochs added up.
-fn total(epochs: &[Epoch]) -> Epoch {
-    epochs.iter().fold((0, 0.0, 0, 0, 0), |t, e| {
-        (t.0 + e.0, t.1 + e.1, t.2 + e.2, t.3 + e.3, t.4 + e.4)
-    })
+/// Epochs 1 to [`WARM_EPOCHS`] of `loader`, timed and added up.
+fn warm_epochs(loader: &mut shardkit::saev::Loader) -> Result<Epoch> {
+    let mut t: Epoch = (0, 0.0, 0, 0, 0);
+    for epoch in 1..=WARM_EPOCHS {
+        let e = timed_epoch(loader, epoch)?;
+        t = (t.0 + e.0, t.1 + e.1, t.2 + e.2, t.3 + e.3, t.4 + e.4);
+    }
+    Ok(t)
 }
 
 fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
@@ -339,10 +342,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     for &t in threads {
         let mut on_disk = saev_loader(&local, layer, Order::Block, t)?;
         timed_epoch(&mut on_disk, 0)?;
-        let warm_local = (1..=WARM_EPOCHS)
-            .map(|e| timed_epoch(&mut on_disk, e))
-            .collect::<Result<Vec<_>>>()?;
-        let warm_local = total(&warm_local);
+        let warm_local = warm_epochs(&mut on_disk)?;
         let local_rate = gbps(warm_local.0, warm_local.1);
         std::env::remove_var("SHARDKIT_CACHE_DIR");
         let uncached = timed_epoch(&mut saev_loader(&url, layer, Order::Block, t)?, 0)?;
@@ -352,10 +352,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         let epochs = saev_loader(&url, layer, Order::Block, t).and_then(|mut l| {
             let cold = timed_epoch(&mut l, 0)?;
             storage::wait_for_cache()?;
-            let warm = (1..=WARM_EPOCHS)
-                .map(|e| timed_epoch(&mut l, e))
-                .collect::<Result<Vec<_>>>()?;
-            Ok((cold, total(&warm)))
+            Ok((cold, warm_epochs(&mut l)?))
         });
         std::env::remove_var("SHARDKIT_CACHE_DIR");
         let held = tree_bytes(&dir);

@@ -579,10 +579,7 @@ impl Remote {
             return Ok(());
         }
         let store = self.store()?;
-        block_on(async {
-            self.fetch_into(&store, names, &paged.direct, buf).await?;
-            self.fill_pages(&store, names, paged.missing, buf).await
-        })?
+        block_on(self.fetch_paged(&store, names, paged, buf))?
     }
 
     /// [`Remote::read_into`] started on the runtime and left running: the caller gets `buf`
@@ -603,11 +600,9 @@ impl Remote {
         let me = self.clone();
         let store = self.store()?;
         let task = runtime()?.spawn(async move {
-            me.fetch_into(&store, &names, &paged.direct, buf.as_mut_bytes())
-                .await?;
-            me.fill_pages(&store, &names, paged.missing, buf.as_mut_bytes())
-                .await?;
-            Ok(buf)
+            me.fetch_paged(&store, &names, paged, buf.as_mut_bytes())
+                .await
+                .map(|()| buf)
         });
         Ok(PendingRead(Mutex::new(Some(task))))
     }

@@ -203,7 +203,7 @@ impl Remote {
         let objects = self.objects_in(cache, names, ranges)?;
         // The pieces of the read per page, so that each page is opened once (and closed
         // before the next: a read may touch more pages than a process may hold open).
-        let mut by_page: BTreeMap<(u32, u64), Vec<Piece>> = BTreeMap::new();
+        let mut by_page: BTreeMap<(u32, u64), (&ObjectPages, Vec<Piece>)> = BTreeMap::new();
         let mut out = Paged::direct(Vec::new());
         for r in ranges {
             let Some(Some(o)) = objects.get(&r.file) else {
@@ -220,11 +220,10 @@ impl Remote {
                 let index = at / o.page;
                 let start = index * o.page;
                 let take = (start + o.page).min(r.offset + r.len) - at;
-                by_page.entry((r.file, index)).or_default().push((
-                    at - start,
-                    take,
-                    r.dst + (at - r.offset),
-                ));
+                let (_, pieces) = by_page
+                    .entry((r.file, index))
+                    .or_insert_with(|| (o, Vec::new()));
+                pieces.push((at - start, take, r.dst + (at - r.offset)));
                 at += take;
             }
         }
@@ -232,10 +231,7 @@ impl Remote {
         // at a time (a read may touch more pages than a process may hold open).
         let mut held = PageFiles(Vec::new());
         let mut reads = Vec::new();
-        for ((file, index), pieces) in by_page {
-            let Some(Some(o)) = objects.get(&file) else {
-                continue;
-            };
+        for ((file, index), (o, pieces)) in by_page {
             let start = index * o.page;
             let len = o.page.min(o.size - start);
             let path = o.dir.join(index.to_string());
@@ -348,9 +344,22 @@ impl Remote {
         Ok(out)
     }
 
+    /// What the cache did not serve of a read ([`Remote::read_cached`]): the ranges of objects
+    /// not cached, then the missing pages.
+    pub(super) async fn fetch_paged(
+        &self,
+        store: &AmazonS3,
+        names: &[String],
+        paged: Paged,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        self.fetch_into(store, names, &paged.direct, buf).await?;
+        self.fill_pages(store, names, paged.missing, buf).await
+    }
+
     /// Fetches the `missing` pages (at most [`PAGE_GROUP`] bytes of them at a time, as
     /// coalesced ranged GETs), copies their pieces into `buf`, and keeps them in the cache.
-    pub(super) async fn fill_pages(
+    async fn fill_pages(
         &self,
         store: &AmazonS3,
         names: &[String],
@@ -490,7 +499,7 @@ fn write_aside(
     let written = (|| {
         let mut f = std::fs::File::create(&tmp).at(&tmp)?;
         fill(&mut f, &tmp)?;
-        f.sync_data().at(&tmp)?;
+        fsutil::sync_data(&f, &tmp)?;
         fsutil::rename(&tmp, path)
     })();
     if written.is_err() {
@@ -554,7 +563,8 @@ fn evict(root: &Path, incoming: u64, target: u64) -> Result<u64> {
                 stack.push(e.path());
             } else if !name.starts_with('.') {
                 files.push((used, m.len(), e.path()));
-            } else if name.ends_with(".tmp") && used.elapsed().unwrap_or_default() > STALE_TMP {
+            } else if fsutil::is_temp_name(&name) && used.elapsed().unwrap_or_default() > STALE_TMP
+            {
                 // Left by a process killed while writing (a live writer renames within seconds).
                 let _ = std::fs::remove_file(e.path());
             }
