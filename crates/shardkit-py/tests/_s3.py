@@ -47,6 +47,11 @@ class FaultProxy:
         self.left = 0
         self.injected = 0
         self.ranged_gets = 0
+        # Ranged GETs being answered now, the most at once, and a delay added to each (so
+        # that requests overlap when the client lets them).
+        self.active_gets = 0
+        self.max_active_gets = 0
+        self.get_delay_s = 0.0
         self.lock = threading.Lock()
         proxy = self
 
@@ -80,6 +85,27 @@ class FaultProxy:
                             proxy.left -= 1
                             proxy.injected += 1
                             fault = proxy.kind
+                self.counted = self.command == "GET" and "Range" in self.headers
+                if self.counted:
+                    with proxy.lock:
+                        proxy.active_gets += 1
+                        proxy.max_active_gets = max(proxy.max_active_gets, proxy.active_gets)
+                try:
+                    if self.counted and proxy.get_delay_s:
+                        time.sleep(proxy.get_delay_s)
+                    self._answer(fault, body)
+                finally:
+                    self._uncount()
+
+            def _uncount(self) -> None:
+                # Before the answer's bytes go out: once the client has them it may start its
+                # next request, which must not find this one still counted.
+                if self.counted:
+                    self.counted = False
+                    with proxy.lock:
+                        proxy.active_gets -= 1
+
+            def _answer(self, fault: Optional[str], body: bytes) -> None:
                 if fault == "503":
                     return self._send(503, SLOWDOWN, {"Content-Type": "application/xml"})
                 if fault == "500":
@@ -107,6 +133,7 @@ class FaultProxy:
                 conn.close()
                 if fault == "drop":
                     # The headers promise the whole body; half of it arrives, then the socket closes.
+                    self._uncount()
                     self.send_response(resp.status)
                     for k, v in out_headers.items():
                         self.send_header(k, v)
@@ -120,6 +147,7 @@ class FaultProxy:
                 self._send(resp.status, data, out_headers, head=self.command == "HEAD")
 
             def _send(self, status: int, data: bytes, headers: Dict[str, str], head: bool = False) -> None:
+                self._uncount()
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)

@@ -813,6 +813,42 @@ def test_faults_are_retried_and_never_served(tmp_path: Path, s3: S3, kind: str) 
         s3.proxy.arm(None)
 
 
+def test_reads_in_flight_together_share_the_request_limit(tmp_path: Path, s3: S3) -> None:
+    """A saev loader starts its next window's requests before the current window is in, and an
+    EAGLE-3 loader keeps several batches' requests in flight: those reads share the process's
+    SHARDKIT_S3_INFLIGHT slots (the store never sees more GETs at once), every slot is used, and
+    the batches are exact."""
+    local = Path(big_saev(tmp_path / "saev", n=64))
+    cache = write_eagle3_cache(tmp_path / "eagle3", 9)
+    bucket = s3.bucket()
+    url, e3_url = f"s3://{bucket}/acts/{local.name}", f"s3://{bucket}/eagle3"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+        shardkit.upload(cache, e3_url)
+    # Windows of 18 examples (2 MiB of one layer); each window is several 1 MiB requests.
+    make = lambda p: saev.ShuffledLoader(p, layer=11, batch_size=64, seed=4, memory_budget=8 << 20)  # noqa: E731
+    want = batches(make(local))
+    e3 = lambda p: eagle3.Loader(p, batch_size=2, seed=3)  # noqa: E731
+    want_e3 = batches(e3(cache))
+    # A stalled answer of an earlier test (its client gave up long ago) may still be counted.
+    deadline = time.monotonic() + 30
+    while s3.proxy.active_gets and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s3.proxy.active_gets == 0
+    s3.proxy.get_delay_s = 0.05
+    try:
+        for limit in (2, 3):
+            with environment(s3.env(proxy=True, SHARDKIT_S3_INFLIGHT=str(limit), SHARDKIT_S3_REQUEST_MIB="1")):
+                s3.proxy.max_active_gets = 0
+                same_batches(batches(make(url)), want)
+                assert s3.proxy.max_active_gets == limit, (limit, s3.proxy.max_active_gets)
+                s3.proxy.max_active_gets = 0
+                same_batches(batches(e3(e3_url)), want_e3)
+                assert s3.proxy.max_active_gets == limit, (limit, s3.proxy.max_active_gets)
+    finally:
+        s3.proxy.get_delay_s = 0.0
+
+
 @pytest.mark.parametrize("kind", ["503", "drop"])
 def test_faults_through_the_cache_never_reach_a_page(tmp_path: Path, s3: S3, kind: str) -> None:
     """Through the local cache, faults are retried as without it and the pages kept are the

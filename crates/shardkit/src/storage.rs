@@ -13,12 +13,13 @@
 //!
 //! Reads are ranged GETs: the ranges a batch needs are sorted, ranges of one object less than
 //! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and up to
-//! [`inflight`] requests run at once on one small tokio runtime; each response is copied into
-//! its place in the caller's buffer. Throttling (503 SlowDown), server errors, dropped
-//! connections (also mid-body) and timeouts are retried with exponential backoff, at most
-//! `SHARDKIT_S3_RETRIES` times (default 10) and for at most `SHARDKIT_S3_RETRY_TIMEOUT`
-//! seconds (default 180); then the read fails with an error naming the object and the range.
-//! A response shorter than the range asked for is retried too, never served.
+//! [`inflight`] requests (shared by the process's reads) run at once on one small tokio
+//! runtime; each response is copied into its place in the caller's buffer. Throttling (503
+//! SlowDown), server errors, dropped connections (also mid-body) and timeouts are retried with
+//! exponential backoff, at most `SHARDKIT_S3_RETRIES` times (default 10) and for at most
+//! `SHARDKIT_S3_RETRY_TIMEOUT` seconds (default 180); then the read fails with an error naming
+//! the object and the range. A response shorter than the range asked for is retried too, never
+//! served.
 //!
 //! Writes are single PUTs for small objects and multipart uploads for large ones: an object
 //! appears whole or not at all, so a dataset's commit record, written last, is the only thing
@@ -83,8 +84,9 @@ pub fn set_max_request_mib(mib: u64) {
     MAX_REQUEST.store(bytes, Ordering::Relaxed);
 }
 
-/// Requests in flight per read (`SHARDKIT_S3_INFLIGHT`, default 4 per core, at least 16 and at
-/// most 128). Memory held by responses is at most `inflight · max_request`.
+/// Requests in flight in this process (`SHARDKIT_S3_INFLIGHT`, default 4 per core, at least
+/// 16 and at most 128), shared by every read running at once. Memory held by responses is at
+/// most `inflight · max_request`.
 pub fn inflight() -> usize {
     let set = INFLIGHT.load(Ordering::Relaxed);
     if set > 0 {
@@ -98,7 +100,27 @@ pub fn inflight() -> usize {
 
 static INFLIGHT: AtomicU64 = AtomicU64::new(0);
 
-/// Sets the requests in flight per read for this process (0: back to the default), e.g. for a
+/// The process's [`inflight`] request slots, shared by every read. A read started while
+/// another is still fetching (a loader's next window) queues behind it, first come first
+/// served: its requests take the slots the first read's last requests leave, so the store
+/// stays busy through that read's tail and at most `inflight` responses are held at once.
+/// Made again when [`inflight`] changes, and in a forked child (whose copy may count slots
+/// held by the parent's tasks, which do not exist there).
+fn request_permits() -> Arc<tokio::sync::Semaphore> {
+    static SLOTS: Mutex<Option<(u32, usize, Arc<tokio::sync::Semaphore>)>> = Mutex::new(None);
+    let mut slots = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
+    let (pid, n) = (std::process::id(), inflight());
+    match &*slots {
+        Some((p, m, s)) if *p == pid && *m == n => s.clone(),
+        _ => {
+            let s = Arc::new(tokio::sync::Semaphore::new(n));
+            *slots = Some((pid, n, s.clone()));
+            s
+        }
+    }
+}
+
+/// Sets the requests in flight for this process (0: back to the default), e.g. for a
 /// benchmark's sweep; `SHARDKIT_S3_INFLIGHT` sets it from outside.
 pub fn set_inflight(n: usize) {
     INFLIGHT.store(n as u64, Ordering::Relaxed);
@@ -628,10 +650,17 @@ impl Remote {
         buf: &mut [u8],
     ) -> Result<()> {
         let requests = coalesce(ranges, COALESCE_GAP, max_request());
-        let fetches = futures::stream::iter(requests.into_iter().map(|req| async move {
-            let name = &names[req.file as usize];
-            let bytes = self.get_range(store, name, req.start..req.end).await?;
-            Ok::<_, Error>((req, bytes))
+        let permits = request_permits();
+        let fetches = futures::stream::iter(requests.into_iter().map(|req| {
+            let permits = permits.clone();
+            async move {
+                let _permit = permits.acquire_owned().await.map_err(|_| {
+                    Error::Internal("internal: the request limiter was closed".into())
+                })?;
+                let name = &names[req.file as usize];
+                let bytes = self.get_range(store, name, req.start..req.end).await?;
+                Ok::<_, Error>((req, bytes))
+            }
         }))
         .buffer_unordered(inflight());
         futures::pin_mut!(fetches);

@@ -12,12 +12,14 @@
 //!   from the maps, so data already in the page cache is copied once, straight into the batch.
 //!   With `direct_io` the window is read with O_DIRECT into a buffer of the loader's instead,
 //!   leaving the page cache alone (streaming more data than memory without evicting anything);
+//!   from an object store, windows are always read into buffers, and the next window's
+//!   requests queue behind the current one's, so the store never idles between windows;
 //! * the exact order reads each row straight into the batch (`pread`, O_DIRECT with
 //!   `direct_io`), after asking the kernel to read the batch's rows ahead.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::checksum::{self, Verifier};
 use crate::engine::batch::{self, BufferPool};
@@ -605,6 +607,7 @@ impl Loader {
                         next: 0,
                         windows: VecDeque::new(),
                         pending: None,
+                        loaded: Vec::new(),
                     }),
                 };
                 exec::start(
@@ -663,6 +666,18 @@ struct Resident {
     /// From an object store: the next window's requests, in flight while the current windows
     /// are gathered (window index, the read, where each block lands).
     pending: Option<(usize, PendingRead, Vec<u64>)>,
+    /// Every window loaded so far, to count those still held (by `windows` or by batches not
+    /// yet gathered): with at most one, the window after `pending` may start before `pending`
+    /// is in, and the loader still holds at most three.
+    loaded: Vec<Weak<LoadedWindow>>,
+}
+
+impl Resident {
+    /// Windows loaded and still held.
+    fn held(&mut self) -> usize {
+        self.loaded.retain(|w| w.strong_count() > 0);
+        self.loaded.len()
+    }
 }
 
 /// One pass of a loader, as the engine runs it.
@@ -739,7 +754,7 @@ impl SaevJob {
     ) -> Result<LoadedWindow> {
         let src = &*self.src;
         let win = &self.order.windows()[w];
-        let data = if let Some((_, read, block_dst)) = pending.filter(|p| p.0 == w) {
+        let data = if let Some((_, read, block_dst)) = pending {
             WindowData::Read {
                 buf: read.wait()?,
                 block_dst,
@@ -797,13 +812,28 @@ impl SaevJob {
                 )));
             };
             r.next += 1;
-            let pending = r.pending.take();
-            let loaded = self.load_window(w, pending, cx)?;
-            r.windows.push_back(Arc::new(loaded));
+            // From a store, window `w`'s requests are in flight (started a window ahead, or
+            // now, for the first window of a pass). When the windows before it are (all but at
+            // most one) gathered, the next window's requests start now too: they queue behind
+            // `w`'s (see `storage::inflight`), so the store stays busy through the tail of
+            // `w`'s fetch instead of idling until `w` is in.
+            let pending = match r.pending.take().filter(|p| p.0 == w) {
+                Some(p) => Some(p),
+                None => self.start_window(w, cx)?,
+            };
+            let next = r.needed.get(r.next).copied();
+            let early = match (&pending, next) {
+                (Some(_), Some(next)) if r.held() <= 1 => self.start_window(next, cx)?,
+                _ => None,
+            };
+            let loaded = Arc::new(self.load_window(w, pending, cx)?);
+            r.loaded.push(Arc::downgrade(&loaded));
+            r.windows.push_back(loaded);
             // The next window's reads overlap the gathering of this one.
-            match (self.direct, r.needed.get(r.next)) {
-                (false, Some(&next)) => self.readahead(next),
-                (true, Some(&next)) => r.pending = self.start_window(next, cx)?,
+            match (self.direct, next) {
+                (false, Some(next)) => self.readahead(next),
+                (true, Some(_)) if early.is_some() => r.pending = early,
+                (true, Some(next)) => r.pending = self.start_window(next, cx)?,
                 _ => {}
             }
         }
