@@ -57,6 +57,10 @@ pub struct RemoteBenchArgs {
     /// Only these datasets (saev, saev-cache, saev-write, tokens, tokens-write, eagle3, sdnb).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Memory budget of the saev loaders, in MiB (default: the loader's, 1 GiB): a window of
+    /// blocks is a quarter of it, so a smaller budget means more, smaller windows per epoch.
+    #[arg(long)]
+    memory_budget_mib: Option<u64>,
 }
 
 fn num(x: f64) -> Value {
@@ -203,6 +207,7 @@ fn saev_dataset(a: &RemoteBenchArgs) -> Result<(PathBuf, PathBuf, u64)> {
 
 /// The saev loader timed here over `path`: batches of 4096 rows of layer -1 of 2, or both.
 fn saev_loader(
+    a: &RemoteBenchArgs,
     path: &std::path::Path,
     layer: shardkit::saev::LayerSel,
     order: shardkit::engine::Order,
@@ -213,6 +218,7 @@ fn saev_loader(
     o.order = order;
     o.seed = 1;
     o.threads = threads;
+    o.memory_budget = a.memory_budget_mib.map(|m| m << 20);
     shardkit::saev::Loader::new(path, o)
 }
 
@@ -280,7 +286,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             for &t in threads {
                 storage::set_inflight(n);
                 let (payload, secs, batches, gets, get_bytes) =
-                    timed_epoch(&mut saev_loader(&url, layer, order, t)?, 0)?;
+                    timed_epoch(&mut saev_loader(a, &url, layer, order, t)?, 0)?;
                 let one_layer = layer != LayerSel::All;
                 let mut e = loader_entry(
                     &if one_layer {
@@ -308,9 +314,13 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             }
         }
     }
+    let budget = a
+        .memory_budget_mib
+        .map_or(shardkit::saev::DEFAULT_MEMORY_BUDGET, |m| m << 20);
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),
         ("dataset_bytes".into(), Value::int(dataset_bytes)),
+        ("memory_budget_bytes".into(), Value::int(budget)),
         ("get_ceiling".into(), ceilings_json(&ceilings)),
         ("layer_get_ceiling".into(), ceilings_json(&layer_ceilings)),
         ("loaders".into(), Value::Array(loaders)),
@@ -340,16 +350,16 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let layer = LayerSel::Value(-1);
     let mut loaders = Vec::new();
     for &t in threads {
-        let mut on_disk = saev_loader(&local, layer, Order::Block, t)?;
+        let mut on_disk = saev_loader(a, &local, layer, Order::Block, t)?;
         timed_epoch(&mut on_disk, 0)?;
         let warm_local = warm_epochs(&mut on_disk)?;
         let local_rate = gbps(warm_local.0, warm_local.1);
         std::env::remove_var("SHARDKIT_CACHE_DIR");
-        let uncached = timed_epoch(&mut saev_loader(&url, layer, Order::Block, t)?, 0)?;
+        let uncached = timed_epoch(&mut saev_loader(a, &url, layer, Order::Block, t)?, 0)?;
         let dir = a.dir.join(format!("object-cache-{t}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::env::set_var("SHARDKIT_CACHE_DIR", &dir);
-        let epochs = saev_loader(&url, layer, Order::Block, t).and_then(|mut l| {
+        let epochs = saev_loader(a, &url, layer, Order::Block, t).and_then(|mut l| {
             let cold = timed_epoch(&mut l, 0)?;
             storage::wait_for_cache()?;
             Ok((cold, warm_epochs(&mut l)?))
