@@ -63,6 +63,13 @@ pub struct RemoteBenchArgs {
     memory_budget_mib: Option<u64>,
 }
 
+impl RemoteBenchArgs {
+    /// `--memory-budget-mib` in bytes.
+    fn memory_budget(&self) -> Option<u64> {
+        self.memory_budget_mib.map(|m| m.saturating_mul(1 << 20))
+    }
+}
+
 fn num(x: f64) -> Value {
     Value::float(x, 3)
 }
@@ -218,7 +225,7 @@ fn saev_loader(
     o.order = order;
     o.seed = 1;
     o.threads = threads;
-    o.memory_budget = a.memory_budget_mib.map(|m| m << 20);
+    o.memory_budget = a.memory_budget();
     shardkit::saev::Loader::new(path, o)
 }
 
@@ -315,8 +322,8 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         }
     }
     let budget = a
-        .memory_budget_mib
-        .map_or(shardkit::saev::DEFAULT_MEMORY_BUDGET, |m| m << 20);
+        .memory_budget()
+        .unwrap_or(shardkit::saev::DEFAULT_MEMORY_BUDGET);
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),
         ("dataset_bytes".into(), Value::int(dataset_bytes)),

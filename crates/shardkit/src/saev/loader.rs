@@ -666,7 +666,7 @@ struct Resident {
     /// From an object store: the next window's requests, in flight while the current windows
     /// are gathered (window index, the read, where each block lands).
     pending: Option<(usize, PendingRead, Vec<u64>)>,
-    /// Every window loaded so far, to count those still held (by `windows` or by batches not
+    /// Every window loaded from the store so far, to count those still held (by `windows` or by batches not
     /// yet gathered): with at most one, the window after `pending` may start before `pending`
     /// is in, and the loader still holds at most three.
     loaded: Vec<Weak<LoadedWindow>>,
@@ -760,18 +760,16 @@ impl SaevJob {
                 block_dst,
             }
         } else if self.direct {
+            // O_DIRECT from local shards (a store's windows always come as `pending`).
             let (ranges, block_dst, dst) = self.window_ranges(w);
             let mut buf = cx.buffer(&self.windows, dst as usize)?;
-            match src.ds.remote() {
-                Some((store, names)) => store.read_into(names, &ranges, buf.as_mut_bytes())?,
-                None => read_all(
-                    src,
-                    &plan_reads(ranges),
-                    buf.as_mut_bytes(),
-                    self.io_threads,
-                    true,
-                )?,
-            }
+            read_all(
+                src,
+                &plan_reads(ranges),
+                buf.as_mut_bytes(),
+                self.io_threads,
+                true,
+            )?;
             WindowData::Read { buf, block_dst }
         } else {
             // Reads of blocks not yet in the page cache started a window ahead (or start now);
@@ -826,15 +824,21 @@ impl SaevJob {
                 (Some(_), Some(next)) if r.held() <= 1 => self.start_window(next, cx)?,
                 _ => None,
             };
+            let from_store = pending.is_some();
             let loaded = Arc::new(self.load_window(w, pending, cx)?);
-            r.loaded.push(Arc::downgrade(&loaded));
+            if from_store {
+                r.loaded.push(Arc::downgrade(&loaded));
+            }
             r.windows.push_back(loaded);
             // The next window's reads overlap the gathering of this one.
-            match (self.direct, next) {
-                (false, Some(next)) => self.readahead(next),
-                (true, Some(_)) if early.is_some() => r.pending = early,
-                (true, Some(next)) => r.pending = self.start_window(next, cx)?,
-                _ => {}
+            if let Some(next) = next {
+                if !self.direct {
+                    self.readahead(next);
+                } else if early.is_some() {
+                    r.pending = early;
+                } else {
+                    r.pending = self.start_window(next, cx)?;
+                }
             }
         }
         let windows: Vec<Arc<LoadedWindow>> = r
