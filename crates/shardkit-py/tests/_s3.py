@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 
 def free_port() -> int:
@@ -52,6 +52,8 @@ class FaultProxy:
         self.active_gets = 0
         self.max_active_gets = 0
         self.get_delay_s = 0.0
+        # The paths of ranged GETs, in the order they arrived.
+        self.get_log: List[str] = []
         self.lock = threading.Lock()
         proxy = self
 
@@ -88,6 +90,7 @@ class FaultProxy:
                 self.counted = self.command == "GET" and "Range" in self.headers
                 if self.counted:
                     with proxy.lock:
+                        proxy.get_log.append(self.path)
                         proxy.active_gets += 1
                         proxy.max_active_gets = max(proxy.max_active_gets, proxy.active_gets)
                 try:

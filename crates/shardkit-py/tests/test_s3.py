@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
@@ -845,6 +846,94 @@ def test_reads_in_flight_together_share_the_request_limit(tmp_path: Path, s3: S3
                 s3.proxy.max_active_gets = 0
                 same_batches(batches(e3(e3_url)), want_e3)
                 assert s3.proxy.max_active_gets == limit, (limit, s3.proxy.max_active_gets)
+    finally:
+        s3.proxy.get_delay_s = 0.0
+
+
+def test_a_read_started_later_waits_for_the_earlier_ones_requests(tmp_path: Path, s3: S3) -> None:
+    """Two reads at once share the request slots first come first served, read by read: every
+    request of the read started first takes a slot before any of the later one's (which then
+    takes each slot the first frees). So a loader's next window never slows the window it
+    waits for."""
+    local = Path(big_saev(tmp_path / "saev", n=96))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+
+    def coords(shards: List[int]) -> tuple:
+        """Every token of layer 11 of the shards' examples (32 each): 1 MiB requests."""
+        examples = [e for s in shards for e in range(32 * s, 32 * s + 32) for _ in range(7)]
+        return examples, [11] * len(examples), [t for _ in range(32 * len(shards)) for t in range(7)]
+
+    reads = {"first": [0, 1], "second": [2]}
+    want = {k: np.array(saev.Dataset(str(local)).take(*coords(v))) for k, v in reads.items()}
+    s3.proxy.get_delay_s = 0.05
+    try:
+        with environment(s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="2", SHARDKIT_S3_REQUEST_MIB="1")):
+            ds = saev.Dataset(url)
+            got: Dict[str, np.ndarray] = {}
+            s3.proxy.get_log.clear()
+
+            def read(name: str) -> None:
+                got[name] = np.array(ds.take(*coords(reads[name])))
+
+            first = threading.Thread(target=read, args=("first",))
+            first.start()
+            deadline = time.monotonic() + 30
+            while not s3.proxy.get_log and time.monotonic() < deadline:
+                time.sleep(0.005)
+            second = threading.Thread(target=read, args=("second",))
+            second.start()
+            first.join()
+            second.join()
+        shards = [int(p.rsplit("acts", 1)[1].split(".")[0]) for p in s3.proxy.get_log]
+        assert shards.count(2) > 2 and len(shards) > shards.count(2) + 4, shards
+        # The first read's last request may reach the server just after the second read's
+        # first (it took its slot first, but was sent a moment later); shared slots without
+        # turns would interleave the two reads all along.
+        late = [s for s in shards[shards.index(2):] if s != 2]
+        assert len(late) <= 1, str(shards)
+        for name in reads:
+            np.testing.assert_array_equal(got[name], want[name])
+    finally:
+        s3.proxy.get_delay_s = 0.0
+
+
+def test_a_dropped_loader_stops_its_requests(tmp_path: Path, s3: S3) -> None:
+    """A saev loader dropped mid-epoch stops the requests of the window it had started ahead:
+    the store sees no new GET once it is gone (before, the next window's requests ran to their
+    end, holding the process's request slots from the loaders that come after)."""
+    local = Path(big_saev(tmp_path / "saev", n=128))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    deadline = time.monotonic() + 30
+    while s3.proxy.active_gets and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s3.proxy.active_gets == 0
+    # Windows of 36 examples (4 MiB of one layer, over a dozen requests), one request at a
+    # time, 0.1 s each: window 1's requests start early, queued behind window 0's, and are still
+    # running when the first batch comes. Batches of 8 rows: the batches prepared ahead of the
+    # first all lie in window 0, so no worker waits for window 1 when the loader is dropped.
+    s3.proxy.get_delay_s = 0.1
+    try:
+        with environment(s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="1", SHARDKIT_S3_REQUEST_MIB="1")):
+            make = lambda: saev.ShuffledLoader(url, layer=11, batch_size=8, seed=4, memory_budget=16 << 20)  # noqa: E731
+            loader = make()
+            it = iter(loader)
+            first = {k: np.array(v) for k, v in next(it).items() if v is not None}
+            assert len(first["act"]) == 8
+            del it, loader
+            gc.collect()
+            gone = s3.proxy.ranged_gets
+            time.sleep(1.0)
+            # At most the request on the wire when the loader went.
+            assert s3.proxy.ranged_gets - gone <= 1, s3.proxy.ranged_gets - gone
+            # The slot is free at once: a new loader reads exact batches.
+            again = next(iter(make()))
+            same_batches([{k: np.array(v) for k, v in again.items() if v is not None}], [first])
     finally:
         s3.proxy.get_delay_s = 0.0
 

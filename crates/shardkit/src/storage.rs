@@ -13,8 +13,9 @@
 //!
 //! Reads are ranged GETs: the ranges a batch needs are sorted, ranges of one object less than
 //! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and up to
-//! [`inflight`] requests (shared by the process's reads) run at once on one small tokio
-//! runtime; each response is copied into its place in the caller's buffer. Throttling (503
+//! [`inflight`] requests (shared by the process's reads, which take the slots in turn, first
+//! come first served) run at once on one small tokio runtime; each response is copied into its
+//! place in the caller's buffer. Throttling (503
 //! SlowDown), server errors, dropped connections (also mid-body) and timeouts are retried with
 //! exponential backoff, at most `SHARDKIT_S3_RETRIES` times (default 10) and for at most
 //! `SHARDKIT_S3_RETRY_TIMEOUT` seconds (default 180); then the read fails with an error naming
@@ -100,20 +101,30 @@ pub fn inflight() -> usize {
 
 static INFLIGHT: AtomicU64 = AtomicU64::new(0);
 
-/// The process's [`inflight`] request slots, shared by every read. A read started while
-/// another is still fetching (a loader's next window) queues behind it, first come first
-/// served: its requests take the slots the first read's last requests leave, so the store
-/// stays busy through that read's tail and at most `inflight` responses are held at once.
-/// Made again when [`inflight`] changes, and in a forked child (whose copy may count slots
-/// held by the parent's tasks, which do not exist there).
-fn request_permits() -> Arc<tokio::sync::Semaphore> {
-    static SLOTS: Mutex<Option<(u32, usize, Arc<tokio::sync::Semaphore>)>> = Mutex::new(None);
+/// The process's [`inflight`] request slots, shared by every read, and the turn to take them.
+/// Reads take the turn first come first served, and a read keeps it until each of its requests
+/// has a slot: a read started while another is still fetching (a loader's next window) queues
+/// behind all of the first read's requests, then takes each slot they leave. So the store stays
+/// busy through the first read's tail, the first read is not slowed by the second, and at most
+/// `inflight` responses are held at once. Made again when [`inflight`] changes, and in a forked
+/// child (whose copy may count slots held by the parent's tasks, which do not exist there).
+#[derive(Clone)]
+struct RequestSlots {
+    slots: Arc<tokio::sync::Semaphore>,
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
+
+fn request_slots() -> RequestSlots {
+    static SLOTS: Mutex<Option<(u32, usize, RequestSlots)>> = Mutex::new(None);
     let mut slots = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
     let (pid, n) = (std::process::id(), inflight());
     match &*slots {
         Some((p, m, s)) if *p == pid && *m == n => s.clone(),
         _ => {
-            let s = Arc::new(tokio::sync::Semaphore::new(n));
+            let s = RequestSlots {
+                slots: Arc::new(tokio::sync::Semaphore::new(n)),
+                turn: Arc::new(tokio::sync::Mutex::new(())),
+            };
             *slots = Some((pid, n, s.clone()));
             s
         }
@@ -649,28 +660,44 @@ impl Remote {
         ranges: &[ReadRange],
         buf: &mut [u8],
     ) -> Result<()> {
+        use futures::future::{select, Either};
         let requests = coalesce(ranges, COALESCE_GAP, max_request());
-        let permits = request_permits();
-        let fetches = futures::stream::iter(requests.into_iter().map(|req| {
-            let permits = permits.clone();
-            async move {
-                let _permit = permits.acquire_owned().await.map_err(|_| {
-                    Error::Internal("internal: the request limiter was closed".into())
-                })?;
-                let name = &names[req.file as usize];
-                let bytes = self.get_range(store, name, req.start..req.end).await?;
-                Ok::<_, Error>((req, bytes))
-            }
-        }))
-        .buffer_unordered(inflight());
-        futures::pin_mut!(fetches);
-        while let Some(done) = fetches.next().await {
-            let (req, bytes) = done?;
+        let RequestSlots { slots, turn } = request_slots();
+        let closed = |_| Error::Internal("internal: the request limiter was closed".into());
+        let copy = |(req, bytes): (Request, bytes::Bytes), buf: &mut [u8]| {
             for p in &req.pieces {
                 let from = (p.offset - req.start) as usize;
                 buf[p.dst as usize..(p.dst + p.len) as usize]
                     .copy_from_slice(&bytes[from..from + p.len as usize]);
             }
+        };
+        let mut running = futures::stream::FuturesUnordered::new();
+        // Only the read holding the turn waits for slots; the others wait for the turn.
+        let my_turn = turn.lock().await;
+        for req in requests {
+            // A slot frees when a request ends, this read's (driven here) or another's.
+            let slot = loop {
+                let free = slots.clone().acquire_owned();
+                futures::pin_mut!(free);
+                if running.is_empty() {
+                    break free.await.map_err(closed)?;
+                }
+                match select(free, running.next()).await {
+                    Either::Left((slot, _)) => break slot.map_err(closed)?,
+                    Either::Right((Some(done), _)) => copy(done?, buf),
+                    Either::Right((None, _)) => {}
+                }
+            };
+            running.push(async move {
+                let _slot = slot;
+                let name = &names[req.file as usize];
+                let bytes = self.get_range(store, name, req.start..req.end).await?;
+                Ok::<_, Error>((req, bytes))
+            });
+        }
+        drop(my_turn);
+        while let Some(done) = running.next().await {
+            copy(done?, buf);
         }
         Ok(())
     }
@@ -1234,7 +1261,9 @@ impl zarrs::storage::ReadableStorageTraits for ZarrRemote {
     }
 }
 
-/// A read running on the object-store runtime (see [`Remote::start_read`]).
+/// A read running on the object-store runtime (see [`Remote::start_read`]). Dropped before
+/// [`PendingRead::wait`] (a loader dropped mid-epoch), it stops: requests not yet sent are never
+/// sent, and its slots of the request limit go to other reads at once.
 pub(crate) struct PendingRead(
     Mutex<Option<tokio::task::JoinHandle<Result<crate::engine::Buffer>>>>,
 );
@@ -1253,6 +1282,17 @@ impl PendingRead {
             Err(e) => Err(Error::Internal(format!(
                 "an object-store read stopped: {e}"
             ))),
+        }
+    }
+}
+
+impl Drop for PendingRead {
+    fn drop(&mut self) {
+        let task = self.0.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(task) = task {
+            // Its futures are dropped at their next await: pages already fetched are still
+            // kept (on their own blocking tasks), and the buffer goes back to its pool.
+            task.abort();
         }
     }
 }
