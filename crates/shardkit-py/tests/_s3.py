@@ -181,6 +181,14 @@ class FaultProxy:
         with self.lock:
             self.kind, self.left, self.injected, self.on = kind, count, 0, on
 
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Waits until no GET is being answered: a stalled answer of an earlier test (its client
+        gave up long ago) may still be counted."""
+        deadline = time.monotonic() + timeout_s
+        while self.active_gets and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.active_gets == 0, f"{self.active_gets} GETs still being answered"
+
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import numpy as np
 import pytest
@@ -819,23 +819,17 @@ def test_reads_in_flight_together_share_the_request_limit(tmp_path: Path, s3: S3
     EAGLE-3 loader keeps several batches' requests in flight: those reads share the process's
     SHARDKIT_S3_INFLIGHT slots (the store never sees more GETs at once), every slot is used, and
     the batches are exact."""
-    local = Path(big_saev(tmp_path / "saev", n=64))
+    local, _, url = uploaded_big_saev(tmp_path, s3, n=64)
     cache = write_eagle3_cache(tmp_path / "eagle3", 9)
-    bucket = s3.bucket()
-    url, e3_url = f"s3://{bucket}/acts/{local.name}", f"s3://{bucket}/eagle3"
+    e3_url = f"s3://{s3.bucket()}/eagle3"
     with environment(s3.env()):
-        shardkit.upload(local, url)
         shardkit.upload(cache, e3_url)
     # Windows of 18 examples (2 MiB of one layer); each window is several 1 MiB requests.
     make = lambda p: saev.ShuffledLoader(p, layer=11, batch_size=64, seed=4, memory_budget=8 << 20)  # noqa: E731
     want = batches(make(local))
     e3 = lambda p: eagle3.Loader(p, batch_size=2, seed=3)  # noqa: E731
     want_e3 = batches(e3(cache))
-    # A stalled answer of an earlier test (its client gave up long ago) may still be counted.
-    deadline = time.monotonic() + 30
-    while s3.proxy.active_gets and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert s3.proxy.active_gets == 0
+    s3.proxy.wait_idle()
     s3.proxy.get_delay_s = 0.05
     try:
         for limit in (2, 3):
@@ -855,11 +849,7 @@ def test_a_read_started_later_waits_for_the_earlier_ones_requests(tmp_path: Path
     request of the read started first takes a slot before any of the later one's (which then
     takes each slot the first frees). So a loader's next window never slows the window it
     waits for."""
-    local = Path(big_saev(tmp_path / "saev", n=96))
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/acts/{local.name}"
-    with environment(s3.env()):
-        shardkit.upload(local, url)
+    local, _, url = uploaded_big_saev(tmp_path, s3, n=96)
 
     def coords(shards: List[int]) -> tuple:
         """Every token of layer 11 of the shards' examples (32 each): 1 MiB requests."""
@@ -904,15 +894,8 @@ def test_a_dropped_loader_stops_its_requests(tmp_path: Path, s3: S3) -> None:
     """A saev loader dropped mid-epoch stops the requests of the window it had started ahead:
     the store sees no new GET once it is gone (before, the next window's requests ran to their
     end, holding the process's request slots from the loaders that come after)."""
-    local = Path(big_saev(tmp_path / "saev", n=128))
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/acts/{local.name}"
-    with environment(s3.env()):
-        shardkit.upload(local, url)
-    deadline = time.monotonic() + 30
-    while s3.proxy.active_gets and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert s3.proxy.active_gets == 0
+    local, _, url = uploaded_big_saev(tmp_path, s3, n=128)
+    s3.proxy.wait_idle()
     # Windows of 36 examples (4 MiB of one layer, over a dozen requests), one request at a
     # time, 0.1 s each: window 1's requests start early, queued behind window 0's, and are still
     # running when the first batch comes. Batches of 8 rows: the batches prepared ahead of the
@@ -934,6 +917,39 @@ def test_a_dropped_loader_stops_its_requests(tmp_path: Path, s3: S3) -> None:
             # The slot is free at once: a new loader reads exact batches.
             again = next(iter(make()))
             same_batches([{k: np.array(v) for k, v in again.items() if v is not None}], [first])
+    finally:
+        s3.proxy.get_delay_s = 0.0
+
+
+def test_a_loader_closed_while_it_waits_for_a_window_goes_at_once(tmp_path: Path, s3: S3) -> None:
+    """A saev loader closed while it waits for a window from the store stops that window's
+    requests and returns, instead of waiting for the window to come in."""
+    local, _, url = uploaded_big_saev(tmp_path, s3, n=256)
+    s3.proxy.wait_idle()
+    # Windows of 36 examples (252 rows, a dozen 1 MiB requests), one request at a time, 0.1 s
+    # each. Batches of 512 rows: the first needs windows 0 to 2; while it is consumed, the
+    # loader prepares the next and waits for windows 3 and 4 (two seconds of requests).
+    s3.proxy.get_delay_s = 0.1
+    try:
+        with environment(s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="1", SHARDKIT_S3_REQUEST_MIB="1")):
+            loader = saev.ShuffledLoader(url, layer=11, batch_size=512, seed=4, memory_budget=40 << 20)
+            it = iter(loader)
+            first = next(it)
+            assert len(first["act"]) == 512
+            sent = s3.proxy.ranged_gets
+            deadline = time.monotonic() + 30
+            while s3.proxy.ranged_gets < sent + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert s3.proxy.ranged_gets >= sent + 2, "the loader fetched nothing ahead"
+            sent = s3.proxy.ranged_gets
+            t0 = time.monotonic()
+            it.close()  # type: ignore[attr-defined]
+            took = time.monotonic() - t0
+            time.sleep(1.0)
+            # At most the request on the wire when it closed (before, the windows' requests all
+            # ran, close waiting for them).
+            assert s3.proxy.ranged_gets - sent <= 1, s3.proxy.ranged_gets - sent
+            assert took < 1.0, took
     finally:
         s3.proxy.get_delay_s = 0.0
 
@@ -1661,6 +1677,17 @@ def big_saev(root: Path, n: int = 96) -> str:
     return w.path
 
 
+def uploaded_big_saev(tmp_path: Path, s3: S3, n: int = 96) -> Tuple[Path, str, str]:
+    """``big_saev`` written under ``tmp_path`` and uploaded to a new bucket: (local path, bucket,
+    url)."""
+    local = Path(big_saev(tmp_path / "saev", n=n))
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    return local, bucket, url
+
+
 def page_files(cache: Path) -> List[Path]:
     return [p for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")]
 
@@ -1669,10 +1696,7 @@ def test_the_cache_keeps_pages_not_whole_objects(tmp_path: Path, s3: S3, env: Di
     """A read through the cache fetches and keeps the pages it touches, not the objects: one row
     of a 7 MB shard costs one page; a cache smaller than the dataset keeps the most recent
     pages within its limit, and the batches are still exact."""
-    local = Path(big_saev(tmp_path / "saev"))
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/acts/{local.name}"
-    shardkit.upload(local, url)
+    local, _, url = uploaded_big_saev(tmp_path, s3)
     shard = min(p for p in local.iterdir() if p.name.startswith("acts"))
     assert shard.stat().st_size == 7 << 20
     page = 1 << 20
@@ -1716,10 +1740,7 @@ def test_the_cache_keeps_pages_not_whole_objects(tmp_path: Path, s3: S3, env: Di
 def test_the_cache_does_not_mix_versions_of_an_object(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     """Pages are kept per object version (its ETag): when an object is replaced, a new process
     reads the new bytes, and the old version's pages are removed."""
-    local = Path(big_saev(tmp_path / "saev", n=32))
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/acts/{local.name}"
-    shardkit.upload(local, url)
+    local, bucket, url = uploaded_big_saev(tmp_path, s3, n=32)
     cache = tmp_path / "cache"
     with environment({"SHARDKIT_CACHE_DIR": str(cache), "SHARDKIT_CACHE_PAGE_MIB": "1"}):
         np.testing.assert_array_equal(saev.Dataset(url).get(3, 11, 2), saev.Dataset(local).get(3, 11, 2))
@@ -1751,10 +1772,7 @@ def test_a_failure_to_keep_pages_is_reported_and_the_read_is_whole(
     """Pages are written after the read returns. When that fails (here a file stands where the
     pages' directory goes), the read is still whole and exact, and the failure is raised, naming
     the path, by wait_for_cache (or the next read through the cache), once."""
-    local = Path(big_saev(tmp_path / "saev", n=32))
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/acts/{local.name}"
-    shardkit.upload(local, url)
+    local, bucket, url = uploaded_big_saev(tmp_path, s3, n=32)
     cache = tmp_path / "cache"
     blocker = cache / bucket / "acts" / local.name / "acts000000.bin.pages"
     blocker.parent.mkdir(parents=True)
@@ -1785,10 +1803,7 @@ def test_ranks_of_a_node_share_one_cache(tmp_path: Path, s3: S3, env: Dict[str, 
     """Two processes (two ranks of a node) read the same dataset at once through one cache
     smaller than the data: each gets its exact batches, every page left is whole, no
     temporary is left behind, and the cache ends within its limit plus each one's overrun."""
-    local = Path(big_saev(tmp_path / "saev"))
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/acts/{local.name}"
-    shardkit.upload(local, url)
+    local, _, url = uploaded_big_saev(tmp_path, s3)
     cache = tmp_path / "cache"
     limit = 6 << 20
     script = f"""

@@ -15,12 +15,11 @@
 //! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and up to
 //! [`inflight`] requests (shared by the process's reads, which take the slots in turn, first
 //! come first served) run at once on one small tokio runtime; each response is copied into its
-//! place in the caller's buffer. Throttling (503
-//! SlowDown), server errors, dropped connections (also mid-body) and timeouts are retried with
-//! exponential backoff, at most `SHARDKIT_S3_RETRIES` times (default 10) and for at most
-//! `SHARDKIT_S3_RETRY_TIMEOUT` seconds (default 180); then the read fails with an error naming
-//! the object and the range. A response shorter than the range asked for is retried too, never
-//! served.
+//! place in the caller's buffer. Throttling (503 SlowDown), server errors, dropped connections
+//! (also mid-body) and timeouts are retried with exponential backoff, at most
+//! `SHARDKIT_S3_RETRIES` times (default 10) and for at most `SHARDKIT_S3_RETRY_TIMEOUT` seconds
+//! (default 180); then the read fails with an error naming the object and the range. A
+//! response shorter than the range asked for is retried too, never served.
 //!
 //! Writes are single PUTs for small objects and multipart uploads for large ones: an object
 //! appears whole or not at all, so a dataset's commit record, written last, is the only thing
@@ -661,6 +660,7 @@ impl Remote {
         buf: &mut [u8],
     ) -> Result<()> {
         use futures::future::{select, Either};
+        use futures::FutureExt;
         let requests = coalesce(ranges, COALESCE_GAP, max_request());
         let RequestSlots { slots, turn } = request_slots();
         let closed = |_| Error::Internal("internal: the request limiter was closed".into());
@@ -694,6 +694,12 @@ impl Remote {
                 let bytes = self.get_range(store, name, req.start..req.end).await?;
                 Ok::<_, Error>((req, bytes))
             });
+        }
+        // Poll once before handing the turn on, so this read's last request is sent before
+        // the next read's first (it took its slot first). A wake-up this noop-waker poll
+        // swallows is not lost: the queue of ready requests is drained on the next poll.
+        if let Some(Some(done)) = running.next().now_or_never() {
+            copy(done?, buf);
         }
         drop(my_turn);
         while let Some(done) = running.next().await {
@@ -1269,22 +1275,40 @@ pub(crate) struct PendingRead(
 );
 
 impl PendingRead {
-    /// The buffer, once every range is in (or the read's error).
-    pub(crate) fn wait(&self) -> Result<crate::engine::Buffer> {
-        let task = self
+    /// The buffer, once every range is in (or the read's error). Gives up, stopping the read,
+    /// when `stopped()` turns true (checked every [`STOP_POLL`]): a loader dropped while it
+    /// waits for a window goes at once, not when the window is in.
+    pub(crate) fn wait(&self, stopped: impl Fn() -> bool) -> Result<crate::engine::Buffer> {
+        let mut task = self
             .0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| Error::Internal("internal: a read waited for twice".into()))?;
-        match block_on(task)? {
-            Ok(read) => read,
-            Err(e) => Err(Error::Internal(format!(
+        let joined = block_on(async {
+            loop {
+                match tokio::time::timeout(STOP_POLL, &mut task).await {
+                    Ok(joined) => return Some(joined),
+                    Err(_) if stopped() => return None,
+                    Err(_) => {}
+                }
+            }
+        })?;
+        match joined {
+            Some(Ok(read)) => read,
+            Some(Err(e)) => Err(Error::Internal(format!(
                 "an object-store read stopped: {e}"
             ))),
+            None => {
+                task.abort();
+                Err(Error::Invalid("the loader was stopped".into()))
+            }
         }
     }
 }
+
+/// How often a [`PendingRead`] being waited for checks whether its loader was stopped.
+const STOP_POLL: Duration = Duration::from_millis(50);
 
 impl Drop for PendingRead {
     fn drop(&mut self) {
@@ -1674,7 +1698,7 @@ fn fetch_files(
     for (k, window) in windows.iter().enumerate() {
         let next = windows.get(k + 1).map(start).transpose()?;
         let buf = match pending.take() {
-            Some(p) => p.wait()?,
+            Some(p) => p.wait(|| false)?,
             None => break,
         };
         pending = next;

@@ -655,7 +655,8 @@ impl Job for Eagle3Job {
             mut buf, state: b, ..
         } = p;
         if let Some(pending) = &b.pending {
-            buf = pending.wait()?;
+            // A batch's requests are few: a dropped loader waits for them rather than checking.
+            buf = pending.wait(|| false)?;
         }
         let cache = &self.inner.cache;
         let m = cache.manifest();

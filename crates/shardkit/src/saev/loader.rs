@@ -666,9 +666,9 @@ struct Resident {
     /// From an object store: the next window's requests, in flight while the current windows
     /// are gathered (window index, the read, where each block lands).
     pending: Option<(usize, PendingRead, Vec<u64>)>,
-    /// Every window loaded from the store so far, to count those still held (by `windows` or by batches not
-    /// yet gathered): with at most one, the window after `pending` may start before `pending`
-    /// is in, and the loader still holds at most three.
+    /// Every window loaded from the store so far, to count those still held (by `windows` or
+    /// by batches not yet gathered): with at most one, the window after `pending` may start
+    /// before `pending` is in, and the loader still holds at most three.
     loaded: Vec<Weak<LoadedWindow>>,
 }
 
@@ -756,7 +756,7 @@ impl SaevJob {
         let win = &self.order.windows()[w];
         let data = if let Some((_, read, block_dst)) = pending {
             WindowData::Read {
-                buf: read.wait()?,
+                buf: read.wait(|| cx.stopped())?,
                 block_dst,
             }
         } else if self.direct {
