@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 
 def free_port() -> int:
@@ -54,6 +54,8 @@ class FaultProxy:
         self.get_delay_s = 0.0
         # The paths of ranged GETs, in the order they arrived.
         self.get_log: List[str] = []
+        # Whether each request (any method) came signed (with an Authorization header).
+        self.signed_log: List[bool] = []
         self.lock = threading.Lock()
         proxy = self
 
@@ -78,6 +80,8 @@ class FaultProxy:
 
             def _forward(self) -> None:
                 body = self._body()
+                with proxy.lock:
+                    proxy.signed_log.append("Authorization" in self.headers)
                 fault = None
                 targeted = (self.command == "GET" and "Range" in self.headers) if proxy.on == "GET" else self.command == proxy.on
                 if targeted:
@@ -252,10 +256,15 @@ class S3:
 
 
 @contextmanager
-def environment(env: Dict[str, str]) -> Iterator[None]:
-    """Sets ``env`` in os.environ for the block (shardkit reads it when a store is first used)."""
+def environment(env: Mapping[str, Optional[str]]) -> Iterator[None]:
+    """Sets ``env`` in os.environ for the block (shardkit reads it when a store is first used);
+    a None value unsets the variable."""
     old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -26,7 +26,7 @@ import pytest
 import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
 
-from _s3 import S3, environment
+from _s3 import S3, environment, free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -173,6 +173,78 @@ def test_saev_remote_refusals_name_the_object(tmp_path: Path, s3: S3, env: Dict[
         write_url = f"s3://{bucket}/ok"
         shardkit.upload(local, write_url)
         saev.ShuffledLoader(write_url, layer=5, verify=True)
+
+
+def without_credentials(tmp_path: Path, **extra: str) -> Dict[str, Optional[str]]:
+    """The environment of a machine with no AWS credentials anywhere (no keys, no ~/.aws
+    files), reaching the server at ``extra``'s endpoint."""
+    env: Dict[str, Optional[str]] = {
+        k: None for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+    }
+    env.update(
+        AWS_REGION="us-east-1",
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no-credentials"),
+        AWS_CONFIG_FILE=str(tmp_path / "no-config"),
+        **extra,
+    )
+    return env
+
+
+def test_the_s3_endpoint_is_taken_before_the_general_one(tmp_path: Path, s3: S3) -> None:
+    """AWS_ENDPOINT_URL_S3 names the server (plain HTTP allowed, as for AWS_ENDPOINT_URL) and
+    wins over AWS_ENDPOINT_URL, as in AWS's own tools."""
+    local = write_saev(tmp_path)
+    url = f"s3://{s3.bucket()}/{Path(local).name}"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    # Nothing listens on the general endpoint: a read sent there would fail.
+    env = s3.env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_ENDPOINT_URL_S3=s3.endpoint,
+                 SHARDKIT_S3_RETRIES="0")
+    with environment(env):
+        np.testing.assert_array_equal(saev.Dataset(url).get(7, 5, 3), saev.Dataset(local).get(7, 5, 3))
+
+
+def test_a_public_bucket_is_read_unsigned_without_credentials(tmp_path: Path, s3: S3) -> None:
+    """With AWS_SKIP_SIGNATURE=true a machine with no credentials reads a public bucket: every
+    request goes unsigned, and the batches are exact (a private bucket refuses them, naming the
+    object)."""
+    local = write_saev(tmp_path)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/{Path(local).name}"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    expected = batches(saev.ShuffledLoader(local, layer=11, batch_size=40, seed=5))
+    s3.proxy.signed_log.clear()
+    with environment(without_credentials(tmp_path, AWS_ENDPOINT_URL=s3.proxy.url, AWS_SKIP_SIGNATURE="true")):
+        with pytest.raises(shardkit.RemoteError, match=f"{url}/metadata.json: .*403"):
+            saev.Dataset(url)
+        public = {
+            "Version": "2012-10-17",
+            "Statement": [{
+                "Effect": "Allow", "Principal": "*", "Action": ["s3:GetObject", "s3:ListBucket"],
+                "Resource": [f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"],
+            }],
+        }
+        s3.client().put_bucket_policy(Bucket=bucket, Policy=json.dumps(public))
+        np.testing.assert_array_equal(saev.Dataset(url).get(7, 5, 3), saev.Dataset(local).get(7, 5, 3))
+        same_batches(batches(saev.ShuffledLoader(url, layer=11, batch_size=40, seed=5)), expected)
+    assert s3.proxy.signed_log and not any(s3.proxy.signed_log), s3.proxy.signed_log
+
+
+def test_without_credentials_the_error_says_what_to_set(tmp_path: Path, s3: S3) -> None:
+    """With no credentials set, object_store asks the instance metadata service (here a closed
+    port) as its last resort; the error names the dataset and says what to set."""
+    bucket = s3.bucket()
+    env = without_credentials(
+        tmp_path, AWS_ENDPOINT_URL=s3.endpoint, AWS_METADATA_ENDPOINT=f"http://127.0.0.1:{free_port()}",
+        SHARDKIT_S3_RETRIES="0",
+    )
+    with environment(env):
+        with pytest.raises(shardkit.RemoteError) as e:
+            saev.Dataset(f"s3://{bucket}/acts")
+    message = str(e.value)
+    assert f"s3://{bucket}/acts" in message, message
+    assert "AWS_ACCESS_KEY_ID" in message and "AWS_SKIP_SIGNATURE=true" in message, message
 
 
 def test_saev_written_to_a_store_is_byte_identical(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:

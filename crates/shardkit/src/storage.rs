@@ -8,8 +8,9 @@
 //! Every API that takes a path also takes an `s3://` URL. The endpoint, region and credentials
 //! come from the standard AWS environment (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
 //! `AWS_SESSION_TOKEN`, `AWS_REGION`/`AWS_DEFAULT_REGION`, `AWS_ENDPOINT_URL` for S3-compatible
-//! servers), falling back to the `[default]` (or `AWS_PROFILE`) section of `~/.aws/credentials`
-//! and `~/.aws/config`. Signing, retries and multipart uploads are the `object_store` crate's.
+//! servers, `AWS_ENDPOINT_URL_S3` before it), falling back to the `[default]` (or `AWS_PROFILE`)
+//! section of `~/.aws/credentials` and `~/.aws/config`; `AWS_SKIP_SIGNATURE=true` reads public
+//! buckets unsigned. Signing, retries and multipart uploads are the `object_store` crate's.
 //!
 //! Reads are ranged GETs: the ranges a batch needs are sorted, ranges of one object less than
 //! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and up to
@@ -346,8 +347,11 @@ fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
             b = b.with_config(AmazonS3ConfigKey::Region, r);
         }
     }
-    // A plain-HTTP endpoint (a loopback or on-premises server) is allowed when named.
-    let endpoint = b.get_config_value(&AmazonS3ConfigKey::Endpoint);
+    // A plain-HTTP endpoint (a loopback or on-premises server) is allowed when named; the
+    // S3-specific one (`AWS_ENDPOINT_URL_S3`) wins over the general one, as in AWS's tools.
+    let endpoint = b
+        .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
+        .or_else(|| b.get_config_value(&AmazonS3ConfigKey::Endpoint));
     let http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
@@ -485,10 +489,20 @@ impl Remote {
                 what: "no such object".into(),
             };
         }
+        let mut message = e.to_string();
+        if message.contains("/latest/api/token") || message.contains("/latest/meta-data/iam/") {
+            // object_store's last resort, which a machine outside a cloud fails slowly and
+            // cryptically.
+            message.push_str(
+                " (no credentials were set, so they were asked of the instance metadata \
+                 service, which failed: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or \
+                 AWS_PROFILE, or AWS_SKIP_SIGNATURE=true to read a public bucket unsigned)",
+            );
+        }
         Error::Remote {
             object: object.display().to_string(),
             range,
-            message: e.to_string(),
+            message,
         }
     }
 
