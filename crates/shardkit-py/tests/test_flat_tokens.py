@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import shardkit
 from shardkit import IncompleteDatasetError, flat_tokens
+from shardkit import _shardkit as _core
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "flat_tokens" / "seqax_synthetic_dataset.zarr"
@@ -282,3 +284,36 @@ def test_buffers_read_ahead_survive_a_fork(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0
     rest = [b["targets"].copy() for b in it]
     assert all((a == b).all() for a, b in zip(rest, want[1:]))
+
+
+def test_buffers_of_many_groups_equal_rows_read_one_by_one(tmp_path):
+    """A shuffle buffer of more than one fetch group (16 Mi tokens) is fetched and decoded in
+    groups, several at once: its batches equal those read row by row, and a read failing in a
+    later group ends the pass with the error instead of a shorter epoch."""
+    path = tmp_path / "big.zarr"
+    rng = np.random.default_rng(7)
+    with flat_tokens.Writer(path, "train", layout="v3", progress=False) as w:
+        while w.token_count < 40 << 20:
+            lengths = rng.integers(1, 4096, size=1024)
+            ids = rng.integers(1, 50_000, size=int(lengths.sum()), dtype=np.uint32)
+            w.append(np.split(ids, np.cumsum(lengths)[:-1]))
+    kw = dict(seq_len=2048, batch_size=64, seed=11)
+    in_memory = flat_tokens.Loader(path, "train", buffer_in_memory=True, **kw)
+    assert in_memory.buffers_in_memory
+    by_row = flat_tokens.Loader(path, "train", buffer_in_memory=False, **kw)
+    n = 0
+    for a, b in zip(in_memory, by_row):
+        for k in ("targets", "inputs", "segment_ids", "is_seq_start"):
+            np.testing.assert_array_equal(a[k], b[k], err_msg=f"step {n}: {k}")
+        n += 1
+    assert n == len(by_row) and n * 64 * 2048 >= 40 << 20, n
+    # The buffer's third group fails to read (its fetches are the loader's first reads).
+    _core._inject_fault("read_fails", 2)
+    try:
+        got = 0
+        with pytest.raises(shardkit.ShardkitOSError, match="big.zarr") as e:
+            for _ in flat_tokens.Loader(path, "train", buffer_in_memory=True, **kw):
+                got += 1
+        assert e.value.errno == 5 and got == 0, (e.value, got)  # EIO, before any batch
+    finally:
+        _core._clear_faults()

@@ -211,6 +211,36 @@ fn fetch_lanes(path: &std::path::Path) -> usize {
     want.div_ceil(group_bytes).clamp(2, 16) as usize
 }
 
+/// Groups of a shuffle buffer being decoded, at most a given number at once
+/// ([`TokenLoader::read_buffer`]).
+#[derive(Default)]
+struct DecodeSlots {
+    taken: std::sync::Mutex<usize>,
+    freed: std::sync::Condvar,
+}
+
+impl DecodeSlots {
+    /// Waits until fewer than `most` are taken, and takes one (given back when dropped, a
+    /// panicking decode's too).
+    fn take(&self, most: usize) -> DecodeSlot<'_> {
+        let mut n = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        while *n >= most {
+            n = self.freed.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+        *n += 1;
+        DecodeSlot(self)
+    }
+}
+
+struct DecodeSlot<'a>(&'a DecodeSlots);
+
+impl Drop for DecodeSlot<'_> {
+    fn drop(&mut self) {
+        *self.0.taken.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+        self.0.freed.notify_one();
+    }
+}
+
 /// One stream's shuffle buffer of one minipoch, in memory: the tokens of every sequence it
 /// holds (a packed row, or a document cut to the row length).
 struct Resident {
@@ -562,7 +592,8 @@ impl TokenLoader {
 
     /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
     /// pieces of at most [`BUFFER_PIECE_TOKENS`], fetched in groups of about [`GROUP_TOKENS`]
-    /// ([`fetch_lanes`] groups at once) and decoded in parallel as they arrive.
+    /// ([`fetch_lanes`] groups at once) and decoded in parallel as they arrive, several groups
+    /// at once.
     fn read_buffer(&self, schedule: &Schedule, key: (u64, u64, u64)) -> Result<Resident> {
         let split = &self.inner.split;
         let pool = self.gather_pool()?;
@@ -660,10 +691,38 @@ impl TokenLoader {
                 })
                 .collect();
             drop(tx);
+            // Several groups decode at once, each on its own task of the pool: one group's
+            // pieces alone would leave threads idle behind its slowest piece (a group is
+            // GROUP_TOKENS / split::DECODE_PIECE = 16 pieces, fewer than the cores of a big
+            // machine). At most `decoding` groups at once bounds the fetched bytes held.
+            let decoding = pool.current_num_threads().div_ceil(16) + 1;
+            let busy = DecodeSlots::default();
+            let decoded = std::sync::Mutex::new(Vec::with_capacity(groups.len()));
+            let failed = std::sync::atomic::AtomicBool::new(false);
+            pool.in_place_scope(|tasks| {
+                let (busy, decoded, failed) = (&busy, &decoded, &failed);
+                for (i, fetched) in rx.iter() {
+                    if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    let slot = busy.take(decoding);
+                    tasks.spawn(move |_| {
+                        let _slot = slot;
+                        let got = fetched.and_then(|f| split.decode_encoded(&f, pool));
+                        if got.is_err() {
+                            failed.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        decoded
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push((i, got));
+                    });
+                }
+            });
             let mut result = Ok(());
             let mut decoded_groups = 0;
-            for (i, fetched) in rx.iter() {
-                match fetched.and_then(|f| split.decode_encoded(&f, pool)) {
+            for (i, got) in decoded.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                match got {
                     Ok(decoded) => {
                         let first = groups[i].0;
                         for (k, piece) in decoded.into_iter().enumerate() {
@@ -672,8 +731,9 @@ impl TokenLoader {
                         decoded_groups += 1;
                     }
                     Err(e) => {
-                        result = Err(e);
-                        break;
+                        if result.is_ok() {
+                            result = Err(e);
+                        }
                     }
                 }
             }
