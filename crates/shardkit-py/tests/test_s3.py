@@ -247,6 +247,21 @@ def test_without_credentials_the_error_says_what_to_set(tmp_path: Path, s3: S3) 
     assert "AWS_ACCESS_KEY_ID" in message and "AWS_SKIP_SIGNATURE=true" in message, message
 
 
+@pytest.mark.parametrize("name,value", [
+    ("SHARDKIT_S3_INFLIGHT", "many"), ("SHARDKIT_S3_TIMEOUT", "-1"), ("SHARDKIT_S3_RETRY_TIMEOUT", "1e999"),
+    ("SHARDKIT_CACHE_GIB", "50GB"), ("SHARDKIT_S3_LOCK", "maybe"),
+])
+def test_a_setting_that_does_not_parse_is_refused_naming_it(tmp_path: Path, s3: S3, name: str, value: str) -> None:
+    """A typo in a setting is an error naming the variable when the store is first used, not a
+    silent fall back to the default."""
+    bucket = s3.bucket()
+    with environment(s3.env(**{name: value})):
+        with pytest.raises(shardkit.InvalidArgumentError, match=f"{name}=\"{value}\" is not"):
+            saev.Dataset(f"s3://{bucket}/acts")
+        with pytest.raises(shardkit.InvalidArgumentError, match=name):
+            saev.Writer(f"s3://{bucket}/new", saev_metadata(), progress=False)
+
+
 def test_saev_written_to_a_store_is_byte_identical(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     bucket = s3.bucket()
     local = Path(write_saev(tmp_path / "local"))

@@ -33,6 +33,7 @@
 pub mod checksum;
 pub mod eagle3;
 pub mod engine;
+mod env;
 pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;

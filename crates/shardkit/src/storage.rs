@@ -137,8 +137,35 @@ pub fn set_inflight(n: usize) {
     INFLIGHT.store(n as u64, Ordering::Relaxed);
 }
 
+/// A whole-number setting; one that does not parse was refused when the store was first used
+/// ([`check_settings`]).
 fn env_u64(key: &str) -> Option<u64> {
-    std::env::var(key).ok()?.trim().parse().ok()
+    crate::env::whole(key).ok().flatten()
+}
+
+/// Checks every numeric `SHARDKIT_S3_*` and `SHARDKIT_CACHE_*` setting, when a store is used:
+/// one that is set but does not parse is an error naming it (the getters, which cannot fail,
+/// would otherwise fall back to their defaults without a word).
+fn check_settings() -> Result<()> {
+    for name in [
+        "SHARDKIT_S3_INFLIGHT",
+        "SHARDKIT_S3_REQUEST_MIB",
+        "SHARDKIT_S3_RETRIES",
+        "SHARDKIT_S3_LOCK_LEASE_S",
+        "SHARDKIT_CACHE_PAGE_MIB",
+    ] {
+        crate::env::whole(name)?;
+    }
+    for name in [
+        "SHARDKIT_S3_TIMEOUT",
+        "SHARDKIT_S3_CONNECT_TIMEOUT",
+        "SHARDKIT_S3_RETRY_TIMEOUT",
+        "SHARDKIT_CACHE_GIB",
+    ] {
+        crate::env::number(name)?;
+    }
+    crate::env::switch("SHARDKIT_S3_LOCK")?;
+    Ok(())
 }
 
 /// Whether `path` names an object-store location (`s3://` or `s3a://`).
@@ -322,6 +349,7 @@ fn aws_files() -> Vec<(AmazonS3ConfigKey, String)> {
 
 /// One client per bucket, shared by every dataset of the process (its connection pool too).
 fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
+    check_settings()?;
     static STORES: OnceLock<Mutex<HashMap<String, Arc<AmazonS3>>>> = OnceLock::new();
     let mut stores = STORES
         .get_or_init(Default::default)
@@ -355,14 +383,9 @@ fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
     let http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
-    let secs = |key: &str, default: u64| {
-        Duration::from_secs_f64(
-            std::env::var(key)
-                .ok()
-                .and_then(|v| v.trim().parse::<f64>().ok())
-                .unwrap_or(default as f64)
-                .max(0.001),
-        )
+    let secs = |key: &str, default: u64| -> Result<Duration> {
+        let s = crate::env::number(key)?.unwrap_or(default as f64);
+        Ok(Duration::from_secs_f64(s.clamp(0.001, 1e9)))
     };
     let retry = RetryConfig {
         backoff: BackoffConfig {
@@ -371,12 +394,12 @@ fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
             base: 2.0,
         },
         max_retries: env_u64("SHARDKIT_S3_RETRIES").unwrap_or(10) as usize,
-        retry_timeout: secs("SHARDKIT_S3_RETRY_TIMEOUT", 180),
+        retry_timeout: secs("SHARDKIT_S3_RETRY_TIMEOUT", 180)?,
     };
     let client = ClientOptions::new()
         .with_allow_http(http)
-        .with_timeout(secs("SHARDKIT_S3_TIMEOUT", 60))
-        .with_connect_timeout(secs("SHARDKIT_S3_CONNECT_TIMEOUT", 10))
+        .with_timeout(secs("SHARDKIT_S3_TIMEOUT", 60)?)
+        .with_connect_timeout(secs("SHARDKIT_S3_CONNECT_TIMEOUT", 10)?)
         .with_pool_max_idle_per_host(1024);
     let store = b
         .with_retry(retry)

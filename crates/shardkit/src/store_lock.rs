@@ -46,10 +46,11 @@ fn held_here(token: &str) -> bool {
 
 /// Seconds a lock stays valid after its last renewal.
 fn lease_s() -> u64 {
-    std::env::var("SHARDKIT_S3_LOCK_LEASE_S")
+    // A value that does not parse was refused when the store was first used.
+    crate::env::whole("SHARDKIT_S3_LOCK_LEASE_S")
         .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(120u64)
+        .flatten()
+        .unwrap_or(120)
         .max(1)
 }
 
@@ -246,7 +247,7 @@ impl StoreLock {
     /// Takes the lock of the dataset at `target`, or fails with [`Error::LockedRemote`]
     /// naming its holder.
     pub(crate) fn acquire(target: &Remote) -> Result<StoreLock> {
-        if std::env::var("SHARDKIT_S3_LOCK").is_ok_and(|v| v == "0") {
+        if crate::env::switch("SHARDKIT_S3_LOCK")? == Some(false) {
             return Ok(StoreLock {
                 shared: None,
                 stop: None,

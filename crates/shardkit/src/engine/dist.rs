@@ -3,30 +3,16 @@
 
 use crate::error::{Error, Result};
 
-fn env_u64(name: &str) -> Result<Option<u64>> {
-    match std::env::var(name) {
-        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
-            Error::Invalid(format!(
-                "environment variable {name}={v:?} is not a non-negative integer"
-            ))
-        }),
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(v)) => Err(Error::Invalid(format!(
-            "environment variable {name}={v:?} is not a non-negative integer"
-        ))),
-    }
-}
-
 /// `(rank, world_size)`: the given values, else `$RANK` / `$WORLD_SIZE`, else `(0, 1)`.
 /// A malformed variable, a world size of 0 and a rank not below the world size are errors.
 pub(crate) fn rank_and_world(rank: Option<u64>, world_size: Option<u64>) -> Result<(u64, u64)> {
     let world = match world_size {
         Some(w) => w,
-        None => env_u64("WORLD_SIZE")?.unwrap_or(1),
+        None => crate::env::whole("WORLD_SIZE")?.unwrap_or(1),
     };
     let rank = match rank {
         Some(r) => r,
-        None => env_u64("RANK")?.unwrap_or(0),
+        None => crate::env::whole("RANK")?.unwrap_or(0),
     };
     if world == 0 || rank >= world {
         return Err(Error::Invalid(format!(

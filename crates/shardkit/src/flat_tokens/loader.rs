@@ -958,18 +958,9 @@ fn buffer_bytes(schedule: &Schedule, host_rows: &Range<u64>, seq_len: u64) -> u6
 
 /// `SHARDKIT_TOKEN_BUFFER_GIB` in bytes (16 GiB when unset).
 fn buffer_cap() -> Result<u64> {
-    match std::env::var("SHARDKIT_TOKEN_BUFFER_GIB") {
-        Err(_) => Ok(BUFFER_GIB << 30),
-        Ok(v) => v
-            .trim()
-            .parse::<u64>()
-            .map(|g| g.saturating_mul(1 << 30))
-            .map_err(|_| {
-                Error::Invalid(format!(
-                    "SHARDKIT_TOKEN_BUFFER_GIB must be a whole number of GiB, got {v:?}"
-                ))
-            }),
-    }
+    Ok(crate::env::whole("SHARDKIT_TOKEN_BUFFER_GIB")?
+        .unwrap_or(BUFFER_GIB)
+        .saturating_mul(1 << 30))
 }
 
 /// Batches prepared ahead by [`TokenLoader::iter`].

@@ -51,11 +51,12 @@ pub fn cache_dir() -> Option<PathBuf> {
 }
 
 fn cache_limit() -> u64 {
-    let gib = std::env::var("SHARDKIT_CACHE_GIB")
+    // A value that does not parse was refused when the store was first used.
+    let gib = crate::env::number("SHARDKIT_CACHE_GIB")
         .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
+        .flatten()
         .unwrap_or(32.0);
-    (gib.max(0.0) * (1u64 << 30) as f64) as u64
+    (gib * (1u64 << 30) as f64) as u64
 }
 
 /// Bytes per cached page of a data object (`SHARDKIT_CACHE_PAGE_MIB`, 1 to 64, default 4).
