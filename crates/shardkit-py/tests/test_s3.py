@@ -1041,6 +1041,59 @@ def test_a_loader_closed_while_it_waits_for_a_window_goes_at_once(tmp_path: Path
         s3.proxy.get_delay_s = 0.0
 
 
+def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, s3: S3) -> None:
+    """A flat-tokens loader from a store reads the next minipoch's shuffle buffer in the
+    background; closed, it stops that read (only the groups already being fetched finish)
+    instead of fetching the buffer for nobody, and close does not wait for it."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(1, 1000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 200, size=1000)]
+    local = tmp_path / "tokens"
+    with flat_tokens.Writer(local, "train", "v3", progress=False, tokens_per_chunk=256, tokens_per_shard=4096) as w:
+        w.append(docs)
+    url = f"s3://{s3.bucket()}/tok"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    s3.proxy.wait_idle()
+    # Two minipochs of about 50 k tokens each, read in groups of one 512-token block (a data
+    # range, and the first time a shard is met its index: at most 2 GETs a group). The groups
+    # are small, so the loader fetches 16 at a time, each waiting for the one request slot;
+    # 20 ms a request: the second buffer's read takes seconds.
+    kw = dict(seq_len=64, batch_size=8, sequences_per_read_block=8, read_blocks_per_shuffle_buffer=100)
+    want = batches(flat_tokens.Loader(local, "train", **kw))
+    s3.proxy.get_delay_s = 0.02
+    try:
+        env = s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="1", SHARDKIT_S3_REQUEST_MIB="1",
+                     SHARDKIT_TEST_TOKEN_GROUP="512")
+        with environment(env):
+            loader = flat_tokens.Loader(url, "train", buffer_in_memory=True, **kw)
+            assert loader.buffers_in_memory and len(want) > 150
+            it = iter(loader)
+            same_batches([{k: np.array(v) for k, v in next(it).items() if v is not None}], want[:1])
+            sent = s3.proxy.ranged_gets
+            deadline = time.monotonic() + 30
+            while s3.proxy.ranged_gets < sent + 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert s3.proxy.ranged_gets >= sent + 2, "the next buffer was not read ahead"
+            sent = s3.proxy.ranged_gets
+            t0 = time.monotonic()
+            it.close()  # type: ignore[attr-defined]
+            took = time.monotonic() - t0
+            time.sleep(2.0)
+            late = s3.proxy.ranged_gets - sent
+            assert took < 1.0, took
+        # The loader is whole: iterated again, it resumes after the batch it gave, exactly,
+        # reading the second buffer anew.
+        s3.proxy.get_delay_s = 0.0
+        with environment(env):
+            before = s3.proxy.ranged_gets
+            same_batches(batches(loader), want[1:])
+            whole = s3.proxy.ranged_gets - before
+        # After close, at most the 16 groups being fetched: a small part of the buffer's GETs.
+        assert late <= 32 and 4 * late <= whole, (late, whole)
+    finally:
+        s3.proxy.get_delay_s = 0.0
+
+
 @pytest.mark.parametrize("kind", ["503", "drop"])
 def test_faults_through_the_cache_never_reach_a_page(tmp_path: Path, s3: S3, kind: str) -> None:
     """Through the local cache, faults are retried as without it and the pages kept are the

@@ -191,12 +191,19 @@ const MAX_BATCH_TOKENS: u64 = 1 << 31;
 const PREFETCH: usize = 4;
 /// Default bound on the shuffle buffers held in memory when reading from an object store.
 const BUFFER_GIB: u64 = 16;
-/// The longest contiguous piece of a shuffle buffer in memory, in tokens: no more than a
-/// group, so that a buffer of long contiguous runs still comes in many groups.
-const BUFFER_PIECE_TOKENS: u64 = GROUP_TOKENS;
-
 /// Tokens of a buffer fetched together (a v3 shard's worth by default, 32 MB or so stored).
 const GROUP_TOKENS: u64 = 1 << 24;
+
+/// [`GROUP_TOKENS`], or `SHARDKIT_TEST_TOKEN_GROUP` (tests only: small datasets in many
+/// groups). It also bounds the longest contiguous piece of a buffer in memory, so that a
+/// buffer of long contiguous runs still comes in many groups.
+fn group_tokens() -> u64 {
+    crate::env::whole("SHARDKIT_TEST_TOKEN_GROUP")
+        .ok()
+        .flatten()
+        .filter(|&n| n > 0)
+        .unwrap_or(GROUP_TOKENS)
+}
 
 /// Groups of a buffer fetched at once: from a store, enough to keep `inflight` requests of
 /// the request size outstanding (2 to 16); locally 4 (reads of local files are quick, and a
@@ -206,7 +213,7 @@ fn fetch_lanes(path: &std::path::Path) -> usize {
         return 4;
     }
     // About 2 stored bytes per token (zstd over typical token ids).
-    let group_bytes = 2 * GROUP_TOKENS;
+    let group_bytes = 2 * group_tokens();
     let want = crate::storage::inflight() as u64 * crate::storage::max_request();
     want.div_ceil(group_bytes).clamp(2, 16) as usize
 }
@@ -302,7 +309,17 @@ struct Residents {
 /// A shuffle buffer being read on a thread of its own.
 struct ReadAhead {
     key: (u64, u64, u64),
-    read: std::thread::JoinHandle<Result<Resident>>,
+    /// The read's result, once it is done (disconnected: the thread panicked).
+    read: std::sync::mpsc::Receiver<Result<Resident>>,
+    /// Set to stop the read (its iterator was dropped): no further group is fetched.
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// How often a step waiting for a shuffle buffer read ahead checks whether its stream stopped.
+const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+fn stopped_error() -> Error {
+    Error::Invalid("the loader was stopped".into())
 }
 
 /// The split's files with their checksums, mapped on first use.
@@ -539,30 +556,57 @@ impl TokenLoader {
         self.inner.residents.is_some()
     }
 
+    /// This process's shuffle buffers, with buffers in memory (a forked child leaves its
+    /// parent's alone, leaked).
+    fn residents(&self) -> Option<Arc<Residents>> {
+        let residents = self.inner.residents.as_ref()?;
+        let mut r = residents.lock().unwrap_or_else(|e| e.into_inner());
+        let pid = std::process::id();
+        if r.0 != pid {
+            std::mem::forget(std::mem::replace(&mut *r, (pid, Arc::default())));
+        }
+        Some(r.1.clone())
+    }
+
     /// The in-memory shuffle buffer `key` = (epoch, minipoch, stream) of `schedule`: held, or
     /// read ahead (waited for), or read now. Buffers of earlier minipochs are let go (steps
     /// already prepared keep theirs). Under [`TokenLoader::iter`], the same stream's buffer of
     /// the next minipoch of the epoch is then read ahead, so that only the first minipoch's
-    /// steps wait for a read.
+    /// steps wait for a read. A read (or the wait for one ahead) gives up when `stopped()`
+    /// turns true: a dropped iterator does not wait for a buffer of gigabytes.
     fn resident(
         &self,
         schedule: &Arc<Schedule>,
         key: (u64, u64, u64),
         residents: &Residents,
+        stopped: &(dyn Fn() -> bool + Sync),
     ) -> Result<Arc<Resident>> {
         let mut held = residents.held.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = held.iter().find(|r| r.key == key) {
             return Ok(r.clone());
         }
         held.retain(|r| (r.key.0, r.key.1) == (key.0, key.1));
-        let mut ahead = residents.ahead.lock().unwrap_or_else(|e| e.into_inner());
-        let pending = ahead.iter().position(|a| a.key == key);
-        let r = match pending.map(|i| ahead.swap_remove(i)) {
-            Some(a) => a
-                .read
-                .join()
-                .unwrap_or_else(|_| Err(Error::Internal("a buffer read-ahead panicked".into())))?,
-            None => self.read_buffer(schedule, key)?,
+        // Not held while waiting, so that a dropped iterator can stop the reads ahead.
+        let pending = {
+            let mut ahead = residents.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            let i = ahead.iter().position(|a| a.key == key);
+            i.map(|i| ahead.swap_remove(i))
+        };
+        let r = match pending {
+            Some(a) => loop {
+                match a.read.recv_timeout(STOP_POLL) {
+                    Ok(r) => break r?,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) if stopped() => {
+                        a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                        return Err(stopped_error());
+                    }
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                        return Err(Error::Internal("a buffer read-ahead panicked".into()))
+                    }
+                }
+            },
+            None => self.read_buffer(schedule, key, stopped)?,
         };
         let r = Arc::new(r);
         held.push(r.clone());
@@ -572,29 +616,50 @@ impl TokenLoader {
             .streaming
             .load(std::sync::atomic::Ordering::Relaxed);
         if streaming && next.1 < schedule.minipochs() {
-            // Reads of minipochs already passed are let go (a detached thread finishes its
-            // one buffer and drops it).
-            ahead.retain(|a| (a.key.0, a.key.1) >= (next.0, next.1));
+            let mut ahead = residents.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            // Reads of minipochs already passed are stopped and let go.
+            ahead.retain(|a| {
+                let keep = (a.key.0, a.key.1) >= (next.0, next.1);
+                if !keep {
+                    a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                keep
+            });
             if !ahead.iter().any(|a| a.key == next) {
                 let (me, schedule) = (self.clone(), schedule.clone());
-                let read = std::thread::Builder::new()
+                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                let (tx, read) = std::sync::mpsc::sync_channel(1);
+                let stop2 = stop.clone();
+                std::thread::Builder::new()
                     .name("shardkit-buffer".into())
-                    .spawn(move || me.read_buffer(&schedule, next))
+                    .spawn(move || {
+                        let stopped = || stop2.load(std::sync::atomic::Ordering::Relaxed);
+                        let _ = tx.send(me.read_buffer(&schedule, next, &stopped));
+                    })
                     .map_err(|e| Error::Thread {
                         what: "a shuffle buffer's read-ahead".into(),
                         source: e,
                     })?;
-                ahead.push(ReadAhead { key: next, read });
+                ahead.push(ReadAhead {
+                    key: next,
+                    read,
+                    stop,
+                });
             }
         }
         Ok(r)
     }
 
     /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
-    /// pieces of at most [`BUFFER_PIECE_TOKENS`], fetched in groups of about [`GROUP_TOKENS`]
+    /// pieces of at most [`group_tokens`], fetched in groups of about as many tokens
     /// ([`fetch_lanes`] groups at once) and decoded in parallel as they arrive, several groups
     /// at once.
-    fn read_buffer(&self, schedule: &Schedule, key: (u64, u64, u64)) -> Result<Resident> {
+    fn read_buffer(
+        &self,
+        schedule: &Schedule,
+        key: (u64, u64, u64),
+        stopped: &(dyn Fn() -> bool + Sync),
+    ) -> Result<Resident> {
         let split = &self.inner.split;
         let pool = self.gather_pool()?;
         let pool = pool.pool();
@@ -635,13 +700,14 @@ impl TokenLoader {
             }
         }
         // Contiguous spans of tokens, cut between sequences to stay within a piece.
+        let group = group_tokens();
         let mut spans: Vec<Range<u64>> = Vec::new();
         let mut rows = std::collections::HashMap::with_capacity(seqs.len());
         for (seq, r) in seqs {
             let n = (r.end - r.start) as usize;
             let piece = spans.len();
             match spans.last_mut() {
-                Some(last) if last.end == r.start && r.end - last.start <= BUFFER_PIECE_TOKENS => {
+                Some(last) if last.end == r.start && r.end - last.start <= group => {
                     rows.insert(seq, (piece - 1, (r.start - last.start) as usize, n));
                     last.end = r.end;
                 }
@@ -651,14 +717,14 @@ impl TokenLoader {
                 }
             }
         }
-        // Groups of spans of about GROUP_TOKENS tokens, several fetched at once while those
+        // Groups of spans of about `group` tokens, several fetched at once while those
         // already fetched decode (in whatever order they arrive): reading a buffer takes the
         // longer of fetching and decoding, not their sum.
         let mut groups: Vec<(usize, Vec<Range<u64>>)> = vec![(0, Vec::new())];
         let mut tokens = 0;
         let n_spans = spans.len();
         for (i, span) in spans.into_iter().enumerate() {
-            if tokens >= GROUP_TOKENS {
+            if tokens >= group {
                 groups.push((i, Vec::new()));
                 tokens = 0;
             }
@@ -680,6 +746,9 @@ impl TokenLoader {
                 .map(|_| {
                     let tx = tx.clone();
                     scope.spawn(move || loop {
+                        if stopped() {
+                            return;
+                        }
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let Some((_, g)) = groups.get(i) else {
                             return;
@@ -702,7 +771,7 @@ impl TokenLoader {
             pool.in_place_scope(|tasks| {
                 let (busy, decoded, failed) = (&busy, &decoded, &failed);
                 for (i, fetched) in rx.iter() {
-                    if failed.load(std::sync::atomic::Ordering::Relaxed) {
+                    if failed.load(std::sync::atomic::Ordering::Relaxed) || stopped() {
                         break;
                     }
                     let slot = busy.take(decoding);
@@ -719,7 +788,11 @@ impl TokenLoader {
                     });
                 }
             });
-            let mut result = Ok(());
+            let mut result = if stopped() {
+                Err(stopped_error())
+            } else {
+                Ok(())
+            };
             let mut decoded_groups = 0;
             for (i, got) in decoded.into_inner().unwrap_or_else(|e| e.into_inner()) {
                 match got {
@@ -788,7 +861,10 @@ impl TokenLoader {
                 StreamOptions { ahead: PREFETCH },
             ),
         };
-        Batches { stream }
+        Batches {
+            stream,
+            residents: self.residents(),
+        }
     }
 }
 
@@ -810,16 +886,7 @@ impl Job for TokenLoader {
         let rows = self.sequences(step)?;
         // With buffers in memory: the buffer each row is served from, read now if new.
         let mut from = Vec::new();
-        if let Some(residents) = &self.inner.residents {
-            // This process's buffers (a forked child leaves its parent's alone, leaked).
-            let residents = {
-                let mut r = residents.lock().unwrap_or_else(|e| e.into_inner());
-                let pid = std::process::id();
-                if r.0 != pid {
-                    std::mem::forget(std::mem::replace(&mut *r, (pid, Arc::default())));
-                }
-                r.1.clone()
-            };
+        if let Some(residents) = self.residents() {
             let (schedule, t) = self.locate(step)?;
             let mut last: Option<Arc<Resident>> = None;
             for b in self.host_rows() {
@@ -827,7 +894,7 @@ impl Job for TokenLoader {
                 let key = (schedule.epoch(), m, s);
                 let r = match last {
                     Some(r) if r.key == key => r,
-                    _ => self.resident(&schedule, key, &residents)?,
+                    _ => self.resident(&schedule, key, &residents, &|| cx.stopped())?,
                 };
                 from.push(r.clone());
                 last = Some(r);
@@ -966,6 +1033,21 @@ fn buffer_cap() -> Result<u64> {
 /// Batches prepared ahead by [`TokenLoader::iter`].
 pub struct Batches {
     stream: exec::Stream<TokenBatch>,
+    /// With buffers in memory: the loader's, whose reads ahead stop when this is dropped.
+    residents: Option<Arc<Residents>>,
+}
+
+impl Drop for Batches {
+    fn drop(&mut self) {
+        // Before the stream's threads are joined (the fields drop after this): a step waiting
+        // for a buffer read ahead stops waiting, and no read goes on fetching for nobody.
+        if let Some(r) = &self.residents {
+            let mut ahead = r.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            for a in ahead.drain(..) {
+                a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 impl Iterator for Batches {
