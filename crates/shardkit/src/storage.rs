@@ -1313,7 +1313,7 @@ pub(crate) struct PendingRead(
 
 impl PendingRead {
     /// The buffer, once every range is in (or the read's error). Gives up, stopping the read,
-    /// when `stopped()` turns true (checked every [`STOP_POLL`]): a loader dropped while it
+    /// when `stopped()` turns true (checked every `exec::STOP_POLL`): a loader dropped while it
     /// waits for a window goes at once, not when the window is in.
     pub(crate) fn wait(&self, stopped: impl Fn() -> bool) -> Result<crate::engine::Buffer> {
         let mut task = self
@@ -1324,7 +1324,7 @@ impl PendingRead {
             .ok_or_else(|| Error::Internal("internal: a read waited for twice".into()))?;
         let joined = block_on(async {
             loop {
-                match tokio::time::timeout(STOP_POLL, &mut task).await {
+                match tokio::time::timeout(crate::engine::exec::STOP_POLL, &mut task).await {
                     Ok(joined) => return Some(joined),
                     Err(_) if stopped() => return None,
                     Err(_) => {}
@@ -1338,14 +1338,11 @@ impl PendingRead {
             ))),
             None => {
                 task.abort();
-                Err(Error::Invalid("the loader was stopped".into()))
+                Err(crate::engine::exec::stopped_error())
             }
         }
     }
 }
-
-/// How often a [`PendingRead`] being waited for checks whether its loader was stopped.
-const STOP_POLL: Duration = Duration::from_millis(50);
 
 impl Drop for PendingRead {
     fn drop(&mut self) {

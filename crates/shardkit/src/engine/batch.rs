@@ -316,7 +316,7 @@ impl BufferPool {
                 });
             }
             if stop.load(Ordering::Relaxed) {
-                return Err(Error::Invalid("the loader was stopped".into()));
+                return Err(crate::engine::exec::stopped_error());
             }
             list = self
                 .free

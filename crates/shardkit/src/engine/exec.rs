@@ -97,6 +97,16 @@ impl Context<'_> {
 
 static NEVER_STOPPED: AtomicBool = AtomicBool::new(false);
 
+/// How often a preparation waiting on something slow (a read from a store, a shuffle buffer
+/// read ahead) checks whether its stream was stopped.
+pub(crate) const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// What a preparation that gave up because its stream was stopped returns (nobody sees it: the
+/// stream's consumer is gone).
+pub(crate) fn stopped_error() -> Error {
+    Error::Invalid("the loader was stopped".into())
+}
+
 /// How a stream runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamOptions {

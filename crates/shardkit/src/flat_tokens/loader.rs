@@ -315,13 +315,6 @@ struct ReadAhead {
     stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// How often a step waiting for a shuffle buffer read ahead checks whether its stream stopped.
-const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(50);
-
-fn stopped_error() -> Error {
-    Error::Invalid("the loader was stopped".into())
-}
-
 /// The split's files with their checksums, mapped on first use.
 struct FileVerifier {
     v: Verifier,
@@ -594,11 +587,11 @@ impl TokenLoader {
         };
         let r = match pending {
             Some(a) => loop {
-                match a.read.recv_timeout(STOP_POLL) {
+                match a.read.recv_timeout(exec::STOP_POLL) {
                     Ok(r) => break r?,
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) if stopped() => {
                         a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                        return Err(stopped_error());
+                        return Err(exec::stopped_error());
                     }
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
@@ -789,7 +782,7 @@ impl TokenLoader {
                 }
             });
             let mut result = if stopped() {
-                Err(stopped_error())
+                Err(exec::stopped_error())
             } else {
                 Ok(())
             };
