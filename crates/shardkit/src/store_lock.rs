@@ -323,7 +323,8 @@ impl StoreLock {
         held(|h| {
             h.insert(me.token.clone());
         });
-        let period = Duration::from_millis(me.lease * 1000 / 4);
+        // Saturating: a lease of any length renews without overflowing.
+        let period = Duration::from_millis(me.lease.saturating_mul(1000) / 4);
         let shared = Arc::new(Shared {
             target: target.clone(),
             holder: Mutex::new((me, etag)),
