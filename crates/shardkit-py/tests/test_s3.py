@@ -1008,6 +1008,23 @@ def test_a_dropped_loader_stops_its_requests(tmp_path: Path, s3: S3) -> None:
         s3.proxy.get_delay_s = 0.0
 
 
+def close_while_fetching(it: Any, s3: S3, settle_s: float) -> Tuple[int, float]:
+    """Closes the iterator `it` once the proxy has seen two more ranged GETs (its loader is
+    fetching ahead); returns the GETs that reached the server in the `settle_s` seconds after,
+    and the seconds close took."""
+    sent = s3.proxy.ranged_gets
+    deadline = time.monotonic() + 30
+    while s3.proxy.ranged_gets < sent + 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert s3.proxy.ranged_gets >= sent + 2, "the loader fetched nothing ahead"
+    sent = s3.proxy.ranged_gets
+    t0 = time.monotonic()
+    it.close()
+    took = time.monotonic() - t0
+    time.sleep(settle_s)
+    return s3.proxy.ranged_gets - sent, took
+
+
 def test_a_loader_closed_while_it_waits_for_a_window_goes_at_once(tmp_path: Path, s3: S3) -> None:
     """A saev loader closed while it waits for a window from the store stops that window's
     requests and returns, instead of waiting for the window to come in."""
@@ -1023,19 +1040,10 @@ def test_a_loader_closed_while_it_waits_for_a_window_goes_at_once(tmp_path: Path
             it = iter(loader)
             first = next(it)
             assert len(first["act"]) == 512
-            sent = s3.proxy.ranged_gets
-            deadline = time.monotonic() + 30
-            while s3.proxy.ranged_gets < sent + 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert s3.proxy.ranged_gets >= sent + 2, "the loader fetched nothing ahead"
-            sent = s3.proxy.ranged_gets
-            t0 = time.monotonic()
-            it.close()  # type: ignore[attr-defined]
-            took = time.monotonic() - t0
-            time.sleep(1.0)
+            late, took = close_while_fetching(it, s3, settle_s=1.0)
             # At most the request on the wire when it closed (before, the windows' requests all
             # ran, close waiting for them).
-            assert s3.proxy.ranged_gets - sent <= 1, s3.proxy.ranged_gets - sent
+            assert late <= 1, late
             assert took < 1.0, took
     finally:
         s3.proxy.get_delay_s = 0.0
@@ -1069,17 +1077,7 @@ def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, 
             assert loader.buffers_in_memory and len(want) > 150
             it = iter(loader)
             same_batches([{k: np.array(v) for k, v in next(it).items() if v is not None}], want[:1])
-            sent = s3.proxy.ranged_gets
-            deadline = time.monotonic() + 30
-            while s3.proxy.ranged_gets < sent + 2 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert s3.proxy.ranged_gets >= sent + 2, "the next buffer was not read ahead"
-            sent = s3.proxy.ranged_gets
-            t0 = time.monotonic()
-            it.close()  # type: ignore[attr-defined]
-            took = time.monotonic() - t0
-            time.sleep(2.0)
-            late = s3.proxy.ranged_gets - sent
+            late, took = close_while_fetching(it, s3, settle_s=2.0)
             assert took < 1.0, took
         # The loader is whole: iterated again, it resumes after the batch it gave, exactly,
         # reading the second buffer anew.
