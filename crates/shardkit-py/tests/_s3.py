@@ -52,8 +52,9 @@ class FaultProxy:
         self.active_gets = 0
         self.max_active_gets = 0
         self.get_delay_s = 0.0
-        # The paths of ranged GETs, in the order they arrived.
+        # The paths of ranged GETs, in the order they arrived, and their Range headers.
         self.get_log: List[str] = []
+        self.range_log: List[str] = []
         # Whether each request (any method) came signed (with an Authorization header).
         self.signed_log: List[bool] = []
         self.lock = threading.Lock()
@@ -95,6 +96,7 @@ class FaultProxy:
                 if self.counted:
                     with proxy.lock:
                         proxy.get_log.append(self.path)
+                        proxy.range_log.append(self.headers["Range"])
                         proxy.active_gets += 1
                         proxy.max_active_gets = max(proxy.max_active_gets, proxy.active_gets)
                 try:

@@ -1092,6 +1092,53 @@ def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, 
         s3.proxy.get_delay_s = 0.0
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_tokens_loader_fetches_each_shard_index_once(tmp_path: Path, s3: S3, packed: bool) -> None:
+    """A shuffle buffer from a store is fetched in groups, each located in its shards through
+    their indexes. The indexes are kept across groups, buffers and passes: the store serves
+    each shard's index once, however often the groups come back to the shard."""
+    rng = np.random.default_rng(9)
+    docs = [rng.integers(1, 1000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 200, size=1000)]
+    local = tmp_path / "tokens"
+    with flat_tokens.Writer(local, "train", "v3", progress=False, tokens_per_chunk=256, tokens_per_shard=4096) as w:
+        w.append(docs)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/tok"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    listing = s3.client().list_objects_v2(Bucket=bucket, Prefix="tok/")["Contents"]
+    sizes = {o["Key"]: o["Size"] for o in listing}
+    kw = dict(seq_len=64, batch_size=8, sequences_per_read_block=8, read_blocks_per_shuffle_buffer=40,
+              packed=packed, seed=4)
+    # Groups of one 512-token block: several groups per shard in every buffer.
+    with environment(s3.env(proxy=True, SHARDKIT_TEST_TOKEN_GROUP="512")):
+        loader = flat_tokens.Loader(url, "train", buffer_in_memory=True, **kw)
+        assert loader.buffers_in_memory
+        s3.proxy.wait_idle()
+        start = len(s3.proxy.range_log)
+        want = batches(flat_tokens.Loader(local, "train", **kw))
+        for _ in range(2):  # the epoch twice
+            loader.set_epoch(0)
+            same_batches(batches(loader), want)
+        gets = list(zip(s3.proxy.get_log, s3.proxy.range_log))[start:]
+    index_gets: Dict[str, int] = {}
+    data_gets = 0
+    for path, byte_range in gets:
+        key = path.split("?")[0].removeprefix(f"/{bucket}/")
+        last = int(byte_range.removeprefix("bytes=").split("-")[1])
+        if key in sizes and last == sizes[key] - 1:  # a shard's index ends it
+            index_gets[key] = index_gets.get(key, 0) + 1
+        else:
+            data_gets += 1
+    shards = [k for k in sizes if "/c/" in k and ("seq_starts" in k or "encoded_tokens" in k)]
+    assert index_gets and set(index_gets) <= set(shards), index_gets
+    assert max(index_gets.values()) == 1, index_gets
+    # The groups did come back to the shards: many more data requests than shards.
+    assert data_gets > 4 * len(index_gets), (data_gets, len(index_gets))
+    if not packed:
+        assert any("seq_starts" in k for k in index_gets), index_gets
+
+
 @pytest.mark.parametrize("kind", ["503", "drop"])
 def test_faults_through_the_cache_never_reach_a_page(tmp_path: Path, s3: S3, kind: str) -> None:
     """Through the local cache, faults are retried as without it and the pages kept are the

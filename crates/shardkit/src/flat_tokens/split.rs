@@ -31,6 +31,9 @@ use crate::error::{Error, Result};
 const CACHED_CHUNKS: u64 = 4;
 /// Shards whose index stays cached before the cache is reset (bounds its memory).
 const CACHED_SHARD_INDEXES: usize = 1024;
+/// Bytes of shard indexes [`Column::fetch`] keeps between calls: 512 default flat-tokens
+/// token shards (128 KiB of index each, 8 Gi tokens).
+const KEPT_INDEX_BYTES: usize = 64 << 20;
 /// Ranges at least this long are read by whole shards rather than through the shard-index
 /// cache (faster for bulk reads: validation, scans).
 const BULK: u64 = 1 << 20;
@@ -49,6 +52,45 @@ struct Column {
     /// Where a shard keeps its index, and how its inner chunks are encoded (sharded arrays
     /// only).
     index: Option<ShardIndex>,
+    /// Shard indexes [`Column::fetch`] has read, kept for its later calls: each group of a
+    /// shuffle buffer is one call, and on a store a shard's index costs a request and a round
+    /// trip before its inner chunks can be asked for.
+    kept_indexes: std::sync::Mutex<KeptIndexes>,
+}
+
+/// Shard indexes by shard key, the oldest dropped first beyond [`KEPT_INDEX_BYTES`]. A
+/// committed dataset's shards never change while it is open, so a kept index stays right.
+/// Each key has a slot that its fetch holds locked: groups fetched at once that meet the same
+/// shard wait for one request rather than each making its own.
+#[derive(Default)]
+struct KeptIndexes {
+    slots: std::collections::HashMap<String, IndexSlot>,
+    /// Filled slots, oldest first, with their sizes.
+    filled: std::collections::VecDeque<(String, usize)>,
+    bytes: usize,
+}
+
+type IndexSlot = Arc<std::sync::Mutex<Option<bytes::Bytes>>>;
+
+impl KeptIndexes {
+    /// The slot of `key` (empty until an index is kept in it).
+    fn slot(&mut self, key: &str) -> IndexSlot {
+        self.slots.entry(key.to_string()).or_default().clone()
+    }
+
+    /// Counts `len` bytes just kept in the slot of `key`, dropping the oldest indexes kept
+    /// beyond the budget.
+    fn filled(&mut self, key: &str, len: usize) {
+        self.bytes += len;
+        self.filled.push_back((key.to_string(), len));
+        while self.bytes > KEPT_INDEX_BYTES {
+            let Some((old, len)) = self.filled.pop_front() else {
+                break;
+            };
+            self.slots.remove(&old);
+            self.bytes -= len;
+        }
+    }
 }
 
 /// A shard's index of inner chunks, read by [`Column::fetch`] itself: zarrs 0.23's
@@ -179,6 +221,7 @@ impl Column {
             array,
             path,
             access,
+            kept_indexes: Default::default(),
         }
     }
 
@@ -378,19 +421,48 @@ impl Column {
         let Some(index) = &self.index else {
             return Err(Error::Internal("locate: not a sharded array".into()));
         };
-        let present = fetched
-            .fetch(key, vec![index.extent])
-            .map_err(|e| self.read_error(&e, &subset_of(span), what))?;
-        if !present {
-            return Ok(vec![None; inner.len()]); // no shard: all fill value
-        }
-        let bytes = fetched
-            .lookup(key.as_str(), index.extent)
-            .ok_or_else(|| Error::format(file(), "the shard is shorter than its index"))?;
+        // An index of known length is kept; `FromStart(0, None)` (an index codec whose
+        // length is not known ahead) is the whole shard, which is not.
+        let keepable = !matches!(index.extent, ByteRange::FromStart(_, None));
+        let slot = keepable.then(|| {
+            let mut kept = self.kept_indexes.lock().unwrap_or_else(|e| e.into_inner());
+            kept.slot(key.as_str())
+        });
+        // Held until the index is kept (or its fetch failed): see `KeptIndexes`.
+        let mut slot = slot
+            .as_ref()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()));
+        let kept = slot.as_ref().and_then(|s| s.as_ref().cloned());
+        let bytes = match kept {
+            Some(bytes) => {
+                // Also where a decoding through zarrs looks for it.
+                fetched.keep(key.as_str(), index.extent, bytes.clone());
+                bytes
+            }
+            None => {
+                let present = fetched
+                    .fetch(key, vec![index.extent])
+                    .map_err(|e| self.read_error(&e, &subset_of(span), what))?;
+                if !present {
+                    return Ok(vec![None; inner.len()]); // no shard: all fill value
+                }
+                fetched
+                    .lookup(key.as_str(), index.extent)
+                    .ok_or_else(|| Error::format(file(), "the shard is shorter than its index"))?
+            }
+        };
         let offsets = index
             .codec
             .decode_index(&bytes, &[index.per_shard], &CodecOptions::default())
             .map_err(|e| Error::format(file(), format!("shard index: {e}")))?;
+        // Only an index that decodes is kept (with `crc32c`, one whose checksum holds).
+        if let Some(mut slot) = slot.take().filter(|s| s.is_none()) {
+            let len = bytes.len();
+            *slot = Some(bytes);
+            drop(slot);
+            let mut kept = self.kept_indexes.lock().unwrap_or_else(|e| e.into_inner());
+            kept.filled(key.as_str(), len);
+        }
         let first = shard * index.per_shard.get();
         inner
             .iter()
@@ -648,10 +720,7 @@ impl Prefetched {
                 whole |= all;
                 got.insert(at, part);
             } else {
-                self.suffixes
-                    .write()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(name.clone(), part);
+                self.keep_suffix(&name, part);
             }
         }
         if whole {
@@ -660,13 +729,37 @@ impl Prefetched {
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(name.clone());
         }
+        self.keep_spans(name, got);
+        Ok(true)
+    }
+
+    /// Holds `bytes`, range `range` of `key` fetched earlier, as if [`Prefetched::fetch`] had
+    /// fetched them (`range` has a known length).
+    fn keep(&self, key: &str, range: zarrs::storage::byte_range::ByteRange, bytes: bytes::Bytes) {
+        use zarrs::storage::byte_range::ByteRange;
+        match range {
+            ByteRange::Suffix(_) => self.keep_suffix(key, bytes),
+            ByteRange::FromStart(at, Some(_)) => {
+                self.keep_spans(key.to_string(), std::iter::once((at, bytes)).collect())
+            }
+            ByteRange::FromStart(_, None) => {}
+        }
+    }
+
+    fn keep_suffix(&self, key: &str, bytes: bytes::Bytes) {
+        self.suffixes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.to_string(), bytes);
+    }
+
+    fn keep_spans(&self, key: String, spans: std::collections::BTreeMap<u64, bytes::Bytes>) {
         self.spans
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .entry(name)
+            .entry(key)
             .or_default()
-            .extend(got);
-        Ok(true)
+            .extend(spans);
     }
 
     /// `range` of `key` if it was fetched.
@@ -1431,11 +1524,16 @@ mod tests {
         assert!(direct
             .decode_into(&f.fetched, &(800..810), 2000, &mut [0u64; 10])
             .is_none());
-        // A damaged shard index is refused, naming the shard.
+        // A damaged shard index is refused, naming the shard (by a split opened anew: the
+        // index this one read is kept, right, as a dataset never changes while open).
         let mut bytes = std::fs::read(&shard).unwrap();
         let n = bytes.len();
         bytes[n - 10] ^= 0xff;
         std::fs::write(&shard, bytes).unwrap();
+        assert!(split
+            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .is_ok());
+        let split = Split::open(&root, "train").unwrap();
         let e = split
             .fetch_encoded(std::slice::from_ref(&(768..1024)))
             .err()
@@ -1445,6 +1543,52 @@ mod tests {
             e.contains("encoded_tokens/c/3") && e.contains("shard index"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn shard_indexes_are_kept_across_fetches_within_their_budget() {
+        let tmp = tempfile::tempdir().unwrap();
+        let split = v3(&tmp.path().join("ds.zarr"));
+        let kept = |c: &Column| {
+            let k = c.kept_indexes.lock().unwrap();
+            let mut keys: Vec<String> = k.filled.iter().map(|(key, _)| key.clone()).collect();
+            keys.sort();
+            (keys, k.bytes)
+        };
+        let first = split.fetch_encoded(&[0..300, 900..1000]).unwrap();
+        // Shards 0 and 3 (shard 1 holds only the fill value and has no object); 16 inner
+        // chunks, 16 bytes each, and a crc32c.
+        let index = 16 * 16 + 4;
+        let (keys, bytes) = kept(&split.tokens);
+        assert_eq!(
+            keys,
+            ["train/encoded_tokens/c/0", "train/encoded_tokens/c/3"]
+        );
+        assert_eq!(bytes, 2 * index);
+        // A later fetch locates its chunks through the kept indexes: the same bytes.
+        let again = split.fetch_encoded(&[0..300, 900..1000]).unwrap();
+        let (a, b) = (
+            split.decode_encoded(&first, &pool()).unwrap(),
+            split.decode_encoded(&again, &pool()).unwrap(),
+        );
+        assert_eq!(a, b);
+        assert_eq!(a[1], split.encoded(900..1000).unwrap());
+        assert_eq!(kept(&split.tokens).1, 2 * index);
+
+        // Beyond the budget the oldest go first, and the count of bytes follows.
+        let mut k = KeptIndexes::default();
+        let big = KEPT_INDEX_BYTES / 3 + 1;
+        for key in ["a", "b", "c", "d"] {
+            *k.slot(key).lock().unwrap() = Some(bytes::Bytes::from(vec![0u8; big]));
+            k.filled(key, big);
+            assert!(k.bytes <= KEPT_INDEX_BYTES);
+        }
+        assert_eq!(k.bytes, 2 * big);
+        let mut left: Vec<&str> = k.slots.keys().map(String::as_str).collect();
+        left.sort();
+        assert_eq!(left, ["c", "d"]);
+        // A slot asked for again after it was dropped starts empty.
+        assert!(k.slot("a").lock().unwrap().is_none());
     }
 
     #[test]
