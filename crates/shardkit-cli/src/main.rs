@@ -10,6 +10,7 @@ mod bench_eagle3;
 mod bench_remote;
 mod bench_sdnb;
 mod bench_tokens;
+mod cache_cmd;
 mod checksum_cmd;
 mod eagle3_cmd;
 mod npy;
@@ -59,6 +60,10 @@ enum Cmd {
         /// The local destination.
         dst: std::path::PathBuf,
     },
+    /// The local cache of a store's objects (`SHARDKIT_CACHE_DIR`): what it holds, and
+    /// emptying it.
+    #[command(subcommand)]
+    Cache(cache_cmd::CacheCmd),
     /// Measurements that print JSON with the ceiling measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -112,6 +117,7 @@ fn main() -> ExitCode {
         Cmd::Sdnb(c) => sdnb_cmd::run(c),
         Cmd::Upload { src, dst } => transfer(&src, &dst, true),
         Cmd::Download { src, dst } => transfer(&src, &dst, false),
+        Cmd::Cache(c) => cache_cmd::run(c),
         Cmd::Bench(c) => bench::run(c).map(|_| true),
     };
     // Pages fetched through SHARDKIT_CACHE_DIR are written after the reads return: kept now.

@@ -995,6 +995,63 @@ fn wait_for_cache(py: Python<'_>) -> PyResult<()> {
         .map_err(to_py)
 }
 
+/// The cache directory `dir`, else `$SHARDKIT_CACHE_DIR`.
+fn cache_dir_of(dir: Option<std::path::PathBuf>) -> PyResult<std::path::PathBuf> {
+    dir.or_else(shardkit::storage::cache_dir).ok_or_else(|| {
+        to_py(shardkit::Error::Invalid(
+            "no cache directory: pass dir, or set SHARDKIT_CACHE_DIR".into(),
+        ))
+    })
+}
+
+/// What the local cache holds: {"dir", "bytes", "limit_bytes", "objects": [{"url", "bytes",
+/// "pages", "last_used"}]}, the largest object first.
+#[pyfunction]
+#[pyo3(signature = (dir=None))]
+fn cache_info(py: Python<'_>, dir: Option<std::path::PathBuf>) -> PyResult<Bound<'_, PyDict>> {
+    let dir = cache_dir_of(dir)?;
+    let usage = py
+        .allow_threads(|| shardkit::storage::cache_usage(&dir))
+        .map_err(to_py)?;
+    let objects = pyo3::types::PyList::empty(py);
+    for o in &usage.objects {
+        let d = PyDict::new(py);
+        d.set_item("url", &o.url)?;
+        d.set_item("bytes", o.bytes)?;
+        d.set_item("pages", o.pages)?;
+        let unix = o
+            .last_used
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |t| t.as_secs_f64());
+        d.set_item("last_used", unix)?;
+        objects.append(d)?;
+    }
+    let d = PyDict::new(py);
+    d.set_item("dir", dir)?;
+    d.set_item("bytes", usage.bytes)?;
+    d.set_item("limit_bytes", usage.limit)?;
+    d.set_item("objects", objects)?;
+    Ok(d)
+}
+
+/// Removes the cached objects at or below `url` (every one with None): {"files", "bytes"}.
+#[pyfunction]
+#[pyo3(signature = (url=None, dir=None))]
+fn clear_cache(
+    py: Python<'_>,
+    url: Option<String>,
+    dir: Option<std::path::PathBuf>,
+) -> PyResult<Bound<'_, PyDict>> {
+    let dir = cache_dir_of(dir)?;
+    let (files, bytes) = py
+        .allow_threads(|| shardkit::storage::clear_cache(&dir, url.as_deref()))
+        .map_err(to_py)?;
+    let d = PyDict::new(py);
+    d.set_item("files", files)?;
+    d.set_item("bytes", bytes)?;
+    Ok(d)
+}
+
 /// Hashes every file of the dataset at `path` into its checksums sidecar; returns its path.
 #[pyfunction]
 fn checksum(py: Python<'_>, path: std::path::PathBuf) -> PyResult<std::path::PathBuf> {
@@ -1073,6 +1130,8 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer, m)?)?;
     m.add_function(wrap_pyfunction!(storage_counters, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_info, m)?)?;
+    m.add_function(wrap_pyfunction!(clear_cache, m)?)?;
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;
     flat_tokens::register(m)?;

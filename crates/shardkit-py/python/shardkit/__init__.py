@@ -9,7 +9,7 @@ SDNB/SDZ containers). Arrays are numpy arrays over memory owned by the Rust core
 
 import atexit
 import os
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 from ._shardkit import __version__
 from . import _shardkit as _core
@@ -32,7 +32,7 @@ from . import eagle3, flat_tokens, saev, sdnb
 
 __all__ = [
     "saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "upload", "download",
-    "storage_counters", "wait_for_cache", "errors", "__version__",
+    "storage_counters", "wait_for_cache", "cache_info", "clear_cache", "errors", "__version__",
     "ShardkitError", "CorruptDataError", "IncompleteDatasetError", "InvalidArgumentError",
     "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "RemoteError", "PermissionDeniedError",
     "OutOfRangeError", "InternalError",
@@ -94,6 +94,23 @@ def wait_for_cache() -> None:
     Raises the first failure to write them since the last call (the cache's disk full, say).
     Runs at interpreter exit, so the pages a job read stay cached for the next."""
     _core.wait_for_cache()
+
+
+def cache_info(dir: Union[str, "os.PathLike[str]", None] = None) -> "_core.CacheInfo":
+    """What the local cache (``dir``, default ``SHARDKIT_CACHE_DIR``) holds: ``{"dir",
+    "bytes", "limit_bytes", "objects"}``, each object ``{"url", "bytes", "pages",
+    "last_used"}`` (``pages`` 0 for a container copied whole; ``last_used`` in Unix seconds),
+    the largest first. Raises InvalidArgumentError for a directory that is not a shardkit
+    cache."""
+    return _core.cache_info(None if dir is None else os.fspath(dir))
+
+
+def clear_cache(url: Optional[str] = None, *, dir: Union[str, "os.PathLike[str]", None] = None) -> Dict[str, int]:
+    """Removes the cached objects at or below ``url`` (``s3://bucket/prefix`` or one object's
+    URL; every object when None) from the local cache (``dir``, default
+    ``SHARDKIT_CACHE_DIR``); returns ``{"files", "bytes"}`` removed. Safe beside processes
+    reading through the cache: they fetch again what they miss."""
+    return dict(_core.clear_cache(url, None if dir is None else os.fspath(dir)))
 
 
 def _keep_cache_at_exit() -> None:

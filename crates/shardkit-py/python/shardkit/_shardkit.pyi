@@ -397,6 +397,18 @@ class Damage(TypedDict):
     end: int
     what: str
 
+class CachedObject(TypedDict):
+    url: str
+    bytes: int
+    pages: int
+    last_used: float
+
+class CacheInfo(TypedDict):
+    dir: str
+    bytes: int
+    limit_bytes: int
+    objects: List[CachedObject]
+
 class ChecksumVerdict(TypedDict):
     has_sidecar: bool
     damage: List[Damage]
@@ -409,6 +421,8 @@ def transfer(
 ) -> Dict[str, int]: ...
 def storage_counters() -> Dict[str, int]: ...
 def wait_for_cache() -> None: ...
+def cache_info(dir: Optional[str] = ...) -> CacheInfo: ...
+def clear_cache(url: Optional[str] = ..., dir: Optional[str] = ...) -> Dict[str, int]: ...
 def verify_checksums(path: str) -> ChecksumVerdict: ...
 def _inject_fault(name: str, after: int) -> None: ...
 def _clear_faults() -> None: ...

@@ -18,6 +18,10 @@
 //! so pages of a replaced object never mix with its predecessor's; an object without an ETag
 //! is not cached.
 //!
+//! The directory is marked by a `CACHEDIR.TAG` that names shardkit ([`claim`]): shardkit makes
+//! a cache only in a new or empty directory and evicts only inside one it marked, so a
+//! `SHARDKIT_CACHE_DIR` pointed by mistake at a home or a dataset disk is refused, not emptied.
+//!
 //! Every file is written aside, synced and renamed, so it is whole or absent, and a page is
 //! used only at its expected length. Files are evicted least recently used first (a read
 //! touches what it uses). Each process sums the cache when it starts adding to it and again
@@ -65,6 +69,251 @@ fn page_size() -> u64 {
         .unwrap_or(4)
         .clamp(1, 64)
         << 20
+}
+
+/// The file marking a shardkit cache, after the Cache Directory Tagging Specification (so
+/// backup tools skip the cache too): its signature line, then a line naming shardkit (other
+/// tools' caches carry the same signature, and are not ours to evict from).
+const TAG: &str = "CACHEDIR.TAG";
+const TAG_TEXT: &str = "Signature: 8a477f597d28d172789f06886806bc55\n\
+# This directory is a shardkit cache (SHARDKIT_CACHE_DIR): its files are evicted\n\
+# least recently used first. `shardkit cache clear` empties it.\n";
+
+/// Cache directories this process has found marked ([`claim`]).
+static CLAIMED: Mutex<(u32, Vec<PathBuf>)> = Mutex::new((0, Vec::new()));
+
+/// Checks that `root` is a shardkit cache, marking it first when it is new or empty; a
+/// directory that holds anything else is refused, naming it. Checked once per process.
+pub(crate) fn claim(root: &Path) -> Result<()> {
+    let mut claimed = CLAIMED.lock().unwrap_or_else(|e| e.into_inner());
+    let claimed = for_this_process(&mut claimed);
+    if claimed.iter().any(|c| c == root) {
+        return Ok(());
+    }
+    let tag = root.join(TAG);
+    if !is_ours(&tag)? {
+        std::fs::create_dir_all(root).at(root)?;
+        // Temporaries: another process marking it at this moment.
+        let other = std::fs::read_dir(root)
+            .at(root)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .find(|n| !fsutil::is_temp_name(n));
+        match other {
+            // Ranks of a node starting together may all mark it: each writes its own
+            // temporary, and every rename leaves the same tag.
+            None => write_aside(&tag, |f, tmp| {
+                use std::io::Write;
+                f.write_all(TAG_TEXT.as_bytes()).at(tmp)
+            })?,
+            // Unless another process marked it since the check above (and may have written
+            // pages since).
+            Some(other) if !is_ours(&tag)? => return Err(not_a_cache(root, &other)),
+            Some(_) => {}
+        }
+    }
+    claimed.push(root.to_path_buf());
+    Ok(())
+}
+
+/// Whether `tag` is a shardkit cache's tag (false when absent).
+fn is_ours(tag: &Path) -> Result<bool> {
+    match std::fs::read(tag) {
+        Ok(b) => {
+            let text = String::from_utf8_lossy(&b);
+            let signature = TAG_TEXT.lines().next().unwrap_or_default();
+            Ok(text.starts_with(signature) && text.contains("shardkit cache"))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e).at(tag),
+    }
+}
+
+fn not_a_cache(root: &Path, found: &str) -> Error {
+    Error::Invalid(format!(
+        "SHARDKIT_CACHE_DIR={}: not a shardkit cache (it holds {found:?} and no {TAG} written \
+         by shardkit). The cache evicts its files least recently used first, so it is made \
+         only in a new or empty directory: point SHARDKIT_CACHE_DIR at one (a cache made by \
+         shardkit before the tag existed can be removed and made again)",
+        root.display()
+    ))
+}
+
+/// One object's share of a cache ([`cache_usage`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CachedObject {
+    /// `s3://bucket/key`.
+    pub url: String,
+    /// Bytes held: its pages, or its whole copy.
+    pub bytes: u64,
+    /// Pages held (0 for an object copied whole: an SDNB/SDZ container).
+    pub pages: u64,
+    /// When a read last used any of it.
+    pub last_used: std::time::SystemTime,
+}
+
+/// What a cache directory holds, by object, the largest first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheUsage {
+    /// Bytes of every file held (pages, copies; not stamps, temporaries or the mark).
+    pub bytes: u64,
+    /// The size readers in this process keep it under (`SHARDKIT_CACHE_GIB`, default 32 GiB).
+    pub limit: u64,
+    /// The objects held.
+    pub objects: Vec<CachedObject>,
+}
+
+/// A cached file: the object it belongs to (`bucket/key`), its length, when it was last used,
+/// and whether it is a page. Stamps (`.key.etag`) belong to their object with no length;
+/// temporaries belong to none.
+struct CachedFile {
+    object: Option<String>,
+    path: PathBuf,
+    len: u64,
+    used: std::time::SystemTime,
+    page: bool,
+}
+
+/// Every file below the cache at `root` but its mark, with the object each belongs to (the
+/// layout in the module doc); the cache must carry shardkit's mark.
+fn cached_files(root: &Path) -> Result<Vec<CachedFile>> {
+    if !root.is_dir() {
+        return Err(Error::NotFound {
+            path: root.to_path_buf(),
+            what: "no such cache directory".into(),
+        });
+    }
+    if !is_ours(&root.join(TAG))? {
+        return Err(Error::Invalid(format!(
+            "{}: not a shardkit cache (no {TAG} written by shardkit): only a directory shardkit \
+             made its cache is looked into or cleared",
+            root.display()
+        )));
+    }
+    let mut out = Vec::new();
+    for (path, name, m) in files_below(root) {
+        let Ok(rel) = path.strip_prefix(root) else {
+            continue;
+        };
+        let rel = rel.to_string_lossy().into_owned();
+        // A temporary is another process's write in progress (or a killed one's, which
+        // eviction removes): it belongs to no object, and is never removed here.
+        let (object, page) = if fsutil::is_temp_name(&name) {
+            (None, false)
+        } else if let Some((key, _)) = rel.split_once(".pages/") {
+            (Some(key.to_string()), !name.starts_with('.'))
+        } else if let Some(stamped) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".etag")) {
+            let stamped = match rel.rsplit_once('/') {
+                Some((dir, _)) => format!("{dir}/{stamped}"),
+                None => stamped.to_string(),
+            };
+            (Some(stamped), false)
+        } else {
+            (Some(rel), false)
+        };
+        out.push(CachedFile {
+            object,
+            path,
+            len: if name.starts_with('.') { 0 } else { m.len() },
+            used: m.modified().unwrap_or(std::time::UNIX_EPOCH),
+            page,
+        });
+    }
+    Ok(out)
+}
+
+/// Every file below the cache at `root` but its mark, with its name and metadata; what cannot
+/// be read (removed meanwhile by another process) is passed over.
+fn files_below(root: &Path) -> Vec<(PathBuf, String, std::fs::Metadata)> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            let name = e.file_name().to_string_lossy().into_owned();
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if !(d == root && name == TAG) {
+                out.push((e.path(), name, m));
+            }
+        }
+    }
+    out
+}
+
+/// What the cache at `root` holds (`shardkit cache info`). Refused, naming it, unless it is a
+/// shardkit cache.
+pub fn cache_usage(root: &Path) -> Result<CacheUsage> {
+    let mut by_object: BTreeMap<String, CachedObject> = BTreeMap::new();
+    let mut bytes = 0;
+    for f in cached_files(root)? {
+        bytes += f.len;
+        let Some(object) = f.object else { continue };
+        let o = by_object.entry(object.clone()).or_insert(CachedObject {
+            url: format!("s3://{object}"),
+            bytes: 0,
+            pages: 0,
+            last_used: std::time::UNIX_EPOCH,
+        });
+        o.bytes += f.len;
+        o.pages += f.page as u64;
+        if f.len > 0 {
+            o.last_used = o.last_used.max(f.used);
+        }
+    }
+    let mut objects: Vec<CachedObject> = by_object.into_values().filter(|o| o.bytes > 0).collect();
+    objects.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.url.cmp(&b.url)));
+    Ok(CacheUsage {
+        bytes,
+        limit: cache_limit(),
+        objects,
+    })
+}
+
+/// Removes from the cache at `root` every object (its pages, whole copy and stamp) whose URL is
+/// `prefix` or lies below it (`s3://bucket/prefix`), or everything with `None`; returns the
+/// files and bytes removed (`shardkit cache clear`). Refused, naming it, unless it is a
+/// shardkit cache; the mark stays, and so do directories (a process reading through the cache
+/// at the same time may be writing into them; it fetches again what was removed).
+pub fn clear_cache(root: &Path, prefix: Option<&str>) -> Result<(u64, u64)> {
+    let prefix = match prefix {
+        Some(p) => {
+            let p = p
+                .strip_prefix("s3://")
+                .ok_or_else(|| Error::Invalid(format!("{p}: not an s3://bucket/prefix URL")))?;
+            Some(p.trim_end_matches('/').to_string())
+        }
+        None => None,
+    };
+    let (mut files, mut bytes) = (0, 0);
+    for f in cached_files(root)? {
+        let chosen = match (&prefix, &f.object) {
+            // A write in progress: it finishes, and eviction removes a killed one's.
+            (_, None) => false,
+            (None, Some(_)) => true,
+            (Some(p), Some(o)) => {
+                o == p
+                    || o.strip_prefix(p.as_str())
+                        .is_some_and(|r| r.starts_with('/'))
+            }
+        };
+        if !chosen {
+            continue;
+        }
+        match std::fs::remove_file(&f.path) {
+            Ok(()) => {
+                files += 1;
+                bytes += f.len;
+            }
+            // Evicted meanwhile by a process using the cache.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).at(&f.path),
+        }
+    }
+    Ok((files, bytes))
 }
 
 /// Bytes fetched per step when a container is copied whole.
@@ -198,6 +447,7 @@ impl Remote {
         ranges: &[ReadRange],
         buf: &mut [u8],
     ) -> Result<Paged> {
+        claim(cache)?;
         // A page the cache failed to keep in the background (its disk full, say) fails the
         // next read, so the failure is seen; the read it came from was served whole.
         Remote::keep_failure()?;
@@ -514,6 +764,7 @@ fn write_aside(
 /// has not counted yet), sums the cache and evicts the least recently used files down to the
 /// limit less an eighth of it (at most 1 GiB), counting the files this process is writing.
 fn reserve(root: &Path, incoming: u64) -> Result<Reservation> {
+    claim(root)?;
     let limit = cache_limit();
     let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
     let held = for_this_process(&mut held)
@@ -551,24 +802,13 @@ impl Drop for Reservation {
 /// fit under `target`; the bytes it then holds.
 fn evict(root: &Path, incoming: u64, target: u64) -> Result<u64> {
     let mut files = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let Ok(m) = e.metadata() else { continue };
-            let name = e.file_name().to_string_lossy().into_owned();
-            let used = m.modified().unwrap_or(std::time::UNIX_EPOCH);
-            if m.is_dir() {
-                stack.push(e.path());
-            } else if !name.starts_with('.') {
-                files.push((used, m.len(), e.path()));
-            } else if fsutil::is_temp_name(&name) && used.elapsed().unwrap_or_default() > STALE_TMP
-            {
-                // Left by a process killed while writing (a live writer renames within seconds).
-                let _ = std::fs::remove_file(e.path());
-            }
+    for (path, name, m) in files_below(root) {
+        let used = m.modified().unwrap_or(std::time::UNIX_EPOCH);
+        if !name.starts_with('.') {
+            files.push((used, m.len(), path));
+        } else if fsutil::is_temp_name(&name) && used.elapsed().unwrap_or_default() > STALE_TMP {
+            // Left by a process killed while writing (a live writer renames within seconds).
+            let _ = std::fs::remove_file(path);
         }
     }
     let mut total: u64 = files.iter().map(|f| f.1).sum();
@@ -638,6 +878,7 @@ fn whole_copy(
 /// the cache at `cache` (reused while each object's size and ETag are unchanged); returns the
 /// local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_dir`]).
 pub(crate) fn fetch_container(url: &Path, cache: &Path) -> Result<PathBuf> {
+    claim(cache)?;
     let remote = Remote::parse(url)?;
     let (parent, name) = remote.split_last()?;
     let objects: Vec<(String, u64, Option<String>)> = parent
@@ -709,6 +950,131 @@ mod tests {
         // More than the target: everything goes.
         assert_eq!(evict(root, 1000, 400).unwrap(), 0);
         assert!(!root.join("b/m.sdz").exists());
+    }
+
+    #[test]
+    fn a_cache_is_made_only_in_a_new_or_empty_directory_and_keeps_its_mark() {
+        let dir = tempfile::tempdir().unwrap();
+        // New, and empty: marked.
+        let new = dir.path().join("new/cache");
+        claim(&new).unwrap();
+        assert!(is_ours(&new.join(TAG)).unwrap());
+        let empty = dir.path().join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        claim(&empty).unwrap();
+        assert!(is_ours(&empty.join(TAG)).unwrap());
+        // Marked, it is taken whatever it holds; eviction empties it but for the mark.
+        file(&new.join("b/m.sdz"), 100, 10);
+        CLAIMED.lock().unwrap().1.clear();
+        claim(&new).unwrap();
+        assert_eq!(evict(&new, 1000, 400).unwrap(), 0);
+        assert!(!new.join("b/m.sdz").exists() && is_ours(&new.join(TAG)).unwrap());
+        // A directory of other files is refused, naming it, and left as it was: here a
+        // user's data, and another tool's cache (cargo's target directory, same signature).
+        let data = dir.path().join("data");
+        file(&data.join("train.bin"), 100, 10);
+        let target = dir.path().join("target");
+        file(&target.join("debug/x"), 10, 10);
+        std::fs::write(
+            target.join(TAG),
+            "Signature: 8a477f597d28d172789f06886806bc55\n# cargo\n",
+        )
+        .unwrap();
+        for (d, found) in [(&data, "train.bin"), (&target, "")] {
+            let e = claim(d).unwrap_err();
+            assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+            let e = e.to_string();
+            assert!(
+                e.contains(&d.display().to_string()) && e.contains(found),
+                "{e}"
+            );
+            assert!(e.contains("not a shardkit cache"), "{e}");
+            // Nor does anything that would write or evict there go ahead.
+            assert!(reserve(d, 10).is_err());
+        }
+        assert!(data.join("train.bin").exists() && target.join("debug/x").exists());
+        assert!(!data.join(TAG).exists());
+        // A marking in progress elsewhere (its temporary) does not make a directory "used".
+        let racing = dir.path().join("racing");
+        file(&racing.join(".CACHEDIR.TAG.7.ThreadId(2).tmp"), 10, 0);
+        claim(&racing).unwrap();
+        assert!(is_ours(&racing.join(TAG)).unwrap());
+    }
+
+    #[test]
+    fn usage_and_clearing_go_by_object_and_leave_writes_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("cache");
+        claim(&root).unwrap();
+        let acts = root.join("b/acts");
+        file(&acts.join("acts000000.bin.pages/00ff/0"), 100, 30);
+        file(&acts.join("acts000000.bin.pages/00ff/1"), 100, 20);
+        file(&acts.join("acts000001.bin.pages/00ff/0"), 50, 10);
+        let writing = acts.join("acts000001.bin.pages/00ff/.1.7.ThreadId(3).tmp");
+        file(&writing, 50, 0);
+        file(&root.join("b/models/m.sdz"), 70, 40);
+        file(&root.join("b/models/.m.sdz.etag"), 5, 40);
+        file(&root.join("c/x.pages/v/0"), 10, 5);
+        let u = cache_usage(&root).unwrap();
+        assert_eq!(u.bytes, 330);
+        let got: Vec<(&str, u64, u64)> = u
+            .objects
+            .iter()
+            .map(|o| (o.url.as_str(), o.bytes, o.pages))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("s3://b/acts/acts000000.bin", 200, 2),
+                ("s3://b/models/m.sdz", 70, 0),
+                ("s3://b/acts/acts000001.bin", 50, 1),
+                ("s3://c/x", 10, 1),
+            ]
+        );
+        let newest = std::fs::metadata(acts.join("acts000000.bin.pages/00ff/1"))
+            .unwrap()
+            .modified()
+            .unwrap();
+        assert_eq!(u.objects[0].last_used, newest);
+
+        // A prefix is matched by path segments; an object by its URL (copy and stamp).
+        assert_eq!(clear_cache(&root, Some("s3://b/act")).unwrap(), (0, 0));
+        assert_eq!(clear_cache(&root, Some("s3://b/acts/")).unwrap(), (3, 250));
+        assert!(writing.exists(), "a write in progress is left to finish");
+        assert_eq!(
+            clear_cache(&root, Some("s3://b/models/m.sdz")).unwrap(),
+            (2, 70)
+        );
+        assert!(!root.join("b/models/.m.sdz.etag").exists());
+        assert_eq!(cache_usage(&root).unwrap().bytes, 10);
+        assert_eq!(clear_cache(&root, None).unwrap(), (1, 10));
+        assert_eq!(
+            cache_usage(&root).unwrap(),
+            CacheUsage {
+                bytes: 0,
+                limit: cache_limit(),
+                objects: vec![]
+            }
+        );
+        assert!(is_ours(&root.join(TAG)).unwrap() && writing.exists());
+
+        let e = clear_cache(&root, Some("b/acts")).unwrap_err();
+        assert!(
+            matches!(e, Error::Invalid(_)) && e.to_string().contains("b/acts"),
+            "{e}"
+        );
+        // Only a shardkit cache is looked at or cleared.
+        let data = dir.path().join("data");
+        file(&data.join("train.bin"), 100, 10);
+        for e in [
+            clear_cache(&data, None).unwrap_err(),
+            cache_usage(&data).unwrap_err(),
+        ] {
+            assert!(e.to_string().contains("not a shardkit cache"), "{e}");
+        }
+        assert!(data.join("train.bin").exists());
+        let e = cache_usage(&dir.path().join("none")).unwrap_err();
+        assert!(matches!(e, Error::NotFound { .. }), "{e:?}");
     }
 
     #[test]
