@@ -258,6 +258,61 @@ fn block_on<F: std::future::Future>(f: F) -> Result<F::Output> {
     Ok(runtime()?.block_on(f))
 }
 
+/// Runs `f` on the runtime until it completes, or until `stopped()` turns true (checked every
+/// `exec::STOP_POLL`): `None` then, and `f` is dropped unfinished (a read's requests not yet
+/// sent are never sent, those in flight are cut, and its request slots go to other reads).
+fn block_on_until<F: std::future::Future>(
+    f: F,
+    stopped: impl Fn() -> bool,
+) -> Result<Option<F::Output>> {
+    block_on(async {
+        let mut f = std::pin::pin!(f);
+        loop {
+            match tokio::time::timeout(crate::engine::exec::STOP_POLL, f.as_mut()).await {
+                Ok(out) => return Some(out),
+                Err(_) if stopped() => return None,
+                Err(_) => {}
+            }
+        }
+    })
+}
+
+thread_local! {
+    /// The stop of the store reads this thread makes beneath an interface that carries none
+    /// (zarrs's storage traits); set by [`reads_stopped_by`].
+    static READ_STOP: std::cell::RefCell<Option<Arc<std::sync::atomic::AtomicBool>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`; the blocking store reads it makes on this thread give up, with
+/// `exec::stopped_error`, once `stop` is set (a flat-tokens buffer read ahead for an iterator
+/// that was closed stops the GETs of the groups it is fetching, through zarrs).
+pub(crate) fn reads_stopped_by<T>(
+    stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    f: impl FnOnce() -> T,
+) -> T {
+    struct Restore(Option<Arc<std::sync::atomic::AtomicBool>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let before = self.0.take();
+            READ_STOP.with_borrow_mut(|s| *s = before);
+        }
+    }
+    let _restore = Restore(READ_STOP.with_borrow_mut(|s| std::mem::replace(s, stop)));
+    f()
+}
+
+/// Blocks on a read `f` made on this thread, giving up if [`reads_stopped_by`] set a stop
+/// that turns true.
+fn block_on_read<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
+    let stop = READ_STOP.with_borrow(|s| s.clone());
+    let stopped = || {
+        stop.as_ref()
+            .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+    };
+    block_on_until(f, stopped)?.unwrap_or_else(|| Err(crate::engine::exec::stopped_error()))
+}
+
 /// A prefix in an object store: `s3://bucket/prefix`.
 #[derive(Clone)]
 pub struct Remote {
@@ -641,14 +696,14 @@ impl Remote {
         self.check_reads(names.len(), ranges, buf.len())?;
         let Some(cache) = &self.object_cache else {
             let store = self.store()?;
-            return block_on(self.fetch_into(&store, names, ranges, buf))?;
+            return block_on_read(self.fetch_into(&store, names, ranges, buf));
         };
         let paged = self.read_cached(cache, names, ranges, buf)?;
         if paged.is_done() {
             return Ok(());
         }
         let store = self.store()?;
-        block_on(self.fetch_paged(&store, names, paged, buf))?
+        block_on_read(self.fetch_paged(&store, names, paged, buf))
     }
 
     /// [`Remote::read_into`] started on the runtime and left running: the caller gets `buf`
@@ -1322,15 +1377,7 @@ impl PendingRead {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .ok_or_else(|| Error::Internal("internal: a read waited for twice".into()))?;
-        let joined = block_on(async {
-            loop {
-                match tokio::time::timeout(crate::engine::exec::STOP_POLL, &mut task).await {
-                    Ok(joined) => return Some(joined),
-                    Err(_) if stopped() => return None,
-                    Err(_) => {}
-                }
-            }
-        })?;
+        let joined = block_on_until(&mut task, stopped)?;
         match joined {
             Some(Ok(read)) => read,
             Some(Err(e)) => Err(Error::Internal(format!(

@@ -80,7 +80,7 @@ pub trait Job: Send + Sync + 'static {
 
 /// What [`Job::prepare`] may ask of the stream running it.
 pub struct Context<'a> {
-    stop: &'a AtomicBool,
+    stop: &'a Arc<AtomicBool>,
 }
 
 impl Context<'_> {
@@ -93,9 +93,12 @@ impl Context<'_> {
     pub fn stopped(&self) -> bool {
         self.stop.load(Ordering::Relaxed)
     }
+    /// The stream's stop flag itself, for work that outlives this call or runs on other
+    /// threads (a read ahead, store requests to cut).
+    pub(crate) fn stop_flag(&self) -> &Arc<AtomicBool> {
+        self.stop
+    }
 }
-
-static NEVER_STOPPED: AtomicBool = AtomicBool::new(false);
 
 /// How often a preparation waiting on something slow (a read from a store, a shuffle buffer
 /// read ahead) checks whether its stream was stopped.
@@ -306,8 +309,9 @@ fn gather<J: Job>(
 /// Prepares, fills and finishes one batch on the calling thread and `pool` (random access:
 /// the same work a stream does, without the pipeline).
 pub(crate) fn run_one<J: Job>(job: &J, plan: J::Plan, pool: &GatherPool) -> Result<J::Item> {
+    let never_stopped = Arc::new(AtomicBool::new(false));
     let cx = Context {
-        stop: &NEVER_STOPPED,
+        stop: &never_stopped,
     };
     guarded("preparing", || job.prepare(plan, &cx))
         .and_then(|b| guarded("gathering", || gather(job, b, &pool.pool)))
@@ -386,7 +390,7 @@ fn prefetch_loop<J: Job, P: Iterator<Item = J::Plan>>(
     job: &J,
     plans: P,
     lanes: Vec<SyncSender<Msg<Prepared<J::State>>>>,
-    stop: &AtomicBool,
+    stop: &Arc<AtomicBool>,
 ) {
     let mut turn = 0usize;
     let mut plans = plans;

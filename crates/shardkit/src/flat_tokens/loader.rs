@@ -565,15 +565,16 @@ impl TokenLoader {
     /// read ahead (waited for), or read now. Buffers of earlier minipochs are let go (steps
     /// already prepared keep theirs). Under [`TokenLoader::iter`], the same stream's buffer of
     /// the next minipoch of the epoch is then read ahead, so that only the first minipoch's
-    /// steps wait for a read. A read (or the wait for one ahead) gives up when `stopped()`
-    /// turns true: a dropped iterator does not wait for a buffer of gigabytes.
+    /// steps wait for a read. A read (or the wait for one ahead) gives up once `stop` (the
+    /// stream's) is set: a dropped iterator does not wait for a buffer of gigabytes.
     fn resident(
         &self,
         schedule: &Arc<Schedule>,
         key: (u64, u64, u64),
         residents: &Residents,
-        stopped: &(dyn Fn() -> bool + Sync),
+        stop: &Arc<std::sync::atomic::AtomicBool>,
     ) -> Result<Arc<Resident>> {
+        let stopped = || stop.load(std::sync::atomic::Ordering::Relaxed);
         let mut held = residents.held.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = held.iter().find(|r| r.key == key) {
             return Ok(r.clone());
@@ -599,7 +600,7 @@ impl TokenLoader {
                     }
                 }
             },
-            None => self.read_buffer(schedule, key, stopped)?,
+            None => self.read_buffer(schedule, key, stop)?,
         };
         let r = Arc::new(r);
         held.push(r.clone());
@@ -626,8 +627,7 @@ impl TokenLoader {
                 std::thread::Builder::new()
                     .name("shardkit-buffer".into())
                     .spawn(move || {
-                        let stopped = || stop2.load(std::sync::atomic::Ordering::Relaxed);
-                        let _ = tx.send(me.read_buffer(&schedule, next, &stopped));
+                        let _ = tx.send(me.read_buffer(&schedule, next, &stop2));
                     })
                     .map_err(|e| Error::Thread {
                         what: "a shuffle buffer's read-ahead".into(),
@@ -646,13 +646,15 @@ impl TokenLoader {
     /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
     /// pieces of at most [`group_tokens`], fetched in groups of about as many tokens
     /// ([`fetch_lanes`] groups at once) and decoded in parallel as they arrive, several groups
-    /// at once.
+    /// at once. Once `stop` is set, no further group is fetched, and from a store the requests
+    /// of the groups being fetched are cut.
     fn read_buffer(
         &self,
         schedule: &Schedule,
         key: (u64, u64, u64),
-        stopped: &(dyn Fn() -> bool + Sync),
+        stop: &Arc<std::sync::atomic::AtomicBool>,
     ) -> Result<Resident> {
+        let stopped = || stop.load(std::sync::atomic::Ordering::Relaxed);
         let split = &self.inner.split;
         let pool = self.gather_pool()?;
         let pool = pool.pool();
@@ -726,7 +728,7 @@ impl TokenLoader {
         }
         let fetch = |g: &[Range<u64>]| {
             crate::engine::fault::before_read(split.path())?;
-            split.fetch_encoded(g)
+            split.fetch_encoded(g, Some(stop))
         };
         let lanes = fetch_lanes(split.path()).min(groups.len()).max(1);
         let mut pieces: Vec<Vec<u32>> = vec![Vec::new(); n_spans];
@@ -887,7 +889,7 @@ impl Job for TokenLoader {
                 let key = (schedule.epoch(), m, s);
                 let r = match last {
                     Some(r) if r.key == key => r,
-                    _ => self.resident(&schedule, key, &residents, &|| cx.stopped())?,
+                    _ => self.resident(&schedule, key, &residents, cx.stop_flag())?,
                 };
                 from.push(r.clone());
                 last = Some(r);

@@ -283,15 +283,21 @@ impl Column {
         what: &'static str,
         pool: &rayon::ThreadPool,
     ) -> Result<Vec<Vec<T>>> {
-        let fetched = self.fetch(ranges, what)?;
+        let fetched = self.fetch(ranges, what, None)?;
         self.decode(&fetched, what, pool)
     }
 
     /// Fetches every stored byte `ranges` need, without decoding: whole chunks, or for a
     /// sharded array only the inner chunks the ranges touch, as one request list per shard
     /// (which an object store coalesces into a few large GETs). Up to [`FETCH_LANES`] chunks
-    /// or shards are fetched at once, on threads of their own: they mostly wait.
-    fn fetch(&self, ranges: &[Range<u64>], what: &'static str) -> Result<Fetched> {
+    /// or shards are fetched at once, on threads of their own: they mostly wait. Once `stop`
+    /// is set, the store requests in flight are cut and the fetch fails.
+    fn fetch(
+        &self,
+        ranges: &[Range<u64>],
+        what: &'static str,
+        stop: Option<&Arc<std::sync::atomic::AtomicBool>>,
+    ) -> Result<Fetched> {
         for r in ranges {
             if r.start > r.end || r.end > self.len() {
                 return Err(Error::OutOfRange {
@@ -301,7 +307,7 @@ impl Column {
                 });
             }
         }
-        let fetched = Arc::new(Prefetched::new(self.array.storage()));
+        let fetched = Arc::new(Prefetched::new(self.array.storage(), stop.cloned()));
         let array = self.array.with_storage(fetched.clone());
         let sharded = ArrayShardedReadableExtCache::new(&array);
         let wanted: Vec<&Range<u64>> = ranges.iter().filter(|r| !r.is_empty()).collect();
@@ -668,6 +674,9 @@ impl Direct {
 /// read from the store beneath.
 struct Prefetched {
     inner: Arc<Storage>,
+    /// Once set, fetches from a store give up, their requests cut (a buffer read ahead for an
+    /// iterator that was closed).
+    stop: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Fetched bytes by key and first byte; a whole object sits at 0 and is in `whole`.
     spans: std::sync::RwLock<
         std::collections::HashMap<String, std::collections::BTreeMap<u64, bytes::Bytes>>,
@@ -678,9 +687,10 @@ struct Prefetched {
 }
 
 impl Prefetched {
-    fn new(inner: Arc<Storage>) -> Prefetched {
+    fn new(inner: Arc<Storage>, stop: Option<Arc<std::sync::atomic::AtomicBool>>) -> Prefetched {
         Prefetched {
             inner,
+            stop,
             spans: Default::default(),
             whole: Default::default(),
             suffixes: Default::default(),
@@ -705,10 +715,11 @@ impl Prefetched {
                 ByteRange::Suffix(_) => (u64::MAX, false),
             })
             .collect();
-        let Some(parts) = self
-            .inner
-            .get_partial_many(key, Box::new(ranges.into_iter()))?
-        else {
+        let parts = crate::storage::reads_stopped_by(self.stop.clone(), || {
+            self.inner
+                .get_partial_many(key, Box::new(ranges.into_iter()))
+        })?;
+        let Some(parts) = parts else {
             return Ok(false);
         };
         let mut got = std::collections::BTreeMap::new();
@@ -1195,8 +1206,12 @@ impl Split {
 
     /// The stored bytes of encoded tokens `ranges`, fetched together (few large requests to
     /// an object store instead of one per inner chunk), for [`Split::decode_encoded`].
-    pub(crate) fn fetch_encoded(&self, ranges: &[Range<u64>]) -> Result<Fetched> {
-        self.tokens.fetch(ranges, "token")
+    pub(crate) fn fetch_encoded(
+        &self,
+        ranges: &[Range<u64>],
+        stop: Option<&Arc<std::sync::atomic::AtomicBool>>,
+    ) -> Result<Fetched> {
+        self.tokens.fetch(ranges, "token", stop)
     }
 
     /// The encoded tokens of each range [`Split::fetch_encoded`] fetched, decoded on `pool`.
@@ -1460,7 +1475,7 @@ mod tests {
         assert_eq!(direct(&split.starts), Some((InnerCodec::Zstd, 8)));
         // Whole chunks, chunk parts, a range across shards, the array's partial last chunk.
         let ranges = [0..16, 3..29, 40..150, 250..700, 1990..2000, 0..2000, 5..5];
-        let f = split.fetch_encoded(&ranges).unwrap();
+        let f = split.fetch_encoded(&ranges, None).unwrap();
         let direct = f
             .direct
             .as_ref()
@@ -1493,7 +1508,7 @@ mod tests {
         let root = tmp.path().join("ds.zarr");
         let split = v3(&root);
         let f = split
-            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .fetch_encoded(std::slice::from_ref(&(768..1024)), None)
             .unwrap();
         let direct = f.direct.as_ref().unwrap();
         // Overwrite the middle of the first inner chunk of shard 3.
@@ -1508,7 +1523,7 @@ mod tests {
         }
         std::fs::write(&shard, bytes).unwrap();
         let f = split
-            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .fetch_encoded(std::slice::from_ref(&(768..1024)), None)
             .unwrap();
         let direct = f.direct.as_ref().unwrap();
         assert!(direct
@@ -1531,11 +1546,11 @@ mod tests {
         bytes[n - 10] ^= 0xff;
         std::fs::write(&shard, bytes).unwrap();
         assert!(split
-            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .fetch_encoded(std::slice::from_ref(&(768..1024)), None)
             .is_ok());
         let split = Split::open(&root, "train").unwrap();
         let e = split
-            .fetch_encoded(std::slice::from_ref(&(768..1024)))
+            .fetch_encoded(std::slice::from_ref(&(768..1024)), None)
             .err()
             .unwrap()
             .to_string();
@@ -1555,7 +1570,7 @@ mod tests {
             keys.sort();
             (keys, k.bytes)
         };
-        let first = split.fetch_encoded(&[0..300, 900..1000]).unwrap();
+        let first = split.fetch_encoded(&[0..300, 900..1000], None).unwrap();
         // Shards 0 and 3 (shard 1 holds only the fill value and has no object); 16 inner
         // chunks, 16 bytes each, and a crc32c.
         let index = 16 * 16 + 4;
@@ -1566,7 +1581,7 @@ mod tests {
         );
         assert_eq!(bytes, 2 * index);
         // A later fetch locates its chunks through the kept indexes: the same bytes.
-        let again = split.fetch_encoded(&[0..300, 900..1000]).unwrap();
+        let again = split.fetch_encoded(&[0..300, 900..1000], None).unwrap();
         let (a, b) = (
             split.decode_encoded(&first, &pool()).unwrap(),
             split.decode_encoded(&again, &pool()).unwrap(),
