@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 
 def free_port() -> int:
@@ -52,9 +52,9 @@ class FaultProxy:
         self.active_gets = 0
         self.max_active_gets = 0
         self.get_delay_s = 0.0
-        # The paths of ranged GETs, in the order they arrived, and their Range headers.
-        self.get_log: List[str] = []
-        self.range_log: List[str] = []
+        # The ranged GETs, in the order they arrived: (path, Range header, [arrived, answered]
+        # monotonic times). Take `len(get_log)` as a mark and read what follows it.
+        self.get_log: List[Tuple[str, str, List[float]]] = []
         # Whether each request (any method) came signed (with an Authorization header).
         self.signed_log: List[bool] = []
         self.lock = threading.Lock()
@@ -95,8 +95,8 @@ class FaultProxy:
                 self.counted = self.command == "GET" and "Range" in self.headers
                 if self.counted:
                     with proxy.lock:
-                        proxy.get_log.append(self.path)
-                        proxy.range_log.append(self.headers["Range"])
+                        self.times = [time.monotonic(), float("inf")]
+                        proxy.get_log.append((self.path, self.headers["Range"], self.times))
                         proxy.active_gets += 1
                         proxy.max_active_gets = max(proxy.max_active_gets, proxy.active_gets)
                 try:
@@ -113,6 +113,7 @@ class FaultProxy:
                     self.counted = False
                     with proxy.lock:
                         proxy.active_gets -= 1
+                        self.times[1] = time.monotonic()
 
             def _answer(self, fault: Optional[str], body: bytes) -> None:
                 if fault == "503":

@@ -950,7 +950,7 @@ def test_a_read_started_later_waits_for_the_earlier_ones_requests(tmp_path: Path
         with environment(s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="2", SHARDKIT_S3_REQUEST_MIB="1")):
             ds = saev.Dataset(url)
             got: Dict[str, np.ndarray] = {}
-            s3.proxy.get_log.clear()
+            mark = len(s3.proxy.get_log)
 
             def read(name: str) -> None:
                 got[name] = np.array(ds.take(*coords(reads[name])))
@@ -958,13 +958,13 @@ def test_a_read_started_later_waits_for_the_earlier_ones_requests(tmp_path: Path
             first = threading.Thread(target=read, args=("first",))
             first.start()
             deadline = time.monotonic() + 30
-            while not s3.proxy.get_log and time.monotonic() < deadline:
+            while len(s3.proxy.get_log) == mark and time.monotonic() < deadline:
                 time.sleep(0.005)
             second = threading.Thread(target=read, args=("second",))
             second.start()
             first.join()
             second.join()
-        shards = [int(p.rsplit("acts", 1)[1].split(".")[0]) for p in s3.proxy.get_log]
+        shards = [int(p.rsplit("acts", 1)[1].split(".")[0]) for p, _, _ in s3.proxy.get_log[mark:]]
         assert shards.count(2) > 2 and len(shards) > shards.count(2) + 4, shards
         # The first read's last request may reach the server just after the second read's
         # first (it took its slot first, but was sent a moment later); shared slots without
@@ -1049,6 +1049,79 @@ def test_a_loader_closed_while_it_waits_for_a_window_goes_at_once(tmp_path: Path
         s3.proxy.get_delay_s = 0.0
 
 
+def uploaded_eagle3(tmp_path: Path, s3: S3) -> Tuple[Path, str]:
+    """An EAGLE-3 cache of 64 samples in 32 shards of 2, written under ``tmp_path`` and uploaded
+    to a new bucket (the proxy then idle): (local path, url)."""
+    local = write_eagle3_cache(tmp_path / "e3", 64)
+    url = f"s3://{s3.bucket()}/e3"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    s3.proxy.wait_idle()
+    return local, url
+
+
+def test_an_eagle3_loader_closed_while_a_batch_is_in_flight_goes_at_once(tmp_path: Path, s3: S3) -> None:
+    """An EAGLE-3 loader from a store keeps the next batches' requests in flight; closed, it
+    stops them, those of the batch it is waiting for included, and does not wait for them."""
+    local, url = uploaded_eagle3(tmp_path, s3)
+    kw = dict(batch_size=16, seed=3)
+    want = batches(eagle3.Loader(local, **kw))
+    # A batch touches a dozen shards: a dozen requests, one at a time, 0.1 s each.
+    s3.proxy.get_delay_s = 0.1
+    try:
+        with environment(s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="1")):
+            it = iter(eagle3.Loader(url, **kw))
+            same_batches([{k: np.array(v) for k, v in next(it).items() if v is not None}], want[:1])
+            late, took = close_while_fetching(it, s3, settle_s=1.0)
+            # At most the request on the wire (before, the batch's requests all ran, close
+            # waiting for them).
+            assert late <= 1, late
+            assert took < 1.0, took
+    finally:
+        s3.proxy.get_delay_s = 0.0
+
+
+def test_eagle3_shard_headers_come_a_batch_at_a_time_and_are_kept(tmp_path: Path, s3: S3) -> None:
+    """From a store, the headers of the shards a batch is the first to touch are fetched
+    together (parallel GETs, one round trip for the batch, not one per shard), and a shard's
+    header is fetched once: it is kept whatever max_open says (that bounds maps, which a shard
+    in a store does not hold), so later epochs fetch no header."""
+    local, url = uploaded_eagle3(tmp_path, s3)
+    kw = dict(batch_size=16, seed=3)
+    want = batches(eagle3.Loader(local, **kw))
+    s3.proxy.get_delay_s = 0.05
+    try:
+        start = len(s3.proxy.get_log)
+        with environment(s3.env(proxy=True)):
+            loader = eagle3.Loader(url, **kw)
+            same_batches(batches(loader), want)
+            loader.set_epoch(0)
+            same_batches(batches(loader), want)
+            middle = len(s3.proxy.get_log)
+            # Items, each shard's twice, from a cache of its own that keeps 2 shards mapped.
+            items, here = eagle3.open(url, max_open=2), eagle3.open(local)
+            for i in [*range(64), *range(64)]:
+                np.testing.assert_array_equal(items[i]["aux_hidden_states"], here[i]["aux_hidden_states"])
+        gets = list(s3.proxy.get_log)
+    finally:
+        s3.proxy.get_delay_s = 0.0
+
+    def headers(part: list) -> list:
+        # A shard's header is its first bytes (a data row never starts at 0).
+        return [(p, t) for p, r, t in part if r.startswith("bytes=0-") and "shard" in p]
+
+    for part in [gets[start:middle], gets[middle:]]:
+        per_shard: Dict[str, int] = {}
+        for p, _ in headers(part):
+            per_shard[p] = per_shard.get(p, 0) + 1
+        assert len(per_shard) == 32 and set(per_shard.values()) == {1}, per_shard
+    first = headers(gets[start:middle])
+    # The first batch's sixteen samples lie in about a dozen shards, whose headers were all
+    # being fetched at once (one after another, at most one would be).
+    overlap = max(sum(1 for _, (a, b) in first if a <= t < b) for _, (t, _) in first)
+    assert overlap >= 8, overlap
+
+
 def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, s3: S3) -> None:
     """A flat-tokens loader from a store reads the next minipoch's shuffle buffer in the
     background; closed, it stops that read, the requests of the groups being fetched included,
@@ -1116,17 +1189,17 @@ def test_a_tokens_loader_fetches_each_shard_index_once(tmp_path: Path, s3: S3, p
     want = batches(flat_tokens.Loader(local, "train", **kw))
     s3.proxy.wait_idle()
     # Counted from before the loader is made: it may start reading its first buffer at once.
-    start = len(s3.proxy.range_log)
+    start = len(s3.proxy.get_log)
     with environment(s3.env(proxy=True, SHARDKIT_TEST_TOKEN_GROUP="512")):
         loader = flat_tokens.Loader(url, "train", buffer_in_memory=True, **kw)
         assert loader.buffers_in_memory
         for _ in range(2):  # the epoch twice
             loader.set_epoch(0)
             same_batches(batches(loader), want)
-        gets = list(zip(s3.proxy.get_log, s3.proxy.range_log))[start:]
+        gets = s3.proxy.get_log[start:]
     index_gets: Dict[str, int] = {}
     data_gets = 0
-    for path, byte_range in gets:
+    for path, byte_range, _ in gets:
         key = path.split("?")[0].removeprefix(f"/{bucket}/")
         last = int(byte_range.removeprefix("bytes=").split("-")[1])
         if "/c/" in key and key in sizes and last == sizes[key] - 1:  # a shard's index ends it

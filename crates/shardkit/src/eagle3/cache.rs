@@ -24,6 +24,10 @@ use crate::storage::{self, Remote};
 /// Shard handles kept open by default.
 pub const DEFAULT_OPEN_SHARDS: usize = 64;
 
+/// Shards of a cache in an object store kept open (their checked headers, a few hundred bytes
+/// each), whatever `max_open` says: that bounds maps and descriptors, which these do not hold.
+const REMOTE_SHARDS_KEPT: usize = 1 << 16;
+
 /// The fields of an item (and of a batch), in the order NeMo's collate stacks them.
 pub const ITEM_FIELDS: [&str; 6] = [
     "input_ids",
@@ -110,8 +114,9 @@ impl Cache {
     /// [`Cache::open`] keeping at most `max_open` shards mapped at once.
     ///
     /// `dir` may be an `s3://bucket/prefix` URL: the manifest is fetched and the objects listed
-    /// once; each shard's header is read (two ranged GETs) when the shard is first used, and
-    /// items and batches read exactly their rows.
+    /// once; each shard's header is read when the shard is first used (usually one ranged GET;
+    /// a batch's new shards together) and then kept, whatever `max_open`, and items and
+    /// batches read exactly their rows.
     pub fn open_with(dir: impl AsRef<Path>, max_open: usize) -> Result<Cache> {
         if storage::is_remote(dir.as_ref()) {
             return Self::open_remote(dir.as_ref(), max_open);
@@ -191,38 +196,88 @@ impl Cache {
 
     /// Shard `k`, mapped on first use (its header checked against the manifest).
     pub fn shard(&self, k: u64) -> Result<Arc<ShardFile>> {
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = open.by_index.get(&k).cloned() {
-            open.lru.retain(|&x| x != k);
-            open.lru.push_back(k);
-            return Ok(s);
-        }
-        drop(open);
-        // Map (or read the header) outside the lock: other shards stay available meanwhile.
-        let rows = self.manifest.rows_in_shard(k);
-        let s = Arc::new(match &self.remote {
-            None => ShardFile::open(&self.dir.join(shard_name(k)), &self.specs, rows)?,
-            Some((remote, sizes)) => {
-                let name = shard_name(k);
-                let size = sizes.get(&name).copied().unwrap_or(0);
-                ShardFile::open_remote(remote, &name, size, &self.specs, rows)?
-            }
-        });
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        if !open.by_index.contains_key(&k) {
-            while open.by_index.len() >= self.max_open {
-                match open.lru.pop_front() {
-                    // Items still holding an evicted shard keep its map alive.
-                    Some(old) => {
-                        open.by_index.remove(&old);
+        self.shards(&[k])?
+            .remove(&k)
+            .ok_or_else(|| Error::Internal(format!("internal: shard {k} was not opened")))
+    }
+
+    /// Shards `ks` (in any order, repeats allowed), each opened on first use as by
+    /// [`Cache::shard`]. From a store, the headers of those not yet open are fetched together,
+    /// one batch of parallel GETs: a batch of samples in many shards waits for one round trip,
+    /// not one per shard.
+    pub(crate) fn shards(&self, ks: &[u64]) -> Result<HashMap<u64, Arc<ShardFile>>> {
+        let mut got = HashMap::with_capacity(ks.len());
+        let mut missing = Vec::new();
+        let mut seen = std::collections::HashSet::with_capacity(ks.len());
+        {
+            let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+            for &k in ks {
+                if !seen.insert(k) {
+                    continue;
+                }
+                match open.by_index.get(&k).cloned() {
+                    Some(s) => {
+                        open.lru.retain(|&x| x != k);
+                        open.lru.push_back(k);
+                        got.insert(k, s);
                     }
-                    None => break,
+                    None => missing.push(k),
                 }
             }
-            open.by_index.insert(k, s.clone());
-            open.lru.push_back(k);
         }
-        Ok(s)
+        if missing.is_empty() {
+            return Ok(got);
+        }
+        // Mapped (or their headers read) outside the lock: other shards stay available.
+        let opened: Vec<ShardFile> = match &self.remote {
+            None => missing
+                .iter()
+                .map(|&k| {
+                    let rows = self.manifest.rows_in_shard(k);
+                    ShardFile::open(&self.dir.join(shard_name(k)), &self.specs, rows)
+                })
+                .collect::<Result<_>>()?,
+            Some((remote, sizes)) => {
+                let shards: Vec<(String, u64, u64)> = missing
+                    .iter()
+                    .map(|&k| {
+                        let name = shard_name(k);
+                        let size = sizes.get(&name).copied().unwrap_or(0);
+                        (name, size, self.manifest.rows_in_shard(k))
+                    })
+                    .collect();
+                ShardFile::open_remote_many(remote, &shards, &self.specs)?
+            }
+        };
+        // A shard in a store holds no map or descriptor, only its checked header (offsets):
+        // thousands are kept, so a later epoch fetches no header again.
+        let limit = match self.remote {
+            None => self.max_open,
+            Some(_) => self.max_open.max(REMOTE_SHARDS_KEPT),
+        };
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        for (k, s) in missing.into_iter().zip(opened) {
+            let s = match open.by_index.get(&k) {
+                Some(already) => already.clone(), // opened meanwhile by another thread
+                None => {
+                    while open.by_index.len() >= limit {
+                        match open.lru.pop_front() {
+                            // Items still holding an evicted shard keep its map alive.
+                            Some(old) => {
+                                open.by_index.remove(&old);
+                            }
+                            None => break,
+                        }
+                    }
+                    let s = Arc::new(s);
+                    open.by_index.insert(k, s.clone());
+                    open.lru.push_back(k);
+                    s
+                }
+            };
+            got.insert(k, s);
+        }
+        Ok(got)
     }
 
     /// Sample `i`; a negative `i` counts from the end (wrapped once, as NeMo does).

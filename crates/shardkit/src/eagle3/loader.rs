@@ -501,8 +501,9 @@ struct Eagle3Batch {
     reads: Vec<(ReadRange, Option<Arc<memmap2::Mmap>>)>,
     /// (field, row bytes, buffer offset) of the stored top-k values and indices.
     staging: Vec<(&'static str, usize, usize)>,
-    /// From an object store: the batch's requests, in flight; the filled buffer comes from here.
-    pending: Option<PendingRead>,
+    /// From an object store: the batch's requests, in flight (the filled buffer comes from
+    /// here), and the stream's stop flag, which gives up waiting for them.
+    pending: Option<(PendingRead, Arc<std::sync::atomic::AtomicBool>)>,
 }
 
 impl Job for Eagle3Job {
@@ -522,10 +523,14 @@ impl Job for Eagle3Job {
         let s = m.shard_size;
         let (layout, staging, off) = batch_layout(cache, b)?;
         let mut ranges = Vec::with_capacity(b * specs.len());
-
+        // Every shard of the batch at once: from a store, the new ones' headers in one round.
+        let ks: Vec<u64> = indices.iter().map(|&i| i / s).collect();
+        let shards = cache.shards(&ks)?;
         for (j, &i) in indices.iter().enumerate() {
             let k = i / s;
-            let shard = cache.shard(k)?;
+            let shard = shards
+                .get(&k)
+                .ok_or_else(|| Error::Internal(format!("internal: shard {k} was not opened")))?;
             let row = i % s;
             for (f, spec) in specs.iter().enumerate() {
                 let rb = spec.row_bytes();
@@ -566,7 +571,7 @@ impl Job for Eagle3Job {
                     layout,
                     reads: Vec::new(),
                     staging,
-                    pending: Some(pending),
+                    pending: Some((pending, cx.stop_flag().clone())),
                 },
             });
         }
@@ -654,9 +659,9 @@ impl Job for Eagle3Job {
         let Prepared {
             mut buf, state: b, ..
         } = p;
-        if let Some(pending) = &b.pending {
-            // A batch's requests are few: a dropped loader waits for them rather than checking.
-            buf = pending.wait(|| false)?;
+        if let Some((pending, stop)) = &b.pending {
+            // A loader dropped while its batch is in flight cuts the batch's requests and goes.
+            buf = pending.wait(|| stop.load(std::sync::atomic::Ordering::Relaxed))?;
         }
         let cache = &self.inner.cache;
         let m = cache.manifest();

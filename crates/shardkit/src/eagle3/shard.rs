@@ -230,25 +230,54 @@ impl ShardFile {
         })
     }
 
-    /// Reads the header of object `name` (`size` bytes) under `remote` with two ranged GETs and
-    /// checks it as [`ShardFile::open`] does.
-    pub(crate) fn open_remote(
+    /// Reads the headers of objects `shards` (name, size, rows) under `remote`, checking each
+    /// as [`ShardFile::open`] does. The first [`HEADER_PROBE`] bytes of every object are
+    /// fetched together, one batch of parallel GETs, which usually brings the whole header (a
+    /// few hundred bytes for a cache's tensors); a longer header costs its shard one more GET.
+    /// Shards are opened while their batch is prepared, so every round trip here is one the
+    /// loader waits for.
+    pub(crate) fn open_remote_many(
+        remote: &Remote,
+        shards: &[(String, u64, u64)],
+        specs: &[FieldSpec],
+    ) -> Result<Vec<ShardFile>> {
+        if let Some((name, _, _)) = shards.iter().find(|(_, size, _)| *size < 8) {
+            return Err(st_err(
+                &remote.url_of(name),
+                SafeTensorError::HeaderTooSmall,
+            ));
+        }
+        let names: Vec<String> = shards.iter().map(|(n, _, _)| n.clone()).collect();
+        let mut ranges = Vec::with_capacity(shards.len());
+        let mut at = 0;
+        for (i, (_, size, _)) in shards.iter().enumerate() {
+            let len = HEADER_PROBE.min(*size);
+            ranges.push((i as u32, 0, len, at));
+            at += len;
+        }
+        let mut heads = vec![0u8; at as usize];
+        remote.read_ranges(&names, &ranges, &mut heads)?;
+        shards
+            .iter()
+            .zip(&ranges)
+            .map(|((name, size, rows), &(_, _, len, at))| {
+                let head = heads[at as usize..(at + len) as usize].to_vec();
+                Self::from_head(remote, name, *size, head, specs, *rows)
+            })
+            .collect()
+    }
+
+    /// The shard whose first bytes `head` (at least 8) are those of object `name`.
+    fn from_head(
         remote: &Remote,
         name: &str,
         size: u64,
+        mut head: Vec<u8>,
         specs: &[FieldSpec],
         rows: u64,
     ) -> Result<ShardFile> {
         let path = remote.url_of(name);
         let names = [name.to_string()];
-        if size < 8 {
-            return Err(st_err(&path, SafeTensorError::HeaderTooSmall));
-        }
-        // One GET usually brings the whole header (a few hundred bytes for a cache's tensors):
-        // a shard is opened while its batch is prepared, so every round trip here is one the
-        // loader waits for.
-        let mut head = vec![0u8; HEADER_PROBE.min(size) as usize];
-        remote.read_ranges(&names, &[(0, 0, head.len() as u64, 0)], &mut head)?;
         let mut len = [0u8; 8];
         len.copy_from_slice(&head[..8]); // `size` is at least 8
         let n = u64::from_le_bytes(len);
