@@ -286,11 +286,15 @@ thread_local! {
 
 /// Runs `f`; the blocking store reads it makes on this thread give up, with
 /// `exec::stopped_error`, once `stop` is set (a flat-tokens buffer read ahead for an iterator
-/// that was closed stops the GETs of the groups it is fetching, through zarrs).
+/// that was closed stops the GETs of the groups it is fetching, through zarrs). With `None`,
+/// they keep the stop already in force on this thread, if any.
 pub(crate) fn reads_stopped_by<T>(
     stop: Option<Arc<std::sync::atomic::AtomicBool>>,
     f: impl FnOnce() -> T,
 ) -> T {
+    let Some(stop) = stop else {
+        return f();
+    };
     struct Restore(Option<Arc<std::sync::atomic::AtomicBool>>);
     impl Drop for Restore {
         fn drop(&mut self) {
@@ -298,7 +302,7 @@ pub(crate) fn reads_stopped_by<T>(
             READ_STOP.with_borrow_mut(|s| *s = before);
         }
     }
-    let _restore = Restore(READ_STOP.with_borrow_mut(|s| std::mem::replace(s, stop)));
+    let _restore = Restore(READ_STOP.with_borrow_mut(|s| s.replace(stop)));
     f()
 }
 
@@ -1843,6 +1847,42 @@ fn windows_of(objects: &[(String, u64)], window: u64) -> Vec<Vec<ReadRange>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_read_stop_holds_on_its_thread_for_its_call_and_cuts_a_blocked_read() {
+        use std::sync::atomic::AtomicBool;
+        let current = || READ_STOP.with_borrow(|s| s.as_ref().map(Arc::as_ptr));
+        let outer = Arc::new(AtomicBool::new(false));
+        let inner = Arc::new(AtomicBool::new(true));
+        assert_eq!(current(), None);
+        reads_stopped_by(Some(outer.clone()), || {
+            assert_eq!(current(), Some(Arc::as_ptr(&outer)));
+            // None keeps the stop in force; another replaces it for its call only.
+            reads_stopped_by(None, || assert_eq!(current(), Some(Arc::as_ptr(&outer))));
+            reads_stopped_by(Some(inner.clone()), || {
+                assert_eq!(current(), Some(Arc::as_ptr(&inner)));
+                // A read that would never end gives up once its stop is set.
+                let e = block_on_read(std::future::pending()).unwrap_err();
+                assert_eq!(
+                    e.to_string(),
+                    crate::engine::exec::stopped_error().to_string()
+                );
+            });
+            assert_eq!(current(), Some(Arc::as_ptr(&outer)));
+            // Restored when the call panics too.
+            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                reads_stopped_by(Some(inner.clone()), || panic!("a read failed"))
+            }));
+            assert!(unwound.is_err());
+            assert_eq!(current(), Some(Arc::as_ptr(&outer)));
+            // Not stopped: a read completes.
+            assert!(block_on_read(async { Ok(()) }).is_ok());
+        });
+        assert_eq!(current(), None);
+        std::thread::spawn(move || assert_eq!(current(), None))
+            .join()
+            .unwrap();
+    }
 
     fn r(file: u32, offset: u64, len: u64, dst: u64) -> ReadRange {
         ReadRange {
