@@ -4,8 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
+use indicatif::BinaryBytes;
 use shardkit::json::{self, Escape, Value};
-use shardkit::{Error, Result};
+use shardkit::Result;
 
 #[derive(Subcommand)]
 pub enum CacheCmd {
@@ -33,7 +34,7 @@ pub enum CacheCmd {
 pub fn run(cmd: CacheCmd) -> Result<bool> {
     match cmd {
         CacheCmd::Info { dir, json } => {
-            let dir = cache_dir(dir)?;
+            let dir = shardkit::storage::cache_dir_or(dir)?;
             let usage = shardkit::storage::cache_usage(&dir)?;
             if json {
                 println!(
@@ -45,25 +46,29 @@ pub fn run(cmd: CacheCmd) -> Result<bool> {
             println!(
                 "{}: {} in {} object(s), limit {}",
                 dir.display(),
-                size(usage.bytes),
+                BinaryBytes(usage.bytes),
                 usage.objects.len(),
-                size(usage.limit)
+                BinaryBytes(usage.limit)
             );
             for o in &usage.objects {
                 let what = match o.pages {
                     0 => "copied whole".to_string(),
                     n => format!("{n} page(s)"),
                 };
-                println!("{:>10}  {what:<14}  {}", size(o.bytes), o.url);
+                println!(
+                    "{:>10}  {what:<14}  {}",
+                    BinaryBytes(o.bytes).to_string(),
+                    o.url
+                );
             }
             Ok(true)
         }
         CacheCmd::Clear { url, dir } => {
-            let dir = cache_dir(dir)?;
+            let dir = shardkit::storage::cache_dir_or(dir)?;
             let (files, bytes) = shardkit::storage::clear_cache(&dir, url.as_deref())?;
             println!(
                 "removed {files} file(s), {} from {}",
-                size(bytes),
+                BinaryBytes(bytes),
                 dir.display()
             );
             Ok(true)
@@ -71,17 +76,10 @@ pub fn run(cmd: CacheCmd) -> Result<bool> {
     }
 }
 
-/// `--dir`, else `$SHARDKIT_CACHE_DIR`.
-fn cache_dir(dir: Option<PathBuf>) -> Result<PathBuf> {
-    dir.or_else(shardkit::storage::cache_dir).ok_or_else(|| {
-        Error::Invalid("no cache directory: pass --dir, or set SHARDKIT_CACHE_DIR".into())
-    })
-}
-
 fn usage_json(dir: &Path, usage: &shardkit::storage::CacheUsage) -> Value {
     let unix = |t: std::time::SystemTime| {
         t.duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
+            .map_or(0.0, |d| d.as_secs_f64())
     };
     let objects = usage
         .objects
@@ -91,7 +89,7 @@ fn usage_json(dir: &Path, usage: &shardkit::storage::CacheUsage) -> Value {
                 ("url".into(), Value::String(o.url.clone())),
                 ("bytes".into(), Value::int(o.bytes)),
                 ("pages".into(), Value::int(o.pages)),
-                ("last_used_unix_s".into(), Value::int(unix(o.last_used))),
+                ("last_used".into(), Value::float(unix(o.last_used), 3)),
             ])
         })
         .collect();
@@ -101,34 +99,4 @@ fn usage_json(dir: &Path, usage: &shardkit::storage::CacheUsage) -> Value {
         ("limit_bytes".into(), Value::int(usage.limit)),
         ("objects".into(), Value::Array(objects)),
     ])
-}
-
-/// `n` bytes in binary units, three significant figures.
-fn size(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = n as f64;
-    let mut unit = 0;
-    while x >= 1024.0 && unit + 1 < UNITS.len() {
-        x /= 1024.0;
-        unit += 1;
-    }
-    match unit {
-        0 => format!("{n} B"),
-        _ if x >= 100.0 => format!("{x:.0} {}", UNITS[unit]),
-        _ if x >= 10.0 => format!("{x:.1} {}", UNITS[unit]),
-        _ => format!("{x:.2} {}", UNITS[unit]),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn sizes_read_in_binary_units() {
-        assert_eq!(super::size(0), "0 B");
-        assert_eq!(super::size(1023), "1023 B");
-        assert_eq!(super::size(1536), "1.50 KiB");
-        assert_eq!(super::size(40 << 20), "40.0 MiB");
-        assert_eq!(super::size(32 << 30), "32.0 GiB");
-        assert_eq!(super::size(300 << 30), "300 GiB");
-    }
 }

@@ -995,21 +995,12 @@ fn wait_for_cache(py: Python<'_>) -> PyResult<()> {
         .map_err(to_py)
 }
 
-/// The cache directory `dir`, else `$SHARDKIT_CACHE_DIR`.
-fn cache_dir_of(dir: Option<std::path::PathBuf>) -> PyResult<std::path::PathBuf> {
-    dir.or_else(shardkit::storage::cache_dir).ok_or_else(|| {
-        to_py(shardkit::Error::Invalid(
-            "no cache directory: pass dir, or set SHARDKIT_CACHE_DIR".into(),
-        ))
-    })
-}
-
 /// What the local cache holds: {"dir", "bytes", "limit_bytes", "objects": [{"url", "bytes",
 /// "pages", "last_used"}]}, the largest object first.
 #[pyfunction]
 #[pyo3(signature = (dir=None))]
 fn cache_info(py: Python<'_>, dir: Option<std::path::PathBuf>) -> PyResult<Bound<'_, PyDict>> {
-    let dir = cache_dir_of(dir)?;
+    let dir = shardkit::storage::cache_dir_or(dir).map_err(to_py)?;
     let usage = py
         .allow_threads(|| shardkit::storage::cache_usage(&dir))
         .map_err(to_py)?;
@@ -1042,7 +1033,7 @@ fn clear_cache(
     url: Option<String>,
     dir: Option<std::path::PathBuf>,
 ) -> PyResult<Bound<'_, PyDict>> {
-    let dir = cache_dir_of(dir)?;
+    let dir = shardkit::storage::cache_dir_or(dir).map_err(to_py)?;
     let (files, bytes) = py
         .allow_threads(|| shardkit::storage::clear_cache(&dir, url.as_deref()))
         .map_err(to_py)?;

@@ -2003,6 +2003,12 @@ def test_a_cache_is_made_only_where_it_may_evict_and_is_listed_and_cleared(
         listed = json.loads(out.stdout)
         assert {o["url"]: (o["bytes"], o["pages"]) for o in listed["objects"]} == held
         assert listed["bytes"] == info["bytes"]
+        used = {o["url"]: o["last_used"] for o in info["objects"]}
+        assert all(abs(o["last_used"] - used[o["url"]]) < 0.01 for o in listed["objects"])
+        out = subprocess.run([cli, "cache", "info"], capture_output=True, text=True)
+        head, *rows = out.stdout.splitlines()
+        assert head.startswith(f"{cache}: ") and head.endswith(f"in {len(shards)} object(s), limit 32.00 GiB"), head
+        assert sorted(r.split()[-1] for r in rows) == sorted(held) and all("page(s)" in r for r in rows), rows
         # One object, then the rest of the dataset (by its URL, through the CLI).
         one = f"{url}/{shards[0].name}"
         assert shardkit.clear_cache(one) == {"files": pages(shards[0]), "bytes": shards[0].stat().st_size}

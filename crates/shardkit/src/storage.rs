@@ -48,7 +48,9 @@ use crate::fsutil;
 use crate::json::Value;
 pub(crate) use crate::store_lock::StoreLock;
 pub(crate) use cache::fetch_container;
-pub use cache::{cache_dir, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject};
+pub use cache::{
+    cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
+};
 
 mod cache;
 

@@ -54,6 +54,14 @@ pub fn cache_dir() -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// The cache directory a command names, `dir`, else [`cache_dir`]; an error when neither is
+/// given (`shardkit cache`, `shardkit.cache_info`).
+pub fn cache_dir_or(dir: Option<PathBuf>) -> Result<PathBuf> {
+    dir.or_else(cache_dir).ok_or_else(|| {
+        Error::Invalid("no cache directory given, and SHARDKIT_CACHE_DIR is not set".into())
+    })
+}
+
 fn cache_limit() -> u64 {
     // A value that does not parse was refused when the store was first used.
     let gib = crate::env::number("SHARDKIT_CACHE_GIB")
