@@ -284,7 +284,7 @@ impl Column {
         pool: &rayon::ThreadPool,
     ) -> Result<Vec<Vec<T>>> {
         let fetched = self.fetch(ranges, what, None)?;
-        self.decode(&fetched, what, pool)
+        self.decode(&fetched, what, Some(pool))
     }
 
     /// Fetches every stored byte `ranges` need, without decoding: whole chunks, or for a
@@ -491,7 +491,8 @@ impl Column {
     }
 
     /// Decodes what [`Column::fetch`] fetched, range by range, in pieces of at most
-    /// [`DECODE_PIECE`] elements spread over `pool`. Each range's output is allocated once and
+    /// [`DECODE_PIECE`] elements spread over `pool` (on this thread without one: a few
+    /// elements). Each range's output is allocated once and
     /// every piece decoded in place: no piece buffers, no copy to join them. (Buffers of
     /// pieces made every decode fault in fresh pages twice and grow the heap, whose `mprotect`
     /// calls stop every other thread's page faults: decoding scaled poorly with threads.)
@@ -499,7 +500,7 @@ impl Column {
         &self,
         f: &Fetched,
         what: &'static str,
-        pool: &rayon::ThreadPool,
+        pool: Option<&rayon::ThreadPool>,
     ) -> Result<Vec<Vec<T>>> {
         use rayon::prelude::*;
         let opts = CodecOptions::default();
@@ -515,33 +516,34 @@ impl Column {
                 pieces.push((a..a + dst.len() as u64, dst));
             }
         }
-        pool.install(|| {
-            pieces.into_par_iter().try_for_each(|(r, dst)| {
-                let direct = f.direct.as_ref();
-                if direct.is_some_and(|d| d.decode_into(&f.fetched, &r, self.len(), dst).is_some())
-                {
-                    return Ok(());
-                }
-                let subset = subset_of(&r);
-                let got = if f.by_inner_chunk {
-                    f.array
-                        .retrieve_array_subset_sharded_opt::<Vec<T>>(&f.sharded, &subset, &opts)
-                } else {
-                    f.array.retrieve_array_subset_opt::<Vec<T>>(&subset, &opts)
-                };
-                let got = got.map_err(|e| self.read_error(&e, &subset, what))?;
-                if got.len() != dst.len() {
-                    return Err(Error::Internal(format!(
-                        "internal: {what}s {}..{} decoded to {} elements",
-                        r.start,
-                        r.end,
-                        got.len()
-                    )));
-                }
-                dst.copy_from_slice(&got);
-                Ok(())
-            })
-        })?;
+        let decode_piece = |(r, dst): (Range<u64>, &mut [T])| -> Result<()> {
+            let direct = f.direct.as_ref();
+            if direct.is_some_and(|d| d.decode_into(&f.fetched, &r, self.len(), dst).is_some()) {
+                return Ok(());
+            }
+            let subset = subset_of(&r);
+            let got = if f.by_inner_chunk {
+                f.array
+                    .retrieve_array_subset_sharded_opt::<Vec<T>>(&f.sharded, &subset, &opts)
+            } else {
+                f.array.retrieve_array_subset_opt::<Vec<T>>(&subset, &opts)
+            };
+            let got = got.map_err(|e| self.read_error(&e, &subset, what))?;
+            if got.len() != dst.len() {
+                return Err(Error::Internal(format!(
+                    "internal: {what}s {}..{} decoded to {} elements",
+                    r.start,
+                    r.end,
+                    got.len()
+                )));
+            }
+            dst.copy_from_slice(&got);
+            Ok(())
+        };
+        match pool {
+            Some(pool) => pool.install(|| pieces.into_par_iter().try_for_each(decode_piece)),
+            None => pieces.into_iter().try_for_each(decode_piece),
+        }?;
         Ok(out)
     }
 }
@@ -1094,9 +1096,13 @@ impl Split {
                 ),
             }),
             Completion::Complete => {
-                let first = self.seq_starts(0..1)?[0];
+                // Through `fetch`, which keeps the shard indexes it reads: a loader's reads of
+                // seq_starts from a store then do not fetch them again.
                 let n = self.starts.len();
-                let last = self.seq_starts(n - 1..n)?[0];
+                let ends = [0..1, n - 1..n];
+                let fetched = self.starts.fetch(&ends, "seq_starts entry", None)?;
+                let got: Vec<Vec<u64>> = self.starts.decode(&fetched, "seq_starts entry", None)?;
+                let (first, last) = (got[0][0], got[1][0]);
                 if first != 0 || last != self.token_count() {
                     return Err(Error::format(
                         &self.path,
@@ -1220,7 +1226,7 @@ impl Split {
         f: &Fetched,
         pool: &rayon::ThreadPool,
     ) -> Result<Vec<Vec<u32>>> {
-        self.tokens.decode(f, "token", pool)
+        self.tokens.decode(f, "token", Some(pool))
     }
 
     /// Entries of `seq_starts` in each of `ranges`, fetched together like
