@@ -268,3 +268,20 @@ fn absurd_claimed_lengths_are_reported_without_scanning_them() {
     assert!(err.as_str().unwrap().contains("decreases"), "{err:?}");
     assert!(Split::open(&root, "train").is_err());
 }
+
+#[test]
+fn a_directory_without_splits_is_refused_by_inspect_and_validate_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("empty");
+    std::fs::create_dir(&root).unwrap();
+    let e = flat_tokens::inspect(&root).unwrap_err();
+    assert!(matches!(e, Error::NotFound { .. }), "{e:?}");
+    assert_eq!(e.path(), Some(root.as_path()));
+    assert!(e
+        .to_string()
+        .contains("holds neither a train nor a validation split"));
+    let report = flat_tokens::validate(&root);
+    assert!(report.errors().any(|f| f
+        .message
+        .contains("holds neither a train nor a validation split")));
+}

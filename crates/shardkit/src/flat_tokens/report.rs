@@ -33,7 +33,7 @@ fn present(root: &Path) -> Result<Vec<&'static str>> {
 
 /// Every split summarised: format, completion, sharding, counts, `max_token_id` and sequence
 /// length statistics (`null` for an absent split, `{"error": ...}` for one that cannot be
-/// opened). Reads `seq_starts` in full, not the tokens.
+/// opened; an error when neither is there). Reads `seq_starts` in full, not the tokens.
 pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
     let root = &crate::storage::local_path(root.as_ref());
     if !crate::storage::is_remote(root) && !root.is_dir() {
@@ -59,6 +59,12 @@ pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
             }
         };
         out.push((name.to_string(), v));
+    }
+    if out.iter().all(|(_, v)| matches!(v, Value::Null)) {
+        return Err(Error::NotFound {
+            path: root.to_path_buf(),
+            what: "holds neither a train nor a validation split (a zarr group with either)".into(),
+        });
     }
     Ok(Value::Object(out))
 }
