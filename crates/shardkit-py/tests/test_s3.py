@@ -175,6 +175,55 @@ def test_saev_remote_refusals_name_the_object(tmp_path: Path, s3: S3, env: Dict[
         saev.ShuffledLoader(write_url, layer=5, verify=True)
 
 
+def test_saev_validated_in_a_store_reports_what_a_local_check_reports(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """`validate` of an s3:// URL makes every check a local `validate` makes (metadata and
+    what saev itself would refuse, the directory's name, shards.json, each shard's size, gaps,
+    labels.bin, leftovers of a write) from one listing, and lists every problem it finds, not
+    the first."""
+    bucket = s3.bucket()
+    c = s3.client()
+    good = Path(write_saev(tmp_path / "good"))
+
+    def damaged(name: str, damage: Any) -> Tuple[Path, str]:
+        d = tmp_path / name / good.name
+        d.mkdir(parents=True)
+        for p in good.iterdir():
+            if not p.name.startswith(".shardkit-") and p.name != "shardkit.checksums.json":
+                (d / p.name).write_bytes(p.read_bytes())
+        damage(d)
+        url = f"s3://{bucket}/{name}/{good.name}"
+        for p in d.iterdir():
+            c.put_object(Bucket=bucket, Key=f"{name}/{good.name}/{p.name}", Body=p.read_bytes())
+        return d, url
+
+    def same_report(local: Path, url: str) -> Dict[str, Any]:
+        here, there = saev.validate(local), saev.validate(url)
+        swap = lambda r: json.loads(json.dumps(r).replace(str(local), "DATASET").replace(url, "DATASET"))  # noqa: E731
+        assert swap(there) == swap(here), (there, here)
+        return there
+
+    def several(d: Path) -> None:
+        (d / "acts000002.bin").write_bytes((d / "acts000002.bin").read_bytes()[:100])
+        (d / "acts000003.bin").unlink()
+        (d / "labels.bin").write_bytes(b"\0" * 7)
+        (d / ".acts000005.bin.tmp").write_bytes(b"x")
+
+    report = same_report(*damaged("several", several))
+    errors = {Path(e["file"]).name: e["message"] for e in report["errors"]}
+    assert set(errors) == {"acts000002.bin", "acts000003.bin", "labels.bin"}, report
+    assert "100 bytes; every shard must be" in errors["acts000002.bin"] and errors["acts000003.bin"] == "missing"
+    assert any("leftovers of an interrupted shardkit write: .acts000005.bin.tmp" in n["message"] for n in report["notes"])
+    report = same_report(*damaged("uncommitted", lambda d: (d / "shards.json").unlink()))
+    assert [Path(e["file"]).name for e in report["errors"]] == ["shards.json"], report
+    assert "missing: the dataset is incomplete" in report["errors"][0]["message"]
+    report = same_report(*damaged("bad-metadata", lambda d: (d / "metadata.json").write_text("{")))
+    assert [Path(e["file"]).name for e in report["errors"]] == ["metadata.json"], report
+    report = same_report(*damaged("no-metadata", lambda d: (d / "metadata.json").unlink()))
+    assert "missing" in report["errors"][0]["message"], report
+    shardkit.upload(good, f"s3://{bucket}/good/{good.name}")
+    assert same_report(good, f"s3://{bucket}/good/{good.name}")["valid"]
+
+
 def without_credentials(tmp_path: Path, **extra: str) -> Dict[str, Optional[str]]:
     """The environment of a machine with no AWS credentials anywhere (no keys, no ~/.aws
     files), reaching the server at ``extra``'s endpoint."""
@@ -2177,3 +2226,4 @@ shardkit.wait_for_cache()
         with open(shard, "rb") as f:
             f.seek(int(p.name) << 20)
             assert f.read(1 << 20) == p.read_bytes(), p
+

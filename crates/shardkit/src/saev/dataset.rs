@@ -196,12 +196,10 @@ pub(crate) fn check_entries(entries: &[ShardEntry], sj: &Path, layout: &Layout) 
     Ok(())
 }
 
-/// Number of leading shard files that exist at full size.
-pub(crate) fn leading_full_files(dir: &Path, layout: &Layout) -> u64 {
-    leading_full_with(layout, |name| local_size(&dir.join(name)))
-}
-
-fn leading_full_with(layout: &Layout, size: impl Fn(&str) -> Result<u64, &'static str>) -> u64 {
+pub(crate) fn leading_full_with(
+    layout: &Layout,
+    size: impl Fn(&str) -> Result<u64, &'static str>,
+) -> u64 {
     (0..layout.n_shards)
         .take_while(|&s| size(&Layout::shard_name(s)) == Ok(layout.shard_bytes()))
         .count() as u64

@@ -4,15 +4,14 @@ use std::fs::File;
 use std::path::Path;
 
 use crate::error::Error;
+use crate::error::IoContext;
 use crate::fsutil;
 use crate::json::Value;
-use crate::saev::dataset::{
-    check_complete, check_complete_with, check_entries, leading_full_files,
-};
+use crate::saev::dataset::{check_complete, check_complete_with, check_entries, leading_full_with};
 use crate::saev::layout::{parse_shards_json, Layout};
 use crate::saev::Metadata;
 use crate::storage::{self, Remote};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 pub use crate::report::{Finding, Severity, Validation};
@@ -27,21 +26,26 @@ pub type Problem = Finding;
 /// against metadata, each shard file (missing, empty, not regular, unreadable, wrong size),
 /// completeness, labels.bin, and leftovers of an interrupted write.
 ///
-/// An `s3://` URL is checked as [`crate::saev::Dataset::open`] checks it (metadata, shards.json,
-/// every object's size); the contents are not read.
+/// An `s3://` URL gets the same checks, from one listing of its objects and its two JSON
+/// documents; like a local check, no shard's contents are read (`validate --deep` reads every
+/// byte against the checksums sidecar).
 pub fn validate(dir: impl AsRef<Path>) -> Validation {
-    if storage::is_remote(dir.as_ref()) {
-        return validate_remote(dir.as_ref());
-    }
     let dir = storage::local_path(dir.as_ref());
     let mut r = Validation::new(&dir);
+    let files = match Files::list(&dir) {
+        Ok(f) => f,
+        Err(e) => {
+            let file = e.path().map_or_else(|| dir.clone(), Path::to_path_buf);
+            r.push(Severity::Error, &file, strip_path(&e, &file));
+            return r;
+        }
+    };
     let mut push = |sev, file: &Path, msg: String| r.push(sev, file, msg);
-    if !dir.is_dir() {
-        push(Severity::Error, &dir, "not a directory".into());
-        return r;
-    }
     let md_path = dir.join("metadata.json");
-    let md = match Metadata::read(&dir) {
+    let md = match files
+        .read("metadata.json")
+        .and_then(|b| Metadata::parse(&b, &md_path))
+    {
         Ok((md, warnings)) => {
             for w in warnings {
                 push(Severity::Note, &md_path, w);
@@ -101,9 +105,9 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
 
     let sj = dir.join("shards.json");
     let mut listed = 0u64;
-    match fsutil::read_json_file(&sj) {
-        Err(_) if !sj.exists() => {
-            let k = leading_full_files(&dir, &layout);
+    match files.entries.get("shards.json") {
+        None => {
+            let k = leading_full_with(&layout, |n| files.size(n));
             push(
                 Severity::Error,
                 &sj,
@@ -115,8 +119,11 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
                 ),
             );
         }
-        Err(e) => push(Severity::Error, &sj, format!("unreadable: {e}")),
-        Ok(bytes) => match parse_shards_json(&bytes, &sj) {
+        Some(Err(why)) => push(Severity::Error, &sj, why.clone()),
+        Some(Ok(_)) => match files
+            .read("shards.json")
+            .and_then(|bytes| parse_shards_json(&bytes, &sj))
+        {
             Err(e) => push(Severity::Error, &sj, strip_path(&e, &sj)),
             Ok(entries) => {
                 listed = entries.len() as u64;
@@ -142,44 +149,36 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
     }
 
     // Every shard the metadata implies (and any extra listed one) is checked. Files that exist
-    // are found by listing the directory, so a metadata.json claiming absurdly many shards costs
-    // no more than the files present; missing ones are reported as ranges.
+    // are found in the listing, so a metadata.json claiming absurdly many shards costs no more
+    // than the files present; missing ones are reported as ranges.
     let expected = layout.n_shards.max(listed);
-    let present: std::collections::BTreeSet<u64> = std::fs::read_dir(&dir)
-        .map(|rd| {
-            rd.filter_map(|e| e.ok())
-                .filter_map(|e| shard_index(&e.file_name().to_string_lossy()))
-                .filter(|&s| s < expected)
-                .collect()
-        })
-        .unwrap_or_default();
-    for &s in &present {
+    let present: BTreeMap<u64, &std::result::Result<u64, String>> = files
+        .entries
+        .iter()
+        .filter_map(|(n, e)| Some((shard_index(n)?, e)))
+        .filter(|&(s, _)| s < expected)
+        .collect();
+    for (&s, entry) in &present {
         let p = dir.join(Layout::shard_name(s));
         let extra = s >= layout.n_shards;
-        match std::fs::metadata(&p) {
-            Err(e) => push(Severity::Error, &p, format!("unreadable: {e}")),
-            Ok(m) if !m.is_file() => push(Severity::Error, &p, "not a regular file".into()),
-            Ok(m) if m.len() == 0 && !extra => push(Severity::Error, &p, "empty file".into()),
-            Ok(m) if m.len() != layout.shard_bytes() && !extra => push(
+        match entry {
+            Err(why) => push(Severity::Error, &p, why.clone()),
+            Ok(0) if !extra => push(Severity::Error, &p, "empty file".into()),
+            Ok(len) if *len != layout.shard_bytes() && !extra => push(
                 Severity::Error,
                 &p,
                 format!(
-                    "{} bytes; every shard must be {} ({} examples x {} bytes)",
-                    m.len(),
+                    "{len} bytes; every shard must be {} ({} examples x {} bytes)",
                     layout.shard_bytes(),
                     layout.examples_per_shard,
                     layout.example_bytes()
                 ),
             ),
-            Ok(_) => {
-                if let Err(e) = File::open(&p) {
-                    push(Severity::Error, &p, format!("unreadable: {e}"));
-                }
-            }
+            Ok(_) => {}
         }
     }
     let mut start = 0u64;
-    for gap_end in present.iter().copied().chain(std::iter::once(expected)) {
+    for gap_end in present.keys().copied().chain(std::iter::once(expected)) {
         if gap_end > start {
             let (first, last) = (start, gap_end - 1);
             // A missing spurious trailing shard (beyond the metadata's count) is only a warning.
@@ -204,46 +203,117 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
     }
 
     let labels = dir.join("labels.bin");
-    if labels.symlink_metadata().is_ok() && fsutil::regular_file_len(&labels).is_none() {
+    match files.entries.get("labels.bin") {
+        None => {}
+        Some(Err(why)) => push(Severity::Error, &labels, why.clone()),
+        Some(&Ok(len)) => {
+            let want = layout.n_examples * layout.content_tokens;
+            if len != want {
+                let hint = if len == layout.n_examples * layout.tokens && layout.cls {
+                    " (N x (P+1): saev's 1.1/2.0 CLS-column bug)"
+                } else {
+                    ""
+                };
+                push(
+                    Severity::Error,
+                    &labels,
+                    format!("{len} bytes; labels.bin must be N x P = {want} bytes{hint}"),
+                );
+            }
+        }
+    }
+    let leftovers: Vec<&str> = files
+        .entries
+        .keys()
+        .map(String::as_str)
+        .filter(|n| fsutil::is_temp_name(n) || *n == ".shardkit-writing")
+        .collect();
+    if !leftovers.is_empty() {
         push(
-            Severity::Error,
-            &labels,
-            "not a regular file (or unreadable)".into(),
+            Severity::Note,
+            &dir,
+            format!(
+                "leftovers of an interrupted shardkit write: {}",
+                leftovers.join(", ")
+            ),
         );
     }
-    if let Some(len) = fsutil::regular_file_len(&labels) {
-        let want = layout.n_examples * layout.content_tokens;
-        if len != want {
-            let hint = if len == layout.n_examples * layout.tokens && layout.cls {
-                " (N x (P+1): saev's 1.1/2.0 CLS-column bug)"
-            } else {
-                ""
-            };
-            push(
-                Severity::Error,
-                &labels,
-                format!("{len} bytes; labels.bin must be N x P = {want} bytes{hint}"),
-            );
-        }
-    }
-    if let Ok(rd) = std::fs::read_dir(&dir) {
-        let leftovers: Vec<String> = rd
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| fsutil::is_temp_name(n) || n == ".shardkit-writing")
-            .collect();
-        if !leftovers.is_empty() {
-            push(
-                Severity::Note,
-                &dir,
-                format!(
-                    "leftovers of an interrupted shardkit write: {}",
-                    leftovers.join(", ")
-                ),
-            );
-        }
-    }
     r
+}
+
+/// What [`validate`] looks at: the files of a directory, or the objects directly under a store
+/// prefix, each with its size or why it cannot be read as a file.
+struct Files {
+    dir: PathBuf,
+    remote: Option<Remote>,
+    entries: BTreeMap<String, std::result::Result<u64, String>>,
+}
+
+impl Files {
+    fn list(dir: &Path) -> crate::Result<Files> {
+        if storage::is_remote(dir) {
+            let remote = Remote::parse(dir)?;
+            let entries = remote
+                .list()?
+                .into_iter()
+                .filter(|(n, _)| !n.contains('/'))
+                .map(|(n, size)| (n, Ok(size)))
+                .collect();
+            return Ok(Files {
+                dir: dir.to_path_buf(),
+                remote: Some(remote),
+                entries,
+            });
+        }
+        if !dir.is_dir() {
+            return Err(Error::NotFound {
+                path: dir.to_path_buf(),
+                what: "not a directory".into(),
+            });
+        }
+        let mut entries = BTreeMap::new();
+        for e in std::fs::read_dir(dir).at(dir)?.flatten() {
+            let p = e.path();
+            let entry = match std::fs::metadata(&p) {
+                Err(e) => Err(format!("unreadable: {e}")),
+                Ok(m) if !m.is_file() => Err("not a regular file".to_string()),
+                Ok(m) => match File::open(&p) {
+                    Err(e) => Err(format!("unreadable: {e}")),
+                    Ok(_) => Ok(m.len()),
+                },
+            };
+            entries.insert(e.file_name().to_string_lossy().into_owned(), entry);
+        }
+        Ok(Files {
+            dir: dir.to_path_buf(),
+            remote: None,
+            entries,
+        })
+    }
+
+    /// A file's size (why it is no shard, for [`leading_full_with`]).
+    fn size(&self, name: &str) -> std::result::Result<u64, &'static str> {
+        match self.entries.get(name) {
+            Some(Ok(len)) => Ok(*len),
+            Some(Err(_)) => Err("not a regular file"),
+            None => Err("missing"),
+        }
+    }
+
+    /// A small document's bytes (an error naming it when it is missing or unreadable).
+    fn read(&self, name: &str) -> crate::Result<Vec<u8>> {
+        let path = self.dir.join(name);
+        match (&self.remote, self.entries.get(name)) {
+            (_, None) => Err(Error::NotFound {
+                path,
+                what: "missing; expected a saev dataset holding metadata.json and shards.json"
+                    .into(),
+            }),
+            (_, Some(Err(why))) => Err(Error::format(&path, why.clone())),
+            (Some(remote), Some(Ok(_))) => remote.get(name),
+            (None, Some(Ok(_))) => fsutil::read_json_file(&path).map_err(|e| Error::io(&path, e)),
+        }
+    }
 }
 
 /// A message without the leading "path: " that the report already shows separately.
@@ -371,31 +441,6 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
             Value::Array(warnings.into_iter().map(Value::String).collect()),
         ),
     ]))
-}
-
-fn validate_remote(url: &Path) -> Validation {
-    let mut r = Validation::new(url);
-    match crate::saev::Dataset::open(url) {
-        Ok(ds) => {
-            let md_path = url.join("metadata.json");
-            for w in ds.warnings() {
-                r.push(Severity::Note, &md_path, w.clone());
-            }
-            r.push(
-                Severity::Note,
-                url,
-                "checked in the object store: metadata.json, shards.json and every object's \
-                 size (download the dataset for a check of its contents)",
-            );
-        }
-        Err(e) => {
-            let file = e
-                .path()
-                .map_or_else(|| url.to_path_buf(), Path::to_path_buf);
-            r.push(Severity::Error, &file, e.message());
-        }
-    }
-    r
 }
 
 /// The index of a shard file name `acts%06d.bin` (any number of digits).
