@@ -1497,6 +1497,65 @@ def test_eagle3_uploaded_reads_like_local(tmp_path: Path, s3: S3, env: Dict[str,
         eagle3.Loader(url, batch_size=2, verify=True)
 
 
+def test_eagle3_validated_in_a_store_reports_what_a_local_check_reports(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """`validate` of a cache in a store makes the local checks from one listing: manifest,
+    shard set, every present shard's header, the embedding table's header (fetched, not the
+    table), temporaries; and lists every problem, not the first."""
+    from test_eagle3 import config, sample
+
+    bucket = s3.bucket()
+    c = s3.client()
+    good = tmp_path / "good"
+    with eagle3.Writer(good, config(n=7, s=2)) as w:
+        for i in range(7):
+            w.add(sample(i))
+        w.write_target_embeddings(np.arange(40 * 2, dtype=np.float32).reshape(40, 2))
+
+    def damaged(name: str, damage: Any) -> Tuple[Path, str]:
+        d = tmp_path / name
+        d.mkdir()
+        for p in good.iterdir():
+            if not p.name.startswith(".shardkit-") and p.name != "shardkit.checksums.json":
+                (d / p.name).write_bytes(p.read_bytes())
+        damage(d)
+        for p in d.iterdir():
+            c.put_object(Bucket=bucket, Key=f"{name}/{p.name}", Body=p.read_bytes())
+        return d, f"s3://{bucket}/{name}"
+
+    def same_report(local: Path, url: str) -> Dict[str, Any]:
+        here, there = eagle3.validate(local), eagle3.validate(url)
+        swap = lambda r: json.loads(json.dumps(r).replace(str(local), "DATASET").replace(url, "DATASET"))  # noqa: E731
+        assert swap(there) == swap(here), (there, here)
+        return there
+
+    def f64_table(d: Path) -> None:
+        header = json.dumps({"weight": {"dtype": "F64", "shape": [2, 2], "data_offsets": [0, 32]}}).encode()
+        (d / "target_embeddings.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(32))
+
+    def several(d: Path) -> None:
+        shard = d / "shard-000001.safetensors"
+        assert shard.exists(), sorted(p.name for p in d.iterdir())
+        shard.write_bytes(shard.read_bytes()[:-10])
+        (d / "shard-000002.safetensors").write_bytes(b"\x05" + bytes(20))
+        (d / "shard-000003.safetensors").unlink()
+        f64_table(d)
+        (d / ".tmpab12cd").write_bytes(b"x")
+
+    report = same_report(*damaged("several", several))
+    errors = sorted(Path(e["file"]).name for e in report["errors"])
+    assert errors == ["several", "shard-000001.safetensors", "shard-000002.safetensors", "target_embeddings.safetensors"], report
+    assert any(".tmpab12cd" in n["message"] for n in report["notes"]), report
+    report = same_report(*damaged("no-table", lambda d: (d / "target_embeddings.safetensors").unlink()))
+    assert report["valid"] and "NeMo's training recipe needs it" in report["notes"][0]["message"], report
+    # Without a manifest: one error naming it (a store's says "not uploaded yet").
+    local, url = damaged("no-manifest", lambda d: (d / "manifest.json").unlink())
+    for report, where in [(eagle3.validate(local), "written"), (eagle3.validate(url), "uploaded")]:
+        assert [Path(e["file"]).name for e in report["errors"]] == ["manifest.json"], report
+        assert f"not an EAGLE-3 cache, or one not {where} yet" in report["errors"][0]["message"]
+    shardkit.upload(good, f"s3://{bucket}/good")
+    assert same_report(good, f"s3://{bucket}/good")["valid"]
+
+
 def test_eagle3_remote_refusals(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     from test_eagle3 import write as write_eagle3
 

@@ -442,33 +442,49 @@ pub fn open_embeddings(dir: &Path) -> Result<Embeddings> {
 
 /// The embedding table in `bytes` (a whole safetensors file), checked.
 fn embeddings_in(bytes: EmbeddingBytes, path: &Path) -> Result<Embeddings> {
-    let path = path.to_path_buf();
-    let (n, meta) = super::shard::read_header(bytes.as_slice(), &path)?;
+    let (n, meta) = super::shard::read_header(bytes.as_slice(), path)?;
+    let (rows, cols, offset) = embedding_weight(&meta, path)?;
+    Ok(Embeddings {
+        rows,
+        cols,
+        start: 8 + n + offset,
+        map: bytes,
+    })
+}
+
+/// Checks the header of the embedding table in `remote` (`size` bytes) without fetching the
+/// table (`validate`).
+pub(crate) fn check_remote_embeddings(remote: &Remote, size: u64) -> Result<()> {
+    let head = super::shard::remote_head(remote, EMBEDDINGS, size)?;
+    let (_, meta) = super::shard::remote_header(remote, EMBEDDINGS, size, head)?;
+    embedding_weight(&meta, &remote.url_of(EMBEDDINGS)).map(|_| ())
+}
+
+/// The rows, columns and data offset of the table's one tensor, `weight`, F32 `[rows, H]`.
+fn embedding_weight(
+    meta: &safetensors::tensor::Metadata,
+    path: &Path,
+) -> Result<(usize, usize, usize)> {
     let tensors = meta.tensors();
     let info = match (tensors.len(), tensors.get("weight")) {
         (1, Some(info)) => *info,
         _ => {
             return Err(Error::format(
-                &path,
+                path,
                 "must hold exactly one tensor, `weight`",
             ))
         }
     };
     if info.dtype != Dtype::F32 || info.shape.len() != 2 {
         return Err(Error::format(
-            &path,
+            path,
             format!(
                 "`weight` is {} {:?}; expected F32 [vocab_rows, hidden]",
                 info.dtype, info.shape
             ),
         ));
     }
-    Ok(Embeddings {
-        rows: info.shape[0],
-        cols: info.shape[1],
-        start: 8 + n + info.data_offsets.0,
-        map: bytes,
-    })
+    Ok((info.shape[0], info.shape[1], info.data_offsets.0))
 }
 
 /// Scatters `values` (`[S, k]`, `elem` bytes each) at `indices` (`[S, k]` i32) into `out`

@@ -212,6 +212,62 @@ pub fn read_header(bytes: &[u8], path: &Path) -> Result<(usize, Metadata)> {
     SafeTensors::read_metadata(bytes).map_err(|e| st_err(path, e))
 }
 
+/// The safetensors header of object `name` (`size` bytes) under `remote`, whose first bytes
+/// `head` (at least 8) were fetched: its length and metadata, checked as `read_metadata` checks
+/// a whole file (offsets, dtypes, shapes, the data ending exactly at the object's end). A header
+/// longer than `head` costs one more GET.
+pub(crate) fn remote_header(
+    remote: &Remote,
+    name: &str,
+    size: u64,
+    mut head: Vec<u8>,
+) -> Result<(u64, Metadata)> {
+    let path = remote.url_of(name);
+    if head.len() < 8 {
+        return Err(st_err(&path, SafeTensorError::HeaderTooSmall));
+    }
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&head[..8]);
+    let n = u64::from_le_bytes(len);
+    // The crate's own limit on headers (100 MB).
+    if n > 100_000_000 {
+        return Err(st_err(&path, SafeTensorError::HeaderTooLarge));
+    }
+    if 8 + n > size {
+        return Err(st_err(&path, SafeTensorError::InvalidHeaderLength));
+    }
+    let header = if 8 + n <= head.len() as u64 {
+        head.truncate(8 + n as usize);
+        head.split_off(8)
+    } else {
+        let mut rest = vec![0u8; n as usize];
+        remote.read_ranges(&[name.to_string()], &[(0, 8, n, 0)], &mut rest)?;
+        rest
+    };
+    let text = std::str::from_utf8(&header)
+        .map_err(|e| st_err(&path, SafeTensorError::InvalidHeader(e)))?;
+    // Deserializing validates offsets, dtypes and shapes as `read_metadata` does; the data
+    // section must then end exactly at the object's end.
+    let meta: Metadata = serde_json::from_str(text)
+        .map_err(|e| st_err(&path, SafeTensorError::InvalidHeaderDeserialization(e)))?;
+    if meta.data_len() as u64 + 8 + n != size {
+        return Err(st_err(&path, SafeTensorError::MetadataIncompleteBuffer));
+    }
+    Ok((n, meta))
+}
+
+/// The first [`HEADER_PROBE`] bytes of object `name` (`size` bytes): usually its whole
+/// safetensors header, for [`remote_header`].
+pub(crate) fn remote_head(remote: &Remote, name: &str, size: u64) -> Result<Vec<u8>> {
+    let mut head = vec![0u8; HEADER_PROBE.min(size) as usize];
+    remote.read_ranges(
+        &[name.to_string()],
+        &[(0, 0, head.len() as u64, 0)],
+        &mut head,
+    )?;
+    Ok(head)
+}
+
 impl ShardFile {
     /// Maps `path` and checks that it holds exactly `specs` with `rows` rows each.
     pub fn open(path: &Path, specs: &[FieldSpec], rows: u64) -> Result<ShardFile> {
@@ -272,39 +328,12 @@ impl ShardFile {
         remote: &Remote,
         name: &str,
         size: u64,
-        mut head: Vec<u8>,
+        head: Vec<u8>,
         specs: &[FieldSpec],
         rows: u64,
     ) -> Result<ShardFile> {
         let path = remote.url_of(name);
-        let names = [name.to_string()];
-        let mut len = [0u8; 8];
-        len.copy_from_slice(&head[..8]); // `size` is at least 8
-        let n = u64::from_le_bytes(len);
-        // The crate's own limit on headers (100 MB).
-        if n > 100_000_000 {
-            return Err(st_err(&path, SafeTensorError::HeaderTooLarge));
-        }
-        if 8 + n > size {
-            return Err(st_err(&path, SafeTensorError::InvalidHeaderLength));
-        }
-        let header = if 8 + n <= head.len() as u64 {
-            head.truncate(8 + n as usize);
-            head.split_off(8)
-        } else {
-            let mut rest = vec![0u8; n as usize];
-            remote.read_ranges(&names, &[(0, 8, n, 0)], &mut rest)?;
-            rest
-        };
-        let text = std::str::from_utf8(&header)
-            .map_err(|e| st_err(&path, SafeTensorError::InvalidHeader(e)))?;
-        // Deserializing validates offsets, dtypes and shapes as `read_metadata` does; the data
-        // section must then end exactly at the object's end.
-        let meta: Metadata = serde_json::from_str(text)
-            .map_err(|e| st_err(&path, SafeTensorError::InvalidHeaderDeserialization(e)))?;
-        if meta.data_len() as u64 + 8 + n != size {
-            return Err(st_err(&path, SafeTensorError::MetadataIncompleteBuffer));
-        }
+        let (n, meta) = remote_header(remote, name, size, head)?;
         let offsets = check_tensors(&meta, specs, rows, &path)?;
         Ok(ShardFile {
             path,

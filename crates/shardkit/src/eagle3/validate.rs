@@ -69,24 +69,13 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
         // Beyond the values: every byte against the checksums sidecar, when there is one.
         crate::checksum::verify_into(dir, &mut v);
     }
-    let temps: Vec<String> = std::fs::read_dir(dir)
+    let names = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| e.file_name().to_str().map(str::to_string))
-        .filter(|n| is_temporary(n))
         .collect();
-    if !temps.is_empty() {
-        v.note(
-            dir,
-            format!(
-                "{} temporary files of an interrupted write (ignored; a resumed writer removes \
-                 them): {}",
-                temps.len(),
-                temps.join(", ")
-            ),
-        );
-    }
+    note_temporaries(&mut v, dir, names);
     v
 }
 
@@ -116,35 +105,118 @@ fn sum_tolerance(dtype: Dtype) -> f64 {
     }
 }
 
-/// A cache in an object store: the manifest, the shard set and every shard's header (its
-/// tensors against the manifest, its size), read with ranged GETs; the contents are not read.
+/// A cache in an object store, checked as [`validate`] checks a local one from one listing of
+/// its objects: the manifest, the shard set, every present shard's header (its tensors against
+/// the manifest, its size; a batch of headers in flight at a time), the embedding table's
+/// header, temporaries; with `deep`, every byte against the checksums sidecar. The checks of
+/// values read every byte of the shards, so they are made on a local copy only.
 fn validate_remote(url: &Path, deep: bool) -> Validation {
     let mut v = Validation::new(url);
-    match super::Cache::open(url) {
-        Err(e) => v.error_from(&e),
-        Ok(cache) => {
-            for k in 0..cache.manifest().num_shards() {
-                if let Err(e) = cache.shard(k) {
+    let listed = crate::storage::Remote::parse(url).and_then(|r| Ok((r.list()?, r)));
+    let (objects, remote) = match listed {
+        Ok((objects, remote)) => (objects, remote),
+        Err(e) => {
+            v.error_from(&e);
+            return v;
+        }
+    };
+    let objects: std::collections::HashMap<String, u64> = objects.into_iter().collect();
+    let path = remote.url_of(manifest::MANIFEST);
+    let m = match objects.get(manifest::MANIFEST) {
+        None => Err(Error::NotFound {
+            path,
+            what: "no manifest.json: not an EAGLE-3 cache, or one not uploaded yet".into(),
+        }),
+        Some(_) => remote
+            .get(manifest::MANIFEST)
+            .and_then(|b| Manifest::parse(&b, &path)),
+    };
+    let m = match m {
+        Ok(m) => m,
+        Err(e) => {
+            v.error_from(&e);
+            return v;
+        }
+    };
+    let present: std::collections::BTreeSet<u64> = objects
+        .keys()
+        .filter_map(|n| shard::shard_index(n))
+        .collect();
+    if let Some(problem) = shard_set_problem(&present, m.num_shards()) {
+        v.error(url, problem);
+    }
+    let specs = field_specs(&m);
+    let shards: Vec<(String, u64, u64)> = present
+        .iter()
+        .filter(|&&k| k < m.num_shards())
+        .map(|&k| {
+            let name = shard_name(k);
+            let size = objects.get(&name).copied().unwrap_or(0);
+            (name, size, m.rows_in_shard(k))
+        })
+        .collect();
+    for group in shards.chunks(HEADERS_AT_ONCE) {
+        if ShardFile::open_remote_many(&remote, group, &specs).is_err() {
+            // One at a time, so that every bad header is reported.
+            for one in group {
+                if let Err(e) =
+                    ShardFile::open_remote_many(&remote, std::slice::from_ref(one), &specs)
+                {
                     v.error_from(&e);
                 }
             }
-            v.note(
-                url,
-                if deep {
-                    "checked in the object store: manifest.json, the shard set, every shard's \
-                     header, and every byte against the checksums sidecar; the checks of values \
-                     need a local copy (shardkit download)"
-                } else {
-                    "checked in the object store: manifest.json, the shard set and every \
-                     shard's header"
-                },
-            );
+        }
+    }
+    match objects.get(EMBEDDINGS) {
+        None => v.note(
+            remote.url_of(EMBEDDINGS),
+            format!("no {EMBEDDINGS} (NeMo's training recipe needs it)"),
+        ),
+        Some(&size) => {
+            if let Err(e) = super::cache::check_remote_embeddings(&remote, size) {
+                v.error_from(&e);
+            }
         }
     }
     if deep {
+        v.note(
+            url,
+            "the values (finite floats, masks, ids, probabilities summing to 1) are checked on \
+             a local copy only (shardkit download): here every shard's header, and every byte \
+             against the checksums sidecar",
+        );
         crate::checksum::verify_into(url, &mut v);
     }
+    note_temporaries(
+        &mut v,
+        url,
+        objects
+            .keys()
+            .filter(|n| !n.contains('/'))
+            .cloned()
+            .collect(),
+    );
     v
+}
+
+/// Shard headers fetched together by a remote [`validate`].
+const HEADERS_AT_ONCE: usize = 256;
+
+/// A note naming the temporary files of an interrupted write among `names`.
+fn note_temporaries(v: &mut Validation, dir: &Path, mut names: Vec<String>) {
+    names.retain(|n| is_temporary(n));
+    names.sort();
+    if !names.is_empty() {
+        v.note(
+            dir,
+            format!(
+                "{} temporary files of an interrupted write (ignored; a resumed writer removes \
+                 them): {}",
+                names.len(),
+                names.join(", ")
+            ),
+        );
+    }
 }
 
 fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
