@@ -2286,3 +2286,98 @@ shardkit.wait_for_cache()
             f.seek(int(p.name) << 20)
             assert f.read(1 << 20) == p.read_bytes(), p
 
+
+# --- the CLI ------------------------------------------------------------------------------------
+
+
+def shardkit_cli() -> str:
+    cli = os.environ.get("SHARDKIT_BIN") or str(Path(__file__).parents[3] / "target" / "debug" / "shardkit")
+    if not os.path.exists(cli):
+        pytest.skip(f"no shardkit CLI at {cli} (scripts/test builds it first)")
+    return cli
+
+
+def test_the_cli_takes_store_urls_for_every_format(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """Every command that reads a dataset takes its s3:// URL and prints what it prints for the
+    local copy (the path aside); `upload` and `download` round-trip it byte for byte."""
+    cli = shardkit_cli()
+
+    def run(*args: Any, ok: bool = True) -> "subprocess.CompletedProcess[str]":
+        out = subprocess.run([cli, *map(str, args)], capture_output=True, text=True)
+        assert (out.returncode == 0) == ok, (args, out.returncode, out.stderr)
+        return out
+
+    def same_output(*args: Any, url: str, local: Path) -> str:
+        there = run(*args, url).stdout
+        here = run(*args, local).stdout
+        assert there.replace(url, "DATASET") == here.replace(str(local), "DATASET"), (there, here)
+        return there
+
+    def same_npz(a: Path, b: Path) -> None:
+        with np.load(a) as x, np.load(b) as y:
+            assert sorted(x.files) == sorted(y.files) and x.files
+            for k in x.files:
+                np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+    bucket = s3.bucket()
+    datasets = {}
+
+    local = Path(write_saev(tmp_path / "saev"))
+    url = f"s3://{bucket}/acts/{local.name}"
+    run("upload", local, url)
+    datasets["saev"] = (local, url)
+    assert '"complete": true' in same_output("saev", "inspect", "--json", url=url, local=local)
+    same_output("saev", "inspect", url=url, local=local)
+    same_output("saev", "validate", url=url, local=local)
+    same_output("saev", "get", "--example", 3, "--layer", 11, "--token", 2, url=url, local=local)
+    stream = ["saev", "stream", "--layer", 11, "--batch-size", 24, "--seed", 3, "--with-acts"]
+    run(*stream, "--out", tmp_path / "there.npz", url)
+    run(*stream, "--out", tmp_path / "here.npz", local)
+    same_npz(tmp_path / "there.npz", tmp_path / "here.npz")
+
+    local = tmp_path / "tokens"
+    write_tokens(str(local))
+    url = f"s3://{bucket}/tok"
+    run("upload", local, url)
+    datasets["tokens"] = (local, url)
+    same_output("tokens", "inspect", url=url, local=local)
+    same_output("tokens", "validate", url=url, local=local)
+    step = ["tokens", "batch", "--len", 16, "--batch", 4, "--read-blocks", 4, "--block", 8, "--step", 3]
+    assert '"targets"' in same_output(*step, url=url, local=local)
+    run(*step, "--unpacked", "--out", tmp_path / "there.npz", url)
+    run(*step, "--unpacked", "--out", tmp_path / "here.npz", local)
+    same_npz(tmp_path / "there.npz", tmp_path / "here.npz")
+
+    local = write_eagle3_cache(tmp_path / "eagle3", 5)
+    url = f"s3://{bucket}/cache"
+    run("upload", local, url)
+    datasets["eagle3"] = (local, url)
+    assert '"complete": true' in same_output("eagle3", "inspect", url=url, local=local)
+    same_output("eagle3", "validate", url=url, local=local)
+    assert "every block matches" in run("eagle3", "validate", "--deep", url).stdout
+
+    local = tmp_path / "m.sdnb"
+    sdnb.save(local, {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.int64)})
+    url = f"s3://{bucket}/models/m.sdnb"
+    run("upload", local, url)
+    datasets["sdnb"] = (local, url)
+    same_output("sdnb", "inspect", url=url, local=local)
+    same_output("sdnb", "validate", url=url, local=local)
+    run("sdnb", "unpack", "--npy", "--out", tmp_path / "unpacked", url)
+    np.testing.assert_array_equal(np.load(tmp_path / "unpacked" / "w.npy"), np.arange(12, dtype=np.float32).reshape(3, 4))
+
+    for name, (local, url) in datasets.items():
+        down = tmp_path / f"down-{name}"
+        run("download", url, down)
+        if local.is_dir():
+            assert tree(down) == tree(local), name
+        else:
+            assert down.read_bytes() == local.read_bytes(), name
+
+    # A URL with nothing there fails, naming it (a report on stdout, an error on stderr).
+    missing = f"s3://{bucket}/nothing-here"
+    for fmt in ["saev", "tokens", "eagle3", "sdnb"]:
+        for cmd in ["inspect", "validate"]:
+            out = run(fmt, cmd, missing, ok=False)
+            said = out.stdout + out.stderr
+            assert missing in said and "panicked" not in said, (fmt, cmd, said)
