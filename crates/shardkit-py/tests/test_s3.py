@@ -2347,6 +2347,17 @@ def test_the_cli_takes_store_urls_for_every_format(tmp_path: Path, s3: S3, env: 
     run(*step, "--unpacked", "--out", tmp_path / "there.npz", url)
     run(*step, "--unpacked", "--out", tmp_path / "here.npz", local)
     same_npz(tmp_path / "there.npz", tmp_path / "here.npz")
+    # Converted out of the store, and from store to store: what a local conversion writes.
+    run("tokens", "convert", "--layout", "v2", local, tmp_path / "v2-here")
+    run("tokens", "convert", "--layout", "v2", url, tmp_path / "v2-there")
+    assert tree(tmp_path / "v2-there") == tree(tmp_path / "v2-here")
+    run("tokens", "convert", tmp_path / "v2-here", tmp_path / "v3-here")
+    run("tokens", "convert", tmp_path / "v2-here", f"{url}-v2")
+    run("tokens", "convert", f"{url}-v2", f"{url}-v3")
+    run("download", f"{url}-v3", tmp_path / "v3-there")
+    assert tree(tmp_path / "v3-there") == tree(tmp_path / "v3-here")
+    refused = run("tokens", "convert", url, f"{url}-v3", ok=False).stderr
+    assert f"{url}-v3" in refused and "must not exist" in refused, refused
 
     local = write_eagle3_cache(tmp_path / "eagle3", 5)
     url = f"s3://{bucket}/cache"
@@ -2355,6 +2366,8 @@ def test_the_cli_takes_store_urls_for_every_format(tmp_path: Path, s3: S3, env: 
     assert '"complete": true' in same_output("eagle3", "inspect", url=url, local=local)
     same_output("eagle3", "validate", url=url, local=local)
     assert "every block matches" in run("eagle3", "validate", "--deep", url).stdout
+    refused = run("eagle3", "set-version", url, 2, ok=False).stderr
+    assert url in refused and "download the cache, switch it and upload it" in refused, refused
 
     local = tmp_path / "m.sdnb"
     sdnb.save(local, {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(3, np.int64)})

@@ -404,7 +404,14 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
 /// Switches the cache at `dir` to `format_version` `version` by rewriting only the manifest
 /// (2 adds `target_probs_topk: 0`, 1 removes it). A top-k cache cannot become version 1.
 pub fn set_version(dir: impl AsRef<Path>, version: u8) -> Result<Manifest> {
-    let dir = dir.as_ref();
+    let dir = &crate::storage::local_path(dir.as_ref());
+    if crate::storage::is_remote(dir) {
+        return Err(Error::Invalid(format!(
+            "{}: the manifest is rewritten in place, in a local directory; download the cache, \
+             switch it and upload it (only manifest.json changes, so only it is uploaded again)",
+            dir.display()
+        )));
+    }
     let m = manifest::read(dir)?;
     let new = m.with_version(version).map_err(|e| match e {
         Error::Invalid(why) => Error::format(dir.join(manifest::MANIFEST), why),

@@ -13,26 +13,30 @@ const PIECE_TOKENS: u64 = 1 << 24;
 const PIECE_STARTS: u64 = 1 << 16;
 
 /// Copies every split of the dataset at `src` into a new dataset at `dst` written in `layout`.
-/// `src` must be servable (finished, or valid seqax data); `dst` must not exist. `progress` is
-/// called with (tokens copied, tokens in all splits) as the copy goes.
+/// `src` must be servable (finished, or valid seqax data); `dst` must not exist (in a store:
+/// hold no split). Either may be an `s3://` URL. `progress` is called with (tokens copied,
+/// tokens in all splits) as the copy goes.
 pub fn convert(
     src: impl AsRef<Path>,
     dst: impl AsRef<Path>,
     layout: Layout,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<Vec<(String, WriteSummary)>> {
-    let (src, dst) = (src.as_ref(), dst.as_ref());
-    if dst.exists() {
+    let src = &crate::storage::local_path(src.as_ref());
+    let dst = &crate::storage::local_path(dst.as_ref());
+    let taken = match crate::storage::is_remote(dst) {
+        true => !super::report::split_dirs(dst)?.is_empty(),
+        false => dst.exists(),
+    };
+    if taken {
         return Err(Error::Exists {
             path: dst.to_path_buf(),
             why: "the destination of a conversion must not exist".into(),
         });
     }
     let mut splits = Vec::new();
-    for name in ["train", "validation"] {
-        if src.join(name).exists() {
-            splits.push((name, Split::open(src, name)?));
-        }
+    for name in super::report::split_dirs(src)? {
+        splits.push((name, Split::open(src, name)?));
     }
     if splits.is_empty() {
         return Err(Error::format(

@@ -31,6 +31,18 @@ fn present(root: &Path) -> Result<Vec<&'static str>> {
         .collect())
 }
 
+/// The splits to open at `root`: in a store those that are zarr groups; locally every split
+/// directory (one that is not a zarr group then fails to open, saying what is wrong with it).
+pub(crate) fn split_dirs(root: &Path) -> Result<Vec<&'static str>> {
+    if crate::storage::is_remote(root) {
+        return present(root);
+    }
+    Ok(SPLITS
+        .into_iter()
+        .filter(|s| root.join(s).exists())
+        .collect())
+}
+
 /// Every split summarised: format, completion, sharding, counts, `max_token_id` and sequence
 /// length statistics (`null` for an absent split, `{"error": ...}` for one that cannot be
 /// opened; an error when neither is there). Reads `seq_starts` in full, not the tokens.
@@ -42,15 +54,10 @@ pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
             what: "not a directory; expected a flat-tokens dataset".into(),
         });
     }
-    let remote = crate::storage::is_remote(root);
-    let splits = if remote { present(root)? } else { Vec::new() };
+    let splits = split_dirs(root)?;
     let mut out = Vec::new();
     for name in SPLITS {
-        let absent = match remote {
-            true => !splits.contains(&name),
-            false => !root.join(name).exists(),
-        };
-        let v = if absent {
+        let v = if !splits.contains(&name) {
             Value::Null
         } else {
             match Split::open_unvalidated(root, name).and_then(|s| summary(&s)) {
