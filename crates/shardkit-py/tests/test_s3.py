@@ -2377,6 +2377,15 @@ def test_the_cli_takes_store_urls_for_every_format(tmp_path: Path, s3: S3, env: 
     same_output("sdnb", "inspect", url=url, local=local)
     same_output("sdnb", "validate", url=url, local=local)
     run("sdnb", "unpack", "--npy", "--out", tmp_path / "unpacked", url)
+    # Containers are written locally, then uploaded: a URL as the destination is refused.
+    (tmp_path / "npys").mkdir()
+    np.save(tmp_path / "npys" / "w.npy", np.ones((2, 3), np.float32))
+    for cmd in [["sdnb", "pack", "--from", tmp_path / "npys", "--out", f"{url}2"], ["sdnb", "convert", local, f"{url}2"]]:
+        refused = run(*cmd, ok=False).stderr
+        assert f"{url}2: containers are written to local files" in refused, refused
+    with pytest.raises(shardkit.InvalidArgumentError, match="shardkit upload FILE URL"):
+        sdnb.save(f"{url}2", {"w": np.ones(3, np.float32)})
+    assert sdnb.validate(url)["valid"] and not s3.objects(bucket, "models/m.sdnb2")
     np.testing.assert_array_equal(np.load(tmp_path / "unpacked" / "w.npy"), np.arange(12, dtype=np.float32).reshape(3, 4))
 
     for name, (local, url) in datasets.items():

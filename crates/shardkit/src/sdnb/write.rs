@@ -353,6 +353,14 @@ fn check_options(opts: &SaveOptions) -> Result<()> {
 
 fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<PathBuf>> {
     check_options(opts)?;
+    if crate::storage::is_remote(path) {
+        return Err(Error::Invalid(format!(
+            "{}: containers are written to local files; write it locally, then copy it (each \
+             file of a shard set) with \
+             `shardkit upload FILE URL` (shardkit.upload)",
+            path.display()
+        )));
+    }
     if path.is_dir() {
         return Err(Error::Exists {
             path: path.to_path_buf(),
