@@ -306,7 +306,25 @@ fn refusals_name_the_file_and_the_place_and_create_nothing() {
     let out = tmp.path().join("out.zarr");
     let pq = tmp.path().join("d.parquet");
     parquet(&pq, &sequences(10, 1), 4, None);
+    // JSONL whose documents lack the member asked for, plain and compressed, after a blank
+    // line and a null: found at the start of the file, before the split is created.
+    let sub = tmp.path().join("sub");
+    fs::create_dir(&sub).unwrap();
+    let ids = sub.join("ids.jsonl");
+    fs::write(&ids, "\n{\"ids\": null}\n{\"ids\": [1, 2]}\n").unwrap();
+    let ids_zst = sub.join("ids.jsonl.zst");
+    fs::write(&ids_zst, zstd_frames(&[b"{\"ids\": [1, 2]}\n"])).unwrap();
     let cases: Vec<(Vec<String>, BuildOptions, Vec<String>)> = vec![
+        (
+            vec![p(&ids)],
+            opts(1),
+            vec![p(&ids), "line 2".into(), r#"no member "input_ids""#.into()],
+        ),
+        (
+            vec![p(&pq), p(&ids_zst)],
+            opts(1),
+            vec![p(&ids_zst), "line 1".into(), "--field".into()],
+        ),
         (
             vec![p(&pq)],
             BuildOptions {

@@ -178,8 +178,8 @@ pub fn build<S: AsRef<str>>(
                 .into(),
         ));
     }
-    // A wrong column fails here, before the dataset is created or touched.
-    corpus::check_parquet_columns(&inputs, &want)?;
+    // A wrong column or member fails here, before the dataset is created or touched.
+    corpus::check_inputs(&inputs, &want)?;
     if options.append && root.join(split).is_dir() {
         let s = Split::open_unvalidated(root, split)?;
         if s.completion() == Completion::Interrupted {

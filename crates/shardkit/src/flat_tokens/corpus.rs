@@ -508,14 +508,37 @@ pub(crate) fn open_source(input: &Input, want: &Want) -> Result<Box<dyn DocSourc
     }))
 }
 
-/// Checks that every Parquet input holds the column `want` names, with a usable type, before
-/// anything is written (reads only each file's footer).
-pub(crate) fn check_parquet_columns(inputs: &[Input], want: &Want) -> Result<()> {
-    for i in inputs.iter().filter(|i| i.format == InputFormat::Parquet) {
-        ParquetSource::open(&i.path, want)?;
+/// Checks the start of every input before anything is written: a Parquet file's footer holds
+/// the column `want` names with a usable type, and a JSONL file's (or compressed JSONL's) first
+/// document has the member it names. A build given the wrong `field` (or a file that cannot be
+/// opened or decompressed) thus fails before the split is created, not after, when the rerun
+/// would find an empty interrupted split. Standard input is checked as it is read.
+pub(crate) fn check_inputs(inputs: &[Input], want: &Want) -> Result<()> {
+    for i in inputs {
+        if i.format == InputFormat::Parquet {
+            ParquetSource::open(&i.path, want)?;
+            continue;
+        }
+        if i.path == Path::new("-") {
+            continue;
+        }
+        let mut source = open_source(i, want)?;
+        let (mut docs, mut nulls) = (Vec::new(), 0);
+        source.fill(&mut docs, FIRST_DOCUMENT_BYTES, &mut nulls)?;
+        for d in docs {
+            let at = d.at;
+            let content = extract(d.raw, want)
+                .map_err(|m| Error::format(&i.path, format!("{}: {m}", place(i.format, at))))?;
+            if content.is_some() {
+                break;
+            }
+        }
     }
     Ok(())
 }
+
+/// Bytes of documents [`check_inputs`] reads at the start of a JSONL input.
+const FIRST_DOCUMENT_BYTES: usize = 64 << 10;
 
 struct JsonlSource {
     path: PathBuf,
