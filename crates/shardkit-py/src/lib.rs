@@ -975,7 +975,7 @@ fn transfer<'py>(
 }
 
 /// The object-store request counters of this process: {"gets", "get_bytes", "puts",
-/// "put_bytes"}.
+/// "put_bytes", "cache_read_bytes", "cache_mapped_bytes"}.
 #[pyfunction]
 fn storage_counters(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let c = shardkit::storage::counters();
@@ -984,6 +984,8 @@ fn storage_counters(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("get_bytes", c.get_bytes)?;
     d.set_item("puts", c.puts)?;
     d.set_item("put_bytes", c.put_bytes)?;
+    d.set_item("cache_read_bytes", c.cache_read_bytes)?;
+    d.set_item("cache_mapped_bytes", c.cache_mapped_bytes)?;
     Ok(d)
 }
 

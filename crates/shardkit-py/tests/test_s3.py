@@ -2179,6 +2179,46 @@ def test_the_cache_keeps_pages_not_whole_objects(tmp_path: Path, s3: S3, env: Di
             assert 0 < spent <= 2 * data_bytes, (epoch, spent, data_bytes)
 
 
+def test_a_warm_window_is_copied_straight_out_of_the_cached_pages(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
+    """Once the cache holds every page of a saev window, the window is not read into a buffer:
+    its pages are mapped and each row copied once, straight out of them, also where a row
+    spans two pages. Batches stay exact for every order and layer selection; a window with a
+    page missing is read (and the page fetched) as before."""
+    # Rows of 4,000 bytes in 1 MiB pages: many rows span two pages.
+    meta = dict(saev_metadata(64), d_model=1000, max_tokens_per_shard=7 * 2 * 32)
+    with saev.Writer(tmp_path / "saev", meta, progress=False) as w:
+        for e in range(0, 64, 8):
+            w.write(np.random.default_rng(e).standard_normal((8, 2, 7, 1000), dtype=np.float32), None)
+    local = Path(w.path)
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/acts/{local.name}"
+    shardkit.upload(local, url)
+    configs = [
+        dict(layer=11, batch_size=40, seed=3),
+        dict(layer="all", batch_size=64, seed=1, memory_budget=1 << 20),
+        dict(layer=5, batch_size=33, seed=9, rank=1, world_size=2),
+    ]
+    with environment({"SHARDKIT_CACHE_DIR": str(tmp_path / "cache"), "SHARDKIT_CACHE_PAGE_MIB": "1"}):
+        same_batches(batches(saev.ShuffledLoader(url, layer="all", batch_size=64)), batches(saev.ShuffledLoader(local, layer="all", batch_size=64)))
+        shardkit.wait_for_cache()
+        for kw in configs:
+            loader = saev.ShuffledLoader(url, **kw)  # opening fetches the two documents
+            before = shardkit.storage_counters()
+            same_batches(batches(loader), batches(saev.ShuffledLoader(local, **kw)))
+            after = shardkit.storage_counters()
+            assert after["gets"] == before["gets"], kw
+            assert after["cache_mapped_bytes"] > before["cache_mapped_bytes"], kw
+            assert after["cache_read_bytes"] == before["cache_read_bytes"], kw
+        same_batches(batches(saev.OrderedLoader(url, layer=5, batch_size=50)), batches(saev.OrderedLoader(local, layer=5, batch_size=50)))
+        # A page gone: that window is read, the missing page fetched again, the batches exact.
+        victim = sorted(page_files(tmp_path / "cache"))[1]
+        victim.unlink()
+        before = shardkit.storage_counters()
+        same_batches(batches(saev.ShuffledLoader(url, **configs[0])), batches(saev.ShuffledLoader(local, **configs[0])))
+        after = shardkit.storage_counters()
+        assert after["gets"] > before["gets"] and after["cache_read_bytes"] > before["cache_read_bytes"]
+
+
 def test_the_cache_does_not_mix_versions_of_an_object(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     """Pages are kept per object version (its ETag): when an object is replaced, a new process
     reads the new bytes, and the old version's pages are removed."""

@@ -47,10 +47,10 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
 pub(crate) use crate::store_lock::StoreLock;
-pub(crate) use cache::fetch_container;
 pub use cache::{
     cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
 };
+pub(crate) use cache::{fetch_container, HeldPages};
 
 mod cache;
 
@@ -205,12 +205,19 @@ pub struct Counters {
     pub puts: u64,
     /// Bytes written.
     pub put_bytes: u64,
+    /// Bytes reads took from the local cache's pages (`SHARDKIT_CACHE_DIR`) by reading them.
+    pub cache_read_bytes: u64,
+    /// Bytes of the cache's pages mapped for reads served straight out of them (a saev window
+    /// whose pages are all held: its rows are copied once, from the pages).
+    pub cache_mapped_bytes: u64,
 }
 
 static GETS: AtomicU64 = AtomicU64::new(0);
 static GET_BYTES: AtomicU64 = AtomicU64::new(0);
 static PUTS: AtomicU64 = AtomicU64::new(0);
 static PUT_BYTES: AtomicU64 = AtomicU64::new(0);
+pub(crate) static CACHE_READ_BYTES: AtomicU64 = AtomicU64::new(0);
+pub(crate) static CACHE_MAPPED_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// The process's request counters so far.
 pub fn counters() -> Counters {
@@ -219,6 +226,8 @@ pub fn counters() -> Counters {
         get_bytes: GET_BYTES.load(Ordering::Relaxed),
         puts: PUTS.load(Ordering::Relaxed),
         put_bytes: PUT_BYTES.load(Ordering::Relaxed),
+        cache_read_bytes: CACHE_READ_BYTES.load(Ordering::Relaxed),
+        cache_mapped_bytes: CACHE_MAPPED_BYTES.load(Ordering::Relaxed),
     }
 }
 

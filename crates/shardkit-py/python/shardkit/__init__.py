@@ -84,7 +84,8 @@ def _transfer(src: Any, dst: Any, up: bool, progress: Any, desc: str) -> Dict[st
 def storage_counters() -> Dict[str, int]:
     """Object-store requests this process has made so far: ``{"gets", "get_bytes", "puts",
     "put_bytes"}`` (GETs are ranged and coalesced: compare ``get_bytes / gets`` with the request
-    size)."""
+    size), and the bytes the local cache served instead: ``"cache_read_bytes"`` (its pages read
+    into a buffer) and ``"cache_mapped_bytes"`` (its pages mapped, rows copied straight out)."""
     return dict(_core.storage_counters())
 
 

@@ -29,7 +29,7 @@ use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
 use crate::engine::Buffer;
 use crate::error::{Error, Result};
 use crate::saev::{Dataset, TokenMode};
-use crate::storage::PendingRead;
+use crate::storage::{HeldPages, PendingRead};
 
 /// Which layer a loader reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -649,6 +649,18 @@ enum WindowData {
     Mapped,
     /// The blocks read into one buffer, block `i` at `block_dst[i]`.
     Read { buf: Buffer, block_dst: Vec<u64> },
+    /// From a store, every page the blocks lie in held by the local cache: the pages mapped,
+    /// block `i` at `block_dst[i]` as if read into a buffer (rows are copied out of them once).
+    Held {
+        pages: HeldPages,
+        block_dst: Vec<u64>,
+    },
+}
+
+/// A store window's blocks on their way: requests in flight, or pages held by the cache.
+enum Fetch {
+    Read(PendingRead),
+    Held(HeldPages),
 }
 
 struct LoadedWindow {
@@ -665,7 +677,7 @@ struct Resident {
     windows: VecDeque<Arc<LoadedWindow>>,
     /// From an object store: the next window's requests, in flight while the current windows
     /// are gathered (window index, the read, where each block lands).
-    pending: Option<(usize, PendingRead, Vec<u64>)>,
+    pending: Option<(usize, Fetch, Vec<u64>)>,
     /// Every window loaded from the store so far, to count those still held (by `windows` or
     /// by batches not yet gathered): with at most one, the window after `pending` may start
     /// before `pending` is in, and the loader still holds at most three.
@@ -730,18 +742,17 @@ impl SaevJob {
     }
 
     /// Starts fetching window `w` from the object store (see [`Resident::pending`]).
-    fn start_window(
-        &self,
-        w: usize,
-        cx: &Context<'_>,
-    ) -> Result<Option<(usize, PendingRead, Vec<u64>)>> {
+    fn start_window(&self, w: usize, cx: &Context<'_>) -> Result<Option<(usize, Fetch, Vec<u64>)>> {
         let Some((store, names)) = self.src.ds.remote() else {
             return Ok(None);
         };
         let (ranges, block_dst, len) = self.window_ranges(w);
+        if let Some(pages) = store.held_pages(names, &ranges)? {
+            return Ok(Some((w, Fetch::Held(pages), block_dst)));
+        }
         let buf = cx.buffer(&self.windows, len as usize)?;
         let read = store.start_read(Arc::new(names.to_vec()), ranges, buf)?;
-        Ok(Some((w, read, block_dst)))
+        Ok(Some((w, Fetch::Read(read), block_dst)))
     }
 
     /// Reads window `w`'s blocks into memory (or takes them from `pending`, a fetch of it
@@ -749,15 +760,18 @@ impl SaevJob {
     fn load_window(
         &self,
         w: usize,
-        pending: Option<(usize, PendingRead, Vec<u64>)>,
+        pending: Option<(usize, Fetch, Vec<u64>)>,
         cx: &Context<'_>,
     ) -> Result<LoadedWindow> {
         let src = &*self.src;
         let win = &self.order.windows()[w];
-        let data = if let Some((_, read, block_dst)) = pending {
-            WindowData::Read {
-                buf: read.wait(|| cx.stopped())?,
-                block_dst,
+        let data = if let Some((_, fetch, block_dst)) = pending {
+            match fetch {
+                Fetch::Read(read) => WindowData::Read {
+                    buf: read.wait(|| cx.stopped())?,
+                    block_dst,
+                },
+                Fetch::Held(pages) => WindowData::Held { pages, block_dst },
             }
         } else if self.direct {
             // O_DIRECT from local shards (a store's windows always come as `pending`).
@@ -824,7 +838,8 @@ impl SaevJob {
                 (Some(_), Some(next)) if r.held() <= 1 => self.start_window(next, cx)?,
                 _ => None,
             };
-            let from_store = pending.is_some();
+            // Counted while held: a buffer of the loader's (held pages are the cache's).
+            let from_store = matches!(pending, Some((_, Fetch::Read(_), _)));
             let loaded = Arc::new(self.load_window(w, pending, cx)?);
             if from_store {
                 r.loaded.push(Arc::downgrade(&loaded));
@@ -852,7 +867,7 @@ impl SaevJob {
         let src = &*self.src;
         let in_windows = windows
             .iter()
-            .any(|w| matches!(w.data, WindowData::Read { .. }));
+            .any(|w| !matches!(w.data, WindowData::Mapped));
         let mut rows = Vec::with_capacity(n);
         let mut at = Vec::with_capacity(n);
         let mut p = s;
@@ -871,7 +886,9 @@ impl SaevJob {
                 rows.push((blk, j as u32));
                 let off = src.row_offset(blk, j);
                 at.push(match &windows[k].data {
-                    WindowData::Read { block_dst, .. } => (k as u32, block_dst[i] + off),
+                    WindowData::Read { block_dst, .. } | WindowData::Held { block_dst, .. } => {
+                        (k as u32, block_dst[i] + off)
+                    }
                     WindowData::Mapped => {
                         let (shard, offset, _) = src.block(blk);
                         (shard, offset + off)
@@ -995,33 +1012,46 @@ impl Job for SaevJob {
             }
             return Ok(());
         }
-        // The bytes each row starts in: a shard's map, or a window's buffer.
-        let base = |i: u32| -> Result<&[u8]> {
-            if b.in_windows {
+        // Each row's bytes: in a shard's map or a window's buffer, or in the cache's pages held
+        // for a window (one piece, or two where the row spans pages).
+        let outside =
+            |k: usize| Error::Internal(format!("internal: batch row {k} lies outside its data"));
+        let row = |k: usize| -> Result<Row<'_>> {
+            let (i, off) = b.src[k];
+            let base = if b.in_windows {
                 match &b.windows[i as usize].data {
-                    WindowData::Read { buf, .. } => Ok(buf.as_bytes()),
-                    WindowData::Mapped => Err(Error::Internal("internal: a mapped window".into())),
+                    WindowData::Read { buf, .. } => buf.as_bytes(),
+                    WindowData::Held { pages, .. } => return Ok(Row::Held(pages, off)),
+                    WindowData::Mapped => {
+                        return Err(Error::Internal("internal: a mapped window".into()))
+                    }
                 }
             } else {
-                src.map(i).map(|m| &m[..])
-            }
-        };
-        let slice = |k: usize| -> Result<&[u8]> {
-            let (i, off) = b.src[k];
-            base(i)?
-                .get(off as usize..off as usize + rb)
-                .ok_or_else(|| {
-                    Error::Internal(format!("internal: batch row {k} lies outside its data"))
-                })
+                src.map(i).map(|m| &m[..])?
+            };
+            base.get(off as usize..off as usize + rb)
+                .map(Row::Bytes)
+                .ok_or_else(|| outside(k))
         };
         let dsts = out[0].chunks_exact_mut(rb);
         for (k, dst) in (first..first + rows).zip(dsts) {
             if k + AHEAD < first + rows {
-                if let Ok(next) = slice(k + AHEAD) {
-                    batch::prefetch(next);
+                match row(k + AHEAD) {
+                    Ok(Row::Bytes(next)) => batch::prefetch(next),
+                    Ok(Row::Held(pages, off)) => {
+                        if let Some(next) = pages.first(off) {
+                            batch::prefetch(next);
+                        }
+                    }
+                    Err(_) => {}
                 }
             }
-            batch::copy_streaming(dst, slice(k)?);
+            match row(k)? {
+                Row::Bytes(bytes) => batch::copy_streaming(dst, bytes),
+                Row::Held(pages, off) => pages
+                    .copy_into(off, dst, batch::copy_streaming)
+                    .ok_or_else(|| outside(k))?,
+            }
         }
         batch::copy_done();
         Ok(())
@@ -1064,6 +1094,14 @@ impl Job for SaevJob {
             cursor: p.state.cursor,
         })
     }
+}
+
+/// Where a batch row's bytes are.
+enum Row<'a> {
+    /// In one slice (a shard's map, a window's buffer).
+    Bytes(&'a [u8]),
+    /// At this offset of a window whose pages the cache holds.
+    Held(&'a HeldPages, u64),
 }
 
 /// Rows ahead of the one being copied whose first lines are prefetched: a gather of rows from

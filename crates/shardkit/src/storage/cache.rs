@@ -445,6 +445,50 @@ fn for_this_process<T: Default>(table: &mut (u32, T)) -> &mut T {
     &mut table.1
 }
 
+/// Pages of the cache mapped into memory, covering the ranges of one read laid end to end as
+/// in its buffer (each range at its `dst`): a warm read's rows are then copied once, straight
+/// out of the pages (as a local file's rows are out of its map), instead of read into a
+/// buffer first and copied again from there. A page evicted meanwhile stays mapped (pages are
+/// written aside and renamed, never changed in place).
+pub(crate) struct HeldPages {
+    /// (start in the read's buffer, map, offset in the map, length), by start.
+    pieces: Vec<(u64, Arc<memmap2::Mmap>, usize, usize)>,
+}
+
+impl HeldPages {
+    /// Copies the bytes at `at..at + dst.len()` of the read's buffer into `dst` with `copy`,
+    /// piece by piece where they span pages; `None` when they lie outside the read.
+    pub(crate) fn copy_into(
+        &self,
+        at: u64,
+        dst: &mut [u8],
+        copy: impl Fn(&mut [u8], &[u8]),
+    ) -> Option<()> {
+        let mut i = self.pieces.partition_point(|p| p.0 + p.3 as u64 <= at);
+        let (mut at, mut done) = (at, 0);
+        while done < dst.len() {
+            let (start, map, offset, len) = self.pieces.get(i)?;
+            let begin = usize::try_from(at.checked_sub(*start)?).ok()?;
+            let take = (len - begin).min(dst.len() - done);
+            copy(
+                &mut dst[done..done + take],
+                map.get(offset + begin..offset + begin + take)?,
+            );
+            (at, done, i) = (at + take as u64, done + take, i + 1);
+        }
+        Some(())
+    }
+
+    /// The first bytes at `at` (to prefetch).
+    pub(crate) fn first(&self, at: u64) -> Option<&[u8]> {
+        let (start, map, offset, len) = self
+            .pieces
+            .get(self.pieces.partition_point(|p| p.0 + p.3 as u64 <= at))?;
+        let begin = usize::try_from(at.checked_sub(*start)?).ok()?;
+        map.get(offset + begin..offset + len)
+    }
+}
+
 impl Remote {
     /// Serves what it can of `ranges` from the pages held in `cache` (copying into `buf`), and
     /// returns the rest: ranges of objects not cached, and the pages to fetch.
@@ -518,6 +562,63 @@ impl Remote {
         }
         held.read(&mut reads, buf)?;
         Ok(out)
+    }
+
+    /// With the object cache on and every page `ranges` touch held in it, those pages mapped
+    /// ([`HeldPages`]); `None` when any is missing (the read then goes through
+    /// [`Remote::start_read`], which fetches what is missing).
+    pub(crate) fn held_pages(
+        &self,
+        names: &[String],
+        ranges: &[ReadRange],
+    ) -> Result<Option<HeldPages>> {
+        let Some(cache) = &self.object_cache else {
+            return Ok(None);
+        };
+        claim(cache)?;
+        Remote::keep_failure()?;
+        let objects = self.objects_in(cache, names, ranges)?;
+        let mut maps: HashMap<(u32, u64), Arc<memmap2::Mmap>> = HashMap::new();
+        let mut pieces = Vec::new();
+        for r in ranges {
+            let Some(Some(o)) = objects.get(&r.file) else {
+                return Ok(None);
+            };
+            if r.offset + r.len > o.size {
+                return Ok(None);
+            }
+            let mut at = r.offset;
+            while at < r.offset + r.len {
+                let index = at / o.page;
+                let start = index * o.page;
+                let take = (start + o.page).min(r.offset + r.len) - at;
+                let map = match maps.get(&(r.file, index)) {
+                    Some(m) => m.clone(),
+                    None => {
+                        let path = o.dir.join(index.to_string());
+                        let Some(f) = open_page(&path, o.page.min(o.size - start)) else {
+                            return Ok(None);
+                        };
+                        // SAFETY: a page file is written aside and renamed into place, never
+                        // modified after (see `write_aside`); removal leaves the map valid.
+                        let m = Arc::new(unsafe { memmap2::Mmap::map(&f) }.at(&path)?);
+                        maps.insert((r.file, index), m.clone());
+                        m
+                    }
+                };
+                pieces.push((
+                    r.dst + (at - r.offset),
+                    map,
+                    (at - start) as usize,
+                    take as usize,
+                ));
+                at += take;
+            }
+        }
+        pieces.sort_by_key(|p| p.0);
+        let bytes = pieces.iter().map(|p| p.3 as u64).sum::<u64>();
+        super::CACHE_MAPPED_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(HeldPages { pieces }))
     }
 
     /// The first failure to keep pages since the last call, if any (reported once).
@@ -701,6 +802,8 @@ impl PageFiles {
         if !reads.is_empty() {
             let threads = crate::engine::exec::available_cores().min(reads.len());
             read_all(self, reads, buf, threads, false)?;
+            let bytes = reads.iter().map(|r| r.len).sum::<u64>();
+            super::CACHE_READ_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         }
         reads.clear();
         self.0.clear();
