@@ -1027,6 +1027,38 @@ mod tests {
     use super::*;
     use std::time::{Duration, SystemTime};
 
+    #[test]
+    fn held_pages_copy_a_range_across_pages_and_refuse_one_outside() {
+        let dir = tempfile::tempdir().unwrap();
+        let map = |name: &str, bytes: Vec<u8>| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, bytes).unwrap();
+            let f = std::fs::File::open(&path).unwrap();
+            Arc::new(unsafe { memmap2::Mmap::map(&f) }.unwrap())
+        };
+        let (a, b, c) = (
+            map("a", (0..100).collect()),
+            map("b", (100..150).collect()),
+            map("c", (150..160).collect()),
+        );
+        // The read's bytes 0..140: a[10..100], b[0..50]; then 140..150: c[0..10].
+        let held = HeldPages {
+            pieces: vec![(0, a, 10, 90), (90, b, 0, 50), (140, c, 0, 10)],
+        };
+        let mut out = vec![0u8; 60];
+        held.copy_into(85, &mut out, |d, s| d.copy_from_slice(s))
+            .unwrap();
+        let want: Vec<u8> = (95..100).chain(100..150).chain(150..155).collect();
+        assert_eq!(out, want);
+        assert_eq!(held.first(89), Some(&[99u8][..]));
+        assert_eq!(held.first(145).map(<[u8]>::len), Some(5));
+        let mut past = vec![0u8; 20];
+        assert!(held
+            .copy_into(140, &mut past, |d, s| d.copy_from_slice(s))
+            .is_none());
+        assert!(held.first(150).is_none());
+    }
+
     fn file(path: &Path, len: usize, age_s: u64) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, vec![7u8; len]).unwrap();
