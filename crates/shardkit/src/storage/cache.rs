@@ -469,7 +469,7 @@ impl HeldPages {
         while done < dst.len() {
             let (start, map, offset, len) = self.pieces.get(i)?;
             let begin = usize::try_from(at.checked_sub(*start)?).ok()?;
-            let take = (len - begin).min(dst.len() - done);
+            let take = len.checked_sub(begin)?.min(dst.len() - done);
             copy(
                 &mut dst[done..done + take],
                 map.get(offset + begin..offset + begin + take)?,
