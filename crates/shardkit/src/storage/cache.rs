@@ -376,6 +376,31 @@ struct ObjectPages {
     page: u64,
 }
 
+impl ObjectPages {
+    /// The pieces of `r` (a range of this object), page by page, in order: (page index,
+    /// offset in the page, length, where the piece goes in the read's buffer).
+    fn pieces_of(&self, r: &ReadRange) -> impl Iterator<Item = (u64, u64, u64, u64)> {
+        let (page, end, offset, dst) = (self.page, r.offset + r.len, r.offset, r.dst);
+        let mut at = offset;
+        std::iter::from_fn(move || {
+            (at < end).then(|| {
+                let index = at / page;
+                let start = index * page;
+                let take = (start + page).min(end) - at;
+                let piece = (index, at - start, take, dst + (at - offset));
+                at += take;
+                piece
+            })
+        })
+    }
+
+    /// Page `index`'s file and length (the object's last page may be short).
+    fn page_file(&self, index: u64) -> (PathBuf, u64) {
+        let len = self.page.min(self.size - index * self.page);
+        (self.dir.join(index.to_string()), len)
+    }
+}
+
 /// Per object URL and cache directory, where its pages are kept, or `None` when it is not
 /// cached (no ETag to check pages against, or a cache smaller than a page); per process: a
 /// forked child asks again.
@@ -518,16 +543,11 @@ impl Remote {
                 out.direct.push(*r);
                 continue;
             }
-            let mut at = r.offset;
-            while at < r.offset + r.len {
-                let index = at / o.page;
-                let start = index * o.page;
-                let take = (start + o.page).min(r.offset + r.len) - at;
+            for (index, offset, len, dst) in o.pieces_of(r) {
                 let (_, pieces) = by_page
                     .entry((r.file, index))
                     .or_insert_with(|| (o, Vec::new()));
-                pieces.push((at - start, take, r.dst + (at - r.offset)));
-                at += take;
+                pieces.push((offset, len, dst));
             }
         }
         // Held pages are read by the engine's reader, on every core, a bounded number open
@@ -535,13 +555,11 @@ impl Remote {
         let mut held = PageFiles(Vec::new());
         let mut reads = Vec::new();
         for ((file, index), (o, pieces)) in by_page {
-            let start = index * o.page;
-            let len = o.page.min(o.size - start);
-            let path = o.dir.join(index.to_string());
+            let (path, len) = o.page_file(index);
             let Some(f) = open_page(&path, len) else {
                 out.missing.push(MissingPage {
                     file,
-                    offset: start,
+                    offset: index * o.page,
                     len,
                     path,
                     pieces,
@@ -587,16 +605,12 @@ impl Remote {
             if r.offset + r.len > o.size {
                 return Ok(None);
             }
-            let mut at = r.offset;
-            while at < r.offset + r.len {
-                let index = at / o.page;
-                let start = index * o.page;
-                let take = (start + o.page).min(r.offset + r.len) - at;
+            for (index, offset, len, dst) in o.pieces_of(r) {
                 let map = match maps.get(&(r.file, index)) {
                     Some(m) => m.clone(),
                     None => {
-                        let path = o.dir.join(index.to_string());
-                        let Some(f) = open_page(&path, o.page.min(o.size - start)) else {
+                        let (path, page_len) = o.page_file(index);
+                        let Some(f) = open_page(&path, page_len) else {
                             return Ok(None);
                         };
                         // SAFETY: a page file is written aside and renamed into place, never
@@ -606,13 +620,7 @@ impl Remote {
                         m
                     }
                 };
-                pieces.push((
-                    r.dst + (at - r.offset),
-                    map,
-                    (at - start) as usize,
-                    take as usize,
-                ));
-                at += take;
+                pieces.push((dst, map, offset as usize, len as usize));
             }
         }
         pieces.sort_by_key(|p| p.0);
