@@ -281,10 +281,10 @@ impl Column {
         &self,
         ranges: &[Range<u64>],
         what: &'static str,
-        pool: &rayon::ThreadPool,
+        pool: Option<&rayon::ThreadPool>,
     ) -> Result<Vec<Vec<T>>> {
         let fetched = self.fetch(ranges, what, None)?;
-        self.decode(&fetched, what, Some(pool))
+        self.decode(&fetched, what, pool)
     }
 
     /// Fetches every stored byte `ranges` need, without decoding: whole chunks, or for a
@@ -1099,9 +1099,9 @@ impl Split {
                 // Through `fetch`, which keeps the shard indexes it reads: a loader's reads of
                 // seq_starts from a store then do not fetch them again.
                 let n = self.starts.len();
-                let ends = [0..1, n - 1..n];
-                let fetched = self.starts.fetch(&ends, "seq_starts entry", None)?;
-                let got: Vec<Vec<u64>> = self.starts.decode(&fetched, "seq_starts entry", None)?;
+                let got: Vec<Vec<u64>> =
+                    self.starts
+                        .read_many(&[0..1, n - 1..n], "seq_starts entry", None)?;
                 let (first, last) = (got[0][0], got[1][0]);
                 if first != 0 || last != self.token_count() {
                     return Err(Error::format(
@@ -1236,7 +1236,8 @@ impl Split {
         ranges: &[Range<u64>],
         pool: &rayon::ThreadPool,
     ) -> Result<Vec<Vec<u64>>> {
-        self.starts.read_many(ranges, "seq_starts entry", pool)
+        self.starts
+            .read_many(ranges, "seq_starts entry", Some(pool))
     }
 
     /// The token ids of document `i` (decoded: `enc >> 1`).
