@@ -156,14 +156,7 @@ impl Cache {
         let remote = Remote::parse(url)?.with_object_cache();
         let dir = PathBuf::from(remote.url());
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
-        let path = remote.url_of(manifest::MANIFEST);
-        if !objects.contains_key(manifest::MANIFEST) {
-            return Err(Error::NotFound {
-                path,
-                what: "no manifest.json: not an EAGLE-3 cache, or one not uploaded yet".into(),
-            });
-        }
-        let m = Manifest::parse(&remote.get(manifest::MANIFEST)?, &path)?;
+        let m = remote_manifest(&remote, &objects)?;
         let present: BTreeSet<u64> = objects.keys().filter_map(|n| shard_index(n)).collect();
         Self::checked(dir, m, &present, max_open, Some((remote, objects)))
     }
@@ -238,13 +231,9 @@ impl Cache {
                 })
                 .collect::<Result<_>>()?,
             Some((remote, sizes)) => {
-                let shards: Vec<(String, u64, u64)> = missing
+                let shards: Vec<_> = missing
                     .iter()
-                    .map(|&k| {
-                        let name = shard_name(k);
-                        let size = sizes.get(&name).copied().unwrap_or(0);
-                        (name, size, self.manifest.rows_in_shard(k))
-                    })
+                    .map(|&k| remote_shard(&self.manifest, sizes, k))
                     .collect();
                 ShardFile::open_remote_many(remote, &shards, &self.specs)?
             }
@@ -402,6 +391,30 @@ impl Cache {
             }
         }
     }
+}
+
+/// The manifest of the cache in `remote`, whose objects (and their sizes) are `objects`.
+pub(crate) fn remote_manifest(remote: &Remote, objects: &HashMap<String, u64>) -> Result<Manifest> {
+    let path = remote.url_of(manifest::MANIFEST);
+    if !objects.contains_key(manifest::MANIFEST) {
+        return Err(Error::NotFound {
+            path,
+            what: "no manifest.json: not an EAGLE-3 cache, or one not uploaded yet".into(),
+        });
+    }
+    Manifest::parse(&remote.get(manifest::MANIFEST)?, &path)
+}
+
+/// Shard `k` of a cache in a store, as [`ShardFile::open_remote_many`] takes it: (object name,
+/// size from the listing `sizes`, rows).
+pub(crate) fn remote_shard(
+    m: &Manifest,
+    sizes: &HashMap<String, u64>,
+    k: u64,
+) -> (String, u64, u64) {
+    let name = shard_name(k);
+    let size = sizes.get(&name).copied().unwrap_or(0);
+    (name, size, m.rows_in_shard(k))
 }
 
 /// Checks the shard set of a cache against its manifest: exactly `0..num_shards`, or a

@@ -121,17 +121,7 @@ fn validate_remote(url: &Path, deep: bool) -> Validation {
         }
     };
     let objects: std::collections::HashMap<String, u64> = objects.into_iter().collect();
-    let path = remote.url_of(manifest::MANIFEST);
-    let m = match objects.get(manifest::MANIFEST) {
-        None => Err(Error::NotFound {
-            path,
-            what: "no manifest.json: not an EAGLE-3 cache, or one not uploaded yet".into(),
-        }),
-        Some(_) => remote
-            .get(manifest::MANIFEST)
-            .and_then(|b| Manifest::parse(&b, &path)),
-    };
-    let m = match m {
+    let m = match super::cache::remote_manifest(&remote, &objects) {
         Ok(m) => m,
         Err(e) => {
             v.error_from(&e);
@@ -146,14 +136,10 @@ fn validate_remote(url: &Path, deep: bool) -> Validation {
         v.error(url, problem);
     }
     let specs = field_specs(&m);
-    let shards: Vec<(String, u64, u64)> = present
+    let shards: Vec<_> = present
         .iter()
         .filter(|&&k| k < m.num_shards())
-        .map(|&k| {
-            let name = shard_name(k);
-            let size = objects.get(&name).copied().unwrap_or(0);
-            (name, size, m.rows_in_shard(k))
-        })
+        .map(|&k| super::cache::remote_shard(&m, &objects, k))
         .collect();
     for group in shards.chunks(HEADERS_AT_ONCE) {
         if ShardFile::open_remote_many(&remote, group, &specs).is_err() {
