@@ -175,32 +175,39 @@ def test_saev_remote_refusals_name_the_object(tmp_path: Path, s3: S3, env: Dict[
         saev.ShuffledLoader(write_url, layer=5, verify=True)
 
 
+def damaged_upload(s3: S3, bucket: str, good: Path, local: Path, key: str, damage: Any) -> str:
+    """A copy of dataset `good` at `local` (its checksums and lock left out), damaged by
+    `damage(local)`, then put object by object (no validation on the way) under `key`; its URL."""
+    local.mkdir(parents=True)
+    for p in good.iterdir():
+        if not p.name.startswith(".shardkit-") and p.name != "shardkit.checksums.json":
+            (local / p.name).write_bytes(p.read_bytes())
+    damage(local)
+    c = s3.client()
+    for p in local.iterdir():
+        c.put_object(Bucket=bucket, Key=f"{key}/{p.name}", Body=p.read_bytes())
+    return f"s3://{bucket}/{key}"
+
+
+def same_report(validate: Any, local: Path, url: str) -> Dict[str, Any]:
+    """`validate` of the store's copy reports what it reports of the local one, paths aside."""
+    here, there = validate(local), validate(url)
+    swap = lambda r: json.loads(json.dumps(r).replace(str(local), "DATASET").replace(url, "DATASET"))  # noqa: E731
+    assert swap(there) == swap(here), (there, here)
+    return there
+
+
 def test_saev_validated_in_a_store_reports_what_a_local_check_reports(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
     """`validate` of an s3:// URL makes every check a local `validate` makes (metadata and
     what saev itself would refuse, the directory's name, shards.json, each shard's size, gaps,
     labels.bin, leftovers of a write) from one listing, and lists every problem it finds, not
     the first."""
     bucket = s3.bucket()
-    c = s3.client()
     good = Path(write_saev(tmp_path / "good"))
 
-    def damaged(name: str, damage: Any) -> Tuple[Path, str]:
-        d = tmp_path / name / good.name
-        d.mkdir(parents=True)
-        for p in good.iterdir():
-            if not p.name.startswith(".shardkit-") and p.name != "shardkit.checksums.json":
-                (d / p.name).write_bytes(p.read_bytes())
-        damage(d)
-        url = f"s3://{bucket}/{name}/{good.name}"
-        for p in d.iterdir():
-            c.put_object(Bucket=bucket, Key=f"{name}/{good.name}/{p.name}", Body=p.read_bytes())
-        return d, url
-
-    def same_report(local: Path, url: str) -> Dict[str, Any]:
-        here, there = saev.validate(local), saev.validate(url)
-        swap = lambda r: json.loads(json.dumps(r).replace(str(local), "DATASET").replace(url, "DATASET"))  # noqa: E731
-        assert swap(there) == swap(here), (there, here)
-        return there
+    def damaged(name: str, damage: Any) -> Tuple[Any, Path, str]:
+        local = tmp_path / name / good.name
+        return saev.validate, local, damaged_upload(s3, bucket, good, local, f"{name}/{good.name}", damage)
 
     def several(d: Path) -> None:
         (d / "acts000002.bin").write_bytes((d / "acts000002.bin").read_bytes()[:100])
@@ -221,7 +228,7 @@ def test_saev_validated_in_a_store_reports_what_a_local_check_reports(tmp_path: 
     report = same_report(*damaged("no-metadata", lambda d: (d / "metadata.json").unlink()))
     assert "missing" in report["errors"][0]["message"], report
     shardkit.upload(good, f"s3://{bucket}/good/{good.name}")
-    assert same_report(good, f"s3://{bucket}/good/{good.name}")["valid"]
+    assert same_report(saev.validate, good, f"s3://{bucket}/good/{good.name}")["valid"]
 
 
 def without_credentials(tmp_path: Path, **extra: str) -> Dict[str, Optional[str]]:
@@ -1504,29 +1511,15 @@ def test_eagle3_validated_in_a_store_reports_what_a_local_check_reports(tmp_path
     from test_eagle3 import config, sample
 
     bucket = s3.bucket()
-    c = s3.client()
     good = tmp_path / "good"
     with eagle3.Writer(good, config(n=7, s=2)) as w:
         for i in range(7):
             w.add(sample(i))
         w.write_target_embeddings(np.arange(40 * 2, dtype=np.float32).reshape(40, 2))
 
-    def damaged(name: str, damage: Any) -> Tuple[Path, str]:
-        d = tmp_path / name
-        d.mkdir()
-        for p in good.iterdir():
-            if not p.name.startswith(".shardkit-") and p.name != "shardkit.checksums.json":
-                (d / p.name).write_bytes(p.read_bytes())
-        damage(d)
-        for p in d.iterdir():
-            c.put_object(Bucket=bucket, Key=f"{name}/{p.name}", Body=p.read_bytes())
-        return d, f"s3://{bucket}/{name}"
-
-    def same_report(local: Path, url: str) -> Dict[str, Any]:
-        here, there = eagle3.validate(local), eagle3.validate(url)
-        swap = lambda r: json.loads(json.dumps(r).replace(str(local), "DATASET").replace(url, "DATASET"))  # noqa: E731
-        assert swap(there) == swap(here), (there, here)
-        return there
+    def damaged(name: str, damage: Any) -> Tuple[Any, Path, str]:
+        local = tmp_path / name
+        return eagle3.validate, local, damaged_upload(s3, bucket, good, local, name, damage)
 
     def f64_table(d: Path) -> None:
         header = json.dumps({"weight": {"dtype": "F64", "shape": [2, 2], "data_offsets": [0, 32]}}).encode()
@@ -1548,12 +1541,12 @@ def test_eagle3_validated_in_a_store_reports_what_a_local_check_reports(tmp_path
     report = same_report(*damaged("no-table", lambda d: (d / "target_embeddings.safetensors").unlink()))
     assert report["valid"] and "NeMo's training recipe needs it" in report["notes"][0]["message"], report
     # Without a manifest: one error naming it (a store's says "not uploaded yet").
-    local, url = damaged("no-manifest", lambda d: (d / "manifest.json").unlink())
+    _, local, url = damaged("no-manifest", lambda d: (d / "manifest.json").unlink())
     for report, where in [(eagle3.validate(local), "written"), (eagle3.validate(url), "uploaded")]:
         assert [Path(e["file"]).name for e in report["errors"]] == ["manifest.json"], report
         assert f"not an EAGLE-3 cache, or one not {where} yet" in report["errors"][0]["message"]
     shardkit.upload(good, f"s3://{bucket}/good")
-    assert same_report(good, f"s3://{bucket}/good")["valid"]
+    assert same_report(eagle3.validate, good, f"s3://{bucket}/good")["valid"]
 
 
 def test_eagle3_remote_refusals(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:
