@@ -246,25 +246,48 @@ fn a_buffer_in_memory_fetches_each_inner_chunk_once_and_serves_its_steps() {
     for &k in &blocks {
         needed.extend((k * 4 * 40) / chunk..=((k + 1) * 4 * 40 - 1) / chunk);
     }
-    let data: BTreeSet<(String, u64)> = reads
+    // Where each needed inner chunk lies, from its shard's index (16 inner chunks of 16
+    // tokens a shard; the index at the end: (offset, length) u64 pairs, then a crc32c).
+    let mut wanted: Vec<(String, u64, u64)> = Vec::new();
+    for c in &needed {
+        let key = format!("train/encoded_tokens/c/{}", c / 16);
+        let shard = std::fs::read(root.join(&key)).unwrap();
+        let index = &shard[shard.len() - 16 * 16 - 4..];
+        let word = |i: usize| u64::from_le_bytes(index[8 * i..8 * i + 8].try_into().unwrap());
+        let local = (c % 16) as usize;
+        wanted.push((key, word(2 * local), word(2 * local + 1)));
+    }
+    // What was fetched: data ranges (not the indexes at the ends), in order per shard.
+    let mut fetched: Vec<(String, u64, u64)> = reads
         .iter()
-        .filter(|(k, r)| k.contains("encoded_tokens/c/") && !matches!(r, ByteRange::Suffix(_)))
-        .map(|(k, r)| match r {
-            ByteRange::FromStart(o, _) => (k.clone(), *o),
-            ByteRange::Suffix(_) => unreachable!(),
+        .filter_map(|(k, r)| match r {
+            ByteRange::FromStart(o, Some(n)) if k.contains("encoded_tokens/c/") => {
+                Some((k.clone(), *o, *n))
+            }
+            _ => None,
         })
         .collect();
-    // Each inner chunk is fetched once (decoding reads it from memory).
-    let fetched = reads
-        .iter()
-        .filter(|(k, r)| k.contains("encoded_tokens/c/") && !matches!(r, ByteRange::Suffix(_)))
-        .count();
-    assert_eq!(
-        fetched,
-        data.len(),
-        "an inner chunk was fetched twice: {reads:?}"
+    fetched.sort();
+    wanted.sort();
+    // The bytes of exactly the needed inner chunks, each once: the fetched ranges, which
+    // join inner chunks that follow one another in a shard into one read, cover them.
+    let bytes = |ranges: &[(String, u64, u64)]| -> BTreeSet<(String, u64)> {
+        let mut all = BTreeSet::new();
+        for (k, o, n) in ranges {
+            for b in *o..o + n {
+                assert!(
+                    all.insert((k.clone(), b)),
+                    "byte {b} of {k} fetched twice: {reads:?}"
+                );
+            }
+        }
+        all
+    };
+    assert_eq!(bytes(&fetched), bytes(&wanted), "{reads:?}");
+    assert!(
+        fetched.len() < wanted.len(),
+        "inner chunks that follow one another are fetched in one read: {reads:?}"
     );
-    assert_eq!(data.len(), needed.len(), "{reads:?}");
     assert!(first.rows.iter().all(|r| blocks.contains(&(r / 4))));
     // The next step draws from the same buffer: no reads at all.
     store.reads.lock().unwrap().clear();
