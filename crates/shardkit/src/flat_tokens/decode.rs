@@ -18,7 +18,9 @@ pub struct Decoded {
 }
 
 /// Writes the model inputs of one row of encoded tokens, `enc`, into slices of its length:
-/// the one decoding loop behind [`decode`] and the token loaders' batches.
+/// the one decoding loop behind [`decode`] and the token loaders' batches. Each output is its
+/// own pass with no state carried from one token to the next, except the running count of
+/// segments: those passes vectorize (a fused loop carrying the previous target did not).
 pub(crate) fn decode_into(
     enc: &[u32],
     targets: &mut [u32],
@@ -26,20 +28,35 @@ pub(crate) fn decode_into(
     segments: &mut [u32],
     starts: &mut [u8],
 ) {
-    let (mut prev, mut segment) = (0u32, 0u32);
-    let outs = targets
-        .iter_mut()
-        .zip(inputs.iter_mut())
-        .zip(segments.iter_mut())
-        .zip(starts.iter_mut());
-    for (i, (&e, (((target, input), seg), start))) in enc.iter().zip(outs).enumerate() {
-        let (t, s) = (e >> 1, e & 1);
-        segment += s;
-        *input = if i == 0 || s == 1 { 0 } else { prev };
-        *target = t;
-        *seg = segment;
-        *start = s as u8;
-        prev = t;
+    let n = (enc.len())
+        .min(targets.len())
+        .min(inputs.len())
+        .min(segments.len())
+        .min(starts.len());
+    let (enc, targets, inputs, segments, starts) = (
+        &enc[..n],
+        &mut targets[..n],
+        &mut inputs[..n],
+        &mut segments[..n],
+        &mut starts[..n],
+    );
+    for ((t, s), &e) in targets.iter_mut().zip(starts.iter_mut()).zip(enc) {
+        *t = e >> 1;
+        *s = (e & 1) as u8;
+    }
+    // The previous token's id, 0 in column 0 and at a sequence start.
+    if let Some((first, rest)) = inputs.split_first_mut() {
+        *first = 0;
+        for ((i, &e), &prev) in rest.iter_mut().zip(&enc[1..]).zip(enc) {
+            // All ones unless `e` starts a sequence: no branch, so the loop vectorizes.
+            let keep = (e & 1).wrapping_sub(1);
+            *i = (prev >> 1) & keep;
+        }
+    }
+    let mut segment = 0u32;
+    for (s, &e) in segments.iter_mut().zip(enc) {
+        segment += e & 1;
+        *s = segment;
     }
 }
 
@@ -70,6 +87,58 @@ pub fn decode(enc: &[u32], len: usize) -> Decoded {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rules of the module docs, token by token.
+    fn by_the_rules(enc: &[u32]) -> Decoded {
+        let mut d = Decoded::default();
+        let (mut prev, mut segment) = (0, 0);
+        for (i, &e) in enc.iter().enumerate() {
+            let (t, s) = (e >> 1, e & 1 == 1);
+            segment += u32::from(s);
+            d.inputs.push(if i == 0 || s { 0 } else { prev });
+            d.targets.push(t);
+            d.segment_ids.push(segment);
+            d.is_seq_start.push(s);
+            prev = t;
+        }
+        d
+    }
+
+    #[test]
+    fn every_row_decodes_by_the_rules() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for len in [0, 1, 2, 3, 7, 8, 31, 64, 1000] {
+            for starts_per_16 in [0, 1, 8, 16] {
+                let enc: Vec<u32> = (0..len)
+                    .map(|_| {
+                        let r = next();
+                        let id = (r >> 8) as u32 & 0x7fff_ffff;
+                        id << 1 | u32::from((r & 15) < starts_per_16)
+                    })
+                    .collect();
+                assert_eq!(
+                    decode(&enc, len.max(1)),
+                    by_the_rules(&enc),
+                    "{len} {starts_per_16}"
+                );
+            }
+        }
+        // Rows decode one by one: each row's column 0 is an input of 0, and its segments
+        // count from its own first start.
+        let enc: Vec<u32> = (0..12).map(|i| i * 2 + u32::from(i % 5 == 1)).collect();
+        let d = decode(&enc, 4);
+        for (k, row) in enc.chunks(4).enumerate() {
+            let r = by_the_rules(row);
+            assert_eq!(d.inputs[k * 4..k * 4 + 4], r.inputs[..]);
+            assert_eq!(d.segment_ids[k * 4..k * 4 + 4], r.segment_ids[..]);
+        }
+    }
 
     #[test]
     fn the_specs_worked_example() {
