@@ -135,6 +135,26 @@ pub(crate) fn vit_l(out: PathBuf, examples: u64, resume: bool) -> SynthArgs {
     }
 }
 
+/// A figure in a bench's JSON, to three decimals.
+pub(crate) fn num(x: f64) -> shardkit::json::Value {
+    shardkit::json::Value::float(x, 3)
+}
+
+/// CPU seconds this process has used so far, user and system, over all its threads. Taken
+/// around a run beside its wall time, it gives what the work costs per byte or token however
+/// busy a shared machine is, and, divided by the wall time, how many cores it kept busy.
+pub(crate) fn cpu_seconds() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the rusage it is given; on failure it is not read.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } != 0 {
+        return 0.0;
+    }
+    // SAFETY: filled by the successful call above (and all-zero bytes are a valid rusage).
+    let usage = unsafe { usage.assume_init() };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
 pub(crate) fn flush_page_cache() {
     // SAFETY: sync(2) has no arguments and cannot fail.
     unsafe { libc::sync() };

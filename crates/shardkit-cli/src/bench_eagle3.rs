@@ -12,7 +12,7 @@ use shardkit::eagle3::{shard_index, Cache, Loader, LoaderOptions};
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
-use crate::bench::{evict, seq_read};
+use crate::bench::{evict, num, seq_read};
 use crate::eagle3_cmd::{synth_cache, SynthArgs};
 
 /// `shardkit bench eagle3`.
@@ -43,10 +43,6 @@ pub struct Eagle3BenchArgs {
     /// Print JSON (always printed; kept for symmetry with other benches).
     #[arg(long)]
     json: bool,
-}
-
-fn num(x: f64) -> Value {
-    Value::float(x, 3)
 }
 
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {

@@ -30,7 +30,7 @@ use shardkit::json::{self, Escape, Value};
 use shardkit::storage::{self, counters, Remote};
 use shardkit::Result;
 
-use crate::bench::thread_counts;
+use crate::bench::{num, thread_counts};
 
 /// `shardkit bench remote`.
 #[derive(Args)]
@@ -68,10 +68,6 @@ impl RemoteBenchArgs {
     fn memory_budget(&self) -> Option<u64> {
         self.memory_budget_mib.map(|m| m.saturating_mul(1 << 20))
     }
-}
-
-fn num(x: f64) -> Value {
-    Value::float(x, 3)
 }
 
 fn gbps(bytes: u64, secs: f64) -> f64 {
@@ -489,18 +485,21 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             b?;
         }
         let loader = TokenLoader::new(Split::open(&local, "train")?, loader.options().clone())?;
-        let t0 = Instant::now();
+        let (t0, cpu0) = (Instant::now(), crate::bench::cpu_seconds());
         let mut tokens = 0u64;
         for b in loader.iter(0) {
             tokens += b?.encoded().len() as u64;
         }
         let secs = t0.elapsed().as_secs_f64();
+        let cpu = crate::bench::cpu_seconds() - cpu0;
         let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
-        decode.push(Value::Object(vec![
+        let mut entry = vec![
             ("threads".into(), Value::int(t as u64)),
             ("gbps".into(), num(gbps(payload, secs))),
             ("tokens_per_s".into(), num(tokens as f64 / secs)),
-        ]));
+        ];
+        entry.extend(cpu_use(cpu, secs, tokens));
+        decode.push(Value::Object(entry));
     }
     let mut loaders = Vec::new();
     // Row by row (one zarrs read per row), then with each shuffle buffer read whole into
@@ -529,7 +528,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 a.steps.min(loader.step_count())
             };
             let before = counters();
-            let t0 = Instant::now();
+            let (t0, cpu0) = (Instant::now(), crate::bench::cpu_seconds());
             let mut tokens = 0u64;
             // In memory, the first batch waits for its whole shuffle buffer: that wait, and the
             // bytes fetched, give the buffer's read rate.
@@ -539,6 +538,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 first.get_or_insert_with(|| (t0.elapsed().as_secs_f64(), counters()));
             }
             let secs = t0.elapsed().as_secs_f64();
+            let cpu = crate::bench::cpu_seconds() - cpu0;
             let after = counters();
             // Payload as stored bytes: tokens times the dataset's compressed bytes per token.
             let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
@@ -563,6 +563,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             );
             if let Value::Object(m) = &mut e {
                 m.push(("tokens_per_s".into(), num(tokens as f64 / secs)));
+                m.extend(cpu_use(cpu, secs, tokens));
                 if let (true, Some((s, c))) = (in_memory, first) {
                     let fetched = c.get_bytes - before.get_bytes;
                     m.push(("first_batch_s".into(), num(s)));
@@ -584,6 +585,21 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         ("decode_ceiling".into(), Value::Array(decode)),
         ("loaders".into(), Value::Array(loaders)),
     ]))
+}
+
+/// What a flat-tokens run cost this process's CPUs (the server's are not counted): CPU
+/// seconds per million tokens, which stays put on a busy shared machine where the rate does
+/// not, and the cores kept busy on average. Against the thread count, the two tell a decoder
+/// that waits (fewer cores busy than threads) from one whose threads get in each other's way
+/// (more CPU per token as threads are added).
+fn cpu_use(cpu_s: f64, secs: f64, tokens: u64) -> [(String, Value); 2] {
+    [
+        (
+            "cpu_s_per_m_tokens".into(),
+            Value::float(cpu_s / (tokens.max(1) as f64 / 1e6), 5),
+        ),
+        ("cores_busy".into(), num(cpu_s / secs.max(1e-9))),
+    ]
 }
 
 fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {

@@ -18,7 +18,7 @@ use shardkit::flat_tokens::{Layout, LoaderOptions, Split, TokenLoader, Writer, W
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
-use crate::bench::{evict, seq_read};
+use crate::bench::{evict, num, seq_read};
 
 /// `shardkit bench tokens`.
 #[derive(Args)]
@@ -486,10 +486,6 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         json::to_pretty(&Value::Object(fields), 2, Escape::Utf8)
     );
     Ok(())
-}
-
-fn num(x: f64) -> Value {
-    Value::float(x, 3)
 }
 
 fn num_cpus() -> usize {
