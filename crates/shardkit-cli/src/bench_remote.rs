@@ -111,22 +111,77 @@ fn timed_read(
     ))
 }
 
+/// Wall and CPU time of a run.
+#[derive(Debug, Clone, Copy, Default)]
+struct Took {
+    secs: f64,
+    /// This process's CPU seconds (every thread, user and system; a server's not counted).
+    cpu_s: f64,
+}
+
+impl std::ops::Add for Took {
+    type Output = Took;
+    fn add(self, o: Took) -> Took {
+        Took {
+            secs: self.secs + o.secs,
+            cpu_s: self.cpu_s + o.cpu_s,
+        }
+    }
+}
+
+/// Started before a run; [`Clock::took`] after it.
+struct Clock(Instant, f64);
+
+impl Clock {
+    fn start() -> Clock {
+        Clock(Instant::now(), crate::bench::cpu_seconds())
+    }
+    fn took(&self) -> Took {
+        Took {
+            secs: self.0.elapsed().as_secs_f64(),
+            cpu_s: crate::bench::cpu_seconds() - self.1,
+        }
+    }
+}
+
+/// What a run cost this process's CPUs: seconds per GB of payload, which hold still on a busy
+/// shared machine where the rate does not, and the cores kept busy on average. Against the
+/// thread count, the two tell a loader that waits (fewer cores busy than threads) from one
+/// whose threads get in each other's way (more CPU per byte as threads are added).
+fn cpu_fields(took: Took, payload: u64) -> [(String, Value); 2] {
+    [
+        (
+            "cpu_s_per_gb".into(),
+            num(took.cpu_s / (payload.max(1) as f64 / 1e9)),
+        ),
+        ("cores_busy".into(), num(took.cpu_s / took.secs.max(1e-9))),
+    ]
+}
+
+/// flat-tokens' CPU seconds per million tokens.
+fn cpu_per_m_tokens(took: Took, tokens: u64) -> (String, Value) {
+    (
+        "cpu_s_per_m_tokens".into(),
+        Value::float(took.cpu_s / (tokens.max(1) as f64 / 1e6), 5),
+    )
+}
+
+/// One loader measurement's JSON: rate, ratio to the ceiling, per-batch requests, and CPU.
 #[allow(clippy::too_many_arguments)]
-/// One loader measurement's JSON: rate, ratio to the ceiling, and per-batch requests.
 fn loader_entry(
     what: &str,
     inflight: usize,
     threads: usize,
     payload: u64,
-    secs: f64,
+    took: Took,
     batches: u64,
     gets: u64,
     get_bytes: u64,
     ceiling: f64,
 ) -> Value {
-    let rate = gbps(payload, secs);
+    let rate = gbps(payload, took.secs);
     let per = |x: u64| num(x as f64 / batches.max(1) as f64);
-    Value::Object(vec![
+    let mut fields = vec![
         ("loader".into(), Value::String(what.into())),
         (
             "inflight".into(),
@@ -142,7 +197,9 @@ fn loader_entry(
         ("payload_bytes_per_batch".into(), per(payload)),
         ("gets_per_batch".into(), per(gets)),
         ("get_bytes_per_batch".into(), per(get_bytes)),
-    ])
+    ];
+    fields.extend(cpu_fields(took, payload));
+    Value::Object(fields)
 }
 
 /// A GET ceiling: (GB/s, GETs, bytes), per in-flight count and request size (MiB).
@@ -225,25 +282,25 @@ fn saev_loader(
     shardkit::saev::Loader::new(path, o)
 }
 
-/// A timed epoch: (payload bytes, seconds, batches, GETs, GET bytes).
-type Epoch = (u64, f64, u64, u64, u64);
+/// A timed epoch: (payload bytes, time, batches, GETs, GET bytes).
+type Epoch = (u64, Took, u64, u64, u64);
 
 /// Epoch `epoch` of `loader`, timed.
 fn timed_epoch(loader: &mut shardkit::saev::Loader, epoch: u64) -> Result<Epoch> {
     loader.set_epoch(epoch)?;
     let before = counters();
-    let t0 = Instant::now();
+    let clock = Clock::start();
     let (mut payload, mut batches) = (0u64, 0u64);
     for b in loader.iter()? {
         let b = b?;
         payload += (b.n * b.d_model * 4) as u64;
         batches += 1;
     }
-    let secs = t0.elapsed().as_secs_f64();
+    let took = clock.took();
     let after = counters();
     Ok((
         payload,
-        secs,
+        took,
         batches,
         after.gets - before.gets,
         after.get_bytes - before.get_bytes,
@@ -252,7 +309,7 @@ fn timed_epoch(loader: &mut shardkit::saev::Loader, epoch: u64) -> Result<Epoch>
 
 /// Epochs 1 to [`WARM_EPOCHS`] of `loader`, timed and added up.
 fn warm_epochs(loader: &mut shardkit::saev::Loader) -> Result<Epoch> {
-    let mut t: Epoch = (0, 0.0, 0, 0, 0);
+    let mut t: Epoch = (0, Took::default(), 0, 0, 0);
     for epoch in 1..=WARM_EPOCHS {
         let e = timed_epoch(loader, epoch)?;
         t = (t.0 + e.0, t.1 + e.1, t.2 + e.2, t.3 + e.3, t.4 + e.4);
@@ -288,7 +345,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         for &n in &a.inflight {
             for &t in threads {
                 storage::set_inflight(n);
-                let (payload, secs, batches, gets, get_bytes) =
+                let (payload, took, batches, gets, get_bytes) =
                     timed_epoch(&mut saev_loader(a, &url, layer, order, t)?, 0)?;
                 let one_layer = layer != LayerSel::All;
                 let mut e = loader_entry(
@@ -300,14 +357,14 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                     n,
                     t,
                     payload,
-                    secs,
+                    took,
                     batches,
                     gets,
                     get_bytes,
                     ceiling,
                 );
                 if let (true, Value::Object(m)) = (one_layer, &mut e) {
-                    let rate = gbps(payload, secs);
+                    let rate = gbps(payload, took.secs);
                     m.push((
                         "ratio_to_layer_ceiling".into(),
                         num(rate / layer_ceiling.max(1e-12)),
@@ -356,7 +413,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         let mut on_disk = saev_loader(a, &local, layer, Order::Block, t)?;
         timed_epoch(&mut on_disk, 0)?;
         let warm_local = warm_epochs(&mut on_disk)?;
-        let local_rate = gbps(warm_local.0, warm_local.1);
+        let local_rate = gbps(warm_local.0, warm_local.1.secs);
         std::env::remove_var("SHARDKIT_CACHE_DIR");
         let uncached = timed_epoch(&mut saev_loader(a, &url, layer, Order::Block, t)?, 0)?;
         let dir = a.dir.join(format!("object-cache-{t}"));
@@ -371,7 +428,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         let held = tree_bytes(&dir);
         let _ = std::fs::remove_dir_all(&dir);
         let (cold, warm) = epochs?;
-        for (what, (payload, secs, batches, gets, get_bytes), against) in [
+        for (what, (payload, took, batches, gets, get_bytes), against) in [
             ("no cache", uncached, ceiling),
             ("cold cache", cold, ceiling),
             ("warm cache", warm, local_rate),
@@ -381,7 +438,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 inflight,
                 t,
                 payload,
-                secs,
+                took,
                 batches,
                 gets,
                 get_bytes,
@@ -485,20 +542,20 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             b?;
         }
         let loader = TokenLoader::new(Split::open(&local, "train")?, loader.options().clone())?;
-        let (t0, cpu0) = (Instant::now(), crate::bench::cpu_seconds());
+        let clock = Clock::start();
         let mut tokens = 0u64;
         for b in loader.iter(0) {
             tokens += b?.encoded().len() as u64;
         }
-        let secs = t0.elapsed().as_secs_f64();
-        let cpu = crate::bench::cpu_seconds() - cpu0;
+        let took = clock.took();
         let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
         let mut entry = vec![
             ("threads".into(), Value::int(t as u64)),
-            ("gbps".into(), num(gbps(payload, secs))),
-            ("tokens_per_s".into(), num(tokens as f64 / secs)),
+            ("gbps".into(), num(gbps(payload, took.secs))),
+            ("tokens_per_s".into(), num(tokens as f64 / took.secs)),
+            cpu_per_m_tokens(took, tokens),
         ];
-        entry.extend(cpu_use(cpu, secs, tokens));
+        entry.extend(cpu_fields(took, payload));
         decode.push(Value::Object(entry));
     }
     let mut loaders = Vec::new();
@@ -528,17 +585,16 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 a.steps.min(loader.step_count())
             };
             let before = counters();
-            let (t0, cpu0) = (Instant::now(), crate::bench::cpu_seconds());
+            let clock = Clock::start();
             let mut tokens = 0u64;
             // In memory, the first batch waits for its whole shuffle buffer: that wait, and the
             // bytes fetched, give the buffer's read rate.
             let mut first = None;
             for b in loader.iter(0).take(steps as usize) {
                 tokens += b?.encoded().len() as u64;
-                first.get_or_insert_with(|| (t0.elapsed().as_secs_f64(), counters()));
+                first.get_or_insert_with(|| (clock.took().secs, counters()));
             }
-            let secs = t0.elapsed().as_secs_f64();
-            let cpu = crate::bench::cpu_seconds() - cpu0;
+            let took = clock.took();
             let after = counters();
             // Payload as stored bytes: tokens times the dataset's compressed bytes per token.
             let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
@@ -555,15 +611,15 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 if in_memory { storage::inflight() } else { 0 },
                 loader.options().threads,
                 payload,
-                secs,
+                took,
                 steps,
                 after.gets - before.gets,
                 after.get_bytes - before.get_bytes,
                 ceiling,
             );
             if let Value::Object(m) = &mut e {
-                m.push(("tokens_per_s".into(), num(tokens as f64 / secs)));
-                m.extend(cpu_use(cpu, secs, tokens));
+                m.push(("tokens_per_s".into(), num(tokens as f64 / took.secs)));
+                m.push(cpu_per_m_tokens(took, tokens));
                 if let (true, Some((s, c))) = (in_memory, first) {
                     let fetched = c.get_bytes - before.get_bytes;
                     m.push(("first_batch_s".into(), num(s)));
@@ -585,21 +641,6 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         ("decode_ceiling".into(), Value::Array(decode)),
         ("loaders".into(), Value::Array(loaders)),
     ]))
-}
-
-/// What a flat-tokens run cost this process's CPUs (the server's are not counted): CPU
-/// seconds per million tokens, which stays put on a busy shared machine where the rate does
-/// not, and the cores kept busy on average. Against the thread count, the two tell a decoder
-/// that waits (fewer cores busy than threads) from one whose threads get in each other's way
-/// (more CPU per token as threads are added).
-fn cpu_use(cpu_s: f64, secs: f64, tokens: u64) -> [(String, Value); 2] {
-    [
-        (
-            "cpu_s_per_m_tokens".into(),
-            Value::float(cpu_s / (tokens.max(1) as f64 / 1e6), 5),
-        ),
-        ("cores_busy".into(), num(cpu_s / secs.max(1e-9))),
-    ]
 }
 
 fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
@@ -640,21 +681,21 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             o.threads = t;
             let loader = Loader::new(cache, o)?;
             let before = counters();
-            let t0 = Instant::now();
+            let clock = Clock::start();
             let (mut payload, mut batches) = (0u64, 0u64);
             for b in loader.iter() {
                 let b = b?;
                 payload += b.bytes() as u64;
                 batches += 1;
             }
-            let secs = t0.elapsed().as_secs_f64();
+            let took = clock.took();
             let after = counters();
             loaders.push(loader_entry(
                 "eagle3 shuffled, 2 samples per batch",
                 n,
                 t,
                 payload,
-                secs,
+                took,
                 batches,
                 after.gets - before.gets,
                 after.get_bytes - before.get_bytes,
@@ -707,10 +748,10 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         storage::set_inflight(n);
         for &t in threads {
             let before = counters();
-            let t0 = Instant::now();
+            let clock = Clock::start();
             let c = sdnb::open(&url)?;
             let opened = counters();
-            let open_secs = t0.elapsed().as_secs_f64();
+            let open_secs = clock.took().secs;
             let names: Vec<String> = c.variables().iter().map(|v| v.name.clone()).collect();
             // Thread k reads tensors k, k + t, k + 2t, ...
             let per_thread: Vec<Result<u64>> = std::thread::scope(|scope| {
@@ -736,14 +777,14 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                     .collect()
             });
             let bytes = per_thread.into_iter().sum::<Result<u64>>()?;
-            let secs = t0.elapsed().as_secs_f64();
+            let took = clock.took();
             let after = counters();
             let mut e = loader_entry(
                 "sdnb: open, then every tensor (threads read tensors at once)",
                 n,
                 t,
                 bytes,
-                secs,
+                took,
                 names.len() as u64,
                 after.gets - before.gets,
                 after.get_bytes - before.get_bytes,
@@ -760,21 +801,21 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         }
         // One reader that asks for every tensor at once first (`Container::prefetch`).
         let before = counters();
-        let t0 = Instant::now();
+        let clock = Clock::start();
         let c = sdnb::open(&url)?;
         c.prefetch::<&str>(&[])?;
         let mut bytes = 0u64;
         for v in c.variables() {
             bytes += std::hint::black_box(c.tensor_of(v)?.bytes).len() as u64;
         }
-        let secs = t0.elapsed().as_secs_f64();
+        let took = clock.took();
         let after = counters();
         reads.push(loader_entry(
             "sdnb: open, prefetch every tensor, then read them (one thread)",
             n,
             1,
             bytes,
-            secs,
+            took,
             c.variables().len() as u64,
             after.gets - before.gets,
             after.get_bytes - before.get_bytes,
