@@ -10,7 +10,10 @@
 //! issued and the bytes they returned (the payload's bytes plus what coalescing read across
 //! gaps). flat-tokens also gets a decode ceiling: its in-memory loader over the local copy in
 //! page cache. saev also gets a layer ceiling: exactly the GETs its one-layer loaders issue
-//! (each example's slab of that layer), raw; and a loader reading both layers.
+//! (each example's slab of that layer), raw; and a loader reading both layers. Each loader
+//! entry also gives this process's CPU seconds per GB (per million tokens for flat-tokens)
+//! and the cores it kept busy: on a shared machine the CPU cost holds still where rates move,
+//! and against the thread count it shows whether added threads wait or get in each other's way.
 //!
 //! `saev-cache` reads the saev dataset through the local cache (`SHARDKIT_CACHE_DIR`): an
 //! epoch without it and a cold one against the GET ceiling, warm ones against the same loader

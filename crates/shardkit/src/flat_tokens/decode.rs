@@ -18,7 +18,7 @@ pub struct Decoded {
 }
 
 /// Writes the model inputs of one row of encoded tokens, `enc`, into slices of its length:
-/// the one decoding loop behind [`decode`] and the token loaders' batches. Each output is its
+/// the one decoding routine behind [`decode`] and the token loaders' batches. Each output is its
 /// own pass with no state carried from one token to the next, except the running count of
 /// segments: those passes vectorize (a fused loop carrying the previous target did not).
 pub(crate) fn decode_into(
