@@ -71,6 +71,9 @@ pub enum BenchCmd {
     /// SameDiff containers: SDNB and SDZ writers against the sequential-write ceiling, and
     /// cold open-and-list of a large container, in the same run.
     Sdnb(crate::bench_sdnb::SdnbBenchArgs),
+    /// A TCP relay that makes a loopback S3 server answer like a far store (a latency on every
+    /// response, a pace per connection); `bench remote --link-latency-ms` starts one itself.
+    Link(crate::bench_link::LinkArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
@@ -110,6 +113,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Remote(args) => crate::bench_remote::run(args),
         BenchCmd::Eagle3(args) => crate::bench_eagle3::run(args),
         BenchCmd::Sdnb(args) => crate::bench_sdnb::run(args),
+        BenchCmd::Link(args) => crate::bench_link::run(args),
     }
 }
 

@@ -24,6 +24,11 @@
 //! (`shardkit upload`: the same PUTs without the writing). Streaming overlaps the two, so the
 //! ideal is the slower of them. Then `shardkit download` of the streamed dataset against the
 //! GET ceiling of its objects.
+//!
+//! `--link-latency-ms` / `--link-conn-mbps` put a relay ([`crate::bench_link`]) between the
+//! client and a loopback server, so that every response waits a round trip and each connection
+//! streams at a bounded rate, as from a far store: the loaders are then measured where the
+//! store, not the CPU they share with the server, sets the ceiling.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -31,7 +36,7 @@ use std::time::Instant;
 use clap::Args;
 use shardkit::json::{self, Escape, Value};
 use shardkit::storage::{self, counters, Remote};
-use shardkit::Result;
+use shardkit::{Error, Result};
 
 use crate::bench::{num, thread_counts};
 
@@ -64,6 +69,14 @@ pub struct RemoteBenchArgs {
     /// blocks is a quarter of it, so a smaller budget means more, smaller windows per epoch.
     #[arg(long)]
     memory_budget_mib: Option<u64>,
+    /// Reach the server through a relay (`bench link`, started here) that delays every response
+    /// by this many milliseconds, as a far store does; the ceilings go through it too.
+    #[arg(long)]
+    link_latency_ms: Option<f64>,
+    /// With the relay, pace each connection's responses to this many MB/s (a far store's rate
+    /// per connection).
+    #[arg(long)]
+    link_conn_mbps: Option<f64>,
 }
 
 impl RemoteBenchArgs {
@@ -974,6 +987,11 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
 }
 
 pub fn run(a: RemoteBenchArgs) -> Result<()> {
+    // Started before anything reads the endpoint; stopped when the run ends.
+    let link = match (a.link_latency_ms, a.link_conn_mbps) {
+        (None, None) => None,
+        (latency, rate) => Some(Link::start(latency.unwrap_or(0.0), rate.unwrap_or(0.0))?),
+    };
     let threads = if a.threads.is_empty() {
         thread_counts()
     } else {
@@ -995,6 +1013,16 @@ pub fn run(a: RemoteBenchArgs) -> Result<()> {
             Value::int(std::thread::available_parallelism().map_or(1, |n| n.get()) as u64),
         ),
     ];
+    if let Some(l) = &link {
+        out.push((
+            "link".into(),
+            Value::Object(vec![
+                ("upstream".into(), Value::String(l.upstream.clone())),
+                ("latency_ms".into(), num(l.latency_ms)),
+                ("conn_mbps".into(), num(l.conn_mbps)),
+            ]),
+        ));
+    }
     if want("saev") {
         out.push(("saev".into(), saev(&a, &threads)?));
     }
@@ -1019,4 +1047,71 @@ pub fn run(a: RemoteBenchArgs) -> Result<()> {
     storage::set_inflight(0);
     println!("{}", json::to_pretty(&Value::Object(out), 2, Escape::Utf8));
     Ok(())
+}
+
+/// A `bench link` relay in front of the endpoint, run as a child process (so that its CPU is
+/// not counted as the loaders'); the process's endpoint points at it while it lives.
+struct Link {
+    child: std::process::Child,
+    upstream: String,
+    latency_ms: f64,
+    conn_mbps: f64,
+}
+
+impl Link {
+    fn start(latency_ms: f64, conn_mbps: f64) -> Result<Link> {
+        use std::io::BufRead;
+        let endpoint = ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"]
+            .iter()
+            .find_map(|k| std::env::var(k).ok())
+            .unwrap_or_default();
+        let upstream = endpoint
+            .strip_prefix("http://")
+            .map(|h| h.trim_end_matches('/'))
+            .filter(|h| !h.is_empty() && !h.contains('/'))
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "--link-latency-ms/--link-conn-mbps relay to a plain-HTTP server named by \
+                     AWS_ENDPOINT_URL (http://host:port), which is {endpoint:?}"
+                ))
+            })?
+            .to_string();
+        let exe = std::env::current_exe().map_err(|e| Error::io("the shardkit binary", e))?;
+        let mut child = std::process::Command::new(&exe)
+            .args(["bench", "link", "--upstream", &upstream])
+            .args(["--latency-ms", &latency_ms.to_string()])
+            .args(["--conn-mbps", &conn_mbps.to_string()])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| Error::io(&exe, e))?;
+        let mut line = String::new();
+        let read = child
+            .stdout
+            .take()
+            .map(|o| std::io::BufReader::new(o).read_line(&mut line));
+        let at = line.trim().to_string();
+        if !matches!(read, Some(Ok(n)) if n > 0) || at.is_empty() {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(Error::Invalid(format!(
+                "the relay (`{} bench link`) did not start",
+                exe.display()
+            )));
+        }
+        std::env::remove_var("AWS_ENDPOINT_URL_S3");
+        std::env::set_var("AWS_ENDPOINT_URL", format!("http://{at}"));
+        Ok(Link {
+            child,
+            upstream,
+            latency_ms,
+            conn_mbps,
+        })
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

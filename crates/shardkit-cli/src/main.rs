@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod bench_corpus;
 mod bench_eagle3;
+mod bench_link;
 mod bench_remote;
 mod bench_sdnb;
 mod bench_tokens;
