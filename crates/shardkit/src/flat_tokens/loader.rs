@@ -205,17 +205,28 @@ fn group_tokens() -> u64 {
         .unwrap_or(GROUP_TOKENS)
 }
 
-/// Groups of a buffer fetched at once: from a store, enough to keep `inflight` requests of
-/// the request size outstanding (2 to 16); locally 4 (reads of local files are quick, and a
-/// cold disk gains from a few in flight).
-fn fetch_lanes(path: &std::path::Path) -> usize {
+/// Most groups of a buffer fetched at once.
+const MAX_LANES: u64 = 16;
+
+/// How a buffer of `tokens` tokens is fetched: (tokens per group, groups fetched at once).
+/// Locally, groups of [`group_tokens`], 4 at once (reads of local files are quick, and a cold
+/// disk gains from a few in flight). From a store, enough groups at once to keep `inflight`
+/// requests of the request size outstanding (2 to 16); and a buffer too small to give every
+/// lane a full group is cut into smaller ones (down to a decode piece, 1 Mi tokens), so that
+/// a small buffer (a minipoch of a small R) still keeps the store's slots busy rather than
+/// fetching two groups' few requests at a time.
+fn fetch_plan(path: &std::path::Path, tokens: u64) -> (u64, usize) {
+    let full = group_tokens();
     if !crate::storage::is_remote(path) {
-        return 4;
+        return (full, 4);
     }
+    let group = tokens
+        .div_ceil(MAX_LANES)
+        .clamp(crate::flat_tokens::split::DECODE_PIECE.min(full), full);
     // About 2 stored bytes per token (zstd over typical token ids).
-    let group_bytes = 2 * group_tokens();
     let want = crate::storage::inflight() as u64 * crate::storage::max_request();
-    want.div_ceil(group_bytes).clamp(2, 16) as usize
+    let lanes = want.div_ceil(2 * group).clamp(2, MAX_LANES);
+    (group, lanes as usize)
 }
 
 /// Groups of a shuffle buffer being decoded, at most a given number at once
@@ -644,9 +655,8 @@ impl TokenLoader {
     }
 
     /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
-    /// pieces of at most [`group_tokens`], fetched in groups of about as many tokens
-    /// ([`fetch_lanes`] groups at once) and decoded in parallel as they arrive, several groups
-    /// at once. Once `stop` is set, no further group is fetched, and from a store the requests
+    /// pieces of at most a group's tokens, fetched in groups ([`fetch_plan`]: their size, and
+    /// how many at once) and decoded in parallel as they arrive, several groups at once. Once `stop` is set, no further group is fetched, and from a store the requests
     /// of the groups being fetched are cut.
     fn read_buffer(
         &self,
@@ -695,7 +705,8 @@ impl TokenLoader {
             }
         }
         // Contiguous spans of tokens, cut between sequences to stay within a piece.
-        let group = group_tokens();
+        let total: u64 = seqs.iter().map(|(_, r)| r.end - r.start).sum();
+        let (group, lanes) = fetch_plan(split.path(), total);
         let mut spans: Vec<Range<u64>> = Vec::new();
         let mut rows = std::collections::HashMap::with_capacity(seqs.len());
         for (seq, r) in seqs {
@@ -730,7 +741,7 @@ impl TokenLoader {
             crate::engine::fault::before_read(split.path())?;
             split.fetch_encoded(g, Some(stop))
         };
-        let lanes = fetch_lanes(split.path()).min(groups.len()).max(1);
+        let lanes = lanes.min(groups.len()).max(1);
         let mut pieces: Vec<Vec<u32>> = vec![Vec::new(); n_spans];
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|scope| -> Result<()> {
@@ -756,10 +767,17 @@ impl TokenLoader {
                 .collect();
             drop(tx);
             // Several groups decode at once, each on its own task of the pool: one group's
-            // pieces alone would leave threads idle behind its slowest piece (a group is
+            // pieces alone would leave threads idle behind its slowest piece (a full group is
             // GROUP_TOKENS / split::DECODE_PIECE = 16 pieces, fewer than the cores of a big
-            // machine). At most `decoding` groups at once bounds the fetched bytes held.
-            let decoding = pool.current_num_threads().div_ceil(16) + 1;
+            // machine; a small buffer's groups hold fewer). At most `decoding` groups at once
+            // bounds the fetched bytes held.
+            let pieces_per_group = group
+                .div_ceil(crate::flat_tokens::split::DECODE_PIECE)
+                .max(1);
+            let decoding = pool
+                .current_num_threads()
+                .div_ceil(pieces_per_group as usize)
+                + 1;
             let busy = DecodeSlots::default();
             let decoded = std::sync::Mutex::new(Vec::with_capacity(groups.len()));
             let failed = std::sync::atomic::AtomicBool::new(false);

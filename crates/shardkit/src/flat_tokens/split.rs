@@ -573,7 +573,7 @@ fn big_zeroed<T: bytemuck::Pod>(n: usize) -> Vec<T> {
 /// Chunks (or shards) fetched at once by [`Column::fetch`].
 const FETCH_LANES: usize = 16;
 /// Elements decoded by one task of [`Column::decode`].
-const DECODE_PIECE: u64 = 1 << 20;
+pub(crate) const DECODE_PIECE: u64 = 1 << 20;
 
 /// A subset of a 1-D array.
 fn subset_of(r: &Range<u64>) -> ArraySubset {
