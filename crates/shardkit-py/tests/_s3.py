@@ -35,6 +35,23 @@ INTERNAL = (
 )
 
 
+def range_bytes(header: str) -> int:
+    """The bytes a ``Range: bytes=a-b`` header asks for (0 for any other form)."""
+    try:
+        first, last = header.split("=", 1)[1].split("-", 1)
+        return int(last) - int(first) + 1
+    except (IndexError, ValueError):
+        return 0
+
+
+def most_slot_quarters(log: List[Tuple[str, str, List[float]]], request_bytes: int) -> int:
+    """The most request-slot quarters the GETs of ``log`` (a part of ``get_log``) held at once,
+    as shardkit counts them: a GET's size over the full request size, rounded up, from one
+    quarter to four."""
+    spans = [(t[0], t[1], min(4, max(1, -(-range_bytes(r) * 4 // request_bytes)))) for _, r, t in log]
+    return max((sum(q for a, b, q in spans if a <= t0 < b) for t0, _, _ in spans), default=0)
+
+
 class FaultProxy:
     """Forwards to ``upstream`` (host, port); ``arm(kind, count)`` faults the next ranged GETs
     (``arm(kind, count, on="PUT")``: the next PUTs, whole objects and multipart parts)."""
@@ -51,6 +68,10 @@ class FaultProxy:
         # that requests overlap when the client lets them).
         self.active_gets = 0
         self.max_active_gets = 0
+        # The bytes those GETs asked for, now and the most at once (a request slot holds a
+        # full-size GET or several smaller ones: the bytes are what the slots bound).
+        self.active_bytes = 0
+        self.max_active_bytes = 0
         self.get_delay_s = 0.0
         # The ranged GETs, in the order they arrived: (path, Range header, [arrived, answered]
         # monotonic times). Take `len(get_log)` as a mark and read what follows it.
@@ -97,8 +118,11 @@ class FaultProxy:
                     with proxy.lock:
                         self.times = [time.monotonic(), float("inf")]
                         proxy.get_log.append((self.path, self.headers["Range"], self.times))
+                        self.asked = range_bytes(self.headers["Range"])
                         proxy.active_gets += 1
                         proxy.max_active_gets = max(proxy.max_active_gets, proxy.active_gets)
+                        proxy.active_bytes += self.asked
+                        proxy.max_active_bytes = max(proxy.max_active_bytes, proxy.active_bytes)
                 try:
                     if self.counted and proxy.get_delay_s:
                         time.sleep(proxy.get_delay_s)
@@ -113,6 +137,7 @@ class FaultProxy:
                     self.counted = False
                     with proxy.lock:
                         proxy.active_gets -= 1
+                        proxy.active_bytes -= self.asked
                         self.times[1] = time.monotonic()
 
             def _answer(self, fault: Optional[str], body: bytes) -> None:

@@ -13,9 +13,10 @@
 //! buckets unsigned. Signing, retries and multipart uploads are the `object_store` crate's.
 //!
 //! Reads are ranged GETs: the ranges a batch needs are sorted, ranges of one object less than
-//! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and up to
-//! [`inflight`] requests (shared by the process's reads, which take the slots in turn, first
-//! come first served) run at once on one small tokio runtime; each response is copied into its
+//! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and
+//! [`inflight`] request slots (shared by the process's reads, which take them in turn, first
+//! come first served; a small request takes a share of a slot) bound the requests running at
+//! once on one small tokio runtime; each response is copied into its
 //! place in the caller's buffer. Throttling (503 SlowDown), server errors, dropped connections
 //! (also mid-body) and timeouts are retried with exponential backoff, at most
 //! `SHARDKIT_S3_RETRIES` times (default 10) and for at most `SHARDKIT_S3_RETRY_TIMEOUT` seconds
@@ -87,9 +88,10 @@ pub fn set_max_request_mib(mib: u64) {
     MAX_REQUEST.store(bytes, Ordering::Relaxed);
 }
 
-/// Requests in flight in this process (`SHARDKIT_S3_INFLIGHT`, default 4 per core, at least
-/// 16 and at most 128), shared by every read running at once. Memory held by responses is at
-/// most `inflight · max_request`.
+/// Request slots of this process (`SHARDKIT_S3_INFLIGHT`, default 4 per core, at least 16 and
+/// at most 128), shared by every read running at once: a GET of the full [`max_request`] size
+/// takes a slot, a smaller one a share in proportion to its size, down to a quarter (see
+/// [`slot_quarters`]). Memory held by responses is at most `inflight · max_request`.
 pub fn inflight() -> usize {
     let set = INFLIGHT.load(Ordering::Relaxed);
     if set > 0 {
@@ -103,7 +105,18 @@ pub fn inflight() -> usize {
 
 static INFLIGHT: AtomicU64 = AtomicU64::new(0);
 
-/// The process's [`inflight`] request slots, shared by every read, and the turn to take them.
+/// A GET of `len` bytes takes this many quarters of a request slot: its size over the full
+/// request size, rounded up, at least one quarter. A far store's throughput is the bytes kept
+/// outstanding (each request waits a round trip, then streams at a connection's rate), so a
+/// loader whose layout gives small requests (one layer's 1 MiB slabs of a saev shard) keeps
+/// as many bytes in flight as one reading whole shards, with up to four times as many
+/// requests; memory held stays within `inflight · max_request` either way.
+fn slot_quarters(len: u64, max_request: u64) -> u32 {
+    (len.saturating_mul(4).div_ceil(max_request.max(1))).clamp(1, 4) as u32
+}
+
+/// The process's [`inflight`] request slots (counted in quarters, [`slot_quarters`]), shared
+/// by every read, and the turn to take them.
 /// Reads take the turn first come first served, and a read keeps it until each of its requests
 /// has a slot: a read started while another is still fetching (a loader's next window) queues
 /// behind all of the first read's requests, then takes each slot they leave. So the store stays
@@ -124,7 +137,7 @@ fn request_slots() -> RequestSlots {
         Some((p, m, s)) if *p == pid && *m == n => s.clone(),
         _ => {
             let s = RequestSlots {
-                slots: Arc::new(tokio::sync::Semaphore::new(n)),
+                slots: Arc::new(tokio::sync::Semaphore::new(n.saturating_mul(4))),
                 turn: Arc::new(tokio::sync::Mutex::new(())),
             };
             *slots = Some((pid, n, s.clone()));
@@ -768,7 +781,8 @@ impl Remote {
     ) -> Result<()> {
         use futures::future::{select, Either};
         use futures::FutureExt;
-        let requests = coalesce(ranges, COALESCE_GAP, max_request());
+        let max = max_request();
+        let requests = coalesce(ranges, COALESCE_GAP, max);
         let RequestSlots { slots, turn } = request_slots();
         let closed = |_| Error::Internal("internal: the request limiter was closed".into());
         let copy = |(req, bytes): (Request, bytes::Bytes), buf: &mut [u8]| {
@@ -783,8 +797,9 @@ impl Remote {
         let my_turn = turn.lock().await;
         for req in requests {
             // A slot frees when a request ends, this read's (driven here) or another's.
+            let quarters = slot_quarters(req.end - req.start, max);
             let slot = loop {
-                let free = slots.clone().acquire_owned();
+                let free = slots.clone().acquire_many_owned(quarters);
                 futures::pin_mut!(free);
                 if running.is_empty() {
                     break free.await.map_err(closed)?;
@@ -1858,6 +1873,20 @@ fn windows_of(objects: &[(String, u64)], window: u64) -> Vec<Vec<ReadRange>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_request_takes_a_share_of_a_slot_by_its_size_down_to_a_quarter() {
+        let max = 8 << 20;
+        assert_eq!(slot_quarters(max, max), 4);
+        assert_eq!(slot_quarters(6 << 20, max), 3);
+        assert_eq!(slot_quarters((2 << 20) + 1, max), 2);
+        assert_eq!(slot_quarters(2 << 20, max), 1);
+        assert_eq!(slot_quarters(1 << 20, max), 1);
+        assert_eq!(slot_quarters(0, max), 1);
+        // Never more than a slot, never a zero-sized request size.
+        assert_eq!(slot_quarters(u64::MAX, max), 4);
+        assert_eq!(slot_quarters(1, 0), 4);
+    }
 
     #[test]
     fn a_read_stop_holds_on_its_thread_for_its_call_and_cuts_a_blocked_read() {
