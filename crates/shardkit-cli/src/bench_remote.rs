@@ -103,7 +103,7 @@ fn get_ceiling(remote: &Remote, inflight: usize) -> Result<(f64, u64, u64)> {
     timed_read(remote, &names, &ranges, dst, inflight)
 }
 
-/// Reads `ranges` of `names` (`total` bytes) with `inflight` requests in flight, timed: the
+/// Reads `ranges` of `names` (`total` bytes) with `inflight` request slots, timed: the
 /// rate in GB/s, and the GETs and bytes the store served.
 fn timed_read(
     remote: &Remote,

@@ -146,7 +146,7 @@ fn request_slots() -> RequestSlots {
     }
 }
 
-/// Sets the requests in flight for this process (0: back to the default), e.g. for a
+/// Sets the request slots of this process ([`inflight`]; 0: back to the default), e.g. for a
 /// benchmark's sweep; `SHARDKIT_S3_INFLIGHT` sets it from outside.
 pub fn set_inflight(n: usize) {
     INFLIGHT.store(n as u64, Ordering::Relaxed);
