@@ -656,8 +656,9 @@ impl TokenLoader {
 
     /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
     /// pieces of at most a group's tokens, fetched in groups ([`fetch_plan`]: their size, and
-    /// how many at once) and decoded in parallel as they arrive, several groups at once. Once `stop` is set, no further group is fetched, and from a store the requests
-    /// of the groups being fetched are cut.
+    /// how many at once) and decoded in parallel as they arrive, several groups at once. Once
+    /// `stop` is set, no further group is fetched, and from a store the requests of the groups
+    /// being fetched are cut.
     fn read_buffer(
         &self,
         schedule: &Schedule,
@@ -1067,5 +1068,31 @@ impl Iterator for Batches {
     type Item = Result<TokenBatch>;
     fn next(&mut self) -> Option<Result<TokenBatch>> {
         self.stream.next()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_buffer_from_a_store_is_cut_into_a_group_per_lane() {
+        let store = std::path::Path::new("s3://bucket/tokens/train");
+        crate::storage::set_inflight(16);
+        crate::storage::set_max_request_mib(8);
+        let (mi, full) = (1u64 << 20, GROUP_TOKENS);
+        // A buffer of seqax's size: full groups, as many at once as keep 16 slots of 8 MiB
+        // busy at about 2 stored bytes per token.
+        assert_eq!(fetch_plan(store, 1 << 30), (full, 4));
+        // 25 M tokens (a 54 MB minipoch): sixteen groups, all fetched at once.
+        let (group, lanes) = fetch_plan(store, 25_000_000);
+        assert_eq!((group, lanes), (25_000_000u64.div_ceil(16), 16));
+        // Never below a decode piece, nor above a full group.
+        assert_eq!(fetch_plan(store, 100), (mi, 16));
+        assert_eq!(fetch_plan(store, 17 * full), (full, 4));
+        // Locally the buffer's size changes nothing.
+        let local = std::path::Path::new("/data/tokens/train");
+        assert_eq!(fetch_plan(local, 25_000_000), (full, 4));
+        assert_eq!(fetch_plan(local, 1 << 30), (full, 4));
     }
 }
