@@ -210,8 +210,8 @@ const MAX_LANES: u64 = 16;
 
 /// How a buffer of `tokens` tokens is fetched: (tokens per group, groups fetched at once).
 /// Locally, groups of [`group_tokens`], 4 at once (reads of local files are quick, and a cold
-/// disk gains from a few in flight). From a store, enough groups at once to keep `inflight`
-/// requests of the request size outstanding (2 to 16); and a buffer too small to give every
+/// disk gains from a few in flight). From a store, enough groups at once to ask for twice
+/// `inflight` requests of the request size (2 to 16 groups); and a buffer too small to give every
 /// lane a full group is cut into smaller ones (down to a decode piece, 1 Mi tokens), so that
 /// a small buffer (a minipoch of a small R) still keeps the store's slots busy rather than
 /// fetching two groups' few requests at a time.
@@ -223,8 +223,11 @@ fn fetch_plan(path: &std::path::Path, tokens: u64) -> (u64, usize) {
     let group = tokens
         .div_ceil(MAX_LANES)
         .clamp(crate::flat_tokens::split::DECODE_PIECE.min(full), full);
-    // About 2 stored bytes per token (zstd over typical token ids).
-    let want = crate::storage::inflight() as u64 * crate::storage::max_request();
+    // About 2 stored bytes per token (zstd over typical token ids), and twice the slots' bytes
+    // asked for: a lane waits a round trip whenever its group enters a shard whose index is
+    // not yet held, and at its group's last request; the other lanes' requests, queued behind,
+    // keep the slots busy meanwhile.
+    let want = 2 * crate::storage::inflight() as u64 * crate::storage::max_request();
     let lanes = want.div_ceil(2 * group).clamp(2, MAX_LANES);
     (group, lanes as usize)
 }
@@ -1081,15 +1084,15 @@ mod tests {
         crate::storage::set_inflight(16);
         crate::storage::set_max_request_mib(8);
         let (mi, full) = (1u64 << 20, GROUP_TOKENS);
-        // A buffer of seqax's size: full groups, as many at once as keep 16 slots of 8 MiB
-        // busy at about 2 stored bytes per token.
-        assert_eq!(fetch_plan(store, 1 << 30), (full, 4));
+        // A buffer of seqax's size: full groups, as many at once as ask for twice 16 slots of
+        // 8 MiB at about 2 stored bytes per token.
+        assert_eq!(fetch_plan(store, 1 << 30), (full, 8));
         // 25 M tokens (a 54 MB minipoch): sixteen groups, all fetched at once.
         let (group, lanes) = fetch_plan(store, 25_000_000);
         assert_eq!((group, lanes), (25_000_000u64.div_ceil(16), 16));
         // Never below a decode piece, nor above a full group.
         assert_eq!(fetch_plan(store, 100), (mi, 16));
-        assert_eq!(fetch_plan(store, 17 * full), (full, 4));
+        assert_eq!(fetch_plan(store, 17 * full), (full, 8));
         // Locally the buffer's size changes nothing.
         let local = std::path::Path::new("/data/tokens/train");
         assert_eq!(fetch_plan(local, 25_000_000), (full, 4));
