@@ -216,8 +216,14 @@ const MAX_LANES: u64 = 16;
 /// a small buffer (a minipoch of a small R) still keeps the store's slots busy rather than
 /// fetching two groups' few requests at a time.
 fn fetch_plan(path: &std::path::Path, tokens: u64) -> (u64, usize) {
-    let full = group_tokens();
-    if !crate::storage::is_remote(path) {
+    let slot_bytes = crate::storage::inflight() as u64 * crate::storage::max_request();
+    let remote = crate::storage::is_remote(path);
+    plan_groups(remote, tokens, group_tokens(), slot_bytes)
+}
+
+/// [`fetch_plan`] for groups of at most `full` tokens and request slots of `slot_bytes` in all.
+fn plan_groups(remote: bool, tokens: u64, full: u64, slot_bytes: u64) -> (u64, usize) {
+    if !remote {
         return (full, 4);
     }
     let group = tokens
@@ -227,8 +233,7 @@ fn fetch_plan(path: &std::path::Path, tokens: u64) -> (u64, usize) {
     // asked for: a lane waits a round trip whenever its group enters a shard whose index is
     // not yet held, and at its group's last request; the other lanes' requests, queued behind,
     // keep the slots busy meanwhile.
-    let want = 2 * crate::storage::inflight() as u64 * crate::storage::max_request();
-    let lanes = want.div_ceil(2 * group).clamp(2, MAX_LANES);
+    let lanes = (2 * slot_bytes).div_ceil(2 * group).clamp(2, MAX_LANES);
     (group, lanes as usize)
 }
 
@@ -1080,22 +1085,22 @@ mod tests {
 
     #[test]
     fn a_small_buffer_from_a_store_is_cut_into_a_group_per_lane() {
-        let store = std::path::Path::new("s3://bucket/tokens/train");
-        crate::storage::set_inflight(16);
-        crate::storage::set_max_request_mib(8);
-        let (mi, full) = (1u64 << 20, GROUP_TOKENS);
-        // A buffer of seqax's size: full groups, as many at once as ask for twice 16 slots of
-        // 8 MiB at about 2 stored bytes per token.
-        assert_eq!(fetch_plan(store, 1 << 30), (full, 8));
+        // 16 request slots of 8 MiB.
+        let (mi, full, slots) = (1u64 << 20, GROUP_TOKENS, 16u64 << 23);
+        let store = |tokens| plan_groups(true, tokens, full, slots);
+        // A buffer of seqax's size: full groups, as many at once as ask for twice the slots'
+        // bytes at about 2 stored bytes per token.
+        assert_eq!(store(1 << 30), (full, 8));
         // 25 M tokens (a 54 MB minipoch): sixteen groups, all fetched at once.
-        let (group, lanes) = fetch_plan(store, 25_000_000);
-        assert_eq!((group, lanes), (25_000_000u64.div_ceil(16), 16));
+        assert_eq!(store(25_000_000), (25_000_000u64.div_ceil(16), 16));
         // Never below a decode piece, nor above a full group.
-        assert_eq!(fetch_plan(store, 100), (mi, 16));
-        assert_eq!(fetch_plan(store, 17 * full), (full, 8));
+        assert_eq!(store(100), (mi, 16));
+        assert_eq!(store(17 * full), (full, 8));
         // Locally the buffer's size changes nothing.
+        assert_eq!(plan_groups(false, 25_000_000, full, slots), (full, 4));
+        assert_eq!(plan_groups(false, 1 << 30, full, slots), (full, 4));
+        // The path decides which.
         let local = std::path::Path::new("/data/tokens/train");
-        assert_eq!(fetch_plan(local, 25_000_000), (full, 4));
-        assert_eq!(fetch_plan(local, 1 << 30), (full, 4));
+        assert_eq!(fetch_plan(local, 25_000_000), (group_tokens(), 4));
     }
 }
