@@ -61,17 +61,22 @@ pub fn run(a: LinkArgs) -> Result<()> {
     std::io::stdout()
         .flush()
         .map_err(|e| Error::Invalid(format!("standard output: {e}")))?;
-    let latency = Duration::from_secs_f64(a.latency_ms / 1e3);
-    let rate = (a.conn_mbps > 0.0).then_some(a.conn_mbps * 1e6);
+    serve(listener, &a.upstream, a.latency_ms, a.conn_mbps);
+    Ok(())
+}
+
+/// Relays every connection `listener` accepts to `upstream`, each on threads of its own.
+fn serve(listener: TcpListener, upstream: &str, latency_ms: f64, conn_mbps: f64) {
+    let latency = Duration::from_secs_f64(latency_ms / 1e3);
+    let rate = (conn_mbps > 0.0).then_some(conn_mbps * 1e6);
     for client in listener.incoming() {
         let Ok(client) = client else { continue };
-        let upstream = a.upstream.clone();
+        let upstream = upstream.to_string();
         // A connection that fails (the server gone, the client reset) ends alone.
         let _ = std::thread::Builder::new()
             .name("link".into())
             .spawn(move || relay(client, &upstream, latency, rate));
     }
-    Ok(())
 }
 
 /// One connection: requests straight through, responses delayed and paced.
@@ -163,14 +168,7 @@ mod tests {
     fn relay_to(upstream: String, latency_ms: f64, conn_mbps: f64) -> String {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let at = l.local_addr().unwrap().to_string();
-        std::thread::spawn(move || {
-            for c in l.incoming() {
-                let up = upstream.clone();
-                let rate = (conn_mbps > 0.0).then_some(conn_mbps * 1e6);
-                let lat = Duration::from_secs_f64(latency_ms / 1e3);
-                std::thread::spawn(move || relay(c.unwrap(), &up, lat, rate));
-            }
-        });
+        std::thread::spawn(move || serve(l, &upstream, latency_ms, conn_mbps));
         at
     }
 

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 
 def free_port() -> int:
@@ -44,12 +44,17 @@ def range_bytes(header: str) -> int:
         return 0
 
 
-def most_slot_quarters(log: List[Tuple[str, str, List[float]]], request_bytes: int) -> int:
-    """The most request-slot quarters the GETs of ``log`` (a part of ``get_log``) held at once,
-    as shardkit counts them: a GET's size over the full request size, rounded up, from one
-    quarter to four."""
-    spans = [(t[0], t[1], min(4, max(1, -(-range_bytes(r) * 4 // request_bytes)))) for _, r, t in log]
-    return max((sum(q for a, b, q in spans if a <= t0 < b) for t0, _, _ in spans), default=0)
+def most_at_once(log: List[Tuple[str, str, List[float]]], weight: Callable[[int], int]) -> int:
+    """The most that the GETs of ``log`` (a part of ``get_log``) held at once, each GET
+    weighing ``weight(bytes it asked for)``."""
+    spans = [(t[0], t[1], weight(range_bytes(r))) for _, r, t in log]
+    return max((sum(w for a, b, w in spans if a <= t0 < b) for t0, _, _ in spans), default=0)
+
+
+def slot_quarters(request_bytes: int) -> Callable[[int], int]:
+    """A GET's weight in request-slot quarters, as shardkit counts them: its size over the full
+    request size, rounded up, from one quarter to four."""
+    return lambda n: min(4, max(1, -(-n * 4 // request_bytes)))
 
 
 class FaultProxy:
@@ -67,11 +72,6 @@ class FaultProxy:
         # Ranged GETs being answered now, the most at once, and a delay added to each (so
         # that requests overlap when the client lets them).
         self.active_gets = 0
-        self.max_active_gets = 0
-        # The bytes those GETs asked for, now and the most at once (a request slot holds a
-        # full-size GET or several smaller ones: the bytes are what the slots bound).
-        self.active_bytes = 0
-        self.max_active_bytes = 0
         self.get_delay_s = 0.0
         # The ranged GETs, in the order they arrived: (path, Range header, [arrived, answered]
         # monotonic times). Take `len(get_log)` as a mark and read what follows it.
@@ -118,11 +118,7 @@ class FaultProxy:
                     with proxy.lock:
                         self.times = [time.monotonic(), float("inf")]
                         proxy.get_log.append((self.path, self.headers["Range"], self.times))
-                        self.asked = range_bytes(self.headers["Range"])
                         proxy.active_gets += 1
-                        proxy.max_active_gets = max(proxy.max_active_gets, proxy.active_gets)
-                        proxy.active_bytes += self.asked
-                        proxy.max_active_bytes = max(proxy.max_active_bytes, proxy.active_bytes)
                 try:
                     if self.counted and proxy.get_delay_s:
                         time.sleep(proxy.get_delay_s)
@@ -137,7 +133,6 @@ class FaultProxy:
                     self.counted = False
                     with proxy.lock:
                         proxy.active_gets -= 1
-                        proxy.active_bytes -= self.asked
                         self.times[1] = time.monotonic()
 
             def _answer(self, fault: Optional[str], body: bytes) -> None:

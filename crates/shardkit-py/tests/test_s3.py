@@ -26,7 +26,7 @@ import pytest
 import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
 
-from _s3 import S3, environment, free_port, most_slot_quarters
+from _s3 import S3, environment, free_port, most_at_once, slot_quarters
 
 HERE = Path(__file__).resolve().parent
 
@@ -983,11 +983,13 @@ def test_reads_in_flight_together_share_the_request_limit(tmp_path: Path, s3: S3
                 # once than there are slots (all the epoch has), never more than they allow.
                 for read, most in ((lambda: same_batches(batches(make(url)), want), range(4 * limit, 4 * limit + 1)),
                                    (lambda: same_batches(batches(e3(e3_url)), want_e3), range(limit + 1, 4 * limit + 1))):
-                    mark, s3.proxy.max_active_bytes = len(s3.proxy.get_log), 0
+                    mark = len(s3.proxy.get_log)
                     read()
-                    held = most_slot_quarters(s3.proxy.get_log[mark:], 1 << 20)
+                    log = s3.proxy.get_log[mark:]
+                    held = most_at_once(log, slot_quarters(1 << 20))
                     assert held in most, (limit, held)
-                    assert s3.proxy.max_active_bytes <= limit << 20, (limit, s3.proxy.max_active_bytes)
+                    asked = most_at_once(log, lambda n: n)
+                    assert asked <= limit << 20, (limit, asked)
     finally:
         s3.proxy.get_delay_s = 0.0
 

@@ -112,8 +112,12 @@ static INFLIGHT: AtomicU64 = AtomicU64::new(0);
 /// as many bytes in flight as one reading whole shards, with up to four times as many
 /// requests; memory held stays within `inflight · max_request` either way.
 fn slot_quarters(len: u64, max_request: u64) -> u32 {
-    (len.saturating_mul(4).div_ceil(max_request.max(1))).clamp(1, 4) as u32
+    let q = QUARTERS_PER_SLOT as u64;
+    (len.saturating_mul(q).div_ceil(max_request.max(1))).clamp(1, q) as u32
 }
+
+/// The parts a request slot is counted in ([`slot_quarters`]).
+const QUARTERS_PER_SLOT: u32 = 4;
 
 /// The process's [`inflight`] request slots (counted in quarters, [`slot_quarters`]), shared
 /// by every read, and the turn to take them.
@@ -137,7 +141,9 @@ fn request_slots() -> RequestSlots {
         Some((p, m, s)) if *p == pid && *m == n => s.clone(),
         _ => {
             let s = RequestSlots {
-                slots: Arc::new(tokio::sync::Semaphore::new(n.saturating_mul(4))),
+                slots: Arc::new(tokio::sync::Semaphore::new(
+                    n.saturating_mul(QUARTERS_PER_SLOT as usize),
+                )),
                 turn: Arc::new(tokio::sync::Mutex::new(())),
             };
             *slots = Some((pid, n, s.clone()));

@@ -229,11 +229,11 @@ fn plan_groups(remote: bool, tokens: u64, full: u64, slot_bytes: u64) -> (u64, u
     let group = tokens
         .div_ceil(MAX_LANES)
         .clamp(crate::flat_tokens::split::DECODE_PIECE.min(full), full);
-    // About 2 stored bytes per token (zstd over typical token ids), and twice the slots' bytes
-    // asked for: a lane waits a round trip whenever its group enters a shard whose index is
-    // not yet held, and at its group's last request; the other lanes' requests, queued behind,
-    // keep the slots busy meanwhile.
-    let lanes = (2 * slot_bytes).div_ceil(2 * group).clamp(2, MAX_LANES);
+    // Twice the slots' bytes asked for, at about 2 stored bytes per token (zstd over typical
+    // token ids): a group's tokens. Twice, because a lane waits a round trip whenever its group
+    // enters a shard whose index is not yet held, and at its group's last request; the other
+    // lanes' requests, queued behind, keep the slots busy meanwhile.
+    let lanes = slot_bytes.div_ceil(group).clamp(2, MAX_LANES);
     (group, lanes as usize)
 }
 
@@ -780,9 +780,7 @@ impl TokenLoader {
             // GROUP_TOKENS / split::DECODE_PIECE = 16 pieces, fewer than the cores of a big
             // machine; a small buffer's groups hold fewer). At most `decoding` groups at once
             // bounds the fetched bytes held.
-            let pieces_per_group = group
-                .div_ceil(crate::flat_tokens::split::DECODE_PIECE)
-                .max(1);
+            let pieces_per_group = group.div_ceil(crate::flat_tokens::split::DECODE_PIECE);
             let decoding = pool
                 .current_num_threads()
                 .div_ceil(pieces_per_group as usize)
