@@ -919,8 +919,11 @@ def test_eagle3_remote_write_resumes_on_another_machine(tmp_path: Path, s3: S3, 
                 w.add(sample(i))
                 most = max(most, len(list(staging.rglob("shard-*.safetensors"))))
         puts = shardkit.storage_counters()["puts"] - before
-    # The shards left, each with the journal; then the sidecar and manifest.json.
-    assert puts == (20 - kept) * 2 + 2, puts
+    # The shards left, each with the journal; then the sidecar and manifest.json. A journal
+    # naming a shard past the first missing one (two uploads ran at once when the write was
+    # killed) is first rewritten without it: the resumed write uploads that shard again.
+    past_gap = int(len(journal["files"]) > kept)
+    assert puts == (20 - kept) * 2 + 2 + past_gap, (puts, kept, sorted(journal["files"]))
     # The staging directory held a few shards at a time, never the cache (two uploading, two
     # queued, one being written).
     assert 1 <= most <= 5, most
