@@ -1233,6 +1233,78 @@ def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, 
         s3.proxy.get_delay_s = 0.0
 
 
+def buffer_reads_at_once(stop: threading.Event, seen: List[int]) -> None:
+    """Until `stop`, appends every 5 ms how many shuffle-buffer reads this process runs, each
+    on a thread named shardkit-buffer. Counted are the threads of that name in two samples in
+    a row: a thread a read starts (its fetch lanes) bears its creator's name until it sets its
+    own, microseconds later."""
+    before: set = set()
+    while not stop.is_set():
+        now = set()
+        for task in os.listdir("/proc/self/task"):
+            try:
+                if Path(f"/proc/self/task/{task}/comm").read_text().strip() == "shardkit-buffer":
+                    now.add(task)
+            except OSError:  # the thread ended meanwhile
+                pass
+        seen.append(len(now & before))
+        before = now
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("epochs", [False, True])
+def test_a_tokens_loader_reads_the_next_buffers_without_a_gap(tmp_path: Path, s3: S3, epochs: bool) -> None:
+    """Served faster than the store delivers, a flat-tokens loader's buffer reads follow one
+    another without a gap: once a minipoch's buffer is served and the next one's read is still
+    under way, the read of the one after starts, its requests queued behind; with epochs, the
+    next epoch's first buffer is read ahead too. Never more than two reads at once: memory
+    holds two minipochs' buffers."""
+    rng = np.random.default_rng(6)
+    docs = [rng.integers(1, 1000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 200, size=1000)]
+    local = tmp_path / "tokens"
+    with flat_tokens.Writer(local, "train", "v3", progress=False, tokens_per_chunk=256, tokens_per_shard=4096) as w:
+        w.append(docs)
+    url = f"s3://{s3.bucket()}/tok"
+    with environment(s3.env()):
+        shardkit.upload(local, url)
+    s3.proxy.wait_idle()
+    # Read in groups of one 512-token block; 20 ms a request, one request slot (four of these
+    # small requests at once). Without epochs: five minipochs of 40 blocks, 0.2-0.4 s a
+    # buffer. With epochs: one minipoch of every block an epoch, three epochs.
+    blocks = sum(map(len, docs)) // 512
+    assert blocks > 3 * 40  # at least four minipochs
+    kw = dict(seq_len=64, batch_size=8, sequences_per_read_block=8,
+              read_blocks_per_shuffle_buffer=blocks if epochs else 40, epochs=epochs)
+    reference = flat_tokens.Loader(local, "train", **kw)
+    steps = len(reference) * (3 if epochs else 1)
+    want = [{k: np.array(v) for k, v in reference.load(i).items() if v is not None} for i in range(steps)]
+    s3.proxy.get_delay_s = 0.02
+    stop, seen = threading.Event(), []
+    watcher = threading.Thread(target=buffer_reads_at_once, args=(stop, seen))
+    try:
+        env = s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="1", SHARDKIT_S3_REQUEST_MIB="1",
+                     SHARDKIT_TEST_TOKEN_GROUP="512")
+        with environment(env):
+            loader = flat_tokens.Loader(url, "train", buffer_in_memory=True, **kw)
+            assert loader.buffers_in_memory
+            watcher.start()
+            got = []
+            for b in loader:
+                got.append({k: np.array(v) for k, v in b.items() if v is not None})
+                if len(got) == steps:
+                    break
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        s3.proxy.get_delay_s = 0.0
+    same_batches(got, want)
+    assert max(seen) <= 2, max(seen)
+    # Two reads at once for a good part of the epoch (one at a time, each read would end with
+    # its last requests alone in flight, and the next start with one round trip unanswered).
+    assert seen.count(2) >= len(seen) // 4, (seen.count(2), len(seen))
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_a_tokens_loader_fetches_each_shard_index_once(tmp_path: Path, s3: S3, packed: bool) -> None:
     """A shuffle buffer from a store is fetched in groups, each located in its shards through

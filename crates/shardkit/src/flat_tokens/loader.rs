@@ -64,8 +64,8 @@ pub struct LoaderOptions {
     /// Read each shuffle buffer whole into memory when a step first needs it, and serve its
     /// rows from there (seqax's own strategy): a few large reads per buffer instead of one
     /// small read per row. While [`TokenLoader::iter`] serves a minipoch, the next minipoch's
-    /// buffers of the epoch are read in the background, so memory holds two minipochs'
-    /// buffers. `None` (the default) does so for splits in an object store whose two
+    /// buffers (with `epochs`, the next epoch's first) are read in the background, so memory
+    /// holds two minipochs' buffers. `None` (the default) does so for splits in an object store whose two
     /// minipochs' buffers fit in `SHARDKIT_TOKEN_BUFFER_GIB` (16 by default) and reads row by
     /// row otherwise; `Some(true)` always (e.g. seqax's compressed 4 Mi-token chunks on a
     /// parallel file system), `Some(false)` never.
@@ -297,8 +297,9 @@ struct Inner {
     opts: LoaderOptions,
     n_seq: u64,
     epoch0: Arc<Schedule>,
-    /// The most recently used later epoch.
-    later: Mutex<Option<Arc<Schedule>>>,
+    /// The later epochs' schedules most recently used: the one served, and the next one,
+    /// whose first buffers are read ahead.
+    later: Mutex<Vec<Arc<Schedule>>>,
     host_rows: Range<u64>,
     /// Gathers (decodes) rows; started on first use and kept.
     gather: GatherCell,
@@ -471,7 +472,7 @@ impl TokenLoader {
                 opts,
                 n_seq,
                 epoch0,
-                later: Mutex::new(None),
+                later: Mutex::new(Vec::new()),
                 host_rows,
                 gather: GatherCell::default(),
                 buffers: Mutex::new(BufferPool::new(PREFETCH + 6)),
@@ -545,21 +546,28 @@ impl TokenLoader {
                 len: n,
             });
         }
-        let epoch = step / n;
+        Ok((self.schedule_of(step / n)?, step % n))
+    }
+
+    /// The schedule of `epoch` (a later epoch only with epochs enabled).
+    fn schedule_of(&self, epoch: u64) -> Result<Arc<Schedule>> {
+        if epoch == 0 {
+            return Ok(self.inner.epoch0.clone());
+        }
         let mut later = self.inner.later.lock().unwrap_or_else(|e| e.into_inner());
-        let s = match later.as_ref() {
-            Some(s) if s.epoch() == epoch => s.clone(),
-            _ => {
-                let s = Arc::new(Schedule::for_epoch(
-                    self.inner.n_seq,
-                    self.inner.opts.shuffle_params(),
-                    epoch,
-                )?);
-                *later = Some(s.clone());
-                s
-            }
-        };
-        Ok((s, step % n))
+        if let Some(s) = later.iter().find(|s| s.epoch() == epoch) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(Schedule::for_epoch(
+            self.inner.n_seq,
+            self.inner.opts.shuffle_params(),
+            epoch,
+        )?);
+        if later.len() == 2 {
+            later.remove(0);
+        }
+        later.push(s.clone());
+        Ok(s)
     }
 
     /// Whether shuffle buffers are read whole into memory (see
@@ -583,8 +591,9 @@ impl TokenLoader {
     /// The in-memory shuffle buffer `key` = (epoch, minipoch, stream) of `schedule`: held, or
     /// read ahead (waited for), or read now. Buffers of earlier minipochs are let go (steps
     /// already prepared keep theirs). Under [`TokenLoader::iter`], the same stream's buffer of
-    /// the next minipoch of the epoch is then read ahead, so that only the first minipoch's
-    /// steps wait for a read. A read (or the wait for one ahead) gives up once `stop` (the
+    /// the next minipoch is read ahead ([`TokenLoader::read_ahead`]), so that only the first
+    /// minipoch's steps wait for a whole read: once this buffer is read, or, when it was read
+    /// ahead, as soon as it is asked for. A read (or the wait for one ahead) gives up once `stop` (the
     /// stream's) is set: a dropped iterator does not wait for a buffer of gigabytes.
     fn resident(
         &self,
@@ -606,60 +615,91 @@ impl TokenLoader {
             i.map(|i| ahead.swap_remove(i))
         };
         let r = match pending {
-            Some(a) => loop {
-                match a.read.recv_timeout(exec::STOP_POLL) {
-                    Ok(r) => break r?,
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) if stopped() => {
-                        a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                        return Err(exec::stopped_error());
-                    }
-                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                        return Err(Error::Internal("a buffer read-ahead panicked".into()))
+            Some(a) => {
+                // This minipoch's read is under way, and the one before it is served: the next
+                // read starts now, so that reads follow one another without a gap (its requests
+                // queue behind this read's). Memory still holds two minipochs' buffers.
+                self.read_ahead(schedule, key, residents)?;
+                loop {
+                    match a.read.recv_timeout(exec::STOP_POLL) {
+                        Ok(r) => break r?,
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) if stopped() => {
+                            a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                            return Err(exec::stopped_error());
+                        }
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                            return Err(Error::Internal("a buffer read-ahead panicked".into()))
+                        }
                     }
                 }
-            },
-            None => self.read_buffer(schedule, key, stop)?,
+            }
+            // The first minipoch read has the requests to itself: the first step waits for it.
+            None => {
+                let r = self.read_buffer(schedule, key, stop)?;
+                self.read_ahead(schedule, key, residents)?;
+                r
+            }
         };
         let r = Arc::new(r);
         held.push(r.clone());
-        let next = (key.0, key.1 + 1, key.2);
+        Ok(r)
+    }
+
+    /// Under [`TokenLoader::iter`], starts reading the same stream's buffer of the minipoch
+    /// after `key`'s on a thread of its own, unless it is read already: the next of the epoch,
+    /// or with epochs enabled the next epoch's first. Reads ahead of minipochs already passed
+    /// are stopped and let go.
+    fn read_ahead(
+        &self,
+        schedule: &Arc<Schedule>,
+        key: (u64, u64, u64),
+        residents: &Residents,
+    ) -> Result<()> {
         let streaming = self
             .inner
             .streaming
             .load(std::sync::atomic::Ordering::Relaxed);
-        if streaming && next.1 < schedule.minipochs() {
-            let mut ahead = residents.ahead.lock().unwrap_or_else(|e| e.into_inner());
-            // Reads of minipochs already passed are stopped and let go.
-            ahead.retain(|a| {
-                let keep = (a.key.0, a.key.1) >= (next.0, next.1);
-                if !keep {
-                    a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                keep
-            });
-            if !ahead.iter().any(|a| a.key == next) {
-                let (me, schedule) = (self.clone(), schedule.clone());
-                let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-                let (tx, read) = std::sync::mpsc::sync_channel(1);
-                let stop2 = stop.clone();
-                std::thread::Builder::new()
-                    .name("shardkit-buffer".into())
-                    .spawn(move || {
-                        let _ = tx.send(me.read_buffer(&schedule, next, &stop2));
-                    })
-                    .map_err(|e| Error::Thread {
-                        what: "a shuffle buffer's read-ahead".into(),
-                        source: e,
-                    })?;
-                ahead.push(ReadAhead {
-                    key: next,
-                    read,
-                    stop,
-                });
-            }
+        if !streaming {
+            return Ok(());
         }
-        Ok(r)
+        let (next, schedule) = if key.1 + 1 < schedule.minipochs() {
+            ((key.0, key.1 + 1, key.2), schedule.clone())
+        } else if self.inner.opts.epochs && key.0 < u64::MAX {
+            ((key.0 + 1, 0, key.2), self.schedule_of(key.0 + 1)?)
+        } else {
+            return Ok(());
+        };
+        let mut ahead = residents.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        ahead.retain(|a| {
+            let keep = (a.key.0, a.key.1) >= (next.0, next.1);
+            if !keep {
+                a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            keep
+        });
+        if ahead.iter().any(|a| a.key == next) {
+            return Ok(());
+        }
+        let me = self.clone();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, read) = std::sync::mpsc::sync_channel(1);
+        let stop2 = stop.clone();
+        std::thread::Builder::new()
+            .name("shardkit-buffer".into())
+            .spawn(move || {
+                let _ = tx.send(me.read_buffer(&schedule, next, &stop2));
+            })
+            .map_err(|e| Error::Thread {
+                what: "a shuffle buffer's read-ahead".into(),
+                source: e,
+            })?;
+        ahead.push(ReadAhead {
+            key: next,
+            read,
+            stop,
+        });
+        Ok(())
     }
 
     /// Reads shuffle buffer `key` whole: its read blocks in file order, cut into contiguous
@@ -757,10 +797,11 @@ impl TokenLoader {
             // At most `lanes` groups fetched and waiting, `lanes` more being fetched.
             let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Result<_>)>(lanes);
             let (groups, next, fetch) = (&groups, &next, &fetch);
-            let handles: Vec<_> = (0..lanes)
+            let handles = (0..lanes)
                 .map(|_| {
                     let tx = tx.clone();
-                    scope.spawn(move || loop {
+                    let lane = std::thread::Builder::new().name("shardkit-fetch".into());
+                    lane.spawn_scoped(scope, move || loop {
                         if stopped() {
                             return;
                         }
@@ -772,8 +813,12 @@ impl TokenLoader {
                             return; // the reader stopped at an error
                         }
                     })
+                    .map_err(|e| Error::Thread {
+                        what: "a shuffle buffer's fetch lanes shardkit-fetch".into(),
+                        source: e,
+                    })
                 })
-                .collect();
+                .collect::<Result<Vec<_>>>()?;
             drop(tx);
             // Several groups decode at once, each on its own task of the pool: one group's
             // pieces alone would leave threads idle behind its slowest piece (a full group is
