@@ -124,8 +124,14 @@ pub(crate) fn ensure_dataset_with(
     tokens: u64,
     checkpoint_tokens: u64,
 ) -> Result<Option<f64>> {
+    // Written in batches of at least BATCH_TOKENS tokens, sequences of at most MAX_SEQ: a
+    // split holding what this call would write overshoots `tokens` by less than one batch. A
+    // larger one (an earlier run's `--size-mib`) is written again: the figures are for the
+    // size asked for.
+    const BATCH_TOKENS: usize = 1 << 20;
+    const MAX_SEQ: u64 = 4096;
     if let Ok(s) = Split::open(root, "train") {
-        if s.token_count() >= tokens {
+        if (tokens..tokens + BATCH_TOKENS as u64 + MAX_SEQ).contains(&s.token_count()) {
             return Ok(None);
         }
     }
@@ -149,8 +155,8 @@ pub(crate) fn ensure_dataset_with(
         let g = Instant::now();
         batch.clear();
         let mut n = 0;
-        while n < 1 << 20 {
-            let s = synthetic_sequence(&mut rng, 4096);
+        while n < BATCH_TOKENS {
+            let s = synthetic_sequence(&mut rng, MAX_SEQ);
             n += s.len();
             batch.push(s);
         }
