@@ -414,9 +414,10 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
 }
 
 /// saev through the local cache (`SHARDKIT_CACHE_DIR`), at each thread count: an epoch without
-/// the cache; with a fresh cache, a cold epoch, which fetches and keeps the pages it touches, against the GET ceiling;
-/// then [`WARM_EPOCHS`] served from the cache by the same loader, against a loader over the
-/// local copy (its first epoch unmeasured), both from the OS page cache.
+/// the cache; with a fresh cache, a cold epoch, which fetches and keeps the pages it touches,
+/// against the GET ceiling; then [`WARM_EPOCHS`] served from the cache by the same loader,
+/// against a loader over the local copy (its first epoch unmeasured), both from the OS page
+/// cache.
 fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     use shardkit::engine::Order;
     use shardkit::saev::LayerSel;

@@ -65,10 +65,10 @@ pub struct LoaderOptions {
     /// rows from there (seqax's own strategy): a few large reads per buffer instead of one
     /// small read per row. While [`TokenLoader::iter`] serves a minipoch, the next minipoch's
     /// buffers (with `epochs`, the next epoch's first) are read in the background, so memory
-    /// holds two minipochs' buffers. `None` (the default) does so for splits in an object store whose two
-    /// minipochs' buffers fit in `SHARDKIT_TOKEN_BUFFER_GIB` (16 by default) and reads row by
-    /// row otherwise; `Some(true)` always (e.g. seqax's compressed 4 Mi-token chunks on a
-    /// parallel file system), `Some(false)` never.
+    /// holds two minipochs' buffers. `None` (the default) does so for splits in an object
+    /// store whose two minipochs' buffers fit in `SHARDKIT_TOKEN_BUFFER_GIB` (16 by default)
+    /// and reads row by row otherwise; `Some(true)` always (e.g. seqax's compressed 4 Mi-token
+    /// chunks on a parallel file system), `Some(false)` never.
     pub buffer_in_memory: Option<bool>,
 }
 
@@ -593,8 +593,9 @@ impl TokenLoader {
     /// already prepared keep theirs). Under [`TokenLoader::iter`], the same stream's buffer of
     /// the next minipoch is read ahead ([`TokenLoader::read_ahead`]), so that only the first
     /// minipoch's steps wait for a whole read: once this buffer is read, or, when it was read
-    /// ahead, as soon as it is asked for. A read (or the wait for one ahead) gives up once `stop` (the
-    /// stream's) is set: a dropped iterator does not wait for a buffer of gigabytes.
+    /// ahead, as soon as it is asked for. A read (or the wait for one ahead) gives up once
+    /// `stop` (the stream's) is set: a dropped iterator does not wait for a buffer of
+    /// gigabytes.
     fn resident(
         &self,
         schedule: &Arc<Schedule>,
