@@ -1188,11 +1188,10 @@ def test_eagle3_shard_headers_come_a_batch_at_a_time_and_are_kept(tmp_path: Path
     assert overlap >= 8, overlap
 
 
-def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, s3: S3) -> None:
-    """A flat-tokens loader from a store reads the next minipoch's shuffle buffer in the
-    background; closed, it stops that read, the requests of the groups being fetched included,
-    instead of fetching the buffer for nobody, and close does not wait for it."""
-    rng = np.random.default_rng(5)
+def small_tokens_in_store(tmp_path: Path, s3: S3, seed: int) -> Tuple[Path, str, int]:
+    """1000 random documents of 1-199 tokens written locally (v3, 256-token chunks, 4096-token
+    shards) and uploaded to a new bucket, the proxy then idle: (local path, URL, tokens)."""
+    rng = np.random.default_rng(seed)
     docs = [rng.integers(1, 1000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 200, size=1000)]
     local = tmp_path / "tokens"
     with flat_tokens.Writer(local, "train", "v3", progress=False, tokens_per_chunk=256, tokens_per_shard=4096) as w:
@@ -1201,6 +1200,14 @@ def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, 
     with environment(s3.env()):
         shardkit.upload(local, url)
     s3.proxy.wait_idle()
+    return local, url, sum(map(len, docs))
+
+
+def test_a_tokens_loader_closed_stops_the_buffer_it_reads_ahead(tmp_path: Path, s3: S3) -> None:
+    """A flat-tokens loader from a store reads the next minipoch's shuffle buffer in the
+    background; closed, it stops that read, the requests of the groups being fetched included,
+    instead of fetching the buffer for nobody, and close does not wait for it."""
+    local, url, _ = small_tokens_in_store(tmp_path, s3, seed=5)
     # Two minipochs of about 50 k tokens each, read in groups of one 512-token block (a data
     # range, and the first time a shard is met its index: at most 2 GETs a group). The groups
     # are small, so the loader fetches 16 at a time, each waiting for the one request slot;
@@ -1259,19 +1266,11 @@ def test_a_tokens_loader_reads_the_next_buffers_without_a_gap(tmp_path: Path, s3
     under way, the read of the one after starts, its requests queued behind; with epochs, the
     next epoch's first buffer is read ahead too. Never more than two reads at once: memory
     holds two minipochs' buffers."""
-    rng = np.random.default_rng(6)
-    docs = [rng.integers(1, 1000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 200, size=1000)]
-    local = tmp_path / "tokens"
-    with flat_tokens.Writer(local, "train", "v3", progress=False, tokens_per_chunk=256, tokens_per_shard=4096) as w:
-        w.append(docs)
-    url = f"s3://{s3.bucket()}/tok"
-    with environment(s3.env()):
-        shardkit.upload(local, url)
-    s3.proxy.wait_idle()
+    local, url, tokens = small_tokens_in_store(tmp_path, s3, seed=6)
     # Read in groups of one 512-token block; 20 ms a request, one request slot (four of these
     # small requests at once). Without epochs: five minipochs of 40 blocks, 0.2-0.4 s a
     # buffer. With epochs: one minipoch of every block an epoch, three epochs.
-    blocks = sum(map(len, docs)) // 512
+    blocks = tokens // 512
     assert blocks > 3 * 40  # at least four minipochs
     kw = dict(seq_len=64, batch_size=8, sequences_per_read_block=8,
               read_blocks_per_shuffle_buffer=blocks if epochs else 40, epochs=epochs)
@@ -1310,15 +1309,8 @@ def test_a_tokens_loader_fetches_each_shard_index_once(tmp_path: Path, s3: S3, p
     """A shuffle buffer from a store is fetched in groups, each located in its shards through
     their indexes. The indexes are kept across groups, buffers and passes: the store serves
     each shard's index once, however often the groups come back to the shard."""
-    rng = np.random.default_rng(9)
-    docs = [rng.integers(1, 1000, size=int(n), dtype=np.uint32) for n in rng.integers(1, 200, size=1000)]
-    local = tmp_path / "tokens"
-    with flat_tokens.Writer(local, "train", "v3", progress=False, tokens_per_chunk=256, tokens_per_shard=4096) as w:
-        w.append(docs)
-    bucket = s3.bucket()
-    url = f"s3://{bucket}/tok"
-    with environment(s3.env()):
-        shardkit.upload(local, url)
+    local, url, _ = small_tokens_in_store(tmp_path, s3, seed=9)
+    bucket = url.split("/")[2]
     listing = s3.client().list_objects_v2(Bucket=bucket, Prefix="tok/")["Contents"]
     sizes = {o["Key"]: o["Size"] for o in listing}
     kw = dict(seq_len=64, batch_size=8, sequences_per_read_block=8, read_blocks_per_shuffle_buffer=40,

@@ -16,8 +16,8 @@
 //! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and
 //! [`inflight`] request slots (shared by the process's reads, which take them in turn, first
 //! come first served; a small request takes a share of a slot) bound the requests running at
-//! once on one small tokio runtime; each response is copied into its
-//! place in the caller's buffer. Throttling (503 SlowDown), server errors, dropped connections
+//! once on one small tokio runtime; each response is copied into its place in the caller's
+//! buffer. Throttling (503 SlowDown), server errors, dropped connections
 //! (also mid-body) and timeouts are retried with exponential backoff, at most
 //! `SHARDKIT_S3_RETRIES` times (default 10) and for at most `SHARDKIT_S3_RETRY_TIMEOUT` seconds
 //! (default 180); then the read fails with an error naming the object and the range. A

@@ -211,10 +211,10 @@ const MAX_LANES: u64 = 16;
 /// How a buffer of `tokens` tokens is fetched: (tokens per group, groups fetched at once).
 /// Locally, groups of [`group_tokens`], 4 at once (reads of local files are quick, and a cold
 /// disk gains from a few in flight). From a store, enough groups at once to ask for twice
-/// `inflight` requests of the request size (2 to 16 groups); and a buffer too small to give every
-/// lane a full group is cut into smaller ones (down to a decode piece, 1 Mi tokens), so that
-/// a small buffer (a minipoch of a small R) still keeps the store's slots busy rather than
-/// fetching two groups' few requests at a time.
+/// `inflight` requests of the request size (2 to 16 groups); and a buffer too small to give
+/// every lane a full group is cut into smaller ones (down to a decode piece, 1 Mi tokens), so
+/// that a small buffer (a minipoch of a small R) still keeps the store's slots busy rather
+/// than fetching two groups' few requests at a time.
 fn fetch_plan(path: &std::path::Path, tokens: u64) -> (u64, usize) {
     let slot_bytes = crate::storage::inflight() as u64 * crate::storage::max_request();
     let remote = crate::storage::is_remote(path);
@@ -333,6 +333,28 @@ struct ReadAhead {
     read: std::sync::mpsc::Receiver<Result<Resident>>,
     /// Set to stop the read (its iterator was dropped): no further group is fetched.
     stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ReadAhead {
+    /// The buffer, once read; gives up (and stops the read) once `stop`, the waiting stream's,
+    /// is set.
+    fn wait(self, stop: &std::sync::atomic::AtomicBool) -> Result<Resident> {
+        use std::sync::mpsc::RecvTimeoutError;
+        loop {
+            match self.read.recv_timeout(exec::STOP_POLL) {
+                Ok(r) => return r,
+                Err(RecvTimeoutError::Timeout) => {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                        return Err(exec::stopped_error());
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Internal("a buffer read-ahead panicked".into()))
+                }
+            }
+        }
+    }
 }
 
 /// The split's files with their checksums, mapped on first use.
@@ -603,7 +625,6 @@ impl TokenLoader {
         residents: &Residents,
         stop: &Arc<std::sync::atomic::AtomicBool>,
     ) -> Result<Arc<Resident>> {
-        let stopped = || stop.load(std::sync::atomic::Ordering::Relaxed);
         let mut held = residents.held.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(r) = held.iter().find(|r| r.key == key) {
             return Ok(r.clone());
@@ -621,19 +642,7 @@ impl TokenLoader {
                 // read starts now, so that reads follow one another without a gap (its requests
                 // queue behind this read's). Memory still holds two minipochs' buffers.
                 self.read_ahead(schedule, key, residents)?;
-                loop {
-                    match a.read.recv_timeout(exec::STOP_POLL) {
-                        Ok(r) => break r?,
-                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) if stopped() => {
-                            a.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-                            return Err(exec::stopped_error());
-                        }
-                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                            return Err(Error::Internal("a buffer read-ahead panicked".into()))
-                        }
-                    }
-                }
+                a.wait(stop)?
             }
             // The first minipoch read has the requests to itself: the first step waits for it.
             None => {
