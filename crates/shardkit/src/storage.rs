@@ -1556,6 +1556,19 @@ pub struct Transfer {
 
 /// The files under `dir`, relative, with sizes, sorted; the commit records at top level last.
 pub(crate) fn local_files(dir: &Path) -> Result<Vec<(String, u64)>> {
+    walk_files(dir, false)
+}
+
+/// [`local_files`] of a staging directory that [`Streaming`]'s upload threads shrink while it is
+/// listed (each removes a file's staged copy once the store holds it): a file removed between
+/// being listed and being looked at is left out, as it is in the store. Elsewhere a file that
+/// vanishes mid-walk is an error: the dataset changed while it was being read.
+pub(crate) fn staged_files(dir: &Path) -> Result<Vec<(String, u64)>> {
+    walk_files(dir, true)
+}
+
+fn walk_files(dir: &Path, skip_removed: bool) -> Result<Vec<(String, u64)>> {
+    let removed = |e: &std::io::Error| skip_removed && e.kind() == std::io::ErrorKind::NotFound;
     let mut out = Vec::new();
     let mut stack = vec![PathBuf::new()];
     while let Some(rel) = stack.pop() {
@@ -1564,11 +1577,17 @@ pub(crate) fn local_files(dir: &Path) -> Result<Vec<(String, u64)>> {
             let entry = entry.at(&here)?;
             let name = entry.file_name().to_string_lossy().into_owned();
             let rel_name = rel.join(&name);
-            let kind = entry.file_type().at(entry.path())?;
+            let kind = match entry.file_type() {
+                Err(e) if removed(&e) => continue,
+                kind => kind.at(entry.path())?,
+            };
             if kind.is_dir() {
                 stack.push(rel_name);
             } else if kind.is_file() {
-                let len = entry.metadata().at(entry.path())?.len();
+                let len = match entry.metadata() {
+                    Err(e) if removed(&e) => continue,
+                    meta => meta.at(entry.path())?.len(),
+                };
                 out.push((rel_name.to_string_lossy().into_owned(), len));
             }
         }
@@ -2032,5 +2051,50 @@ mod tests {
         assert!(is_private(".shardkit-writing"));
         assert!(is_private("x/.labels.bin.tmp"));
         assert!(!is_private("labels.bin"));
+    }
+
+    #[test]
+    fn a_staging_directory_is_listed_while_upload_threads_remove_what_they_sent() {
+        // A flat-tokens commit lists its staging directory for the metadata documents while
+        // the upload threads remove chunks they have sent: a chunk listed by readdir and gone
+        // before its stat is left out. A strict walk fails here with NotFound in nearly every
+        // run, as a commit once did in CI.
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("train/encoded_tokens/c")).unwrap();
+        std::fs::write(root.join("zarr.json"), b"{}").unwrap();
+        std::fs::write(root.join("train/encoded_tokens/zarr.json"), b"{}").unwrap();
+        let chunks: Vec<PathBuf> = (0..1000)
+            .map(|i| root.join(format!("train/encoded_tokens/c/{i}")))
+            .collect();
+        for c in &chunks {
+            std::fs::write(c, [7u8; 3]).unwrap();
+        }
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for c in &chunks {
+                    std::fs::remove_file(c).unwrap();
+                }
+                done.store(true, Ordering::SeqCst);
+            });
+            let mut walks = 0;
+            while !done.load(Ordering::SeqCst) || walks == 0 {
+                let files = staged_files(root).unwrap();
+                let names: Vec<&str> = files.iter().map(|f| f.0.as_str()).collect();
+                assert_eq!(
+                    names[names.len() - 2..],
+                    ["train/encoded_tokens/zarr.json", "zarr.json"]
+                );
+                assert!(files
+                    .iter()
+                    .all(|(n, len)| *len == if n.ends_with(".json") { 2 } else { 3 }));
+                walks += 1;
+            }
+        });
+        assert_eq!(staged_files(root).unwrap().len(), 2);
+        // The directory itself must be there: a missing one is an error, not an empty listing.
+        let missing = staged_files(&root.join("missing")).unwrap_err();
+        assert!(matches!(&missing, Error::NotFound { .. }), "{missing:?}");
     }
 }

@@ -1060,7 +1060,8 @@ impl Upload {
             tails.push((key.clone(), sums.to_json()));
         }
         let mut documents = Vec::new();
-        for (name, _) in storage::local_files(root)? {
+        // The upload threads are removing the staged copies of chunks they have sent.
+        for (name, _) in storage::staged_files(root)? {
             if is_document(&name) {
                 let path = root.join(&name);
                 let text = std::fs::read_to_string(&path).at(&path)?;
@@ -1091,7 +1092,7 @@ impl Upload {
         // A writer whose lock was taken over deletes nothing.
         self.streaming.confirm_lock()?;
         let target = self.streaming.target.clone();
-        let staged: std::collections::HashSet<String> = storage::local_files(root)?
+        let staged: std::collections::HashSet<String> = storage::staged_files(root)?
             .into_iter()
             .map(|(n, _)| n)
             .collect();
