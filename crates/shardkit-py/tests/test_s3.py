@@ -1132,15 +1132,18 @@ def test_an_eagle3_loader_closed_while_a_batch_is_in_flight_goes_at_once(tmp_pat
     local, url = uploaded_eagle3(tmp_path, s3)
     kw = dict(batch_size=16, seed=3)
     want = batches(eagle3.Loader(local, **kw))
-    # A batch touches a dozen shards: a dozen requests, one at a time, 0.1 s each.
+    # A batch touches a dozen shards: a dozen requests, 0.1 s each, four at a time (one
+    # request slot; a request this small takes a quarter of it).
     s3.proxy.get_delay_s = 0.1
     try:
         with environment(s3.env(proxy=True, SHARDKIT_S3_INFLIGHT="1")):
             it = iter(eagle3.Loader(url, **kw))
             same_batches([{k: np.array(v) for k, v in next(it).items() if v is not None}], want[:1])
             late, took = close_while_fetching(it, s3, settle_s=1.0)
-            # At most the request on the wire (before, the batch's requests all ran, close
-            # waiting for them).
+            # Only a request sent just before close may still arrive: none is sent once the
+            # stream stops. Before, the batch's requests all ran, close waiting for them; and
+            # until each read saw the stop (polled every 50 ms), a request that ended let the
+            # next one out, so 2 to 4 arrived late in about 40% of runs.
             assert late <= 1, late
             assert took < 1.0, took
     finally:

@@ -728,26 +728,32 @@ impl Remote {
         buf: &mut [u8],
     ) -> Result<()> {
         self.check_reads(names.len(), ranges, buf.len())?;
+        // The stop in force on this thread cuts the read (see `reads_stopped_by`).
+        let stop = READ_STOP.with_borrow(|s| s.clone());
         let Some(cache) = &self.object_cache else {
             let store = self.store()?;
-            return block_on_read(self.fetch_into(&store, names, ranges, buf));
+            let fetch = self.fetch_into(&store, names, ranges, buf, stop.as_deref());
+            return block_on_read(fetch);
         };
         let paged = self.read_cached(cache, names, ranges, buf)?;
         if paged.is_done() {
             return Ok(());
         }
         let store = self.store()?;
-        block_on_read(self.fetch_paged(&store, names, paged, buf))
+        let fetch = self.fetch_paged(&store, names, paged, buf, stop.as_deref());
+        block_on_read(fetch)
     }
 
     /// [`Remote::read_into`] started on the runtime and left running: the caller gets `buf`
     /// back, filled, from [`PendingRead::wait`]. A loader starts the next batch's requests this
-    /// way while the previous batches are still in flight.
+    /// way while the previous batches are still in flight. Once `stop` is set, the read sends
+    /// no further request (it ends with `exec::stopped_error`).
     pub(crate) fn start_read(
         &self,
         names: Arc<Vec<String>>,
         ranges: Vec<ReadRange>,
         mut buf: crate::engine::Buffer,
+        stop: Option<Arc<std::sync::atomic::AtomicBool>>,
     ) -> Result<PendingRead> {
         self.check_reads(names.len(), &ranges, buf.len())?;
         // Pages already in the cache are read here, before returning; the rest in the task.
@@ -758,7 +764,7 @@ impl Remote {
         let me = self.clone();
         let store = self.store()?;
         let task = runtime()?.spawn(async move {
-            me.fetch_paged(&store, &names, paged, buf.as_mut_bytes())
+            me.fetch_paged(&store, &names, paged, buf.as_mut_bytes(), stop.as_deref())
                 .await
                 .map(|()| buf)
         });
@@ -777,13 +783,16 @@ impl Remote {
     }
 
     /// The requests of `ranges` (checked by the caller), [`inflight`] at a time, each response
-    /// copied to its pieces' places in `buf`.
+    /// copied to its pieces' places in `buf`. Once `stop` is set no further request is sent:
+    /// a closed loader's reads end with the requests already on the wire, not after the next
+    /// stop poll.
     async fn fetch_into(
         &self,
         store: &AmazonS3,
         names: &[String],
         ranges: &[ReadRange],
         buf: &mut [u8],
+        stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<()> {
         use futures::future::{select, Either};
         use futures::FutureExt;
@@ -816,6 +825,9 @@ impl Remote {
                     Either::Right((None, _)) => {}
                 }
             };
+            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                return Err(crate::engine::exec::stopped_error());
+            }
             running.push(async move {
                 let _slot = slot;
                 let name = &names[req.file as usize];
@@ -1822,6 +1834,7 @@ fn fetch_files(
             names.clone(),
             ranges,
             crate::engine::Buffer::zeroed(bytes as usize),
+            None,
         )
     };
     let path_of = |i: usize| match as_name {

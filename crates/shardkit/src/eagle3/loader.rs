@@ -562,7 +562,9 @@ impl Job for Eagle3Job {
                 &inner.pool.lock().unwrap_or_else(|e| e.into_inner()).clone(),
                 off,
             )?;
-            let pending = remote.start_read(inner.names.clone(), ranges, buf)?;
+            // The batch is dropped when the stream stops: its requests stop with it.
+            let stop = Some(cx.stop_flag().clone());
+            let pending = remote.start_read(inner.names.clone(), ranges, buf, stop)?;
             return Ok(Prepared {
                 buf: crate::engine::Buffer::zeroed(0),
                 regions: Vec::new(),

@@ -751,7 +751,9 @@ impl SaevJob {
             return Ok(Some((w, Fetch::Held(pages), block_dst)));
         }
         let buf = cx.buffer(&self.windows, len as usize)?;
-        let read = store.start_read(Arc::new(names.to_vec()), ranges, buf)?;
+        // The window belongs to this pass: once it stops, no further request is sent.
+        let stop = Some(cx.stop_flag().clone());
+        let read = store.start_read(Arc::new(names.to_vec()), ranges, buf, stop)?;
         Ok(Some((w, Fetch::Read(read), block_dst)))
     }
 

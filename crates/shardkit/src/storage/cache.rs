@@ -720,9 +720,12 @@ impl Remote {
         names: &[String],
         paged: Paged,
         buf: &mut [u8],
+        stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<()> {
-        self.fetch_into(store, names, &paged.direct, buf).await?;
-        self.fill_pages(store, names, paged.missing, buf).await
+        self.fetch_into(store, names, &paged.direct, buf, stop)
+            .await?;
+        self.fill_pages(store, names, paged.missing, buf, stop)
+            .await
     }
 
     /// Fetches the `missing` pages (at most [`PAGE_GROUP`] bytes of them at a time, as
@@ -733,6 +736,7 @@ impl Remote {
         names: &[String],
         missing: Vec<MissingPage>,
         buf: &mut [u8],
+        stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<()> {
         let Some(cache) = self.object_cache.clone() else {
             return Ok(());
@@ -761,7 +765,8 @@ impl Remote {
                 dst += p.len;
             }
             let mut fetched = vec![0u8; dst as usize];
-            self.fetch_into(store, names, &ranges, &mut fetched).await?;
+            self.fetch_into(store, names, &ranges, &mut fetched, stop)
+                .await?;
             for (p, r) in group.iter().zip(&ranges) {
                 for &(at, len, to) in &p.pieces {
                     let from = (r.dst + at) as usize;
