@@ -332,10 +332,9 @@ class Loader:
     ``buffer_in_memory`` reads each shuffle buffer whole into memory when a step first needs it
     and serves rows from there, as seqax does; while iterating, the next minipoch's buffers are
     read in the background (with ``epochs=True`` across epochs too), so two minipochs' buffers
-    are held. ``None`` (default) does so for
-    ``s3://`` splits whose two minipochs' buffers fit in ``SHARDKIT_TOKEN_BUFFER_GIB`` (16),
-    ``True`` always, ``False`` never (rows are read one by one). ``buffers_in_memory`` says
-    which was chosen.
+    are held. ``None`` (default) does so for ``s3://`` splits whose two minipochs' buffers fit
+    in ``SHARDKIT_TOKEN_BUFFER_GIB`` (16), ``True`` always, ``False`` never (rows are read one
+    by one). ``buffers_in_memory`` says which was chosen.
     """
 
     def __init__(
