@@ -165,7 +165,7 @@ def test_tokens_cli_reproduces_seqax_batches():
     ds = ROOT.parent / "shared" / "fixtures" / "flat_tokens" / "seqax_synthetic_dataset.zarr"
     golden = json.loads((ds.parent / "seqax_golden.json").read_text())
     assert run("tokens", "validate", ds).returncode == 0
-    info = json.loads(run("tokens", "inspect", ds).stdout)
+    info = json.loads(run("tokens", "inspect", ds, "--json").stdout)
     assert info["train"]["token_count"] == 264992 and info["validation"]["max_token_id"] == 1019
     for name, cfg in golden["packed_batches_train_split"].items():
         if name == "about":

@@ -156,7 +156,7 @@ def test_nemo_style_reader_reads_our_cache(tmp_path, shardkit_bin):
     # The CLI agrees, and the cache validates in depth.
     out = subprocess.run([shardkit_bin, "eagle3", "validate", "--deep", "--json", path], capture_output=True, text=True)
     assert out.returncode == 0 and json.loads(out.stdout)["valid"], out.stdout + out.stderr
-    info = json.loads(subprocess.run([shardkit_bin, "eagle3", "inspect", path], capture_output=True, text=True).stdout)
+    info = json.loads(subprocess.run([shardkit_bin, "eagle3", "inspect", "--json", path], capture_output=True, text=True).stdout)
     assert info["complete"] and info["samples_present"] == 5 and info["target_embeddings"]
 
 

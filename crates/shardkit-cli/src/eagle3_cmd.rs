@@ -30,10 +30,13 @@ pub enum Eagle3Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Print the configuration, sizes and completeness as JSON.
+    /// Summarise a cache: configuration, sizes and completeness (text; --json for JSON).
     Inspect {
         /// The cache directory.
         dir: PathBuf,
+        /// Print the summary as JSON (stable keys, for scripts).
+        #[arg(long)]
+        json: bool,
     },
     /// Switch a cache between format_version 1 and 2 by rewriting only its manifest.
     SetVersion {
@@ -115,11 +118,13 @@ pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
             json,
             deep,
         )),
-        Eagle3Cmd::Inspect { dir } => {
-            println!(
-                "{}",
-                json::to_pretty(&eagle3::inspect(&dir)?, 2, Escape::Utf8)
-            );
+        Eagle3Cmd::Inspect { dir, json } => {
+            let v = eagle3::inspect(&dir)?;
+            if json {
+                println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
+            } else {
+                crate::inspect_text::print(&v);
+            }
             Ok(true)
         }
         Eagle3Cmd::SetVersion { dir, version } => {
@@ -237,23 +242,48 @@ fn write(a: WriteArgs) -> Result<bool> {
     let mut skip = w.next_sample();
     if skip > 0 {
         eprintln!(
-            "resuming {}: samples 0..{skip} are written; skipping them in the input",
-            a.out.display()
+            "resuming {}: samples 0 to {} are written; skipping them in the input",
+            a.out.display(),
+            skip - 1
         );
     }
     let pb = progress::bar(Some(total), "writing", Unit::Items("samples"));
     pb.set_position(skip);
-    let names: Vec<&'static str> = w.fields().iter().map(|s| s.name).collect();
+    let specs: Vec<(&'static str, safetensors::Dtype, Vec<usize>)> = w
+        .fields()
+        .iter()
+        .map(|s| (s.name, s.dtype, s.row.clone()))
+        .collect();
     for path in &a.from {
         let input = open_input(path)?;
         // Every stored tensor, [b, ...], the same b for all.
         let mut rows: Option<u64> = None;
         let mut views: Vec<(&str, &[u8], usize)> = Vec::new();
-        for &name in &names {
+        for (name, dtype, row) in &specs {
+            let name = *name;
             let info = input
                 .meta
                 .info(name)
                 .ok_or_else(|| Error::format(&input.path, format!("has no tensor `{name}`")))?;
+            // Same-sized dtypes (bf16 and fp16, int64 and float64) would be taken bit for bit.
+            if info.dtype != *dtype
+                || info.shape.len() != row.len() + 1
+                || info.shape[1..] != row[..]
+            {
+                return Err(Error::format(
+                    &input.path,
+                    format!(
+                        "`{name}` is {} of shape {:?}; this cache stores it as {dtype} of shape \
+                         [b, {}] (convert it before writing)",
+                        info.dtype,
+                        info.shape,
+                        row.iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                ));
+            }
             let b = *info.shape.first().unwrap_or(&0) as u64;
             if *rows.get_or_insert(b) != b {
                 return Err(Error::format(

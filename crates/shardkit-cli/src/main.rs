@@ -14,6 +14,7 @@ mod bench_tokens;
 mod cache_cmd;
 mod checksum_cmd;
 mod eagle3_cmd;
+mod inspect_text;
 mod npy;
 mod plot;
 mod progress;

@@ -126,7 +126,17 @@ impl RawNpy {
             .try_fold(1u64, |a, &b| a.checked_mul(b))
             .and_then(|c| c.checked_mul(width))
             .ok_or_else(|| bad("shape overflows".into()))?;
-        if (map.len().saturating_sub(offset)) as u64 != count || offset > map.len() {
+        let data = map.len().saturating_sub(offset) as u64;
+        if data < count {
+            return Err(bad(format!(
+                "truncated: {} of {} bytes (shape {shape:?} of {descr} needs {count} data bytes \
+                 after the {offset}-byte header); the file was cut short (an interrupted copy \
+                 or write): save it again",
+                map.len(),
+                (offset as u64).saturating_add(count)
+            )));
+        }
+        if data != count || offset > map.len() {
             return Err(bad(format!(
                 "holds {} data bytes, but shape {shape:?} of {descr} needs {count}",
                 map.len().saturating_sub(offset),
@@ -324,5 +334,32 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("needs 16"));
+    }
+
+    #[test]
+    fn a_truncated_file_says_truncated_x_of_y_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("a.npy");
+        let mut bytes = header(Dtype::F32, &[4]);
+        let h = bytes.len();
+        bytes.extend_from_slice(&[0; 8]); // 2 floats of the 4 promised
+        std::fs::write(&p, &bytes).unwrap();
+        let e = NpyArray::open(&p).unwrap_err();
+        assert!(matches!(e, Error::Format { .. }), "{e:?}");
+        assert_eq!(e.path(), Some(p.as_path()));
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("truncated: {} of {} bytes", h + 8, h + 16))
+                && msg.contains("save it again"),
+            "{msg}"
+        );
+        // More data than the shape needs is no truncation.
+        bytes.extend_from_slice(&[0; 12]);
+        std::fs::write(&p, &bytes).unwrap();
+        let msg = NpyArray::open(&p).unwrap_err().to_string();
+        assert!(
+            !msg.contains("truncated") && msg.contains("needs 16"),
+            "{msg}"
+        );
     }
 }

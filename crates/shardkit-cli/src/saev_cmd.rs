@@ -36,11 +36,12 @@ pub enum SaevCmd {
         path: PathBuf,
     },
 
-    /// Summarise a directory: version, shapes, layers, counts, sizes, completeness, hash recipe.
+    /// Summarise a directory: version, shapes, layers, counts, sizes, completeness, hash recipe
+    /// (text; --json for JSON).
     Inspect {
         /// The dataset directory.
         dir: PathBuf,
-        /// Print JSON.
+        /// Print the summary as JSON (stable keys, for scripts).
         #[arg(long)]
         json: bool,
     },
@@ -260,14 +261,8 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
             let v = inspect(&dir)?;
             if json {
                 println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
-            } else if let Value::Object(members) = v {
-                for (k, v) in members {
-                    let text = match &v {
-                        Value::String(s) => s.clone(),
-                        other => json::to_compact(other, false, Escape::Utf8),
-                    };
-                    println!("{k:<28} {text}");
-                }
+            } else {
+                crate::inspect_text::print(&v);
             }
             Ok(true)
         }
@@ -640,32 +635,115 @@ pub fn synth(args: &SynthArgs) -> Result<PathBuf> {
     w.finish()
 }
 
-/// A loader state as JSON: `{"seed": s, "epoch": e, "cursor": c, "global_batch_size": g}`.
+/// A loader state as JSON: `{"seed", "epoch", "cursor", "global_batch_size"}` (the position),
+/// then the parameters that decide the order (`order`, `layer`, `tokens`, `ignore_labels`,
+/// `drop_last`, `memory_budget`, `window_blocks`, `rows`), the same keys as Python's.
 pub fn state_json(st: &LoaderState) -> Value {
-    Value::Object(vec![
+    let mut kv = vec![
         ("seed".into(), Value::int(st.seed)),
         ("epoch".into(), Value::int(st.epoch)),
         ("cursor".into(), Value::int(st.cursor)),
         ("global_batch_size".into(), Value::int(st.global_batch_size)),
-    ])
+    ];
+    if let Some(o) = st.order {
+        kv.push(("order".into(), Value::String(o.name().into())));
+    }
+    if let Some(l) = st.layer {
+        kv.push((
+            "layer".into(),
+            match l {
+                LayerSel::Value(v) => Value::Number(v.to_string()),
+                LayerSel::All => Value::String("all".into()),
+            },
+        ));
+    }
+    if let Some(t) = st.tokens {
+        kv.push(("tokens".into(), Value::String(t.name().into())));
+    }
+    if let Some(v) = &st.ignore_labels {
+        let items = v.iter().map(|&x| Value::int(u64::from(x))).collect();
+        kv.push(("ignore_labels".into(), Value::Array(items)));
+    }
+    if let Some(d) = st.drop_last {
+        kv.push(("drop_last".into(), Value::Bool(d)));
+    }
+    for (k, v) in [
+        ("memory_budget", st.memory_budget),
+        ("window_blocks", st.window_blocks),
+        ("rows", st.rows),
+    ] {
+        if let Some(v) = v {
+            kv.push((k.into(), Value::int(v)));
+        }
+    }
+    Value::Object(kv)
 }
 
+/// A state written by `saev stream` (the order's parameters are optional: older states have
+/// only the position, and are checked on what they have).
 fn read_state(path: &Path) -> Result<LoaderState> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let v = json::parse(&bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    let bad = |k: &str, what: &str| Error::format(path, format!("state key {k:?} must be {what}"));
+    let opt = |k: &str| -> Result<Option<u64>> {
+        match v.get(k) {
+            None => Ok(None),
+            Some(x) => x
+                .as_i64()
+                .filter(|&x| x >= 0)
+                .map(|x| Some(x as u64))
+                .ok_or_else(|| bad(k, "a non-negative integer")),
+        }
+    };
     let field = |k: &str| {
-        v.get(k)
-            .and_then(Value::as_i64)
-            .filter(|&x| x >= 0)
-            .map(|x| x as u64)
+        opt(k)?
             .ok_or_else(|| Error::format(path, format!("state needs a non-negative integer {k:?}")))
     };
-    Ok(LoaderState {
-        seed: field("seed")?,
-        epoch: field("epoch")?,
-        cursor: field("cursor")?,
-        global_batch_size: field("global_batch_size")?,
-    })
+    let mut st = LoaderState::position(
+        field("seed")?,
+        field("epoch")?,
+        field("cursor")?,
+        field("global_batch_size")?,
+    );
+    let name = |k: &str| -> Result<Option<&str>> {
+        match v.get(k) {
+            None => Ok(None),
+            Some(x) => x.as_str().map(Some).ok_or_else(|| bad(k, "a string")),
+        }
+    };
+    st.order = name("order")?.map(str::parse).transpose()?;
+    st.tokens = name("tokens")?.map(str::parse).transpose()?;
+    st.layer = match v.get("layer") {
+        None => None,
+        Some(Value::String(s)) => Some(s.parse()?),
+        Some(x) => Some(LayerSel::Value(
+            x.as_i64()
+                .ok_or_else(|| bad("layer", "an integer or \"all\""))?,
+        )),
+    };
+    st.ignore_labels = match v.get("ignore_labels") {
+        None => None,
+        Some(Value::Array(items)) => Some(
+            items
+                .iter()
+                .map(|x| {
+                    x.as_i64()
+                        .and_then(|x| u8::try_from(x).ok())
+                        .ok_or_else(|| bad("ignore_labels", "a list of integers 0-255"))
+                })
+                .collect::<Result<Vec<u8>>>()?,
+        ),
+        Some(_) => return Err(bad("ignore_labels", "a list of integers 0-255")),
+    };
+    st.drop_last = match v.get("drop_last") {
+        None => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => return Err(bad("drop_last", "true or false")),
+    };
+    st.memory_budget = opt("memory_budget")?;
+    st.window_blocks = opt("window_blocks")?;
+    st.rows = opt("rows")?;
+    Ok(st)
 }
 
 fn stream_cmd(

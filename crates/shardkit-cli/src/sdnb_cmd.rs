@@ -22,7 +22,7 @@ const INDEX_FILE: &str = "sdnb-index.json";
 #[derive(Subcommand)]
 pub enum SdnbCmd {
     /// Open a container, checking its structure; with --deep also every byte against its
-    /// checksums sidecar (BASE.checksums.json).
+    /// checksums sidecar (NAME.checksums.json; a shard set's: BASE.shard-set.checksums.json).
     Validate {
         /// An .sdnb file, an .sdz archive, a shard file or a shard set's base name.
         file: PathBuf,
@@ -33,12 +33,14 @@ pub enum SdnbCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Hash the container's files into BASE.checksums.json beside it.
+    /// Hash the container's files into its sidecar beside it (NAME.checksums.json, or
+    /// BASE.shard-set.checksums.json for a shard set).
     Checksum {
         /// An .sdnb file, an .sdz archive, a shard file or a shard set's base name.
         path: PathBuf,
     },
-    /// List metadata, ops and variables (type, dtype, shape, storage, bytes).
+    /// List metadata, ops and variables (type, dtype, shape, storage, bytes); text, or JSON
+    /// with --json.
     Inspect {
         /// An .sdnb file, an .sdz archive, a shard file or a shard set's base name.
         file: PathBuf,
@@ -483,11 +485,8 @@ fn read_safetensors(
     meta: &mut Vec<(String, String)>,
 ) -> Result<()> {
     let map = map_file(path)?;
-    let (hlen, header) =
-        safetensors::SafeTensors::read_metadata(&map).map_err(|source| Error::Safetensors {
-            path: path.to_path_buf(),
-            source,
-        })?;
+    // The library's reader: a short file is "truncated: X of Y bytes", not the crate's words.
+    let (hlen, header) = shardkit::eagle3::read_header(&map, path)?;
     let data_start = 8 + hlen;
     let mut var_types: HashMap<String, VarType> = HashMap::new();
     if let Some(m) = header.metadata() {
@@ -571,9 +570,16 @@ fn read_npy(
             format!("numpy dtype {} has no SameDiff DType", raw.descr),
         )
     })?;
-    // bf16 and fp8 travel as uint16/uint8 bytes, their type named by the index.
+    // bf16 and fp8 travel as uint16/uint8 bytes, their type named by the index; any other
+    // disagreement (FLOAT for an int32 array) would reinterpret the bits, and is refused.
     let dtype = match dtype {
-        Some(d) if d.width() == natural.width() => d,
+        Some(d)
+            if d == natural
+                || (natural == DType::Uint16 && d == DType::Bfloat16)
+                || (natural == DType::Uint8 && d == DType::Float8) =>
+        {
+            d
+        }
         Some(d) => {
             return Err(Error::format(
                 path,
@@ -610,7 +616,16 @@ fn pack(a: PackArgs) -> Result<bool> {
             let v = json::parse(&text).map_err(|e| Error::format(&index, e.to_string()))?;
             if let Some(Value::Object(m)) = v.get("metadata") {
                 for (k, val) in m {
-                    meta.push((k.clone(), val.as_str().unwrap_or("").to_string()));
+                    let text = val.as_str().ok_or_else(|| {
+                        Error::format(
+                            &index,
+                            format!(
+                                "metadata {k:?} is not a string (SameDiff metadata maps \
+                                 strings to strings)"
+                            ),
+                        )
+                    })?;
+                    meta.push((k.clone(), text.to_string()));
                 }
             }
             let Some(Value::Array(arrays)) = v.get("arrays") else {
@@ -670,7 +685,24 @@ fn pack(a: PackArgs) -> Result<bool> {
     }
     for c in &a.constant {
         if !inputs.iter().any(|i| &i.name == c) {
-            return Err(Error::Invalid(format!("--constant {c:?}: no such tensor")));
+            let mut names: Vec<&str> = inputs.iter().map(|i| i.name.as_str()).collect();
+            names.sort_unstable();
+            let more = names.len().saturating_sub(20);
+            names.truncate(20);
+            return Err(Error::Invalid(format!(
+                "--constant {c:?}: no such tensor in {}; its tensors are {}{}",
+                a.from.display(),
+                names
+                    .iter()
+                    .map(|n| format!("{n:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if more > 0 {
+                    format!(" and {more} more")
+                } else {
+                    String::new()
+                }
+            )));
         }
     }
     // Command-line metadata overrides the input's.
@@ -751,7 +783,12 @@ fn unpack(file: &Path, out: &Path, as_npy: bool, force: bool) -> Result<bool> {
             }
             let fname = format!("{stem}.npy");
             let descr = v.dtype.numpy().ok_or_else(|| {
-                Error::Invalid(format!("{}: {} has no numpy dtype", v.name, v.dtype.name()))
+                Error::Invalid(format!(
+                    "variable {:?} cannot be unpacked: {} has no numpy dtype (only fixed-width \
+                     numbers and booleans unpack); keep the container for it",
+                    v.name,
+                    v.dtype.name()
+                ))
             })?;
             let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
             let mut bytes = npy::header_with(descr, t.order == Order::F, &shape);
@@ -794,7 +831,8 @@ fn unpack(file: &Path, out: &Path, as_npy: bool, force: bool) -> Result<bool> {
             let t = c.tensor_of(v)?;
             let dt = v.dtype.safetensors().ok_or_else(|| {
                 Error::Invalid(format!(
-                    "{}: {} has no safetensors dtype",
+                    "variable {:?} cannot be unpacked: {} has no safetensors dtype (only \
+                     fixed-width numbers and booleans unpack); keep the container for it",
                     v.name,
                     v.dtype.name()
                 ))

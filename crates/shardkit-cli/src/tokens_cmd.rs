@@ -20,10 +20,14 @@ pub enum TokensCmd {
     /// Append documents from JSONL (plain, zstd, gzip) or Parquet corpora to a split, creating
     /// the dataset as needed; tokenizes text with a Hugging Face tokenizer on every core.
     Build(BuildArgs),
-    /// Summarise both splits: format, completion, counts, max_token_id, sequence lengths.
+    /// Summarise both splits: format, completion, counts, max_token_id, sequence lengths
+    /// (text; --json for JSON).
     Inspect {
         /// The dataset (a zarr group holding train/ and validation/).
         dir: PathBuf,
+        /// Print the summary as JSON (stable keys, for scripts).
+        #[arg(long)]
+        json: bool,
     },
     /// Check every invariant of both splits and list every violation; exit 0 only when valid.
     Validate {
@@ -153,9 +157,13 @@ pub struct BatchArgs {
 pub fn run(cmd: TokensCmd) -> Result<bool> {
     match cmd {
         TokensCmd::Build(args) => build(args),
-        TokensCmd::Inspect { dir } => {
+        TokensCmd::Inspect { dir, json } => {
             let v = flat_tokens::inspect(&dir)?;
-            println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
+            if json {
+                println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
+            } else {
+                crate::inspect_text::print(&v);
+            }
             Ok(true)
         }
         TokensCmd::Validate {

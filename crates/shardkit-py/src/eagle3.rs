@@ -5,7 +5,6 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Writer};
@@ -13,7 +12,7 @@ use shardkit::json;
 
 use crate::{
     batch_views, contiguous, external_pool, format, held, json_of, obj, rank_world, record,
-    state_u64, to_py, Pass, RustBuffer, SendSlice, Storage,
+    state_opt, state_u64, to_py, Pass, RustBuffer, SendSlice, Storage,
 };
 
 /// {"name", "dtype" (code), "shape", "array"} of one field, for Python.
@@ -36,7 +35,7 @@ fn field_out<'py>(
 }
 
 fn closed() -> PyErr {
-    PyRuntimeError::new_err("the writer is closed")
+    crate::py_error("InvalidArgumentError", "the writer is closed")
 }
 
 /// Writes one cache directory.
@@ -69,7 +68,7 @@ impl Eagle3Writer {
         resume: bool,
     ) -> PyResult<Self> {
         let config = json::parse(manifest_json.as_bytes())
-            .map_err(|e| PyValueError::new_err(format!("manifest: {e}")))?;
+            .map_err(|e| crate::py_error("InvalidArgumentError", format!("manifest: {e}")))?;
         let options = eagle3::WriterOptions { version, resume };
         let w = py
             .allow_threads(|| Writer::create(cache_dir, &config, options))
@@ -307,7 +306,8 @@ impl Eagle3Loader {
     fn indices(&self) -> Vec<u64> {
         self.inner.indices()
     }
-    /// Switches to `epoch` from its start.
+    /// Switches to `epoch` from its start (right after `load_state_dict`, the state's epoch
+    /// keeps the loaded position).
     fn set_epoch(&mut self, epoch: u64) {
         self.inner.set_epoch(epoch);
     }
@@ -336,9 +336,19 @@ impl Eagle3Loader {
         d.set_item("batch", s.batch)?;
         d.set_item("batch_size", s.batch_size)?;
         d.set_item("world_size", s.world_size)?;
+        if let Some(b) = s.shuffle {
+            d.set_item("shuffle", b)?;
+        }
+        if let Some(b) = s.drop_last {
+            d.set_item("drop_last", b)?;
+        }
+        if let Some(n) = s.samples {
+            d.set_item("samples", n)?;
+        }
         Ok(d)
     }
-    /// Restores a position saved by `state_dict()`.
+    /// Restores a position saved by `state_dict()` (refused, naming each differing key, when it
+    /// was taken by a loader that would serve other samples).
     fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
         let get = |k: &str| state_u64(state, k);
         let s = LoaderState {
@@ -347,8 +357,16 @@ impl Eagle3Loader {
             batch: get("batch")?,
             batch_size: get("batch_size")?,
             world_size: get("world_size")?,
+            shuffle: state_opt::<bool>(state, "shuffle")?,
+            drop_last: state_opt::<bool>(state, "drop_last")?,
+            samples: state_opt::<u64>(state, "samples")?,
         };
         self.inner.load_state(s).map_err(to_py)
+    }
+    /// Whether a state was loaded and no pass has started since.
+    #[getter]
+    fn resumed(&self) -> bool {
+        self.inner.resumed()
     }
     /// The rest of the epoch from the loader's position, read ahead.
     fn iter(&self) -> Eagle3BatchIter {

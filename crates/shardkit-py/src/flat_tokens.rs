@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use pyo3::exceptions::{PyIndexError, PyRuntimeError};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use shardkit::flat_tokens::{
@@ -20,7 +20,7 @@ use crate::{
 };
 
 fn closed() -> PyErr {
-    PyRuntimeError::new_err("the writer is closed")
+    crate::py_error("InvalidArgumentError", "the writer is closed")
 }
 
 /// Appends sequences to one split, crash-safely.
@@ -253,9 +253,10 @@ impl TokensSplit {
         let n = self.inner.seq_count() as i64;
         let j = if i < 0 { i + n } else { i };
         if j < 0 || j >= n {
-            return Err(PyIndexError::new_err(format!(
-                "sequence {i} is out of range for {n} sequences"
-            )));
+            return Err(crate::py_error(
+                "OutOfRangeError",
+                format!("sequence {i} is out of range for {n} sequences"),
+            ));
         }
         let v = py
             .allow_threads(|| self.inner.ids(j as u64))

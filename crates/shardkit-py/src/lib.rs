@@ -35,7 +35,7 @@ pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
         E::Incomplete { .. } | E::Interrupted { .. } => ("IncompleteDatasetError", None),
         E::OutOfRange { .. } => ("OutOfRangeError", None),
         E::Format { .. } | E::Safetensors { .. } => ("CorruptDataError", None),
-        E::Invalid(_) | E::Missing(_) => ("InvalidArgumentError", None),
+        E::Invalid(_) | E::Missing(_) | E::Refused { .. } => ("InvalidArgumentError", None),
         E::Remote { .. } => ("RemoteError", None),
         // A thread the system refused to start: an OSError with its errno where there is one.
         E::Thread { source, .. } if source.raw_os_error().is_some() => ("", source.raw_os_error()),
@@ -61,6 +61,24 @@ pub(crate) fn to_py(e: shardkit::Error) -> PyErr {
             Some(_) => PyOSError::new_err(msg),
             None => PyValueError::new_err(msg),
         })
+    })
+}
+
+/// A `shardkit.errors` exception of `class` (e.g. "InvalidArgumentError", "OutOfRangeError")
+/// raised by the bindings themselves, for conditions the library does not see (an argument the
+/// bindings check). Falls back to the builtin only for a broken installation.
+pub(crate) fn py_error(class: &str, msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::with_gil(|py| {
+        py.import("shardkit.errors")
+            .and_then(|m| m.getattr(class))
+            .and_then(|c| c.call1((msg.as_str(),)))
+            .map(PyErr::from_value)
+            .unwrap_or_else(|_| match class {
+                "OutOfRangeError" => PyIndexError::new_err(msg),
+                "InternalError" => PyRuntimeError::new_err(msg),
+                _ => PyValueError::new_err(msg),
+            })
     })
 }
 
@@ -343,6 +361,22 @@ pub(crate) fn state_u64(state: &Bound<'_, PyDict>, k: &str) -> PyResult<u64> {
         .extract::<u64>()
 }
 
+/// Key `k` of a state dict, when it has it (states saved by older versions lack the order's
+/// parameters: they are checked on the keys they have).
+pub(crate) fn state_opt<'py, T: FromPyObject<'py>>(
+    state: &Bound<'py, PyDict>,
+    k: &str,
+) -> PyResult<Option<T>> {
+    match state.get_item(k)? {
+        None => Ok(None),
+        Some(v) => v.extract::<T>().map(Some).map_err(|_| {
+            to_py(shardkit::Error::Invalid(format!(
+                "state key {k:?} has a value of the wrong type: {v}"
+            )))
+        }),
+    }
+}
+
 pub(crate) fn json_of(v: &json::Value) -> String {
     json::to_compact(v, false, json::Escape::Utf8)
 }
@@ -353,14 +387,16 @@ pub(crate) fn contiguous<T: pyo3::buffer::Element>(
     what: &str,
 ) -> PyResult<PyBuffer<T>> {
     let buf = PyBuffer::<T>::get(obj).map_err(|e| {
-        PyValueError::new_err(format!(
-            "{what}: {e} (convert with numpy.ascontiguousarray)"
-        ))
+        py_error(
+            "InvalidArgumentTypeError",
+            format!("{what}: {e} (convert with numpy.ascontiguousarray)"),
+        )
     })?;
     if !buf.is_c_contiguous() {
-        return Err(PyValueError::new_err(format!(
-            "{what} must be C-contiguous (use numpy.ascontiguousarray)"
-        )));
+        return Err(py_error(
+            "InvalidArgumentError",
+            format!("{what} must be C-contiguous (use numpy.ascontiguousarray)"),
+        ));
     }
     Ok(buf)
 }
@@ -417,7 +453,7 @@ impl Writer {
         resume: bool,
     ) -> PyResult<Self> {
         let v = json::parse(metadata_json.as_bytes())
-            .map_err(|e| PyValueError::new_err(format!("metadata: {e}")))?;
+            .map_err(|e| py_error("InvalidArgumentError", format!("metadata: {e}")))?;
         let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
         let shape = (
             md.n_examples() as usize,
@@ -492,10 +528,13 @@ impl Writer {
         let a = contiguous::<f32>(acts, "acts (float32)")?;
         let s = a.shape();
         if s.len() != 4 || s[1] != l || s[2] != t || s[3] != d {
-            return Err(PyValueError::new_err(format!(
-                "acts must have shape (b, {l}, {t}, {d}) = (batch, layers, tokens_per_example, \
-                 d_model); got {s:?}"
-            )));
+            return Err(py_error(
+                "InvalidArgumentError",
+                format!(
+                    "acts must have shape (b, {l}, {t}, {d}) = (batch, layers, \
+                     tokens_per_example, d_model); got {s:?}"
+                ),
+            ));
         }
         let lab = match labels {
             None => None,
@@ -503,10 +542,14 @@ impl Writer {
                 let b = contiguous::<u8>(obj, "labels (uint8)")?;
                 let ls = b.shape();
                 if ls.len() != 2 || ls[0] != s[0] || ls[1] != self.content_tokens {
-                    return Err(PyValueError::new_err(format!(
-                        "labels must have shape ({}, {}) = (batch, content tokens); got {ls:?}",
-                        s[0], self.content_tokens
-                    )));
+                    return Err(py_error(
+                        "InvalidArgumentError",
+                        format!(
+                            "labels must have shape ({}, {}) = (batch, content tokens); got \
+                             {ls:?}",
+                            s[0], self.content_tokens
+                        ),
+                    ));
                 }
                 Some(b)
             }
@@ -514,7 +557,7 @@ impl Writer {
         let w = self
             .inner
             .as_mut()
-            .ok_or_else(|| PyRuntimeError::new_err("the writer is closed"))?;
+            .ok_or_else(|| py_error("InvalidArgumentError", "the writer is closed"))?;
         let acts_s = SendSlice(a.buf_ptr() as *const f32, a.item_count());
         let lab_s = lab
             .as_ref()
@@ -529,7 +572,7 @@ impl Writer {
         let w = self
             .inner
             .take()
-            .ok_or_else(|| PyRuntimeError::new_err("the writer is already closed"))?;
+            .ok_or_else(|| py_error("InvalidArgumentError", "the writer is already closed"))?;
         py.allow_threads(|| w.finish())
             .map(|p| p.display().to_string())
             .map_err(to_py)
@@ -622,8 +665,14 @@ impl Dataset {
         tokens: Vec<i64>,
     ) -> PyResult<RustBuffer> {
         if examples.len() != layers.len() || examples.len() != tokens.len() {
-            return Err(PyValueError::new_err(
-                "examples, layers and tokens must have the same length",
+            return Err(py_error(
+                "InvalidArgumentError",
+                format!(
+                    "examples, layers and tokens must have the same length, got {}, {} and {}",
+                    examples.len(),
+                    layers.len(),
+                    tokens.len()
+                ),
             ));
         }
         let mut coords = Vec::with_capacity(examples.len());
@@ -659,9 +708,13 @@ impl Dataset {
         let n = view.len() as i64;
         let i = if i < 0 { i + n } else { i };
         if i < 0 || i >= n {
-            return Err(PyIndexError::new_err(format!(
-                "index out of range for {n} rows"
-            )));
+            return Err(py_error(
+                "OutOfRangeError",
+                format!(
+                    "{}: row {i} is out of range for {n} rows",
+                    self.inner.path().display()
+                ),
+            ));
         }
         let row = py.allow_threads(|| view.get(i as u64)).map_err(to_py)?;
         let d = row.act.len();
@@ -689,7 +742,8 @@ pub(crate) fn rank_world(py: Python<'_>, (rank, world): (u64, u64)) -> PyResult<
 }
 
 fn index(i: i64, what: &str) -> PyResult<u64> {
-    u64::try_from(i).map_err(|_| PyIndexError::new_err(format!("{what} index {i} is negative")))
+    u64::try_from(i)
+        .map_err(|_| py_error("OutOfRangeError", format!("{what} index {i} is negative")))
 }
 
 /// Ordered or shuffled batches of a saev directory.
@@ -728,7 +782,12 @@ impl Loader {
             s.parse::<saev::LayerSel>().map_err(to_py)?
         } else {
             saev::LayerSel::Value(layer.extract::<i64>().map_err(|_| {
-                PyValueError::new_err("layer must be an int (recorded layer value) or \"all\"")
+                py_error(
+                    "InvalidArgumentTypeError",
+                    format!(
+                        "layer must be a recorded layer value (an integer) or \"all\", got {layer}"
+                    ),
+                )
             })?)
         };
         let mut o = saev::LoaderOptions::new(layer);
@@ -775,11 +834,11 @@ impl Loader {
     fn epoch(&self) -> u64 {
         self.inner.options().epoch
     }
-    /// Switches epoch (and rewinds to its start).
+    /// Switches epoch (and rewinds to its start; right after `load_state_dict`, the state's
+    /// epoch keeps the loaded position).
     fn set_epoch(&mut self, epoch: u64) -> PyResult<()> {
         self.inner.set_epoch(epoch).map_err(to_py)
     }
-    /// The resumable state: {"seed", "epoch", "cursor", "global_batch_size"}.
     /// Bytes of the `act` buffer of a full batch.
     #[getter]
     fn batch_bytes(&self) -> u64 {
@@ -796,6 +855,9 @@ impl Loader {
             .set_batch_buffers(external_pool(keeper, regions)?);
         Ok(())
     }
+    /// The resumable state: {"seed", "epoch", "cursor", "global_batch_size"} and the order's
+    /// parameters ("order", "layer", "tokens", "ignore_labels", "drop_last", "memory_budget",
+    /// "window_blocks", "rows").
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let st = self.inner.state();
         let d = PyDict::new(py);
@@ -803,17 +865,68 @@ impl Loader {
         d.set_item("epoch", st.epoch)?;
         d.set_item("cursor", st.cursor)?;
         d.set_item("global_batch_size", st.global_batch_size)?;
+        if let Some(o) = st.order {
+            d.set_item("order", o.name())?;
+        }
+        match st.layer {
+            Some(saev::LayerSel::Value(v)) => d.set_item("layer", v)?,
+            Some(saev::LayerSel::All) => d.set_item("layer", "all")?,
+            None => {}
+        }
+        if let Some(t) = st.tokens {
+            d.set_item("tokens", t.name())?;
+        }
+        if let Some(v) = st.ignore_labels {
+            d.set_item(
+                "ignore_labels",
+                v.into_iter().map(u64::from).collect::<Vec<u64>>(),
+            )?;
+        }
+        if let Some(b) = st.drop_last {
+            d.set_item("drop_last", b)?;
+        }
+        for (k, v) in [
+            ("memory_budget", st.memory_budget),
+            ("window_blocks", st.window_blocks),
+            ("rows", st.rows),
+        ] {
+            if let Some(v) = v {
+                d.set_item(k, v)?;
+            }
+        }
         Ok(d)
     }
-    /// Restores a state from `state_dict()`.
+    /// Restores a state from `state_dict()` (refused, naming each differing key, when it was
+    /// taken by a loader that would serve other rows).
     fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
         let get = |k: &str| state_u64(state, k);
-        let st = saev::LoaderState {
-            seed: get("seed")?,
-            epoch: get("epoch")?,
-            cursor: get("cursor")?,
-            global_batch_size: get("global_batch_size")?,
+        let mut st = saev::LoaderState::position(
+            get("seed")?,
+            get("epoch")?,
+            get("cursor")?,
+            get("global_batch_size")?,
+        );
+        st.order = state_opt::<String>(state, "order")?
+            .map(|s| s.parse::<Order>())
+            .transpose()
+            .map_err(to_py)?;
+        st.tokens = state_opt::<String>(state, "tokens")?
+            .map(|s| s.parse::<saev::TokenMode>())
+            .transpose()
+            .map_err(to_py)?;
+        st.layer = match state.get_item("layer")? {
+            None => None,
+            Some(v) => Some(if let Ok(s) = v.extract::<String>() {
+                s.parse::<saev::LayerSel>().map_err(to_py)?
+            } else {
+                saev::LayerSel::Value(state_opt::<i64>(state, "layer")?.unwrap_or_default())
+            }),
         };
+        st.ignore_labels = state_opt::<Vec<u8>>(state, "ignore_labels")?;
+        st.drop_last = state_opt::<bool>(state, "drop_last")?;
+        st.memory_budget = state_opt::<u64>(state, "memory_budget")?;
+        st.window_blocks = state_opt::<u64>(state, "window_blocks")?;
+        st.rows = state_opt::<u64>(state, "rows")?;
         self.inner.load_state(st).map_err(to_py)
     }
     /// Runs the rest of the epoch entirely in Rust and returns the payload bytes (for

@@ -6,7 +6,6 @@ use std::ffi::CStr;
 use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use shardkit::sdnb::{self, Container, DType, Format, Order, SaveOptions, TensorIn, VarType};
@@ -57,7 +56,12 @@ impl SdnbContainer {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
-            .ok_or_else(|| PyValueError::new_err(format!("{}: the container is closed", self.path)))
+            .ok_or_else(|| {
+                crate::py_error(
+                    "InvalidArgumentError",
+                    format!("{}: the container is closed", self.path),
+                )
+            })
     }
 }
 
@@ -159,11 +163,14 @@ impl SdnbContainer {
         // From an object store the first access fetches the blob: without the GIL.
         let t = py.allow_threads(|| c.tensor(name)).map_err(to_py)?;
         let fmt = format(t.dtype).ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "{}: variable {name:?} has dtype {}, which has no numpy equivalent",
-                self.path,
-                t.dtype.name()
-            ))
+            crate::py_error(
+                "InvalidArgumentError",
+                format!(
+                    "{}: variable {name:?} has dtype {}, which has no numpy equivalent",
+                    self.path,
+                    t.dtype.name()
+                ),
+            )
         })?;
         // The reader checked that data variables have non-negative dimensions; refuse rather
         // than wrap if that ever fails.
@@ -173,10 +180,13 @@ impl SdnbContainer {
             .map(|&d| usize::try_from(d))
             .collect::<Result<Vec<usize>, _>>()
             .map_err(|_| {
-                PyValueError::new_err(format!(
-                    "{}: variable {name:?} has a negative dimension {:?}",
-                    self.path, t.shape
-                ))
+                crate::py_error(
+                    "CorruptDataError",
+                    format!(
+                        "{}: variable {name:?} has a negative dimension {:?}",
+                        self.path, t.shape
+                    ),
+                )
             })?;
         let fortran = t.order == Order::F;
         let (dtype, bytes) = (t.dtype.name(), t.bytes);
@@ -210,10 +220,13 @@ fn save_options(
     };
     // The library ignores a shard size for a single file; a caller asking for both erred.
     if format == Format::Sdnb && shard_size.is_some() {
-        return Err(PyValueError::new_err(format!(
-            "{}: shard_size needs format \"sharded\" or \"sdz\"",
-            path.display()
-        )));
+        return Err(crate::py_error(
+            "InvalidArgumentError",
+            format!(
+                "{}: shard_size needs format \"sharded\" or \"sdz\"",
+                path.display()
+            ),
+        ));
     }
     Ok(SaveOptions {
         format,
@@ -259,10 +272,10 @@ pub fn sdnb_save(
     opts.progress = progress.map(py_progress);
     // Only an archive has room for them; the library would drop them silently.
     if !extra_entries.is_empty() && opts.format != Format::Sdz {
-        return Err(PyValueError::new_err(format!(
-            "{}: extra_entries need an SDZ archive",
-            path.display()
-        )));
+        return Err(crate::py_error(
+            "InvalidArgumentError",
+            format!("{}: extra_entries need an SDZ archive", path.display()),
+        ));
     }
     opts.align = align;
     opts.slack = slack;
@@ -280,9 +293,10 @@ pub fn sdnb_save(
             "c" => Order::C,
             "f" => Order::F,
             other => {
-                return Err(PyValueError::new_err(format!(
-                    "tensor {name:?}: order must be \"c\" or \"f\", not {other:?}"
-                )))
+                return Err(crate::py_error(
+                    "InvalidArgumentError",
+                    format!("tensor {name:?}: order must be \"c\" or \"f\", not {other:?}"),
+                ))
             }
         };
         let buf = contiguous::<u8>(&data, &format!("tensor {name:?} (bytes)"))?;

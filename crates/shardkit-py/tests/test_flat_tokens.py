@@ -54,14 +54,14 @@ def test_bad_ids_are_refused_before_anything_is_appended(tmp_path):
     with flat_tokens.Writer(path, "train") as w:
         w.append([[5, 6]])
         for bad, words in [
-            ([[1], [2, 2**31]], "sequence 1: token id 2147483648"),
-            ([[-1]], "token id -1"),
+            ([[1], [2, 2**31]], "refused `token ids` at sequence 1 of this append, position 1: 2147483648"),
+            ([[-1]], "at sequence 0 of this append, position 0: -1 "),
             ([np.array([2**63], dtype=np.uint64)], "9223372036854775808"),
             ([[2**70]], "1180591620717411303424"),
-            ([[1.5]], "must be integers"),
+            ([[1.5]], "must hold integers"),
             ([[[1, 2]]], "1-D"),
         ]:
-            with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+            with pytest.raises(shardkit.InvalidArgumentError, match=words.replace("(", r"\(")):
                 w.append(bad)
         assert (w.seq_count, w.token_count) == (1, 2)
         w.append([np.array([flat_tokens.MAX_TOKEN_ID], dtype=np.int64)])

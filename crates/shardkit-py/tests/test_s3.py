@@ -1737,9 +1737,9 @@ def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
     # Deep validation checks the object against its sidecar in the store, block by block.
     deep = sdnb.validate(url, deep=True)
     assert deep["valid"] and "no checksums sidecar" in json.dumps(deep), deep
-    sidecar = tmp_path / "m.checksums.json"
+    sidecar = tmp_path / "m.sdnb.checksums.json"
     assert sidecar.is_file(), "sdnb.save records checksums"
-    shardkit.upload(sidecar, f"s3://{bucket}/models/m.checksums.json")
+    shardkit.upload(sidecar, f"s3://{bucket}/models/m.sdnb.checksums.json")
     deep = sdnb.validate(url, deep=True)
     assert deep["valid"] and "every block matches" in json.dumps(deep), deep
     damaged = bytearray(model.read_bytes())
@@ -1755,7 +1755,7 @@ def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
     sdnb.save(tmp_path / "set" / "s.sdnb", {"w": w, "big": big}, shard_size=4_000_000)
     for f in sorted((tmp_path / "set").iterdir()):
         shardkit.upload(f, f"s3://{bucket}/models/{f.name}")
-    shards = sorted(p.name for p in (tmp_path / "set").iterdir() if ".shard" in p.name)
+    shards = sorted(p.name for p in (tmp_path / "set").iterdir() if p.name.endswith(".sdnb"))
     assert len(shards) >= 2
     for name in ["s.sdnb", shards[-1]]:
         s = sdnb.open(f"s3://{bucket}/models/{name}")
@@ -1763,6 +1763,11 @@ def test_sdnb_tensors_are_read_by_range(tmp_path: Path, s3: S3, env: Dict[str, s
         np.testing.assert_array_equal(s["big"], big)
         np.testing.assert_array_equal(s["w"], w)
     assert sdnb.validate(f"s3://{bucket}/models/s.sdnb")["valid"]
+    # The set's own sidecar (s.shard-set.checksums.json) is found from its base name, in place.
+    deep = sdnb.validate(f"s3://{bucket}/models/s.sdnb", deep=True)
+    assert deep["valid"] and not deep["errors"], deep
+    assert any(n["message"].startswith(f"checksums: {len(shards)} file(s)") for n in deep["notes"]), deep
+    assert shardkit.verify(f"s3://{bucket}/models/s.sdnb") == {"sidecar": True, "intact": True, "damage": []}
 
     # Refusals name the object: a missing shard, a missing object, a non-container, an edit.
     s3.client().delete_object(Bucket=bucket, Key=f"models/{shards[0]}")
@@ -2451,6 +2456,7 @@ def test_the_cli_takes_store_urls_for_every_format(tmp_path: Path, s3: S3, env: 
     run("upload", local, url)
     datasets["tokens"] = (local, url)
     same_output("tokens", "inspect", url=url, local=local)
+    same_output("tokens", "inspect", "--json", url=url, local=local)
     same_output("tokens", "validate", url=url, local=local)
     step = ["tokens", "batch", "--len", 16, "--batch", 4, "--read-blocks", 4, "--block", 8, "--step", 3]
     assert '"targets"' in same_output(*step, url=url, local=local)
@@ -2473,7 +2479,8 @@ def test_the_cli_takes_store_urls_for_every_format(tmp_path: Path, s3: S3, env: 
     url = f"s3://{bucket}/cache"
     run("upload", local, url)
     datasets["eagle3"] = (local, url)
-    assert '"complete": true' in same_output("eagle3", "inspect", url=url, local=local)
+    assert '"complete": true' in same_output("eagle3", "inspect", "--json", url=url, local=local)
+    same_output("eagle3", "inspect", url=url, local=local)
     same_output("eagle3", "validate", url=url, local=local)
     assert "every block matches" in run("eagle3", "validate", "--deep", url).stdout
     refused = run("eagle3", "set-version", url, 2, ok=False).stderr

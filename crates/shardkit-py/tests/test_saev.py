@@ -139,7 +139,9 @@ def test_shuffled_is_exactly_once_deterministic_and_resumable(order):
     head = [next(it) for _ in range(3)]
     state = a.state_dict()
     assert state == {"format": "saev", "seed": 3, "epoch": 0, "batch": 3, "batch_size": 4, "world_size": 1,
-                     "cursor": 12, "global_batch_size": 4}
+                     "cursor": 12, "global_batch_size": 4, "order": order, "layer": -1, "tokens": "content",
+                     "ignore_labels": [], "drop_last": False, "memory_budget": 1 << 30,
+                     "window_blocks": 7, "rows": 28}
     b = mk()
     b.load_state_dict(state)
     assert keys(head) + keys(list(b)) == full

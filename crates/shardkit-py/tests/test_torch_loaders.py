@@ -152,7 +152,7 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="host_buffers must be"):
         sktorch.SaevLoader(*args, device="cpu", host_buffers="shared", **kw)
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+        with pytest.raises(shardkit.InvalidArgumentError, match="torch sees no CUDA device"):
             sktorch.SaevLoader(*args, device="cuda", **kw)
 
 

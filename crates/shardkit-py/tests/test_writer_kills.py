@@ -73,7 +73,7 @@ def visible(snap):
 
 def is_sidecar(path):
     """shardkit's checksums sidecar: `shardkit.checksums.json` in a dataset directory,
-    `BASE.checksums.json` beside a container."""
+    `NAME.checksums.json` (a shard set's `BASE.shard-set.checksums.json`) beside a container."""
     return os.path.basename(path).endswith("checksums.json")
 
 
@@ -716,7 +716,7 @@ def test_sdnb_shard_set_journal_hides_the_old_set(tmp_path):
     new_names = [os.path.basename(p) for p in sdnb.save(d / "model.sdnb", small, metadata, shard_size=1 << 20,
                                                         progress=False)]
     assert len(new_names) < len(old_names)
-    assert sorted(os.listdir(d)) == sorted(new_names + ["model.checksums.json"]), os.listdir(d)
+    assert sorted(os.listdir(d)) == sorted(new_names + ["model.shard-set.checksums.json"]), os.listdir(d)
     assert_model(d / "model.sdnb", small)
 
 

@@ -2,8 +2,13 @@
 //! dataset, kept in a sidecar that the reference readers never open.
 //!
 //! The sidecar is `shardkit.checksums.json` inside a dataset directory (saev, EAGLE-3,
-//! flat-tokens), or `BASE.checksums.json` beside a single-file container (an SDNB file, a shard
-//! set, an SDZ archive; BASE is the container's name without extension or shard suffix):
+//! flat-tokens); beside a container it is named after that container, so that containers in one
+//! directory never share one: `NAME.checksums.json` for an SDNB file or SDZ archive named NAME
+//! (`m.sdnb.checksums.json`, `m.sdz.checksums.json`), `BASE.shard-set.checksums.json` for the
+//! shard set `BASE.shard<i>-of-<N>.sdnb`. Earlier versions wrote `BASE.checksums.json` (BASE: the
+//! name without extension or shard suffix) for all three; such a sidecar is still read for the
+//! container whose files it covers, when the container has none of the new name, and is removed
+//! when a new one is written for that container.
 //!
 //! ```json
 //! {"shardkit_checksums": 1, "algorithm": "xxh3-64", "files": {
@@ -14,6 +19,12 @@
 //! into blocks of `block_bytes` (a power of two, at least 1 MiB, and large enough that a file has
 //! at most 4,096 blocks); `xxh3[i]` is the 16-hex-digit XXH3-64 (seed 0) of block `i`, the last
 //! block being the file's remainder. Blocks let random readers verify only what they read.
+//!
+//! While shardkit changes files of a dataset that has a sidecar (`Change`), the sidecar also
+//! holds `"previous": {NAME: {...} | null}`: the state each changing file had before, which it
+//! also verifies against (`null`: the file did not exist). This keeps `validate --deep` passing
+//! at every instant of a change that a kill may interrupt; the entry is dropped when the change
+//! is done (readers of earlier versions ignore it).
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -176,10 +187,10 @@ impl std::fmt::Display for Damage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{}: bytes {}..{}: {}",
+            "{}: bytes {} to {}: {}",
             self.file.display(),
             self.range.start,
-            self.range.end,
+            self.range.end.saturating_sub(1),
             self.what
         )
     }
@@ -190,6 +201,9 @@ impl std::fmt::Display for Damage {
 pub struct Checksums {
     /// Every file covered.
     pub files: BTreeMap<String, FileSums>,
+    /// Files that a change in progress (or one a kill interrupted) is replacing: the state each
+    /// had before (None: it did not exist). Such a file verifies against either state.
+    pub previous: BTreeMap<String, Option<FileSums>>,
 }
 
 impl Checksums {
@@ -229,6 +243,25 @@ impl Checksums {
             out.files
                 .insert(name.clone(), FileSums::from_json(f, name, path)?);
         }
+        match v.get("previous") {
+            None => {}
+            Some(Value::Object(prev)) => {
+                for (name, f) in prev {
+                    if !out.files.contains_key(name) {
+                        return Err(Error::format(
+                            path,
+                            format!("previous[{name:?}]: names a file that `files` does not"),
+                        ));
+                    }
+                    let sums = match f {
+                        Value::Null => None,
+                        f => Some(FileSums::from_json(f, name, path)?),
+                    };
+                    out.previous.insert(name.clone(), sums);
+                }
+            }
+            Some(_) => return Err(Error::format(path, "`previous` must be an object")),
+        }
         Ok(out)
     }
 
@@ -238,7 +271,7 @@ impl Checksums {
     }
 
     fn to_json(&self) -> Vec<(String, Value)> {
-        vec![
+        let mut out = vec![
             ("shardkit_checksums".into(), Value::int(1)),
             ("algorithm".into(), Value::String("xxh3-64".into())),
             (
@@ -250,7 +283,41 @@ impl Checksums {
                         .collect(),
                 ),
             ),
-        ]
+        ];
+        // Only while a change is in flight: a settled sidecar has exactly the three keys.
+        if !self.previous.is_empty() {
+            out.push((
+                "previous".into(),
+                Value::Object(
+                    self.previous
+                        .iter()
+                        .map(|(k, s)| {
+                            (k.clone(), s.as_ref().map_or(Value::Null, FileSums::to_json))
+                        })
+                        .collect(),
+                ),
+            ));
+        }
+        out
+    }
+
+    /// What file `name` of `len` bytes (None: absent) is checked against: the recorded hashes,
+    /// or its previous state's while a change is replacing it, and per block an alternative
+    /// (a file rewritten in place verifies while each block is either old or new). None: the
+    /// file's absence is expected (a change is creating it).
+    fn expected(&self, name: &str, len: Option<u64>) -> Option<(&FileSums, Option<&FileSums>)> {
+        let sums = self.files.get(name)?;
+        let Some(prev) = self.previous.get(name) else {
+            return Some((sums, None));
+        };
+        match (prev, len) {
+            (None, None) => None,
+            (Some(p), Some(len)) if len != sums.bytes && len == p.bytes => Some((p, None)),
+            (Some(p), _) if p.bytes == sums.bytes && p.block_bytes == sums.block_bytes => {
+                Some((sums, Some(p)))
+            }
+            _ => Some((sums, None)),
+        }
     }
 
     /// Intact (every recorded file and byte) when `damage` is empty, else damaged.
@@ -265,19 +332,27 @@ impl Checksums {
         }
     }
 
-    /// Checks every file below `base`: present, of the recorded length, every block matching.
+    /// Checks every file below `base`: present, of the recorded length, every block matching
+    /// (or matching the state a change in progress replaces, see [`Checksums::previous`]).
     pub fn verify(&self, base: &Path) -> Vec<Damage> {
         let mut out: Vec<Damage> = self
             .files
             .par_iter()
-            .flat_map_iter(|(name, sums)| verify_file(&base.join(name), sums))
+            .flat_map_iter(|(name, _)| {
+                let path = base.join(name);
+                match self.expected(name, fsutil::regular_file_len(&path)) {
+                    Some((sums, alt)) => verify_file(&path, sums, alt),
+                    None => Vec::new(),
+                }
+            })
             .collect();
         out.sort_by(|a, b| (&a.file, a.range.start).cmp(&(&b.file, b.range.start)));
         out
     }
 }
 
-fn verify_file(path: &Path, sums: &FileSums) -> Vec<Damage> {
+/// Checks `path` against `sums`; a block also passes when it matches the same block of `alt`.
+fn verify_file(path: &Path, sums: &FileSums, alt: Option<&FileSums>) -> Vec<Damage> {
     let damage = |range: Range<u64>, what: String| Damage {
         file: path.to_path_buf(),
         range,
@@ -301,7 +376,7 @@ fn verify_file(path: &Path, sums: &FileSums) -> Vec<Damage> {
         let r = sums.block(i);
         let n = (r.end - r.start) as usize;
         match f.read_exact(&mut buf[..n]) {
-            Ok(()) if xxh3_64(&buf[..n]) == want => {}
+            Ok(()) if block_matches(xxh3_64(&buf[..n]), want, alt, i) => {}
             Ok(()) => out.push(damage(r, "does not match its checksum".into())),
             Err(_) => {
                 // Reported above as a length mismatch; nothing more to read.
@@ -312,10 +387,38 @@ fn verify_file(path: &Path, sums: &FileSums) -> Vec<Damage> {
     out
 }
 
+/// Whether a block hashing to `h` is good: `want`, or block `i` of the alternative state.
+fn block_matches(h: u64, want: u64, alt: Option<&FileSums>, i: usize) -> bool {
+    h == want || alt.and_then(|a| a.blocks.get(i)) == Some(&h)
+}
+
 /// Where the sidecar of the dataset at `path` lives, the directory its names are relative to,
 /// and the dataset's files (relative names). A directory is every regular file below it but
-/// the sidecar, writers' temporaries and lock files; a file is an SDNB container's files.
+/// the sidecar, writers' temporaries and lock files; anything else is an SDNB container (a
+/// file, an archive, a shard file or a shard set's base name, as [`crate::sdnb::open`] takes
+/// it), whose files are its parts. The sidecar is the one in use: the container's own, or one
+/// an earlier version wrote under the old shared name when only it covers the container.
 pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
+    let l = locate(path)?;
+    Ok((l.sidecar, l.base, l.names))
+}
+
+/// A dataset's sidecar and files (see [`dataset_files`]).
+pub(crate) struct Located {
+    /// The sidecar in use (read, and rewritten by a [`Change`]).
+    pub sidecar: PathBuf,
+    /// Where a sidecar written afresh goes (the container's own name).
+    pub fresh: PathBuf,
+    /// A sidecar of the old shared name that covers this container (removed once `fresh`
+    /// is written).
+    pub legacy: Option<PathBuf>,
+    /// The directory the names are relative to.
+    pub base: PathBuf,
+    /// The dataset's files.
+    pub names: Vec<String>,
+}
+
+fn locate(path: &Path) -> Result<Located> {
     if crate::storage::is_remote(path) {
         return Err(Error::Invalid(format!(
             "{}: checksums are recorded on local files (a writer given a URL records them \
@@ -325,17 +428,32 @@ pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
         )));
     }
     let path = &crate::storage::local_path(path);
-    let meta = std::fs::metadata(path).at(path)?;
-    if meta.is_dir() {
+    // A path that does not exist may still name a container: a shard set's base name.
+    if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
         let mut names = Vec::new();
         walk(path, "", &mut names)?;
         names.sort();
-        return Ok((path.join(SIDECAR), path.to_path_buf(), names));
+        let sidecar = path.join(SIDECAR);
+        return Ok(Located {
+            fresh: sidecar.clone(),
+            sidecar,
+            legacy: None,
+            base: path.to_path_buf(),
+            names,
+        });
     }
     let c = crate::sdnb::open(path)?;
-    let dir = fsutil::parent_of(path).to_path_buf();
-    let names = c
-        .files()
+    locate_container(&c)
+}
+
+/// [`locate`] for a container already open (local).
+pub(crate) fn locate_container(c: &crate::sdnb::Container) -> Result<Located> {
+    let files = c.files();
+    let first = files
+        .first()
+        .ok_or_else(|| Error::format(c.path(), "has no files"))?;
+    let dir = fsutil::parent_of(first).to_path_buf();
+    let names: Vec<String> = files
         .iter()
         .map(|p| {
             p.file_name()
@@ -343,20 +461,110 @@ pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
                 .unwrap_or_default()
         })
         .collect();
-    Ok((dir.join(sidecar_name(path)), dir, names))
+    let sharded = matches!(c.kind(), crate::sdnb::Kind::Sharded { .. });
+    let named = match sharded {
+        true => names
+            .iter()
+            .find(|n| crate::sdnb::sdz::parse_shard_name(n).is_some())
+            .unwrap_or(&names[0]),
+        false => &names[0],
+    };
+    let (own, old) = container_sidecar_names(named, sharded);
+    let fresh = dir.join(&own);
+    let legacy = (old != own)
+        .then(|| dir.join(&old))
+        .filter(|p| legacy_covers(p, named, sharded));
+    let sidecar = match &legacy {
+        Some(l) if !fresh.exists() => l.clone(),
+        _ => fresh.clone(),
+    };
+    Ok(Located {
+        sidecar,
+        fresh,
+        legacy,
+        base: dir,
+        names,
+    })
 }
 
-/// `BASE.checksums.json` for a container file.
-pub(crate) fn sidecar_name(container: &Path) -> String {
-    let name = container
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let base = match crate::sdnb::sdz::parse_shard_name(&name) {
+/// The sidecar names of a container whose (first) file is named `name`: its own
+/// (`NAME.checksums.json`, or `BASE.shard-set.checksums.json` for a shard set), and the name
+/// earlier versions gave every container of that base (`BASE.checksums.json`).
+pub(crate) fn container_sidecar_names(name: &str, sharded: bool) -> (String, String) {
+    let base = match crate::sdnb::sdz::parse_shard_name(name) {
         Some((b, _, _)) => b,
-        None => crate::sdnb::base_name(&name),
+        None => crate::sdnb::base_name(name),
     };
-    format!("{base}.checksums.json")
+    let own = if sharded {
+        format!("{base}.shard-set.checksums.json")
+    } else {
+        format!("{name}.checksums.json")
+    };
+    (own, format!("{base}.checksums.json"))
+}
+
+/// Whether the sidecar of the old shared name in `bytes` covers the container named `name`
+/// (every file it records is that file, or a shard of that set): it belongs to another
+/// container of the same base otherwise (`m.sdnb`'s beside `m.sdz`).
+fn legacy_bytes_cover(bytes: &[u8], at: &Path, name: &str, sharded: bool) -> bool {
+    let Ok(sums) = Checksums::parse(bytes, at) else {
+        return false;
+    };
+    let base = match crate::sdnb::sdz::parse_shard_name(name) {
+        Some((b, _, _)) => b,
+        None => crate::sdnb::base_name(name),
+    };
+    !sums.files.is_empty()
+        && sums.files.keys().all(|k| match sharded {
+            true => crate::sdnb::sdz::parse_shard_name(k).is_some_and(|(b, _, _)| b == base),
+            false => k == name,
+        })
+}
+
+/// Before the container `dir/name` (a shard set when `sharded`: `name` is its base name or a
+/// shard's) is written anew: removes its sidecars (its own, and one of the old shared name
+/// that covers it), so that none outlives the overwrite as a stale record; a kill before the
+/// new one is written leaves the container without a sidecar, which `validate --deep` notes
+/// and saving again adds. Returns what was removed, for [`put_back_sidecars`].
+pub(crate) fn take_container_sidecars(
+    dir: &Path,
+    name: &str,
+    sharded: bool,
+) -> Result<Vec<(PathBuf, Vec<u8>)>> {
+    let (own, old) = container_sidecar_names(name, sharded);
+    let mut taken = Vec::new();
+    let mut paths = vec![dir.join(&own)];
+    if old != own && legacy_covers(&dir.join(&old), name, sharded) {
+        paths.push(dir.join(&old));
+    }
+    for p in paths {
+        if let Ok(bytes) = std::fs::read(&p) {
+            remove_sidecar(&p)?;
+            taken.push((p, bytes));
+        }
+    }
+    Ok(taken)
+}
+
+/// After a write that failed before replacing anything: puts back the sidecars
+/// [`take_container_sidecars`] removed, those that still hold for the files on disk.
+pub(crate) fn put_back_sidecars(dir: &Path, taken: Vec<(PathBuf, Vec<u8>)>) {
+    for (p, bytes) in taken {
+        let still_true = Checksums::parse(&bytes, &p)
+            .map(|s| s.verify(dir).is_empty())
+            .unwrap_or(false);
+        if still_true {
+            let _ = fsutil::atomic_write(&p, &bytes);
+        }
+    }
+}
+
+/// [`legacy_bytes_cover`] of the sidecar file at `p`.
+pub(crate) fn legacy_covers(p: &Path, name: &str, sharded: bool) -> bool {
+    match fsutil::read_json_file(p) {
+        Ok(bytes) => legacy_bytes_cover(&bytes, p, name, sharded),
+        Err(_) => false,
+    }
 }
 
 fn walk(dir: &Path, prefix: &str, out: &mut Vec<String>) -> Result<()> {
@@ -390,7 +598,13 @@ fn is_data_name(leaf: &str) -> bool {
 /// Hashes every file of the dataset at `path` (those in `known` whose length still matches are
 /// taken as they are) and writes its sidecar; returns the sidecar's path.
 pub(crate) fn record_with(path: &Path, known: &BTreeMap<String, FileSums>) -> Result<PathBuf> {
-    let (sidecar, base, mut names) = dataset_files(path)?;
+    let Located {
+        fresh: sidecar,
+        legacy,
+        base,
+        mut names,
+        ..
+    } = locate(path)?;
     // Files known but not on disk yet (a commit record written right after the sidecar).
     for n in known.keys() {
         if !names.contains(n) && fsutil::regular_file_len(&base.join(n)).is_none() {
@@ -408,7 +622,17 @@ pub(crate) fn record_with(path: &Path, known: &BTreeMap<String, FileSums>) -> Re
             }
         })
         .collect::<Result<BTreeMap<_, _>>>()?;
-    Checksums { files }.write(&sidecar)?;
+    Checksums {
+        files,
+        previous: BTreeMap::new(),
+    }
+    .write(&sidecar)?;
+    // The container's sidecar under the name earlier versions shared between containers of
+    // one base is stale now; it goes once the new one is durable (until then it is not read,
+    // as the new one is found first).
+    if let Some(old) = legacy.filter(|l| *l != sidecar) {
+        remove_sidecar(&old)?;
+    }
     Ok(sidecar)
 }
 
@@ -417,32 +641,191 @@ pub fn record(path: &Path) -> Result<PathBuf> {
     record_with(path, &BTreeMap::new())
 }
 
-/// Re-hashes `names` (below `dir`) into the sidecar of the dataset directory `dir`, when it has
-/// one (a file rewritten after the dataset was finished, such as EAGLE-3's embeddings).
-pub(crate) fn refresh(dir: &Path, names: &[&str]) -> Result<()> {
-    let sidecar = dir.join(SIDECAR);
-    let Some(mut sums) = Checksums::read(&sidecar)? else {
-        return Ok(());
-    };
-    for n in names {
-        sums.files
-            .insert(n.to_string(), FileSums::of_file(&dir.join(n))?);
-    }
-    sums.write(&sidecar)
+/// Keeps the sidecar of a dataset true while some of its files change (an EAGLE-3 manifest or
+/// embeddings file replaced, an SDNB container's graph region rewritten in place, flat-tokens'
+/// completion marker set). A dataset without a sidecar is left without one.
+///
+/// The order, and why `validate --deep` passes whenever a kill interrupts it:
+/// 1. [`Change::begin`] rewrites the sidecar (atomically: temporary, fsync, rename) so that each
+///    changing file verifies against its new hashes or the state it has now (`previous`). Before
+///    this rename: old sidecar, old files. After it: either state of each file verifies.
+/// 2. The caller changes the files, each durable (fsynced; renamed and the directory fsynced)
+///    before step 3. A file rewritten in place verifies block by block against either state,
+///    so even a kill between two of its writes leaves it verifying.
+/// 3. [`Change::commit`] rewrites the sidecar with the new hashes alone.
+///
+/// A kill between 1 and 3 leaves `previous` behind; it still verifies whichever state the files
+/// are in, and the next change (or `checksum`) settles it to the state on disk.
+#[derive(Debug)]
+pub(crate) struct Change {
+    sidecar: PathBuf,
+    done: Checksums,
 }
 
-/// Drops `names` from the sidecar of the dataset directory `dir`, if it has one: done before
-/// those files are rewritten, so that a crash in between never leaves a sidecar that calls
-/// good data damaged (the files are then reported as not covered until [`refresh`]).
-pub(crate) fn forget(dir: &Path, names: &[&str]) -> Result<()> {
-    let sidecar = dir.join(SIDECAR);
-    let Some(mut sums) = Checksums::read(&sidecar)? else {
-        return Ok(());
-    };
-    if names.iter().any(|n| sums.files.remove(*n).is_some()) {
-        sums.write(&sidecar)?;
+impl Change {
+    /// Step 1 for the dataset whose sidecar is `sidecar` (names relative to `base`): `new(sums)`
+    /// gives the hashes each changing file will have, from the sidecar's settled hashes. None
+    /// (and nothing written) when the dataset has no sidecar.
+    pub(crate) fn begin(
+        sidecar: &Path,
+        base: &Path,
+        new: impl FnOnce(&Checksums) -> Result<Vec<(String, FileSums)>>,
+    ) -> Result<Option<Change>> {
+        let Some(mut sums) = Checksums::read(sidecar)? else {
+            return Ok(None);
+        };
+        sums.settle(base)?;
+        let mut during = sums.clone();
+        let mut done = sums.clone();
+        for (name, s) in new(&sums)? {
+            if sums.files.get(&name) == Some(&s) {
+                continue;
+            }
+            during
+                .previous
+                .insert(name.clone(), sums.files.get(&name).cloned());
+            during.files.insert(name.clone(), s.clone());
+            done.files.insert(name, s);
+        }
+        if during != sums {
+            during.write(sidecar)?;
+        } else if done != sums {
+            // Only settled leftovers of a killed change: written now, before anything changes.
+            done.write(sidecar)?;
+        }
+        Ok(Some(Change {
+            sidecar: sidecar.to_path_buf(),
+            done,
+        }))
     }
-    Ok(())
+
+    /// Step 3: the files are changed and durable; the sidecar records their new state alone.
+    pub(crate) fn commit(self) -> Result<()> {
+        match Checksums::read(&self.sidecar)? {
+            Some(now) if now == self.done => Ok(()),
+            _ => self.done.write(&self.sidecar),
+        }
+    }
+}
+
+/// Replaces the file `base/name` with `bytes` (written to a temporary, fsynced, renamed),
+/// keeping the sidecar `sidecar` true (see [`Change`]).
+pub(crate) fn replace_file(sidecar: &Path, base: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    let change = Change::begin(sidecar, base, |_| {
+        Ok(vec![(name.to_string(), FileSums::of_bytes(bytes))])
+    })?;
+    fsutil::atomic_write(&base.join(name), bytes)?;
+    match change {
+        Some(c) => c.commit(),
+        None => Ok(()),
+    }
+}
+
+impl Checksums {
+    /// Resolves what a killed [`Change`] left: each file with a `previous` state is hashed and
+    /// recorded as it is where it matches either state (block by block), keeping the recorded
+    /// hash where it matches neither (damage stays reported).
+    fn settle(&mut self, base: &Path) -> Result<()> {
+        for (name, prev) in std::mem::take(&mut self.previous) {
+            let path = base.join(&name);
+            if fsutil::regular_file_len(&path).is_none() {
+                if prev.is_none() {
+                    self.files.remove(&name); // the file a change was creating is not there
+                }
+                continue;
+            }
+            let Some(sums) = self.files.get(&name) else {
+                continue;
+            };
+            let now = FileSums::of_file(&path)?;
+            let settled = match &prev {
+                Some(p) if now.bytes != sums.bytes && now.bytes == p.bytes => p.clone(),
+                _ if now.bytes != sums.bytes => sums.clone(),
+                _ => FileSums {
+                    blocks: (0..sums.blocks.len())
+                        .map(|i| {
+                            let alt = prev.as_ref().filter(|p| {
+                                p.bytes == sums.bytes && p.block_bytes == sums.block_bytes
+                            });
+                            let good = block_matches(now.blocks[i], sums.blocks[i], alt, i);
+                            if good {
+                                now.blocks[i]
+                            } else {
+                                sums.blocks[i]
+                            }
+                        })
+                        .collect(),
+                    ..sums.clone()
+                },
+            };
+            self.files.insert(name, settled);
+        }
+        Ok(())
+    }
+}
+
+impl FileSums {
+    /// The hashes of the file at `path` once `patches` ((offset, bytes) each) are written over
+    /// it in place: only the blocks they touch are read. Each of those must match its recorded
+    /// hash first, so that a change never records damaged bytes as good.
+    pub(crate) fn patched(&self, path: &Path, patches: &[(u64, &[u8])]) -> Result<FileSums> {
+        if let Some((at, b)) = patches.iter().find(|(at, b)| {
+            at.checked_add(b.len() as u64)
+                .is_none_or(|e| e > self.bytes)
+        }) {
+            return Err(Error::Invalid(format!(
+                "{}: a write of {} bytes at {at} would pass the end of the file ({} bytes)",
+                path.display(),
+                b.len(),
+                self.bytes
+            )));
+        }
+        let mut f = fsutil::open_regular(path)?;
+        let len = f.metadata().at(path)?.len();
+        if len != self.bytes {
+            return Err(Error::format(
+                path,
+                format!(
+                    "is {len} bytes; its checksums record {}: the file is damaged, so it is not \
+                     changed (restore it, or run `checksum` to accept it as it is)",
+                    self.bytes
+                ),
+            ));
+        }
+        let mut touched: Vec<usize> = patches
+            .iter()
+            .flat_map(|(at, b)| self.blocks_of(*at..at + b.len() as u64))
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
+        let mut out = self.clone();
+        for b in touched {
+            let r = self.block(b);
+            let mut buf = vec![0u8; (r.end - r.start) as usize];
+            std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(r.start)).at(path)?;
+            f.read_exact(&mut buf).at(path)?;
+            if xxh3_64(&buf) != self.blocks[b] {
+                return Err(Error::format(
+                    path,
+                    format!(
+                        "bytes {} to {} do not match their checksum: the file is damaged, so it \
+                         is not changed (restore it, or run `checksum` to accept it as it is)",
+                        r.start,
+                        r.end.saturating_sub(1)
+                    ),
+                ));
+            }
+            for (at, bytes) in patches {
+                let (s, e) = (*at.max(&r.start), (at + bytes.len() as u64).min(r.end));
+                if s < e {
+                    buf[(s - r.start) as usize..(e - r.start) as usize]
+                        .copy_from_slice(&bytes[(s - at) as usize..(e - at) as usize]);
+                }
+            }
+            out.blocks[b] = xxh3_64(&buf);
+        }
+        Ok(out)
+    }
 }
 
 /// Removes a sidecar before its dataset changes (a writer's first change to a finished
@@ -557,29 +940,49 @@ fn verify_remote(url: &Path) -> Result<Verdict> {
     let remote = Remote::parse(url)?;
     let below = remote.list()?;
     // A dataset directory: every object below the prefix. Nothing below: a container object
-    // (SDNB, shard set, SDZ), with its files and `BASE.checksums.json` beside it.
-    let (base, sidecar, objects): (Remote, String, Vec<(String, u64)>) = if below.is_empty() {
+    // (SDNB, shard set, SDZ; also a shard set's base name), with its files and its sidecar
+    // beside it (`NAME.checksums.json`, `BASE.shard-set.checksums.json`, or the old shared
+    // `BASE.checksums.json` when only that covers it).
+    let (base, sidecar, bytes, objects) = if below.is_empty() {
         let (parent, _) = remote.split_last()?;
         let beside = parent.list()?;
-        let files: Vec<String> = crate::sdnb::open(url)?
+        let c = crate::sdnb::open(url)?;
+        let files: Vec<String> = c
             .files()
             .iter()
             .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .collect();
-        let objects = beside
+        let sharded = matches!(c.kind(), crate::sdnb::Kind::Sharded { .. });
+        let named = files
+            .iter()
+            .find(|n| !sharded || crate::sdnb::sdz::parse_shard_name(n).is_some())
+            .cloned()
+            .unwrap_or_default();
+        let (own, old) = container_sidecar_names(&named, sharded);
+        let objects: Vec<(String, u64)> = beside
             .into_iter()
             .filter(|(n, _)| files.contains(n))
             .collect();
-        (parent, sidecar_name(url), objects)
+        let (sidecar, bytes) = match parent.get_opt(&own)? {
+            Some(b) => (own, Some(b)),
+            None => match parent.get_opt(&old)? {
+                Some(b) if legacy_bytes_cover(&b, &parent.url_of(&old), &named, sharded) => {
+                    (old, Some(b))
+                }
+                _ => (own, None),
+            },
+        };
+        (parent, sidecar, bytes, objects)
     } else {
         let objects = below
             .into_iter()
             .filter(|(n, _)| is_data_name(n.rsplit('/').next().unwrap_or(n)))
             .collect();
-        (remote, SIDECAR.to_string(), objects)
+        let bytes = remote.get_opt(SIDECAR)?;
+        (remote, SIDECAR.to_string(), bytes, objects)
     };
     let sidecar_url = base.url_of(&sidecar);
-    let Some(bytes) = base.get_opt(&sidecar)? else {
+    let Some(bytes) = bytes else {
         return Ok(Verdict::NoSidecar);
     };
     let sums = Checksums::parse(&bytes, &sidecar_url)?;
@@ -588,9 +991,17 @@ fn verify_remote(url: &Path) -> Result<Verdict> {
     // Every block present in its object: (file, block, range).
     let names: Vec<String> = sums.files.keys().cloned().collect();
     let mut blocks: Vec<(usize, usize, Range<u64>)> = Vec::new();
-    for (f, (name, s)) in sums.files.iter().enumerate() {
+    // Per file, the hashes its blocks are checked against (and an alternative while a change
+    // replaces it; see Checksums::previous).
+    let mut expected: Vec<Option<(&FileSums, Option<&FileSums>)>> = Vec::new();
+    for (f, name) in names.iter().enumerate() {
         let file = base.url_of(name);
-        let Some(&len) = sizes.get(name.as_str()) else {
+        let len = sizes.get(name.as_str()).copied();
+        expected.push(sums.expected(name, len));
+        let Some((s, _)) = expected[f] else {
+            continue; // a file that a change in progress creates, not there yet
+        };
+        let Some(len) = len else {
             damage.push(Damage {
                 file,
                 range: 0..s.bytes,
@@ -628,8 +1039,9 @@ fn verify_remote(url: &Path) -> Result<Verdict> {
             .zip(&reqs)
             .filter_map(|((f, b, r), &(_, _, len, at))| {
                 let data = &buf[at as usize..(at + len) as usize];
-                let want = sums.files.get(&names[*f])?.blocks.get(*b)?;
-                (xxh3_64(data) != *want).then(|| Damage {
+                let (s, alt) = expected[*f]?;
+                let want = *s.blocks.get(*b)?;
+                (!block_matches(xxh3_64(data), want, alt, *b)).then(|| Damage {
                     file: base.url_of(&names[*f]),
                     range: r.clone(),
                     what: "does not match its checksum".into(),
@@ -682,7 +1094,12 @@ pub fn verify_into(path: &Path, report: &mut crate::report::Validation) {
             for x in d {
                 report.error(
                     &x.file,
-                    format!("bytes {}..{}: {}", x.range.start, x.range.end, x.what),
+                    format!(
+                        "bytes {} to {}: {}",
+                        x.range.start,
+                        x.range.end.saturating_sub(1),
+                        x.what
+                    ),
                 );
             }
         }
@@ -742,10 +1159,11 @@ impl Verifier {
         let files = files
             .iter()
             .map(|n| {
-                sums.files
-                    .get(n)
-                    .cloned()
-                    .map(|s| (base.join(n), s))
+                let path = base.join(n);
+                // A file a change left in flight (see Checksums::previous) is checked against
+                // the state its length matches.
+                sums.expected(n, fsutil::regular_file_len(&path))
+                    .map(|(s, _)| (path, s.clone()))
                     .ok_or_else(|| Error::format(sidecar, format!("has no checksums for {n:?}")))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -800,8 +1218,10 @@ impl Verifier {
             Err(Error::format(
                 path,
                 format!(
-                    "bytes {}..{} do not match their checksum: the file is damaged",
-                    r.start, r.end
+                    "bytes {} to {} do not match their checksum: the file is damaged (restore \
+                     it from a good copy)",
+                    r.start,
+                    r.end.saturating_sub(1)
                 ),
             ))
         }
@@ -899,7 +1319,9 @@ mod tests {
             )
             .unwrap_err();
         assert!(
-            e.to_string().contains("a.bin") && e.to_string().contains("2097152..3145728"),
+            e.to_string().contains("a.bin")
+                && e.to_string()
+                    .contains("bytes 2097152 to 3145727 do not match"),
             "{e}"
         );
 
@@ -913,6 +1335,157 @@ mod tests {
         assert!(d
             .iter()
             .any(|x| x.file.ends_with("new.bin") && x.what.contains("not covered")));
+    }
+
+    /// Every instant of a [`Change`] verifies: before `begin`, between `begin` and the data
+    /// change (a kill there leaves old data), between the data change and `commit` (new data),
+    /// and after; a leftover `previous` is settled by the next change, and a block damaged
+    /// meanwhile is still reported.
+    #[test]
+    fn a_change_verifies_at_every_instant_a_kill_could_stop_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let big: Vec<u8> = (0..3 * MIN_BLOCK).map(|i| (i * 7 % 253) as u8).collect();
+        std::fs::write(d.join("big.bin"), &big).unwrap();
+        std::fs::write(d.join("m.json"), b"{\"v\": 1}").unwrap();
+        record(d).unwrap();
+        let sidecar = d.join(SIDECAR);
+        let intact =
+            |files| matches!(verify(d).unwrap(), Verdict::Intact { files: n, .. } if n == files);
+
+        // A whole-file replacement (EAGLE-3's manifest), killed after `begin`.
+        let change = Change::begin(&sidecar, d, |_| {
+            Ok(vec![(
+                "m.json".into(),
+                FileSums::of_bytes(b"{\"v\": 2, \"x\": 0}"),
+            )])
+        })
+        .unwrap()
+        .unwrap();
+        let during = Checksums::read(&sidecar).unwrap().unwrap();
+        assert_eq!(during.previous.len(), 1, "{during:?}");
+        assert!(intact(2), "old data, sidecar accepting both");
+        fsutil::atomic_write(&d.join("m.json"), b"{\"v\": 2, \"x\": 0}").unwrap();
+        assert!(intact(2), "new data, sidecar accepting both");
+        drop(change); // killed before commit
+                      // The leftover is settled by the next change: an in-place patch of the big file.
+        let patch = vec![0xAAu8; 100];
+        let at = MIN_BLOCK + 10;
+        let change = Change::begin(&sidecar, d, |sums| {
+            let p = sums.files["big.bin"].patched(&d.join("big.bin"), &[(at, &patch)])?;
+            Ok(vec![("big.bin".into(), p)])
+        })
+        .unwrap()
+        .unwrap();
+        let during = Checksums::read(&sidecar).unwrap().unwrap();
+        assert_eq!(during.previous.keys().collect::<Vec<_>>(), ["big.bin"]);
+        assert_eq!(
+            during.files["m.json"],
+            FileSums::of_bytes(b"{\"v\": 2, \"x\": 0}")
+        );
+        assert!(intact(2));
+        let mut new_big = big.clone();
+        new_big[at as usize..at as usize + 100].copy_from_slice(&patch);
+        std::fs::write(d.join("big.bin"), &new_big).unwrap();
+        assert!(intact(2));
+        change.commit().unwrap();
+        let after = Checksums::read(&sidecar).unwrap().unwrap();
+        assert!(after.previous.is_empty());
+        assert_eq!(after.files["big.bin"], FileSums::of_bytes(&new_big));
+        assert!(intact(2));
+        // The sidecar text has the three keys of version 1 once settled.
+        let text = std::fs::read_to_string(&sidecar).unwrap();
+        assert!(!text.contains("previous"), "{text}");
+
+        // A file created by a change (EAGLE-3's embeddings) may be absent until the rename.
+        let change = Change::begin(&sidecar, d, |_| {
+            Ok(vec![("new.bin".into(), FileSums::of_bytes(b"fresh"))])
+        })
+        .unwrap()
+        .unwrap();
+        let text = std::fs::read_to_string(&sidecar).unwrap();
+        assert!(
+            text.contains("\"previous\": {\n  \"new.bin\": null"),
+            "{text}"
+        );
+        assert!(intact(3));
+        std::fs::write(d.join("new.bin"), b"fresh").unwrap();
+        assert!(intact(3));
+        change.commit().unwrap();
+        assert!(intact(3));
+
+        // Damage is never settled into the sidecar: a flipped bit in a block the patch does
+        // not touch stays reported, and one in a block it touches refuses the patch.
+        let mut bad = new_big.clone();
+        bad[10] ^= 1;
+        std::fs::write(d.join("big.bin"), &bad).unwrap();
+        let e = Change::begin(&sidecar, d, |sums| {
+            let p = sums.files["big.bin"].patched(&d.join("big.bin"), &[(5, &patch[..4])])?;
+            Ok(vec![("big.bin".into(), p)])
+        })
+        .unwrap_err();
+        assert!(matches!(e, Error::Format { .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .contains("bytes 0 to 1048575 do not match their checksum"),
+            "{e}"
+        );
+        let change = Change::begin(&sidecar, d, |sums| {
+            let p = sums.files["big.bin"].patched(&d.join("big.bin"), &[(at, &patch[..4])])?;
+            Ok(vec![("big.bin".into(), p)])
+        })
+        .unwrap()
+        .unwrap();
+        change.commit().unwrap();
+        let Verdict::Damaged(dmg) = verify(d).unwrap() else {
+            panic!("damage hidden")
+        };
+        assert_eq!(dmg.len(), 1);
+        assert_eq!(dmg[0].range, 0..MIN_BLOCK);
+        // A sidecar whose `previous` names a file `files` does not is refused.
+        std::fs::write(
+            &sidecar,
+            r#"{"shardkit_checksums": 1, "algorithm": "xxh3-64", "files": {}, "previous": {"a": null}}"#,
+        )
+        .unwrap();
+        let e = Checksums::read(&sidecar).unwrap_err().to_string();
+        assert!(e.contains("previous[\"a\"]") && e.contains(SIDECAR), "{e}");
+    }
+
+    #[test]
+    fn container_sidecars_are_named_per_container_and_old_names_are_read() {
+        assert_eq!(
+            container_sidecar_names("m.sdnb", false),
+            ("m.sdnb.checksums.json".into(), "m.checksums.json".into())
+        );
+        assert_eq!(
+            container_sidecar_names("m.sdz", false),
+            ("m.sdz.checksums.json".into(), "m.checksums.json".into())
+        );
+        for name in ["m.sdnb", "m.shard0-of-3.sdnb", "m"] {
+            assert_eq!(
+                container_sidecar_names(name, true),
+                (
+                    "m.shard-set.checksums.json".into(),
+                    "m.checksums.json".into()
+                )
+            );
+        }
+        let doc = |names: &[&str]| {
+            let mut c = Checksums::default();
+            for n in names {
+                c.files.insert(n.to_string(), FileSums::of_bytes(b"x"));
+            }
+            document_bytes(c.to_json())
+        };
+        let at = Path::new("m.checksums.json");
+        assert!(legacy_bytes_cover(&doc(&["m.sdnb"]), at, "m.sdnb", false));
+        assert!(!legacy_bytes_cover(&doc(&["m.sdnb"]), at, "m.sdz", false));
+        let set = doc(&["m.shard0-of-2.sdnb", "m.shard1-of-2.sdnb"]);
+        assert!(legacy_bytes_cover(&set, at, "m.sdnb", true));
+        assert!(legacy_bytes_cover(&set, at, "m.shard1-of-2.sdnb", true));
+        assert!(!legacy_bytes_cover(&set, at, "m.sdnb", false));
+        assert!(!legacy_bytes_cover(&doc(&[]), at, "m.sdnb", false));
     }
 
     #[test]

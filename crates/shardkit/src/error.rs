@@ -103,6 +103,27 @@ pub enum Error {
     /// fixed by calling differently.
     #[error("{0}")]
     Invalid(String),
+    /// A value given to a writer that the format cannot store as it is: a label past 255, an
+    /// id past the vocabulary, a mask other than 0 or 1, a NaN, a probability row that does not
+    /// sum to 1, ... The write is refused before any of it is stored, so the dataset is as it
+    /// was (still resumable). The rules are the ones `validate --deep` checks.
+    #[error(
+        "{}: refused `{field}` at {at}: {value} (allowed: {allowed}); nothing of this write \
+         was stored",
+        path.display()
+    )]
+    Refused {
+        /// The dataset (or file) being written.
+        path: PathBuf,
+        /// The field (tensor, array) holding the value.
+        field: String,
+        /// Where in the write the first offending value is ("sample 3, position 5").
+        at: String,
+        /// The value, or what is wrong with it ("300", "NaN", "the row sums to 1.25").
+        value: String,
+        /// What the format allows ("0 to 255 (labels.bin is uint8)").
+        allowed: String,
+    },
     /// The operating system refused to start a thread (or a pool of threads) shardkit needs.
     #[error("cannot start {what}: {source}")]
     Thread {
@@ -116,10 +137,12 @@ pub enum Error {
     /// panicked, or an invariant that should always hold did not. Worth reporting.
     #[error("{0}")]
     Internal(String),
-    /// An index is outside the valid range.
-    #[error("{what} {index} is out of range (valid: 0..{len})")]
+    /// An index is outside the valid range. Shown in plain words: "example 70 is past the end:
+    /// there are 64 examples (valid indices: 0 to 63)".
+    #[error("{}", out_of_range_message(what, *index, *len))]
     OutOfRange {
-        /// What was indexed ("example", "token", ...).
+        /// What was indexed ("example", "token", ...), optionally followed by a parenthesised
+        /// hint on what to do instead ("step (enable epochs to ...)"), shown after the counts.
         what: &'static str,
         /// The index given.
         index: i64,
@@ -128,7 +151,7 @@ pub enum Error {
     },
     /// An object-store request failed after its retries (or could not be retried): names the
     /// object and the byte range asked for.
-    #[error("{object}{}: {message}", range.as_ref().map(|r| format!(" (bytes {}..{})", r.start, r.end)).unwrap_or_default())]
+    #[error("{object}{}: {message}", range.as_ref().map(byte_range_words).unwrap_or_default())]
     Remote {
         /// The object's URL (`s3://bucket/key`).
         object: String,
@@ -140,6 +163,57 @@ pub enum Error {
     /// A recorded key (layer value, tensor name) is absent.
     #[error("{0}")]
     Missing(String),
+}
+
+/// " (bytes 100 to 199)" for the half-open range `100..200`: the bytes asked for, in words.
+fn byte_range_words(r: &std::ops::Range<u64>) -> String {
+    match r.end.checked_sub(1) {
+        Some(last) if r.end > r.start => format!(" (bytes {} to {last})", r.start),
+        _ => format!(" (no bytes, at offset {})", r.start),
+    }
+}
+
+/// The plural of a noun phrase ("example" -> "examples", "index" -> "indices").
+fn plural(noun: &str) -> String {
+    if let Some(stem) = noun.strip_suffix("index") {
+        format!("{stem}indices")
+    } else if noun.ends_with('s') || noun.ends_with('x') || noun.ends_with("ch") {
+        format!("{noun}es")
+    } else {
+        format!("{noun}s")
+    }
+}
+
+/// The message of [`Error::OutOfRange`]: which index, why it is out (past the end, negative),
+/// how many there are and the valid indices, in words rather than Rust range syntax.
+fn out_of_range_message(what: &str, index: i64, len: u64) -> String {
+    let (noun, hint) = match what.split_once(" (") {
+        Some((noun, rest)) => (noun, Some(rest.trim_end_matches(')'))),
+        None => (what, None),
+    };
+    let count = match len {
+        0 => format!("there are no {}", plural(noun)),
+        1 => format!("there is 1 {noun} (valid index: 0)"),
+        n => format!(
+            "there are {n} {} (valid indices: 0 to {})",
+            plural(noun),
+            n - 1
+        ),
+    };
+    let mut s = if index < 0 {
+        let from_end = match len {
+            0 => String::new(),
+            n => format!(", or -{n} to -1 counting from the end"),
+        };
+        format!("{noun} {index} is before the start: {count}{from_end}")
+    } else {
+        format!("{noun} {index} is past the end: {count}")
+    };
+    if let Some(h) = hint {
+        s.push_str("; ");
+        s.push_str(h);
+    }
+    s
 }
 
 /// Shorthand for results in shardkit.
@@ -157,7 +231,8 @@ impl Error {
             | Error::Safetensors { path, .. }
             | Error::Exists { path, .. }
             | Error::Locked { path, .. }
-            | Error::LockedRemote { path, .. } => Some(path),
+            | Error::LockedRemote { path, .. }
+            | Error::Refused { path, .. } => Some(path),
             _ => None,
         }
     }

@@ -436,6 +436,96 @@ fn aws_files() -> Vec<(AmazonS3ConfigKey, String)> {
         .collect()
 }
 
+/// Per bucket, the endpoint its client was built with and how that endpoint was chosen, for
+/// the message of a request that cannot reach it.
+static ENDPOINTS: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+
+/// Records (for [`endpoint_words`]) which endpoint `bucket`'s client uses and where it came
+/// from: an `AWS_ENDPOINT_URL*` variable, the profile's `endpoint_url`, or AWS's own.
+fn remember_endpoint(bucket: &str, endpoint: Option<&str>, b: &AmazonS3Builder) {
+    let set = |k: &str| std::env::var_os(k).is_some_and(|v| !v.is_empty());
+    let words = match endpoint {
+        Some(e) => {
+            let from = ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"]
+                .into_iter()
+                .find(|k| set(k))
+                .map(|k| format!("set by {k}"))
+                .unwrap_or_else(|| {
+                    let profile = std::env::var("AWS_PROFILE").unwrap_or_else(|_| "default".into());
+                    format!("the endpoint_url of AWS profile {profile:?} in ~/.aws/config")
+                });
+            format!("the endpoint {e} ({from})")
+        }
+        None => {
+            let region = b
+                .get_config_value(&AmazonS3ConfigKey::Region)
+                .unwrap_or_else(|| "us-east-1".into());
+            format!(
+                "AWS's own endpoint for region {region} (no AWS_ENDPOINT_URL is set; the region \
+                 comes from AWS_REGION, AWS_DEFAULT_REGION or the profile)"
+            )
+        }
+    };
+    ENDPOINTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(bucket.to_string(), words);
+}
+
+/// The endpoint `bucket`'s client uses, and how it was chosen, in words.
+fn endpoint_words(bucket: &str) -> String {
+    ENDPOINTS
+        .get()
+        .and_then(|m| {
+            m.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(bucket)
+                .cloned()
+        })
+        .unwrap_or_else(|| "the configured endpoint".into())
+}
+
+/// Whether `e` is a failure to reach the endpoint at all (connection refused or reset, no
+/// such host, a connect or request timeout) rather than an answer from the store.
+fn unreachable(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    let mut text = String::new();
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind as K;
+            if matches!(
+                io.kind(),
+                K::ConnectionRefused
+                    | K::ConnectionReset
+                    | K::ConnectionAborted
+                    | K::TimedOut
+                    | K::HostUnreachable
+                    | K::NetworkUnreachable
+                    | K::AddrNotAvailable
+            ) {
+                return true;
+            }
+        }
+        text.push_str(&err.to_string().to_ascii_lowercase());
+        text.push('\n');
+        cur = err.source();
+    }
+    [
+        "connection refused",
+        "tcp connect error",
+        "dns error",
+        "failed to lookup address",
+        "name or service not known",
+        "no such host",
+        "timed out",
+        "connection reset",
+        "error sending request",
+    ]
+    .iter()
+    .any(|w| text.contains(w))
+}
+
 /// One client per bucket, shared by every dataset of the process (its connection pool too).
 fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
     check_settings()?;
@@ -469,6 +559,7 @@ fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
     let endpoint = b
         .get_config_value(&AmazonS3ConfigKey::S3Endpoint)
         .or_else(|| b.get_config_value(&AmazonS3ConfigKey::Endpoint));
+    remember_endpoint(bucket, endpoint.as_deref(), &b);
     let http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
@@ -602,7 +693,17 @@ impl Remote {
             };
         }
         let mut message = e.to_string();
-        if message.contains("/latest/api/token") || message.contains("/latest/meta-data/iam/") {
+        let metadata_service =
+            message.contains("/latest/api/token") || message.contains("/latest/meta-data/iam/");
+        if !metadata_service && unreachable(&e) {
+            message = format!(
+                "cannot reach {}: {message}. Check that the server is running and reachable; \
+                 for an S3-compatible server (MinIO, Ceph, R2, ...) set AWS_ENDPOINT_URL (or \
+                 AWS_ENDPOINT_URL_S3) to its URL, e.g. http://127.0.0.1:9000",
+                endpoint_words(&self.bucket)
+            );
+        }
+        if metadata_service {
             // object_store's last resort, which a machine outside a cloud fails slowly and
             // cryptically.
             message.push_str(
@@ -1368,7 +1469,7 @@ impl zarrs::storage::ReadableStorageTraits for ZarrRemote {
             let range = r.to_range(size);
             if range.start > range.end || range.end > size {
                 return Err(StorageError::Other(format!(
-                    "{}: bytes {}..{} asked of a {size}-byte object",
+                    "{}: bytes {} up to {} asked of a {size}-byte object, past its end",
                     self.remote.url_of(name).display(),
                     range.start,
                     range.end

@@ -188,7 +188,7 @@ fn a_restored_loader_continues_exactly_even_on_another_world_size() {
         let st = l.state();
         assert_eq!(st.cursor, 60);
         let mut r = Loader::new(&dir, o.clone()).unwrap();
-        r.load_state(st).unwrap();
+        r.load_state(st.clone()).unwrap();
         let mut k = keys(&first);
         k.extend(keys(&collect(&r)));
         assert_eq!(k, full, "{order:?}");
@@ -202,7 +202,7 @@ fn a_restored_loader_continues_exactly_even_on_another_world_size() {
             o3.rank = Some(rank);
             o3.world_size = Some(3);
             let mut lr = Loader::new(&dir, o3).unwrap();
-            lr.load_state(st).unwrap();
+            lr.load_state(st.clone()).unwrap();
             per_rank.push(collect(&lr));
         }
         let mut k3 = keys(&first);

@@ -944,10 +944,10 @@ fn validate_collects_every_problem_in_one_report() {
         &["missing"],
     );
 
-    // Not a directory at all.
+    // Nothing there at all.
     let nowhere = tmp.path().join("nowhere");
     let r = validate(&nowhere);
-    assert_problem(&r, Severity::Error, &nowhere, &["not a directory"]);
+    assert_problem(&r, Severity::Error, &nowhere, &["no such directory"]);
     assert!(matches!(
         Dataset::open(&nowhere).unwrap_err(),
         Error::NotFound { path, .. } if path == nowhere

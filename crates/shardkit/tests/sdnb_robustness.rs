@@ -187,7 +187,14 @@ fn t(name: &'static str, dtype: DType, shape: &[i64], order: Order) -> T {
         } else {
             VarType::Variable
         },
-        bytes: pattern(n as usize * dtype.width().unwrap(), name.len() as u32),
+        bytes: {
+            let mut b = pattern(n as usize * dtype.width().unwrap(), name.len() as u32);
+            if dtype == DType::Bool {
+                // BOOL holds bytes 0 and 1 only (a save refuses anything else).
+                b.iter_mut().for_each(|x| *x &= 1);
+            }
+            b
+        },
     }
 }
 

@@ -138,7 +138,20 @@ fn eagle3_writer_order() {
     let fields: Vec<(String, Vec<u8>)> = w
         .fields()
         .iter()
-        .map(|f| (f.name.to_string(), vec![0u8; f.row_bytes()]))
+        .map(|f| {
+            // Zeros everywhere, except the target distribution: each position's row (two draft
+            // columns, fp32) is [1, 0], so it sums to 1 as the writer requires.
+            let bytes = if f.name == "target_probs" {
+                [1.0f32, 0.0]
+                    .repeat(f.row_bytes() / 8)
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect()
+            } else {
+                vec![0u8; f.row_bytes()]
+            };
+            (f.name.to_string(), bytes)
+        })
         .collect();
     let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();
     for _ in 0..5 {

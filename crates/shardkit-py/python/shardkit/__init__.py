@@ -12,6 +12,7 @@ import os
 from typing import Any, Dict, Optional, Union
 
 from ._shardkit import __version__
+from . import _args
 from . import _shardkit as _core
 from . import errors
 from .errors import (
@@ -20,6 +21,7 @@ from .errors import (
     IncompleteDatasetError,
     InternalError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     LockedError,
     RemoteError,
     NotFoundError,
@@ -34,7 +36,7 @@ __all__ = [
     "saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "upload", "download",
     "storage_counters", "wait_for_cache", "cache_info", "clear_cache", "errors", "__version__",
     "ShardkitError", "CorruptDataError", "IncompleteDatasetError", "InvalidArgumentError",
-    "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "RemoteError", "PermissionDeniedError",
+    "InvalidArgumentTypeError", "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "RemoteError", "PermissionDeniedError",
     "OutOfRangeError", "InternalError",
 ]
 
@@ -64,6 +66,9 @@ def download(
 def _transfer(src: Any, dst: Any, up: bool, progress: Any, desc: str) -> Dict[str, int]:
     from ._progress import Progress
 
+    src, dst = _args.path("src", src), _args.path("dst", dst)
+    _args.callback("progress", progress)
+
     bar = Progress(progress, unit="B", desc=desc, unit_scale=True)
     seen = [0]
 
@@ -74,7 +79,7 @@ def _transfer(src: Any, dst: Any, up: bool, progress: Any, desc: str) -> Dict[st
 
     try:
         out: Dict[str, int] = dict(
-            _core.transfer(os.fspath(src), os.fspath(dst), up, report if bar.active else None)
+            _core.transfer(src, dst, up, report if bar.active else None)
         )
     finally:
         bar.close()
@@ -103,7 +108,7 @@ def cache_info(dir: Union[str, "os.PathLike[str]", None] = None) -> "_core.Cache
     "last_used"}`` (``pages`` 0 for a container copied whole; ``last_used`` in Unix seconds),
     the largest first. Raises InvalidArgumentError for a directory that is not a shardkit
     cache."""
-    return _core.cache_info(None if dir is None else os.fspath(dir))
+    return _core.cache_info(_args.optional_path("dir", dir))
 
 
 def clear_cache(url: Optional[str] = None, *, dir: Union[str, "os.PathLike[str]", None] = None) -> Dict[str, int]:
@@ -111,7 +116,9 @@ def clear_cache(url: Optional[str] = None, *, dir: Union[str, "os.PathLike[str]"
     URL; every object when None) from the local cache (``dir``, default
     ``SHARDKIT_CACHE_DIR``); returns ``{"files", "bytes"}`` removed. Safe beside processes
     reading through the cache: they fetch again what they miss."""
-    return dict(_core.clear_cache(url, None if dir is None else os.fspath(dir)))
+    if url is not None:
+        _args.string("url", url)
+    return dict(_core.clear_cache(url, _args.optional_path("dir", dir)))
 
 
 def _keep_cache_at_exit() -> None:
@@ -127,20 +134,28 @@ atexit.register(_keep_cache_at_exit)
 
 
 def checksum(path: Union[str, "os.PathLike[str]"]) -> str:
-    """Hashes every file of a dataset (any format: a directory, or an SDNB/SDZ container file)
-    into its checksums sidecar (xxh3-64 per block), for data written by other tools; shardkit's
-    writers add it themselves. Returns the sidecar's path."""
-    return os.fspath(_core.checksum(os.fspath(path)))
+    """Hashes every file of a dataset (any format: a directory, or an SDNB file, SDZ archive, shard
+    file or shard set's base name) into its checksums sidecar (xxh3-64 per block), for data
+    written by other tools; shardkit's writers add it themselves. Returns the sidecar's path:
+    ``shardkit.checksums.json`` in a directory, ``NAME.checksums.json`` beside a container file,
+    ``BASE.shard-set.checksums.json`` beside a shard set."""
+    return os.fspath(_core.checksum(_args.path("path", path)))
 
 
 def verify(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     """Checks every byte of a dataset against its checksums sidecar:
     ``{"sidecar": bool, "intact": bool, "damage": [{"file", "start", "end", "what"}]}``
-    (``intact`` is False without a sidecar)."""
-    v = _core.verify_checksums(os.fspath(path))
+    (``intact`` is False without a sidecar). ``path`` is any path the format's ``open`` takes
+    (a directory, an SDNB file, an SDZ archive, a shard or a shard set's base name), local or
+    ``s3://``."""
+    v = _core.verify_checksums(_args.path("path", path))
     has, damage = v["has_sidecar"], v["damage"]
     return {
         "sidecar": has,
         "intact": has and not damage,
         "damage": [{"file": os.fspath(d["file"]), "start": d["start"], "end": d["end"], "what": d["what"]} for d in damage],
     }
+
+
+_args.guard_module(globals(), ["upload", "download", "storage_counters", "wait_for_cache", "cache_info", "clear_cache",
+                               "checksum", "verify"])

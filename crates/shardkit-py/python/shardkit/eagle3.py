@@ -23,9 +23,10 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _args, _inputs
 from . import _shardkit as _core
 from ._progress import Progress
-from .errors import IncompleteDatasetError, InvalidArgumentError
+from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError
 from .types import EngineLoader, Eagle3Batch, LoaderState, Validation, check_state
 
 try:  # bf16 as a real numpy dtype when available
@@ -79,34 +80,54 @@ def _bf16_bits(a: np.ndarray) -> np.ndarray:
     return rounded
 
 
-def _coerce(x: Any, code: str, name: str) -> np.ndarray:
-    """``x`` as a C-contiguous array of the stored dtype ``code``."""
-    a = np.asarray(x)
-    if code == "BF16":
-        if _BF16 is not None and a.dtype == _BF16:
-            pass
-        elif a.dtype == np.uint16:
-            pass  # bit patterns
-        elif np.issubdtype(a.dtype, np.floating):
-            a = a.astype(np.float32).astype(_BF16) if _BF16 is not None else _bf16_bits(a)
-        else:
-            raise TypeError(f"{name}: expected floats or bfloat16 (as ml_dtypes or uint16 bits), got {a.dtype}")
-    elif code in ("F16", "F32"):
-        if not np.issubdtype(a.dtype, np.floating):
-            raise TypeError(f"{name}: expected floats, got {a.dtype}")
-        a = a.astype(np.float16 if code == "F16" else np.float32, copy=False)
-    elif code in ("I64", "I32"):
-        if a.dtype != np.bool_ and not np.issubdtype(a.dtype, np.integer):
-            raise TypeError(f"{name}: expected integers, got {a.dtype}")
-        if code == "I32" and a.size and (a.min() < -(2**31) or a.max() >= 2**31):
-            raise InvalidArgumentError(f"{name}: values do not fit int32")
-        a = a.astype(np.int64 if code == "I64" else np.int32, copy=False)
-    elif code == "BOOL":
-        if a.dtype != np.bool_:
-            if not np.issubdtype(a.dtype, np.integer) or (a.size and (a.min() < 0 or a.max() > 1)):
-                raise InvalidArgumentError(f"{name}: expected booleans (or 0/1), got {a.dtype}")
-            a = a.astype(np.bool_)
-    return np.ascontiguousarray(a)
+#: The cache dtype of each float code, with its largest finite value.
+_FLOAT_CODES = {"BF16": ("bf16", 3.3895313892515355e38), "F16": ("fp16", 65504.0), "F32": ("fp32", 3.4028234663852886e38)}
+
+
+def _coerce(x: Any, code: str, name: str, path: str, first: int) -> np.ndarray:
+    """``x`` as a C-contiguous array of the stored dtype ``code`` (see the Writer's docstring
+    for what each field takes). ``first`` is the cache's sample of row 0, for messages."""
+
+    def where(i: Tuple[int, ...]) -> str:
+        return f"sample {first + i[0]}" + (f", position {i[1]}" if len(i) > 1 else "")
+
+    a = _inputs.array(x, name, path)
+    if code in _FLOAT_CODES:
+        dt, largest = _FLOAT_CODES[code]
+        if code == "BF16" and ((_BF16 is not None and a.dtype == _BF16) or a.dtype == np.uint16):
+            return np.ascontiguousarray(a)  # bfloat16 already, or its bit patterns
+        if a.dtype.name == "bfloat16":
+            a = a.astype(np.float32)  # exact
+        if a.dtype.kind != "f":
+            raise InvalidArgumentTypeError(
+                f"{path}: `{name}` must hold floats (rounded to the cache dtype {dt}), got {a.dtype}"
+            )
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+            if code == "BF16":
+                out = a.astype(np.float32).astype(_BF16) if _BF16 is not None else _bf16_bits(a)
+                wide = out.astype(np.float32) if _BF16 is not None else (out.astype(np.uint32) << 16).view(np.float32)
+            else:
+                out = a.astype(np.float16 if code == "F16" else np.float32)
+                wide = out
+            overflow = np.isfinite(a) & ~np.isfinite(wide)
+        if overflow.any():
+            idx = tuple(int(j) for j in np.unravel_index(int(np.argmax(overflow)), a.shape))
+            raise _inputs.refused(
+                path, name, where(idx), repr(a[idx].item()),
+                f"finite values within +-{largest:.6g}, the range of the cache dtype {dt}",
+            )
+        return np.ascontiguousarray(out)
+    if code in ("I64", "I32"):
+        bits = 64 if code == "I64" else 32
+        return _inputs.integers(
+            None, name, path, a=a, dtype=np.int64 if code == "I64" else np.int32,
+            lo=-(1 << (bits - 1)), hi=(1 << (bits - 1)) - 1, allowed=f"int{bits} values (the cache stores int{bits})",
+            where=where, booleans=name.endswith("_mask"),
+        )
+    if code == "BOOL":
+        return _inputs.integers(None, name, path, a=a, dtype=np.bool_, lo=0, hi=1, allowed="0 or 1 (bool)",
+                                where=where, booleans=True)
+    raise InvalidArgumentError(f"{path}: `{name}` has stored dtype {code}, which this writer does not know")  # pragma: no cover
 
 
 class Writer:
@@ -140,13 +161,18 @@ class Writer:
         format_version: int = 1,
         progress: Any = None,
     ) -> None:
-        self._w = _core.Eagle3Writer(os.fspath(cache_dir), json.dumps(manifest), int(format_version), resume)
-        self.path = os.fspath(cache_dir)
+        cache_dir = _args.path("cache_dir", cache_dir)
+        if not isinstance(manifest, Mapping):
+            raise _args.InvalidArgumentTypeError(
+                f"manifest must be a dict (the run configuration), got {type(manifest).__name__}")
+        format_version = _args.integer("format_version", format_version, lo=0, hi=255, rule="1 or 2")
+        self._w = _core.Eagle3Writer(cache_dir, json.dumps(manifest), format_version, _args.boolean("resume", resume))
+        self.path = cache_dir
         self.manifest: Dict[str, Any] = json.loads(self._w.manifest_json)
         self._fields = {f["name"]: (f["dtype"], tuple(f["shape"])) for f in self._w.fields}
         self._closed = False
         self._progress = Progress(
-            progress, unit="sample", total=int(self.manifest["num_samples"]), initial=self.next_sample
+            _args.callback("progress", progress), unit="sample", total=int(self.manifest["num_samples"]), initial=self.next_sample
         )
 
     @property
@@ -165,11 +191,26 @@ class Writer:
         return self._w.resumed_from
 
     def add(self, sample: Dict[str, Any]) -> None:
-        """Adds one sample: a dict of arrays without the batch dimension."""
-        self.add_batch({k: np.asarray(v)[None] for k, v in sample.items()})
+        """Adds one sample: a dict of arrays without the batch dimension (see ``add_batch``)."""
+        if not isinstance(sample, Mapping):
+            raise InvalidArgumentTypeError(f"{self.path}: a sample is a dict of arrays, got {type(sample).__name__}")
+        self.add_batch({k: _inputs.array(v, str(k), self.path)[None] for k, v in sample.items()})
 
     def add_batch(self, batch: Dict[str, Any]) -> None:
-        """Adds samples stacked on dim 0 (every stored field, the same batch size)."""
+        """Adds samples stacked on dim 0 (every stored field, the same batch size).
+
+        Arrays may be numpy arrays, torch tensors or nested lists. Float fields take floats of
+        any width (torch and ml_dtypes bfloat16 included), rounded to the cache dtype; a value
+        that overflows it is refused. Integer fields take integers (masks also bools); floats
+        are refused. Every value must follow the rules ``validate(deep=True)`` checks: finite
+        floats, probabilities not negative and, lossless, each ``target_probs`` row summing to
+        1 within the dtype's tolerance; masks 0 or 1, ``position_mask`` only where
+        ``loss_mask`` is 1; ``input_ids`` below ``target_vocab_size``; top-k indices below
+        ``draft_vocab_size``. A batch breaking one raises InvalidArgumentError naming the field,
+        the sample, the position, the value and the rule, and nothing of it is stored.
+        """
+        if not isinstance(batch, Mapping):
+            raise InvalidArgumentTypeError(f"{self.path}: a batch is a dict of arrays, got {type(batch).__name__}")
         unknown = sorted(set(batch) - set(self._fields))
         if unknown:
             raise InvalidArgumentError(f"{unknown} are not tensors of this cache (it stores {sorted(self._fields)})")
@@ -178,10 +219,14 @@ class Writer:
             raise InvalidArgumentError(f"missing {missing}")
         arrays = {}
         n = None
+        first = self.next_sample
         for name, (code, row) in self._fields.items():
-            a = _coerce(batch[name], code, name)
+            a = _coerce(batch[name], code, name, self.path, first)
             if a.ndim != len(row) + 1 or tuple(a.shape[1:]) != row:
-                raise InvalidArgumentError(f"{name}: shape {a.shape}, expected (batch, {', '.join(map(str, row))})")
+                raise InvalidArgumentError(
+                    f"{self.path}: `{name}` must have shape (b, {', '.join(map(str, row))}) = (batch, "
+                    f"{'seq_length' if len(row) == 1 else 'seq_length, ' + str(row[1])}); got {tuple(a.shape)}"
+                )
             if n is None:
                 n = a.shape[0]
             elif a.shape[0] != n:
@@ -191,10 +236,14 @@ class Writer:
         self._progress.advance(int(n or 0), self.next_sample, int(self.manifest["num_samples"]))
 
     def write_target_embeddings(self, array: Any) -> None:
-        """Writes ``target_embeddings.safetensors``: ``weight``, float32 ``[vocab_rows, hidden]``."""
-        a = np.ascontiguousarray(array, dtype=np.float32)
+        """Writes ``target_embeddings.safetensors``: ``weight``, float32 ``[vocab_rows, hidden]``
+        (float16/bfloat16 widened exactly; float64 or integers only where float32 holds every
+        value exactly)."""
+        a = _inputs.float32(array, "weight", self.path)
         if a.ndim != 2:
-            raise InvalidArgumentError(f"embeddings must be 2-D [vocab_rows, hidden], got shape {a.shape}")
+            raise InvalidArgumentError(
+                f"{self.path}: embeddings must have shape (vocab_rows, hidden), 2-D; got {tuple(a.shape)}"
+            )
         self._w.write_target_embeddings(a.reshape(-1).view(np.uint8), a.shape[0], a.shape[1])
 
     def close(self) -> str:
@@ -222,6 +271,13 @@ class Writer:
         else:
             self.abort()
 
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"eagle3.Writer({self.path!r}, next_sample={self.next_sample}, "
+            f"num_samples={self.manifest.get('num_samples')}, shard_size={self.manifest.get('shard_size')}, {state})"
+        )
+
 
 def _item(fields: Sequence[Any]) -> Sample:
     return {f["name"]: _view(f["array"], f["dtype"]) for f in fields}
@@ -236,8 +292,8 @@ class Cache(collections.abc.Sequence):  # type: ignore[type-arg]
     """
 
     def __init__(self, cache_dir: PathLike, max_open: int = 64) -> None:
-        self.path = os.fspath(cache_dir)
-        self.max_open = int(max_open)
+        self.path = _args.path("cache_dir", cache_dir)
+        self.max_open = _args.integer("max_open", max_open, lo=1, hi=1 << 20)
         self._c: Any = None
         self._pid = -1
         self._len = len(self._core())
@@ -256,7 +312,7 @@ class Cache(collections.abc.Sequence):  # type: ignore[type-arg]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._len))]
         if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"sample indices must be integers or slices, not {type(i).__name__}")
+            raise _args.InvalidArgumentTypeError(f"sample indices must be integers or slices, not {type(i).__name__}")
         return _item(self._core().item(int(i)))
 
     def target_embeddings(self) -> np.ndarray:
@@ -285,8 +341,16 @@ def open(cache_dir: PathLike, max_open: int = 64) -> Cache:  # noqa: A001 - mirr
 
 def collate(items: Sequence[Sample]) -> Sample:
     """Stacks items into a batch (each field on a new dim 0), as NeMo's collate does."""
+    if isinstance(items, Mapping) or not isinstance(items, Sequence):
+        raise _args.InvalidArgumentTypeError(f"items must be a list of items (dicts of arrays), got {type(items).__name__}")
     if not items:
         raise InvalidArgumentError("cannot collate an empty list of items")
+    keys = set(items[0])
+    for n, it in enumerate(items):
+        if not isinstance(it, Mapping):
+            raise _args.InvalidArgumentTypeError(f"items[{n}] must be a dict of arrays, got {type(it).__name__}")
+        if set(it) != keys:
+            raise InvalidArgumentError(f"items[{n}] has fields {sorted(it)}, items[0] has {sorted(keys)}")
     return {k: np.stack([it[k] for it in items]) for k in items[0]}
 
 
@@ -294,6 +358,8 @@ def to_torch(batch: Sample) -> Dict[str, Any]:
     """The batch as torch tensors, sharing memory (bf16 included, through its bit pattern)."""
     import torch  # noqa: WPS433 - optional dependency
 
+    if not isinstance(batch, Mapping):
+        raise _args.InvalidArgumentTypeError(f"batch must be a dict of arrays, got {type(batch).__name__}")
     out = {}
     for k, a in batch.items():
         if (_BF16 is not None and a.dtype == _BF16) or (a.dtype == np.uint16 and k in ("aux_hidden_states", "target_probs")):
@@ -335,7 +401,7 @@ class Loader(EngineLoader):
             # by position; every loader now takes keywords.
             names = ["batch_size", "shuffle", "seed", "rank", "world_size", "drop_last"]
             if len(args) > len(names):
-                raise TypeError(f"Loader takes at most {len(names) + 1} positional arguments")
+                raise _args.InvalidArgumentTypeError(f"Loader takes at most {len(names) + 1} positional arguments")
             warnings.warn(
                 f"pass {', '.join(names[:len(args)])} by keyword (every shardkit loader takes the same keywords)",
                 DeprecationWarning,
@@ -349,7 +415,19 @@ class Loader(EngineLoader):
             world_size = given.get("world_size", world_size)
             drop_last = given.get("drop_last", drop_last)
         if batch_size is None:
-            raise TypeError("Loader() needs batch_size")
+            raise _args.InvalidArgumentTypeError("eagle3.Loader() needs batch_size (samples per batch on each rank)")
+        cache_dir = _args.path("cache_dir", cache_dir)
+        batch_size = _args.count("batch_size", batch_size, lo=1)
+        shuffle = _args.boolean("shuffle", shuffle)
+        seed = _args.count("seed", seed)
+        _args.rank_world(rank, world_size)
+        drop_last = _args.boolean("drop_last", drop_last)
+        epoch = _args.count("epoch", epoch)
+        if io_threads is not None:
+            _args.threads("io_threads", io_threads)
+        num_threads = _args.threads("num_threads", num_threads)
+        prefetch = _args.count("prefetch", prefetch, lo=1)
+        verify = _args.boolean("verify", verify)
         if io_threads is not None:
             warnings.warn(
                 "io_threads is now num_threads (threads that read rows into batches; the reads "
@@ -358,10 +436,36 @@ class Loader(EngineLoader):
                 stacklevel=2,
             )
             num_threads = num_threads or io_threads
-        self.path = os.fspath(cache_dir)
+        self.path = cache_dir
         self._l = _core.Eagle3Loader(
-            self.path, int(batch_size), bool(shuffle), int(seed), int(epoch), rank, world_size,
-            bool(drop_last), int(num_threads or 0), int(prefetch), bool(verify),
+            self.path, batch_size, shuffle, seed, epoch, rank, world_size,
+            drop_last, num_threads or 0, prefetch, verify,
+        )
+        self._opts: Dict[str, Any] = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return self._opts["batch_size"]  # type: ignore[no-any-return]
+
+    @property
+    def shuffle(self) -> bool:
+        return self._opts["shuffle"]  # type: ignore[no-any-return]
+
+    @property
+    def seed(self) -> int:
+        return self._opts["seed"]  # type: ignore[no-any-return]
+
+    @property
+    def drop_last(self) -> bool:
+        return self._opts["drop_last"]  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        o = self._opts
+        return (
+            f"eagle3.Loader({self.path!r}, batch_size={o['batch_size']}, shuffle={o['shuffle']}, seed={o['seed']}, "
+            f"rank={self.rank}, world_size={self.world_size}, drop_last={o['drop_last']}, epoch={self.epoch}, "
+            f"batches={len(self)})"
         )
 
     def indices(self) -> List[int]:
@@ -369,17 +473,24 @@ class Loader(EngineLoader):
         return list(self._l.indices())
 
     def state_dict(self) -> LoaderState:
-        """``{"format", "seed", "epoch", "batch", "batch_size", "world_size"}`` (see
+        """``{"format", "seed", "epoch", "batch", "batch_size", "world_size"}`` and the
+        parameters that decide the order, ``shuffle``, ``drop_last`` and ``samples`` (see
         :class:`shardkit.types.LoaderState`): save it with your checkpoint."""
         return {"format": "eagle3", **self._l.state_dict()}  # type: ignore[typeddict-item]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resumes at the state's position. A state taken by a loader that would serve other
+        samples (another seed, batch_size, world_size, shuffle, drop_last or cache size) raises
+        InvalidArgumentError naming each key that differs, with both values. Right after it,
+        ``set_epoch`` of the state's epoch keeps the position."""
         check_state(dict(state), "eagle3")
         self._l.load_state_dict({k: v for k, v in state.items() if k != "format"})
 
     def __iter__(self) -> Iterator[Eagle3Batch]:
-        if self._l.state_dict()["batch"] >= len(self):
-            self._l.advance_to(0)  # a finished epoch starts over, as PyTorch's samplers do
+        if self._l.state_dict()["batch"] >= len(self) and not self._l.resumed:
+            # A finished epoch starts over, as PyTorch's samplers do (but a state saved at the
+            # end of its epoch resumes to the end: the rest of that epoch is empty).
+            self._l.advance_to(0)
         it = self._l.iter()
         try:
             for b in it:
@@ -393,17 +504,21 @@ def validate(cache_dir: PathLike, deep: bool = False) -> Validation:
     """``{"path", "valid", "errors", "notes"}``, each finding ``{"file", "message"}``
     (:class:`shardkit.types.Validation`, the same for every format); ``deep`` reads every value
     (NaN/Inf, masks, sums) and checks the checksums sidecar."""
-    report: Validation = json.loads(_core.eagle3_validate(os.fspath(cache_dir), deep))
+    report: Validation = json.loads(_core.eagle3_validate(_args.path("cache_dir", cache_dir), _args.boolean("deep", deep)))
     return report
 
 
 def inspect(cache_dir: PathLike) -> Dict[str, Any]:
     """Configuration, sizes and completeness."""
-    info: Dict[str, Any] = json.loads(_core.eagle3_inspect(os.fspath(cache_dir)))
+    info: Dict[str, Any] = json.loads(_core.eagle3_inspect(_args.path("cache_dir", cache_dir)))
     return info
 
 
 def set_version(cache_dir: PathLike, version: int) -> Dict[str, Any]:
     """Switches a cache between format_version 1 and 2 by rewriting only its manifest."""
-    out: Dict[str, Any] = json.loads(_core.eagle3_set_version(os.fspath(cache_dir), int(version)))
+    version = _args.integer("version", version, lo=0, hi=255, rule="1 or 2")
+    out: Dict[str, Any] = json.loads(_core.eagle3_set_version(_args.path("cache_dir", cache_dir), version))
     return out
+
+
+_args.guard_module(globals(), __all__)

@@ -11,6 +11,8 @@ exception                      also a                           raised when
 ``IncompleteDatasetError``     ``ValueError``                   a dataset was never finished (a
                                                                 killed writer); resumable
 ``InvalidArgumentError``       ``ValueError``                   an argument or option is invalid
+``InvalidArgumentTypeError``   ``InvalidArgumentError``,        an argument of the wrong type, an
+                               ``TypeError``                    unknown keyword, a missing one
 ``ShardkitOSError``            ``OSError``                      the operating system refused an
                                                                 operation (subclasses by errno:
                                                                 ``PermissionDeniedError`` is a
@@ -36,6 +38,7 @@ __all__ = [
     "CorruptDataError",
     "IncompleteDatasetError",
     "InvalidArgumentError",
+    "InvalidArgumentTypeError",
     "ShardkitOSError",
     "NotFoundError",
     "AlreadyExistsError",
@@ -62,6 +65,12 @@ class IncompleteDatasetError(ShardkitError, ValueError):
 
 class InvalidArgumentError(ShardkitError, ValueError):
     """An argument or option is invalid (nothing on disk was touched)."""
+
+
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a float where an int goes, None where a path goes), an
+    unknown keyword (the message suggests the close match) or a missing one. Also a
+    ``TypeError``, which Python itself raises for these."""
 
 
 class ShardkitOSError(ShardkitError, OSError):

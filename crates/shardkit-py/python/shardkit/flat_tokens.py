@@ -23,10 +23,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Seque
 
 import numpy as np
 
+from . import _args, _inputs
 from . import _shardkit as _core
 from ._progress import Progress
-from .errors import CorruptDataError, IncompleteDatasetError, InvalidArgumentError, NotFoundError, OutOfRangeError
-from .types import LoaderState, TokensBatch, Validation, check_state
+from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError, NotFoundError, OutOfRangeError
+from .types import LoaderState, TokensBatch, Validation, check_params, check_state
 
 PathLike = Union[str, "os.PathLike[str]"]
 Batch = TokensBatch  # the old name
@@ -50,32 +51,47 @@ __all__ = [
 MAX_TOKEN_ID = (1 << 31) - 1
 
 _SPLITS = ("train", "validation")
+_LAYOUTS = ("v2", "v3")
 
 
 def _array(buf: Any) -> np.ndarray:
     return np.asarray(buf)
 
 
-def _flatten(sequences: Iterable[Any]) -> "tuple[np.ndarray, np.ndarray]":
-    """Sequences (lists of ints or integer arrays) as one uint32 array and their lengths,
-    refusing ids outside 0..2^31-1 with the offending sequence named."""
+def _flatten(sequences: Iterable[Any], path: str = "") -> "tuple[np.ndarray, np.ndarray]":
+    """Sequences (lists of ints, integer numpy arrays or torch tensors) as one uint32 array and
+    their lengths, refusing anything but integer ids in 0..2^31-1 with the offending sequence
+    and position named."""
+    if sequences is None or isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
+        raise InvalidArgumentTypeError(
+            f"{path}: sequences must be an iterable of token-id sequences (lists, numpy arrays or torch "
+            f"tensors), got {type(sequences).__name__}"
+        )
     arrays: List[np.ndarray] = []
     for i, s in enumerate(sequences):
+        field = "token ids"
         try:
-            a = np.asarray(s)
-        except OverflowError:
-            a = np.asarray(s, dtype=object)
+            a = _inputs.array(s, f"sequence {i}", path)
+        except InvalidArgumentTypeError:
+            if isinstance(s, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in s):
+                a = np.asarray(s, dtype=object)  # ints past 64 bits: refused below, by value
+            else:
+                raise
         if a.ndim != 1:
-            raise InvalidArgumentError(f"sequence {i}: expected a 1-D sequence of token ids, got shape {a.shape}")
+            raise InvalidArgumentError(
+                f"{path}: sequence {i}: expected a 1-D sequence of token ids, got shape {tuple(a.shape)}"
+            )
+        if a.dtype == object:
+            j, bad = next((j, x) for j, x in enumerate(a.tolist()) if not 0 <= x <= MAX_TOKEN_ID)
+            raise _inputs.refused(path, field, f"sequence {i} of this append, position {j}", bad, _ID_RULE)
         if a.size:
-            if a.dtype == object or not np.issubdtype(a.dtype, np.integer):
-                if a.dtype == object and all(isinstance(x, int) for x in a):
-                    bad = next(x for x in a if not 0 <= x <= MAX_TOKEN_ID)
-                    raise InvalidArgumentError(_out_of_range(i, bad))
-                raise InvalidArgumentError(f"sequence {i}: token ids must be integers, got {a.dtype}")
-            lo, hi = a.min(), a.max()
-            if lo < 0 or hi > MAX_TOKEN_ID:
-                raise InvalidArgumentError(_out_of_range(i, lo if lo < 0 else hi))
+
+            def where(idx: "tuple[int, ...]", i: int = i) -> str:
+                return f"sequence {i} of this append, position {idx[0]}"
+
+            a = _inputs.integers(
+                None, field, path, a=a, dtype=a.dtype, lo=0, hi=MAX_TOKEN_ID, allowed=_ID_RULE, where=where
+            )
         arrays.append(a)
     lengths = np.fromiter((a.size for a in arrays), dtype=np.uint64, count=len(arrays))
     if not arrays:
@@ -84,11 +100,7 @@ def _flatten(sequences: Iterable[Any]) -> "tuple[np.ndarray, np.ndarray]":
     return np.ascontiguousarray(flat), lengths
 
 
-def _out_of_range(seq: int, value: Any) -> str:
-    return (
-        f"sequence {seq}: token id {value} is outside 0..{MAX_TOKEN_ID} (the flat-tokens encoding "
-        "holds ids below 2^31); nothing was appended"
-    )
+_ID_RULE = f"0 to {MAX_TOKEN_ID} (below 2^31, as 2*id+1 must fit the uint32 encoding)"
 
 
 class Writer:
@@ -122,22 +134,25 @@ class Writer:
         tokens_per_chunk: Optional[int] = None,
         progress: Any = None,
     ) -> None:
+        path = _args.path("path", path)
+        split = _args.choice("split", split, _SPLITS)
         self._w = _core.TokensWriter(
-            os.fspath(path),
+            path,
             split,
-            layout,
-            resume,
-            checkpoint_tokens,
-            tokens_per_shard,
-            tokens_per_chunk,
+            _args.optional_choice("layout", layout, _LAYOUTS),
+            _args.boolean("resume", resume),
+            _args.count("checkpoint_tokens", checkpoint_tokens, lo=1),
+            _args.optional_count("tokens_per_shard", tokens_per_shard, lo=1),
+            _args.optional_count("tokens_per_chunk", tokens_per_chunk, lo=1),
         )
-        self.path = os.fspath(path)
+        self.path = path
         self.split = split
         self._final: Optional["_core.WriterCounts"] = None  # counts kept once closed
         self._closed = False
         self._warned_zero = False
         self._progress = Progress(
-            progress, unit="tok", unit_scale=True, desc=f"writing {split}", initial=self.token_count
+            _args.callback("progress", progress), unit="tok", unit_scale=True, desc=f"writing {split}",
+            initial=self.token_count,
         )
 
     @property
@@ -171,12 +186,14 @@ class Writer:
     def append(self, sequences: Iterable[Any]) -> None:
         """Appends whole sequences: lists of ints or integer numpy arrays (any integer dtype).
 
-        Ids must be in 0..2^31-1 (ValueError otherwise, and nothing is appended). Empty sequences
+        Ids must be integers in 0..2^31-1: a float (even a whole one), a bool, None or a ragged
+        sequence raises InvalidArgumentTypeError, an id out of range InvalidArgumentError naming
+        the sequence, the position and the value, and nothing of the call is appended. Empty sequences
         are allowed (``seq_starts`` repeats a value). Id 0 is the loader's input at sequence
         starts (seqax's convention); a sequence containing it is written, with a warning.
         """
         before = self.token_count
-        tokens, lengths = _flatten(sequences)
+        tokens, lengths = _flatten(sequences, f"{self.path}/{self.split}")
         self._w.append_flat(tokens, lengths)
         zero = self._w.counts["sequences_with_id_zero"]
         if zero and not self._warned_zero:
@@ -220,12 +237,19 @@ class Writer:
         else:
             self.abort()
 
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"flat_tokens.Writer({self.path!r}, split={self.split!r}, format={self.format!r}, "
+            f"seq_count={self.seq_count}, token_count={self.token_count}, {state})"
+        )
+
 
 class Split:
     """One split opened for reading: ``len()`` documents, ``split[i]`` -> uint32 token ids."""
 
     def __init__(self, path: PathLike, name: str) -> None:
-        self._s = _core.TokensSplit(os.fspath(path), name)
+        self._s = _core.TokensSplit(_args.path("path", path), _args.choice("name", name, _SPLITS))
         self.name = name
         self.path: str = self._s.path
         counts, info = self._s.counts, self._s.info
@@ -241,7 +265,7 @@ class Split:
 
     def __getitem__(self, i: int) -> np.ndarray:
         """The token ids of document ``i`` (negative indices count from the end)."""
-        return _array(self._s.ids(int(i)))
+        return _array(self._s.ids(_args.integer("i", i)))
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(self.seq_count):
@@ -249,13 +273,13 @@ class Split:
 
     def seq_starts(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         """``seq_starts[start:stop]`` (uint64); the whole array by default."""
-        stop = self.seq_count + 1 if stop is None else stop
-        return _array(self._s.seq_starts(int(start), int(stop)))
+        stop = self.seq_count + 1 if stop is None else _args.integer("stop", stop)
+        return _array(self._s.seq_starts(_args.integer("start", start), stop))
 
     def encoded(self, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
         """``encoded_tokens[start:stop]`` (uint32, as stored)."""
-        stop = self.token_count if stop is None else stop
-        return _array(self._s.encoded(int(start), int(stop)))
+        stop = self.token_count if stop is None else _args.integer("stop", stop)
+        return _array(self._s.encoded(_args.integer("start", start), stop))
 
     def __repr__(self) -> str:
         return (
@@ -269,17 +293,26 @@ class Dataset:
     """A dataset's splits by name: ``ds["train"]``, ``ds.train``, ``"validation" in ds``."""
 
     def __init__(self, path: PathLike) -> None:
-        self.path = os.fspath(path)
+        self.path = _args.path("path", path)
         self.splits: List[str]
         if self.path.startswith(("s3://", "s3a://")):
             self.splits = list(_core.tokens_splits(self.path))
         else:
             local = self.path[len("file://"):] if self.path.startswith("file://") else self.path
+            if not os.path.exists(local):
+                raise NotFoundError(f"{self.path}: no such directory")
             if not os.path.isdir(local):
-                raise NotFoundError(f"{self.path}: not a directory; expected a flat-tokens dataset")
+                raise NotFoundError(
+                    f"{self.path}: not a directory; expected a flat-tokens dataset (a directory "
+                    "holding train/ and/or validation/ zarr groups)")
             self.splits = [s for s in _SPLITS if os.path.isdir(os.path.join(local, s))]
         if not self.splits:
-            raise CorruptDataError(f"{self.path}: holds neither a train nor a validation split")
+            # The library's report says what the path is instead (a split directory, a directory
+            # holding datasets one level down) and what to open.
+            found = json.loads(_core.tokens_validate(self.path))["errors"]
+            why = (f"{found[0]['file']}: {found[0]['message']}" if found else
+                   f"{self.path}: holds neither a train nor a validation split")
+            raise NotFoundError(why)
         self._open: Dict[str, Split] = {}
 
     def __contains__(self, name: object) -> bool:
@@ -324,8 +357,9 @@ class Loader:
     IndexError unless ``epochs=True``, where step ``k`` is step ``k % step_count`` of epoch
     ``k // step_count`` in a new order (epoch 0 is seqax's).
 
-    Iterating yields batches from the loader's position (``step``, advanced as you go; set it
-    or use ``load_state_dict`` to resume), prepared ahead on ``num_threads`` threads (default:
+    Iterating yields the rest of the current epoch from the loader's position (``step``,
+    advanced as you go; set it, or ``set_epoch``, or use ``load_state_dict`` to resume; with
+    ``epochs=True`` the next iteration serves the next epoch), prepared ahead on ``num_threads`` threads (default:
     every core) that read and decode rows in parallel. ``verify=True`` checks the chunk files a
     step decodes against the dataset's checksums sidecar first (ValueError naming a damaged one).
 
@@ -361,6 +395,24 @@ class Loader:
         shuffle: bool = True,
         drop_last: bool = True,
     ) -> None:
+        path = _args.path("path", path)
+        split = _args.choice("split", split, _SPLITS)
+        seq_len = _args.count("seq_len", seq_len, lo=1)
+        batch_size = _args.count("batch_size", batch_size, lo=1)
+        packed = _args.boolean("packed", packed)
+        streams = _args.count("streams", streams, lo=1)
+        read_blocks_per_shuffle_buffer = _args.count("read_blocks_per_shuffle_buffer", read_blocks_per_shuffle_buffer, lo=1)
+        sequences_per_read_block = _args.optional_count("sequences_per_read_block", sequences_per_read_block, lo=1)
+        seed = _args.count("seed", seed)
+        _args.rank_world(rank, world_size)
+        _args.rank_world(host_index, host_count)
+        epochs = _args.boolean("epochs", epochs)
+        num_threads = _args.threads("num_threads", num_threads)
+        verify = _args.boolean("verify", verify)
+        buffer_in_memory = _args.optional_boolean("buffer_in_memory", buffer_in_memory)
+        epoch = _args.count("epoch", epoch)
+        shuffle = _args.boolean("shuffle", shuffle)
+        drop_last = _args.boolean("drop_last", drop_last)
         # The common loader keywords: rank/world_size are seqax's host_index/host_count (hosts
         # that each load their slice of every batch), not read from $RANK (seqax's default is
         # one host).
@@ -371,6 +423,11 @@ class Loader:
                 f"world_size={world_size} and host_count={host_count} disagree (they are the same thing)")
         host_index = rank if rank is not None else (host_index or 0)
         host_count = world_size if world_size is not None else (host_count or 1)
+        _args.rank_world(host_index, host_count)
+        if batch_size % host_count:
+            raise InvalidArgumentError(
+                f"batch_size={batch_size} does not divide by world_size={host_count} (seqax's host_count: "
+                "each host loads an equal slice of every global batch)")
         if not shuffle:
             raise InvalidArgumentError(
                 "shuffle=False: flat-tokens batches follow seqax's shuffled order (use "
@@ -379,7 +436,7 @@ class Loader:
             raise InvalidArgumentError(
                 "drop_last=False: seqax's step_count counts full batches only, and so does this loader")
         self._l = _core.TokensLoader(
-            os.fspath(path),
+            path,
             split,
             int(seq_len),
             int(batch_size),
@@ -395,9 +452,12 @@ class Loader:
             bool(verify),
             None if buffer_in_memory is None else bool(buffer_in_memory),
         )
+        # Every parameter that decides which rows land in which step (checked on load).
         self._order = {
+            "split": split,
+            "step_count": self._l.step_count,
             "seq_len": int(seq_len),
-            "batch_size": int(batch_size),
+            "global_batch_size": int(batch_size),
             "packed": bool(packed),
             "streams": int(streams),
             "read_blocks_per_shuffle_buffer": int(read_blocks_per_shuffle_buffer),
@@ -406,9 +466,65 @@ class Loader:
             "epochs": bool(epochs),
         }
         self._world = int(host_count)
+        self._rank = int(host_index)
+        self._path, self._split = path, split
+        self._params = (seq_len, batch_size, seed, packed, epochs)
         self.step = 0
+        self._epoch = 0  # the epoch being served: a step at its end is "epoch finished"
+        self._resumed = False  # a state was loaded and no pass has started since
         if epoch:
             self.set_epoch(epoch)
+
+    @property
+    def path(self) -> str:
+        """The dataset."""
+        return self._path
+
+    @property
+    def split(self) -> str:
+        return self._split
+
+    @property
+    def batch_size(self) -> int:
+        """The global batch (sequences per step over all hosts); each host loads
+        ``batch_size // world_size`` rows of it."""
+        return self._params[1]
+
+    @property
+    def seq_len(self) -> int:
+        return self._params[0]
+
+    @property
+    def seed(self) -> int:
+        return self._params[2]
+
+    @property
+    def rank(self) -> int:
+        """This host's index (seqax's ``host_index``)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Hosts sharing each batch (seqax's ``host_count``)."""
+        return self._world
+
+    @property
+    def shuffle(self) -> bool:
+        """Always True: seqax's shuffled order."""
+        return True
+
+    @property
+    def drop_last(self) -> bool:
+        """Always True: seqax serves full batches only."""
+        return True
+
+    def __repr__(self) -> str:
+        seq_len, batch_size, seed, packed, epochs = self._params
+        return (
+            f"flat_tokens.Loader({self._path!r}, {self._split!r}, seq_len={seq_len}, "
+            f"batch_size={batch_size}, packed={packed}, seed={seed}, rank={self._rank}, "
+            f"world_size={self._world}, epochs={epochs}, step={self.step}, step_count={self.step_count})"
+        )
 
     @property
     def buffers_in_memory(self) -> bool:
@@ -435,19 +551,24 @@ class Loader:
 
     def load(self, step: int) -> Batch:
         """This host's rows of ``step``; reads only those rows."""
+        step = _args.integer("step", step)
         if step < 0:
-            raise OutOfRangeError(f"step {step} is negative")
-        return self._batch(self._l.load(int(step)))
+            raise OutOfRangeError(f"step {step} is before the start: steps count from 0 (no negative indexing)")
+        return self._batch(self._l.load(step))
 
     def rows(self, step: int) -> np.ndarray:
         """The sequence index (packed row, or document when unpacked) of each row of ``step``."""
+        step = _args.integer("step", step)
         if step < 0:
-            raise OutOfRangeError(f"step {step} is negative")
-        return _array(self._l.rows(int(step)))
+            raise OutOfRangeError(f"step {step} is before the start: steps count from 0 (no negative indexing)")
+        return _array(self._l.rows(step))
 
     def iter(self, start_step: int = 0) -> Iterator[Batch]:
         """Batches from ``start_step`` to the end of the epoch (endless with ``epochs=True``)."""
-        it = self._l.iter(int(start_step))
+        return self._iter_from(_args.count("start_step", start_step))
+
+    def _iter_from(self, start_step: int) -> Iterator[Batch]:
+        it = self._l.iter(start_step)
         try:
             for t in it:
                 yield self._batch(t)
@@ -455,26 +576,49 @@ class Loader:
             it.close()
 
     def __iter__(self) -> Iterator[Batch]:
+        """The rest of the current epoch from ``step`` (advancing it), as every loader's
+        iteration: ``for epoch in ...: loader.set_epoch(epoch); for batch in loader: ...``.
+        With ``epochs=True`` the next iteration continues with the next epoch;
+        ``iter(start_step)`` is seqax's endless stream."""
+        resumed, self._resumed = self._resumed, False
+        n = self.step_count
+        if n == 0:
+            return
+        if self.step == (self._epoch + 1) * n and (resumed or not self._order["epochs"]):
+            return  # a state saved at the end of its epoch resumes to the end of that epoch
+        self._epoch = self.epoch if self.step < (self._epoch + 1) * n else self.step // n
+        end = (self._epoch + 1) * n
         it = self._l.iter(self.step)
         try:
             for t in it:
                 self.step = t["step"] + 1
                 yield self._batch(t)
+                if self.step >= end:
+                    break
         finally:
             it.close()
 
     def set_epoch(self, epoch: int) -> None:
         """Goes to the first step of ``epoch`` (``epoch * step_count`` with ``epochs=True``;
-        without, epoch 0 is the only one)."""
-        epoch = int(epoch)
+        without, epoch 0 is the only one). Right after ``load_state_dict``, the state's epoch
+        keeps the loaded step (the training loop calls ``set_epoch`` at every epoch's start)."""
+        epoch = _args.count("epoch", epoch)
         if epoch < 0 or (epoch > 0 and not self._order["epochs"]):
             raise InvalidArgumentError(f"epoch {epoch} does not exist: this loader has epochs={self._order['epochs']}")
+        if self._resumed and epoch == self.epoch:
+            return
+        self._resumed = False
         self.step = epoch * self.step_count
+        self._epoch = epoch
 
     @property
     def epoch(self) -> int:
-        """The epoch of the next step."""
-        return self.step // self.step_count if self.step_count else 0
+        """The epoch being served: that of the next step, or the one just finished (a state
+        saved after an epoch's last batch says epoch e, batch ``step_count``)."""
+        n = self.step_count
+        if n and self._epoch * n <= self.step <= (self._epoch + 1) * n:
+            return self._epoch
+        return self.step // n if n else 0
 
     def state_dict(self) -> LoaderState:
         """The next step and the parameters that decide the order (see
@@ -484,56 +628,66 @@ class Loader:
         return {
             "format": "flat_tokens",
             "seed": self._order["seed"],
-            "epoch": self.step // n if n else 0,
-            "batch": self.step % n if n else 0,
-            "batch_size": self._order["batch_size"] // self._world,
+            "epoch": self.epoch,
+            "batch": self.step - self.epoch * n,
+            "batch_size": self._order["global_batch_size"] // self._world,
             "world_size": self._world,
             "step": self.step,
             **self._order,  # type: ignore[typeddict-item]
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resumes at ``state["step"]`` (or ``epoch``/``batch``); refuses a state saved with a
-        different order."""
+        """Resumes at ``state["step"]`` (or ``epoch``/``batch``). A state saved by a loader
+        that would serve other rows (another split, dataset size, seed, seq_len, global batch,
+        packing, streams or shuffle buffer) raises InvalidArgumentError naming each key that
+        differs, with both values; ``world_size`` may differ when the global batch is the same.
+        Right after it, ``set_epoch`` of the state's epoch keeps the step."""
         check_state(dict(state), "flat_tokens")
-        differ = [k for k, v in self._order.items() if k in state and state[k] != v]
-        if differ:
-            raise InvalidArgumentError(
-                "the state was saved with a different order: "
-                + ", ".join(f"{k}={state[k]!r} (this loader: {self._order[k]!r})" for k in differ)
-            )
+        theirs = dict(state)
+        if "global_batch_size" not in theirs and "batch_size" in theirs:
+            # States saved before global_batch_size was recorded held the global batch here.
+            theirs["global_batch_size"] = theirs["batch_size"]
+        check_params(theirs, self._order)
         if "step" in state:
-            self.step = int(state["step"])
+            step = int(state["step"])
         elif "epoch" in state and "batch" in state:
-            self.step = int(state["epoch"]) * self.step_count + int(state["batch"])
+            step = int(state["epoch"]) * self.step_count + int(state["batch"])
         else:
-            raise KeyError("state is missing 'step' (or 'epoch' and 'batch')")
+            raise InvalidArgumentError("the state has no position: it needs 'step' (or 'epoch' and 'batch')")
+        if step < 0 or (step > self.step_count and not self._order["epochs"]):
+            raise InvalidArgumentError(
+                f"the state's step {step} is past this loader's {self.step_count} steps (epochs=False)")
+        self.step = step
+        n = self.step_count
+        epoch = int(state.get("epoch", -1))
+        self._epoch = epoch if n and epoch * n <= step <= (epoch + 1) * n else (step // n if n else 0)
+        self._resumed = True
 
 
 def validate(path: PathLike) -> Validation:
     """Every violation of every split: ``{"path", "valid", "errors", "notes"}``, each finding
     ``{"file", "message"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
-    report: Validation = json.loads(_core.tokens_validate(os.fspath(path)))
+    report: Validation = json.loads(_core.tokens_validate(_args.path("path", path)))
     return report
 
 
 def inspect(path: PathLike) -> Dict[str, Any]:
     """Per split: format, completion, counts, max_token_id, sequence length statistics."""
-    info: Dict[str, Any] = json.loads(_core.tokens_inspect(os.fspath(path)))
+    info: Dict[str, Any] = json.loads(_core.tokens_inspect(_args.path("path", path)))
     return info
 
 
 def mark_complete(path: PathLike) -> None:
     """Validates an unmarked dataset (seqax's) in full and marks it complete, so later opens
     skip the full validation. Raises ValueError listing the problems when it is not valid."""
-    _core.tokens_mark_complete(os.fspath(path))
+    _core.tokens_mark_complete(_args.path("path", path))
 
 
 def convert(src: PathLike, dst: PathLike, layout: str = "v3") -> Dict[str, Dict[str, int]]:
     """Rewrites the dataset at ``src`` into a new dataset at ``dst`` in ``layout``: seqax's v2
     chunks must be decoded whole for every row read, so v3 serves random rows far faster; v2 is
     what seqax reads. The sequences, and every batch a Loader serves, stay the same."""
-    done = _core.tokens_convert(os.fspath(src), os.fspath(dst), layout)
+    done = _core.tokens_convert(_args.path("src", src), _args.path("dst", dst), _args.choice("layout", layout, _LAYOUTS))
     return {
         c["split"]: {"seq_count": c["seq_count"], "token_count": c["token_count"], "max_token_id": c["max_token_id"]}
         for c in done
@@ -553,7 +707,7 @@ def _tokenizer_arg(tokenizer: Any) -> "tuple[Optional[str], bool]":
     to_str = getattr(tokenizer, "to_str", None)
     if callable(to_str):
         return to_str(), True
-    raise TypeError(
+    raise _args.InvalidArgumentTypeError(
         "tokenizer must be a path to a tokenizer.json, a tokenizers.Tokenizer or a transformers "
         f"fast tokenizer, got {type(tokenizer).__name__}"
     )
@@ -598,7 +752,24 @@ def build(
     (``appended_sequences``, ``appended_tokens``, ``skipped_documents``, ``null_values``,
     ``bytes_read``, ``inputs``).
     """
-    specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    path = _args.path("path", path)
+    split = _args.choice("split", split, _SPLITS)
+    if isinstance(inputs, (str, os.PathLike)):
+        specs = [_args.path("inputs", inputs)]
+    elif isinstance(inputs, (list, tuple)):
+        specs = [_args.path(f"inputs[{i}]", x) for i, x in enumerate(inputs)]
+    else:
+        raise _args.InvalidArgumentTypeError(
+            f"inputs must be a path, a glob pattern or a list of them, got {type(inputs).__name__}")
+    if not specs:
+        raise InvalidArgumentError("inputs is empty: give at least one file, directory or glob pattern")
+    if field is not None:
+        _args.string("field", field)
+    layout = _args.optional_choice("layout", layout, _LAYOUTS)
+    resume, append = _args.boolean("resume", resume), _args.boolean("append", append)
+    checkpoint_tokens = _args.count("checkpoint_tokens", checkpoint_tokens, lo=1)
+    num_threads = _args.threads("num_threads", num_threads)
+    _args.callback("progress", progress)
     text, is_json = _tokenizer_arg(tokenizer)
     bar = Progress(progress, unit="B", unit_scale=True, desc=f"building {split}")
     last = [0]
@@ -628,3 +799,6 @@ def build(
         bar.close()
     out: Dict[str, Dict[str, int]] = json.loads(summary)
     return out
+
+
+_args.guard_module(globals(), __all__)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 import numpy as np
 
+from . import _args
 from . import _shardkit as _core
 from ._progress import Progress
 from .errors import InvalidArgumentError
@@ -102,7 +103,7 @@ class Container(collections.abc.Mapping):  # type: ignore[type-arg]
     """
 
     def __init__(self, path: PathLike) -> None:
-        self._c: Any = _core.SdnbContainer(os.fspath(path))
+        self._c: Any = _core.SdnbContainer(_args.path("path", path))
         self.path: str = self._c.path
         #: "sdnb", "sharded" or "sdz".
         self.kind: str = self._c.kind
@@ -143,6 +144,8 @@ class Container(collections.abc.Mapping):  # type: ignore[type-arg]
         """Fetches these tensors (default: all) of a container read from ``s3://`` in a few
         lists of parallel ranged GETs, so indexing them afterwards makes no request: the fast
         way to load a whole model from a store. Does nothing for a local container."""
+        if isinstance(names, str):
+            raise _args.InvalidArgumentTypeError(f"names must be a list of tensor names, got the string {names!r}")
         wanted = list(self._names if names is None else names)
         for n in wanted:
             if n not in self._known:
@@ -199,7 +202,7 @@ def validate(path: PathLike, deep: bool = False) -> Validation:
     """Whether the container opens (every structure, offset and manifest entry checked) and,
     with ``deep``, whether every byte matches its checksums sidecar: ``{"path", "valid",
     "errors", "notes"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
-    report: Validation = json.loads(_core.sdnb_validate(os.fspath(path), bool(deep)))
+    report: Validation = json.loads(_core.sdnb_validate(_args.path("path", path), _args.boolean("deep", deep)))
     return report
 
 
@@ -226,7 +229,12 @@ def _as_numpy(x: Any, where: str) -> Tuple[np.ndarray, Optional[str]]:
                 return x.numpy(), None
             except TypeError as e:  # e.g. torch's float8_e5m2
                 raise InvalidArgumentError(f"{where}: {kind} cannot be stored ({e})") from None
-    a = np.asarray(x)
+    if x is None:
+        raise _args.InvalidArgumentTypeError(f"{where}: expected an array (numpy, torch or a nested list), got None")
+    try:
+        a = np.asarray(x)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _args.InvalidArgumentTypeError(f"{where}: not a rectangular array of numbers ({e})") from None
     return a, None
 
 
@@ -293,7 +301,15 @@ def save(
     published atomically; the GIL is released while writing. ``progress``: None (a byte bar
     on a terminal when tqdm is installed), a bool, or a callable ``(bytes_done, bytes_total)``.
     """
-    where = os.fspath(path)
+    where = _args.path("path", path)
+    _format(format)
+    align = _args.integer("align", align, lo=8, hi=32768, rule="an alignment: a power of two from 8 to 32768")
+    if align & (align - 1):
+        raise InvalidArgumentError(f"align must be an alignment: a power of two from 8 to 32768, got {align}")
+    slack = _args.count("slack", slack)
+    if extra_entries is not None and not isinstance(extra_entries, Mapping):
+        raise _args.InvalidArgumentTypeError(f"extra_entries must map names to bytes, got {type(extra_entries).__name__}")
+    _args.callback("progress", progress)
     if not isinstance(tensors, collections.abc.Mapping):
         raise TypeError(f"{where}: tensors must be a mapping of name -> array, not {type(tensors).__name__}")
     var_types = dict(var_types or {})
@@ -330,8 +346,10 @@ def convert(
     """Writes ``src`` (a path or an open Container) again as ``dst`` in another layout: the same
     variables and bytes, ops and other graph parts carried verbatim; ``metadata`` overrides the
     source's keys. ``format`` and ``progress`` as in ``save``. Returns the files written."""
-    where = os.fspath(dst)
-    core = src._c if isinstance(src, Container) else os.fspath(src)
+    where = _args.path("dst", dst)
+    core = src._c if isinstance(src, Container) else _args.path("src", src)
+    _format(format)
+    _args.callback("progress", progress)
     bar = _byte_progress(progress)
     try:
         return _core.sdnb_convert(
@@ -366,28 +384,43 @@ def set_metadata(path: PathLike, updates: Mapping[str, Optional[str]], rewrite: 
     An in-place edit rewrites the graph region, where small (inline) arrays live: do not edit a
     container whose inline arrays you still hold from ``open`` (appended arrays are unaffected).
     """
-    where = os.fspath(path)
+    where = _args.path("path", path)
+    if not isinstance(updates, Mapping):
+        raise _args.InvalidArgumentTypeError(f"updates must map str -> str or None, got {type(updates).__name__}")
+    rewrite = _args.boolean("rewrite", rewrite)
     changes = []
     for k, v in updates.items():
         if not isinstance(k, str) or not (v is None or isinstance(v, str)):
-            raise TypeError(f"{where}: metadata updates map str -> str or None, got {k!r}: {v!r}")
+            raise _args.InvalidArgumentTypeError(f"{where}: metadata updates map str -> str or None, got {k!r}: {v!r}")
         changes.append((k, v))
-    return _core.sdnb_set_metadata(where, changes, bool(rewrite))["in_place"]
+    return _core.sdnb_set_metadata(where, changes, rewrite)["in_place"]
 
 
 def _size(shard_size: Optional[int]) -> Optional[int]:
     if shard_size is None:
         return None
-    if isinstance(shard_size, bool) or int(shard_size) <= 0:
-        raise InvalidArgumentError(f"shard_size must be a positive number of bytes, not {shard_size!r}")
-    return int(shard_size)
+    return _args.integer("shard_size", shard_size, lo=1, hi=(1 << 64) - 1, rule="a positive number of bytes")
+
+
+
+
+def _format(format: Optional[str]) -> Optional[str]:  # noqa: A002
+    """The container format's name (its value is checked by the core, which names the path)."""
+    if format is not None:
+        _args.string("format", format)
+    return format
 
 
 def _pairs(metadata: Optional[Mapping[str, str]], where: str) -> List[Tuple[str, str]]:
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise _args.InvalidArgumentTypeError(f"{where}: metadata must map str -> str, got {type(metadata).__name__}")
     out = []
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"{where}: metadata maps str -> str, got {k!r}: {v!r}")
+            raise _args.InvalidArgumentTypeError(f"{where}: metadata maps str -> str, got {k!r}: {v!r}")
         out.append((k, v))
     return out
 
+
+
+_args.guard_module(globals(), __all__)

@@ -1,7 +1,8 @@
 """PyTorch adapters (needs torch).
 
 Device loaders, one per format (:class:`SaevLoader`, :class:`TokensLoader`,
-:class:`Eagle3Loader`), yield dicts of tensors already on a device: with ``device="cuda"`` the
+:class:`Eagle3Loader`), yield dicts of tensors already on a device (by default
+:func:`default_device`: the current accelerator, else the CPU): with ``device="cuda"`` the
 engine gathers rows straight into pinned host buffers allocated through torch, each batch is
 copied on a side CUDA stream while the next is gathered, and the training stream waits only on
 that copy. They keep their loader's ``state_dict``/``load_state_dict``/``set_epoch``. Use them in
@@ -15,33 +16,95 @@ and every row of an epoch is served once. Batches are already formed: use
 ``torch.utils.data.DataLoader(ds, batch_size=None, num_workers=N)``. The dataset implements
 ``state_dict``/``load_state_dict`` per worker, which torchdata's ``StatefulDataLoader`` collects
 and restores; resume with the same world size and number of workers (or the same global batch).
+With ``num_workers=0``, ``ds.state_dict()`` is the position; with workers, the dataset in the main
+process has none, and its ``state_dict()`` raises InvalidArgumentError saying so.
 """
 
 from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import eagle3, flat_tokens, saev
+from . import _args, eagle3, flat_tokens, saev
 from .errors import InvalidArgumentError
+
+PathLike = Union[str, "os.PathLike[str]"]
+Device = Union[str, "torch.device", int, None]
 
 __all__ = [
     "SaevLoader", "TokensLoader", "Eagle3Loader",
-    "SaevDataset", "TokensDataset", "Eagle3Dataset", "SaevIterableDataset",
+    "SaevDataset", "TokensDataset", "Eagle3Dataset", "SaevIterableDataset", "default_device",
 ]
 
 
+def default_device() -> "torch.device":
+    """The device loaders use when given none: the current accelerator (``torch.accelerator``
+    where the installed torch has it; otherwise CUDA, then MPS, when available), else the CPU."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "current_accelerator"):
+        current = acc.current_accelerator() if acc.is_available() else None
+        return torch.device(current.type) if current is not None else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _device(device: Device) -> "torch.device":
+    """``device`` (None: :func:`default_device`) checked to exist on this machine."""
+    if device is None:
+        return default_device()
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise _args.InvalidArgumentTypeError(
+            f"device must be a torch.device, a string such as 'cuda:0' or 'cpu', or a CUDA index, "
+            f"got {device!r} ({type(device).__name__})")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise InvalidArgumentError(f"device={device!r} is not a device torch knows ({e})") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidArgumentError(f"device={device!r} was asked for but torch sees no CUDA device")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise InvalidArgumentError(
+                f"device={device!r}: torch sees {torch.cuda.device_count()} CUDA device(s) (indices 0 to {torch.cuda.device_count() - 1})")
+    elif d.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise InvalidArgumentError(f"device={device!r} was asked for but torch sees no MPS device")
+    return d
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"${name}={text!r} is not an integer") from None
+
+
 def _rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    """``rank``/``world_size``, each defaulting to torch.distributed's (when initialised) or to
+    ``$RANK``/``$WORLD_SIZE``; checked (``0 <= rank < world_size``)."""
+    _args.rank_world(rank, world_size)
+    if rank is None or world_size is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            env_rank, env_world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:
+            env_rank, env_world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        rank = env_rank if rank is None else int(rank)
+        world_size = env_world if world_size is None else int(world_size)
+    _args.rank_world(rank, world_size)
+    return int(rank), int(world_size)
 
 
 def _to_tensors(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -53,19 +116,74 @@ class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
     """A format's loader as an IterableDataset, split across ranks and DataLoader workers
     without duplicates, stateful per worker."""
 
-    def __init__(self, rank: Optional[int], world_size: Optional[int], epoch: int) -> None:
+    def __init__(self, path: PathLike, rank: Optional[int], world_size: Optional[int], epoch: int) -> None:
         super().__init__()
-        self._epoch = int(epoch)
+        self._path = _args.path("path", path)
+        self._epoch = _args.count("epoch", epoch)
         self._rank, self._world = _rank_world(rank, world_size)
         self._loader: Any = None
         self._pending: Optional[Dict[str, Any]] = None
+        # Set by a DataLoader worker when it iterates this dataset, in memory shared with the
+        # process that built it: the position is then the workers', and state_dict() here
+        # refuses instead of returning one that would restart the epoch.
+        self._in_workers = torch.zeros(1, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+
+    def _check(self) -> Any:
+        """Builds this rank's loader once in the constructing process, so that a bad argument
+        or a missing dataset fails here, not later inside a DataLoader worker."""
+        return self._build(self._rank, self._world, self._epoch)
 
     def _build(self, rank: int, world_size: int, epoch: int) -> Any:
         raise NotImplementedError
 
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (each DataLoader worker serves a slice of it)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration serves."""
+        return self._epoch
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._kw["batch_size"])
+
+    @property
+    def seed(self) -> int:
+        return int(self._kw.get("seed", 0))
+
+    def _params(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self._kw.items() if k in self._SHOWN)
+
+    _SHOWN: Tuple[str, ...] = ()
+    _kw: Dict[str, Any]
+
+    def __repr__(self) -> str:
+        return (
+            f"torch.{type(self).__name__}({self._path!r}, {self._params()}, rank={self._rank}, "
+            f"world_size={self._world}, epoch={self._epoch})"
+        )
+
     def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch for the next iteration (call before iterating, as with samplers)."""
-        self._epoch = int(epoch)
+        """Sets the epoch for the next iteration (call before iterating, as with samplers).
+        Right after ``load_state_dict``, the state's epoch keeps the loaded position; another
+        epoch starts from its beginning."""
+        epoch = _args.count("epoch", epoch)
+        if self._pending is not None and int(self._pending.get("epoch", epoch)) != epoch:
+            self._pending = None
+        if self._loader is not None:
+            self._loader.set_epoch(epoch)
+        self._epoch = epoch
 
     def _split(self) -> Tuple[int, int]:
         info = get_worker_info()
@@ -81,6 +199,8 @@ class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
         return loader
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        if get_worker_info() is not None:
+            self._in_workers[0] = 1
         self._loader = self._make()
         for batch in self._loader:
             yield _to_tensors(batch)
@@ -92,31 +212,100 @@ class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
         return len(self._build(self._rank * nw, self._world * nw, self._epoch)) * nw
 
     def state_dict(self) -> Dict[str, Any]:
-        """This worker's position (its loader's ``state_dict()``)."""
-        if self._loader is None:
-            return self._pending or {}
-        return dict(self._loader.state_dict())
+        """This process's (or, inside a DataLoader worker, this worker's) position: its
+        loader's ``state_dict()``, the start of the epoch before any iteration.
+
+        With ``DataLoader(num_workers > 0)`` the workers iterate copies of the dataset and hold
+        the position: here, in the process that built it, this raises InvalidArgumentError.
+        Checkpoint through torchdata's ``StatefulDataLoader`` instead (its ``state_dict()``
+        calls this method in every worker), or use ``num_workers=0``."""
+        if get_worker_info() is None and int(self._in_workers[0]):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.state_dict(): DataLoader workers (num_workers > 0) iterate "
+                "copies of this dataset and hold the position; this one, in the main process, has "
+                "none. Checkpoint with torchdata.stateful_dataloader.StatefulDataLoader(ds, "
+                "batch_size=None, num_workers=N): its state_dict() and load_state_dict() save and "
+                "restore every worker's position; or iterate with num_workers=0")
+        if self._loader is not None:
+            return dict(self._loader.state_dict())
+        if self._pending is not None:
+            return dict(self._pending)
+        rank, world = self._split()
+        return dict(self._build(rank, world, self._epoch).state_dict())
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Resumes this worker from ``state_dict()`` at its next iteration."""
-        self._pending = dict(state) if state else None
-        if self._pending and "epoch" in self._pending:
+        """Resumes from ``state_dict()`` at the next iteration (inside a DataLoader worker,
+        this worker). A state saved by a loader that would serve other rows is refused then."""
+        if not isinstance(state, dict) or not state:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.load_state_dict() needs a state from state_dict(), got "
+                f"{state!r}: an empty state holds no position")
+        self._pending = dict(state)
+        self._loader = None
+        if "epoch" in self._pending:
             self._epoch = int(self._pending["epoch"])
 
 
 class SaevDataset(_LoaderDataset):
-    """saev batches (:class:`shardkit.saev.Loader`'s arguments) as dicts of torch tensors."""
+    """saev batches (:class:`shardkit.saev.Loader`'s arguments) as dicts of torch tensors.
+    Every argument is checked here, in the constructing process (the dataset is opened once)."""
 
-    def __init__(self, path: str, *, layer: Any, rank: Optional[int] = None, world_size: Optional[int] = None,
-                 epoch: int = 0, **kw: Any) -> None:
-        super().__init__(rank, world_size, epoch)
-        self._path = os.fspath(path)
-        self._kw: Dict[str, Any] = dict(layer=layer, **kw)
+    _SHOWN = ("layer", "tokens", "batch_size", "order", "seed", "drop_last")
+
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        layer: Union[int, str],
+        tokens: str = "content",
+        batch_size: int = 16384,
+        shuffle: Optional[bool] = None,
+        order: Optional[str] = None,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+        num_threads: Optional[int] = None,
+        verify: bool = False,
+        memory_budget: Optional[int] = None,
+        ignore_labels: Sequence[int] = (),
+        io_threads: int = 16,
+        direct_io: bool = False,
+    ) -> None:
+        super().__init__(path, rank, world_size, epoch)
+        self._kw: Dict[str, Any] = dict(
+            layer=layer, tokens=tokens, batch_size=batch_size, shuffle=shuffle, order=order, seed=seed,
+            drop_last=drop_last, num_threads=num_threads, verify=verify, memory_budget=memory_budget,
+            ignore_labels=tuple(ignore_labels) if isinstance(ignore_labels, (list, tuple)) else ignore_labels,
+            io_threads=io_threads, direct_io=direct_io,
+        )
+        checked = self._check()
+        self._kw["order"] = checked.order
+        self._kw["layer"] = checked.layer
 
     def _build(self, rank: int, world_size: int, epoch: int) -> saev.Loader:
-        shuffled = self._kw.get("shuffle") is not False and self._kw.get("order") != "sequential"
-        extra: Dict[str, Any] = {"epoch": epoch} if shuffled else {}
-        return saev.Loader(self._path, rank=rank, world_size=world_size, **extra, **self._kw)
+        kw = dict(self._kw)
+        if kw["order"] == "sequential":
+            kw.pop("shuffle")
+        return saev.Loader(self._path, rank=rank, world_size=world_size,
+                           epoch=epoch if kw["order"] != "sequential" else 0, **kw)
+
+    @property
+    def layer(self) -> Union[int, str]:
+        return self._kw["layer"]  # type: ignore[no-any-return]
+
+    @property
+    def order(self) -> str:
+        return str(self._kw["order"])
+
+    @property
+    def shuffle(self) -> bool:
+        return self.order != "sequential"
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(self._kw["drop_last"])
 
 
 class SaevIterableDataset(SaevDataset):
@@ -126,31 +315,96 @@ class SaevIterableDataset(SaevDataset):
 class TokensDataset(_LoaderDataset):
     """flat-tokens batches (:class:`shardkit.flat_tokens.Loader`'s arguments) as dicts of torch
     tensors; each worker of each rank loads its slice of every batch (seqax's hosts), so the
-    global ``batch_size`` must divide by ``world_size * num_workers``."""
+    global ``batch_size`` must divide by ``world_size * num_workers``. Every argument is
+    checked here, in the constructing process."""
 
-    def __init__(self, path: str, split: str = "train", *, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, epoch: int = 0, **kw: Any) -> None:
-        super().__init__(rank, world_size, epoch)
-        self._path, self._split_name = os.fspath(path), split
-        self._kw = kw
+    _SHOWN = ("split", "seq_len", "batch_size", "packed", "seed")
+
+    def __init__(
+        self,
+        path: PathLike,
+        split: str = "train",
+        *,
+        seq_len: int,
+        batch_size: int,
+        packed: bool = True,
+        streams: int = 1,
+        read_blocks_per_shuffle_buffer: int = 1024,
+        sequences_per_read_block: Optional[int] = None,
+        seed: int = 0,
+        epochs: bool = False,
+        num_threads: Optional[int] = None,
+        verify: bool = False,
+        buffer_in_memory: Optional[bool] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        epoch: int = 0,
+    ) -> None:
+        super().__init__(path, rank, world_size, epoch)
+        self._kw = dict(
+            split=split, seq_len=seq_len, batch_size=batch_size, packed=packed, streams=streams,
+            read_blocks_per_shuffle_buffer=read_blocks_per_shuffle_buffer,
+            sequences_per_read_block=sequences_per_read_block, seed=seed, epochs=epochs,
+            num_threads=num_threads, verify=verify, buffer_in_memory=buffer_in_memory,
+        )
+        self._check()
 
     def _build(self, rank: int, world_size: int, epoch: int) -> flat_tokens.Loader:
-        return flat_tokens.Loader(self._path, self._split_name, rank=rank, world_size=world_size, epoch=epoch,
-                                  **self._kw)
+        return flat_tokens.Loader(self._path, rank=rank, world_size=world_size, epoch=epoch, **self._kw)
+
+    @property
+    def split(self) -> str:
+        return str(self._kw["split"])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self._kw["seq_len"])
+
+    @property
+    def shuffle(self) -> bool:
+        return True
+
+    @property
+    def drop_last(self) -> bool:
+        return True
 
 
 class Eagle3Dataset(_LoaderDataset):
     """EAGLE-3 batches (:class:`shardkit.eagle3.Loader`'s arguments) as dicts of torch tensors
-    (bf16 as ``torch.bfloat16``)."""
+    (bf16 as ``torch.bfloat16``). Every argument is checked here, in the constructing process."""
 
-    def __init__(self, cache_dir: str, *, batch_size: int, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, epoch: int = 0, **kw: Any) -> None:
-        super().__init__(rank, world_size, epoch)
-        self._path = os.fspath(cache_dir)
-        self._kw = dict(batch_size=batch_size, **kw)
+    _SHOWN = ("batch_size", "shuffle", "seed", "drop_last")
+
+    def __init__(
+        self,
+        cache_dir: PathLike,
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+        epoch: int = 0,
+        num_threads: Optional[int] = None,
+        prefetch: int = 2,
+        verify: bool = False,
+    ) -> None:
+        super().__init__(cache_dir, rank, world_size, epoch)
+        self._kw = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                        num_threads=num_threads, prefetch=prefetch, verify=verify)
+        self._check()
 
     def _build(self, rank: int, world_size: int, epoch: int) -> eagle3.Loader:
         return eagle3.Loader(self._path, rank=rank, world_size=world_size, epoch=epoch, **self._kw)
+
+    @property
+    def shuffle(self) -> bool:
+        return bool(self._kw["shuffle"])
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(self._kw["drop_last"])
 
 
 # --- device loaders -------------------------------------------------------------------------
@@ -209,21 +463,32 @@ class _DeviceLoader:
     are the loader's own memory, shared without a copy.
     """
 
-    def __init__(self, host: Any, core: Any, device: Any, num_buffers: int, host_buffers: Optional[str]) -> None:
-        self._host = host
-        self._core = core
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device={device!r} was asked for but torch sees no CUDA device")
-        if num_buffers < 3:
-            raise InvalidArgumentError(f"num_buffers must be at least 3 (one being copied, one ahead, one gathering), got {num_buffers}")
-        self._num_buffers = int(num_buffers)
-        # "pinned" on CUDA; "plain" copies through unpinned torch buffers (tests the same path on
-        # machines without a GPU); None shares the loader's memory (CPU only).
-        if host_buffers is None and self.device.type != "cpu":
-            host_buffers = "pinned"
+    @staticmethod
+    def _options(device: Device, num_buffers: int, host_buffers: Optional[str]) -> Tuple["torch.device", int, Optional[str]]:
+        """The checked device options (before the host loader is built)."""
+        d = _device(device)
+        num_buffers = _args.integer(
+            "num_buffers", num_buffers, lo=3, hi=1 << 16,
+            rule="at least 3 (one being copied, one ahead, one gathering)")
+        if host_buffers is not None and not isinstance(host_buffers, str):
+            raise _args.InvalidArgumentTypeError(
+                f"host_buffers must be 'pinned', 'plain' or None, got {host_buffers!r} ({type(host_buffers).__name__})")
         if host_buffers not in (None, "pinned", "plain"):
             raise InvalidArgumentError(f"host_buffers must be 'pinned', 'plain' or None, got {host_buffers!r}")
+        if host_buffers == "pinned" and d.type != "cuda":
+            raise InvalidArgumentError(f"host_buffers='pinned' needs a CUDA device, got device={str(d)!r}")
+        return d, num_buffers, host_buffers
+
+    def __init__(self, host: Any, core: Any, device: "torch.device", num_buffers: int, host_buffers: Optional[str]) -> None:
+        self._host = host
+        self._core = core
+        self.device = device
+        self._num_buffers = int(num_buffers)
+        # "pinned" on CUDA; "plain" copies through unpinned torch buffers (other accelerators,
+        # and the same path tested on machines without a GPU); None shares the loader's memory
+        # (CPU only).
+        if host_buffers is None and self.device.type != "cpu":
+            host_buffers = "pinned" if self.device.type == "cuda" else "plain"
         self._mode = host_buffers
         self._buffers: Optional[_HostBuffers] = None
         self._state: Optional[Dict[str, Any]] = None  # the position after the last batch handed out
@@ -232,6 +497,52 @@ class _DeviceLoader:
     def loader(self) -> Any:
         """The host loader underneath."""
         return self._host
+
+    @property
+    def path(self) -> str:
+        return str(self._host.path)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._host.batch_size)
+
+    @property
+    def seed(self) -> int:
+        return int(self._host.seed)
+
+    @property
+    def shuffle(self) -> bool:
+        return bool(self._host.shuffle)
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(self._host.drop_last)
+
+    @property
+    def rank(self) -> int:
+        return int(self._host.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self._host.world_size)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._host.epoch)
+
+    @property
+    def num_buffers(self) -> int:
+        return self._num_buffers
+
+    @property
+    def host_buffers(self) -> Optional[str]:
+        """``"pinned"``, ``"plain"`` or None (the loader's own memory, on CPU)."""
+        return self._mode
+
+    def __repr__(self) -> str:
+        host = repr(self._host)
+        inner = host[host.index("(") + 1 : -1] if "(" in host and host.endswith(")") else host
+        return f"torch.{type(self).__name__}({inner}, device={str(self.device)!r}, host_buffers={self._mode!r})"
 
     def __len__(self) -> int:
         return len(self._host)
@@ -276,7 +587,7 @@ class _DeviceLoader:
                 yield {k: _host_tensor(a) for k, a in batch.items()}
             return
         self._ensure_buffers()
-        if self._state is not None:
+        if self._state is not None and self._state != self._host.state_dict():
             # Batches copied ahead of an abandoned iteration were taken from the loader but
             # never handed out: go back to the last one that was.
             self._host.load_state_dict(self._state)
@@ -307,8 +618,11 @@ class _DeviceLoader:
                         out[k] = dst
                     ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     ev.record(stream)
-            else:
+            elif self.device.type == "cpu":
                 out = {k: self._source(a).clone() for k, a in batch.items()}
+                ev = None
+            else:  # another accelerator (MPS, XPU, ...): a synchronous copy from the plain buffers
+                out = {k: self._source(a).to(self.device, copy=True) for k, a in batch.items()}
                 ev = None
             pending.append((batch, ev))
             return out, ev, state
@@ -338,31 +652,135 @@ class _DeviceLoader:
 
 class SaevLoader(_DeviceLoader):
     """saev batches (``act`` float32 ``[n, d_model]``, ``example_idx``, ``token_idx``, ...) as
-    tensors on ``device``; shuffled (``order="block"`` or ``"exact"``) or in storage order
-    (``shuffle=False`` or ``order="sequential"``). Other arguments are
-    :class:`shardkit.saev.Loader`'s."""
+    tensors on ``device`` (default: :func:`default_device`); shuffled (``order="block"`` or
+    ``"exact"``) or in storage order (``shuffle=False`` or ``order="sequential"``). Other
+    arguments are :class:`shardkit.saev.Loader`'s."""
 
-    def __init__(self, path: str, *, layer: Any, device: Any = "cuda", num_buffers: int = 4,
-                 host_buffers: Optional[str] = None, **kw: Any) -> None:
-        host = saev.Loader(path, layer=layer, **kw)
-        super().__init__(host, host._l, device, num_buffers, host_buffers)
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        layer: Union[int, str],
+        tokens: str = "content",
+        batch_size: int = 16384,
+        shuffle: Optional[bool] = None,
+        order: Optional[str] = None,
+        seed: int = 0,
+        epoch: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+        num_threads: Optional[int] = None,
+        verify: bool = False,
+        memory_budget: Optional[int] = None,
+        ignore_labels: Sequence[int] = (),
+        io_threads: int = 16,
+        direct_io: bool = False,
+        device: Device = None,
+        num_buffers: int = 4,
+        host_buffers: Optional[str] = None,
+    ) -> None:
+        d, n, hb = self._options(device, num_buffers, host_buffers)
+        host = saev.Loader(
+            path, layer=layer, tokens=tokens, batch_size=batch_size, shuffle=shuffle, order=order, seed=seed,
+            epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
+            verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
+            direct_io=direct_io,
+        )
+        super().__init__(host, host._l, d, n, hb)
+
+    @property
+    def layer(self) -> Union[int, str]:
+        return self._host.layer  # type: ignore[no-any-return]
+
+    @property
+    def order(self) -> str:
+        return str(self._host.order)
 
 
 class TokensLoader(_DeviceLoader):
     """flat-tokens batches (``inputs``, ``targets``, ``segment_ids`` int32, ``is_seq_start``,
-    ``mask`` bool, ``[batch, seq_len]``) as tensors on ``device``, from the loader's ``step``.
-    Arguments are :class:`shardkit.flat_tokens.Loader`'s."""
+    ``mask`` bool, ``[batch, seq_len]``) as tensors on ``device`` (default:
+    :func:`default_device`), from the loader's ``step``. Other arguments are
+    :class:`shardkit.flat_tokens.Loader`'s."""
 
-    def __init__(self, path: str, split: str = "train", *, device: Any = "cuda", num_buffers: int = 4, host_buffers: Optional[str] = None, **kw: Any) -> None:
-        host = flat_tokens.Loader(path, split, **kw)
-        super().__init__(host, host._l, device, num_buffers, host_buffers)
+    def __init__(
+        self,
+        path: PathLike,
+        split: str = "train",
+        *,
+        seq_len: int,
+        batch_size: int,
+        packed: bool = True,
+        streams: int = 1,
+        read_blocks_per_shuffle_buffer: int = 1024,
+        sequences_per_read_block: Optional[int] = None,
+        seed: int = 0,
+        host_index: Optional[int] = None,
+        host_count: Optional[int] = None,
+        epochs: bool = False,
+        num_threads: Optional[int] = None,
+        verify: bool = False,
+        buffer_in_memory: Optional[bool] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        epoch: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        device: Device = None,
+        num_buffers: int = 4,
+        host_buffers: Optional[str] = None,
+    ) -> None:
+        d, n, hb = self._options(device, num_buffers, host_buffers)
+        host = flat_tokens.Loader(
+            path, split, seq_len=seq_len, batch_size=batch_size, packed=packed, streams=streams,
+            read_blocks_per_shuffle_buffer=read_blocks_per_shuffle_buffer,
+            sequences_per_read_block=sequences_per_read_block, seed=seed, host_index=host_index,
+            host_count=host_count, epochs=epochs, num_threads=num_threads, verify=verify,
+            buffer_in_memory=buffer_in_memory, rank=rank, world_size=world_size, epoch=epoch, shuffle=shuffle,
+            drop_last=drop_last,
+        )
+        super().__init__(host, host._l, d, n, hb)
+
+    @property
+    def step(self) -> int:
+        """The next step (seqax's global step)."""
+        return int(self._host.step)
+
+    @property
+    def seq_len(self) -> int:
+        return int(self._host.seq_len)
 
 
 class Eagle3Loader(_DeviceLoader):
     """EAGLE-3 batches (every field of the cache, bf16 as ``torch.bfloat16``) as tensors on
-    ``device``. Arguments are :class:`shardkit.eagle3.Loader`'s."""
+    ``device`` (default: :func:`default_device`). Other arguments are
+    :class:`shardkit.eagle3.Loader`'s."""
 
-    def __init__(self, cache_dir: str, *args: Any, device: Any = "cuda", num_buffers: int = 4,
-                 host_buffers: Optional[str] = None, **kw: Any) -> None:
-        host = eagle3.Loader(cache_dir, *args, **kw)
-        super().__init__(host, host._l, device, num_buffers, host_buffers)
+    def __init__(
+        self,
+        cache_dir: PathLike,
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+        epoch: int = 0,
+        num_threads: Optional[int] = None,
+        prefetch: int = 2,
+        verify: bool = False,
+        device: Device = None,
+        num_buffers: int = 4,
+        host_buffers: Optional[str] = None,
+    ) -> None:
+        d, n, hb = self._options(device, num_buffers, host_buffers)
+        host = eagle3.Loader(
+            cache_dir, batch_size=batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
+            drop_last=drop_last, epoch=epoch, num_threads=num_threads, prefetch=prefetch, verify=verify,
+        )
+        super().__init__(host, host._l, d, n, hb)
+
+
+_args.guard_module(globals(), __all__)

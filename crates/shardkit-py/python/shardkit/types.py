@@ -7,7 +7,7 @@ and ``state_dict()`` / ``load_state_dict()`` with the shape :class:`LoaderState`
 """
 
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping
 
 import numpy as np
 
@@ -59,15 +59,22 @@ class Eagle3Batch(TypedDict):
 class LoaderState(TypedDict, total=False):
     """What ``state_dict()`` returns and ``load_state_dict()`` takes, for every loader.
 
-    The first six keys are common to all formats; the rest are the format's own (the
-    parameters that decide its order, checked on load so that a state is never applied to a
-    loader that would serve other rows).
+    The first six keys are common to all formats; the rest are the format's own: its position
+    (saev ``cursor``, flat-tokens ``step``) and every parameter that decides which rows land in
+    which batch. ``load_state_dict`` checks each parameter the state has against the loader's
+    and raises InvalidArgumentError naming every key that differs, with both values; a state
+    saved by an older version, with fewer keys, is checked on those it has. Right after
+    ``load_state_dict``, ``set_epoch`` of the state's epoch keeps the position. See "Resuming
+    training" in docs/api.md.
     """
 
     format: str
     """``"saev"``, ``"flat_tokens"`` or ``"eagle3"``."""
     seed: int
+    """The shuffle seed (checked: an explicit ``seed=`` that differs is refused)."""
     epoch: int
+    """The epoch being served (a state saved after an epoch's last batch keeps that epoch, with
+    ``batch`` equal to the batches per epoch)."""
     batch: int
     """The next batch of the epoch (0-based): the one the next iteration yields."""
     batch_size: int
@@ -75,15 +82,38 @@ class LoaderState(TypedDict, total=False):
     world_size: int
     # saev
     cursor: int
+    """saev: global rows of the epoch consumed."""
     global_batch_size: int
+    """saev and flat-tokens: the batch over all ranks (a state resumes on any world size with
+    the same one)."""
+    order: str
+    layer: Any
+    """saev: the layer read (an int, or ``"all"``)."""
+    tokens: str
+    ignore_labels: List[int]
+    drop_last: bool
+    """saev, EAGLE-3."""
+    memory_budget: int
+    window_blocks: int
+    """saev: the blocks per window the memory budget gives (what decides the block order)."""
+    rows: int
+    """saev: selected rows per epoch (the dataset, layer, tokens and ignored labels)."""
     # flat-tokens (seqax)
     step: int
+    """flat-tokens: seqax's global step."""
+    split: str
+    step_count: int
+    """flat-tokens: steps per epoch (the dataset's size)."""
     seq_len: int
     packed: bool
     streams: int
     read_blocks_per_shuffle_buffer: int
     sequences_per_read_block: int
     epochs: bool
+    # EAGLE-3
+    shuffle: bool
+    samples: int
+    """EAGLE-3: samples in the cache."""
 
 
 class Finding(TypedDict):
@@ -129,13 +159,31 @@ class EngineLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Switches to ``epoch`` (a different order) from its start."""
-        self._l.set_epoch(int(epoch))
+        from . import _args
+
+        self._l.set_epoch(_args.count("epoch", epoch))
 
 
 def check_state(state: Dict[str, Any], fmt: str) -> None:
     """Refuses a state saved by another format's loader."""
     from .errors import InvalidArgumentError
 
+    if not isinstance(state, dict) or not state:
+        raise InvalidArgumentError(
+            f"expected a {fmt} loader's state_dict(), got {state!r}: an empty state holds no position")
     got = state.get("format", fmt)
     if got != fmt:
         raise InvalidArgumentError(f"this state was saved by a {got} loader, not a {fmt} one")
+
+
+def check_params(state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Refuses a state whose order parameters differ from the loader's ``mine``, naming each
+    differing key with both values (keys the state lacks, from older versions, are not
+    checked)."""
+    from .errors import InvalidArgumentError
+
+    diff = [f"{k}: state {state[k]!r}, this loader {v!r}" for k, v in mine.items() if k in state and state[k] != v]
+    if diff:
+        raise InvalidArgumentError(
+            f"the state was saved by a loader that serves other rows ({'; '.join(diff)}); build the "
+            "loader with the state's parameters to resume it")

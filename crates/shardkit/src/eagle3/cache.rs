@@ -123,10 +123,7 @@ impl Cache {
         }
         let dir = storage::local_path(dir.as_ref());
         if !dir.is_dir() {
-            return Err(Error::NotFound {
-                path: dir,
-                what: "not a directory; expected an EAGLE-3 cache".into(),
-            });
+            return Err(manifest::missing(&dir));
         }
         let m = manifest::read(&dir)?;
         let present = shard_set(&dir)?;
@@ -431,11 +428,13 @@ fn check_shard_set(dir: &Path, m: &Manifest, present: &BTreeSet<u64>) -> Result<
                 present: have,
                 total: m.num_samples,
                 detail: format!(
-                    "samples {have}..{} are missing (shards {}..{} absent); resume the \
-                     writer to complete it",
-                    m.num_samples,
-                    shard_name(prefix),
-                    shard_name(k - 1)
+                    "{} missing ({} absent); resume the writer to complete it",
+                    span_words("sample", have, m.num_samples.saturating_sub(1), "is", "are"),
+                    if prefix == k - 1 {
+                        format!("shard {}", shard_name(prefix))
+                    } else {
+                        format!("shards {} to {}", shard_name(prefix), shard_name(k - 1))
+                    },
                 ),
             });
         }
@@ -572,5 +571,13 @@ impl Embeddings {
     /// The table's bytes (F32, little-endian, `rows × cols`).
     pub fn bytes(&self) -> &[u8] {
         &self.map.as_slice()[self.start..self.start + self.rows * self.cols * 4]
+    }
+}
+/// "sample 4 is" or "samples 4 to 9 are": an inclusive span of `noun`s in words.
+pub(crate) fn span_words(noun: &str, first: u64, last: u64, one: &str, many: &str) -> String {
+    if first == last {
+        format!("{noun} {first} {one}")
+    } else {
+        format!("{noun}s {first} to {last} {many}")
     }
 }

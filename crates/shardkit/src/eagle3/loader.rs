@@ -10,6 +10,7 @@
 
 use std::fs::File;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
@@ -73,7 +74,12 @@ impl LoaderOptions {
     }
 }
 
-/// What resumes a loader: the order's inputs and the next batch.
+/// What resumes a loader: the next batch, and every parameter that decides which samples land
+/// in which batch. [`Loader::load_state`] refuses a state taken by a loader that would serve
+/// other samples, naming each parameter that differs with both values.
+///
+/// The `Option` fields are `None` in a state saved before shardkit recorded them: a state is
+/// checked on the parameters it has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoaderState {
     /// Seed.
@@ -86,6 +92,12 @@ pub struct LoaderState {
     pub batch_size: u64,
     /// Number of ranks.
     pub world_size: u64,
+    /// Shuffled (true) or index order.
+    pub shuffle: Option<bool>,
+    /// Whether the uneven tail is dropped.
+    pub drop_last: Option<bool>,
+    /// Samples in the cache.
+    pub samples: Option<u64>,
 }
 
 /// Where one field of a batch lies in the batch's buffer (the engine's [`Field`](crate::engine::Field)).
@@ -190,6 +202,9 @@ pub struct Loader {
     cursor: u64,
     /// Started on the first pass and kept (a failure to start is reported by that pass).
     gather: GatherCell,
+    /// A state was loaded and no pass has started since: `set_epoch` of the state's epoch keeps
+    /// the position.
+    resumed: AtomicBool,
 }
 
 impl Loader {
@@ -236,6 +251,7 @@ impl Loader {
             world,
             cursor: 0,
             gather: GatherCell::default(),
+            resumed: AtomicBool::new(false),
         })
     }
 
@@ -320,10 +336,22 @@ impl Loader {
         }
     }
 
-    /// Switches to `epoch` (a different order when shuffling) from its start.
+    /// Switches to `epoch` (a different order when shuffling) from its start. Right after
+    /// [`Loader::load_state`], `set_epoch` of the state's epoch keeps the loaded position (the
+    /// training loop calls `set_epoch` at the start of every epoch, the resumed one included).
     pub fn set_epoch(&mut self, epoch: u64) {
+        if epoch == self.opts.epoch && *self.resumed.get_mut() {
+            return;
+        }
+        *self.resumed.get_mut() = false;
         self.opts.epoch = epoch;
         self.cursor = 0;
+    }
+
+    /// Whether a state was loaded and no pass has started since (a state at the end of its
+    /// epoch then resumes to no batch, not to the epoch again).
+    pub fn resumed(&self) -> bool {
+        self.resumed.load(Ordering::Relaxed)
     }
 
     /// The position to save with a checkpoint.
@@ -334,18 +362,59 @@ impl Loader {
             batch: self.cursor,
             batch_size: self.opts.batch_size,
             world_size: self.world,
+            shuffle: Some(self.opts.shuffle),
+            drop_last: Some(self.opts.drop_last),
+            samples: Some(self.inner.cache.len()),
         }
     }
 
-    /// Continues from a saved position (same batch size and world size).
+    /// Continues from a saved position. A state taken by a loader that would serve other
+    /// samples (other seed when shuffling, batch size, world size, `shuffle`, `drop_last` or
+    /// number of samples) is refused, naming each parameter that differs.
     pub fn load_state(&mut self, s: LoaderState) -> Result<()> {
-        if s.batch_size != self.opts.batch_size || s.world_size != self.world {
-            return Err(Error::Invalid(format!(
-                "the state was saved with batch_size {} and world_size {}; this loader has {} \
-                 and {}",
-                s.batch_size, s.world_size, self.opts.batch_size, self.world
-            )));
+        use crate::engine::dist::{differ, refuse};
+        let mine = self.state();
+        let mut diff = Vec::new();
+        let show = u64::to_string;
+        if s.shuffle != Some(false) && self.opts.shuffle {
+            differ(&mut diff, "seed", Some(&s.seed), &mine.seed, show);
         }
+        differ(
+            &mut diff,
+            "batch_size",
+            Some(&s.batch_size),
+            &mine.batch_size,
+            show,
+        );
+        differ(
+            &mut diff,
+            "world_size",
+            Some(&s.world_size),
+            &mine.world_size,
+            show,
+        );
+        differ(
+            &mut diff,
+            "shuffle",
+            s.shuffle.as_ref(),
+            &self.opts.shuffle,
+            bool::to_string,
+        );
+        differ(
+            &mut diff,
+            "drop_last",
+            s.drop_last.as_ref(),
+            &self.opts.drop_last,
+            bool::to_string,
+        );
+        differ(
+            &mut diff,
+            "samples",
+            s.samples.as_ref(),
+            &self.inner.cache.len(),
+            show,
+        );
+        refuse(diff)?;
         if s.batch > self.len() {
             return Err(Error::Invalid(format!(
                 "the state's batch {} is past the epoch's {} batches",
@@ -353,9 +422,9 @@ impl Loader {
                 self.len()
             )));
         }
-        self.opts.seed = s.seed;
         self.opts.epoch = s.epoch;
         self.cursor = s.batch;
+        *self.resumed.get_mut() = true;
         Ok(())
     }
 
@@ -363,6 +432,7 @@ impl Loader {
     /// engine's threads. The position does not move by itself: record progress with
     /// [`Loader::advance_to`]`(batches.cursor())` so `state()` saves it.
     pub fn iter(&self) -> Batches {
+        self.resumed.store(false, Ordering::Relaxed);
         let indices = self.indices();
         let bs = self.opts.batch_size as usize;
         let mut batches: Vec<Vec<u64>> = indices.chunks(bs).map(<[u64]>::to_vec).collect();
@@ -405,6 +475,7 @@ impl Loader {
 
     /// Sets the position to batch `batch` of the epoch (see [`Batches::cursor`]).
     pub fn advance_to(&mut self, batch: u64) {
+        *self.resumed.get_mut() = false;
         self.cursor = batch.min(self.len());
     }
 

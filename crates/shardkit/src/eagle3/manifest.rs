@@ -402,17 +402,53 @@ fn same(a: &Value, b: &Value) -> bool {
     }
 }
 
+/// The error for a `dir` without manifest.json: no such directory, not a directory, or a
+/// directory that is no cache (naming the caches one level below it, if any).
+pub(crate) fn missing(dir: &Path) -> Error {
+    if !dir.exists() {
+        return Error::NotFound {
+            path: dir.to_path_buf(),
+            what: "no such directory".into(),
+        };
+    }
+    if !dir.is_dir() {
+        return Error::NotFound {
+            path: dir.to_path_buf(),
+            what: "not a directory; expected an EAGLE-3 cache directory holding manifest.json"
+                .into(),
+        };
+    }
+    let mut inside: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .filter(|p| p.join(MANIFEST).is_file())
+                .map(|p| p.display().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    inside.sort();
+    let what = match inside.as_slice() {
+        [] => "no manifest.json: not an EAGLE-3 cache, or one not written yet".to_string(),
+        [one] => format!("no manifest.json: not an EAGLE-3 cache; the cache is {one}"),
+        many => format!(
+            "no manifest.json: not an EAGLE-3 cache; it holds {} caches: {}",
+            many.len(),
+            many.join(", ")
+        ),
+    };
+    Error::NotFound {
+        path: dir.join(MANIFEST),
+        what,
+    }
+}
+
 /// Reads `dir/manifest.json`; a missing one is a not-found error.
 pub(crate) fn read(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST);
     let text = match fsutil::read_json_file(&path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::NotFound {
-                path,
-                what: "no manifest.json: not an EAGLE-3 cache, or one not written yet".into(),
-            })
-        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(missing(dir)),
         Err(e) => return Err(Error::io(&path, e)),
     };
     Manifest::parse(&text, &path)
@@ -423,7 +459,10 @@ pub(crate) fn write(dir: &Path, m: &Manifest) -> Result<PathBuf> {
     let path = dir.join(MANIFEST);
     let bytes = m.to_bytes();
     if std::fs::read(&path).ok().as_deref() != Some(&bytes[..]) {
-        fsutil::atomic_write(&path, &bytes)?;
+        // A finished cache's sidecar covers the manifest: it accepts the old and the new bytes
+        // until the rename is durable, then the new alone (`set_version`, a resume that
+        // rewrites the manifest).
+        crate::checksum::replace_file(&dir.join(crate::checksum::SIDECAR), dir, MANIFEST, &bytes)?;
     }
     Ok(path)
 }

@@ -66,6 +66,7 @@
 mod cache;
 mod loader;
 mod manifest;
+mod rules;
 mod shard;
 pub mod synth;
 mod validate;
@@ -76,6 +77,7 @@ pub use cache::{
 };
 pub use loader::{Batch, BatchField, Batches, Loader, LoaderOptions, LoaderState};
 pub use manifest::{CacheDtype, Manifest, MANIFEST};
+pub use rules::sum_tolerance;
 pub use shard::{field_specs, shard_name, FieldSpec};
 // Shard-file helpers for the CLI and its tests.
 #[doc(hidden)]

@@ -207,9 +207,77 @@ impl std::fmt::Debug for ShardFile {
     }
 }
 
-/// Parses a safetensors header with the crate (every check of eagle3.md §8.5).
+/// Parses a safetensors header with the crate (every check of eagle3.md §8.5). A file shorter
+/// than its header declares is refused as "truncated: X of Y bytes" (a [`Error::Format`])
+/// rather than with the crate's words for it.
 pub fn read_header(bytes: &[u8], path: &Path) -> Result<(usize, Metadata)> {
-    SafeTensors::read_metadata(bytes).map_err(|e| st_err(path, e))
+    SafeTensors::read_metadata(bytes).map_err(|e| {
+        check_length(bytes, bytes.len() as u64, path)
+            .err()
+            .unwrap_or_else(|| st_err(path, e))
+    })
+}
+
+/// The error for a safetensors file of `size` bytes that should hold `want` (`why` says where
+/// that length comes from).
+fn truncated(path: &Path, size: u64, want: &str, why: &str) -> Error {
+    Error::format(
+        path,
+        format!(
+            "truncated: {size} of {want} bytes ({why}); the file was cut short (an interrupted \
+             copy or write): copy or write it again"
+        ),
+    )
+}
+
+/// Compares the size of a safetensors file (`size` bytes, starting with `head`) with the length
+/// its header declares (8 + header + tensor data) and refuses a shorter file as truncated,
+/// naming both sizes. A header that cannot be read (too large, not JSON, bad offsets, or not
+/// all in `head`) is left to the crate's checks.
+pub(crate) fn check_length(head: &[u8], size: u64, path: &Path) -> Result<()> {
+    if size < 8 {
+        return Err(truncated(
+            path,
+            size,
+            "at least 8",
+            "a safetensors file starts with the 8-byte length of its header",
+        ));
+    }
+    let Some(len) = head.get(..8) else {
+        return Ok(());
+    };
+    let mut n = [0u8; 8];
+    n.copy_from_slice(len);
+    let n = u64::from_le_bytes(n);
+    // The crate's own limit on headers (100 MB): a larger length is garbage, not truncation.
+    if n > 100_000_000 {
+        return Ok(());
+    }
+    if 8 + n > size {
+        return Err(truncated(
+            path,
+            size,
+            &format!("at least {}", 8 + n),
+            &format!("the file ends inside its {n}-byte header"),
+        ));
+    }
+    let Some(Ok(text)) = head.get(8..8 + n as usize).map(std::str::from_utf8) else {
+        return Ok(());
+    };
+    let Ok(meta) = serde_json::from_str::<Metadata>(text) else {
+        return Ok(());
+    };
+    let data = meta.data_len() as u64;
+    let want = 8 + n + data;
+    if size < want {
+        return Err(truncated(
+            path,
+            size,
+            &want.to_string(),
+            &format!("its {n}-byte header declares {data} bytes of tensor data after it"),
+        ));
+    }
+    Ok(())
 }
 
 /// The safetensors header of object `name` (`size` bytes) under `remote`, whose first bytes
@@ -223,6 +291,7 @@ pub(crate) fn remote_header(
     mut head: Vec<u8>,
 ) -> Result<(u64, Metadata)> {
     let path = remote.url_of(name);
+    check_length(&head, size, &path)?;
     if head.len() < 8 {
         return Err(st_err(&path, SafeTensorError::HeaderTooSmall));
     }
@@ -251,6 +320,9 @@ pub(crate) fn remote_header(
     let meta: Metadata = serde_json::from_str(text)
         .map_err(|e| st_err(&path, SafeTensorError::InvalidHeaderDeserialization(e)))?;
     if meta.data_len() as u64 + 8 + n != size {
+        let mut whole = len.to_vec();
+        whole.extend_from_slice(&header);
+        check_length(&whole, size, &path)?;
         return Err(st_err(&path, SafeTensorError::MetadataIncompleteBuffer));
     }
     Ok((n, meta))
@@ -297,11 +369,8 @@ impl ShardFile {
         shards: &[(String, u64, u64)],
         specs: &[FieldSpec],
     ) -> Result<Vec<ShardFile>> {
-        if let Some((name, _, _)) = shards.iter().find(|(_, size, _)| *size < 8) {
-            return Err(st_err(
-                &remote.url_of(name),
-                SafeTensorError::HeaderTooSmall,
-            ));
+        if let Some((name, size, _)) = shards.iter().find(|(_, size, _)| *size < 8) {
+            check_length(&[], *size, &remote.url_of(name))?;
         }
         let names: Vec<String> = shards.iter().map(|(n, _, _)| n.clone()).collect();
         let mut ranges = Vec::with_capacity(shards.len());
@@ -451,6 +520,16 @@ impl View for Tensor<'_> {
 /// bytes into a temporary sibling, which is fsynced, renamed over `path`, and the directory
 /// fsynced. The bytes equal Python `safetensors.numpy.save_file` of the same arrays.
 pub(crate) fn write_safetensors(path: &Path, tensors: Vec<(&str, Tensor<'_>)>) -> Result<()> {
+    write_safetensors_then(path, tensors, |tmp| fsutil::publish(tmp, path))
+}
+
+/// [`write_safetensors`] with `publish(tmp)` renaming the finished, fsynced temporary into
+/// place (and doing what must come just before or after that rename).
+pub(crate) fn write_safetensors_then(
+    path: &Path,
+    tensors: Vec<(&str, Tensor<'_>)>,
+    publish: impl FnOnce(&Path) -> Result<()>,
+) -> Result<()> {
     let tmp = PathBuf::from(format!("{}.tmp", path.display()));
     let result = (|| {
         safetensors::serialize_to_file(tensors, None, &tmp).map_err(|e| match e {
@@ -467,7 +546,7 @@ pub(crate) fn write_safetensors(path: &Path, tensors: Vec<(&str, Tensor<'_>)>) -
         }
         fsutil::sync_file(&f, &tmp)?;
         drop(f);
-        fsutil::publish(&tmp, path)
+        publish(&tmp)
     })();
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);

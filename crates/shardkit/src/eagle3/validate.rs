@@ -2,9 +2,8 @@
 
 use std::path::Path;
 
-use safetensors::Dtype;
-
 use super::manifest::{self, Manifest};
+use super::rules;
 use super::shard::{
     self, field_specs, is_temporary, shard_name, shard_set, shard_set_problem, ShardFile,
 };
@@ -15,10 +14,11 @@ pub use crate::report::Validation;
 
 /// Checks the cache at `dir`: the manifest, the shard set, and every present shard's header,
 /// tensor names, dtypes and shapes against the manifest. With `deep`, also every value: no NaN
-/// or Inf in float fields; masks and `position_mask` 0 or 1, `position_mask` set only where
-/// `loss_mask` is; `input_ids` below `target_vocab_size`; top-k indices inside the draft
+/// or Inf in float fields, no negative probability; masks and `position_mask` 0 or 1, `position_mask` set only where
+/// `loss_mask` is; `input_ids` in `0..target_vocab_size`; top-k indices inside the draft
 /// vocabulary; and each `target_probs` row of a lossless cache summing to 1 within the dtype's
-/// tolerance.
+/// tolerance ([`sum_tolerance`](super::sum_tolerance)). These are the rules the writer refuses a
+/// batch for, so a cache shardkit wrote passes them.
 pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
     let dir = &crate::storage::local_path(dir.as_ref());
     if crate::storage::is_remote(dir) {
@@ -50,7 +50,7 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
         let path = dir.join(shard_name(k));
         match ShardFile::open(&path, &specs, m.rows_in_shard(k)) {
             Err(e) => v.error_from(&e),
-            Ok(f) if deep => deep_check(&f, &m, &mut v),
+            Ok(f) if deep => deep_check(&f, k, &m, &mut v),
             Ok(_) => {}
         }
     }
@@ -77,32 +77,6 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
         .collect();
     note_temporaries(&mut v, dir, names);
     v
-}
-
-/// Float values of `bytes` in `dtype` (BF16, F16, F32), widened to f32.
-fn floats(bytes: &[u8], dtype: Dtype) -> impl Iterator<Item = f32> + '_ {
-    let size = dtype.bitsize() / 8;
-    bytes.chunks_exact(size).map(move |c| match dtype {
-        Dtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
-        Dtype::BF16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
-        _ => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
-    })
-}
-
-fn i64s(bytes: &[u8]) -> impl Iterator<Item = i64> + '_ {
-    bytes
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-}
-
-/// Tolerance on a probability row's sum, by dtype: each of Vd values carries a relative
-/// rounding error of half an ulp (2^-8 bf16, 2^-11 fp16, 2^-24 fp32), and the row sums to 1.
-fn sum_tolerance(dtype: Dtype) -> f64 {
-    match dtype {
-        Dtype::BF16 => 1e-2,
-        Dtype::F16 => 2e-3,
-        _ => 1e-4,
-    }
 }
 
 /// A cache in an object store, checked as [`validate`] checks a local one from one listing of
@@ -205,117 +179,18 @@ fn note_temporaries(v: &mut Validation, dir: &Path, mut names: Vec<String>) {
     }
 }
 
-fn deep_check(f: &ShardFile, m: &Manifest, v: &mut Validation) {
+/// Checks every value of shard `k` against the cache's rules (the writer's, [`rules::check`]):
+/// one finding per rule broken, with how many values break it and the first one.
+fn deep_check(f: &ShardFile, k: u64, m: &Manifest, v: &mut Validation) {
     let specs = field_specs(m);
-    let tensor = |field: &str| {
-        let (i, s) = specs
-            .iter()
-            .enumerate()
-            .find(|(_, s)| s.name == field)
-            .expect("spec");
-        // Deep checks run on local shards, which are always mapped.
-        (
-            f.tensor(i, s.row_bytes()).unwrap_or_default(),
-            s.dtype,
-            s.row.clone(),
-        )
-    };
-    // Float fields: NaN / Inf.
-    for field in ["aux_hidden_states", "target_probs", "target_probs_values"] {
-        if !specs.iter().any(|s| s.name == field) {
-            continue;
-        }
-        let (bytes, dtype, _) = tensor(field);
-        let bad = floats(bytes, dtype).filter(|x| !x.is_finite()).count();
-        if bad > 0 {
-            v.error(
-                f.path(),
-                format!("`{field}` holds {bad} NaN or infinite values"),
-            );
-        }
-    }
-    // Masks.
-    let (am, _, _) = tensor("attention_mask");
-    let (lm, _, _) = tensor("loss_mask");
-    let (pm, _, _) = tensor("position_mask");
-    for (field, bytes) in [("attention_mask", am), ("loss_mask", lm)] {
-        let bad = i64s(bytes).filter(|&x| x != 0 && x != 1).count();
-        if bad > 0 {
-            v.error(
-                f.path(),
-                format!("`{field}` holds {bad} values other than 0 and 1"),
-            );
-        }
-    }
-    let not_bool = pm.iter().filter(|&&b| b > 1).count();
-    if not_bool > 0 {
-        v.error(
-            f.path(),
-            format!("`position_mask` holds {not_bool} bytes other than 0 and 1"),
-        );
-    }
-    let outside = pm
+    // Deep checks run on local shards, which are always mapped.
+    let data: Vec<&[u8]> = specs
         .iter()
-        .zip(i64s(lm))
-        .filter(|&(&p, l)| p == 1 && l == 0)
-        .count();
-    if outside > 0 {
-        v.error(
-            f.path(),
-            format!("`position_mask` is set at {outside} positions where `loss_mask` is 0"),
-        );
-    }
-    if let Some(vocab) = m.target_vocab_size {
-        let (ids, _, _) = tensor("input_ids");
-        let bad = i64s(ids).filter(|&x| x < 0 || x as u64 >= vocab).count();
-        if bad > 0 {
-            v.error(
-                f.path(),
-                format!("`input_ids` holds {bad} ids outside 0..{vocab} (target_vocab_size)"),
-            );
-        }
-    }
-    match m.topk {
-        Some(_) => {
-            let (ix, _, _) = tensor("target_probs_indices");
-            let vd = m.draft_vocab_size as i64;
-            let bad = ix
-                .chunks_exact(4)
-                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .filter(|&x| x < 0 || x >= vd)
-                .count();
-            if bad > 0 {
-                v.error(
-                    f.path(),
-                    format!("`target_probs_indices` holds {bad} indices outside 0..{vd}"),
-                );
-            }
-        }
-        None => {
-            let (probs, dtype, row) = tensor("target_probs");
-            let vd = row[1];
-            let tol = sum_tolerance(dtype);
-            let values: Vec<f32> = floats(probs, dtype).collect();
-            let mut bad = 0u64;
-            let mut worst = 0f64;
-            for chunk in values.chunks(vd.max(1)) {
-                let sum: f64 = chunk.iter().map(|&x| f64::from(x)).sum();
-                let err = (sum - 1.0).abs();
-                if err > tol || !err.is_finite() {
-                    bad += 1;
-                    worst = worst.max(err);
-                }
-            }
-            if bad > 0 {
-                v.error(
-                    f.path(),
-                    format!(
-                        "{bad} `target_probs` rows do not sum to 1 within {tol} (worst off by \
-                     {worst:.3e})"
-                    ),
-                );
-            }
-        }
+        .enumerate()
+        .map(|(i, s)| f.tensor(i, s.row_bytes()).unwrap_or_default())
+        .collect();
+    for breach in rules::check(m, &specs, &data) {
+        v.error(f.path(), breach.finding(k * m.shard_size));
     }
 }
 
@@ -395,6 +270,13 @@ pub fn set_version(dir: impl AsRef<Path>, version: u8) -> Result<Manifest> {
         return Err(Error::Invalid(format!(
             "{}: the manifest is rewritten in place, in a local directory; download the cache, \
              switch it and upload it (only manifest.json changes, so only it is uploaded again)",
+            dir.display()
+        )));
+    }
+    // The requested version is an argument, not the cache's content: refused as such.
+    if !(1..=2).contains(&version) {
+        return Err(Error::Invalid(format!(
+            "{}: format_version {version} is not supported (1 or 2)",
             dir.display()
         )));
     }

@@ -19,10 +19,11 @@ use std::path::{Path, PathBuf};
 use safetensors::Dtype;
 
 use super::manifest::{self, Manifest};
+use super::rules;
 use super::shard::{
     self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
 };
-use crate::checksum::{Journal, Recorder};
+use crate::checksum::{FileSums, Journal, Recorder};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
@@ -347,9 +348,25 @@ impl Writer {
     }
 
     /// Adds `rows.n` samples, in order. Every stored tensor must be given with exactly `n`
-    /// rows of its dtype and shape; nothing is added when one is not, or when the samples would
-    /// exceed `num_samples`. A shard is written as soon as it is full.
+    /// rows of its dtype and shape, and every value must follow the rules `validate --deep`
+    /// checks (finite floats, probabilities not negative and, lossless, each row summing to 1
+    /// within [`sum_tolerance`](super::sum_tolerance); masks 0 or 1, `position_mask` only where
+    /// `loss_mask` is 1; `input_ids` in `0..target_vocab_size`; top-k indices in
+    /// `0..draft_vocab_size`). Nothing is added when a tensor or a value breaks them
+    /// ([`Error::Refused`] names the tensor, the sample, the position, the value and the rule),
+    /// or when the samples would exceed `num_samples`. A shard is written as soon as it is full.
     pub fn add(&mut self, rows: Rows<'_>) -> Result<()> {
+        self.add_rows(rows, true)
+    }
+
+    /// [`Writer::add`] without the checks of values (the shapes are still checked): for tests
+    /// that reproduce a reference file byte for byte from filler values. Never for data.
+    #[doc(hidden)]
+    pub fn add_unchecked(&mut self, rows: Rows<'_>) -> Result<()> {
+        self.add_rows(rows, false)
+    }
+
+    fn add_rows(&mut self, rows: Rows<'_>, check: bool) -> Result<()> {
         let n = rows.n;
         let left = self.manifest.num_samples - self.next_sample();
         if n > left {
@@ -396,6 +413,15 @@ impl Writer {
                     .collect::<Vec<_>>()
                     .join(", ")
             )));
+        }
+        if check {
+            if let Some(breach) = rules::check(&self.manifest, &self.specs, &given).first() {
+                let at = match &self.upload_to {
+                    Some(up) => PathBuf::from(up.target.url()),
+                    None => self.dir.clone(),
+                };
+                return Err(breach.refusal(&at, self.next_sample()));
+            }
         }
         let mut done = 0u64;
         while done < n {
@@ -472,10 +498,14 @@ impl Writer {
                 present: written.min(total),
                 total,
                 detail: format!(
-                    "samples {}..{} were not added; a resumed writer continues at sample \
-                     {written}",
-                    self.next_sample(),
-                    total
+                    "{} not added; a resumed writer continues at sample {written}",
+                    super::cache::span_words(
+                        "sample",
+                        self.next_sample(),
+                        total.saturating_sub(1),
+                        "was",
+                        "were"
+                    ),
                 ),
             });
         }
@@ -516,9 +546,9 @@ pub fn write_embeddings(dir: &Path, m: &Manifest, data: &[u8], rows: u64, cols: 
         }
     }
     std::fs::create_dir_all(dir).at(dir)?;
-    crate::checksum::forget(dir, &[EMBEDDINGS])?;
-    shard::write_safetensors(
-        &dir.join(EMBEDDINGS),
+    let path = dir.join(EMBEDDINGS);
+    shard::write_safetensors_then(
+        &path,
         vec![(
             "weight",
             Tensor {
@@ -527,7 +557,16 @@ pub fn write_embeddings(dir: &Path, m: &Manifest, data: &[u8], rows: u64, cols: 
                 data,
             },
         )],
-    )?;
-    // A finished cache's sidecar is brought up to date.
-    crate::checksum::refresh(dir, &[EMBEDDINGS])
+        |tmp| {
+            // A finished cache's sidecar is kept true: the new file (hashed from its temporary,
+            // still in the page cache) is accepted beside the old one (or its absence) before
+            // the rename, and alone after it (see crate::checksum::Change).
+            let sidecar = dir.join(crate::checksum::SIDECAR);
+            let change = crate::checksum::Change::begin(&sidecar, dir, |_| {
+                Ok(vec![(EMBEDDINGS.to_string(), FileSums::of_file(tmp)?)])
+            })?;
+            fsutil::publish(tmp, &path)?;
+            change.map_or(Ok(()), crate::checksum::Change::commit)
+        },
+    )
 }

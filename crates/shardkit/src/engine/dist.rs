@@ -22,6 +22,37 @@ pub(crate) fn rank_and_world(rank: Option<u64>, world_size: Option<u64>) -> Resu
     Ok((rank, world))
 }
 
+/// Appends `key: state X, this loader Y` to `diff` when the state has `key` and it differs.
+pub(crate) fn differ<T: PartialEq>(
+    diff: &mut Vec<String>,
+    key: &str,
+    theirs: Option<&T>,
+    mine: &T,
+    show: impl Fn(&T) -> String,
+) {
+    if let Some(t) = theirs {
+        if t != mine {
+            diff.push(format!(
+                "{key}: state {}, this loader {}",
+                show(t),
+                show(mine)
+            ));
+        }
+    }
+}
+
+/// The error for a state whose parameters differ from the loader's (`diff` from [`differ`]), or Ok when none does.
+pub(crate) fn refuse(diff: Vec<String>) -> Result<()> {
+    if diff.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "the state was saved by a loader that serves other rows ({}); build the loader with the \
+         state's parameters to resume it",
+        diff.join("; ")
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -39,10 +39,7 @@ pub fn convert(
         splits.push((name, Split::open(src, name)?));
     }
     if splits.is_empty() {
-        return Err(Error::format(
-            src,
-            "holds neither a train nor a validation split",
-        ));
+        return Err(super::report::no_splits(src));
     }
     let total: u64 = splits.iter().map(|(_, s)| s.token_count()).sum();
     let mut done = 0u64;

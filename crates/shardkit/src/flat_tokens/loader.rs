@@ -751,7 +751,9 @@ impl TokenLoader {
                             return Err(Error::format(
                                 split.path().join("seq_starts"),
                                 format!(
-                                    "sequence {seq} spans {}..{}, outside 0..{}",
+                                    "sequence {seq} starts at token {} and ends before token \
+                                     {}, outside the {} tokens of the split (seq_starts must \
+                                     be non-decreasing and end at token_count)",
                                     w[0],
                                     w[1],
                                     split.token_count()

@@ -31,6 +31,72 @@ fn present(root: &Path) -> Result<Vec<&'static str>> {
         .collect())
 }
 
+/// The error for a local `root` that is not a directory: "no such directory" when nothing is
+/// there, "not a directory" when a file is. `None` for a directory (or an `s3://` URL).
+pub(crate) fn not_a_directory(root: &Path) -> Option<Error> {
+    if crate::storage::is_remote(root) || root.is_dir() {
+        return None;
+    }
+    let what = if root.exists() {
+        "not a directory; expected a flat-tokens dataset (a directory holding train/ and/or \
+         validation/ zarr groups)"
+    } else {
+        "no such directory"
+    };
+    Some(Error::NotFound {
+        path: root.to_path_buf(),
+        what: what.into(),
+    })
+}
+
+/// The error for a `root` with neither split: what it is instead (missing, a file, a split
+/// directory, a directory holding datasets one level down) and what to open.
+pub(crate) fn no_splits(root: &Path) -> Error {
+    if let Some(e) = not_a_directory(root) {
+        return e;
+    }
+    let base = "holds neither a train nor a validation split (a zarr group with either)";
+    let mut what = base.to_string();
+    if !crate::storage::is_remote(root) {
+        let name = root.file_name().map(|n| n.to_string_lossy().into_owned());
+        let parent = root.parent().filter(|p| !p.as_os_str().is_empty());
+        let inside: Vec<String> = std::fs::read_dir(root)
+            .map(|d| {
+                let mut v: Vec<String> = d
+                    .filter_map(|e| e.ok())
+                    .filter(|e| {
+                        SPLITS
+                            .iter()
+                            .any(|s| ZarrFormat::of_group(&e.path().join(s)).is_some())
+                    })
+                    .map(|e| e.path().display().to_string())
+                    .collect();
+                v.sort();
+                v
+            })
+            .unwrap_or_default();
+        if ZarrFormat::of_group(root).is_some()
+            && name.as_deref().is_some_and(|n| SPLITS.contains(&n))
+        {
+            let parent = parent.map_or_else(|| ".".into(), |p| p.display().to_string());
+            what = format!(
+                "{base}: it is itself the {} split; the dataset is its parent, {parent}",
+                name.unwrap_or_default()
+            );
+        } else if !inside.is_empty() {
+            what = format!(
+                "{base}; the flat-tokens dataset{} inside it: {}",
+                if inside.len() == 1 { " is" } else { "s are" },
+                inside.join(", ")
+            );
+        }
+    }
+    Error::NotFound {
+        path: root.to_path_buf(),
+        what,
+    }
+}
+
 /// The splits to open at `root`: in a store those that are zarr groups; locally every split
 /// directory (one that is not a zarr group then fails to open, saying what is wrong with it).
 pub(crate) fn split_dirs(root: &Path) -> Result<Vec<&'static str>> {
@@ -48,11 +114,8 @@ pub(crate) fn split_dirs(root: &Path) -> Result<Vec<&'static str>> {
 /// opened; an error when neither is there). Reads `seq_starts` in full, not the tokens.
 pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
     let root = &crate::storage::local_path(root.as_ref());
-    if !crate::storage::is_remote(root) && !root.is_dir() {
-        return Err(Error::NotFound {
-            path: root.to_path_buf(),
-            what: "not a directory; expected a flat-tokens dataset".into(),
-        });
+    if let Some(e) = not_a_directory(root) {
+        return Err(e);
     }
     let splits = split_dirs(root)?;
     let mut out = Vec::new();
@@ -68,10 +131,7 @@ pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
         out.push((name.to_string(), v));
     }
     if out.iter().all(|(_, v)| matches!(v, Value::Null)) {
-        return Err(Error::NotFound {
-            path: root.to_path_buf(),
-            what: "holds neither a train nor a validation split (a zarr group with either)".into(),
-        });
+        return Err(no_splits(root));
     }
     Ok(Value::Object(out))
 }
@@ -141,10 +201,7 @@ pub fn validate(root: impl AsRef<Path>) -> Validation {
         }
     };
     if splits.is_empty() {
-        v.error(
-            root,
-            "holds neither a train nor a validation split (a zarr group with either)",
-        );
+        v.error_from(&no_splits(root));
         return v;
     }
     for name in SPLITS {

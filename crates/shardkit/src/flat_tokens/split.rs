@@ -230,13 +230,7 @@ impl Column {
     }
 
     fn read<T: ElementOwned>(&self, range: Range<u64>, what: &'static str) -> Result<Vec<T>> {
-        if range.start > range.end || range.end > self.len() {
-            return Err(Error::OutOfRange {
-                what,
-                index: range.end.min(i64::MAX as u64) as i64,
-                len: self.len(),
-            });
-        }
+        check_range(&range, self.len(), what)?;
         if range.is_empty() {
             return Ok(Vec::new());
         }
@@ -266,14 +260,110 @@ impl Column {
         let keys = self.chunk_keys(subset, 64);
         let root = self.store_root();
         let files: Vec<PathBuf> = keys.iter().map(|k| root.join(k)).collect();
-        zarrs_error(e, &self.path, &files, || {
+        let words = || {
             format!(
-                "cannot read {what}s {}..{} (in {})",
+                "cannot read {what}s {} to {} (in {})",
                 subset.start()[0],
-                subset.end_exc()[0],
+                subset.end_exc()[0].saturating_sub(1),
                 keys[..keys.len().min(4)].join(", ")
             )
+        };
+        // A chunk that does not decode is most often one cut short: say so, naming the file
+        // and both sizes, rather than with the codec's words ("the checksum is invalid").
+        if e.io_beneath().is_none() && !crate::storage::is_remote(&self.path) {
+            if let Some((file, size, want, from)) = self.truncated_file(root, &keys) {
+                return Error::format(
+                    file,
+                    format!(
+                        "truncated: {size} of {want} bytes ({from}); the file was cut short (an \
+                         interrupted copy or write): copy or write it again ({}: {e})",
+                        words()
+                    ),
+                );
+            }
+        }
+        zarrs_error(e, &self.path, &files, words)
+    }
+
+    /// The error for chunk (or shard) `key`, which does not decode (`detail`): "truncated: X of
+    /// Y bytes" where its expected length is known, else its size and what to do.
+    fn damaged(&self, key: &str, detail: &str) -> Error {
+        let root = self.store_root();
+        let file = root.join(key);
+        if !crate::storage::is_remote(&self.path) {
+            if let Some((f, size, want, from)) = self.truncated_file(root, &[key.to_string()]) {
+                return Error::format(
+                    f,
+                    format!(
+                        "truncated: {size} of {want} bytes ({from}); the file was cut short (an \
+                         interrupted copy or write): copy or write it again ({detail})"
+                    ),
+                );
+            }
+        }
+        let size = std::fs::metadata(&file)
+            .map(|m| format!(" ({} bytes)", m.len()))
+            .unwrap_or_default();
+        Error::format(
+            file,
+            format!(
+                "{detail}: the shard{size} is damaged or cut short; copy or write it again \
+                 (`shardkit tokens validate` lists every damaged file)"
+            ),
+        )
+    }
+
+    /// The first of chunk (or shard) files `keys` below `root` that is shorter than it should
+    /// be: (file, its size, the size it should have, where that size comes from). The size
+    /// comes from the dataset's checksums sidecar, or for a shard whose index is at its start,
+    /// from the index (the end of its last stored inner chunk).
+    fn truncated_file(
+        &self,
+        root: &Path,
+        keys: &[String],
+    ) -> Option<(PathBuf, u64, u64, &'static str)> {
+        let sums = crate::checksum::Checksums::read(&root.join(crate::checksum::SIDECAR))
+            .ok()
+            .flatten();
+        keys.iter().find_map(|k| {
+            let file = root.join(k);
+            let size = std::fs::metadata(&file).ok()?.len();
+            if let Some(want) = sums.as_ref().and_then(|s| s.files.get(k)).map(|f| f.bytes) {
+                return (size < want).then_some((
+                    file,
+                    size,
+                    want,
+                    "the checksums sidecar records its length",
+                ));
+            }
+            let want = self.shard_len_from_index(&file)?;
+            (size < want).then_some((file, size, want, "its shard index says where its data ends"))
         })
+    }
+
+    /// The length a shard file with its index at the start should have: the end of the last
+    /// inner chunk the index lists (`None` for an index at the end, which a cut removes).
+    fn shard_len_from_index(&self, file: &Path) -> Option<u64> {
+        use std::io::Read;
+        use zarrs::storage::byte_range::ByteRange;
+        let index = self.index.as_ref()?;
+        let ByteRange::FromStart(0, Some(len)) = index.extent else {
+            return None;
+        };
+        let mut bytes = vec![0u8; usize::try_from(len).ok()?];
+        std::fs::File::open(file)
+            .ok()?
+            .read_exact(&mut bytes)
+            .ok()?;
+        let offsets = index
+            .codec
+            .decode_index(&bytes, &[index.per_shard], &CodecOptions::default())
+            .ok()?;
+        offsets
+            .chunks_exact(2)
+            .filter(|p| p[0] != u64::MAX)
+            .map(|p| p[0].checked_add(p[1]))
+            .try_fold(len, |m, end| end.map(|e| m.max(e)))
     }
 
     /// Elements `ranges`, read together: [`Column::fetch`], then [`Column::decode`].
@@ -299,13 +389,7 @@ impl Column {
         stop: Option<&Arc<std::sync::atomic::AtomicBool>>,
     ) -> Result<Fetched> {
         for r in ranges {
-            if r.start > r.end || r.end > self.len() {
-                return Err(Error::OutOfRange {
-                    what,
-                    index: r.end.min(i64::MAX as u64) as i64,
-                    len: self.len(),
-                });
-            }
+            check_range(r, self.len(), what)?;
         }
         let fetched = Arc::new(Prefetched::new(self.array.storage(), stop.cloned()));
         let array = self.array.with_storage(fetched.clone());
@@ -452,15 +536,15 @@ impl Column {
                 if !present {
                     return Ok(vec![None; inner.len()]); // no shard: all fill value
                 }
-                fetched
-                    .lookup(key.as_str(), index.extent)
-                    .ok_or_else(|| Error::format(file(), "the shard is shorter than its index"))?
+                fetched.lookup(key.as_str(), index.extent).ok_or_else(|| {
+                    self.damaged(key.as_str(), "the shard is shorter than its index")
+                })?
             }
         };
         let offsets = index
             .codec
             .decode_index(&bytes, &[index.per_shard], &CodecOptions::default())
-            .map_err(|e| Error::format(file(), format!("shard index: {e}")))?;
+            .map_err(|e| self.damaged(key.as_str(), &format!("shard index: {e}")))?;
         // Only an index that decodes is kept (with `crc32c`, one whose checksum holds).
         if let Some(mut slot) = slot.take().filter(|s| s.is_none()) {
             let len = bytes.len();
@@ -1036,11 +1120,8 @@ impl Split {
             return Self::from_store(remote.zarr_store()?, &url, split);
         }
         let root = &crate::storage::local_path(root);
-        if !root.is_dir() {
-            return Err(Error::NotFound {
-                path: root.to_path_buf(),
-                what: "not a directory; expected a flat-tokens dataset (a zarr group)".into(),
-            });
+        if let Some(e) = super::report::not_a_directory(root) {
+            return Err(e);
         }
         // zarrs opens chunk files with a blocking open: a FIFO among them would hang a read.
         let dir = root.join(split);
@@ -1219,7 +1300,9 @@ impl Split {
             return Err(Error::format(
                 &self.starts.path,
                 format!(
-                    "sequence {i} spans {}..{}, outside 0..{}",
+                    "sequence {i} starts at token {} and ends before token {}, outside the {} \
+                     tokens of the split (seq_starts must be non-decreasing and end at \
+                     token_count)",
                     s[0],
                     s[1],
                     self.token_count()
@@ -1457,6 +1540,26 @@ impl Scan {
         self.at += usize::from(v.is_some());
         Ok(v)
     }
+}
+
+/// Refuses a read of `range` (half-open) from an array of `len` `what`s: a range whose start is
+/// after its end is the caller's mistake ([`Error::Invalid`]); one reaching past the end is
+/// [`Error::OutOfRange`] naming the first index past the end.
+fn check_range(range: &Range<u64>, len: u64, what: &'static str) -> Result<()> {
+    if range.start > range.end {
+        return Err(Error::Invalid(format!(
+            "{what} range from {} up to {}: the start is after the end",
+            range.start, range.end
+        )));
+    }
+    if range.end > len {
+        return Err(Error::OutOfRange {
+            what,
+            index: range.start.max(len).min(i64::MAX as u64) as i64,
+            len,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

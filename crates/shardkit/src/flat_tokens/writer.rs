@@ -439,6 +439,55 @@ impl Dataset {
         super::split::max_token_id_attr(&g, &self.root.join(split))
     }
 
+    /// The root's attributes document with the completion marker set to `done`: its file name
+    /// and bytes, exactly as [`Dataset::set_marker`] writes them (v2: `.zattrs` in zarr-python
+    /// 2's text; v3: `zarr.json` as zarrs stores group metadata). None when it already says so.
+    fn marker_document(&self, done: bool) -> Result<Option<(&'static str, Vec<u8>)>> {
+        match self.format {
+            ZarrFormat::V2 => {
+                let mut attrs =
+                    get_json(&self.fs, &self.root, ".zattrs")?.unwrap_or(Value::Object(Vec::new()));
+                if !matches!(attrs, Value::Object(_)) {
+                    return Err(Error::format(
+                        self.root.join(".zattrs"),
+                        "is not a JSON object",
+                    ));
+                }
+                if attrs.get(MARKER) == Some(&Value::Bool(done)) {
+                    return Ok(None);
+                }
+                attrs.set(MARKER, Value::Bool(done));
+                Ok(Some((".zattrs", store::zarr2_json(&attrs))))
+            }
+            ZarrFormat::V3 => {
+                let file = self.root.join("zarr.json");
+                let mut meta = Group::open(self.fs.clone(), "/")
+                    .map_err(|e| {
+                        zarrs_error(&e, &self.root, &[], || "cannot open the group".into())
+                    })?
+                    .metadata()
+                    .clone();
+                if let GroupMetadata::V3(m) = &mut meta {
+                    let v = serde_json::Value::Bool(done);
+                    if m.attributes.get(MARKER) == Some(&v) {
+                        return Ok(None);
+                    }
+                    m.attributes.insert(MARKER.to_string(), v);
+                }
+                // zarrs' own serialisation, captured in memory.
+                let mem = Arc::new(zarrs::storage::store::MemoryStore::new());
+                Group::new_with_metadata(mem.clone(), "/", meta)
+                    .and_then(|g| g.store_metadata().map_err(Into::into))
+                    .map_err(|e| zarrs_error(&e, &file, &[], || "cannot encode".into()))?;
+                let bytes =
+                    zarrs::storage::ReadableStorageTraits::get(&*mem, &store::key("zarr.json")?)
+                        .map_err(|e| zarrs_error(&e, &file, &[], || "cannot encode".into()))?
+                        .ok_or_else(|| Error::format(&file, "zarrs stored no group metadata"))?;
+                Ok(Some(("zarr.json", bytes.to_vec())))
+            }
+        }
+    }
+
     fn remove_root_temporaries(&self) -> Result<u64> {
         let mut n = 0;
         for name in [".zgroup.tmp", ".zattrs.tmp", "zarr.json.tmp"] {
@@ -883,18 +932,22 @@ impl Writer {
     }
 
     /// Appends whole sequences of token ids. Ids above [`MAX_TOKEN_ID`] (2^31 - 1) are refused
-    /// before anything is appended; empty sequences are allowed (`seq_starts` repeats a value);
+    /// ([`Error::Refused`]) before anything is appended; empty sequences are allowed (`seq_starts` repeats a value);
     /// a sequence containing id 0 (reserved as the loader's input at sequence starts) is
     /// written, with a warning.
     pub fn append<S: AsRef<[u32]>>(&mut self, sequences: &[S]) -> Result<()> {
         for (i, s) in sequences.iter().enumerate() {
             if let Some(j) = s.as_ref().iter().position(|&id| id > MAX_TOKEN_ID) {
-                return Err(Error::Invalid(format!(
-                    "sequence {i} of this append, position {j}: token id {} does not fit the \
-                     flat-tokens encoding (ids must be below 2^31 = 2147483648); nothing was \
-                     appended",
-                    s.as_ref()[j]
-                )));
+                return Err(Error::Refused {
+                    path: self.ds.root.join(&self.split),
+                    field: "token ids".into(),
+                    at: format!("sequence {i} of this append, position {j}"),
+                    value: s.as_ref()[j].to_string(),
+                    allowed: format!(
+                        "0 to {MAX_TOKEN_ID} (below 2^31, as 2*id+1 must fit the uint32 \
+                         encoding)"
+                    ),
+                });
             }
         }
         self.mark_writing()?;
@@ -1225,5 +1278,11 @@ pub fn mark_complete(root: impl AsRef<Path>) -> Result<()> {
     let _lock = WriteLock::dir(root)?;
     let ds = Dataset::new(root, format)?;
     ds.remove_root_temporaries()?;
-    ds.set_marker(true)
+    // The marker changes the root's attributes file, which a sidecar (`tokens checksum` on
+    // seqax data) covers: the new document is written with the sidecar kept true across the
+    // rename (crate::checksum::Change).
+    if let Some((name, bytes)) = ds.marker_document(true)? {
+        crate::checksum::replace_file(&root.join(crate::checksum::SIDECAR), root, name, &bytes)?;
+    }
+    Ok(())
 }

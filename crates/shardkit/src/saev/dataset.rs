@@ -264,11 +264,7 @@ impl Dataset {
         }
         let dir = storage::local_path(dir.as_ref());
         if !dir.is_dir() {
-            return Err(Error::NotFound {
-                path: dir,
-                what: "not a directory; expected a saev dataset directory holding metadata.json"
-                    .into(),
-            });
+            return Err(super::metadata::missing_metadata(&dir, &[]));
         }
         let (md, warnings) = Metadata::read(&dir)?;
         let layout = Layout::new(&md, &dir.join("metadata.json"))?;
@@ -299,10 +295,8 @@ impl Dataset {
         let objects: std::collections::HashMap<String, u64> = remote.list()?.into_iter().collect();
         let md_path = remote.url_of("metadata.json");
         if !objects.contains_key("metadata.json") {
-            return Err(Error::NotFound {
-                path: md_path,
-                what: "no such object; expected a saev dataset prefix holding metadata.json".into(),
-            });
+            let candidates = super::metadata::remote_candidates(objects.keys());
+            return Err(super::metadata::missing_metadata(&dir, &candidates));
         }
         let (md, warnings) = Metadata::parse(&remote.get("metadata.json")?, &md_path)?;
         let layout = Layout::new(&md, &md_path)?;

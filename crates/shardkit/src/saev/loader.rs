@@ -18,11 +18,12 @@
 //!   `direct_io`), after asking the kernel to read the batch's rows ahead.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::checksum::{self, Verifier};
 use crate::engine::batch::{self, BufferPool};
+use crate::engine::dist::{differ, refuse};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{rank_batches, EpochOrder, Order};
 use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
@@ -276,8 +277,14 @@ impl Batch {
     }
 }
 
-/// A loader's resumable position: a few integers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A loader's resumable position, and every parameter that decides which rows land in which
+/// batch. [`Loader::load_state`] refuses a state taken by a loader that would serve other rows
+/// (naming each parameter that differs, with both values); rank and world size may differ when
+/// the global batch is the same.
+///
+/// The `Option` fields are `None` in a state saved before shardkit recorded them: a state is
+/// checked on the parameters it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoaderState {
     /// Shuffle seed.
     pub seed: u64,
@@ -287,6 +294,54 @@ pub struct LoaderState {
     pub cursor: u64,
     /// `batch_size · world_size` when the state was taken.
     pub global_batch_size: u64,
+    /// The order.
+    pub order: Option<Order>,
+    /// The layer read.
+    pub layer: Option<LayerSel>,
+    /// The tokens read.
+    pub tokens: Option<TokenMode>,
+    /// The labels skipped (sorted, without duplicates).
+    pub ignore_labels: Option<Vec<u8>>,
+    /// Whether the last partial global batch is dropped.
+    pub drop_last: Option<bool>,
+    /// The memory budget in bytes (the default resolved).
+    pub memory_budget: Option<u64>,
+    /// Blocks per window that the budget gives, at most the dataset's (what decides the block
+    /// order).
+    pub window_blocks: Option<u64>,
+    /// Selected rows per epoch over all ranks: the dataset, layer, tokens and ignored labels
+    /// in one number.
+    pub rows: Option<u64>,
+}
+
+impl LoaderState {
+    /// A state with only the position (what states saved before the order's parameters were
+    /// recorded hold): checked on the seed and the global batch only.
+    pub fn position(seed: u64, epoch: u64, cursor: u64, global_batch_size: u64) -> LoaderState {
+        LoaderState {
+            seed,
+            epoch,
+            cursor,
+            global_batch_size,
+            order: None,
+            layer: None,
+            tokens: None,
+            ignore_labels: None,
+            drop_last: None,
+            memory_budget: None,
+            window_blocks: None,
+            rows: None,
+        }
+    }
+}
+
+impl std::fmt::Display for LayerSel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LayerSel::Value(v) => write!(f, "{v}"),
+            LayerSel::All => f.write_str("all"),
+        }
+    }
 }
 
 /// Free batch buffers kept for reuse: the batches in flight (prefetched, two lanes, queued,
@@ -308,6 +363,9 @@ pub struct Loader {
     gather: GatherCell,
     /// With `verify`: the shards' checksums and which blocks this pass has checked.
     verifier: Option<Arc<Verifier>>,
+    /// A state was loaded and no pass has started since: `set_epoch` of the state's epoch keeps
+    /// the position, and a state at the end of its epoch yields no batch (not the epoch again).
+    resumed: AtomicBool,
 }
 
 impl std::fmt::Debug for Loader {
@@ -438,6 +496,7 @@ impl Loader {
             windows: BufferPool::new(3),
             gather: GatherCell::default(),
             verifier,
+            resumed: AtomicBool::new(false),
         })
     }
 
@@ -502,8 +561,14 @@ impl Loader {
         self.window_blocks
     }
 
-    /// Switches to epoch `epoch` (a different order) from its start.
+    /// Switches to epoch `epoch` (a different order) from its start. Right after
+    /// [`Loader::load_state`], `set_epoch` of the state's epoch keeps the loaded position (the
+    /// training loop calls `set_epoch` at the start of every epoch, the resumed one included).
     pub fn set_epoch(&mut self, epoch: u64) -> Result<()> {
+        if epoch == self.opts.epoch && *self.resumed.get_mut() {
+            return Ok(());
+        }
+        *self.resumed.get_mut() = false;
         if epoch != self.opts.epoch {
             self.opts.epoch = epoch;
             self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
@@ -512,26 +577,122 @@ impl Loader {
         Ok(())
     }
 
-    /// The resumable position.
+    /// The resumable position, with the parameters that decide the order.
     pub fn state(&self) -> LoaderState {
+        let mut ignore = self.opts.ignore_labels.clone();
+        ignore.sort_unstable();
+        ignore.dedup();
         LoaderState {
             seed: self.opts.seed,
             epoch: self.opts.epoch,
             cursor: self.cursor.load(Ordering::Relaxed),
             global_batch_size: self.opts.batch_size * self.world,
+            order: Some(self.opts.order),
+            layer: Some(self.opts.layer),
+            tokens: Some(self.opts.tokens),
+            ignore_labels: Some(ignore),
+            drop_last: Some(self.opts.drop_last),
+            memory_budget: Some(self.opts.memory_budget.unwrap_or(DEFAULT_MEMORY_BUDGET)),
+            window_blocks: Some(self.effective_window()),
+            rows: Some(self.order.len()),
         }
     }
 
+    /// Blocks per window as the order uses them (a budget larger than the dataset gives one
+    /// window, whatever its size).
+    fn effective_window(&self) -> u64 {
+        self.window_blocks.min(self.src.n_blocks() as u64)
+    }
+
     /// Restores a position taken with [`Loader::state`] (possibly on another world size with
-    /// the same global batch size).
+    /// the same global batch size). A state taken by a loader that would serve other rows (other
+    /// seed, order, layer, tokens, ignored labels, `drop_last`, memory budget of the block
+    /// order, global batch or dataset size) is refused, naming each parameter that differs.
     pub fn load_state(&mut self, st: LoaderState) -> Result<()> {
-        let global = self.opts.batch_size * self.world;
+        let mine = self.state();
+        let global = mine.global_batch_size;
+        let mut diff = Vec::new();
         if st.global_batch_size != global {
-            return Err(Error::Invalid(format!(
-                "the state was taken with a global batch of {} rows; this loader's is {global} \
-                 (batch_size {} x world_size {}); keep batch_size x world_size fixed to resume",
+            diff.push(format!(
+                "global_batch_size: state {}, this loader {global} (batch_size {} x world_size \
+                 {}; keep batch_size x world_size fixed to resume)",
                 st.global_batch_size, self.opts.batch_size, self.world
-            )));
+            ));
+        }
+        let shuffled = |o: Option<Order>| o != Some(Order::Sequential);
+        if shuffled(st.order) && shuffled(mine.order) {
+            differ(
+                &mut diff,
+                "seed",
+                Some(&st.seed),
+                &mine.seed,
+                u64::to_string,
+            );
+        }
+        differ(
+            &mut diff,
+            "order",
+            st.order.as_ref(),
+            &self.opts.order,
+            |o| o.name().to_string(),
+        );
+        differ(
+            &mut diff,
+            "layer",
+            st.layer.as_ref(),
+            &self.opts.layer,
+            |l| l.to_string(),
+        );
+        differ(
+            &mut diff,
+            "tokens",
+            st.tokens.as_ref(),
+            &self.opts.tokens,
+            |t| t.name().to_string(),
+        );
+        let ignore = st.ignore_labels.clone().map(|mut v| {
+            v.sort_unstable();
+            v.dedup();
+            v
+        });
+        differ(
+            &mut diff,
+            "ignore_labels",
+            ignore.as_ref(),
+            mine.ignore_labels.as_ref().unwrap_or(&Vec::new()),
+            |v| format!("{v:?}"),
+        );
+        differ(
+            &mut diff,
+            "drop_last",
+            st.drop_last.as_ref(),
+            &self.opts.drop_last,
+            bool::to_string,
+        );
+        // The budget decides the block order through the blocks per window it gives.
+        if self.opts.order == Order::Block && st.window_blocks != mine.window_blocks {
+            if let Some(w) = st.window_blocks {
+                let budget = |b: Option<u64>| b.map_or("?".to_string(), |b| b.to_string());
+                diff.push(format!(
+                    "memory_budget: state {} bytes (windows of {w} blocks), this loader {} bytes \
+                     (windows of {} blocks)",
+                    budget(st.memory_budget),
+                    budget(mine.memory_budget),
+                    self.effective_window()
+                ));
+            }
+        }
+        differ(
+            &mut diff,
+            "rows",
+            st.rows.as_ref(),
+            &self.order.len(),
+            u64::to_string,
+        );
+        refuse(diff)?;
+        if st.epoch != self.opts.epoch {
+            self.opts.epoch = st.epoch;
+            self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
         }
         if st.cursor > self.order.len() {
             return Err(Error::Invalid(format!(
@@ -540,11 +701,6 @@ impl Loader {
                 self.order.len()
             )));
         }
-        if st.seed != self.opts.seed || st.epoch != self.opts.epoch {
-            self.opts.seed = st.seed;
-            self.opts.epoch = st.epoch;
-            self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
-        }
         if !st.cursor.is_multiple_of(global) && st.cursor != self.order.len() {
             return Err(Error::Invalid(format!(
                 "cursor {} is not a multiple of the global batch size {global}",
@@ -552,12 +708,15 @@ impl Loader {
             )));
         }
         self.cursor.store(st.cursor, Ordering::Relaxed);
+        *self.resumed.get_mut() = true;
         Ok(())
     }
 
     /// Iterates the rest of the epoch from the current cursor (from the start if the epoch was
-    /// finished). The same epoch is repeated until [`Loader::set_epoch`] changes it. A thread
-    /// that cannot be started is reported by the first `next`.
+    /// finished, except right after loading a state taken at the end of its epoch: that pass is
+    /// empty, as the rest of the interrupted run's epoch was). The same epoch is repeated until
+    /// [`Loader::set_epoch`] changes it. A thread that cannot be started is reported by the
+    /// first `next`.
     pub fn iter(&self) -> Result<Batches> {
         let total = self.order.len();
         let global = self.opts.batch_size * self.world;
@@ -566,8 +725,9 @@ impl Loader {
         } else {
             total
         };
+        let resumed = self.resumed.swap(false, Ordering::Relaxed);
         let mut cursor = self.cursor.load(Ordering::Relaxed);
-        if cursor >= end {
+        if cursor >= end && !resumed {
             cursor = 0;
             self.cursor.store(0, Ordering::Relaxed);
         }
@@ -580,7 +740,7 @@ impl Loader {
             self.world,
             self.opts.drop_last,
         )
-        .filter(|&(s, _)| s >= cursor - cursor % global)
+        .filter(|&(s, _)| s >= cursor - cursor % global && cursor < end)
         .map(|(s, e)| (s, e, (((s / global) + 1) * global).min(total)))
         .collect();
         let stream = match self.gather_pool() {

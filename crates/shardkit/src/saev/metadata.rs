@@ -233,6 +233,86 @@ pub struct Metadata {
 }
 
 /// Where metadata came from, for error messages.
+/// The saev dataset directories one level below `dir` (those holding metadata.json), sorted.
+pub(crate) fn local_candidates(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("metadata.json").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    out.sort();
+    out
+}
+
+/// The dataset prefixes one level below an object-store prefix, from its recursive listing
+/// (names relative to the prefix): `<hash>` for each `<hash>/metadata.json`, sorted.
+pub(crate) fn remote_candidates<'a>(names: impl IntoIterator<Item = &'a String>) -> Vec<String> {
+    let mut out: Vec<String> = names
+        .into_iter()
+        .filter_map(|n| n.strip_suffix("/metadata.json"))
+        .filter(|d| !d.is_empty() && !d.contains('/'))
+        .map(str::to_owned)
+        .collect();
+    out.sort();
+    out
+}
+
+/// The error for a saev directory (or `s3://` prefix) `dir` that holds no metadata.json, given
+/// the dataset directories found one level below it: says what `dir` is instead and what to open.
+pub(crate) fn missing_metadata(dir: &Path, candidates: &[String]) -> Error {
+    let remote = crate::storage::is_remote(dir);
+    let (kind, entry) = if remote {
+        ("prefix", "object")
+    } else {
+        ("directory", "file")
+    };
+    if !remote && !dir.exists() {
+        return Error::NotFound {
+            path: dir.to_path_buf(),
+            what: "no such directory".into(),
+        };
+    }
+    if !remote && !dir.is_dir() {
+        return Error::NotFound {
+            path: dir.to_path_buf(),
+            what: "not a directory; expected a saev dataset directory holding metadata.json".into(),
+        };
+    }
+    let sep = if remote {
+        "/"
+    } else {
+        std::path::MAIN_SEPARATOR_STR
+    };
+    let base = dir.display().to_string();
+    let base = base.trim_end_matches(sep);
+    let what = match candidates {
+        [] => format!(
+            "no such {entry}: {base} is not a saev dataset {kind} (one holds metadata.json and \
+             acts000000.bin, ...) and has no dataset {kind} inside it"
+        ),
+        [one] => format!(
+            "no such {entry}: {base} is a writer's root, not a dataset; the dataset is \
+             {base}{sep}{one} (open that {kind})"
+        ),
+        many => format!(
+            "no such {entry}: {base} is a writer's root holding {} datasets, not a dataset; open \
+             one of: {}",
+            many.len(),
+            many.iter()
+                .map(|c| format!("{base}{sep}{c}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    Error::NotFound {
+        path: dir.join("metadata.json"),
+        what,
+    }
+}
+
 fn bad(src: &Path, rule: impl Into<String>) -> Error {
     Error::format(src, rule)
 }
@@ -247,9 +327,19 @@ impl Metadata {
     }
 
     /// Reads and parses `dir/metadata.json`.
+    ///
+    /// A `dir` without metadata.json is refused with a message that says what `dir` is instead:
+    /// no such directory, a writer's root (the dataset is the `<hash>` directory inside it,
+    /// named), or a directory with no saev dataset in it.
     pub fn read(dir: &Path) -> Result<(Metadata, Vec<String>)> {
         let path = dir.join("metadata.json");
-        let bytes = fsutil::read_json_file(&path).map_err(|e| Error::io(&path, e))?;
+        let bytes = fsutil::read_json_file(&path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                missing_metadata(dir, &local_candidates(dir))
+            } else {
+                Error::io(&path, e)
+            }
+        })?;
         Self::parse(&bytes, &path)
     }
 

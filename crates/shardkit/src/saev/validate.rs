@@ -247,14 +247,19 @@ struct Files {
     dir: PathBuf,
     remote: Option<Remote>,
     entries: BTreeMap<String, std::result::Result<u64, String>>,
+    /// The dataset directories one level below (a writer's root holds `<root>/<hash>/`), named
+    /// when metadata.json is missing.
+    candidates: Vec<String>,
 }
 
 impl Files {
     fn list(dir: &Path) -> crate::Result<Files> {
         if storage::is_remote(dir) {
             let remote = Remote::parse(dir)?;
-            let entries = remote
-                .list()?
+            let listing = remote.list()?;
+            let candidates =
+                crate::saev::metadata::remote_candidates(listing.iter().map(|(n, _)| n));
+            let entries = listing
                 .into_iter()
                 .filter(|(n, _)| !n.contains('/'))
                 .map(|(n, size)| (n, Ok(size)))
@@ -263,13 +268,11 @@ impl Files {
                 dir: dir.to_path_buf(),
                 remote: Some(remote),
                 entries,
+                candidates,
             });
         }
         if !dir.is_dir() {
-            return Err(Error::NotFound {
-                path: dir.to_path_buf(),
-                what: "not a directory".into(),
-            });
+            return Err(crate::saev::metadata::missing_metadata(dir, &[]));
         }
         let mut entries = BTreeMap::new();
         for e in std::fs::read_dir(dir).at(dir)?.flatten() {
@@ -288,6 +291,7 @@ impl Files {
             dir: dir.to_path_buf(),
             remote: None,
             entries,
+            candidates: crate::saev::metadata::local_candidates(dir),
         })
     }
 
@@ -304,6 +308,10 @@ impl Files {
     fn read(&self, name: &str) -> crate::Result<Vec<u8>> {
         let path = self.dir.join(name);
         match (&self.remote, self.entries.get(name)) {
+            (_, None) if name == "metadata.json" => Err(crate::saev::metadata::missing_metadata(
+                &self.dir,
+                &self.candidates,
+            )),
             (_, None) => Err(Error::NotFound {
                 path,
                 what: "missing; expected a saev dataset holding metadata.json and shards.json"
@@ -332,6 +340,10 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
     let (md, warnings, layout, complete, labels) = if storage::is_remote(dir) {
         let remote = Remote::parse(dir)?;
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
+        if !objects.contains_key("metadata.json") {
+            let candidates = crate::saev::metadata::remote_candidates(objects.keys());
+            return Err(crate::saev::metadata::missing_metadata(dir, &candidates));
+        }
         let (md, warnings) = Metadata::parse(
             &remote.get("metadata.json")?,
             &remote.url_of("metadata.json"),

@@ -83,12 +83,46 @@ pub fn set_metadata(
         }
         return rewrite_all(&c, apply(c.metadata()));
     }
-    let mut files = Vec::new();
+    // Every write, grouped by file: (offset, bytes).
+    let mut writes: Vec<(PathBuf, Vec<Write>)> = Vec::new();
     for (part, region) in c.parts.iter().zip(&planned) {
-        write_region(part, region)?;
-        if !files.contains(&part.origin.file) {
-            files.push(part.origin.file.clone());
+        let w = region_writes(part, region);
+        match writes.iter_mut().find(|(f, _)| *f == part.origin.file) {
+            Some((_, all)) => all.extend(w),
+            None => writes.push((part.origin.file.clone(), w)),
         }
+    }
+    // The container's sidecar accepts both the old and the new bytes of every block written
+    // before the first byte changes, and the new ones alone once every file is fsynced (see
+    // crate::checksum::Change): a kill at any point leaves a container that verifies.
+    let located = crate::checksum::locate_container(&c)?;
+    let change = crate::checksum::Change::begin(&located.sidecar, &located.base, |sums| {
+        let mut new = Vec::new();
+        for (file, w) in &writes {
+            let name = file
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            // A file the sidecar does not cover stays uncovered (`validate --deep` says so).
+            if let Some(recorded) = sums.files.get(&name) {
+                let patches: Vec<(u64, &[u8])> =
+                    w.iter().map(|(at, b)| (*at, b.as_slice())).collect();
+                new.push((name, recorded.patched(file, &patches)?));
+            }
+        }
+        Ok(new)
+    })?;
+    let mut files = Vec::new();
+    for (file, w) in &writes {
+        let f = OpenOptions::new().write(true).open(file).at(file)?;
+        for (at, bytes) in w {
+            f.write_all_at(bytes, *at).at(file)?;
+        }
+        crate::fsutil::sync_file(&f, file)?;
+        files.push(file.clone());
+    }
+    if let Some(change) = change {
+        change.commit()?;
     }
     Ok(EditOutcome {
         in_place: true,
@@ -176,11 +210,14 @@ fn plan_in_place(
     Ok(Ok(new_region))
 }
 
-/// Overwrites a part's graph region (and its archive CRC), then fsyncs.
-fn write_region(part: &Part, region: &[u8]) -> Result<()> {
-    let file = &part.origin.file;
-    let f = OpenOptions::new().write(true).open(file).at(file)?;
+/// Bytes to write at an offset of a file.
+type Write = (u64, Vec<u8>);
+
+/// The writes (offset in the part's file, bytes) that put a part's new graph region in place
+/// (and, inside an archive, its entry's new CRC-32 in the local and central headers).
+fn region_writes(part: &Part, region: &[u8]) -> Vec<Write> {
     let at = part.origin.offset + HEADER_LEN;
+    let mut out = vec![(at, region.to_vec())];
     if let Some(e) = &part.origin.entry {
         let old = part.bytes();
         let b = part.blob_start as usize;
@@ -188,15 +225,10 @@ fn write_region(part: &Part, region: &[u8]) -> Result<()> {
         new_prefix[HEADER_LEN as usize..].copy_from_slice(region);
         let tail = old.len() as u64 - part.blob_start;
         let crc = updated_crc(e.crc32, &old[..b], &new_prefix, tail);
-        f.write_all_at(region, at).at(file)?;
-        f.write_all_at(&crc.to_le_bytes(), e.local_header + 14)
-            .at(file)?;
-        f.write_all_at(&crc.to_le_bytes(), e.central_header + 16)
-            .at(file)?;
-    } else {
-        f.write_all_at(region, at).at(file)?;
+        out.push((e.local_header + 14, crc.to_le_bytes().to_vec()));
+        out.push((e.central_header + 16, crc.to_le_bytes().to_vec()));
     }
-    f.sync_all().at(file)
+    out
 }
 
 /// The CRC-32 of a message whose first bytes change from `old` to `new` (same length) and

@@ -26,9 +26,17 @@ impl Header {
     /// 32 ≤ M ≤ M + manifest length ≤ file length.
     pub fn parse(bytes: &[u8], file_len: u64, path: &Path) -> Result<Header> {
         let bad = |rule: String| Error::format(path, rule);
+        let cut = "the file was cut short (an interrupted copy or write): copy or write it again";
+        if bytes.len() >= 4 && bytes[..4] != MAGIC {
+            return Err(bad(format!(
+                "not an SDNB file: starts {:02x?}, not \"SDNB\"",
+                &bytes[..4]
+            )));
+        }
         if bytes.len() < HEADER_LEN as usize || file_len < HEADER_LEN {
             return Err(bad(format!(
-                "{file_len} bytes: an SDNB file starts with a 32-byte header"
+                "truncated: {file_len} of at least 32 bytes (an SDNB file starts with a 32-byte \
+                 header); {cut}"
             )));
         }
         if bytes[..4] != MAGIC {
@@ -52,10 +60,27 @@ impl Header {
         let (Ok(m), Ok(len)) = (u64::try_from(m), u64::try_from(len)) else {
             return Err(bad(format!("negative manifest offset {m} or length {len}")));
         };
-        if m < HEADER_LEN || m.checked_add(len).is_none_or(|end| end > file_len) {
+        if m < HEADER_LEN {
             return Err(bad(format!(
-                "manifest at {m} + {len} bytes lies outside the file (32..{file_len})"
+                "the manifest at byte {m} lies outside the file's contents, inside its 32-byte \
+                 header: the header is damaged"
             )));
+        }
+        match m.checked_add(len) {
+            None => {
+                return Err(bad(format!(
+                    "the manifest at byte {m}, {len} bytes long, lies outside the file (its end \
+                     overflows): the header is damaged"
+                )))
+            }
+            Some(end) if end > file_len => {
+                return Err(bad(format!(
+                    "truncated: {file_len} of {end} bytes: the header puts the {len}-byte \
+                     manifest at byte {m}, which lies outside the file; {cut}, or its header is \
+                     damaged"
+                )))
+            }
+            Some(_) => {}
         }
         Ok(Header {
             manifest_offset: m,

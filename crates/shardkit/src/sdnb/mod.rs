@@ -66,7 +66,8 @@ pub use read::{base_name, shard_files};
 
 /// Checks the container at `path` (a file, an archive, or a shard set's base name): that it
 /// opens, which checks every structure, offset and manifest entry once; with `deep`, also every
-/// byte against its checksums sidecar (`BASE.checksums.json`).
+/// byte against its checksums sidecar (`NAME.checksums.json`; a shard set's
+/// `BASE.shard-set.checksums.json`).
 pub fn validate(path: impl AsRef<std::path::Path>, deep: bool) -> crate::report::Validation {
     let path = &crate::storage::local_path(path.as_ref());
     let mut v = crate::report::Validation::new(path);

@@ -407,9 +407,12 @@ impl Part {
         for e in &manifest {
             if e.offset < HEADER_LEN || e.offset.checked_add(e.length).is_none_or(|end| end > m) {
                 return Err(bad(format!(
-                    "manifest entry {:?} at {} + {} bytes lies outside the blob section \
-                     (32..{m})",
-                    e.name, e.offset, e.length
+                    "manifest entry {:?} at byte {}, {} bytes long, lies outside the blob \
+                     section (bytes 32 to {})",
+                    e.name,
+                    e.offset,
+                    e.length,
+                    m.saturating_sub(1)
                 )));
             }
         }
@@ -1305,7 +1308,12 @@ fn open_sdz_remote(
         let eocd = (size - tail..=size.saturating_sub(22))
             .rev()
             .find(|&i| bytes[i as usize..i as usize + 4] == [0x50, 0x4b, 0x05, 0x06])
-            .ok_or_else(|| bad("no end of central directory record"))? as usize;
+            .ok_or_else(|| {
+                bad(&format!(
+                    "no end of central directory record in the last {tail} of its {size} bytes; \
+                     an archive cut short (an interrupted upload) loses it first: upload it again"
+                ))
+            })? as usize;
         let u32_at =
             |o: usize| u64::from(u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4")));
         let (len, start) = (u32_at(eocd + 12), u32_at(eocd + 16));

@@ -137,7 +137,20 @@ pub fn entries(bytes: &[u8], path: &Path, limits: &ZipLimits) -> Result<Vec<ZipE
             ));
         }
     }
-    let zip_err = |e: zip::result::ZipError| bad(path, format!("not a readable ZIP archive: {e}"));
+    let zip_err = |e: zip::result::ZipError| {
+        // A ZIP's end record is its last bytes: an archive cut short loses it first.
+        let hint = if bytes.starts_with(b"PK\x03\x04") {
+            format!(
+                " (the archive starts as a ZIP but its {}-byte file has no readable end record: \
+                 it was probably cut short by an interrupted copy or write; copy or write it \
+                 again)",
+                bytes.len()
+            )
+        } else {
+            String::new()
+        };
+        bad(path, format!("not a readable ZIP archive: {e}{hint}"))
+    };
     let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(zip_err)?;
     if archive.len() > limits.max_entries {
         return Err(bad(
@@ -205,7 +218,15 @@ pub fn entries(bytes: &[u8], path: &Path, limits: &ZipLimits) -> Result<Vec<ZipE
         let end = start
             .checked_add(csize)
             .filter(|&e| e <= bytes.len() as u64)
-            .ok_or_else(|| what(format!("{csize} bytes at {start} run past the archive end")))?;
+            .ok_or_else(|| {
+                what(format!(
+                    "truncated: the archive has {} of the {} bytes its central directory needs \
+                     ({csize} bytes at byte {start}); it was cut short (an interrupted copy or \
+                     write): copy or write it again",
+                    bytes.len(),
+                    start.saturating_add(csize)
+                ))
+            })?;
         let e = ZipEntry {
             name,
             method,

@@ -160,7 +160,9 @@ struct Model<'a> {
     updater_state: Option<Vec<(Option<String>, Carried<'a>)>>,
 }
 
-/// Writes new tensors as a container at `path`; returns the files written.
+/// Writes new tensors as a container at `path`; returns the files written. Each tensor's bytes
+/// must match its shape and dtype (and a BOOL tensor's bytes be 0 or 1, [`Error::Refused`]):
+/// nothing is written otherwise.
 pub fn save(path: &Path, tensors: &[TensorIn], opts: &SaveOptions) -> Result<Vec<PathBuf>> {
     let mut seen = std::collections::HashSet::new();
     let mut vars = Vec::with_capacity(tensors.len());
@@ -196,6 +198,17 @@ pub fn save(path: &Path, tensors: &[TensorIn], opts: &SaveOptions) -> Result<Vec
                 t.bytes.len(),
                 t.shape
             )));
+        }
+        if t.dtype == DType::Bool {
+            if let Some(j) = t.bytes.iter().position(|&b| b > 1) {
+                return Err(Error::Refused {
+                    path: path.to_path_buf(),
+                    field: t.name.clone(),
+                    at: format!("element {j}"),
+                    value: format!("byte {}", t.bytes[j]),
+                    allowed: "0 or 1, a BOOL element is one byte holding false or true".into(),
+                });
+            }
         }
         let id = i32::try_from(i).map_err(|_| bad("too many tensors".into()))?;
         let desc = VarDesc {
@@ -387,23 +400,17 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
     let _lock = WriteLock::beside_as(&dir.join(base), path)?;
     // An overwrite must never leave the old sidecar beside new files (it would call them
     // damaged): it goes first, and the new one is written once every file is in place. A save
-    // that fails before replacing anything puts the old one back.
-    let sidecar = dir.join(crate::checksum::sidecar_name(path));
-    let old_sidecar = std::fs::read(&sidecar).ok();
-    crate::checksum::remove_sidecar(&sidecar)?;
+    // that fails before replacing anything puts the old one back. Each output has its own
+    // sidecar (`m.sdnb.checksums.json`, `m.sdz.checksums.json`, `m.shard-set.checksums.json`),
+    // so writing one never touches another container's.
+    let taken =
+        crate::checksum::take_container_sidecars(dir, name, opts.format == Format::Sharded)?;
     let written = write_model_files(path, model, opts, name, dir, base);
     if written.is_err() {
-        if let Some(bytes) = old_sidecar {
-            let still_true = crate::checksum::Checksums::parse(&bytes, &sidecar)
-                .map(|s| s.verify(dir).is_empty())
-                .unwrap_or(false);
-            if still_true {
-                let _ = fsutil::atomic_write(&sidecar, &bytes);
-            }
-        }
+        crate::checksum::put_back_sidecars(dir, taken);
     }
     let files = written?;
-    // The sidecar `BASE.checksums.json` (see crate::checksum), while the lock is still held.
+    // The container's own sidecar (see crate::checksum), while the lock is still held.
     if let Some(first) = files.first() {
         crate::checksum::record(first)?;
     }

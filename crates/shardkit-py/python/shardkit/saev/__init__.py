@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import _args, _inputs
 from .. import _shardkit as _core
 from .._progress import Progress
 from ..errors import IncompleteDatasetError, InvalidArgumentError
@@ -64,8 +65,13 @@ class Writer:
         resume: bool = False,
         progress: Any = None,
     ) -> None:
-        self._w = _core.Writer(os.fspath(root), json.dumps(metadata), resume)
-        self._progress = Progress(progress, unit="ex", total=self._w.shape["n_examples"], initial=self._w.next_example)
+        root = _args.path("root", root)
+        if not isinstance(metadata, Mapping):
+            raise _args.InvalidArgumentTypeError(
+                f"metadata must be a dict (metadata.json's keys), got {type(metadata).__name__}")
+        self._w = _core.Writer(root, json.dumps(metadata), _args.boolean("resume", resume))
+        self._progress = Progress(_args.callback("progress", progress), unit="ex", total=self._w.shape["n_examples"],
+                                  initial=self._w.next_example)
         self._path: str = self._w.path
         self._closed = False
 
@@ -91,11 +97,36 @@ class Writer:
         return (s["n_examples"], s["n_layers"], s["tokens_per_example"], s["d_model"])
 
     def write(self, acts: Any, labels: Any = None) -> None:
-        """Appends ``acts`` float32 (b, L, T, D) and, if the dataset has labels, uint8 (b, P)."""
-        a = np.ascontiguousarray(acts, dtype=np.float32)
-        lab = None if labels is None else np.ascontiguousarray(labels, dtype=np.uint8)
+        """Appends the next ``b`` examples: ``acts`` of shape (b, L, T, D) and, if the dataset
+        has labels, ``labels`` of shape (b, P) (P content tokens per example).
+
+        ``acts`` may be a numpy array, a torch tensor or a nested list. shardkit stores float32:
+        float32 is written as it is, float16 and bfloat16 are widened exactly, and float64 or
+        integer input only when float32 holds every value exactly (otherwise
+        InvalidArgumentError: cast explicitly to write rounded values). ``labels`` are integers
+        of any dtype in 0 to 255 (labels.bin is uint8); a label outside is refused, not wrapped.
+        A refused write stores nothing: the dataset stays as it was, and resumable.
+        """
+        s = self._w.shape
+        a = _inputs.float32(acts, "acts", self._path)
+        _inputs.check_shape(
+            a, "acts", self._path, (None, s["n_layers"], s["tokens_per_example"], s["d_model"]),
+            "(batch, layers, tokens_per_example, d_model)",
+        )
+        lab = None
+        if labels is not None:
+            first = self._w.next_example
+            raw = _inputs.array(labels, "labels", self._path)
+            _inputs.check_shape(
+                raw, "labels", self._path, (a.shape[0], self._w.content_tokens), "(batch, content tokens)"
+            )
+            lab = _inputs.integers(
+                labels, "labels", self._path, dtype=np.uint8, lo=0, hi=255, a=raw,
+                allowed="0 to 255, labels.bin stores uint8",
+                where=lambda i: f"example {first + i[0]}, content token {i[1]}",
+            )
         self._w.write(a, lab)
-        self._progress.advance(int(a.shape[0]) if a.ndim == 4 else 0, self._w.next_example, self._w.shape["n_examples"])
+        self._progress.advance(int(a.shape[0]), self._w.next_example, s["n_examples"])
 
     def close(self) -> str:
         """Completes the dataset (fails, leaving it resumable, if examples are missing)."""
@@ -121,6 +152,11 @@ class Writer:
         else:
             self.abort()
 
+    def __repr__(self) -> str:
+        n = self._w.shape["n_examples"]
+        state = "closed" if self._closed else "open"
+        return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}, {state})"
+
 
 class IndexedView:
     """saev's indexed semantics: ``len()`` rows, ``view[i]`` -> dict for one row."""
@@ -134,8 +170,11 @@ class IndexedView:
     def __len__(self) -> int:
         return self._len
 
+    def __repr__(self) -> str:
+        return f"saev.IndexedView({self._ds.path!r}, layer={self._layer}, tokens={self._tokens!r}, rows={self._len})"
+
     def __getitem__(self, i: int) -> Dict[str, Any]:
-        r = self._ds._d.indexed_get(self._layer, self._tokens, int(i))
+        r = self._ds._d.indexed_get(self._layer, self._tokens, _args.integer("i", i))
         row: Dict[str, Any] = {"act": _array(r["act"]), "example_idx": r["example_idx"], "token_idx": r["token_idx"]}
         if r["token_label"] is not None:
             row["token_label"] = r["token_label"]
@@ -146,7 +185,7 @@ class Dataset:
     """A complete saev directory opened for random access (see :func:`open`)."""
 
     def __init__(self, path: PathLike) -> None:
-        self._d = _core.Dataset(os.fspath(path))
+        self._d = _core.Dataset(_args.path("path", path))
         lay = self._d.layout
         self.n_examples: int = lay["n_examples"]
         self.n_layers: int = lay["n_layers"]
@@ -165,21 +204,27 @@ class Dataset:
     def get(self, example: int, layer: int, token: int) -> np.ndarray:
         """The (d_model,) vector of ``example``, recorded layer value ``layer`` and stored token
         slot ``token`` (slot 0 is CLS when the dataset has one)."""
-        return _array(self._d.get(int(example), int(layer), int(token)))
+        return _array(self._d.get(
+            _args.integer("example", example), self._layer_value(layer), _args.integer("token", token)))
+
+    def _layer_value(self, layer: Any) -> int:
+        """A recorded layer value of this dataset."""
+        v = _args.integer("layer", layer)
+        if v not in self.layers:
+            raise InvalidArgumentError(f"{self.path}: layer {v} was not recorded (layers: {self.layers})")
+        return v
 
     def take(self, examples: Any, layer: Any, tokens: Any) -> np.ndarray:
         """Many vectors at once, (n, d_model); arguments broadcast like numpy arrays."""
         e, l, t = np.broadcast_arrays(
-            np.asarray(examples, dtype=np.int64),
-            np.asarray(layer, dtype=np.int64),
-            np.asarray(tokens, dtype=np.int64),
+            _int_array("examples", examples), _int_array("layer", layer), _int_array("tokens", tokens)
         )
         out = _array(self._d.take(e.ravel().tolist(), l.ravel().tolist(), t.ravel().tolist()))
         return out.reshape(e.shape + (self.d_model,))
 
     def indexed(self, layer: int, tokens: str = "content") -> IndexedView:
         """saev's indexed view of one layer: ``tokens`` is content, special (CLS) or all."""
-        return IndexedView(self, int(layer), tokens)
+        return IndexedView(self, self._layer_value(layer), _args.choice("tokens", tokens, TOKENS))
 
     def __repr__(self) -> str:
         return (
@@ -189,9 +234,29 @@ class Dataset:
         )
 
 
+#: The ``tokens`` selections (``image``/``patches`` and ``cls`` are saev's older names).
+TOKENS = ("content", "special", "all", "image", "patches", "cls")
+#: The orders of :class:`Loader`.
+ORDERS = ("block", "exact", "sequential")
+
+
+def _int_array(name: str, value: Any) -> np.ndarray:
+    """Integer coordinates (a scalar, a sequence or an integer array) as int64."""
+    a = np.asarray(value)
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.integer) or a.size == 0) or a.dtype == np.bool_:
+        raise _args.InvalidArgumentTypeError(f"{name} must be integers, got {a.dtype} ({_args._show(value)})")
+    if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise InvalidArgumentError(f"{name}: {int(a.max())} is out of range")
+    return a.astype(np.int64, copy=False)
+
+
 def open(path: PathLike) -> Dataset:  # noqa: A001 - mirrors the built-in's role
     """Opens a complete saev directory; an incomplete one raises IncompleteDatasetError."""
     return Dataset(path)
+
+
+# The keys of a saev state, besides the position, that decide which rows land in which batch.
+_ORDER_KEYS = ("order", "layer", "tokens", "ignore_labels", "drop_last", "memory_budget", "window_blocks", "rows")
 
 
 class Loader(EngineLoader):
@@ -232,6 +297,31 @@ class Loader(EngineLoader):
         io_threads: int = 16,
         direct_io: bool = False,
     ) -> None:
+        path = _args.path("path", path)
+        if not (isinstance(layer, str) and layer == "all"):
+            if isinstance(layer, str):
+                raise InvalidArgumentError(f"layer must be a recorded layer value (an integer) or 'all', got {layer!r}")
+            if not _args.is_int(layer):
+                raise _args.InvalidArgumentTypeError(
+                    f"layer must be a recorded layer value (an integer) or 'all', got {layer!r} ({type(layer).__name__})")
+            layer = int(layer)
+        tokens = _args.choice("tokens", tokens, TOKENS)
+        batch_size = _args.count("batch_size", batch_size, lo=1)
+        shuffle = _args.optional_boolean("shuffle", shuffle)
+        order = _args.optional_choice("order", order, ORDERS)
+        seed = _args.count("seed", seed)
+        epoch = _args.count("epoch", epoch)
+        _args.rank_world(rank, world_size)
+        drop_last = _args.boolean("drop_last", drop_last)
+        num_threads = _args.threads("num_threads", num_threads)
+        verify = _args.boolean("verify", verify)
+        memory_budget = _args.optional_count("memory_budget", memory_budget, lo=1)
+        if isinstance(ignore_labels, (str, bytes)) or not isinstance(ignore_labels, (Sequence, np.ndarray, set, frozenset)):
+            raise _args.InvalidArgumentTypeError(
+                f"ignore_labels must be a sequence of patch labels (0..255), got {ignore_labels!r}")
+        ignore_labels = [_args.integer("ignore_labels", x, lo=0, hi=255) for x in ignore_labels]
+        io_threads = _args.integer("io_threads", io_threads, lo=1, hi=1 << 16)
+        direct_io = _args.boolean("direct_io", direct_io)
         if order is None:
             order = "block" if shuffle is None or shuffle else "sequential"
         elif shuffle is not None and (order == "sequential") == bool(shuffle):
@@ -257,7 +347,57 @@ class Loader(EngineLoader):
             kw.update(seed=seed, epoch=epoch, ignore_labels=[int(x) for x in ignore_labels])
         elif seed or epoch or ignore_labels:
             raise InvalidArgumentError("seed, epoch and ignore_labels apply to shuffled orders only")
-        self._l = _core.Loader(os.fspath(path), **kw)
+        self._l = _core.Loader(path, **kw)
+        self._path = path
+        self._opts: Dict[str, Any] = dict(
+            layer=layer, tokens=tokens, batch_size=batch_size, order=order, seed=seed, drop_last=drop_last)
+
+    @property
+    def path(self) -> str:
+        """The dataset directory."""
+        return self._path
+
+    @property
+    def layer(self) -> Union[int, str]:
+        """The recorded layer value read (or ``"all"``)."""
+        return self._opts["layer"]  # type: ignore[no-any-return]
+
+    @property
+    def tokens(self) -> str:
+        """The token selection: ``"content"``, ``"special"`` or ``"all"``."""
+        return self._opts["tokens"]  # type: ignore[no-any-return]
+
+    @property
+    def batch_size(self) -> int:
+        """Rows per batch on this rank."""
+        return self._opts["batch_size"]  # type: ignore[no-any-return]
+
+    @property
+    def order(self) -> str:
+        """``"block"``, ``"exact"`` or ``"sequential"``."""
+        return self._opts["order"]  # type: ignore[no-any-return]
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether the order is shuffled (not ``"sequential"``)."""
+        return self.order != "sequential"
+
+    @property
+    def seed(self) -> int:
+        return self._opts["seed"]  # type: ignore[no-any-return]
+
+    @property
+    def drop_last(self) -> bool:
+        return self._opts["drop_last"]  # type: ignore[no-any-return]
+
+    def __repr__(self) -> str:
+        o = self._opts
+        return (
+            f"{type(self).__module__.replace('shardkit.', '')}.{type(self).__name__}({self._path!r}, "
+            f"layer={o['layer']!r}, tokens={o['tokens']!r}, batch_size={o['batch_size']}, order={o['order']!r}, "
+            f"seed={o['seed']}, rank={self.rank}, world_size={self.world_size}, drop_last={o['drop_last']}, "
+            f"epoch={self.epoch}, batches={len(self)})"
+        )
 
     @property
     def rows(self) -> int:
@@ -265,32 +405,40 @@ class Loader(EngineLoader):
         return int(self._l.rows)
 
     def state_dict(self) -> LoaderState:
-        """The position (see :class:`shardkit.types.LoaderState`); pass it to
-        ``load_state_dict`` to resume exactly, on any number of ranks with the same global
-        batch size."""
-        st = self._l.state_dict()
+        """The position and every parameter that decides the order (see
+        :class:`shardkit.types.LoaderState`); pass it to ``load_state_dict`` to resume exactly,
+        on any number of ranks with the same global batch size."""
+        st: Dict[str, Any] = dict(self._l.state_dict())
         world = self.world_size
         gbs = st["global_batch_size"]
-        return {
+        out: Dict[str, Any] = {
             "format": "saev",
             "seed": st["seed"],
             "epoch": st["epoch"],
-            "batch": st["cursor"] // gbs if gbs else 0,
+            "batch": -(-st["cursor"] // gbs) if gbs else 0,
             "batch_size": gbs // world,
             "world_size": world,
             "cursor": st["cursor"],
             "global_batch_size": gbs,
         }
+        out.update({k: st[k] for k in _ORDER_KEYS if k in st})
+        return out  # type: ignore[return-value]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resumes at the state's position. A state taken by a loader that would serve other
+        rows (another seed, order, layer, tokens, ignore_labels, drop_last, memory budget of the
+        block order, global batch or dataset) raises InvalidArgumentError naming each key that
+        differs, with both values. Right after it, ``set_epoch`` of the state's epoch keeps the
+        position."""
         check_state(dict(state), "saev")
-        st = {k: int(state[k]) for k in ("seed", "epoch") if k in state}
+        st: Dict[str, Any] = {k: state[k] for k in _ORDER_KEYS if k in state}
+        st.update({k: int(state[k]) for k in ("seed", "epoch") if k in state})
         if "cursor" in state and "global_batch_size" in state:
             st["cursor"] = int(state["cursor"])
             st["global_batch_size"] = int(state["global_batch_size"])
         elif all(k in state for k in ("batch", "batch_size", "world_size")):
             gbs = int(state["batch_size"]) * int(state["world_size"])
-            st["cursor"] = int(state["batch"]) * gbs
+            st["cursor"] = min(int(state["batch"]) * gbs, self.rows)
             st["global_batch_size"] = gbs
         self._l.load_state_dict(st)
 
@@ -316,28 +464,73 @@ class Loader(EngineLoader):
 class OrderedLoader(Loader):
     """``Loader(shuffle=False)``: batches in storage order, saev's ordered loader."""
 
-    def __init__(self, path: PathLike, **kw: Any) -> None:
-        super().__init__(path, shuffle=False, **kw)
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        layer: Union[int, str],
+        tokens: str = "content",
+        batch_size: int = 16384,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+        num_threads: Optional[int] = None,
+        verify: bool = False,
+        memory_budget: Optional[int] = None,
+        io_threads: int = 16,
+        direct_io: bool = False,
+    ) -> None:
+        super().__init__(
+            path, shuffle=False, layer=layer, tokens=tokens, batch_size=batch_size, rank=rank,
+            world_size=world_size, drop_last=drop_last, num_threads=num_threads, verify=verify,
+            memory_budget=memory_budget, io_threads=io_threads, direct_io=direct_io,
+        )
 
 
 class ShuffledLoader(Loader):
     """``Loader(shuffle=True)``: shuffled batches, saev's shuffled loader (``order="block"`` by
     default, or ``"exact"``)."""
 
-    def __init__(self, path: PathLike, **kw: Any) -> None:
-        kw.setdefault("order", "block")
-        super().__init__(path, shuffle=True, **kw)
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        layer: Union[int, str],
+        tokens: str = "content",
+        batch_size: int = 16384,
+        order: str = "block",
+        seed: int = 0,
+        epoch: int = 0,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        drop_last: bool = False,
+        num_threads: Optional[int] = None,
+        verify: bool = False,
+        memory_budget: Optional[int] = None,
+        ignore_labels: Sequence[int] = (),
+        io_threads: int = 16,
+        direct_io: bool = False,
+    ) -> None:
+        super().__init__(
+            path, shuffle=True, layer=layer, tokens=tokens, batch_size=batch_size, order=order, seed=seed,
+            epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
+            verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
+            direct_io=direct_io,
+        )
 
 
 def validate(path: PathLike) -> Validation:
     """Every problem of a directory: ``{"path", "valid", "errors", "notes"}``, each finding
     ``{"file", "message"}`` (:class:`shardkit.types.Validation`, the same for every format)."""
-    report: Validation = json.loads(_core.validate(os.fspath(path)))
+    report: Validation = json.loads(_core.validate(_args.path("path", path)))
     return report
 
 
 def inspect(path: PathLike) -> Dict[str, Any]:
     """Version, shapes, layers, counts, sizes, completeness and hash recipe of a directory."""
-    info: Dict[str, Any] = json.loads(_core.inspect(os.fspath(path)))
+    info: Dict[str, Any] = json.loads(_core.inspect(_args.path("path", path)))
     return info
+
+
+_args.guard_module(globals(), __all__)
 
