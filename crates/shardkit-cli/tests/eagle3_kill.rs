@@ -77,7 +77,7 @@ fn check_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str
             ..
         }) => {
             assert!(
-                present < total && detail.contains("are missing"),
+                present < total && (detail.contains(" are missing") || detail.contains(" is missing")),
                 "{detail}"
             );
             "incomplete"

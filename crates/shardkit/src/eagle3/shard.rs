@@ -86,7 +86,7 @@ pub(crate) fn shard_set_problem(set: &BTreeSet<u64>, expected: u64) -> Option<St
         parts.push(format!("unexpected {}", list(&extra)));
     }
     Some(format!(
-        "the shard set must be exactly shard-000000..shard-{:06} ({expected} shards): {}",
+        "the shard set must be exactly shard-000000 to shard-{:06} ({expected} shards): {}",
         expected.saturating_sub(1),
         parts.join("; ")
     ))
