@@ -77,7 +77,8 @@ fn check_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str
             ..
         }) => {
             assert!(
-                present < total && (detail.contains(" are missing") || detail.contains(" is missing")),
+                present < total
+                    && (detail.contains(" are missing") || detail.contains(" is missing")),
                 "{detail}"
             );
             "incomplete"
