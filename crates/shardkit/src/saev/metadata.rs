@@ -264,11 +264,9 @@ pub(crate) fn remote_candidates<'a>(names: impl IntoIterator<Item = &'a String>)
 /// the dataset directories found one level below it: says what `dir` is instead and what to open.
 pub(crate) fn missing_metadata(dir: &Path, candidates: &[String]) -> Error {
     let remote = crate::storage::is_remote(dir);
-    let (kind, entry) = if remote {
-        ("prefix", "object")
-    } else {
-        ("directory", "file")
-    };
+    // The same words for a store's prefix as for a local directory: a report of a store's copy
+    // reads as the report of the local one, the path aside.
+    let (kind, entry) = ("directory", "file");
     if !remote && !dir.exists() {
         return Error::NotFound {
             path: dir.to_path_buf(),
