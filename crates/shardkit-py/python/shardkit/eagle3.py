@@ -444,21 +444,8 @@ class Loader(EngineLoader):
         self._opts: Dict[str, Any] = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
     @property
-    def batch_size(self) -> int:
-        """Samples per batch on this rank."""
-        return self._opts["batch_size"]  # type: ignore[no-any-return]
-
-    @property
     def shuffle(self) -> bool:
         return self._opts["shuffle"]  # type: ignore[no-any-return]
-
-    @property
-    def seed(self) -> int:
-        return self._opts["seed"]  # type: ignore[no-any-return]
-
-    @property
-    def drop_last(self) -> bool:
-        return self._opts["drop_last"]  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         o = self._opts

@@ -140,10 +140,25 @@ class EngineLoader:
     epoch, the rank split and the position."""
 
     _l: Any
+    _opts: Dict[str, Any]
+    """The options the loader was built with (``batch_size``, ``seed``, ``drop_last``, ...)."""
 
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
         return len(self._l)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows (saev) or samples (EAGLE-3) per batch on this rank."""
+        return int(self._opts["batch_size"])
+
+    @property
+    def seed(self) -> int:
+        return int(self._opts["seed"])
+
+    @property
+    def drop_last(self) -> bool:
+        return bool(self._opts["drop_last"])
 
     @property
     def epoch(self) -> int:

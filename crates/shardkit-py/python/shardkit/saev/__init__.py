@@ -368,11 +368,6 @@ class Loader(EngineLoader):
         return self._opts["tokens"]  # type: ignore[no-any-return]
 
     @property
-    def batch_size(self) -> int:
-        """Rows per batch on this rank."""
-        return self._opts["batch_size"]  # type: ignore[no-any-return]
-
-    @property
     def order(self) -> str:
         """``"block"``, ``"exact"`` or ``"sequential"``."""
         return self._opts["order"]  # type: ignore[no-any-return]
@@ -381,14 +376,6 @@ class Loader(EngineLoader):
     def shuffle(self) -> bool:
         """Whether the order is shuffled (not ``"sequential"``)."""
         return self.order != "sequential"
-
-    @property
-    def seed(self) -> int:
-        return self._opts["seed"]  # type: ignore[no-any-return]
-
-    @property
-    def drop_last(self) -> bool:
-        return self._opts["drop_last"]  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         o = self._opts
