@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench_common import ratio
 from shardkit import eagle3, flat_tokens, saev
 from shardkit import torch as sktorch
 
@@ -204,14 +205,15 @@ def main() -> None:
         del resident, warm
         fed = time_steps(step, rows, which, endless(loader(which, path)), a.steps, device, row_bytes)
         entry = {"path": path, "resident": on_device, "shardkit": fed,
-                 "ratio": fed["steps_per_s"] / on_device["steps_per_s"]}
+                 "ratio": ratio(f"{which}: shardkit-fed vs resident", fed["steps_per_s"], on_device["steps_per_s"])}
         if which == "saev" and a.workers > 0:
             ds = sktorch.SaevDataset(path, layer=0, batch_size=a.rows, seed=0, rank=0, world_size=1)
             dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers,
                                              pin_memory=device.type == "cuda", persistent_workers=True)
             moved = ({k: v.to(device, non_blocking=True) for k, v in b.items()} for b in endless(dl))
             via = time_steps(step, rows, which, moved, a.steps, device, row_bytes)
-            entry[f"dataloader_{a.workers}_workers"] = {**via, "ratio": via["steps_per_s"] / on_device["steps_per_s"]}
+            entry[f"dataloader_{a.workers}_workers"] = {
+                **via, "ratio": ratio(f"{which}: DataLoader workers vs resident", via["steps_per_s"], on_device["steps_per_s"])}
         report[which] = entry
     print(json.dumps(report, indent=2))
 

@@ -13,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from bench_common import BenchError, ratio
 from shardkit import saev
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,24 +39,30 @@ def main() -> None:
         loader.set_epoch(100 + e)
         loader._l._drain()
 
-    def python_epoch() -> float:
+    def python_epoch() -> tuple:
         loader.set_epoch(0)
         t0 = time.perf_counter()
         n = 0
         for batch in loader:
             n += batch["act"].nbytes
-        return n / (time.perf_counter() - t0)
+        return n, n / (time.perf_counter() - t0)
 
-    def rust_epoch() -> float:
+    def rust_epoch() -> tuple:
         loader.set_epoch(0)
         t0 = time.perf_counter()
         n = loader._l._drain()
-        return n / (time.perf_counter() - t0)
+        return n, n / (time.perf_counter() - t0)
 
-    py_runs, rust_runs = [], []
+    py_runs, rust_runs, served = [], [], set()
     for _ in range(a.rounds):
-        rust_runs.append(rust_epoch())
-        py_runs.append(python_epoch())
+        for runs, epoch in ((rust_runs, rust_epoch), (py_runs, python_epoch)):
+            n, rate = epoch()
+            served.add(n)
+            runs.append(rate)
+    # Both drain epoch 0 of the same loader (the Rust drain reports only a byte count): the same
+    # bytes every time, or the two rates measure different work.
+    if len(served) != 1:
+        raise BenchError(f"the epochs served different byte counts: {sorted(served)}")
     r, p = max(rust_runs), max(py_runs)
     print(json.dumps({
         "bench": "python-vs-rust ShuffledLoader (block, batch 16384, page cache, same process)",
@@ -63,7 +70,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "rust_bytes_per_s": round(r),
         "python_bytes_per_s": round(p),
-        "ratio": round(p / r, 3),
+        "ratio": round(ratio("Python loop vs Rust drain", p, r), 3),
         "rust_runs": [round(x) for x in rust_runs],
         "python_runs": [round(x) for x in py_runs],
     }, indent=2))

@@ -48,10 +48,10 @@ def metadata(protocol, n, layers, p, cls, d, budget):
         "dtype": "float32", "protocol": protocol,
     }
     names = dict(zip(["family", "ckpt", "layers", "content", "cls_token", "d_model", "n", "budget",
-                      "data", "dataset", "pixel_agg", "dtype", "protocol"], KEYS["2.1"]))
+                      "data", "dataset", "pixel_agg", "dtype", "protocol"], KEYS["2.1"], strict=True))
     if protocol != "2.1":
         names = dict(zip(names, KEYS[protocol] if protocol == "2.0" else
-                         KEYS["1.0.0"][:9] + ["-", "-"] + KEYS["1.0.0"][9:]))
+                         KEYS["1.0.0"][:9] + ["-", "-"] + KEYS["1.0.0"][9:], strict=True))
     return {names[k]: v for k, v in vals.items() if names[k] != "-"}
 
 
@@ -167,6 +167,11 @@ def test_tokens_cli_reproduces_seqax_batches():
     assert run("tokens", "validate", ds).returncode == 0
     info = json.loads(run("tokens", "inspect", ds, "--json").stdout)
     assert info["train"]["token_count"] == 264992 and info["validation"]["max_token_id"] == 1019
+    # The train split's encoded tokens read by zarr-python (2*id, +1 on a sequence's first token).
+    import zarr
+
+    encoded = np.asarray(zarr.open_group(str(ds), mode="r")["train/encoded_tokens"][:])
+    assert len(encoded) == 264992
     for name, cfg in golden["packed_batches_train_split"].items():
         if name == "about":
             continue
@@ -176,6 +181,9 @@ def test_tokens_cli_reproduces_seqax_batches():
         want = cfg.get("first_8_rows", cfg.get("rows"))
         assert out["rows"][: len(want)] == want, name
         assert out["step_count"] == cfg["step_count"]
-        # Targets are the decoded tokens of the packed rows, read straight from the zarr store.
-        row = out["rows"][0]
-        assert len(out["targets"][0]) == cfg["len"] and row * cfg["len"] < 264992
+        # Targets are the decoded tokens of the packed rows, read straight from the zarr store:
+        # row b is encoded_tokens[i*len:(i+1)*len] >> 1 for the b-th packed-sequence index i.
+        n = cfg["len"]
+        assert len(out["rows"]) == len(out["targets"]) == cfg["batch"], name
+        for b, (row, targets) in enumerate(zip(out["rows"], out["targets"], strict=True)):
+            assert targets == (encoded[row * n:(row + 1) * n] >> 1).tolist(), (name, b, row)

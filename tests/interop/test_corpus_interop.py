@@ -6,6 +6,7 @@ tokenizers gives; bad input must name the file and the line, row or offset, and 
 already committed. Both the CLI and ``shardkit.flat_tokens.build`` are checked."""
 
 import gzip
+import itertools
 import json
 import subprocess
 
@@ -17,6 +18,7 @@ import tokenizers
 import zstandard
 from tokenizers import models, pre_tokenizers, trainers
 
+import shardkit
 from shardkit import flat_tokens
 
 
@@ -56,11 +58,32 @@ def _arrays(path):
     return split.encoded(), split.seq_starts()
 
 
-def _same_dataset(a, b):
-    ea, sa = _arrays(a)
-    eb, sb = _arrays(b)
-    assert np.array_equal(sa, sb), "seq_starts differ"
-    assert np.array_equal(ea, eb), "encoded_tokens differ"
+def _tokenized(tok, texts):
+    """Each text's ids from Hugging Face's tokenizers itself (the reference every build is held
+    to; no special tokens, as the build adds none)."""
+    return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+
+def _expected(docs):
+    """encoded_tokens and seq_starts of `docs` by the flat-tokens rule (seqax's: 2*id, plus 1
+    on a sequence's first token; seq_starts the running offsets from 0), computed here."""
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    enc = np.concatenate([np.asarray(d, dtype=np.int64) * 2 for d in docs] + [np.zeros(0, np.int64)])
+    enc[starts[:-1][lengths > 0]] += 1
+    return enc, starts
+
+
+def _holds(path, docs):
+    """The train split at `path` holds exactly `docs` (lists of ids), read by zarr-python and
+    compared with arrays computed here, then the same through shardkit's reader."""
+    want_enc, want_starts = _expected(docs)
+    enc, starts = _arrays_unvalidated(path)
+    assert np.array_equal(starts, want_starts), "seq_starts differ from the reference tokenization"
+    assert np.array_equal(enc, want_enc), "encoded_tokens differ from the reference tokenization"
+    split = flat_tokens.open(path).train
+    assert len(split) == len(docs)
+    assert all(split[i].tolist() == d for i, d in enumerate(docs)), "a document differs through shardkit's reader"
 
 
 def _build(how, shardkit_bin, out, inputs, tokenizer_path=None, **kw):
@@ -96,10 +119,9 @@ def test_parquet_zstd_and_gzip_build_the_plain_jsonl_dataset(how, shardkit_bin, 
     plain.write_text(_jsonl_lines(TEXTS), encoding="utf-8")
     ref = tmp_path / "ref.zarr"
     _build(how, shardkit_bin, ref, plain, tok_path)
-    split = flat_tokens.open(ref).train
-    assert len(split) == len(TEXTS)
-    for i in (0, 5, 101, len(TEXTS) - 1):
-        assert split[i].tolist() == tok.encode(TEXTS[i], add_special_tokens=False).ids
+    docs = _tokenized(tok, TEXTS)
+    assert sum(d == [] for d in docs) >= 6 and max(map(len, docs)) > 100  # empty and long documents
+    _holds(ref, docs)
 
     # Parquet: several row groups, a text column among others, nulls in another column.
     pqf = tmp_path / "docs.parquet"
@@ -117,26 +139,23 @@ def test_parquet_zstd_and_gzip_build_the_plain_jsonl_dataset(how, shardkit_bin, 
     for name, src in [("parquet", pqf), ("zst", zst), ("gz", gz)]:
         out = tmp_path / f"{name}.zarr"
         _build(how, shardkit_bin, out, src, tok_path)
-        _same_dataset(ref, out)
+        _holds(out, docs)
 
 
 def test_many_files_by_glob_list_and_directory(shardkit_bin, tmp_path, tokenizer):
-    _, tok_path = tokenizer
-    plain = tmp_path / "all.jsonl"
-    plain.write_text(_jsonl_lines(TEXTS), encoding="utf-8")
-    ref = tmp_path / "ref.zarr"
-    _build("python", shardkit_bin, ref, plain, tok_path)
+    tok, tok_path = tokenizer
+    docs = _tokenized(tok, TEXTS)
     parts = tmp_path / "parts"
     parts.mkdir()
     bounds = [0, 150, 151, 400, len(TEXTS)]
-    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+    for k, (a, b) in enumerate(itertools.pairwise(bounds)):
         pq.write_table(_table(TEXTS[a:b]), parts / f"part-{k:05d}.parquet", row_group_size=50)
     (parts / "README.txt").write_text("not a corpus file")
     for how, spec in [("python", str(parts / "part-*.parquet")), ("cli", str(parts / "part-*.parquet")),
                       ("python", parts), ("cli", parts)]:
         out = tmp_path / f"{how}-{abs(hash(str(spec)))}.zarr"
         summary = _build(how, shardkit_bin, out, spec, tok_path)
-        _same_dataset(ref, out)
+        _holds(out, docs)
         if how == "python":
             assert summary["inputs"] == [str(p) for p in sorted(parts.glob("part-*.parquet"))]
     # Mixed formats in one list, in the order given.
@@ -146,40 +165,34 @@ def test_many_files_by_glob_list_and_directory(shardkit_bin, tmp_path, tokenizer
     pq.write_table(_table(TEXTS[:400]), head, row_group_size=128)
     out = tmp_path / "mixed.zarr"
     _build("cli", shardkit_bin, out, [head, zst], tok_path)
-    _same_dataset(ref, out)
+    _holds(out, docs)
 
 
 def test_null_texts_are_skipped_and_counted(shardkit_bin, tmp_path, tokenizer):
-    _, tok_path = tokenizer
+    tok, tok_path = tokenizer
     table = _table(TEXTS, with_nulls_in="text")
     kept = [t for t in table.column("text").to_pylist() if t is not None]
     nulls = len(TEXTS) - len(kept)
     assert nulls > 10
-    plain = tmp_path / "kept.jsonl"
-    plain.write_text(_jsonl_lines(kept), encoding="utf-8")
-    ref = tmp_path / "ref.zarr"
-    _build("python", shardkit_bin, ref, plain, tok_path)
+    docs = _tokenized(tok, kept)
     pqf = tmp_path / "nulls.parquet"
     pq.write_table(table, pqf, row_group_size=100)
     out = tmp_path / "nulls.zarr"
     summary = _build("python", shardkit_bin, out, pqf, tok_path)
     assert summary["null_values"] == nulls and summary["seq_count"] == len(kept)
-    _same_dataset(ref, out)
+    _holds(out, docs)
     # The same in JSONL: a null member is not a document either.
     jl = tmp_path / "nulls.jsonl"
     jl.write_text("".join(json.dumps({"text": t}) + "\n" for t in table.column("text").to_pylist()))
     out2 = tmp_path / "nulls2.zarr"
     stderr = _build("cli", shardkit_bin, out2, jl, tok_path)
     assert f"{nulls} lines/rows had a null value" in stderr
-    _same_dataset(ref, out2)
+    _holds(out2, docs)
 
 
 def test_string_types_pyarrow_writes(shardkit_bin, tmp_path, tokenizer):
-    _, tok_path = tokenizer
-    plain = tmp_path / "docs.jsonl"
-    plain.write_text(_jsonl_lines(TEXTS), encoding="utf-8")
-    ref = tmp_path / "ref.zarr"
-    _build("python", shardkit_bin, ref, plain, tok_path)
+    tok, tok_path = tokenizer
+    docs = _tokenized(tok, TEXTS)
     for name, arr in [("large", pa.array(TEXTS, pa.large_string())),
                       ("dict", pa.array(TEXTS, pa.string()).dictionary_encode()),
                       ("view", pa.array(TEXTS, pa.string_view()))]:
@@ -187,7 +200,7 @@ def test_string_types_pyarrow_writes(shardkit_bin, tmp_path, tokenizer):
         pq.write_table(pa.table({"body": arr}), f, row_group_size=200)
         out = tmp_path / f"{name}.zarr"
         _build("python", shardkit_bin, out, f, tok_path, field="body")
-        _same_dataset(ref, out)
+        _holds(out, docs)
 
 
 def test_token_id_columns_and_lines(shardkit_bin, tmp_path):
@@ -197,19 +210,20 @@ def test_token_id_columns_and_lines(shardkit_bin, tmp_path):
     plain.write_text("".join(json.dumps(s) + "\n" for s in seqs))
     ref = tmp_path / "ref.zarr"
     _build("cli", shardkit_bin, ref, plain)
+    _holds(ref, seqs)
     for typ in [pa.list_(pa.int32()), pa.large_list(pa.int64()), pa.list_(pa.uint16())]:
         f = tmp_path / "ids.parquet"
         pq.write_table(pa.table({"input_ids": pa.array(seqs, typ), "n": [len(s) for s in seqs]}),
                        f, row_group_size=64)
         out = tmp_path / f"ids-{typ}.zarr".replace("<", "").replace(">", "")
         _build("python", shardkit_bin, out, f)
-        _same_dataset(ref, out)
+        _holds(out, seqs)
     zst = tmp_path / "ids.jsonl.zst"
     zst.write_bytes(zstandard.ZstdCompressor().compress(
         "".join(json.dumps({"tokens": s}) + "\n" for s in seqs).encode()))
     out = tmp_path / "ids-zst.zarr"
     _build("cli", shardkit_bin, out, zst)
-    _same_dataset(ref, out)
+    _holds(out, seqs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,11 +242,11 @@ def test_missing_column_and_wrong_types(shardkit_bin, tmp_path, tokenizer):
     f = tmp_path / "docs.parquet"
     pq.write_table(_table(TEXTS[:50]), f)
     out = tmp_path / "o.zarr"
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(shardkit.CorruptDataError) as e:
         flat_tokens.build(out, "train", f, tokenizer=tok_path, field="content", progress=False)
     msg = str(e.value)
     assert str(f) in msg and '"content"' in msg and '"text"' in msg and '"url"' in msg
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(shardkit.CorruptDataError) as e:
         flat_tokens.build(out, "train", f, tokenizer=tok_path, field="id", progress=False)
     assert str(f) in str(e.value) and "not strings" in str(e.value)
     err = _cli_error(shardkit_bin, out, [f])  # text without a tokenizer
@@ -242,12 +256,12 @@ def test_missing_column_and_wrong_types(shardkit_bin, tmp_path, tokenizer):
     jl.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": 17}\n')
     err = _cli_error(shardkit_bin, tmp_path / "o2.zarr", [jl], "--tokenizer", str(tok_path))
     assert f"{jl}: line 4: member \"text\" must be a string, found a number" in err
-    with pytest.raises(ValueError, match="line 4"):
+    with pytest.raises(shardkit.CorruptDataError, match="line 4"):
         flat_tokens.build(tmp_path / "o3.zarr", "train", jl, tokenizer=tok_path, progress=False)
     # A pattern that matches nothing, and a file given twice.
-    with pytest.raises(FileNotFoundError, match="matches no file"):
+    with pytest.raises(shardkit.NotFoundError, match="matches no file"):
         flat_tokens.build(out, "train", str(tmp_path / "nothing-*.parquet"), progress=False)
-    with pytest.raises(ValueError, match="given twice"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="given twice"):
         flat_tokens.build(out, "train", [f, f], tokenizer=tok_path, progress=False)
     assert not out.exists(), "a refused build must not create the dataset"
 
@@ -260,7 +274,7 @@ def _committed_then(bad, shardkit_bin, tmp_path, tok_path, expect):
     out = tmp_path / "kept.zarr"
     flat_tokens.build(out, "train", plain, tokenizer=tok_path, progress=False)
     before = _arrays(out)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(shardkit.CorruptDataError) as e:
         flat_tokens.build(out, "train", bad, tokenizer=tok_path, append=True, progress=False)
     assert str(bad) in str(e.value)
     for x in expect:
@@ -318,13 +332,14 @@ def test_interrupted_build_resumes_exactly(shardkit_bin, tmp_path, tokenizer):
     """A KeyboardInterrupt raised in the progress callback after two files commits what was
     appended; resume finishes byte-identically to an uninterrupted build, and resume with
     different inputs is refused."""
-    _, tok_path = tokenizer
+    tok, tok_path = tokenizer
     parts = tmp_path / "parts"
     parts.mkdir()
     for k in range(6):
         pq.write_table(_table(TEXTS[k * 100:(k + 1) * 100]), parts / f"p{k}.parquet", row_group_size=30)
     ref = tmp_path / "ref.zarr"
     flat_tokens.build(ref, "train", parts, tokenizer=tok_path, progress=False)
+    _holds(ref, _tokenized(tok, TEXTS))
 
     out = tmp_path / "out.zarr"
     calls = []
@@ -340,18 +355,18 @@ def test_interrupted_build_resumes_exactly(shardkit_bin, tmp_path, tokenizer):
     assert calls[1][2] == 200 and calls[1][0] > calls[0][0] > 0
     with pytest.raises(flat_tokens.IncompleteDatasetError):
         flat_tokens.open(out).train
-    with pytest.raises(FileExistsError, match="resume"):
+    with pytest.raises(shardkit.AlreadyExistsError, match="resume"):
         flat_tokens.build(out, "train", parts, tokenizer=tok_path, progress=False)
     # Other inputs in front: the check of the last committed document refuses them.
     other = tmp_path / "other.jsonl"
     other.write_text(_jsonl_lines(TEXTS[::-1]))
-    with pytest.raises(ValueError, match="differs from the last sequence"):
+    with pytest.raises(shardkit.CorruptDataError, match="differs from the last sequence"):
         flat_tokens.build(out, "train", [other], tokenizer=tok_path, resume=True, progress=False)
     summary = flat_tokens.build(out, "train", parts, tokenizer=tok_path, resume=True, progress=False)
     assert summary["skipped_documents"] >= 200
     assert summary["seq_count"] == len(TEXTS)
-    _same_dataset(ref, out)
-    for a, b in zip(sorted(ref.rglob("*")), sorted(out.rglob("*"))):
+    _holds(out, _tokenized(tok, TEXTS))
+    for a, b in zip(sorted(ref.rglob("*")), sorted(out.rglob("*")), strict=True):
         assert a.relative_to(ref) == b.relative_to(out)
         if a.is_file():
             assert a.read_bytes() == b.read_bytes(), a
@@ -364,6 +379,8 @@ def test_tokenizer_objects_are_accepted(tmp_path, tokenizer):
     a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
     flat_tokens.build(a, "train", plain, tokenizer=tok_path, progress=False)
     flat_tokens.build(b, "train", plain, tokenizer=tok, progress=False)
-    _same_dataset(a, b)
-    with pytest.raises(TypeError, match="tokenizer must be"):
+    docs = _tokenized(tok, TEXTS[:50])
+    _holds(a, docs)
+    _holds(b, docs)
+    with pytest.raises(shardkit.InvalidArgumentTypeError, match="tokenizer must be"):
         flat_tokens.build(tmp_path / "c.zarr", "train", plain, tokenizer=42, progress=False)

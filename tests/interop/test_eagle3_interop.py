@@ -126,7 +126,9 @@ def test_python_written_caches_read_correctly(tmp_path, dtype, topk):
     # The last shard holds one sample; batches of the loader equal collated items.
     assert cache[6]["input_ids"].shape == (5,)
     loader = eagle3.Loader(path, batch_size=3, shuffle=True, seed=5, rank=0, world_size=1)
-    for batch, idx in zip(loader, np.array_split(loader.indices(), [3, 6])):
+    parts = np.array_split(loader.indices(), [3, 6])
+    assert [len(p) for p in parts] == [3, 3, 1] and len(loader) == 3
+    for batch, idx in zip(loader, parts, strict=True):
         want = eagle3.collate([cache[int(i)] for i in idx])
         for k in want:
             assert np.array_equal(batch[k].view(np.uint8), want[k].view(np.uint8)), k

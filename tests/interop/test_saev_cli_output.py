@@ -79,7 +79,7 @@ def make_metadata(protocol, n, layers, p, cls, d, budget):
     else:
         data = "gASVOAAAAAAAAACMEnNhZXYu/+=" + DATASET + TRICKY
         tail = [data, DATASET, "majority", "float32", "2.1"]
-    md = dict(zip(KEYS[protocol], head + tail))
+    md = dict(zip(KEYS[protocol], head + tail, strict=True))
     assert list(md) == KEYS[protocol]
     return md
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import saev_ref
+import shardkit
 from shardkit import saev
 
 
@@ -82,7 +83,7 @@ def test_python_writer_refuses_what_saev_would_not_load(tmp_path, key, value, ne
     md = _md21()
     md[key] = value
     root = tmp_path / "root"
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(shardkit.InvalidArgumentError) as e:
         saev.Writer(root, md)
     assert needle in str(e.value)
     assert not root.exists()

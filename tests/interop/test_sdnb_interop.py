@@ -306,7 +306,7 @@ def check_graph(g, data, lay, role, shard_index=None, extra_meta=None):
         assert max(ends) == lay["M"], "the last blob must end at the manifest (C++ rule)"
     keys, values = g["metadataKeys"], g["metadataValues"]
     assert len(keys) == len(values) and keys == utf16_sorted(keys)
-    meta = dict(zip(keys, values))
+    meta = dict(zip(keys, values, strict=True))
     want = {**USER_META, **FORCED_META, **(extra_meta or {})}
     if role != "single":
         want.update({"shard.index": str(shard_index), "shard.type": role})
@@ -352,7 +352,7 @@ def sdnb_files(model):
 def test_java_and_javaobj_read_shardkit_manifests(model, java, jobj, shardkit_bin):
     files = sdnb_files(model)
     assert len(model.shards) >= 3
-    for res, path in zip(java("read", *files), files):
+    for res, path in zip(java("read", *files), files, strict=True):
         data = path.read_bytes()
         lay = layout(jobj, data)
         assert res["map_class"] == "java.util.LinkedHashMap"
@@ -591,7 +591,7 @@ def check_sdz(path, java, zip_t, jobj, model_names, extra=None):
     for key in ("zipfile", "zipinputstream"):
         got = res[key]
         assert [e["name"] for e in got] == [zi.filename for zi in infos], key
-        for e, zi in zip(got, infos):
+        for e, zi in zip(got, infos, strict=True):
             data = contents[zi.filename]
             assert e["read"] == e["size"] == len(data) == zi.file_size
             assert e["crc"] == e["crc_of_data"] == zi.CRC
@@ -652,7 +652,7 @@ def test_sharded_sdz_with_an_extra_entry(java, zip_t, jobj, flatc, tmp_path):
         for var, off, ln in lay["entries"]:
             assert data[off:off + ln] == arrays[var].tobytes()
         g = flatc_decode(flatc, data[32:lay["B"]], tmp_path / name)
-        meta = dict(zip(g["metadataKeys"], g["metadataValues"]))
+        meta = dict(zip(g["metadataKeys"], g["metadataValues"], strict=True))
         assert meta["shard.index"] == str(i) and {k: meta[k] for k in USER_META} == USER_META
     with sdnb.open(path) as c:
         assert c.extra_entries == ["tokenizer.json"] and c.extra_entry("tokenizer.json") == tok
@@ -679,7 +679,7 @@ def test_sdz_after_in_place_metadata_edit(model, which, java, zip_t, jobj, flatc
         lay = layout(jobj, after[name])
         assert regions_outside_graph(after[name], lay) == regions_outside_graph(before[name], layout(jobj, before[name]))
         g = flatc_decode(flatc, graph_region(after[name], lay, info["parts"][i]["blob_start"]), tmp_path / name)
-        meta = dict(zip(g["metadataKeys"], g["metadataValues"]))
+        meta = dict(zip(g["metadataKeys"], g["metadataValues"], strict=True))
         assert g["metadataKeys"] == utf16_sorted(g["metadataKeys"])
         assert {k: meta.get(k) for k in edit} == edit, f"{name}: every shard carries the metadata"
         assert {k: meta.get(k) for k in FORCED_META} == FORCED_META

@@ -144,6 +144,108 @@ pub(crate) fn num(x: f64) -> shardkit::json::Value {
     shardkit::json::Value::float(x, 3)
 }
 
+// --- comparisons with a baseline ------------------------------------------------------------
+//
+// Every ratio a bench prints (a speedup over another reader, one input format against another,
+// a figure against its ceiling) goes through `ratio`, and every baseline that reads or builds
+// the same data proves it did with `same_bytes`: a missing, zero or non-finite rate, or a
+// baseline that produced other bytes, fails the bench (non-zero exit) instead of printing a
+// figure that only looks like a measurement.
+
+/// `ours / theirs`, for the comparison named `what`. Both must be positive and finite: a rate
+/// that is missing (0 by default), zero or NaN is an error, never an infinite or zero ratio.
+pub(crate) fn ratio(what: &str, ours: f64, theirs: f64) -> Result<f64> {
+    let measured = |x: f64| x.is_finite() && x > 0.0;
+    if !measured(ours) || !measured(theirs) {
+        return Err(Error::Invalid(format!(
+            "{what}: no ratio of {ours} to {theirs}: a rate is missing, zero or not finite \
+             (the measurement failed; nothing to compare)"
+        )));
+    }
+    Ok(ours / theirs)
+}
+
+/// The positive, finite rate `key` of a baseline's JSON report, or an error naming the
+/// baseline: a report without it cannot be compared with.
+pub(crate) fn baseline_rate(baseline: &str, report: &Value, key: &str) -> Result<f64> {
+    let rate = match report.get(key) {
+        Some(Value::Number(n)) => n.parse::<f64>().ok(),
+        _ => None,
+    };
+    match rate {
+        Some(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(Error::Invalid(format!(
+            "{baseline}: its report has no positive `{key}` ({:?}); no speedup can be computed",
+            report.get(key)
+        ))),
+    }
+}
+
+/// Checks that a baseline produced exactly the bytes shardkit did: `theirs` (the SHA-256, in
+/// hex, that the baseline reported for `what`) equals `ours`. A baseline that read other
+/// samples, another order or other bytes measured something else, so no speedup is reported.
+pub(crate) fn same_bytes(
+    baseline: &str,
+    what: &str,
+    ours: &str,
+    theirs: Option<&str>,
+) -> Result<()> {
+    match theirs {
+        Some(t) if t == ours => Ok(()),
+        Some(t) => Err(Error::Invalid(format!(
+            "{baseline} produced other bytes than shardkit for {what}: sha256 {t}, shardkit's {ours}"
+        ))),
+        None => Err(Error::Invalid(format!(
+            "{baseline}: its report gives no sha256 of {what}, so it cannot be shown to have \
+             read the same bytes as shardkit"
+        ))),
+    }
+}
+
+/// The SHA-256 of every file under `root`: each file's path relative to `root`, its length and
+/// its bytes, in path order. Two directories with the same digest hold the same files.
+pub(crate) fn tree_sha256(root: &Path) -> Result<String> {
+    let mut files = crate::bench_tokens::files_under(root);
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::NotFound {
+            path: root.to_path_buf(),
+            what: "no files to compare".into(),
+        });
+    }
+    let mut digest = Digest::default();
+    for f in files {
+        let rel = f
+            .strip_prefix(root)
+            .unwrap_or(&f)
+            .to_string_lossy()
+            .into_owned();
+        let bytes = std::fs::read(&f).map_err(|e| Error::io(&f, e))?;
+        digest.update(rel.as_bytes());
+        digest.update(&[0]);
+        digest.update(&(bytes.len() as u64).to_le_bytes());
+        digest.update(&bytes);
+    }
+    Ok(digest.hex())
+}
+
+/// A running SHA-256 over the bytes a reader produced, in order (hex at the end), to compare
+/// with a baseline's or another build's.
+#[derive(Default)]
+pub(crate) struct Digest(sha2::Sha256);
+
+impl Digest {
+    pub(crate) fn update(&mut self, bytes: &[u8]) {
+        sha2::Digest::update(&mut self.0, bytes);
+    }
+    pub(crate) fn hex(self) -> String {
+        sha2::Digest::finalize(self.0)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+}
+
 /// CPU seconds this process has used so far, user and system, over all its threads. Taken
 /// around a run beside its wall time, it gives what the work costs per byte or token however
 /// busy a shared machine is, and, divided by the wall time, how many cores it kept busy.
@@ -244,7 +346,10 @@ fn saev_write(dir: &Path, size_mib: u64, rounds: u32, as_json: bool) -> Result<(
         ),
         ("ceiling_bytes_per_s".into(), num(c)),
         ("writer_bytes_per_s".into(), num(w)),
-        ("ratio".into(), Value::float(w / c, 3)),
+        (
+            "ratio".into(),
+            Value::float(ratio("saev writer vs sequential write", w, c)?, 3),
+        ),
         ("ceiling_runs_bytes_per_s".into(), list(&ceil)),
         ("writer_runs_bytes_per_s".into(), list(&wr)),
     ]);
@@ -614,41 +719,53 @@ pub fn saev_read(
                 let r = loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2, t, true)?;
                 verified = verified.max(keep(&label, r));
             }
+            let verified_vs_unverified = ratio(
+                &format!("verified vs unverified ({t} threads)"),
+                verified,
+                w,
+            )?;
+            let vs_memcpy = ratio(
+                &format!("warm block ({t} threads) vs memory copy"),
+                w,
+                ceiling,
+            )?;
+            let vs_rows = ratio(
+                &format!("warm block ({t} threads) vs 4 KiB row gather"),
+                w,
+                row_ceiling,
+            )?;
             eprintln!(
-                "warm block loader with verify, {t} threads: {:.2} GB/s ({:.2} of unverified)",
+                "warm block loader with verify, {t} threads: {:.2} GB/s ({verified_vs_unverified:.2} \
+                 of unverified)",
                 verified / 1e9,
-                verified / w
             );
             eprintln!(
                 "warm block loader, {t} threads: {:.2} GB/s; memory copy {:.2} GB/s ({:.2}); \
                  random 4 KiB rows {:.2} GB/s ({:.2})",
                 w / 1e9,
                 ceiling / 1e9,
-                w / ceiling,
+                vs_memcpy,
                 row_ceiling / 1e9,
-                w / row_ceiling
+                vs_rows
             );
             best(&mut warm, w);
             scaling.push(Value::Object(vec![
                 ("threads".into(), Value::int(t as u64)),
                 ("memcpy_bytes_per_s".into(), Value::float(ceiling, 0)),
                 ("block_warm_bytes_per_s".into(), Value::float(w, 0)),
-                ("block_warm_vs_memcpy".into(), Value::float(w / ceiling, 3)),
+                ("block_warm_vs_memcpy".into(), Value::float(vs_memcpy, 3)),
                 (
                     "row_gather_bytes_per_s".into(),
                     Value::float(row_ceiling, 0),
                 ),
-                (
-                    "block_warm_vs_row_gather".into(),
-                    Value::float(w / row_ceiling, 3),
-                ),
+                ("block_warm_vs_row_gather".into(), Value::float(vs_rows, 3)),
                 (
                     "block_warm_verified_bytes_per_s".into(),
                     Value::float(verified, 0),
                 ),
                 (
                     "verified_vs_unverified".into(),
-                    Value::float(verified / w, 3),
+                    Value::float(verified_vs_unverified, 3),
                 ),
             ]));
         }
@@ -668,8 +785,29 @@ pub fn saev_read(
         eprintln!("plot written to {}", p.display());
     }
     let num = |x: f64| Value::float(x, 0);
-    let ratio = |x: f64, c: f64| Value::float(x / c, 3);
-    Ok(Value::Object(vec![
+    // A loader's ratio to its ceiling, where both were measured (`--only` can leave either
+    // out: then no ratio is printed); a measured rate of zero is an error.
+    let vs = |what: &str, x: &[f64], c: &[f64]| -> Result<Option<Value>> {
+        if x.is_empty() || c.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Value::float(ratio(what, max(x), max(c))?, 3)))
+    };
+    let ratios: Vec<(String, Value)> = [
+        (
+            "ordered_ratio",
+            vs("ordered vs sequential read", &ord, &seq_ways)?,
+        ),
+        (
+            "block_ratio",
+            vs("block vs sequential read", &blk, &seq_ways)?,
+        ),
+        ("exact_ratio", vs("exact vs random 4 KiB reads", &ex, &r4k)?),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
+    .collect();
+    let mut report = vec![
         ("bench".into(), Value::String("saev-read".into())),
         ("dir".into(), Value::String(ds_dir.display().to_string())),
         ("dataset_bytes".into(), Value::int(total)),
@@ -696,12 +834,90 @@ pub fn saev_read(
         ),
         ("rand4k_ceiling_bytes_per_s".into(), num(rnd)),
         ("ordered_bytes_per_s".into(), num(max(&ord))),
-        ("ordered_ratio".into(), ratio(max(&ord), seq)),
         ("block_bytes_per_s".into(), num(max(&blk))),
-        ("block_ratio".into(), ratio(max(&blk), seq)),
         ("exact_bytes_per_s".into(), num(max(&ex))),
-        ("exact_ratio".into(), ratio(max(&ex), rnd)),
         ("block_warm_bytes_per_s".into(), num(max(&warm))),
         ("block_warm_by_threads".into(), Value::Array(scaling)),
-    ]))
+    ];
+    report.extend(ratios);
+    Ok(Value::Object(report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ratio_needs_two_measured_rates() {
+        assert_eq!(ratio("x", 6.0, 2.0).unwrap(), 3.0);
+        for (ours, theirs) in [
+            (1.0, 0.0),
+            (0.0, 1.0),
+            (1.0, f64::NAN),
+            (f64::INFINITY, 1.0),
+        ] {
+            let err = ratio("warm vs baseline", ours, theirs).unwrap_err();
+            assert!(
+                matches!(&err, Error::Invalid(m) if m.starts_with("warm vs baseline: no ratio")
+                    && m.contains("a rate is missing, zero or not finite")),
+                "{err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_baseline_report_without_a_positive_rate_is_refused() {
+        let v = json::parse(br#"{"samples_per_s": 12.5, "zero": 0, "text": "fast"}"#).unwrap();
+        assert_eq!(baseline_rate("b", &v, "samples_per_s").unwrap(), 12.5);
+        for key in ["zero", "text", "absent"] {
+            let err = baseline_rate("the NeMo-style baseline", &v, key).unwrap_err();
+            assert!(
+                matches!(&err, Error::Invalid(m) if m.starts_with("the NeMo-style baseline: its report has no positive")
+                    && m.contains(key)),
+                "{err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_baseline_must_report_the_same_sha256() {
+        let ours = json::sha256_hex(b"batches");
+        assert_eq!(Digest::default().hex(), json::sha256_hex(b""));
+        let mut d = Digest::default();
+        d.update(b"batch");
+        d.update(b"es");
+        assert_eq!(d.hex(), ours, "a running digest equals the one-shot one");
+        same_bytes("b", "the batches", &ours, Some(&ours)).unwrap();
+        let other = json::sha256_hex(b"other");
+        let err = same_bytes("the baseline", "the batches", &ours, Some(&other)).unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(m) if m.contains("produced other bytes than shardkit for the batches")
+                && m.contains(&other) && m.contains(&ours)),
+            "{err:?}"
+        );
+        let err = same_bytes("the baseline", "the batches", &ours, None).unwrap_err();
+        assert!(
+            matches!(&err, Error::Invalid(m) if m.contains("gives no sha256 of the batches")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn tree_digests_see_names_and_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        for root in [&a, &b] {
+            std::fs::create_dir_all(root.join("sub")).unwrap();
+            std::fs::write(root.join("sub/x.bin"), b"12345").unwrap();
+            std::fs::write(root.join("y.json"), b"{}").unwrap();
+        }
+        assert_eq!(tree_sha256(&a).unwrap(), tree_sha256(&b).unwrap());
+        std::fs::write(b.join("sub/x.bin"), b"12346").unwrap();
+        assert_ne!(tree_sha256(&a).unwrap(), tree_sha256(&b).unwrap());
+        std::fs::write(b.join("sub/x.bin"), b"12345").unwrap();
+        std::fs::rename(b.join("y.json"), b.join("z.json")).unwrap();
+        assert_ne!(tree_sha256(&a).unwrap(), tree_sha256(&b).unwrap());
+        let err = tree_sha256(&dir.path().join("none")).unwrap_err();
+        assert!(matches!(err, Error::NotFound { .. }), "{err:?}");
+    }
 }

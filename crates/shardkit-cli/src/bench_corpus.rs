@@ -21,9 +21,11 @@ use parquet::arrow::{ArrowWriter, ProjectionMask};
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
 use shardkit::engine::order::SplitMix64;
-use shardkit::flat_tokens::{build, BuildOptions, Tokenizer};
+use shardkit::flat_tokens::{build, BuildOptions, Split, Tokenizer};
 use shardkit::json::Value;
 use shardkit::{Error, Result};
+
+use crate::bench::{ratio, same_bytes, Digest};
 
 const VOCAB: u64 = 8192;
 /// Documents per Parquet row group (about 20 MiB of text).
@@ -60,6 +62,9 @@ fn id_of(i: u32) -> u32 {
 struct Corpus {
     documents: u64,
     tokens: u64,
+    /// What every build must hold, from the ids drawn here: (SHA-256 of every document's ids as
+    /// little-endian u32, in order; SHA-256 of the document lengths as little-endian u64).
+    expected: (String, String),
     tokenizer: PathBuf,
     text: [PathBuf; 3],
     ids: [PathBuf; 3],
@@ -137,6 +142,7 @@ fn write_corpus(dir: &Path, tokens: u64) -> Result<Corpus> {
 
     let mut rng = SplitMix64(0xc0de);
     let (mut documents, mut written) = (0u64, 0u64);
+    let (mut ids_digest, mut lengths_digest) = (Digest::default(), Digest::default());
     while written < tokens {
         let mut idb = Vec::with_capacity(ROW_GROUP);
         let mut tb = StringBuilder::new();
@@ -148,6 +154,9 @@ fn write_corpus(dir: &Path, tokens: u64) -> Result<Corpus> {
             // Lengths from a few words to a few thousand, log-uniform.
             let len = 4f64.powf(1.0 + 4.5 * (rng.next_u64() % 1000) as f64 / 1000.0) as usize;
             let doc: Vec<u32> = (0..len).map(|_| zipf(&mut rng)).collect();
+            let le: Vec<u8> = doc.iter().flat_map(|&i| id_of(i).to_le_bytes()).collect();
+            ids_digest.update(&le);
+            lengths_digest.update(&(len as u64).to_le_bytes());
             let body: Vec<&str> = doc.iter().map(|&i| words[i as usize].as_str()).collect();
             let body = body.join(" ");
             let line = format!("{{\"id\": {documents}, \"text\": \"{body}\"}}\n");
@@ -188,6 +197,7 @@ fn write_corpus(dir: &Path, tokens: u64) -> Result<Corpus> {
     Ok(Corpus {
         documents,
         tokens: written,
+        expected: (ids_digest.hex(), lengths_digest.hex()),
         tokenizer,
         text,
         ids,
@@ -224,13 +234,39 @@ fn decode_rate(path: &Path, format: &str) -> Result<f64> {
     Ok(bytes as f64 / t0.elapsed().as_secs_f64())
 }
 
-/// Tokens per second of `tokens build` from `input` with `threads` threads (best of two).
+/// The digests of what the train split at `root` holds, as [`Corpus::expected`] has them.
+fn built_digests(root: &Path) -> Result<(String, String)> {
+    let split = Split::open(root, "train")?;
+    let starts = split.seq_starts(0..split.seq_count() + 1)?;
+    let mut lengths = Digest::default();
+    for w in starts.windows(2) {
+        lengths.update(&(w[1] - w[0]).to_le_bytes());
+    }
+    let mut ids = Digest::default();
+    let total = split.token_count();
+    let mut at = 0;
+    while at < total {
+        let end = (at + (1 << 22)).min(total);
+        let le: Vec<u8> = split
+            .encoded(at..end)?
+            .iter()
+            .flat_map(|&x| (x >> 1).to_le_bytes())
+            .collect();
+        ids.update(&le);
+        at = end;
+    }
+    Ok((ids.hex(), lengths.hex()))
+}
+
+/// Tokens per second of `tokens build` from `input` with `threads` threads (best of two); each
+/// build must hold exactly the corpus' documents (`expected`), or no rate is reported.
 fn build_rate(
     dir: &Path,
     input: &Path,
     tokenizer: Option<&Path>,
     threads: usize,
     tokens: u64,
+    expected: &(String, String),
 ) -> Result<f64> {
     let out = dir.join("corpus-build.zarr");
     let mut best = 0f64;
@@ -258,6 +294,11 @@ fn build_rate(
             )));
         }
         best = best.max(tokens as f64 / secs);
+        // Outside the timing: the build holds exactly the corpus' documents.
+        let (ids, lengths) = built_digests(&out)?;
+        let who = format!("tokens build from {}", input.display());
+        same_bytes(&who, "the documents' ids", &expected.0, Some(&ids))?;
+        same_bytes(&who, "the document lengths", &expected.1, Some(&lengths))?;
     }
     let _ = std::fs::remove_dir_all(&out);
     Ok(best)
@@ -290,15 +331,29 @@ pub fn run(dir: &Path, mtokens: u64, threads: &[usize]) -> Result<Value> {
             eprintln!("corpus: {mode} builds with {t} threads");
             let rates: Vec<f64> = files
                 .iter()
-                .map(|p| build_rate(dir, p, tokenizer, t, c.tokens))
+                .map(|p| build_rate(dir, p, tokenizer, t, c.tokens, &c.expected))
                 .collect::<Result<_>>()?;
             rows.push(Value::Object(vec![
                 ("threads".into(), Value::int(t as u64)),
                 ("jsonl_tokens_per_s".into(), num(rates[0])),
                 ("jsonl_zst_tokens_per_s".into(), num(rates[1])),
                 ("parquet_tokens_per_s".into(), num(rates[2])),
-                ("jsonl_zst_vs_jsonl".into(), num(rates[1] / rates[0])),
-                ("parquet_vs_jsonl".into(), num(rates[2] / rates[0])),
+                (
+                    "jsonl_zst_vs_jsonl".into(),
+                    num(ratio(
+                        &format!("{mode} build, zstd JSONL vs JSONL"),
+                        rates[1],
+                        rates[0],
+                    )?),
+                ),
+                (
+                    "parquet_vs_jsonl".into(),
+                    num(ratio(
+                        &format!("{mode} build, Parquet vs JSONL"),
+                        rates[2],
+                        rates[0],
+                    )?),
+                ),
             ]));
         }
         modes.push((

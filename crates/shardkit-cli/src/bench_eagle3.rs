@@ -12,7 +12,7 @@ use shardkit::eagle3::{shard_index, Cache, Loader, LoaderOptions};
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
-use crate::bench::{evict, num, seq_read};
+use crate::bench::{baseline_rate, evict, num, ratio, same_bytes, seq_read, Digest};
 use crate::eagle3_cmd::{synth_cache, SynthArgs};
 
 /// `shardkit bench eagle3`.
@@ -92,6 +92,23 @@ fn loader_pass(
     ))
 }
 
+/// The SHA-256 of every batch of epoch 0 of the loader the NeMo-style baseline is given the
+/// order of (seed 7, one rank), its fields in [`shardkit::eagle3::ITEM_FIELDS`] order, batch
+/// after batch: what the baseline must have read too (an unmeasured pass).
+fn batches_sha256(cache: &Arc<Cache>, a: &Eagle3BenchArgs) -> Result<String> {
+    let mut o = LoaderOptions::new(a.batch);
+    (o.seed, o.rank, o.world_size) = (7, Some(0), Some(1));
+    let mut loader = Loader::new(cache.clone(), o)?;
+    loader.set_epoch(0);
+    let mut digest = Digest::default();
+    for b in loader.iter() {
+        for (_, bytes) in b?.fields() {
+            digest.update(bytes);
+        }
+    }
+    Ok(digest.hex())
+}
+
 pub fn run(a: Eagle3BenchArgs) -> Result<()> {
     std::fs::create_dir_all(&a.dir).map_err(|e| Error::io(&a.dir, e))?;
     let synth = SynthArgs {
@@ -162,7 +179,14 @@ pub fn run(a: Eagle3BenchArgs) -> Result<()> {
             ("threads".into(), Value::int(t as u64)),
             ("memcpy_bytes_per_s".into(), num(ceiling)),
             ("loader_warm_bytes_per_s".into(), num(w)),
-            ("loader_warm_vs_memcpy".into(), num(w / ceiling)),
+            (
+                "loader_warm_vs_memcpy".into(),
+                num(ratio(
+                    &format!("warm loader ({t} threads) vs memory copy"),
+                    w,
+                    ceiling,
+                )?),
+            ),
         ]));
     }
 
@@ -183,7 +207,7 @@ pub fn run(a: Eagle3BenchArgs) -> Result<()> {
         ("loader_cold_samples_per_s".into(), num(cold_sps)),
         (
             "loader_cold_vs_ceiling".into(),
-            num(cold_bps / ceiling.max(1.0)),
+            num(ratio("cold loader vs sequential read", cold_bps, ceiling)?),
         ),
         ("loader_warm_bytes_per_s".into(), num(warm_bps)),
         ("loader_warm_samples_per_s".into(), num(warm_sps)),
@@ -225,10 +249,7 @@ pub fn run(a: Eagle3BenchArgs) -> Result<()> {
             }
             let v = json::parse(&out.stdout)
                 .map_err(|e| Error::Invalid(format!("baseline output: {e}")))?;
-            let sps = match v.get("samples_per_s") {
-                Some(Value::Number(x)) => x.parse().unwrap_or(0.0),
-                _ => 0.0,
-            };
+            let sps = baseline_rate("the NeMo-style baseline", &v, "samples_per_s")?;
             Ok((v, sps))
         };
         for f in &files {
@@ -239,19 +260,34 @@ pub fn run(a: Eagle3BenchArgs) -> Result<()> {
         let _ = std::fs::remove_file(&order_path);
         let (cold_v, cold_theirs) = cold?;
         let (warm_v, warm_theirs) = warm.expect("ran after a successful cold run")?;
+        // Both baseline runs must have read exactly the batches shardkit's loader serves.
+        let ours = batches_sha256(&cache, &a)?;
+        for (run, v) in [("cold", &cold_v), ("warm", &warm_v)] {
+            same_bytes(
+                &format!("the NeMo-style baseline ({run})"),
+                "the epoch's batches",
+                &ours,
+                v.get("batches_sha256").and_then(Value::as_str),
+            )?;
+        }
+        fields.push(("batches_sha256".into(), Value::String(ours)));
         fields.push(("nemo_style_reader_cold".into(), cold_v));
         fields.push(("nemo_style_reader_warm".into(), warm_v));
         fields.push((
             "speedup_cold_vs_nemo_style".into(),
-            num(cold_sps / cold_theirs.max(1e-9)),
+            num(ratio("cold loader vs NeMo-style", cold_sps, cold_theirs)?),
         ));
         fields.push((
             "speedup_warm_vs_nemo_style".into(),
-            num(warm_sps / warm_theirs.max(1e-9)),
+            num(ratio("warm loader vs NeMo-style", warm_sps, warm_theirs)?),
         ));
         fields.push((
             "nemo_style_cold_vs_ceiling".into(),
-            num(cold_theirs * sample_bytes as f64 / ceiling.max(1.0)),
+            num(ratio(
+                "NeMo-style (cold) vs sequential read",
+                cold_theirs * sample_bytes as f64,
+                ceiling,
+            )?),
         ));
     }
     if let Some(w) = writer_bps {

@@ -38,7 +38,7 @@ use shardkit::json::{self, Escape, Value};
 use shardkit::storage::{self, counters, Remote};
 use shardkit::{Error, Result};
 
-use crate::bench::{num, thread_counts};
+use crate::bench::{num, ratio, same_bytes, thread_counts, tree_sha256};
 
 /// `shardkit bench remote`.
 #[derive(Args)]
@@ -194,7 +194,7 @@ fn loader_entry(
     gets: u64,
     get_bytes: u64,
     ceiling: f64,
-) -> Value {
+) -> Result<Value> {
     let rate = gbps(payload, took.secs);
     let per = |x: u64| num(x as f64 / batches.max(1) as f64);
     let mut fields = vec![
@@ -208,14 +208,17 @@ fn loader_entry(
         ),
         ("threads".into(), Value::int(threads as u64)),
         ("gbps".into(), num(rate)),
-        ("ratio_to_ceiling".into(), num(rate / ceiling.max(1e-12))),
+        (
+            "ratio_to_ceiling".into(),
+            num(ratio(&format!("{what} vs the GET ceiling"), rate, ceiling)?),
+        ),
         ("batches".into(), Value::int(batches)),
         ("payload_bytes_per_batch".into(), per(payload)),
         ("gets_per_batch".into(), per(gets)),
         ("get_bytes_per_batch".into(), per(get_bytes)),
     ];
     fields.extend(cpu_fields(took, payload));
-    Value::Object(fields)
+    Ok(Value::Object(fields))
 }
 
 /// A GET ceiling: (GB/s, GETs, bytes), per in-flight count and request size (MiB).
@@ -378,12 +381,12 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                     gets,
                     get_bytes,
                     ceiling,
-                );
+                )?;
                 if let (true, Value::Object(m)) = (one_layer, &mut e) {
                     let rate = gbps(payload, took.secs);
                     m.push((
                         "ratio_to_layer_ceiling".into(),
-                        num(rate / layer_ceiling.max(1e-12)),
+                        num(ratio("one layer vs its GET ceiling", rate, layer_ceiling)?),
                     ));
                 }
                 loaders.push(e);
@@ -460,7 +463,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 gets,
                 get_bytes,
                 against,
-            );
+            )?;
             if let (Value::Object(m), false) = (&mut e, what == "no cache") {
                 m.push(("cache_bytes".into(), Value::int(held)));
             }
@@ -633,7 +636,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 after.gets - before.gets,
                 after.get_bytes - before.get_bytes,
                 ceiling,
-            );
+            )?;
             if let Value::Object(m) = &mut e {
                 m.push(("tokens_per_s".into(), num(tokens as f64 / took.secs)));
                 m.push(cpu_per_m_tokens(took, tokens));
@@ -644,7 +647,11 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                     m.push(("first_batch_gbps".into(), num(gbps(fetched, s))));
                     m.push((
                         "first_batch_ratio_to_ceiling".into(),
-                        num(gbps(fetched, s) / ceiling.max(1e-12)),
+                        num(ratio(
+                            "first batch vs the GET ceiling",
+                            gbps(fetched, s),
+                            ceiling,
+                        )?),
                     ));
                 }
             }
@@ -717,7 +724,7 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 after.gets - before.gets,
                 after.get_bytes - before.get_bytes,
                 ceiling,
-            ));
+            )?);
         }
     }
     Ok(Value::Object(vec![
@@ -809,7 +816,7 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 after.gets - before.gets,
                 after.get_bytes - before.get_bytes,
                 ceiling,
-            );
+            )?;
             if let Value::Object(m) = &mut e {
                 m.push(("open_s".into(), num(open_secs)));
                 m.push((
@@ -840,7 +847,7 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             after.gets - before.gets,
             after.get_bytes - before.get_bytes,
             ceiling,
-        ));
+        )?);
     }
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),
@@ -880,6 +887,8 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
     )?;
     let upload_s = t0.elapsed().as_secs_f64();
     let upload_puts = counters().puts - before.puts;
+    // What the streamed write must produce too (its download is compared below).
+    let local_sha = tree_sha256(&local)?;
     let _ = std::fs::remove_dir_all(&local_root);
     let before = counters();
     let (url, streamed_s) = synth_to(PathBuf::from(format!("{base}/saev-streamed-{run}")))?;
@@ -892,7 +901,15 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
     let t0 = Instant::now();
     storage::download(&url, &local_root, |_, _| {})?;
     let download_s = t0.elapsed().as_secs_f64();
+    // The streamed dataset, downloaded, is the locally written one, file for file.
+    let streamed_sha = tree_sha256(&local_root);
     let _ = std::fs::remove_dir_all(&local_root);
+    same_bytes(
+        "the streamed saev write (downloaded)",
+        "the dataset's files",
+        &local_sha,
+        Some(&streamed_sha?),
+    )?;
     Ok(Value::Object(vec![
         ("url".into(), Value::String(url.display().to_string())),
         ("dataset_bytes".into(), Value::int(bytes)),
@@ -905,12 +922,19 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
             "streamed_put_bytes".into(),
             Value::int(after.put_bytes - before.put_bytes),
         ),
-        ("ratio_to_ideal".into(), num(rate / ideal.max(1e-12))),
+        (
+            "ratio_to_ideal".into(),
+            num(ratio("streamed write vs write-then-upload", rate, ideal)?),
+        ),
         ("download_gbps".into(), num(gbps(bytes, download_s))),
         ("get_ceiling_gbps".into(), num(get_ceiling)),
         (
             "download_ratio_to_get_ceiling".into(),
-            num(gbps(bytes, download_s) / get_ceiling.max(1e-12)),
+            num(ratio(
+                "download vs the GET ceiling",
+                gbps(bytes, download_s),
+                get_ceiling,
+            )?),
         ),
         (
             "note".into(),
@@ -952,10 +976,22 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
         .map(|(_, n)| n)
         .sum();
     let upload_puts = counters().puts - before.puts;
+    let local_sha = tree_sha256(&local)?;
     let _ = std::fs::remove_dir_all(&local);
     let before = counters();
-    let streamed_tps = write(&PathBuf::from(format!("{base}/tokens-streamed-{run}")))?;
+    let streamed = PathBuf::from(format!("{base}/tokens-streamed-{run}"));
+    let streamed_tps = write(&streamed)?;
     let after = counters();
+    // Outside the timing: the streamed dataset, downloaded, is the locally written one.
+    storage::download(&streamed, &local, |_, _| {})?;
+    let streamed_sha = tree_sha256(&local);
+    let _ = std::fs::remove_dir_all(&local);
+    same_bytes(
+        "the streamed flat-tokens write (downloaded)",
+        "the dataset's files",
+        &local_sha,
+        Some(&streamed_sha?),
+    )?;
     let written = tokens as f64;
     let local_s = written / local_tps;
     let streamed_s = written / streamed_tps;
@@ -976,7 +1012,10 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
             "streamed_put_bytes".into(),
             Value::int(after.put_bytes - before.put_bytes),
         ),
-        ("ratio_to_ideal".into(), num(rate / ideal.max(1e-12))),
+        (
+            "ratio_to_ideal".into(),
+            num(ratio("streamed write vs write-then-upload", rate, ideal)?),
+        ),
         (
             "note".into(),
             Value::String(

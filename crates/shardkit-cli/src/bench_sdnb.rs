@@ -158,6 +158,9 @@ pub fn run(a: SdnbBenchArgs) -> Result<()> {
     let (sb, sm, sread, listed) = cold_opens(&sdnb_path, a.opens.max(1))?;
     let (zb, zm, zread, _) = cold_opens(&sdz_path, a.opens.max(1))?;
     let mib = |x: f64| Value::float(x / 1048576.0, 1);
+    let vs = |what: &str, x: f64, c: f64| -> Result<Value> {
+        Ok(Value::float(crate::bench::ratio(what, x, c)?, 3))
+    };
     let list = |v: &[f64]| Value::Array(v.iter().map(|&x| mib(x)).collect());
     let report = Value::Object(vec![
         ("bench".into(), Value::String("sdnb".into())),
@@ -175,20 +178,27 @@ pub fn run(a: SdnbBenchArgs) -> Result<()> {
         ("sdnb_write_mib_per_s".into(), mib(best(&single))),
         (
             "sdnb_write_ratio".into(),
-            Value::float(best(&single) / c, 3),
+            vs("SDNB write vs sequential write", best(&single), c)?,
         ),
         ("ceiling_write_mib_per_s_median".into(), mib(cm)),
         ("sdnb_write_mib_per_s_median".into(), mib(median(&single))),
         (
             "sdnb_write_ratio_median".into(),
-            Value::float(median(&single) / cm, 3),
+            vs(
+                "SDNB write vs sequential write (medians)",
+                median(&single),
+                cm,
+            )?,
         ),
         ("sdz_write_mib_per_s".into(), mib(best(&sdz))),
-        ("sdz_write_ratio".into(), Value::float(best(&sdz) / c, 3)),
+        (
+            "sdz_write_ratio".into(),
+            vs("SDZ write vs sequential write", best(&sdz), c)?,
+        ),
         ("sdz_write_mib_per_s_median".into(), mib(median(&sdz))),
         (
             "sdz_write_ratio_median".into(),
-            Value::float(median(&sdz) / cm, 3),
+            vs("SDZ write vs sequential write (medians)", median(&sdz), cm)?,
         ),
         ("ceiling_runs_mib_per_s".into(), list(&ceil)),
         ("sdnb_runs_mib_per_s".into(), list(&single)),

@@ -18,7 +18,7 @@ use shardkit::flat_tokens::{Layout, LoaderOptions, Split, TokenLoader, Writer, W
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
-use crate::bench::{evict, num, seq_read};
+use crate::bench::{baseline_rate, evict, num, ratio, same_bytes, seq_read, Digest};
 
 /// `shardkit bench tokens`.
 #[derive(Args)]
@@ -369,8 +369,22 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
             ("loader_warm_tokens_per_s".into(), num(tps)),
             ("loader_warm_batch_bytes_per_s".into(), num(tps * 18.0)),
             ("memcpy_bytes_per_s".into(), num(ceiling)),
-            ("loader_warm_vs_memcpy".into(), num(tps * 18.0 / ceiling)),
-            ("loader_warm_vs_bulk_decode".into(), num(tps / bulk_decode)),
+            (
+                "loader_warm_vs_memcpy".into(),
+                num(ratio(
+                    &format!("warm loader ({t} threads) vs memory copy"),
+                    tps * 18.0,
+                    ceiling,
+                )?),
+            ),
+            (
+                "loader_warm_vs_bulk_decode".into(),
+                num(ratio(
+                    &format!("warm loader ({t} threads) vs bulk decode"),
+                    tps,
+                    bulk_decode,
+                )?),
+            ),
         ]));
     }
 
@@ -404,7 +418,7 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         ("loader_warm_tokens_per_s".into(), num(warm_tps)),
         (
             "loader_warm_vs_bulk_decode".into(),
-            num(warm_tps / bulk_decode),
+            num(ratio("warm loader vs bulk decode", warm_tps, bulk_decode)?),
         ),
         ("loader_warm_by_threads".into(), Value::Array(scaling)),
     ];
@@ -443,35 +457,32 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         }
         let v = json::parse(&out.stdout)
             .map_err(|e| Error::Invalid(format!("baseline output: {e}")))?;
-        let theirs: f64 = match v.get("tokens_per_s") {
-            Some(Value::Number(n)) => n.parse().unwrap_or(0.0),
-            _ => 0.0,
-        };
-        // The baseline must have read the same batches.
-        let ours = loader.load(start)?;
-        let ours_sha = json::sha256_hex(
-            &ours
-                .targets()
-                .iter()
-                .flat_map(|t| t.to_le_bytes())
-                .collect::<Vec<u8>>(),
-        );
-        let same = ["per_row", "coords"].iter().all(|k| {
-            v.get(k)
-                .and_then(|x| x.get("first_targets_sha256"))
-                .and_then(Value::as_str)
-                == Some(ours_sha.as_str())
-        });
-        if !same {
-            return Err(Error::Invalid(
-                "the zarr-python baseline read different batches".into(),
-            ));
+        let theirs = baseline_rate("the zarr-python baseline", &v, "tokens_per_s")?;
+        // Both ways of reading must have decoded exactly the targets of every step it timed
+        // (int32, little-endian, step after step), as shardkit's loader does.
+        let mut digest = Digest::default();
+        for s in start..start + py_steps {
+            for t in loader.load(s)?.targets() {
+                digest.update(&t.to_le_bytes());
+            }
         }
+        let ours_sha = digest.hex();
+        for k in ["per_row", "coords"] {
+            same_bytes(
+                &format!("the zarr-python baseline ({k})"),
+                &format!("the targets of steps {start} to {}", start + py_steps - 1),
+                &ours_sha,
+                v.get(k)
+                    .and_then(|x| x.get("targets_sha256"))
+                    .and_then(Value::as_str),
+            )?;
+        }
+        fields.push(("targets_sha256".into(), Value::String(ours_sha)));
         fields.push(("zarr_python".into(), v));
         fields.push(("zarr_python_tokens_per_s".into(), num(theirs)));
         fields.push((
             "speedup_warm_vs_zarr_python".into(),
-            num(warm_tps / theirs.max(1e-9)),
+            num(ratio("warm loader vs zarr-python", warm_tps, theirs)?),
         ));
     }
     if let Some(tps) = writer_tps {

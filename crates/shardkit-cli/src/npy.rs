@@ -326,7 +326,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.npy");
         std::fs::write(&p, b"hello").unwrap();
-        assert!(NpyArray::open(&p).is_err());
+        let err = NpyArray::open(&p).expect_err("not an .npy file");
+        assert!(
+            matches!(&err, Error::Format { path, .. } if path == &p),
+            "{err:?}"
+        );
         let mut bytes = header(Dtype::F32, &[4]);
         bytes.extend_from_slice(&[0; 8]); // 2 floats, 4 promised
         std::fs::write(&p, &bytes).unwrap();

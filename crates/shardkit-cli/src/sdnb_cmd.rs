@@ -927,7 +927,10 @@ mod tests {
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
         assert_eq!(parse_bytes("1GiB").unwrap(), 1 << 30);
         assert_eq!(parse_bytes("3M").unwrap(), 3 << 20);
-        assert!(parse_bytes("1XB").is_err());
+        assert_eq!(
+            parse_bytes("1XB").unwrap_err(),
+            r#"unknown size unit "xb" in "1XB""#
+        );
         assert_eq!(file_stem_for("layer0/W"), "layer0%2FW");
         assert_eq!(file_stem_for(".hidden"), "%2Ehidden");
     }

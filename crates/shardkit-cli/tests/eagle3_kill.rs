@@ -100,8 +100,7 @@ fn sigkill_at_random_points_then_resume_is_exact() {
         17,
         "manifest, embeddings, 14 shards and the checksums sidecar"
     );
-    let mut rng = Rng::from_clock();
-    let seed = rng.0;
+    let (mut rng, seed) = Rng::seeded();
     let span = full.as_micros() as u64 * 5 / 4 + 1;
     let mut outcomes: BTreeMap<&str, u32> = BTreeMap::new();
     for trial in 0..20 {
@@ -119,6 +118,6 @@ fn sigkill_at_random_points_then_resume_is_exact() {
     eprintln!("seed {seed}: first-kill outcomes {outcomes:?} (full write {full:?})");
     assert!(
         outcomes.get("incomplete").copied().unwrap_or(0) >= 1,
-        "no kill landed mid-write: {outcomes:?}"
+        "no kill landed mid-write (seed {seed}): {outcomes:?}"
     );
 }

@@ -99,8 +99,7 @@ fn sigkill_at_random_points_then_resume_is_exact() {
     // 16 shards, metadata.json, shards.json, labels.bin and the checksums sidecar.
     assert!(reference.contains_key("labels.bin") && reference.len() == 20);
 
-    let mut rng = Rng::from_clock();
-    let seed = rng.0;
+    let (mut rng, seed) = Rng::seeded();
     let mut outcomes: BTreeMap<&str, u32> = BTreeMap::new();
     let span = full.as_micros() as u64 * 5 / 4 + 1;
     for trial in 0..24 {
@@ -135,6 +134,6 @@ fn sigkill_at_random_points_then_resume_is_exact() {
     eprintln!("seed {seed}: first-kill outcomes {outcomes:?} (full write {full:?})");
     assert!(
         outcomes.get("incomplete").copied().unwrap_or(0) >= 1,
-        "no kill landed mid-write: {outcomes:?}"
+        "no kill landed mid-write (seed {seed}): {outcomes:?}"
     );
 }

@@ -141,8 +141,7 @@ fn sigkill_during_tokens_build_then_resume_is_exact() {
         ("parquet", parquet_parts(&pdir, &seqs)),
     ];
 
-    let mut rng = Rng::from_clock();
-    let seed = rng.0;
+    let (mut rng, seed) = Rng::seeded();
     let mut outcomes: BTreeMap<&str, u32> = BTreeMap::new();
     let mut references: BTreeMap<&str, BTreeMap<String, String>> = BTreeMap::new();
     for (what, src) in &inputs {
@@ -194,6 +193,6 @@ fn sigkill_during_tokens_build_then_resume_is_exact() {
     eprintln!("seed {seed}: first-kill outcomes {outcomes:?}");
     assert!(
         outcomes.get("interrupted").copied().unwrap_or(0) >= 1,
-        "no kill landed mid-build: {outcomes:?}"
+        "no kill landed mid-build (seed {seed}): {outcomes:?}"
     );
 }

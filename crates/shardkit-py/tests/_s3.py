@@ -44,17 +44,16 @@ def range_bytes(header: str) -> int:
         return 0
 
 
-def most_at_once(log: List[Tuple[str, str, List[float]]], weight: Callable[[int], int]) -> int:
-    """The most that the GETs of ``log`` (a part of ``get_log``) held at once, each GET
-    weighing ``weight(bytes it asked for)``."""
-    spans = [(t[0], t[1], weight(range_bytes(r))) for _, r, t in log]
-    return max((sum(w for a, b, w in spans if a <= t0 < b) for t0, _, _ in spans), default=0)
-
-
 def slot_quarters(request_bytes: int) -> Callable[[int], int]:
     """A GET's weight in request-slot quarters, as shardkit counts them: its size over the full
     request size, rounded up, from one quarter to four."""
     return lambda n: min(4, max(1, -(-n * 4 // request_bytes)))
+
+
+# How long a held GET waits for `FaultProxy.release`, and `FaultProxy.wait_until` for its
+# condition: never reached when the client behaves, so a generous bound that only turns a hang
+# into a failure.
+HOLD_GUARD_S = 60.0
 
 
 class FaultProxy:
@@ -78,7 +77,22 @@ class FaultProxy:
         self.get_log: List[Tuple[str, str, List[float]]] = []
         # Whether each request (any method) came signed (with an Authorization header).
         self.signed_log: List[bool] = []
+        # Every request (any method), in the order it arrived: (method, path).
+        self.request_log: List[Tuple[str, str]] = []
+        # Counted exactly, at each arrival: the most ranged GETs being answered at once, their
+        # bytes, and their weight (``weigh(bytes)``, e.g. `slot_quarters`); `reset_peaks` starts
+        # a new count.
+        self.weigh: Callable[[int], int] = lambda n: 1
+        self.flying: Dict[int, int] = {}
+        self.peak_gets = self.peak_bytes = self.peak_weight = 0
+        # While `hold_if` is set, a ranged GET for which ``hold_if(path, range)`` is true when it
+        # arrives is not answered until `release` (or, so that a broken client fails rather than
+        # hangs, HOLD_GUARD_S): the client's requests stay in flight as long as the test needs.
+        self.hold_if: Optional[Callable[[str, str], bool]] = None
+        self.held: Dict[int, int] = {}
+        self.hold_expired = False
         self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -104,6 +118,7 @@ class FaultProxy:
                 body = self._body()
                 with proxy.lock:
                     proxy.signed_log.append("Authorization" in self.headers)
+                    proxy.request_log.append((self.command, self.path))
                 fault = None
                 targeted = (self.command == "GET" and "Range" in self.headers) if proxy.on == "GET" else self.command == proxy.on
                 if targeted:
@@ -115,10 +130,17 @@ class FaultProxy:
                             fault = proxy.kind
                 self.counted = self.command == "GET" and "Range" in self.headers
                 if self.counted:
-                    with proxy.lock:
+                    with proxy.cond:
                         self.times = [time.monotonic(), float("inf")]
                         proxy.get_log.append((self.path, self.headers["Range"], self.times))
                         proxy.active_gets += 1
+                        proxy._arrived(id(self), range_bytes(self.headers["Range"]))
+                        if proxy.hold_if is not None and proxy.hold_if(self.path, self.headers["Range"]):
+                            proxy.held[id(self)] = range_bytes(self.headers["Range"])
+                            proxy.cond.notify_all()
+                            if not proxy.cond.wait_for(lambda: proxy.hold_if is None, HOLD_GUARD_S):
+                                proxy.hold_expired = True
+                            del proxy.held[id(self)]
                 try:
                     if self.counted and proxy.get_delay_s:
                         time.sleep(proxy.get_delay_s)
@@ -131,9 +153,11 @@ class FaultProxy:
                 # next request, which must not find this one still counted.
                 if self.counted:
                     self.counted = False
-                    with proxy.lock:
+                    with proxy.cond:
                         proxy.active_gets -= 1
                         self.times[1] = time.monotonic()
+                        proxy.flying.pop(id(self), None)
+                        proxy.cond.notify_all()
 
             def _answer(self, fault: Optional[str], body: bytes) -> None:
                 if fault == "503":
@@ -207,6 +231,37 @@ class FaultProxy:
     def arm(self, kind: Optional[str], count: int = 1, on: str = "GET") -> None:
         with self.lock:
             self.kind, self.left, self.injected, self.on = kind, count, 0, on
+
+    def _arrived(self, key: int, n: int) -> None:
+        """Counts a ranged GET of ``n`` bytes as being answered (under the lock)."""
+        self.flying[key] = n
+        self.peak_gets = max(self.peak_gets, len(self.flying))
+        self.peak_bytes = max(self.peak_bytes, sum(self.flying.values()))
+        self.peak_weight = max(self.peak_weight, sum(map(self.weigh, self.flying.values())))
+        self.cond.notify_all()
+
+    def reset_peaks(self, weigh: Optional[Callable[[int], int]] = None) -> None:
+        with self.lock:
+            if weigh is not None:
+                self.weigh = weigh
+            self.peak_gets = self.peak_bytes = self.peak_weight = 0
+
+    def hold(self, hold_if: Callable[[str, str], bool] = lambda path, rng: True) -> None:
+        """Holds the ranged GETs that arrive from now on and match ``hold_if`` (see `hold_if`)."""
+        with self.cond:
+            self.hold_if, self.hold_expired = hold_if, False
+
+    def release(self) -> None:
+        """Answers the GETs held, and holds no more."""
+        with self.cond:
+            self.hold_if = None
+            self.cond.notify_all()
+
+    def wait_until(self, what: Callable[["FaultProxy"], bool], timeout_s: float = HOLD_GUARD_S) -> bool:
+        """Whether ``what(self)`` came true (checked, under the lock, at every arrival and
+        answer); the timeout only keeps a broken client from hanging the test."""
+        with self.cond:
+            return self.cond.wait_for(lambda: what(self), timeout_s)
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Waits until no GET is being answered: a stalled answer of an earlier test (its client

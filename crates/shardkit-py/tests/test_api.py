@@ -1,6 +1,7 @@
 """The conventions every format shares (docs/api.md): exceptions, validation reports, loader
 keywords and states."""
 
+import errno
 import os
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import shardkit
 from shardkit import eagle3, errors, flat_tokens, saev, sdnb
 
+from _faults import call_denied, world_dir  # noqa: F401 - world_dir: a fixture
 from _loaders import DATA, HOST
 
 
@@ -25,26 +27,31 @@ def test_every_exception_is_a_shardkit_error_and_its_builtin():
     assert sorted(errors.__all__) == sorted(set(errors.__all__))
 
 
-def test_errors_raised_by_the_core_have_the_documented_classes(tmp_path):
+def test_errors_raised_by_the_core_have_the_documented_classes(tmp_path, world_dir):
     with pytest.raises(shardkit.NotFoundError, match="absent"):
         saev.open(tmp_path / "absent")
     (tmp_path / "junk.sdnb").write_bytes(b"SDNB" + b"\0" * 60)
     with pytest.raises(shardkit.CorruptDataError, match="junk.sdnb"):
         sdnb.open(tmp_path / "junk.sdnb")
-    with pytest.raises(shardkit.InvalidArgumentError):
+    with pytest.raises(shardkit.InvalidArgumentError, match="shard_size must be a positive number of bytes, got 0"):
         sdnb.save(tmp_path / "m.sdnb", {"w": np.zeros(3, np.float32)}, shard_size=0)
-    files = sdnb.save(tmp_path / "m.sdnb", {"w": np.zeros(3, np.float32)}, progress=False)
-    with pytest.raises(shardkit.AlreadyExistsError):
+    sdnb.save(tmp_path / "m.sdnb", {"w": np.zeros(3, np.float32)}, progress=False)
+    with pytest.raises(shardkit.AlreadyExistsError, match="the split already holds 1 sequences"):
         with flat_tokens.Writer(tmp_path / "t.zarr", "train", progress=False) as w:
             w.append([[1, 2]])
         flat_tokens.Writer(tmp_path / "t.zarr", "train", progress=False)
-    os.chmod(files[0], 0)
-    try:
-        if os.geteuid() != 0:
-            with pytest.raises(shardkit.PermissionDeniedError):
-                sdnb.open(files[0])
-    finally:
-        os.chmod(files[0], 0o644)
+    # A file chmod 000, opened by a child that the mode binds (as root, one dropped to nobody).
+    denied = os.fspath(sdnb.save(os.path.join(world_dir, "m.sdnb"), {"w": np.zeros(3, np.float32)}, progress=False)[0])
+    with open(denied, "rb") as f:
+        content = f.read()
+    os.chmod(denied, 0)
+    r = call_denied(f"sdnb.open({denied!r})", imports="from shardkit import sdnb")
+    assert not r["ok"] and r["mro"][:2] == ["PermissionDeniedError", "ShardkitOSError"], r
+    assert "PermissionError" in r["mro"] and r["errno"] == errno.EACCES, r
+    assert denied in r["message"] and "Permission denied" in r["message"], r
+    os.chmod(denied, 0o644)
+    with open(denied, "rb") as f:
+        assert f.read() == content
 
 
 def test_sdnb_validate_has_the_common_shape(tmp_path):
@@ -116,6 +123,7 @@ def test_saev_loader_names(tmp_path):
     assert issubclass(saev.ShuffledLoader, saev.Loader) and issubclass(saev.OrderedLoader, saev.Loader)
     ordered = [b["example_idx"].copy() for b in saev.Loader(*args, **{**kw, "shuffle": False})]
     same = [b["example_idx"].copy() for b in saev.OrderedLoader(*args, **kw)]
-    assert all(np.array_equal(x, y) for x, y in zip(ordered, same))
+    assert len(ordered) == len(saev.OrderedLoader(*args, **kw)) > 1
+    assert all(np.array_equal(x, y) for x, y in zip(ordered, same, strict=True))
     with pytest.raises(shardkit.InvalidArgumentError, match="contradicts"):
         saev.Loader(*args, **{**kw, "shuffle": False, "order": "block"})

@@ -54,12 +54,12 @@ def test_loaders_with_verify_raise_on_damage(tmp_path, which):
     root = os.fspath(args[0])
     victim = biggest_file(root)
     flip(victim, os.path.getsize(victim) - 3)  # payload bytes, past any header
-    with pytest.raises(ValueError, match=os.path.relpath(victim, root).replace("/", ".")) as e:
+    with pytest.raises(shardkit.CorruptDataError, match=os.path.relpath(victim, root).replace("/", ".")) as e:
         for _ in HOST[which](*args, verify=True, **kw):
             pass
     assert "checksum" in str(e.value)
     os.remove(os.path.join(root, "shardkit.checksums.json"))
-    with pytest.raises(FileNotFoundError, match="no checksums sidecar"):
+    with pytest.raises(shardkit.NotFoundError, match="no checksums sidecar"):
         HOST[which](*args, verify=True, **kw)
 
 

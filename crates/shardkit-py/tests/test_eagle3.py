@@ -56,8 +56,9 @@ def test_write_read_and_coercions(tmp_path):
     assert not item["aux_hidden_states"].flags.writeable, "a view of the shard's read-only map"
     assert cache[-1]["input_ids"][0] == 4
     assert [it["input_ids"][0] for it in cache[1:4]] == [1, 2, 3]
-    for bad in (5, -6):
-        with pytest.raises(IndexError):
+    for bad, words in ((5, "sample 5 is past the end: there are 5 samples"),
+                       (-6, "sample -6 is before the start: there are 5 samples")):
+        with pytest.raises(shardkit.OutOfRangeError, match=words):
             cache[bad]
     batch = eagle3.collate([cache[0], cache[1]])
     assert batch["aux_hidden_states"].shape == (2, 4, 6)
@@ -65,11 +66,11 @@ def test_write_read_and_coercions(tmp_path):
 
 def test_writer_refusals(tmp_path):
     w = eagle3.Writer(tmp_path / "c", config(n=3))
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="missing"):
         w.add({"input_ids": np.zeros(4)})
-    with pytest.raises(ValueError, match="not tensors of this cache"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="not tensors of this cache"):
         w.add({**sample(0), "extra": np.zeros(1)})
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="shape"):
         w.add({**sample(0), "input_ids": np.zeros(5, dtype=np.int64)})
     with pytest.raises(shardkit.InvalidArgumentTypeError, match="`aux_hidden_states` must hold floats"):
         w.add({**sample(0), "aux_hidden_states": np.zeros((4, 6), dtype=np.int64)})
@@ -78,22 +79,22 @@ def test_writer_refusals(tmp_path):
     w.add(sample(0))
     with pytest.raises(IncompleteDatasetError, match="continues at sample 0"):
         w.close()
-    with pytest.raises(ValueError, match="top-k"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="top-k"):
         eagle3.Writer(tmp_path / "k", config(topk=2), format_version=1)
 
 
 def test_resume_after_an_exception(tmp_path):
     path = tmp_path / "c"
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^the job died$"):
         with eagle3.Writer(path, config(n=5)) as w:
             for i in range(3):
                 w.add(sample(i))
             raise RuntimeError("the job died")
     with pytest.raises(IncompleteDatasetError, match="samples 2 to 4 are missing"):
         eagle3.open(path)
-    with pytest.raises(FileExistsError, match="already has shards"):
+    with pytest.raises(shardkit.AlreadyExistsError, match="already has shards"):
         eagle3.Writer(path, config(n=5))
-    with pytest.raises(FileExistsError, match="seq_length"):
+    with pytest.raises(shardkit.AlreadyExistsError, match="seq_length"):
         eagle3.Writer(path, config(n=5, seq=6), resume=True)
     with eagle3.Writer(path, config(n=5), resume=True) as w:
         assert w.next_sample == 2 and w.resumed_from == 2
@@ -167,7 +168,7 @@ def test_validate_inspect_and_versions(tmp_path):
     assert m["format_version"] == 2 and m["target_probs_topk"] == 0
     assert (path / "shard-000000.safetensors").read_bytes() == shard
     assert json.loads((path / "manifest.json").read_text())["format_version"] == 2
-    with pytest.raises(ValueError, match="format_version 3"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="format_version 3"):
         eagle3.set_version(path, 3)
     (path / "shard-000001.safetensors").write_bytes(b"\x00" * 7)
     report = eagle3.validate(path)

@@ -1,34 +1,39 @@
 """Filesystem faults give a clear error and leave what is on disk intact, for every format
 (saev, EAGLE-3, flat-tokens, SDNB):
 
-- a full disk: a file size limit (RLIMIT_FSIZE, so writes fail with EFBIG) and, as root, a real
-  ENOSPC on a 2 MB tmpfs. The error names a path inside the dataset being written; a dataset
-  completed earlier is untouched byte for byte; a resumable write that failed resumes to the
-  bytes of an uninterrupted write once there is room.
-- a read-only directory (an unprivileged child, or a read-only bind mount): the writer fails
-  naming the path and creates nothing.
-- an unreadable shard (chmod 000, read by an unprivileged child): reading fails naming it.
+- a full disk: a file size limit (RLIMIT_FSIZE, so writes fail with EFBIG) and a real ENOSPC on
+  a 2 MB tmpfs (mounted in a private mount namespace). The error names a path inside the dataset
+  being written; a dataset completed earlier is untouched byte for byte; a resumable write that
+  failed resumes to the bytes of an uninterrupted write once there is room.
+- a read-only directory (chmod 555, written by a child that the mode binds: as root, one dropped
+  to nobody; or a read-only bind mount): the writer fails naming the path and creates nothing.
+- an unreadable shard (chmod 000, read by a child that the mode binds): reading fails naming it.
 - a shard replaced by a symlink to a valid copy (read through it) or by a FIFO (a clear error
   naming it, never a hang). Each such operation runs in a child process watched for a thread
   blocked opening the FIFO (`wchan` = wait_for_partner), with a 20 s limit besides.
 
 Writers and readers run in child processes where the fault needs it (a resource limit, dropped
 privileges, a possible hang); the code they run is the same code this module runs in-process
-(`WRITERS_SRC`, exec'd here and sent to the children).
+(`WRITERS_SRC`, exec'd here and sent to the children). Every fault is made real as root (CI) and
+as an ordinary user alike; _faults.py says how.
 """
 
 import errno
+import hashlib
 import json
 import os
+import pathlib
+import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 
 from shardkit import saev, sdnb
+
+from _faults import DROP_SRC, must_drop, private_mounts, world_dir  # noqa: F401 - world_dir: a fixture
 
 FORMATS = ["saev", "eagle3", "flat_tokens", "sdnb"]
 
@@ -158,10 +163,8 @@ def _report(**kw):
 if {fsize!r} is not None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, ({fsize!r}, {fsize!r}))
-if {drop!r}:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
+DROP = {drop!r}
+{drop_src}
 try:
     result = {call}
 except Exception as e:
@@ -176,7 +179,7 @@ def child(call, *, fsize=None, drop=False, timeout=60):
     """Runs `call` (an expression over WRITERS' functions) in a child process, after setting a
     file size limit and/or dropping root privileges (everything is imported first); returns
     {"ok": True, "result": ...} or {"ok": False, "type", "mro", "errno", "message"}."""
-    code = CHILD.format(writers=WRITERS_SRC, fsize=fsize, drop=drop, call=call)
+    code = CHILD.format(writers=WRITERS_SRC, fsize=fsize, drop=drop, drop_src=DROP_SRC, call=call)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     assert p.returncode == 0 and lines, f"child died ({p.returncode}):\n{p.stdout}\n{p.stderr}"
@@ -246,23 +249,19 @@ def test_resume_past_the_file_size_limit_fails_then_resumes_exactly(tmp_path, wh
 
 
 # ---------------------------------------------------------------------------------------------
-# A full disk: ENOSPC on a 2 MB tmpfs (root only)
+# A full disk: ENOSPC on a 2 MB tmpfs, mounted in a private mount namespace (as root or not)
 
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a 2 MB tmpfs for a real ENOSPC needs root")
+    """A 2 MB tmpfs, as its path through the namespace that holds it."""
     d = tmp_path / "tmpfs"
     d.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(d)], capture_output=True)
+    with private_mounts(f"mount -t tmpfs -o size=2m tmpfs {shlex.quote(str(d))}") as ns:
+        view = pathlib.Path(ns + str(d))
+        st = os.statvfs(view)
+        assert st.f_blocks * st.f_frsize <= 2 << 20, "not the 2 MB tmpfs"
+        yield view
 
 
 @pytest.mark.parametrize("which", FORMATS)
@@ -279,6 +278,7 @@ def test_no_space_left_fails_naming_the_file_and_keeps_the_finished_dataset(tiny
         assert len(new) == 1, new
         big = os.path.join(big, new.pop())
     check_io_error(r, which, "No space left on device", *written_as(big))
+    assert r["errno"] == errno.ENOSPC and r["type"] == "ShardkitOSError", r
     # Still readable (saev and sdnb check every shard's size at open).
     if which == "saev":
         assert saev.open(small).n_examples == 8
@@ -288,63 +288,27 @@ def test_no_space_left_fails_naming_the_file_and_keeps_the_finished_dataset(tiny
 
 
 # ---------------------------------------------------------------------------------------------
-# Directories shared with an unprivileged (nobody) child
-
-
-@pytest.fixture
-def world_dir():
-    """A directory an unprivileged child can traverse (pytest's own tmp is 0700 root)."""
-    d = tempfile.mkdtemp(prefix="shardkit-fs-faults-")
-    os.chmod(d, 0o755)
-    try:
-        yield d
-    finally:
-        for dirpath, dirs, files in os.walk(d):
-            for n in dirs + files:
-                try:
-                    os.chmod(os.path.join(dirpath, n), 0o755, follow_symlinks=False)
-                except (OSError, NotImplementedError):
-                    pass
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def need_root_for_setuid():
-    if os.geteuid() != 0:
-        pytest.skip("dropping privileges to nobody needs root (and as non-root, chmod is enough; "
-                    "these tests rely on the root case)")
+# A read-only directory: chmod 555 (a permission check; `world_dir` comes from _faults) or a
+# read-only bind mount in a private mount namespace
 
 
 @pytest.fixture
 def ro_bind(world_dir):
-    """(writable source dir, the same dir mounted read-only)."""
-    if os.geteuid() != 0:
-        pytest.skip("a read-only bind mount needs root")
+    """(writable source dir, the same dir mounted read-only, as its path through the namespace)."""
     src, ro = os.path.join(world_dir, "src"), os.path.join(world_dir, "ro")
     os.mkdir(src)
     os.mkdir(ro)
-    p = subprocess.run(["mount", "--bind", src, ro], capture_output=True, text=True)
-    if p.returncode != 0:
-        pytest.skip(f"cannot bind-mount here: {p.stderr.strip()}")
-    try:
-        p = subprocess.run(["mount", "-o", "remount,bind,ro", ro], capture_output=True, text=True)
-        if p.returncode != 0:
-            pytest.skip(f"cannot remount read-only: {p.stderr.strip()}")
-        yield src, ro
-    finally:
-        if subprocess.run(["umount", ro], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", ro], capture_output=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# A read-only directory
+    q = shlex.quote
+    with private_mounts(f"mount --bind {q(src)} {q(ro)}\nmount -o remount,bind,ro {q(ro)}") as ns:
+        yield src, ns + ro
 
 
 @pytest.mark.parametrize("which", FORMATS)
-@pytest.mark.parametrize("how", ["nobody", "ro-mount"])
+@pytest.mark.parametrize("how", ["chmod-555", "ro-mount"])
 def test_read_only_directory_fails_naming_the_path_and_creates_nothing(world_dir, request, which, how):
     write = WRITERS[which]
-    if how == "nobody":
-        need_root_for_setuid()
+    if how == "chmod-555":
+        drop = must_drop()
         d = os.path.join(world_dir, "ro")
         os.mkdir(d)
         small = write(os.path.join(d, TARGET[which]), False)
@@ -355,17 +319,22 @@ def test_read_only_directory_fails_naming_the_path_and_creates_nothing(world_dir
         os.chmod(d, 0o555)
         view = d
     else:
+        drop = False
         src, view = request.getfixturevalue("ro_bind")
         small = write(os.path.join(src, TARGET[which]), False)
         small = os.path.join(view, os.path.relpath(small, src))
     before = snapshot(view)
+    assert before, f"no finished dataset under {view}"
     big = os.path.join(view, BIG_TARGET[which])
-    r = child(f"WRITERS[{which!r}]({big!r}, True)", drop=(how == "nobody"))
+    r = child(f"WRITERS[{which!r}]({big!r}, True)", drop=drop)
     assert snapshot(view) == before, "a write into a read-only directory changed it"
-    strerror = "Permission denied" if how == "nobody" else "Read-only file system"
+    strerror = "Permission denied" if how == "chmod-555" else "Read-only file system"
     check_io_error(r, which, strerror, view)
-    if how == "nobody":
-        assert r["errno"] in (None, errno.EACCES), r
+    if how == "chmod-555":
+        assert r["errno"] == errno.EACCES and r["type"] == "PermissionDeniedError", r
+        assert "PermissionError" in r["mro"], r
+    else:
+        assert r["errno"] == errno.EROFS and r["type"] == "ShardkitOSError", r
     # The finished dataset still reads.
     if which == "saev":
         assert saev.open(small).n_examples == 8
@@ -415,10 +384,8 @@ def out(x):
     for a in (x if isinstance(x, list) else [x]):
         h.update(np.ascontiguousarray(a).tobytes())
     sys.stdout.write("DIGEST " + h.hexdigest() + "\n")
-if {drop!r}:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
+DROP = {drop!r}
+{drop_src}
 try:
     {code}
 except Exception as e:
@@ -446,7 +413,7 @@ def read_in_child(path, code, *, drop=False, timeout=20.0):
     """Runs a READS operation on `path` in a child: ("digest", hex), ("report", dict),
     ("error", (mro names, message)) or ("hang", why). A child seen twice, 0.2 s apart, blocked
     opening a FIFO is a hang at once; otherwise the limit is `timeout` seconds."""
-    src = READ_CHILD.format(path=str(path), drop=drop, code=code)
+    src = READ_CHILD.format(path=str(path), drop=drop, drop_src=DROP_SRC, code=code)
     p = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     seen_blocked = 0
@@ -520,23 +487,26 @@ OPS = sorted(READS)
 
 @pytest.mark.parametrize("which,op", OPS)
 def test_unreadable_shard_fails_naming_it(datasets, which, op):
-    need_root_for_setuid()
+    drop = must_drop()  # chmod 000 binds an ordinary user; root reads it as nobody
     _, paths, shards = datasets
     shard = shards[which]
+    before = dataset_snapshot(which, paths[which])
     os.chmod(shard, 0)
-    res = read_in_child(paths[which], READS[which, op], drop=True)
+    res = read_in_child(paths[which], READS[which, op], drop=drop)
     r = expect_clear_error(which, op, res, paths[which], shard, "Permission denied")
     if r is not None:
         mro, msg = r
-        assert "PermissionError" in mro and "ShardkitError" in mro, (mro, msg)
+        assert mro[0] == "PermissionDeniedError" and "PermissionError" in mro and "ShardkitError" in mro, (mro, msg)
+    os.chmod(shard, 0o644)
+    assert dataset_snapshot(which, paths[which]) == before, "a failed read changed the dataset"
 
 
 def test_io_errors_are_the_matching_oserror_subclass(datasets):
-    need_root_for_setuid()
+    drop = must_drop()
     _, paths, shards = datasets
     for which in ("saev", "eagle3", "flat_tokens", "sdnb"):
         os.chmod(shards[which], 0)
-        kind, detail = read_in_child(paths[which], READS[which, "open"], drop=True)
+        kind, detail = read_in_child(paths[which], READS[which, "open"], drop=drop)
         assert kind == "error", (which, kind, detail)
         mro, msg = detail
         assert mro[:2] == ["PermissionDeniedError", "ShardkitOSError"] and "PermissionError" in mro, f"{which}: {mro}: {msg}"
@@ -575,12 +545,14 @@ def test_symlinked_shard_reads_through_the_link(datasets, which, op):
     elsewhere = os.path.join(parent, "elsewhere")
     os.makedirs(elsewhere, exist_ok=True)
     copy = os.path.join(elsewhere, os.path.basename(shard) + ".copy")
+    with open(shard, "rb") as f:
+        original = hashlib.sha256(f.read()).hexdigest()
     shutil.copy2(shard, copy)
     os.remove(shard)
     os.symlink(copy, shard)
+    with open(copy, "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == original  # the link's target is the shard's bytes
     got = read_in_child(paths[which], READS[which, op])
-    if got[0] == "error":
-        # A refusal is acceptable only as a clear error naming the link.
-        expect_clear_error(which, op, got, paths[which], shard)
-    else:
-        assert got == expected, f"{which} {op}: read {got} through the symlink, expected {expected}"
+    # The read succeeds (a refusal fails this test) and serves exactly what the shard held.
+    assert got[0] != "error", f"{which} {op}: refused the symlinked shard: {got[1]}"
+    assert got == expected, f"{which} {op}: read {got} through the symlink, expected {expected}"

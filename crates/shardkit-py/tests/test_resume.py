@@ -90,7 +90,7 @@ def loop(loader, start_epoch, stop=None, epoch_of=None):
 
 def same_batches(got, want):
     assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert sorted(g) == sorted(w), i
         for k in w:
             np.testing.assert_array_equal(g[k], w[k], err_msg=f"batch {i}, {k}")

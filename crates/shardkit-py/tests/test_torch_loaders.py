@@ -3,6 +3,8 @@ through the loader's own memory (CPU) or through torch-allocated host buffers le
 engine and copied from (the path CUDA takes with pinned buffers; here with plain ones), with
 resumable state, recycled buffers and faults that surface as exceptions."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -61,11 +63,27 @@ def reference(which, tmp_path, epochs=1):
 def test_cpu_batches_share_the_loaders_memory(tmp_path, which):
     args, kw, (ref,) = reference(which, tmp_path)
     dl = DEVICE[which](*args, device="cpu", **kw)
-    assert len(dl) == len(ref)
+    assert len(dl) == len(ref) and dl.host_buffers is None
+    # Keep the host loader's own batches (what it handed to the device loader) to compare
+    # addresses with: each tensor must be that memory, not a copy of it.
+    host_batches = []
+    host_iter = dl._host_batches
+
+    def recording():
+        for b in host_iter():
+            host_batches.append(b)
+            yield b
+
+    dl._host_batches = recording
     got = list(dl)
-    assert len(got) == len(ref)
-    for b, r in zip(got, ref):
+    assert len(got) == len(ref) == len(host_batches)
+    for b, r, h in zip(got, ref, host_batches, strict=True):
         same(b, r)
+        assert sorted(h) == sorted(b)
+        for k, a in h.items():
+            t = b[k]
+            assert t.data_ptr() == a.__array_interface__["data"][0], k
+            assert np.shares_memory(numpy_of(t), host_bits(a)), k
 
 
 @pytest.mark.parametrize("which", FORMATS)
@@ -77,7 +95,7 @@ def test_lent_buffers_give_the_same_batches_epoch_after_epoch(tmp_path, which):
         dl.set_epoch(e if which != "flat_tokens" else 0)
         got = list(dl)
         assert len(got) == len(epoch) > 3
-        for b, r in zip(got, epoch):
+        for b, r in zip(got, epoch, strict=True):
             same(b, r)
 
 
@@ -114,7 +132,7 @@ def test_state_dict_counts_only_batches_handed_out(tmp_path, which, host_buffers
     for loader in (fresh, dl):
         rest = list(loader)
         assert len(rest) == len(ref) - k
-        for b, r in zip(rest, ref[k:]):
+        for b, r in zip(rest, ref[k:], strict=True):
             same(b, r)
 
 
@@ -126,7 +144,7 @@ def test_saev_sequential_order(tmp_path):
     ref = [{k: np.array(v) for k, v in b.items()} for b in saev.OrderedLoader(*args, **kw)]
     got = list(sktorch.SaevLoader(*args, order="sequential", device="cpu", host_buffers="plain", **kw))
     assert len(got) == len(ref) == 48 * 16 // 32
-    for b, r in zip(got, ref):
+    for b, r in zip(got, ref, strict=True):
         same(b, r)
     with pytest.raises(shardkit.InvalidArgumentError, match="apply to shuffled orders only"):
         sktorch.SaevLoader(*args, order="sequential", seed=1, device="cpu", **kw)
@@ -147,9 +165,9 @@ def test_a_fault_in_the_engine_is_an_exception(tmp_path, which):
 
 def test_bad_arguments(tmp_path):
     args, kw = DATA["saev"](tmp_path)
-    with pytest.raises(ValueError, match="num_buffers must be at least 3"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="num_buffers must be at least 3"):
         sktorch.SaevLoader(*args, device="cpu", host_buffers="plain", num_buffers=2, **kw)
-    with pytest.raises(ValueError, match="host_buffers must be"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="host_buffers must be"):
         sktorch.SaevLoader(*args, device="cpu", host_buffers="shared", **kw)
     if not torch.cuda.is_available():
         with pytest.raises(shardkit.InvalidArgumentError, match="torch sees no CUDA device"):
@@ -165,7 +183,7 @@ def test_cuda_batches_equal_the_host_loaders(tmp_path, which):
         dl.set_epoch(e if which != "flat_tokens" else 0)
         got = list(dl)
         assert len(got) == len(epoch)
-        for b, r in zip(got, epoch):
+        for b, r in zip(got, epoch, strict=True):
             assert all(t.is_cuda for t in b.values())
             same(b, r)
     assert all(t.is_pinned() for t in dl._buffers.tensors)
@@ -206,7 +224,7 @@ def _ids(which, b):
     """What identifies a batch's rows: (example, token) for saev, the tokens of each row for
     flat-tokens, the input ids of each sample for EAGLE-3."""
     if which == "saev":
-        return list(zip(b["example_idx"].tolist(), b["token_idx"].tolist()))
+        return list(zip(b["example_idx"].tolist(), b["token_idx"].tolist(), strict=True))
     if which == "flat_tokens":
         return [tuple(r) for r in b["inputs"].tolist()]
     return [tuple(r) for r in b["input_ids"].tolist()]
@@ -226,11 +244,21 @@ def test_datasets_split_ranks_and_workers_without_duplicates(tmp_path, which):
         for b in dl:
             assert all(isinstance(v, torch.Tensor) for v in b.values())
             seen += _ids(which, b)
+    assert len(want) > 0
+    if which != "flat_tokens":  # packed token rows can repeat; (example, token) and samples cannot
+        assert len(set(want)) == len(want)
+    counts, once = Counter(seen), Counter(want)
+    assert not once - counts, f"rows never served: {sorted(once - counts)[:5]}"
+    extra = counts - once
     if which == "eagle3":
-        # DistributedSampler semantics: each part is padded to the same length by wrapping.
-        assert set(seen) == set(want) and len(seen) >= len(want)
+        # DistributedSampler semantics: each rank's part is padded to ceil(N / 2) samples by
+        # wrapping to the start of the epoch's order, so exactly (-N) % 2 samples come twice
+        # (none for this dataset's 24 samples) and no sample more than twice.
+        pad = -len(want) % 2
+        assert sum(extra.values()) == pad and all(c == 1 for c in extra.values()), extra
     else:
-        assert sorted(seen) == want
+        assert not extra, f"rows served more than once: {sorted(extra)[:5]}"
+    assert sorted(seen) == sorted(want + list(extra.elements()))
 
 
 @pytest.mark.parametrize("which", FORMATS)

@@ -16,9 +16,10 @@ uninterrupted save takes, or events seen on disk (a temporary appeared, the targ
 
 shardkit's checksums sidecar (`*.checksums.json`) is part of the exact bytes; where a writer
 publishes it after its commit point, a state missing it is named and accepted as in the CLI
-tests (EAGLE-3), or reported as the bug it is (a sidecar that does not match the data present).
-Known bugs found this way end their test in xfail only on their exact symptom, after every other
-check, so the tests pass unchanged once they are fixed.
+tests (EAGLE-3); a sidecar that does not match the data present fails the test.
+
+The kill points are fixed (markers and delays listed below), not drawn at random: a failure
+reruns with the same parameters.
 """
 
 import os
@@ -625,7 +626,7 @@ def test_sdnb_save_killed_leaves_the_old_state_or_the_whole_container(tmp_path, 
                 with sdnb.open(d / name) as m:
                     np.testing.assert_array_equal(m["big.0"], old_tensors["big.0"])
             else:
-                with pytest.raises(FileNotFoundError):
+                with pytest.raises(shardkit.NotFoundError, match="no such file"):
                     sdnb.open(d / name)
             expected = old if overwrite else {}
         elif data == data_files(ref):

@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
 
 SAEV_MD = {
@@ -46,7 +47,7 @@ def test_a_killed_writer_leaves_no_lock(tmp_path):
         path = child.stdout.readline().strip()
         assert path, "the child writer did not start"
         before = snapshot(path)
-        with pytest.raises(BlockingIOError) as e:
+        with pytest.raises(shardkit.LockedError) as e:
             saev.Writer(tmp_path, SAEV_MD, resume=True, progress=False)
         assert path in str(e.value) and f"pid {child.pid}" in str(e.value)
         assert snapshot(path) == before
@@ -63,7 +64,7 @@ def test_a_killed_writer_leaves_no_lock(tmp_path):
 def test_second_writers_in_one_process_are_refused(tmp_path):
     me = f"pid {os.getpid()}"
     with saev.Writer(tmp_path / "s", SAEV_MD, progress=False) as w:
-        with pytest.raises(BlockingIOError, match=me):
+        with pytest.raises(shardkit.LockedError, match=me):
             saev.Writer(tmp_path / "s", SAEV_MD, resume=True, progress=False)
         w.write(np.zeros((10, 1, 4, 8), dtype=np.float32))
 
@@ -71,14 +72,14 @@ def test_second_writers_in_one_process_are_refused(tmp_path):
          "dtype": "bf16", "num_samples": 2, "shard_size": 2, "aux_hidden_dim": 3,
          "aux_layer_ids": [1, 2, 3], "selected_token_ids": [0, 1, 2, 3]}
     first = eagle3.Writer(tmp_path / "e", m)
-    with pytest.raises(BlockingIOError, match=me):
+    with pytest.raises(shardkit.LockedError, match=me):
         eagle3.Writer(tmp_path / "e", m, resume=True)
     first.abort()
     del first
 
     with flat_tokens.Writer(tmp_path / "t.zarr", "train", progress=False) as t:
         t.append([[1, 2, 3]])
-        with pytest.raises(BlockingIOError, match=me):
+        with pytest.raises(shardkit.LockedError, match=me):
             flat_tokens.Writer(tmp_path / "t.zarr", "validation", progress=False)
 
     target = str(tmp_path / "m.sdnb")
@@ -86,7 +87,7 @@ def test_second_writers_in_one_process_are_refused(tmp_path):
 
     def progress(done, total):
         if not seen:
-            with pytest.raises(BlockingIOError, match=me) as e:
+            with pytest.raises(shardkit.LockedError, match=me) as e:
                 sdnb.save(target, {"w": np.ones((4, 4), dtype=np.float32)})
             seen.append(str(e.value))
 

@@ -433,9 +433,11 @@ fn topk_caches_expand_to_full_width() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("c");
     let cfg = config(5, 2, 4, 6, 16, "bf16", Some(3));
+    let err =
+        Writer::create(&dir, &cfg, WriterOptions::default()).expect_err("top-k needs version 2");
     assert!(
-        Writer::create(&dir, &cfg, WriterOptions::default()).is_err(),
-        "top-k needs version 2"
+        matches!(&err, Error::Invalid(m) if m.contains("top")),
+        "{err:?}"
     );
     write_cache(&dir, &cfg, 2, 2);
     let c = Cache::open(&dir).unwrap();
@@ -773,7 +775,11 @@ fn the_sampler_follows_distributed_sampler_and_batches_match_items() {
         [batches[2].indices.clone(), batches[3].indices.clone()]
     );
     let mut other = Loader::new(cache, opts(0, 2, true, false, 0)).unwrap();
-    assert!(other.load_state(st).is_err(), "another world size");
+    let err = other.load_state(st).unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("world")),
+        "another world size: {err:?}"
+    );
 }
 
 #[test]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use shardkit::flat_tokens::decode::decode;
 use shardkit::flat_tokens::{Split, ZarrFormat};
+use shardkit::Error;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -67,7 +68,11 @@ fn bad_requests_are_clear_errors() {
     let err = Split::open(fixture(), "test").unwrap_err().to_string();
     assert!(err.contains("train") && err.contains("validation"), "{err}");
     let tmp = tempfile::tempdir().unwrap();
-    assert!(Split::open(tmp.path().join("absent.zarr"), "train").is_err());
+    let err = Split::open(tmp.path().join("absent.zarr"), "train").expect_err("absent.zarr");
+    assert!(
+        matches!(&err, Error::NotFound { path, .. } if path.ends_with("absent.zarr")),
+        "{err:?}"
+    );
     std::fs::create_dir(tmp.path().join("empty.zarr")).unwrap();
     let err = Split::open(tmp.path().join("empty.zarr"), "train")
         .unwrap_err()
@@ -90,7 +95,8 @@ fn bad_requests_are_clear_errors() {
         "{err}"
     );
     let s = Split::open(fixture(), "train").unwrap();
-    assert!(s.encoded(264_990..264_993).is_err());
+    let err = s.encoded(264_990..264_993).unwrap_err();
+    assert!(matches!(err, Error::OutOfRange { .. }), "{err:?}");
 }
 
 fn copy_tree(from: &Path, to: &Path) {
@@ -169,7 +175,18 @@ fn loader_serves_seqax_rows_with_absolute_offsets() {
     // Any step straight away equals the same step of a fresh loader.
     let fresh = TokenLoader::new(Split::open(fixture(), "train").unwrap(), a.clone()).unwrap();
     assert_eq!(fresh.load(63).unwrap(), l.load(63).unwrap());
-    assert!(l.load(64).is_err(), "past the end without epochs");
+    let err = l.load(64).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                index: 64,
+                len: 64,
+                ..
+            }
+        ),
+        "past the end without epochs: {err:?}"
+    );
 
     // Unpacked over several read blocks (seqax fails here: bug a), documents truncated to len.
     let mut up = options(300, 8, 1, 4, 16, 3);
@@ -227,7 +244,12 @@ fn hosts_split_each_step_and_read_only_their_streams() {
     }
     let mut bad = base.clone();
     bad.host_count = 3;
-    assert!(TokenLoader::new(Split::open(fixture(), "train").unwrap(), bad).is_err());
+    let err =
+        TokenLoader::new(Split::open(fixture(), "train").unwrap(), bad).expect_err("host_count 3");
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("host_count")),
+        "{err:?}"
+    );
 }
 
 #[test]

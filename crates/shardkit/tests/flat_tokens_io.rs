@@ -5,6 +5,7 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use shardkit::flat_tokens::{Layout, LoaderOptions, Sharded, Split, TokenLoader, Writer};
@@ -16,6 +17,9 @@ use zarrs::storage::{MaybeBytesIterator, ReadableStorageTraits, StorageError, St
 struct Counting {
     inner: FilesystemStore,
     reads: Mutex<Vec<(String, ByteRange)>>,
+    /// While set, a read made while a read-ahead thread is alive waits (see
+    /// [`read_ahead_threads`]): that thread cannot finish, so it is seen.
+    hold_read_ahead: std::sync::atomic::AtomicBool,
 }
 
 impl ReadableStorageTraits for Counting {
@@ -25,6 +29,9 @@ impl ReadableStorageTraits for Counting {
         byte_ranges: ByteRangeIterator<'a>,
     ) -> Result<MaybeBytesIterator<'a>, StorageError> {
         let ranges: Vec<ByteRange> = byte_ranges.collect();
+        while self.hold_read_ahead.load(Ordering::SeqCst) && read_ahead_threads() > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         self.reads
             .lock()
             .unwrap()
@@ -66,6 +73,7 @@ fn counted(root: &Path) -> (Arc<Counting>, Split) {
     let store = Arc::new(Counting {
         inner: FilesystemStore::new(root).unwrap(),
         reads: Mutex::default(),
+        hold_read_ahead: Default::default(),
     });
     let split = Split::open_in_store(store.clone(), root, "train").unwrap();
     store.reads.lock().unwrap().clear();
@@ -86,6 +94,30 @@ fn sharded_16_256() -> (tempfile::TempDir, std::path::PathBuf) {
         }),
     );
     (tmp, root)
+}
+
+/// This process's threads: id and name.
+fn threads() -> std::collections::BTreeMap<String, String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| {
+            let t = t.ok()?;
+            let name = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            Some((
+                t.file_name().to_string_lossy().into_owned(),
+                name.trim_end().to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// Live threads reading a shuffle buffer ahead (`shardkit-buffer`; a thread takes its name
+/// when it starts, before it reads).
+fn read_ahead_threads() -> usize {
+    threads()
+        .values()
+        .filter(|name| *name == "shardkit-buffer")
+        .count()
 }
 
 fn options() -> LoaderOptions {
@@ -354,6 +386,7 @@ fn streaming_reads_the_next_minipochs_buffer_ahead_and_load_does_not() {
     let reads = |store: &Counting| store.reads.lock().unwrap().len();
     // A direct load reads its minipoch's buffer, and nothing more after it returns.
     let (store, split) = counted(&root);
+    store.hold_read_ahead.store(true, Ordering::SeqCst);
     let loader = TokenLoader::new(split, o.clone()).unwrap();
     let schedule = loader.schedule();
     assert!(schedule.minipochs() >= 3);
@@ -361,16 +394,31 @@ fn streaming_reads_the_next_minipochs_buffer_ahead_and_load_does_not() {
         (0..8).all(|b| schedule.buffer_of(7, b).0 == 0),
         "steps 0..8 in minipoch 0"
     );
+    // The last step first: it starts the loader's threads, and has no minipoch after it.
+    loader.load(loader.step_count() - 1).unwrap();
+    let (before, warm) = (threads(), reads(&store));
     loader.load(0).unwrap();
-    let first_minipoch = reads(&store);
+    // A read ahead runs on a thread `load` would start, and the store holds its reads while it
+    // is alive (`hold_read_ahead`), so it would still be listed after `load` returned. Only
+    // `load`'s own fetch lanes may be, joined but not yet gone from /proc.
+    let started: Vec<String> = threads()
+        .into_iter()
+        .filter(|(id, name)| !before.contains_key(id) && name != "shardkit-fetch")
+        .map(|(id, name)| format!("{id} {name}"))
+        .collect();
+    assert!(
+        started.is_empty(),
+        "load started threads (a read ahead): {started:?}"
+    );
+    let first_minipoch = reads(&store) - warm;
     assert!(first_minipoch > 0);
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    assert_eq!(reads(&store), first_minipoch, "load read ahead");
     // Streaming: after the first batch, minipoch 1's buffer is read without being asked for.
     let (store, split) = counted(&root);
     let loader = TokenLoader::new(split, o).unwrap();
     let mut it = loader.iter(0);
     let first = it.next().unwrap().unwrap();
+    // Waits for the read ahead's first request: it comes with no further step asked for. (The
+    // deadline only turns a missing read ahead into a failure instead of a hang.)
     let t0 = std::time::Instant::now();
     while reads(&store) <= first_minipoch {
         assert!(

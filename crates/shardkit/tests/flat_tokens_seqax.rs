@@ -5,6 +5,7 @@ use std::path::Path;
 
 use shardkit::flat_tokens::seqax::{perm, seed_sequence_key, Philox, Schedule, ShuffleParams};
 use shardkit::json::{self, Value};
+use shardkit::Error;
 
 const TRAIN_TOKENS: u64 = 264_992;
 const TRAIN_DOCS: u64 = 512;
@@ -115,19 +116,54 @@ fn every_sequence_of_an_epoch_is_used_once_and_steps_are_pure() {
         sequences_per_read_block: 7,
         seed: 42,
     };
+    // Every sequence of the epoch's read blocks exactly once: with batch 6 the 294 read blocks
+    // of 7 (2058 of the 2070 sequences: whole blocks on each of 3 streams) fill 343 steps
+    // exactly, the last minipoch's buffers being short (2 blocks a stream, not 4).
+    let exact = Schedule::new(2070, ShuffleParams { batch: 6, ..p }).unwrap();
+    assert_eq!((exact.read_blocks(), exact.step_count()), (294, 343));
+    let mut all: Vec<u64> = (0..exact.step_count())
+        .flat_map(|t| exact.step(t).unwrap())
+        .collect();
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (0..294 * 7).collect::<Vec<u64>>(),
+        "each sequence once"
+    );
+    // With batch 12, 171 steps use 2052 of the 2058: distinct, all from the read blocks.
     let sched = Schedule::new(2070, p).unwrap();
+    assert_eq!((sched.read_blocks(), sched.step_count()), (294, 171));
     let mut all: Vec<u64> = (0..sched.step_count())
         .flat_map(|t| sched.step(t).unwrap())
         .collect();
-    let n = all.len() as u64;
+    assert_eq!(all.len(), 171 * 12);
     all.sort_unstable();
     all.dedup();
-    assert_eq!(all.len() as u64, n, "no sequence twice");
-    assert!(all.iter().all(|&s| s < sched.read_blocks() * 7));
+    assert_eq!(all.len(), 171 * 12, "no sequence twice");
+    assert!(all.iter().all(|&s| s < 294 * 7));
     // A fresh schedule's step k equals step k after walking 0..k (resume needs only k).
     let fresh = Schedule::new(2070, p).unwrap();
     assert_eq!(fresh.step(170).unwrap(), sched.step(170).unwrap());
-    assert!(sched.step(sched.step_count()).is_err());
-    assert!(Schedule::new(2070, ShuffleParams { batch: 13, ..p }).is_err());
-    assert!(Schedule::new(5, p).is_err());
+    let err = sched.step(171).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                what: "step",
+                index: 171,
+                len: 171
+            }
+        ),
+        "{err:?}"
+    );
+    let err = Schedule::new(2070, ShuffleParams { batch: 13, ..p }).unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("batch 13 must be a multiple of streams 3")),
+        "{err:?}"
+    );
+    let err = Schedule::new(5, p).unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("5 sequences make no full read block of 7")),
+        "{err:?}"
+    );
 }

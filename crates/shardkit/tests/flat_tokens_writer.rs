@@ -301,7 +301,12 @@ fn refusals_leave_the_disk_untouched() {
     // Another format than the dataset's.
     let err = Writer::create(&root, "validation", opts(Layout::default())).unwrap_err();
     assert!(err.to_string().contains("zarr v2"), "{err}");
-    assert!(Writer::create(&root, "test", WriterOptions::default()).is_err());
+    let err =
+        Writer::create(&root, "test", WriterOptions::default()).expect_err("not a split name");
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains(r#"split must be "train" or "validation", got "test""#)),
+        "{err:?}"
+    );
     assert_eq!(before, tree(&root));
     // Not a zarr group, or not a directory.
     let other = tmp.path().join("other");
@@ -312,7 +317,12 @@ fn refusals_leave_the_disk_untouched() {
     assert_eq!(tree(&other).len(), 1);
     let file = tmp.path().join("file");
     std::fs::write(&file, "x").unwrap();
-    assert!(Writer::create(&file, "train", WriterOptions::default()).is_err());
+    let err = Writer::create(&file, "train", WriterOptions::default())
+        .expect_err("a file, not a directory");
+    assert!(
+        matches!(&err, Error::Exists { path, why } if path == &file && why.contains("not a directory")),
+        "{err:?}"
+    );
     // Two writers at once.
     let _w = Writer::create(&root, "validation", WriterOptions::default()).unwrap();
     let err = Writer::create(

@@ -165,7 +165,18 @@ fn token_modes_enumerate_like_saev_with_the_special_fix() {
     let row = content.get(9).unwrap(); // example 2, content token 1 (slot 2)
     assert_eq!((row.example_idx, row.token_idx), (2, 1));
     assert_eq!(row.act[0], coded(2, 0, 2, 0));
-    assert!(content.get(28).is_err());
+    let err = content.get(28).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                index: 28,
+                len: 28,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
 
     let special = ds.indexed(-1, TokenMode::Special).unwrap();
     assert_eq!(special.len(), 7);
@@ -182,7 +193,13 @@ fn token_modes_enumerate_like_saev_with_the_special_fix() {
     assert_eq!((row.example_idx, row.token_idx), (1, -1));
 
     let c = Dataset::open(fixtures().join(C_21)).unwrap();
-    assert!(c.indexed(3, TokenMode::Special).is_err());
+    let err = c
+        .indexed(3, TokenMode::Special)
+        .expect_err("no special token");
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("special")),
+        "{err:?}"
+    );
     let content = c.indexed(3, TokenMode::Content).unwrap();
     assert_eq!(content.len(), 20);
     let labels: Vec<u8> = (0..20)
@@ -200,7 +217,18 @@ fn take_returns_rows_in_request_order() {
         let slot = if layer == -2 { 0 } else { 1 };
         assert_eq!(out[i * 8 + 3], coded(e, slot, t, 3));
     }
-    assert!(ds.take(&[(7, -1, 0)]).is_err());
+    let err = ds.take(&[(7, -1, 0)]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::OutOfRange {
+                what: "example",
+                index: 7,
+                len: 7
+            }
+        ),
+        "{err:?}"
+    );
 }
 
 /// Writes a fixture's case with shardkit and returns the new directory.

@@ -8,6 +8,7 @@ use shardkit::json;
 use shardkit::saev::{
     Batch, LayerSel, Loader, LoaderOptions, Metadata, TokenMode, Writer, WriterOptions,
 };
+use shardkit::Error;
 
 /// 37 examples, layers [7, -3], 5 content tokens + CLS, d 4, 3 examples per shard, labels.
 fn dataset(root: &Path) -> PathBuf {
@@ -265,23 +266,42 @@ fn all_layers_special_tokens_and_ignored_labels() {
 fn bad_options_are_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = dataset(tmp.path());
-    let err = Loader::new(&dir, LoaderOptions::new(LayerSel::Value(5))).unwrap_err();
-    assert!(err.to_string().contains("[7, -3]"), "{err}");
+    // Each refusal is the documented kind (an absent layer is Missing, a bad option Invalid)
+    // and says what was wrong.
+    let err = Loader::new(&dir, LoaderOptions::new(LayerSel::Value(5)))
+        .expect_err("layer 5 is not recorded");
+    assert!(
+        matches!(&err, Error::Missing(m) if m.contains("5") && m.contains("[7, -3]")),
+        "{err:?}"
+    );
     let mut o = opts(Order::Block);
     o.memory_budget = Some(10);
-    assert!(Loader::new(&dir, o)
-        .unwrap_err()
-        .to_string()
-        .contains("too small"));
+    let err = Loader::new(&dir, o).expect_err("a 10-byte budget");
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("too small")),
+        "{err:?}"
+    );
     let mut o = opts(Order::Block);
     o.rank = Some(3);
     o.world_size = Some(3);
-    assert!(Loader::new(&dir, o).is_err());
+    let err = Loader::new(&dir, o).expect_err("rank 3 of 3");
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("rank") && m.contains('3')),
+        "{err:?}"
+    );
     let mut o = opts(Order::Block);
     o.batch_size = 0;
-    assert!(Loader::new(&dir, o).is_err());
+    let err = Loader::new(&dir, o).expect_err("batch_size 0");
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("batch_size")),
+        "{err:?}"
+    );
     let mut l = Loader::new(&dir, opts(Order::Block)).unwrap();
     let mut st = l.state();
     st.global_batch_size = 9;
-    assert!(l.load_state(st).is_err());
+    let err = l.load_state(st).unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains('9') && m.contains('8')),
+        "{err:?}"
+    );
 }

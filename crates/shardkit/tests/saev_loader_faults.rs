@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use shardkit::engine::Order;
 use shardkit::json;
 use shardkit::saev::{LayerSel, Loader, LoaderOptions, Metadata, Writer, WriterOptions};
+use shardkit::Error;
 
 /// `n` examples of 1 layer x 64 tokens x 256 dims (64 KiB each), `eps` per shard.
 fn dataset(root: &Path, n: u64, eps: u64) -> PathBuf {
@@ -64,8 +65,12 @@ fn a_shard_that_shrinks_or_vanishes_is_an_error_naming_it() {
             "{order:?}: {msg}"
         );
 
-        let loader = Loader::new(&dir, opts(order, 1 << 20));
-        assert!(loader.is_err(), "a truncated dataset is refused at open");
+        let err = Loader::new(&dir, opts(order, 1 << 20))
+            .expect_err("a truncated dataset is refused at open");
+        assert!(
+            matches!(&err, Error::Format { path, .. } if path.ends_with("acts000002.bin")),
+            "{order:?}: {err:?}"
+        );
 
         let tmp = tempfile::tempdir().unwrap();
         let dir = dataset(tmp.path(), 64, 16);

@@ -9,6 +9,7 @@ use shardkit::sdnb::{
     self, convert, open, save, set_metadata, DType, Format, Kind, Order, SaveOptions, Storage,
     TensorIn, VarType,
 };
+use shardkit::Error;
 
 /// Deterministic bytes, with NaN payloads and subnormals sprinkled in for float types.
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
@@ -392,12 +393,16 @@ fn metadata_edits_stay_inside_the_slack_or_rewrite_on_request() {
     assert_eq!(c.meta("author"), Some("Ada"));
 
     // Forced keys are not editable.
-    assert!(set_metadata(
+    let err = set_metadata(
         &p,
         &[("nd4j.format.version".into(), Some("2".into()))],
-        true
+        true,
     )
-    .is_err());
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::Invalid(m) if m.contains("nd4j.format.version")),
+        "{err:?}"
+    );
 }
 
 fn check_meta(p: &Path, sp: &[Spec], d: &[Vec<u8>]) -> sdnb::Container {

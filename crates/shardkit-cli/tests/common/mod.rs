@@ -13,13 +13,38 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_shardkit");
 /// xorshift64*: a reproducible stream of kill delays from the seed a test prints.
 pub struct Rng(pub u64);
 
+/// The variable that replays a run's kill points: `SHARDKIT_TEST_SEED=<seed>`.
+pub const SEED_VAR: &str = "SHARDKIT_TEST_SEED";
+
 impl Rng {
-    /// Seeded from the clock (the test prints the seed, so a failure can be replayed).
-    pub fn from_clock() -> Rng {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64);
-        Rng(nanos | 1)
+    /// Seeded from `SHARDKIT_TEST_SEED` (decimal, or hex with `0x`) when set, otherwise from the
+    /// clock. Returns the seed too, and prints it first thing on standard error (shown with a
+    /// failing test), so a failure reruns with the same kill points: the same delays, as the
+    /// same fractions of the uninterrupted run's time measured in that run.
+    pub fn seeded() -> (Rng, u64) {
+        let seed = match std::env::var(SEED_VAR) {
+            Ok(v) => {
+                let v = v.trim();
+                let parsed = match v.strip_prefix("0x") {
+                    Some(hex) => u64::from_str_radix(hex, 16),
+                    None => v.parse(),
+                };
+                parsed.unwrap_or_else(|e| panic!("{SEED_VAR}={v:?}: not a u64 ({e})"))
+            }
+            Err(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
+        };
+        eprintln!("kill points from seed {seed}: rerun with {SEED_VAR}={seed}");
+        // xorshift's state must not be 0.
+        (
+            Rng(if seed == 0 {
+                0x9e37_79b9_7f4a_7c15
+            } else {
+                seed
+            }),
+            seed,
+        )
     }
     pub fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;

@@ -450,14 +450,20 @@ mod tests {
         let a = pool.get_or_wait(8000, &stop).unwrap();
         let b = pool.get_or_wait(100, &stop).unwrap();
         assert!(regions.iter().any(|r| std::ptr::eq(r.0, a.as_ptr())));
+        let err = pool
+            .get_or_wait(9000, &stop)
+            .expect_err("larger than any buffer");
         assert!(
-            pool.get_or_wait(9000, &stop).is_err(),
-            "larger than any buffer"
+            matches!(&err, Error::Invalid(m) if m.starts_with("a batch of 9000 bytes does not fit")),
+            "{err:?}"
         );
         stop.store(true, Ordering::Relaxed);
+        let err = pool
+            .get_or_wait(10, &stop)
+            .expect_err("all in use and stopped");
         assert!(
-            pool.get_or_wait(10, &stop).is_err(),
-            "all in use and stopped"
+            matches!(&err, Error::Invalid(m) if m == "the loader was stopped"),
+            "{err:?}"
         );
         stop.store(false, Ordering::Relaxed);
         let p = a.as_ptr();

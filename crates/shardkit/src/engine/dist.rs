@@ -60,7 +60,13 @@ mod tests {
     #[test]
     fn explicit_values_win_and_are_checked() {
         assert_eq!(rank_and_world(Some(2), Some(4)).unwrap(), (2, 4));
-        assert!(rank_and_world(Some(4), Some(4)).is_err());
-        assert!(rank_and_world(Some(0), Some(0)).is_err());
+        for (rank, world) in [(4, 4), (0, 0)] {
+            let err = rank_and_world(Some(rank), Some(world)).unwrap_err();
+            let want = format!("rank {rank} must be below world_size {world}");
+            assert!(
+                matches!(&err, Error::Invalid(m) if m.starts_with(&want)),
+                "{err:?}"
+            );
+        }
     }
 }

@@ -132,6 +132,10 @@ mod tests {
             .contains("version 2"));
         let mut neg = b;
         neg[8] = 0x80;
-        assert!(Header::parse(&neg, 5_309_867, Path::new("f")).is_err());
+        let err = Header::parse(&neg, 5_309_867, Path::new("f")).unwrap_err();
+        assert!(
+            matches!(&err, Error::Format { path, .. } if path == Path::new("f")),
+            "{err:?}"
+        );
     }
 }

@@ -1146,7 +1146,11 @@ mod tests {
             );
             assert!(e.contains("not a shardkit cache"), "{e}");
             // Nor does anything that would write or evict there go ahead.
-            assert!(reserve(d, 10).is_err());
+            let e = reserve(d, 10).err().expect("not a shardkit cache");
+            assert!(
+                matches!(&e, Error::Invalid(m) if m.contains("not a shardkit cache")),
+                "{e:?}"
+            );
         }
         assert!(data.join("train.bin").exists() && target.join("debug/x").exists());
         assert!(!data.join(TAG).exists());
