@@ -19,6 +19,7 @@ from shardkit import eagle3, flat_tokens, saev, sdnb
 from shardkit.errors import InvalidArgumentError, InvalidArgumentTypeError, OutOfRangeError, ShardkitError
 from shardkit.saev import compat
 
+from _cli import shardkit_cli
 from _loaders import DATA
 
 torch = pytest.importorskip("torch")
@@ -382,14 +383,7 @@ def test_rank_world_from_the_environment(data, monkeypatch):
 
 # --- CLI inspect: text by default, JSON with --json, for every format -------------------
 
-def shardkit_bin():
-    exe = os.environ.get("SHARDKIT_BIN")
-    if exe and Path(exe).exists():
-        return exe
-    here = Path(__file__).resolve().parents[3] / "target" / "debug" / "shardkit"
-    if here.exists():
-        return os.fspath(here)
-    pytest.skip("no shardkit binary (set SHARDKIT_BIN)")
+shardkit_bin = shardkit_cli
 
 
 @pytest.mark.parametrize("which,cmd,key", [

@@ -13,6 +13,7 @@ import pytest
 import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
 
+from _cli import shardkit_cli
 from _loaders import DATA, HOST
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "fixtures")
@@ -87,9 +88,7 @@ def test_checksum_adds_a_sidecar_to_reference_data(tmp_path):
     assert sidecar == os.fspath(ds / "shardkit.checksums.json")
     assert shardkit.verify(ds)["intact"]
     # The CLI agrees: validate --deep passes, then names the damaged file after a flip.
-    cli = os.environ.get("SHARDKIT_BIN") or os.path.join(os.path.dirname(__file__), "..", "..", "..", "target", "debug", "shardkit")
-    if not os.path.exists(cli):
-        pytest.skip(f"no shardkit CLI at {cli} (scripts/test builds it first)")
+    cli = shardkit_cli()
     ok = subprocess.run([cli, "saev", "validate", "--deep", os.fspath(ds)], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     shard = sorted(p for p in os.listdir(ds) if p.startswith("acts"))[0]
@@ -101,13 +100,10 @@ def test_checksum_adds_a_sidecar_to_reference_data(tmp_path):
 
 # --- shardkit's own edits keep the sidecar true (issue 32, class 1) -------------------------------
 
-CLI = os.environ.get("SHARDKIT_BIN") or os.path.join(os.path.dirname(__file__), "..", "..", "..", "target", "debug", "shardkit")
 
 
 def cli(*args, ok=True):
-    if not os.path.exists(CLI):
-        pytest.skip(f"no shardkit CLI at {CLI} (scripts/test builds it first)")
-    p = subprocess.run([CLI, *(os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in args)],
+    p = subprocess.run([shardkit_cli(), *(os.fspath(a) if isinstance(a, os.PathLike) else str(a) for a in args)],
                        capture_output=True, text=True)
     assert (p.returncode == 0) == ok, p.stdout + p.stderr
     return p

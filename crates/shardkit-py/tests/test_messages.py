@@ -18,6 +18,8 @@ import pytest
 import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
 
+from _cli import shardkit_cli
+
 FIXTURES = Path(__file__).resolve().parents[4] / "shared" / "fixtures" / "saev"
 A21 = FIXTURES / "v2.1" / "aa57b80c"
 C21 = FIXTURES / "v2.1" / "e64e5d2c"
@@ -125,11 +127,7 @@ def test_an_unreachable_s3_endpoint_names_it_and_the_variable():
     assert "set AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) to its URL" in out.stdout
 
 
-def cli() -> str:
-    exe = os.environ.get("SHARDKIT_BIN") or str(Path(__file__).parents[3] / "target" / "debug" / "shardkit")
-    if not os.path.exists(exe):
-        pytest.skip("no shardkit binary (set SHARDKIT_BIN)")
-    return exe
+cli = shardkit_cli
 
 
 @pytest.mark.parametrize("kind", ["tokens", "saev", "eagle3"])

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from shardkit import torch as sktorch  # noqa: E402
 
+from _cli import shardkit_cli  # noqa: E402
 from _loaders import eagle3_data, tokens_data  # noqa: E402
 
 E = 3  # epochs of the loop
@@ -395,11 +396,7 @@ def test_the_cli_stream_state_is_checked_and_old_states_load(tmp_path):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[3]
-    cands = [os.environ.get("SHARDKIT_BIN"), root / "target/release/shardkit", root / "target/debug/shardkit"]
-    exe = next((str(p) for p in cands if p and Path(p).exists()), None)
-    if exe is None:
-        pytest.skip("build the CLI first (cargo build -p shardkit-cli)")
+    exe = shardkit_cli()
     args, kw = DATA["saev"](tmp_path)
     common = ["saev", "stream", args[0], "--layer", "5", "--order", "block", "--seed", "3",
               "--memory-budget-mib", "1", "--batch-size", "10"]

@@ -26,6 +26,7 @@ import pytest
 import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
 
+from _cli import shardkit_cli
 from _s3 import HOLD_GUARD_S, S3, environment, free_port, range_bytes, slot_quarters
 
 HERE = Path(__file__).resolve().parent
@@ -2311,9 +2312,7 @@ def test_a_cache_is_made_only_where_it_may_evict_and_is_listed_and_cleared(
     cache = tmp_path / "cache"
     kw = dict(layer=11, batch_size=64, seed=2)
     want = batches(saev.ShuffledLoader(local, **kw))
-    cli = os.environ.get("SHARDKIT_BIN") or str(Path(__file__).parents[3] / "target" / "debug" / "shardkit")
-    if not os.path.exists(cli):
-        pytest.skip(f"no shardkit CLI at {cli} (scripts/test builds it first)")
+    cli = shardkit_cli()
     with environment({"SHARDKIT_CACHE_DIR": str(cache)}):
         same_batches(batches(saev.ShuffledLoader(url, **kw)), want)
         shardkit.wait_for_cache()
@@ -2550,12 +2549,6 @@ shardkit.wait_for_cache()
 
 # --- the CLI ------------------------------------------------------------------------------------
 
-
-def shardkit_cli() -> str:
-    cli = os.environ.get("SHARDKIT_BIN") or str(Path(__file__).parents[3] / "target" / "debug" / "shardkit")
-    if not os.path.exists(cli):
-        pytest.skip(f"no shardkit CLI at {cli} (scripts/test builds it first)")
-    return cli
 
 
 def test_the_cli_takes_store_urls_for_every_format(tmp_path: Path, s3: S3, env: Dict[str, str]) -> None:

@@ -15,6 +15,8 @@ import pytest
 
 import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
+
+from _cli import shardkit_cli
 from shardkit.errors import InvalidArgumentError, InvalidArgumentTypeError, ShardkitError
 
 torch = pytest.importorskip("torch")
@@ -428,11 +430,7 @@ def test_sdnb_keeps_torch_bf16_as_bf16(tmp_path):
 # ----------------------------------------------------------------------------------- CLI ---
 
 
-def _cli():
-    exe = os.environ.get("SHARDKIT_BIN") or os.path.join(os.path.dirname(__file__), "..", "..", "..", "target", "debug", "shardkit")
-    if not os.path.exists(exe):
-        pytest.skip("no shardkit binary (set SHARDKIT_BIN)")
-    return exe
+_cli = shardkit_cli
 
 
 def _eagle3_cli_write(tmp_path, b, dtype="fp32"):
