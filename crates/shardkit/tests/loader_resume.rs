@@ -9,35 +9,13 @@ use std::sync::Arc;
 
 use shardkit::engine::Order;
 use shardkit::json;
-use shardkit::saev::{self, LayerSel, Metadata, TokenMode, Writer, WriterOptions};
+use shardkit::saev::{self, LayerSel, TokenMode};
 use shardkit::Error;
+mod common;
 
 /// 29 examples, layers [3, 9], 4 content tokens + CLS, d 4, labels.
 fn saev_dataset(root: &Path) -> PathBuf {
-    let md = Metadata::for_writing(
-        &json::parse(
-            br#"{"family": "clip", "ckpt": "x", "layers": [3, 9], "content_tokens_per_example": 4,
-            "cls_token": true, "d_model": 4, "n_examples": 29, "max_tokens_per_shard": 40,
-            "data": "d", "dataset": "t", "protocol": "2.1"}"#,
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let mut w = Writer::create(root, md, WriterOptions::default()).unwrap();
-    let mut acts = Vec::new();
-    let mut labels = Vec::new();
-    for e in 0..29u64 {
-        for l in 0..2u64 {
-            for t in 0..5u64 {
-                for d in 0..4u64 {
-                    acts.push((1000 * e + 100 * l + 10 * t + d) as f32);
-                }
-            }
-        }
-        labels.extend((0..4).map(|c| ((e + c) % 3) as u8));
-    }
-    w.write(&acts, Some(&labels)).unwrap();
-    w.finish().unwrap()
+    common::coded_saev(root, 29, [3, 9], 4, 40, 3)
 }
 
 fn saev_opts(order: Order) -> saev::LoaderOptions {

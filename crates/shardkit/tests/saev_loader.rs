@@ -4,38 +4,13 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use shardkit::engine::Order;
-use shardkit::json;
-use shardkit::saev::{
-    Batch, LayerSel, Loader, LoaderOptions, Metadata, TokenMode, Writer, WriterOptions,
-};
+use shardkit::saev::{Batch, LayerSel, Loader, LoaderOptions, TokenMode};
 use shardkit::Error;
+mod common;
 
 /// 37 examples, layers [7, -3], 5 content tokens + CLS, d 4, 3 examples per shard, labels.
 fn dataset(root: &Path) -> PathBuf {
-    let md = Metadata::for_writing(
-        &json::parse(
-            br#"{"family": "clip", "ckpt": "x", "layers": [7, -3], "content_tokens_per_example": 5,
-            "cls_token": true, "d_model": 4, "n_examples": 37, "max_tokens_per_shard": 36,
-            "data": "d", "dataset": "t", "protocol": "2.1"}"#,
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let mut w = Writer::create(root, md, WriterOptions::default()).unwrap();
-    let mut acts = Vec::new();
-    let mut labels = Vec::new();
-    for e in 0..37u64 {
-        for l in 0..2u64 {
-            for t in 0..6u64 {
-                for d in 0..4u64 {
-                    acts.push((1000 * e + 100 * l + 10 * t + d) as f32);
-                }
-            }
-        }
-        labels.extend((0..5).map(|c| ((e + c) % 4) as u8));
-    }
-    w.write(&acts, Some(&labels)).unwrap();
-    w.finish().unwrap()
+    common::coded_saev(root, 37, [7, -3], 5, 36, 4)
 }
 
 fn opts(order: Order) -> LoaderOptions {

@@ -16,3 +16,40 @@ pub const CRASHED_20: &str =
 pub const A_21: &str = "v2.1/aa57b80c";
 pub const B_21: &str = "v2.1/1acdd127";
 pub const C_21: &str = "v2.1/e64e5d2c";
+
+/// A complete saev 2.1 dataset of `n_examples` under `root` (CLS + `content` tokens, d_model 4,
+/// two recorded layers), whose every value is coded from where it lies (1000 * example + 100 *
+/// layer + 10 * token + dimension) and whose labels are `(example + token) % label_mod`: a
+/// batch shows which rows it holds.
+pub fn coded_saev(
+    root: &Path,
+    n_examples: u64,
+    layers: [i64; 2],
+    content: u64,
+    max_tokens_per_shard: u64,
+    label_mod: u64,
+) -> PathBuf {
+    use shardkit::saev::{Metadata, Writer, WriterOptions};
+    let md = format!(
+        r#"{{"family": "clip", "ckpt": "x", "layers": [{}, {}], "content_tokens_per_example": {content},
+        "cls_token": true, "d_model": 4, "n_examples": {n_examples}, "max_tokens_per_shard": {max_tokens_per_shard},
+        "data": "d", "dataset": "t", "protocol": "2.1"}}"#,
+        layers[0], layers[1]
+    );
+    let md = Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap();
+    let mut w = Writer::create(root, md, WriterOptions::default()).unwrap();
+    let mut acts = Vec::new();
+    let mut labels = Vec::new();
+    for e in 0..n_examples {
+        for l in 0..2u64 {
+            for t in 0..=content {
+                for d in 0..4u64 {
+                    acts.push((1000 * e + 100 * l + 10 * t + d) as f32);
+                }
+            }
+        }
+        labels.extend((0..content).map(|c| ((e + c) % label_mod) as u8));
+    }
+    w.write(&acts, Some(&labels)).unwrap();
+    w.finish().unwrap()
+}
