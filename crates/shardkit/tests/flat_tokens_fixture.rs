@@ -227,9 +227,7 @@ fn hosts_split_each_step_and_read_only_their_streams() {
     for hosts in [1u64, 2, 4] {
         let mut rows = Vec::new();
         for h in 0..hosts {
-            let mut o = base.clone();
-            o.host_index = h;
-            o.host_count = hosts;
+            let o = base.clone().hosts(h, hosts);
             let l = TokenLoader::new(Split::open(fixture(), "train").unwrap(), o).unwrap();
             assert_eq!(l.host_rows(), h * 16 / hosts..(h + 1) * 16 / hosts);
             let b = l.load(7).unwrap();
@@ -243,7 +241,7 @@ fn hosts_split_each_step_and_read_only_their_streams() {
         assert_eq!(rows, whole.load(7).unwrap().rows, "{hosts} hosts");
     }
     let mut bad = base.clone();
-    bad.host_count = 3;
+    bad.world_size = Some(3); // seqax's host_count
     let err =
         TokenLoader::new(Split::open(fixture(), "train").unwrap(), bad).expect_err("host_count 3");
     assert!(

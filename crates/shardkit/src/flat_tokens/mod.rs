@@ -80,7 +80,7 @@ pub use convert::convert;
 #[cfg(feature = "zarr")]
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
-pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader};
+pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader, TokenOptions};
 #[cfg(feature = "zarr")]
 pub use report::{inspect, splits, validate, Validation};
 #[cfg(feature = "zarr")]
