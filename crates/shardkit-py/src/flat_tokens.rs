@@ -356,6 +356,16 @@ impl TokensLoader {
     fn buffers_in_memory(&self) -> bool {
         self.inner.buffers_in_memory()
     }
+    /// The loader state (`flat_tokens.Loader.state_dict()`) at `step`, serving `epoch` (the
+    /// wrapper keeps the position; see [`crate::loader::state_dict`]).
+    fn state_dict<'py>(
+        &self,
+        py: Python<'py>,
+        epoch: u64,
+        step: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        crate::loader::state_dict(py, &self.inner.state_at(epoch, step))
+    }
     /// Steps in an epoch.
     #[getter]
     fn step_count(&self) -> u64 {

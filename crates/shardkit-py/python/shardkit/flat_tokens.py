@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union, cast
 
 import numpy as np
 
@@ -624,17 +624,7 @@ class Loader:
         """The next step and the parameters that decide the order (see
         :class:`shardkit.types.LoaderState`): ``step`` is seqax's global step; ``epoch`` and
         ``batch`` are the same position counted per epoch."""
-        n = self.step_count
-        return {
-            "format": "flat_tokens",
-            "seed": self._order["seed"],
-            "epoch": self.epoch,
-            "batch": self.step - self.epoch * n,
-            "batch_size": self._order["global_batch_size"] // self._world,
-            "world_size": self._world,
-            "step": self.step,
-            **self._order,  # type: ignore[typeddict-item]
-        }
+        return cast(LoaderState, self._l.state_dict(self.epoch, self.step))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at ``state["step"]`` (or ``epoch``/``batch``). A state saved by a loader
