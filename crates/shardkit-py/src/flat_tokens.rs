@@ -366,6 +366,12 @@ impl TokensLoader {
     ) -> PyResult<Bound<'py, PyDict>> {
         crate::loader::state_dict(py, &self.inner.state_at(epoch, step))
     }
+    /// The global step a state from `state_dict()` resumes at (refused, naming each differing
+    /// key, when it was taken by a loader that would serve other rows).
+    fn resume_step(&self, state: &Bound<'_, PyDict>) -> PyResult<u64> {
+        let st = crate::loader::state_from_dict(state, false)?;
+        self.inner.resume_step(&st).map_err(to_py)
+    }
     /// Steps in an epoch.
     #[getter]
     fn step_count(&self) -> u64 {

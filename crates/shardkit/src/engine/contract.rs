@@ -262,3 +262,49 @@ impl LoaderState {
         )))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shuffle_maps_onto_the_order_and_keeps_a_shuffled_one() {
+        let mut o = LoaderOptions::with_format(4, ());
+        assert_eq!(o.order, DEFAULT_ORDER);
+        o.set_shuffle(false);
+        assert_eq!((o.order, o.shuffled()), (Order::Sequential, false));
+        o.set_shuffle(true);
+        assert_eq!(o.order, DEFAULT_ORDER);
+        o.order = Order::Exact;
+        o.set_shuffle(true);
+        assert_eq!(o.order, Order::Exact);
+    }
+
+    #[test]
+    fn state_keys_keep_their_order_and_are_read_by_type() {
+        let mut st = LoaderState::new("saev", 1, 2, 3, 4, 5)
+            .with("cursor", StateValue::UInt(12))
+            .with("order", StateValue::Str("block".into()));
+        st.set("cursor", StateValue::UInt(8));
+        st.set("rows", StateValue::List(vec![0, 2]));
+        let keys: Vec<&str> = st.params.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["cursor", "order", "rows"]);
+        assert_eq!(st.uint("cursor").unwrap(), Some(8));
+        assert_eq!(st.name("order").unwrap(), Some("block"));
+        assert_eq!(st.flag("drop_last").unwrap(), None);
+        let err = st.uint("order").unwrap_err().to_string();
+        assert!(
+            err.contains("state key \"order\" has a value of the wrong type: block"),
+            "{err}"
+        );
+        assert_eq!(st.get("rows").unwrap().to_string(), "[0, 2]");
+        assert!(st.check_format("saev").is_ok());
+        let err = st.check_format("eagle3").unwrap_err().to_string();
+        assert!(
+            err.contains("saved by a saev loader, not a eagle3 one"),
+            "{err}"
+        );
+        assert_eq!(st.remove("order"), Some(StateValue::Str("block".into())));
+        assert_eq!(st.get("order"), None);
+    }
+}

@@ -16,7 +16,6 @@ use crate::checksum::{self, Verifier};
 use crate::engine::batch::{lay_out, Buffer, BufferPool, Field};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::reader;
-use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
 use crate::flat_tokens::decode::decode_into;
 use crate::flat_tokens::seqax::{Schedule, ShuffleParams};
@@ -520,50 +519,6 @@ impl TokenLoader {
                 streaming: Default::default(),
             }),
         })
-    }
-
-    /// The loader's state (the loader contract's one shape) when its next step is `step`
-    /// (counted across epochs) and it serves `epoch`: the common position (`batch` is the step
-    /// within `epoch`, `batch_size` this host's rows, `world_size` the hosts), then `step`
-    /// (seqax's global step) and the parameters that decide which rows a step holds (`split`,
-    /// `step_count`, `seq_len`, `global_batch_size`, `packed`, `streams`,
-    /// `read_blocks_per_shuffle_buffer`, `sequences_per_read_block`, `epochs`).
-    pub fn state_at(&self, epoch: u64, step: u64) -> LoaderState {
-        let o = &self.inner.opts;
-        let n = self.step_count();
-        let (_, hosts) = o.host();
-        let split = self
-            .inner
-            .split
-            .path()
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let uint = StateValue::UInt;
-        LoaderState::new(
-            "flat_tokens",
-            o.seed,
-            epoch,
-            step.saturating_sub(epoch.saturating_mul(n)),
-            o.batch_size / hosts.max(1),
-            hosts,
-        )
-        .with("step", uint(step))
-        .with("split", StateValue::Str(split))
-        .with("step_count", uint(n))
-        .with("seq_len", uint(o.seq_len))
-        .with("global_batch_size", uint(o.batch_size))
-        .with("packed", StateValue::Bool(o.packing == Packing::Packed))
-        .with("streams", uint(o.streams))
-        .with(
-            "read_blocks_per_shuffle_buffer",
-            uint(o.read_blocks_per_shuffle_buffer),
-        )
-        .with(
-            "sequences_per_read_block",
-            uint(o.shuffle_params().sequences_per_read_block),
-        )
-        .with("epochs", StateValue::Bool(o.epochs))
     }
 
     /// Steps in an epoch (seqax's `step_count`).

@@ -65,6 +65,8 @@ mod layout;
 mod loader;
 #[cfg(feature = "zarr")]
 mod report;
+#[cfg(feature = "zarr")]
+mod resume;
 pub mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
