@@ -6,10 +6,11 @@ use std::path::{Path, PathBuf};
 use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
 use shardkit::engine::quality::shuffle_quality;
+use shardkit::engine::StateValue;
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{
-    inspect, validate, Dataset, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, TokenMode,
-    WriteStart, Writer, WriterOptions,
+    self, inspect, validate, Dataset, LayerSel, Loader, LoaderOptions, LoaderState, Metadata,
+    TokenMode, WriteStart, Writer, WriterOptions,
 };
 use shardkit::{Error, Result};
 
@@ -642,39 +643,20 @@ pub fn state_json(st: &LoaderState) -> Value {
     let mut kv = vec![
         ("seed".into(), Value::int(st.seed)),
         ("epoch".into(), Value::int(st.epoch)),
-        ("cursor".into(), Value::int(st.cursor)),
-        ("global_batch_size".into(), Value::int(st.global_batch_size)),
     ];
-    if let Some(o) = st.order {
-        kv.push(("order".into(), Value::String(o.name().into())));
-    }
-    if let Some(l) = st.layer {
+    for (k, v) in &st.params {
         kv.push((
-            "layer".into(),
-            match l {
-                LayerSel::Value(v) => Value::Number(v.to_string()),
-                LayerSel::All => Value::String("all".into()),
+            k.clone(),
+            match v {
+                StateValue::UInt(x) => Value::int(*x),
+                StateValue::Int(x) => Value::Number(x.to_string()),
+                StateValue::Bool(b) => Value::Bool(*b),
+                StateValue::Str(s) | StateValue::Other(s) => Value::String(s.clone()),
+                StateValue::List(items) => {
+                    Value::Array(items.iter().map(|&x| Value::int(x)).collect())
+                }
             },
         ));
-    }
-    if let Some(t) = st.tokens {
-        kv.push(("tokens".into(), Value::String(t.name().into())));
-    }
-    if let Some(v) = &st.ignore_labels {
-        let items = v.iter().map(|&x| Value::int(u64::from(x))).collect();
-        kv.push(("ignore_labels".into(), Value::Array(items)));
-    }
-    if let Some(d) = st.drop_last {
-        kv.push(("drop_last".into(), Value::Bool(d)));
-    }
-    for (k, v) in [
-        ("memory_budget", st.memory_budget),
-        ("window_blocks", st.window_blocks),
-        ("rows", st.rows),
-    ] {
-        if let Some(v) = v {
-            kv.push((k.into(), Value::int(v)));
-        }
     }
     Value::Object(kv)
 }
@@ -699,7 +681,7 @@ fn read_state(path: &Path) -> Result<LoaderState> {
         opt(k)?
             .ok_or_else(|| Error::format(path, format!("state needs a non-negative integer {k:?}")))
     };
-    let mut st = LoaderState::position(
+    let mut st = saev::state_at(
         field("seed")?,
         field("epoch")?,
         field("cursor")?,
@@ -711,38 +693,57 @@ fn read_state(path: &Path) -> Result<LoaderState> {
             Some(x) => x.as_str().map(Some).ok_or_else(|| bad(k, "a string")),
         }
     };
-    st.order = name("order")?.map(str::parse).transpose()?;
-    st.tokens = name("tokens")?.map(str::parse).transpose()?;
-    st.layer = match v.get("layer") {
-        None => None,
-        Some(Value::String(s)) => Some(s.parse()?),
-        Some(x) => Some(LayerSel::Value(
-            x.as_i64()
-                .ok_or_else(|| bad("layer", "an integer or \"all\""))?,
-        )),
-    };
-    st.ignore_labels = match v.get("ignore_labels") {
-        None => None,
-        Some(Value::Array(items)) => Some(
-            items
+    for k in ["order", "tokens"] {
+        if let Some(s) = name(k)? {
+            // Checked here, as the loader would.
+            if k == "order" {
+                s.parse::<shardkit::engine::Order>()?;
+            } else {
+                s.parse::<TokenMode>()?;
+            }
+            st.set(k, StateValue::Str(s.into()));
+        }
+    }
+    match v.get("layer") {
+        None => {}
+        Some(Value::String(s)) => {
+            s.parse::<LayerSel>()?;
+            st.set("layer", StateValue::Str(s.clone()));
+        }
+        Some(x) => st.set(
+            "layer",
+            StateValue::Int(
+                x.as_i64()
+                    .ok_or_else(|| bad("layer", "an integer or \"all\""))?,
+            ),
+        ),
+    }
+    match v.get("ignore_labels") {
+        None => {}
+        Some(Value::Array(items)) => {
+            let labels = items
                 .iter()
                 .map(|x| {
                     x.as_i64()
                         .and_then(|x| u8::try_from(x).ok())
+                        .map(u64::from)
                         .ok_or_else(|| bad("ignore_labels", "a list of integers 0-255"))
                 })
-                .collect::<Result<Vec<u8>>>()?,
-        ),
+                .collect::<Result<Vec<u64>>>()?;
+            st.set("ignore_labels", StateValue::List(labels));
+        }
         Some(_) => return Err(bad("ignore_labels", "a list of integers 0-255")),
-    };
-    st.drop_last = match v.get("drop_last") {
-        None => None,
-        Some(Value::Bool(b)) => Some(*b),
+    }
+    match v.get("drop_last") {
+        None => {}
+        Some(Value::Bool(b)) => st.set("drop_last", StateValue::Bool(*b)),
         Some(_) => return Err(bad("drop_last", "true or false")),
-    };
-    st.memory_budget = opt("memory_budget")?;
-    st.window_blocks = opt("window_blocks")?;
-    st.rows = opt("rows")?;
+    }
+    for k in ["memory_budget", "window_blocks", "rows"] {
+        if let Some(x) = opt(k)? {
+            st.set(k, StateValue::UInt(x));
+        }
+    }
     Ok(st)
 }
 
@@ -790,7 +791,11 @@ fn stream_cmd(
             .write_all(&acts)
             .map_err(io)?;
     }
-    let state_arr: Vec<u8> = [st.seed, st.epoch, st.cursor, st.global_batch_size]
+    let (cursor, global) = (
+        st.uint("cursor")?.unwrap_or(0),
+        st.uint("global_batch_size")?.unwrap_or(0),
+    );
+    let state_arr: Vec<u8> = [st.seed, st.epoch, cursor, global]
         .iter()
         .flat_map(|x| (*x as i64).to_le_bytes())
         .collect();

@@ -224,9 +224,8 @@ fn batch(a: BatchArgs) -> Result<bool> {
     o.read_blocks_per_shuffle_buffer = a.read_blocks;
     o.sequences_per_read_block = a.block;
     o.seed = a.seed;
-    o.host_index = a.host_index;
-    o.host_count = a.host_count;
     o.epochs = a.epochs;
+    let o = o.hosts(a.host_index, a.host_count);
     let loader = TokenLoader::new(Split::open(&a.dir, &a.split)?, o)?;
     let b = loader.load(a.step)?;
     let Some(out) = a.out else {

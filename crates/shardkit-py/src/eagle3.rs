@@ -7,12 +7,13 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, LoaderState, Rows, Writer};
+use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, Rows, Writer};
 use shardkit::json;
 
+use crate::loader::{rank_world, state_dict, state_from_dict, BatchIter, IntoDict};
 use crate::{
-    batch_views, contiguous, external_pool, format, held, json_of, obj, rank_world, record,
-    state_opt, state_u64, to_py, Pass, RustBuffer, SendSlice, Storage,
+    batch_views, contiguous, external_pool, format, held, json_of, obj, record, to_py, RustBuffer,
+    SendSlice, Storage,
 };
 
 /// {"name", "dtype" (code), "shape", "array"} of one field, for Python.
@@ -275,7 +276,7 @@ impl Eagle3Loader {
         verify: bool,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(batch_size);
-        o.shuffle = shuffle;
+        o.set_shuffle(shuffle);
         o.seed = seed;
         o.epoch = epoch;
         o.rank = rank;
@@ -328,76 +329,45 @@ impl Eagle3Loader {
             .set_batch_buffers(external_pool(keeper, regions)?);
         Ok(())
     }
+    /// The resumable state, as `eagle3.Loader.state_dict()` returns it (see
+    /// [`crate::loader::state_dict`]).
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.state();
-        let d = PyDict::new(py);
-        d.set_item("seed", s.seed)?;
-        d.set_item("epoch", s.epoch)?;
-        d.set_item("batch", s.batch)?;
-        d.set_item("batch_size", s.batch_size)?;
-        d.set_item("world_size", s.world_size)?;
-        if let Some(b) = s.shuffle {
-            d.set_item("shuffle", b)?;
-        }
-        if let Some(b) = s.drop_last {
-            d.set_item("drop_last", b)?;
-        }
-        if let Some(n) = s.samples {
-            d.set_item("samples", n)?;
-        }
-        Ok(d)
+        state_dict(py, &self.inner.state())
     }
     /// Restores a position saved by `state_dict()` (refused, naming each differing key, when it
     /// was taken by a loader that would serve other samples).
     fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
-        let get = |k: &str| state_u64(state, k);
-        let s = LoaderState {
-            seed: get("seed")?,
-            epoch: get("epoch")?,
-            batch: get("batch")?,
-            batch_size: get("batch_size")?,
-            world_size: get("world_size")?,
-            shuffle: state_opt::<bool>(state, "shuffle")?,
-            drop_last: state_opt::<bool>(state, "drop_last")?,
-            samples: state_opt::<u64>(state, "samples")?,
-        };
-        self.inner.load_state(s).map_err(to_py)
+        let st = state_from_dict(state, false)?;
+        self.inner.load_state(st).map_err(to_py)
     }
     /// Whether a state was loaded and no pass has started since.
     #[getter]
     fn resumed(&self) -> bool {
         self.inner.resumed()
     }
-    /// The rest of the epoch from the loader's position, read ahead.
-    fn iter(&self) -> Eagle3BatchIter {
+    /// The rest of the epoch from the loader's position, read ahead; yields {"cursor" (the
+    /// next batch's index), "indices", "fields": [{"name", "dtype", "shape", "array"}]}.
+    fn iter(&self) -> BatchIter {
         let it = self.inner.iter();
-        Eagle3BatchIter {
-            cursor: it.cursor(),
-            pass: Pass::new(it),
-        }
+        let start = it.cursor();
+        BatchIter::new(
+            it.zip(start + 1..)
+                .map(|(b, cursor)| b.map(|batch| E3Batch { cursor, batch })),
+        )
     }
 }
 
-/// One pass of an [`Eagle3Loader`]; yields (next batch index, sample indices, fields).
-#[pyclass(module = "shardkit._shardkit")]
-pub struct Eagle3BatchIter {
-    pass: Pass<eagle3::Batches>,
+/// A batch of an [`Eagle3Loader`] pass, and the epoch's batch index after it.
+struct E3Batch {
     cursor: u64,
+    batch: eagle3::Batch,
 }
 
-#[pymethods]
-impl Eagle3BatchIter {
-    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
-        slf
-    }
+impl IntoDict for E3Batch {
     /// {"cursor", "indices", "fields": [{"name", "dtype", "shape", "array"}]}.
-    fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(b) = self.pass.next(py)? else {
-            return Ok(None);
-        };
-        self.cursor += 1;
-        let indices = b.indices.clone();
-        let (data, layout) = b.into_parts();
+    fn into_dict(self, py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+        let indices = self.batch.indices.clone();
+        let (data, layout) = self.batch.into_parts();
         let out = batch_views(data, &layout)?
             .into_iter()
             .zip(&layout)
@@ -413,11 +383,6 @@ impl Eagle3BatchIter {
                 ("fields", obj(py, out)?),
             ],
         )
-        .map(Some)
-    }
-    /// Stops the readers now (also done when the iterator is garbage collected).
-    fn close(&self, py: Python<'_>) {
-        self.pass.close(py)
     }
 }
 
@@ -452,7 +417,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Eagle3Writer>()?;
     m.add_class::<Eagle3Cache>()?;
     m.add_class::<Eagle3Loader>()?;
-    m.add_class::<Eagle3BatchIter>()?;
+    // The pass of every loader is one class (see `crate::loader`); the old name stays.
+    m.add("Eagle3BatchIter", m.py().get_type::<BatchIter>())?;
     m.add_function(wrap_pyfunction!(eagle3_validate, m)?)?;
     m.add_function(wrap_pyfunction!(eagle3_inspect, m)?)?;
     m.add_function(wrap_pyfunction!(eagle3_set_version, m)?)?;

@@ -14,9 +14,10 @@ use shardkit::flat_tokens::{
 
 use shardkit::json::Value;
 
+use crate::loader::{BatchIter, IntoDict};
 use crate::{
-    batch_views, contiguous, external_pool, json_of, obj, record, to_py, Pass, RustBuffer,
-    SendSlice, Storage,
+    batch_views, contiguous, external_pool, json_of, obj, record, to_py, RustBuffer, SendSlice,
+    Storage,
 };
 
 fn closed() -> PyErr {
@@ -327,12 +328,11 @@ impl TokensLoader {
         o.read_blocks_per_shuffle_buffer = read_blocks_per_shuffle_buffer;
         o.sequences_per_read_block = sequences_per_read_block;
         o.seed = seed;
-        o.host_index = host_index;
-        o.host_count = host_count;
         o.epochs = epochs;
         o.threads = threads;
         o.verify = verify;
         o.buffer_in_memory = buffer_in_memory;
+        let o = o.hosts(host_index, host_count);
         let split = split.to_string();
         let inner = py
             .allow_threads(|| TokenLoader::new(Split::open(path, &split)?, o))
@@ -355,6 +355,22 @@ impl TokensLoader {
     #[getter]
     fn buffers_in_memory(&self) -> bool {
         self.inner.buffers_in_memory()
+    }
+    /// The loader state (`flat_tokens.Loader.state_dict()`) at `step`, serving `epoch` (the
+    /// wrapper keeps the position; see [`crate::loader::state_dict`]).
+    fn state_dict<'py>(
+        &self,
+        py: Python<'py>,
+        epoch: u64,
+        step: u64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        crate::loader::state_dict(py, &self.inner.state_at(epoch, step))
+    }
+    /// The global step a state from `state_dict()` resumes at (refused, naming each differing
+    /// key, when it was taken by a loader that would serve other rows).
+    fn resume_step(&self, state: &Bound<'_, PyDict>) -> PyResult<u64> {
+        let st = crate::loader::state_from_dict(state, false)?;
+        self.inner.resume_step(&st).map_err(to_py)
     }
     /// Steps in an epoch.
     #[getter]
@@ -389,31 +405,16 @@ impl TokensLoader {
         let n = v.len();
         Ok(RustBuffer::new(Storage::I64(v), &[n]))
     }
-    /// Batches from `step` on, prepared ahead in a background thread.
-    fn iter(&self, step: u64) -> TokensBatchIter {
-        TokensBatchIter {
-            pass: Pass::new(self.inner.iter(step)),
-        }
+    /// Batches from `step` on, prepared ahead in a background thread; yields the dicts of
+    /// [`arrays`].
+    fn iter(&self, step: u64) -> BatchIter {
+        BatchIter::new(self.inner.iter(step))
     }
 }
 
-/// One pass of a [`TokensLoader`]; yields the dicts of [`arrays`].
-#[pyclass(module = "shardkit._shardkit")]
-pub struct TokensBatchIter {
-    pass: Pass<flat_tokens::Batches>,
-}
-
-#[pymethods]
-impl TokensBatchIter {
-    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
-        slf
-    }
-    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.pass.next(py)?.map(|b| arrays(py, b)).transpose()
-    }
-    /// Stops the reading thread now (also done when the iterator is garbage collected).
-    fn close(&self, py: Python<'_>) {
-        self.pass.close(py)
+impl IntoDict for TokenBatch {
+    fn into_dict(self, py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+        arrays(py, self)
     }
 }
 
@@ -577,7 +578,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TokensWriter>()?;
     m.add_class::<TokensSplit>()?;
     m.add_class::<TokensLoader>()?;
-    m.add_class::<TokensBatchIter>()?;
+    // The pass of every loader is one class (see `crate::loader`); the old name stays.
+    m.add("TokensBatchIter", m.py().get_type::<BatchIter>())?;
     m.add_function(wrap_pyfunction!(tokens_validate, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_inspect, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_splits, m)?)?;

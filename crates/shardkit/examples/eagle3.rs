@@ -55,7 +55,7 @@ fn run(dir: &std::path::Path) -> shardkit::Result<()> {
 
     // Streaming: shuffled batches of 4 samples, every sample once per epoch.
     let mut opts = LoaderOptions::new(4);
-    opts.shuffle = true;
+    opts.set_shuffle(true);
     opts.seed = 3;
     let loader = Loader::new(cache, opts)?;
     for batch in loader.iter().take(2) {

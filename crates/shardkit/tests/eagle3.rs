@@ -467,7 +467,8 @@ fn topk_caches_expand_to_full_width() {
     assert_eq!(&probs.bytes[..], &want[..]);
     // The loader expands the same way.
     let mut o = LoaderOptions::new(2);
-    (o.shuffle, o.rank, o.world_size) = (false, Some(0), Some(1));
+    (o.rank, o.world_size) = (Some(0), Some(1));
+    o.set_shuffle(false);
     let l = Loader::new(Arc::new(Cache::open(&dir).unwrap()), o).unwrap();
     let b = l.read(&[3, 0]).unwrap();
     let (f, bytes) = b.field("target_probs").unwrap();
@@ -700,8 +701,8 @@ fn the_sampler_follows_distributed_sampler_and_batches_match_items() {
     let cache = Arc::new(Cache::open(&dir).unwrap());
     let opts = |rank, world, shuffle, drop_last, epoch| {
         let mut o = LoaderOptions::new(3);
-        (o.rank, o.world_size, o.shuffle, o.drop_last, o.epoch) =
-            (Some(rank), Some(world), shuffle, drop_last, epoch);
+        (o.rank, o.world_size, o.drop_last, o.epoch) = (Some(rank), Some(world), drop_last, epoch);
+        o.set_shuffle(shuffle);
         o
     };
     // Not shuffled, 3 ranks: 10 samples padded to 12 by wrapping around ([0, 1] again).
@@ -768,7 +769,7 @@ fn the_sampler_follows_distributed_sampler_and_batches_match_items() {
     let st = l.state();
     assert_eq!((st.epoch, st.batch), (3, 2));
     let mut fresh = Loader::new(cache.clone(), opts(0, 1, true, false, 0)).unwrap();
-    fresh.load_state(st).unwrap();
+    fresh.load_state(st.clone()).unwrap();
     let rest: Vec<_> = fresh.iter().map(|b| b.unwrap().indices).collect();
     assert_eq!(
         rest,

@@ -227,9 +227,7 @@ fn hosts_split_each_step_and_read_only_their_streams() {
     for hosts in [1u64, 2, 4] {
         let mut rows = Vec::new();
         for h in 0..hosts {
-            let mut o = base.clone();
-            o.host_index = h;
-            o.host_count = hosts;
+            let o = base.clone().hosts(h, hosts);
             let l = TokenLoader::new(Split::open(fixture(), "train").unwrap(), o).unwrap();
             assert_eq!(l.host_rows(), h * 16 / hosts..(h + 1) * 16 / hosts);
             let b = l.load(7).unwrap();
@@ -243,7 +241,7 @@ fn hosts_split_each_step_and_read_only_their_streams() {
         assert_eq!(rows, whole.load(7).unwrap().rows, "{hosts} hosts");
     }
     let mut bad = base.clone();
-    bad.host_count = 3;
+    bad.world_size = Some(3); // seqax's host_count
     let err =
         TokenLoader::new(Split::open(fixture(), "train").unwrap(), bad).expect_err("host_count 3");
     assert!(
@@ -292,4 +290,67 @@ fn iterator_runs_to_the_end_of_the_epoch() {
     let mut it = l.iter(0);
     assert!(it.next().is_some());
     drop(it);
+}
+
+#[test]
+fn a_state_resumes_its_step_and_a_state_of_other_rows_is_refused_naming_each_key() {
+    use shardkit::engine::StateValue;
+    let open = |o: LoaderOptions| TokenLoader::new(Split::open(fixture(), "train").unwrap(), o);
+    let base = options(64, 64, 2, 8, 16, 3).hosts(1, 2);
+    let l = open(base.clone()).unwrap();
+    let n = l.step_count();
+    let st = l.state_at(0, 5);
+    assert_eq!(
+        (st.format.as_str(), st.epoch, st.batch),
+        ("flat_tokens", 0, 5)
+    );
+    assert_eq!((st.batch_size, st.world_size), (32, 2));
+    assert_eq!(st.get("split"), Some(&StateValue::Str("train".into())));
+    assert_eq!(l.resume_step(&st).unwrap(), 5);
+    // Another world size with the same global batch resumes the same step.
+    assert_eq!(
+        open(base.clone().hosts(0, 4))
+            .unwrap()
+            .resume_step(&st)
+            .unwrap(),
+        5
+    );
+    // Without `step`: the epoch's batch.
+    let mut by_batch = st.clone();
+    by_batch.remove("step");
+    assert_eq!(l.resume_step(&by_batch).unwrap(), 5);
+    // Refused, each key named with both values as Python shows them.
+    let mut other = base.clone();
+    (other.seed, other.packing) = (4, Packing::Unpacked);
+    let err = open(other).unwrap().resume_step(&st).unwrap_err();
+    let m = err.to_string();
+    assert!(m.contains("packed: state True, this loader False"), "{m}");
+    assert!(m.contains("seed: state 3, this loader 4"), "{m}");
+    // A state saved before global_batch_size was recorded held the global batch in batch_size.
+    let mut old = st.clone();
+    old.remove("global_batch_size");
+    old.batch_size = 64;
+    assert_eq!(l.resume_step(&old).unwrap(), 5);
+    old.batch_size = 32;
+    let m = l.resume_step(&old).unwrap_err().to_string();
+    assert!(
+        m.contains("global_batch_size: state 32, this loader 64"),
+        "{m}"
+    );
+    // Past the end without epochs; another format's state.
+    let m = l
+        .resume_step(&l.state_at(0, n + 1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        m.contains(&format!("step {} is past this loader's {n} steps", n + 1)),
+        "{m}"
+    );
+    let mut saev_state = st;
+    saev_state.format = "saev".into();
+    let m = l.resume_step(&saev_state).unwrap_err().to_string();
+    assert!(
+        m.contains("saved by a saev loader, not a flat_tokens one"),
+        "{m}"
+    );
 }

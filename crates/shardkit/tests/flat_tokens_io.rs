@@ -221,8 +221,7 @@ fn buffers_in_memory_serve_the_same_batches_as_rows_read_one_by_one() {
                 let mut o = options();
                 o.packing = packing;
                 o.streams = streams;
-                o.host_count = 2;
-                o.host_index = host;
+                (o.rank, o.world_size) = (Some(host), Some(2)); // seqax's host_index, host_count
                 o.epochs = true;
                 if packing == shardkit::flat_tokens::Packing::Unpacked {
                     o.sequences_per_read_block = Some(2);

@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use shardkit::engine::Order;
+use shardkit::engine::{Order, StateValue};
 use shardkit::json;
 use shardkit::saev::{self, LayerSel, TokenMode};
 use shardkit::Error;
@@ -205,7 +205,7 @@ fn a_saev_state_of_another_order_is_refused_naming_each_key() {
         .unwrap();
     // Another dataset (fewer rows): refused on `rows`.
     let mut st2 = st.clone();
-    st2.rows = Some(5);
+    st2.set("rows", StateValue::UInt(5));
     let m = refusal(
         saev::Loader::new(&dir, base)
             .unwrap()
@@ -223,7 +223,9 @@ fn a_saev_state_with_only_the_position_still_loads_and_is_checked_on_what_it_has
     let mut a = saev::Loader::new(&dir, o.clone()).unwrap();
     let (_, st) = saev_loop(&mut a, 0, 2, Some((1, 4)));
     let st = st.unwrap();
-    let old = saev::LoaderState::position(st.seed, st.epoch, st.cursor, st.global_batch_size);
+    let cursor = st.uint("cursor").unwrap().unwrap();
+    let global = st.uint("global_batch_size").unwrap().unwrap();
+    let old = saev::state_at(st.seed, st.epoch, cursor, global);
     let mut b = saev::Loader::new(&dir, o.clone()).unwrap();
     b.load_state(old.clone()).unwrap();
     let mut c = saev::Loader::new(&dir, o.clone()).unwrap();
@@ -276,8 +278,8 @@ fn eagle3_cache(dir: &Path, n: u64) -> Arc<Cache> {
 
 fn e3_opts(shuffle: bool, drop_last: bool) -> eagle3::LoaderOptions {
     let mut o = eagle3::LoaderOptions::new(3);
-    (o.rank, o.world_size, o.shuffle, o.drop_last, o.seed) =
-        (Some(0), Some(1), shuffle, drop_last, 4);
+    (o.rank, o.world_size, o.drop_last, o.seed) = (Some(0), Some(1), drop_last, 4);
+    o.set_shuffle(shuffle);
     o
 }
 
@@ -321,9 +323,10 @@ fn the_eagle3_training_loop_resumes_exactly() {
             let (head, st) = e3_loop(&mut a, 0, 3, Some(stop));
             let st = st.unwrap();
             let mut b = eagle3::Loader::new(cache.clone(), o.clone()).unwrap();
+            let epoch = st.epoch;
             b.load_state(st).unwrap();
             assert!(b.resumed());
-            let (tail, _) = e3_loop(&mut b, st.epoch, 3, None);
+            let (tail, _) = e3_loop(&mut b, epoch, 3, None);
             let mut all = head;
             all.extend(tail);
             assert_eq!(
@@ -350,7 +353,7 @@ fn an_eagle3_state_of_another_order_is_refused_naming_each_key() {
             o.world_size = Some(2)
         }),
         ("shuffle", "state true, this loader false", |o| {
-            o.shuffle = false
+            o.set_shuffle(false)
         }),
         ("drop_last", "state false, this loader true", |o| {
             o.drop_last = true
@@ -360,7 +363,7 @@ fn an_eagle3_state_of_another_order_is_refused_naming_each_key() {
         let mut o = base.clone();
         edit(&mut o);
         let mut l = eagle3::Loader::new(cache.clone(), o).unwrap();
-        let m = refusal(l.load_state(st).unwrap_err());
+        let m = refusal(l.load_state(st.clone()).unwrap_err());
         assert!(m.contains(&format!("{key}: {values}")), "{key}: {m}");
     }
     // Another cache size.
@@ -368,19 +371,17 @@ fn an_eagle3_state_of_another_order_is_refused_naming_each_key() {
     let m = refusal(
         eagle3::Loader::new(other, base.clone())
             .unwrap()
-            .load_state(st)
+            .load_state(st.clone())
             .unwrap_err(),
     );
     assert!(m.contains("samples: state 11, this loader 12"), "{m}");
     // A state with only the position (saved before the order's parameters were recorded).
-    let old = eagle3::LoaderState {
-        shuffle: None,
-        drop_last: None,
-        samples: None,
-        ..st
-    };
+    let mut old = st.clone();
+    for k in ["shuffle", "drop_last", "samples"] {
+        old.remove(k).unwrap();
+    }
     let mut b = eagle3::Loader::new(cache.clone(), base.clone()).unwrap();
-    b.load_state(old).unwrap();
+    b.load_state(old.clone()).unwrap();
     assert_eq!(b.state(), st);
     let mut wrong_seed = base;
     wrong_seed.seed = 0;

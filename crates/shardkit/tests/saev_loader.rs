@@ -162,7 +162,7 @@ fn a_restored_loader_continues_exactly_even_on_another_world_size() {
         let l = Loader::new(&dir, o.clone()).unwrap();
         let first: Vec<Batch> = l.iter().unwrap().take(5).map(|b| b.unwrap()).collect();
         let st = l.state();
-        assert_eq!(st.cursor, 60);
+        assert_eq!(st.uint("cursor").unwrap(), Some(60));
         let mut r = Loader::new(&dir, o.clone()).unwrap();
         r.load_state(st.clone()).unwrap();
         let mut k = keys(&first);
@@ -273,7 +273,7 @@ fn bad_options_are_clear_errors() {
     );
     let mut l = Loader::new(&dir, opts(Order::Block)).unwrap();
     let mut st = l.state();
-    st.global_batch_size = 9;
+    st.set("global_batch_size", shardkit::engine::StateValue::UInt(9));
     let err = l.load_state(st).unwrap_err();
     assert!(
         matches!(&err, Error::Invalid(m) if m.contains('9') && m.contains('8')),

@@ -19,7 +19,7 @@ import collections.abc
 import json
 import os
 import warnings
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -463,7 +463,7 @@ class Loader(EngineLoader):
         """``{"format", "seed", "epoch", "batch", "batch_size", "world_size"}`` and the
         parameters that decide the order, ``shuffle``, ``drop_last`` and ``samples`` (see
         :class:`shardkit.types.LoaderState`): save it with your checkpoint."""
-        return {"format": "eagle3", **self._l.state_dict()}  # type: ignore[typeddict-item]
+        return cast(LoaderState, self._l.state_dict())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at the state's position. A state taken by a loader that would serve other
@@ -471,7 +471,7 @@ class Loader(EngineLoader):
         InvalidArgumentError naming each key that differs, with both values. Right after it,
         ``set_epoch`` of the state's epoch keeps the position."""
         check_state(dict(state), "eagle3")
-        self._l.load_state_dict({k: v for k, v in state.items() if k != "format"})
+        self._l.load_state_dict(dict(state))
 
     def __iter__(self) -> Iterator[Eagle3Batch]:
         if self._l.state_dict()["batch"] >= len(self) and not self._l.resumed:

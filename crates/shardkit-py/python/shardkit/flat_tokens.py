@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union, cast
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from . import _args, _inputs
 from . import _shardkit as _core
 from ._progress import Progress
 from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError, NotFoundError, OutOfRangeError
-from .types import LoaderState, TokensBatch, Validation, check_params, check_state
+from .types import LoaderState, TokensBatch, Validation, check_state
 
 PathLike = Union[str, "os.PathLike[str]"]
 Batch = TokensBatch  # the old name
@@ -452,19 +452,7 @@ class Loader:
             bool(verify),
             None if buffer_in_memory is None else bool(buffer_in_memory),
         )
-        # Every parameter that decides which rows land in which step (checked on load).
-        self._order = {
-            "split": split,
-            "step_count": self._l.step_count,
-            "seq_len": int(seq_len),
-            "global_batch_size": int(batch_size),
-            "packed": bool(packed),
-            "streams": int(streams),
-            "read_blocks_per_shuffle_buffer": int(read_blocks_per_shuffle_buffer),
-            "sequences_per_read_block": self._l.sequences_per_read_block,
-            "seed": int(seed),
-            "epochs": bool(epochs),
-        }
+        self._epochs = bool(epochs)
         self._world = int(host_count)
         self._rank = int(host_index)
         self._path, self._split = path, split
@@ -584,7 +572,7 @@ class Loader:
         n = self.step_count
         if n == 0:
             return
-        if self.step == (self._epoch + 1) * n and (resumed or not self._order["epochs"]):
+        if self.step == (self._epoch + 1) * n and (resumed or not self._epochs):
             return  # a state saved at the end of its epoch resumes to the end of that epoch
         self._epoch = self.epoch if self.step < (self._epoch + 1) * n else self.step // n
         end = (self._epoch + 1) * n
@@ -603,8 +591,8 @@ class Loader:
         without, epoch 0 is the only one). Right after ``load_state_dict``, the state's epoch
         keeps the loaded step (the training loop calls ``set_epoch`` at every epoch's start)."""
         epoch = _args.count("epoch", epoch)
-        if epoch < 0 or (epoch > 0 and not self._order["epochs"]):
-            raise InvalidArgumentError(f"epoch {epoch} does not exist: this loader has epochs={self._order['epochs']}")
+        if epoch < 0 or (epoch > 0 and not self._epochs):
+            raise InvalidArgumentError(f"epoch {epoch} does not exist: this loader has epochs={self._epochs}")
         if self._resumed and epoch == self.epoch:
             return
         self._resumed = False
@@ -624,17 +612,7 @@ class Loader:
         """The next step and the parameters that decide the order (see
         :class:`shardkit.types.LoaderState`): ``step`` is seqax's global step; ``epoch`` and
         ``batch`` are the same position counted per epoch."""
-        n = self.step_count
-        return {
-            "format": "flat_tokens",
-            "seed": self._order["seed"],
-            "epoch": self.epoch,
-            "batch": self.step - self.epoch * n,
-            "batch_size": self._order["global_batch_size"] // self._world,
-            "world_size": self._world,
-            "step": self.step,
-            **self._order,  # type: ignore[typeddict-item]
-        }
+        return cast(LoaderState, self._l.state_dict(self.epoch, self.step))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at ``state["step"]`` (or ``epoch``/``batch``). A state saved by a loader
@@ -643,20 +621,7 @@ class Loader:
         differs, with both values; ``world_size`` may differ when the global batch is the same.
         Right after it, ``set_epoch`` of the state's epoch keeps the step."""
         check_state(dict(state), "flat_tokens")
-        theirs = dict(state)
-        if "global_batch_size" not in theirs and "batch_size" in theirs:
-            # States saved before global_batch_size was recorded held the global batch here.
-            theirs["global_batch_size"] = theirs["batch_size"]
-        check_params(theirs, self._order)
-        if "step" in state:
-            step = int(state["step"])
-        elif "epoch" in state and "batch" in state:
-            step = int(state["epoch"]) * self.step_count + int(state["batch"])
-        else:
-            raise InvalidArgumentError("the state has no position: it needs 'step' (or 'epoch' and 'batch')")
-        if step < 0 or (step > self.step_count and not self._order["epochs"]):
-            raise InvalidArgumentError(
-                f"the state's step {step} is past this loader's {self.step_count} steps (epochs=False)")
+        step = self._l.resume_step(dict(state))
         self.step = step
         n = self.step_count
         epoch = int(state.get("epoch", -1))

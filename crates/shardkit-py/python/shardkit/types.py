@@ -7,7 +7,7 @@ and ``state_dict()`` / ``load_state_dict()`` with the shape :class:`LoaderState`
 """
 
 import sys
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List
 
 import numpy as np
 
@@ -189,16 +189,3 @@ def check_state(state: Dict[str, Any], fmt: str) -> None:
     got = state.get("format", fmt)
     if got != fmt:
         raise InvalidArgumentError(f"this state was saved by a {got} loader, not a {fmt} one")
-
-
-def check_params(state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    """Refuses a state whose order parameters differ from the loader's ``mine``, naming each
-    differing key with both values (keys the state lacks, from older versions, are not
-    checked)."""
-    from .errors import InvalidArgumentError
-
-    diff = [f"{k}: state {state[k]!r}, this loader {v!r}" for k, v in mine.items() if k in state and state[k] != v]
-    if diff:
-        raise InvalidArgumentError(
-            f"the state was saved by a loader that serves other rows ({'; '.join(diff)}); build the "
-            "loader with the state's parameters to resume it")

@@ -22,83 +22,39 @@ use crate::engine::batch::{self, Buffer, BufferPool};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{derive_key, shuffled};
 use crate::engine::reader::{self, plan_reads, Files, ReadRange};
+use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
 use crate::storage::PendingRead;
 
-/// Options of [`Loader::new`].
+/// EAGLE-3's own loader knobs (fields of [`LoaderOptions`] through `Deref`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoaderOptions {
-    /// Samples per batch on this rank.
-    pub batch_size: u64,
-    /// A new seeded order every epoch (false: index order).
-    pub shuffle: bool,
-    /// Seed of the shuffle.
-    pub seed: u64,
-    /// The epoch.
-    pub epoch: u64,
-    /// This rank (default `$RANK`, else 0).
-    pub rank: Option<u64>,
-    /// Number of ranks (default `$WORLD_SIZE`, else 1).
-    pub world_size: Option<u64>,
-    /// Drop the uneven tail: each rank gets `floor(N/W)` samples and only full batches.
-    /// Otherwise each rank gets `ceil(N/W)` (padded by wrapping around to the start of the
-    /// order, as DistributedSampler does) and the last batch may be short.
-    pub drop_last: bool,
-    /// Threads that read rows into batches (0: one per core, and at least 16: a row read
-    /// blocks on the disk when the cache is cold, so more reads than cores stay in flight).
-    pub threads: usize,
+pub struct Eagle3Options {
     /// Batches prepared ahead of the caller. From an object store, at least as many as keep
     /// `SHARDKIT_S3_INFLIGHT` × the request size of GETs in flight (at most 256).
     pub prefetch: usize,
-    /// Check every block of the shard bytes a pass reads against the cache's checksums
-    /// sidecar (`shardkit.checksums.json`), once per pass; a damaged block is an error naming
-    /// the shard and its bytes.
-    pub verify: bool,
 }
 
-impl LoaderOptions {
-    /// Shuffled batches of `batch_size`, seed 0, epoch 0, ranks from the environment.
+/// Options of [`Loader::new`]: the common knobs and [`Eagle3Options`]. `batch_size` is
+/// samples per batch on this rank; any shuffled `order` is a new seeded permutation of the
+/// samples every epoch (`Sequential`: index order). `drop_last` drops the uneven tail: each
+/// rank gets `floor(N/W)` samples and only full batches; otherwise each rank gets `ceil(N/W)`
+/// (padded by wrapping around to the start of the order, as DistributedSampler does) and the
+/// last batch may be short. `threads` 0 is one per core and at least 16: a row read blocks on
+/// the disk when the cache is cold, so more reads than cores stay in flight. `verify` checks
+/// every block of the shard bytes a pass reads against the cache's checksums sidecar, once
+/// per pass.
+pub type LoaderOptions = crate::engine::LoaderOptions<Eagle3Options>;
+
+impl crate::engine::LoaderOptions<Eagle3Options> {
+    /// Batches of `batch_size` in the default (shuffled) order, seed 0, epoch 0, ranks from
+    /// the environment, 2 batches prepared ahead.
     pub fn new(batch_size: u64) -> LoaderOptions {
-        LoaderOptions {
-            batch_size,
-            shuffle: true,
-            seed: 0,
-            epoch: 0,
-            rank: None,
-            world_size: None,
-            drop_last: false,
-            threads: 0,
-            prefetch: 2,
-            verify: false,
-        }
+        LoaderOptions::with_format(batch_size, Eagle3Options { prefetch: 2 })
     }
 }
 
-/// What resumes a loader: the next batch, and every parameter that decides which samples land
-/// in which batch. [`Loader::load_state`] refuses a state taken by a loader that would serve
-/// other samples, naming each parameter that differs with both values.
-///
-/// The `Option` fields are `None` in a state saved before shardkit recorded them: a state is
-/// checked on the parameters it has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LoaderState {
-    /// Seed.
-    pub seed: u64,
-    /// Epoch.
-    pub epoch: u64,
-    /// Batches of this epoch already consumed on this rank.
-    pub batch: u64,
-    /// Samples per batch (a state only resumes the same batching).
-    pub batch_size: u64,
-    /// Number of ranks.
-    pub world_size: u64,
-    /// Shuffled (true) or index order.
-    pub shuffle: Option<bool>,
-    /// Whether the uneven tail is dropped.
-    pub drop_last: Option<bool>,
-    /// Samples in the cache.
-    pub samples: Option<u64>,
-}
+/// The format's name in a [`LoaderState`].
+const FORMAT: &str = "eagle3";
 
 /// Where one field of a batch lies in the batch's buffer (the engine's [`Field`](crate::engine::Field)).
 pub use crate::engine::batch::Field as BatchField;
@@ -210,7 +166,7 @@ pub struct Loader {
 impl Loader {
     /// A loader over `cache`.
     pub fn new(cache: Arc<Cache>, opts: LoaderOptions) -> Result<Loader> {
-        let (rank, world) = crate::engine::dist::rank_and_world(opts.rank, opts.world_size)?;
+        let (rank, world) = opts.rank_and_world()?;
         if opts.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
@@ -282,7 +238,7 @@ impl Loader {
     /// The sample indices this rank reads in the current epoch, in order.
     pub fn indices(&self) -> Vec<u64> {
         let n = self.inner.cache.len();
-        let order: Vec<u64> = if self.opts.shuffle {
+        let order: Vec<u64> = if self.opts.shuffled() {
             let key = derive_key(self.opts.seed, self.opts.epoch, 0xea61e3);
             shuffled(n as usize, key)
                 .into_iter()
@@ -354,18 +310,20 @@ impl Loader {
         self.resumed.load(Ordering::Relaxed)
     }
 
-    /// The position to save with a checkpoint.
+    /// The position to save with a checkpoint: the common position (`batch`: batches of this
+    /// epoch consumed on this rank), then EAGLE-3's `shuffle`, `drop_last` and `samples`.
     pub fn state(&self) -> LoaderState {
-        LoaderState {
-            seed: self.opts.seed,
-            epoch: self.opts.epoch,
-            batch: self.cursor,
-            batch_size: self.opts.batch_size,
-            world_size: self.world,
-            shuffle: Some(self.opts.shuffle),
-            drop_last: Some(self.opts.drop_last),
-            samples: Some(self.inner.cache.len()),
-        }
+        LoaderState::new(
+            FORMAT,
+            self.opts.seed,
+            self.opts.epoch,
+            self.cursor,
+            self.opts.batch_size,
+            self.world,
+        )
+        .with("shuffle", StateValue::Bool(self.opts.shuffled()))
+        .with("drop_last", StateValue::Bool(self.opts.drop_last))
+        .with("samples", StateValue::UInt(self.inner.cache.len()))
     }
 
     /// Continues from a saved position. A state taken by a loader that would serve other
@@ -373,44 +331,47 @@ impl Loader {
     /// number of samples) is refused, naming each parameter that differs.
     pub fn load_state(&mut self, s: LoaderState) -> Result<()> {
         use crate::engine::dist::{differ, refuse};
-        let mine = self.state();
+        s.check_format(FORMAT)?;
+        let shuffle = s.flag("shuffle")?;
+        let drop_last = s.flag("drop_last")?;
+        let samples = s.uint("samples")?;
         let mut diff = Vec::new();
         let show = u64::to_string;
-        if s.shuffle != Some(false) && self.opts.shuffle {
-            differ(&mut diff, "seed", Some(&s.seed), &mine.seed, show);
+        if shuffle != Some(false) && self.opts.shuffled() {
+            differ(&mut diff, "seed", Some(&s.seed), &self.opts.seed, show);
         }
         differ(
             &mut diff,
             "batch_size",
             Some(&s.batch_size),
-            &mine.batch_size,
+            &self.opts.batch_size,
             show,
         );
         differ(
             &mut diff,
             "world_size",
             Some(&s.world_size),
-            &mine.world_size,
+            &self.world,
             show,
         );
         differ(
             &mut diff,
             "shuffle",
-            s.shuffle.as_ref(),
-            &self.opts.shuffle,
+            shuffle.as_ref(),
+            &self.opts.shuffled(),
             bool::to_string,
         );
         differ(
             &mut diff,
             "drop_last",
-            s.drop_last.as_ref(),
+            drop_last.as_ref(),
             &self.opts.drop_last,
             bool::to_string,
         );
         differ(
             &mut diff,
             "samples",
-            s.samples.as_ref(),
+            samples.as_ref(),
             &self.inner.cache.len(),
             show,
         );

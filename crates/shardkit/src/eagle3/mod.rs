@@ -56,7 +56,7 @@
 //! let item = cache.item(5)?;
 //! assert_eq!(cache.fields(&item)?[0].name, "input_ids");
 //! let mut opts = LoaderOptions::new(2);
-//! opts.shuffle = true;
+//! opts.seed = 1; // shuffled by default (a new order every epoch)
 //! let loader = Loader::new(cache, opts)?;
 //! assert_eq!(loader.iter().count(), 3);
 //! # Ok(())
@@ -72,10 +72,11 @@ pub mod synth;
 mod validate;
 mod writer;
 
+pub use crate::engine::LoaderState;
 pub use cache::{
     open_embeddings, Cache, Embeddings, Field, Item, DEFAULT_OPEN_SHARDS, ITEM_FIELDS,
 };
-pub use loader::{Batch, BatchField, Batches, Loader, LoaderOptions, LoaderState};
+pub use loader::{Batch, BatchField, Batches, Eagle3Options, Loader, LoaderOptions};
 pub use manifest::{CacheDtype, Manifest, MANIFEST};
 pub use rules::sum_tolerance;
 pub use shard::{field_specs, shard_name, FieldSpec};

@@ -17,6 +17,8 @@
 //! * [`batch`]: page-aligned batch buffers, recycled through pools (or caller-owned memory such
 //!   as pinned host buffers).
 //! * `dist`: the one `RANK`/`WORLD_SIZE` parser.
+//! * `contract`: what every loader takes and gives back alike: [`LoaderOptions`] (the common
+//!   knobs, their defaults written once, the format's own beside them) and [`LoaderState`].
 //!
 //! Thread counts and I/O timing change when a batch is ready, never what is in it.
 
@@ -24,6 +26,7 @@
 // docs) for the CLI's benchmarks and the fault-injection tests.
 #[doc(hidden)]
 pub mod batch;
+mod contract;
 pub(crate) mod dist;
 #[doc(hidden)]
 pub mod exec;
@@ -37,4 +40,5 @@ pub mod quality;
 pub mod reader;
 
 pub use batch::{Buffer, BufferPool, Field};
+pub use contract::{LoaderOptions, LoaderState, StateValue, DEFAULT_ORDER};
 pub use order::Order;

@@ -30,13 +30,11 @@ pub enum Packing {
     Unpacked,
 }
 
-/// Everything that decides which rows a step holds, plus this host's share.
+/// flat-tokens' own loader knobs (fields of [`LoaderOptions`] through `Deref`): seqax's.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoaderOptions {
+pub struct TokenOptions {
     /// Tokens per row (seqax's `len`).
     pub seq_len: u64,
-    /// Rows per step over all hosts (seqax's `batch`).
-    pub batch_size: u64,
     /// Packed rows (default) or one document per row.
     pub packing: Packing,
     /// Streams S (seqax recommends the maximum number of hosts); must divide `batch_size`.
@@ -45,22 +43,9 @@ pub struct LoaderOptions {
     pub read_blocks_per_shuffle_buffer: u64,
     /// Sequences per read block B; `None` is seqax's recommendation, `2^20 / seq_len`.
     pub sequences_per_read_block: Option<u64>,
-    /// Seed.
-    pub seed: u64,
-    /// This host (0-based); it serves rows `[h·batch/H, (h+1)·batch/H)` of every step.
-    pub host_index: u64,
-    /// Hosts H; must divide `batch_size`.
-    pub host_count: u64,
     /// Past the last step, continue with epoch `step / step_count` in a new deterministic
     /// order instead of failing (epoch 0 is seqax's order).
     pub epochs: bool,
-    /// Threads reading and decoding rows (0, the default: one per core); a step's rows, and
-    /// the next steps', are read concurrently.
-    pub threads: usize,
-    /// Check the chunk (shard) files a step reads against the dataset's checksums sidecar
-    /// before decoding them, each file again only when it has left the page cache since; a
-    /// damaged file is an error naming it and the byte range.
-    pub verify: bool,
     /// Read each shuffle buffer whole into memory when a step first needs it, and serve its
     /// rows from there (seqax's own strategy): a few large reads per buffer instead of one
     /// small read per row. While [`TokenLoader::iter`] serves a minipoch, the next minipoch's
@@ -72,25 +57,48 @@ pub struct LoaderOptions {
     pub buffer_in_memory: Option<bool>,
 }
 
-impl LoaderOptions {
+/// Everything that decides which rows a step holds, plus this host's share: the common knobs
+/// and [`TokenOptions`]. Here `batch_size` is rows per step over all hosts (seqax's `batch`);
+/// host `rank` of `world_size` (seqax's `host_index` of `host_count`, set together with
+/// [`LoaderOptions::hosts`]; default host 0 of 1, not `$RANK`) serves rows
+/// `[h·batch/H, (h+1)·batch/H)` of every step. The order is seqax's shuffled one (any
+/// shuffled `order`; `Sequential` is refused), batches are always full (`drop_last`), steps
+/// count across epochs (`epoch` must be 0: iterate from step `epoch × step_count`), and
+/// `threads` read and decode rows (a step's rows, and the next steps', concurrently). `verify`
+/// checks the chunk (shard) files a step reads before decoding them, each file again only when
+/// it has left the page cache since.
+pub type LoaderOptions = crate::engine::LoaderOptions<TokenOptions>;
+
+impl crate::engine::LoaderOptions<TokenOptions> {
     /// Packed rows of `seq_len`, `batch_size` rows a step, seqax's recommended shuffle
     /// (S = 1, R = 1024, B = 2^20 / seq_len), seed 0, one host, no epochs.
     pub fn new(seq_len: u64, batch_size: u64) -> LoaderOptions {
-        LoaderOptions {
-            seq_len,
+        let mut o = LoaderOptions::with_format(
             batch_size,
-            packing: Packing::Packed,
-            streams: 1,
-            read_blocks_per_shuffle_buffer: 1024,
-            sequences_per_read_block: None,
-            seed: 0,
-            host_index: 0,
-            host_count: 1,
-            epochs: false,
-            threads: 0,
-            verify: false,
-            buffer_in_memory: None,
-        }
+            TokenOptions {
+                seq_len,
+                packing: Packing::Packed,
+                streams: 1,
+                read_blocks_per_shuffle_buffer: 1024,
+                sequences_per_read_block: None,
+                epochs: false,
+                buffer_in_memory: None,
+            },
+        );
+        o.drop_last = true;
+        o
+    }
+
+    /// Host `host_index` of `host_count` (seqax's names for `rank` and `world_size`).
+    pub fn hosts(mut self, host_index: u64, host_count: u64) -> LoaderOptions {
+        self.rank = Some(host_index);
+        self.world_size = Some(host_count);
+        self
+    }
+
+    /// (host_index, host_count): `rank` and `world_size`, host 0 of 1 by default.
+    pub fn host(&self) -> (u64, u64) {
+        (self.rank.unwrap_or(0), self.world_size.unwrap_or(1))
     }
 
     /// seqax's shuffle parameters.
@@ -450,19 +458,27 @@ impl TokenLoader {
         if opts.seq_len == 0 {
             return Err(Error::Invalid("seq_len must be at least 1".into()));
         }
-        if opts.host_count == 0 || opts.host_index >= opts.host_count {
+        let (host_index, host_count) = opts.host();
+        if host_count == 0 || host_index >= host_count {
             return Err(Error::Invalid(format!(
-                "host_index {} must be below host_count {} (and host_count at least 1)",
-                opts.host_index, opts.host_count
+                "host_index {host_index} must be below host_count {host_count} (and host_count at \
+                 least 1)"
             )));
         }
-        if !opts.batch_size.is_multiple_of(opts.host_count) {
+        if !opts.batch_size.is_multiple_of(host_count) {
             return Err(Error::Invalid(format!(
-                "batch_size {} must be a multiple of host_count {}",
-                opts.batch_size, opts.host_count
+                "batch_size {} must be a multiple of host_count {host_count}",
+                opts.batch_size
             )));
         }
-        let per_host = opts.batch_size / opts.host_count;
+        if !opts.shuffled() || !opts.drop_last || opts.epoch != 0 {
+            return Err(Error::Invalid(
+                "flat-tokens batches follow seqax's shuffled order, full batches only, with steps \
+                 counted across epochs (order must be shuffled, drop_last true and epoch 0)"
+                    .into(),
+            ));
+        }
+        let per_host = opts.batch_size / host_count;
         if per_host.saturating_mul(opts.seq_len) > MAX_BATCH_TOKENS {
             return Err(Error::Invalid(format!(
                 "{per_host} rows of {} tokens per step exceed {MAX_BATCH_TOKENS} tokens",
@@ -479,7 +495,7 @@ impl TokenLoader {
         } else {
             None
         };
-        let host_rows = opts.host_index * per_host..(opts.host_index + 1) * per_host;
+        let host_rows = host_index * per_host..(host_index + 1) * per_host;
         let in_memory = match opts.buffer_in_memory {
             Some(yes) => yes,
             None => {

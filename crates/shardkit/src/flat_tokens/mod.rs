@@ -65,6 +65,8 @@ mod layout;
 mod loader;
 #[cfg(feature = "zarr")]
 mod report;
+#[cfg(feature = "zarr")]
+mod resume;
 pub mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
@@ -80,7 +82,7 @@ pub use convert::convert;
 #[cfg(feature = "zarr")]
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
-pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader};
+pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader, TokenOptions};
 #[cfg(feature = "zarr")]
 pub use report::{inspect, splits, validate, Validation};
 #[cfg(feature = "zarr")]

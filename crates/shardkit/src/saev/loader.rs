@@ -23,13 +23,14 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::checksum::{self, Verifier};
 use crate::engine::batch::{self, BufferPool};
-use crate::engine::dist::{differ, refuse};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{rank_batches, EpochOrder, Order};
 use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
 use crate::engine::Buffer;
 use crate::error::{Error, Result};
 use crate::saev::{Dataset, TokenMode};
+
+use super::options::{LoaderOptions, DEFAULT_MEMORY_BUDGET};
 use crate::storage::{HeldPages, PendingRead};
 
 /// Which layer a loader reads.
@@ -50,74 +51,6 @@ impl std::str::FromStr for LayerSel {
         s.parse()
             .map(LayerSel::Value)
             .map_err(|_| Error::Invalid(format!("layer must be an integer or \"all\", got {s:?}")))
-    }
-}
-
-/// Default memory budget: 1 GiB.
-pub const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
-
-/// Options of a [`Loader`] (builder-style: start from `LoaderOptions::new(layer)`).
-#[derive(Debug, Clone)]
-pub struct LoaderOptions {
-    /// Layer to read.
-    pub layer: LayerSel,
-    /// Tokens to read.
-    pub tokens: TokenMode,
-    /// Rows per batch on each rank.
-    pub batch_size: u64,
-    /// Drop the final partial global batch (on every rank alike).
-    pub drop_last: bool,
-    /// Order of the rows.
-    pub order: Order,
-    /// Shuffle seed.
-    pub seed: u64,
-    /// Epoch; each epoch is a different order.
-    pub epoch: u64,
-    /// This rank (default: `$RANK`, else 0).
-    pub rank: Option<u64>,
-    /// Number of ranks (default: `$WORLD_SIZE`, else 1).
-    pub world_size: Option<u64>,
-    /// Bytes of buffers the loader may hold (default 1 GiB).
-    pub memory_budget: Option<u64>,
-    /// Skip content tokens whose labels.bin value is in this set (needs labels.bin).
-    pub ignore_labels: Vec<u8>,
-    /// Threads that gather rows into batches (0, the default: one per core).
-    pub threads: usize,
-    /// Reads in flight for O_DIRECT window reads (default 16).
-    pub io_threads: usize,
-    /// Bypass the page cache: windows (sequential and block orders) are read with O_DIRECT
-    /// into the loader's own buffers and rows of the exact order with O_DIRECT reads, where
-    /// the file system allows it and ranges are 4 KiB-aligned (anything refused falls back to
-    /// buffered reads). Streams data larger than memory without evicting the page cache, but
-    /// data already cached is read from disk again. Default false: reads go through the page
-    /// cache and cached data is gathered straight from it.
-    pub direct_io: bool,
-    /// Check every block of the shards a pass reads against the dataset's checksums sidecar
-    /// (`shardkit.checksums.json`), once per pass, on the gather threads; a damaged block is an
-    /// error naming the shard and its bytes. Not with `direct_io`.
-    pub verify: bool,
-}
-
-impl LoaderOptions {
-    /// Defaults for `layer`: content tokens, batch 16384, sequential order, seed 0, epoch 0.
-    pub fn new(layer: LayerSel) -> LoaderOptions {
-        LoaderOptions {
-            layer,
-            tokens: TokenMode::Content,
-            batch_size: 16384,
-            drop_last: false,
-            order: Order::Sequential,
-            seed: 0,
-            epoch: 0,
-            rank: None,
-            world_size: None,
-            memory_budget: None,
-            ignore_labels: Vec::new(),
-            threads: 0,
-            io_threads: 16,
-            direct_io: false,
-            verify: false,
-        }
     }
 }
 
@@ -277,64 +210,6 @@ impl Batch {
     }
 }
 
-/// A loader's resumable position, and every parameter that decides which rows land in which
-/// batch. [`Loader::load_state`] refuses a state taken by a loader that would serve other rows
-/// (naming each parameter that differs, with both values); rank and world size may differ when
-/// the global batch is the same.
-///
-/// The `Option` fields are `None` in a state saved before shardkit recorded them: a state is
-/// checked on the parameters it has.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoaderState {
-    /// Shuffle seed.
-    pub seed: u64,
-    /// Epoch.
-    pub epoch: u64,
-    /// Global stream rows consumed in this epoch (a global batch boundary).
-    pub cursor: u64,
-    /// `batch_size · world_size` when the state was taken.
-    pub global_batch_size: u64,
-    /// The order.
-    pub order: Option<Order>,
-    /// The layer read.
-    pub layer: Option<LayerSel>,
-    /// The tokens read.
-    pub tokens: Option<TokenMode>,
-    /// The labels skipped (sorted, without duplicates).
-    pub ignore_labels: Option<Vec<u8>>,
-    /// Whether the last partial global batch is dropped.
-    pub drop_last: Option<bool>,
-    /// The memory budget in bytes (the default resolved).
-    pub memory_budget: Option<u64>,
-    /// Blocks per window that the budget gives, at most the dataset's (what decides the block
-    /// order).
-    pub window_blocks: Option<u64>,
-    /// Selected rows per epoch over all ranks: the dataset, layer, tokens and ignored labels
-    /// in one number.
-    pub rows: Option<u64>,
-}
-
-impl LoaderState {
-    /// A state with only the position (what states saved before the order's parameters were
-    /// recorded hold): checked on the seed and the global batch only.
-    pub fn position(seed: u64, epoch: u64, cursor: u64, global_batch_size: u64) -> LoaderState {
-        LoaderState {
-            seed,
-            epoch,
-            cursor,
-            global_batch_size,
-            order: None,
-            layer: None,
-            tokens: None,
-            ignore_labels: None,
-            drop_last: None,
-            memory_budget: None,
-            window_blocks: None,
-            rows: None,
-        }
-    }
-}
-
 impl std::fmt::Display for LayerSel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -350,13 +225,13 @@ const BATCH_POOL: usize = 8;
 
 /// Ordered or shuffled batches of one layer (or all) of a saev directory.
 pub struct Loader {
-    src: Arc<SaevSource>,
-    opts: LoaderOptions,
+    pub(super) src: Arc<SaevSource>,
+    pub(super) opts: LoaderOptions,
     rank: u64,
-    world: u64,
-    window_blocks: u64,
-    order: Arc<EpochOrder>,
-    cursor: Arc<AtomicU64>,
+    pub(super) world: u64,
+    pub(super) window_blocks: u64,
+    pub(super) order: Arc<EpochOrder>,
+    pub(super) cursor: Arc<AtomicU64>,
     batches: BufferPool,
     windows: BufferPool,
     /// Started on the first pass and kept (a failure to start is reported by that pass).
@@ -365,7 +240,7 @@ pub struct Loader {
     verifier: Option<Arc<Verifier>>,
     /// A state was loaded and no pass has started since: `set_epoch` of the state's epoch keeps
     /// the position, and a state at the end of its epoch yields no batch (not the epoch again).
-    resumed: AtomicBool,
+    pub(super) resumed: AtomicBool,
 }
 
 impl std::fmt::Debug for Loader {
@@ -389,7 +264,7 @@ impl Loader {
             LayerSel::All => (0..layout.n_layers as usize).collect(),
         };
         let per_example = opts.tokens.rows_per_example(&layout)?;
-        let (rank, world) = crate::engine::dist::rank_and_world(opts.rank, opts.world_size)?;
+        let (rank, world) = opts.rank_and_world()?;
         if opts.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
@@ -516,7 +391,7 @@ impl Loader {
         self.gather.get(self.opts.threads)
     }
 
-    fn plan_epoch(
+    pub(super) fn plan_epoch(
         src: &SaevSource,
         opts: &LoaderOptions,
         window_blocks: u64,
@@ -556,6 +431,10 @@ impl Loader {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// Blocks in the dataset.
+    pub(super) fn blocks(&self) -> u64 {
+        self.src.n_blocks() as u64
+    }
     /// The blocks one window of the block order holds, as the budget allows.
     pub fn window_blocks(&self) -> u64 {
         self.window_blocks
@@ -574,141 +453,6 @@ impl Loader {
             self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
         }
         self.cursor.store(0, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// The resumable position, with the parameters that decide the order.
-    pub fn state(&self) -> LoaderState {
-        let mut ignore = self.opts.ignore_labels.clone();
-        ignore.sort_unstable();
-        ignore.dedup();
-        LoaderState {
-            seed: self.opts.seed,
-            epoch: self.opts.epoch,
-            cursor: self.cursor.load(Ordering::Relaxed),
-            global_batch_size: self.opts.batch_size * self.world,
-            order: Some(self.opts.order),
-            layer: Some(self.opts.layer),
-            tokens: Some(self.opts.tokens),
-            ignore_labels: Some(ignore),
-            drop_last: Some(self.opts.drop_last),
-            memory_budget: Some(self.opts.memory_budget.unwrap_or(DEFAULT_MEMORY_BUDGET)),
-            window_blocks: Some(self.effective_window()),
-            rows: Some(self.order.len()),
-        }
-    }
-
-    /// Blocks per window as the order uses them (a budget larger than the dataset gives one
-    /// window, whatever its size).
-    fn effective_window(&self) -> u64 {
-        self.window_blocks.min(self.src.n_blocks() as u64)
-    }
-
-    /// Restores a position taken with [`Loader::state`] (possibly on another world size with
-    /// the same global batch size). A state taken by a loader that would serve other rows (other
-    /// seed, order, layer, tokens, ignored labels, `drop_last`, memory budget of the block
-    /// order, global batch or dataset size) is refused, naming each parameter that differs.
-    pub fn load_state(&mut self, st: LoaderState) -> Result<()> {
-        let mine = self.state();
-        let global = mine.global_batch_size;
-        let mut diff = Vec::new();
-        if st.global_batch_size != global {
-            diff.push(format!(
-                "global_batch_size: state {}, this loader {global} (batch_size {} x world_size \
-                 {}; keep batch_size x world_size fixed to resume)",
-                st.global_batch_size, self.opts.batch_size, self.world
-            ));
-        }
-        let shuffled = |o: Option<Order>| o != Some(Order::Sequential);
-        if shuffled(st.order) && shuffled(mine.order) {
-            differ(
-                &mut diff,
-                "seed",
-                Some(&st.seed),
-                &mine.seed,
-                u64::to_string,
-            );
-        }
-        differ(
-            &mut diff,
-            "order",
-            st.order.as_ref(),
-            &self.opts.order,
-            |o| o.name().to_string(),
-        );
-        differ(
-            &mut diff,
-            "layer",
-            st.layer.as_ref(),
-            &self.opts.layer,
-            |l| l.to_string(),
-        );
-        differ(
-            &mut diff,
-            "tokens",
-            st.tokens.as_ref(),
-            &self.opts.tokens,
-            |t| t.name().to_string(),
-        );
-        let ignore = st.ignore_labels.clone().map(|mut v| {
-            v.sort_unstable();
-            v.dedup();
-            v
-        });
-        differ(
-            &mut diff,
-            "ignore_labels",
-            ignore.as_ref(),
-            mine.ignore_labels.as_ref().unwrap_or(&Vec::new()),
-            |v| format!("{v:?}"),
-        );
-        differ(
-            &mut diff,
-            "drop_last",
-            st.drop_last.as_ref(),
-            &self.opts.drop_last,
-            bool::to_string,
-        );
-        // The budget decides the block order through the blocks per window it gives.
-        if self.opts.order == Order::Block && st.window_blocks != mine.window_blocks {
-            if let Some(w) = st.window_blocks {
-                let budget = |b: Option<u64>| b.map_or("?".to_string(), |b| b.to_string());
-                diff.push(format!(
-                    "memory_budget: state {} bytes (windows of {w} blocks), this loader {} bytes \
-                     (windows of {} blocks)",
-                    budget(st.memory_budget),
-                    budget(mine.memory_budget),
-                    self.effective_window()
-                ));
-            }
-        }
-        differ(
-            &mut diff,
-            "rows",
-            st.rows.as_ref(),
-            &self.order.len(),
-            u64::to_string,
-        );
-        refuse(diff)?;
-        if st.epoch != self.opts.epoch {
-            self.opts.epoch = st.epoch;
-            self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
-        }
-        if st.cursor > self.order.len() {
-            return Err(Error::Invalid(format!(
-                "cursor {} is past the end of the epoch ({} rows)",
-                st.cursor,
-                self.order.len()
-            )));
-        }
-        if !st.cursor.is_multiple_of(global) && st.cursor != self.order.len() {
-            return Err(Error::Invalid(format!(
-                "cursor {} is not a multiple of the global batch size {global}",
-                st.cursor
-            )));
-        }
-        self.cursor.store(st.cursor, Ordering::Relaxed);
-        *self.resumed.get_mut() = true;
         Ok(())
     }
 

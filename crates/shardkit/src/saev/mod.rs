@@ -50,16 +50,17 @@ mod dataset;
 mod layout;
 mod loader;
 mod metadata;
+mod options;
 mod validate;
 mod writer;
 
+pub use crate::engine::LoaderState;
 pub use compat::fake_dataset_data;
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
 pub use layout::{Layout, VALUE_BYTES};
-pub use loader::{
-    Batch, Batches, LayerSel, Loader, LoaderOptions, LoaderState, DEFAULT_MEMORY_BUDGET,
-};
+pub use loader::{Batch, Batches, LayerSel, Loader};
 pub use metadata::{Metadata, Recipe, WriteVersion};
+pub use options::{state_at, LoaderOptions, SaevOptions, DEFAULT_MEMORY_BUDGET};
 pub use validate::{inspect, validate, Problem, Report, Severity};
 pub use writer::{WriteStart, Writer, WriterOptions};
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
 
@@ -255,10 +255,6 @@ def open(path: PathLike) -> Dataset:  # noqa: A001 - mirrors the built-in's role
     return Dataset(path)
 
 
-# The keys of a saev state, besides the position, that decide which rows land in which batch.
-_ORDER_KEYS = ("order", "layer", "tokens", "ignore_labels", "drop_last", "memory_budget", "window_blocks", "rows")
-
-
 class Loader(EngineLoader):
     """Batches of activation rows, shuffled (default) or in storage order.
 
@@ -323,7 +319,8 @@ class Loader(EngineLoader):
         io_threads = _args.integer("io_threads", io_threads, lo=1, hi=1 << 16)
         direct_io = _args.boolean("direct_io", direct_io)
         if order is None:
-            order = "block" if shuffle is None or shuffle else "sequential"
+            # Shuffled: the core's default order (the loader contract writes it once).
+            order = None if shuffle is None or shuffle else "sequential"
         elif shuffle is not None and (order == "sequential") == bool(shuffle):
             raise InvalidArgumentError(
                 f"order={order!r} contradicts shuffle={shuffle!r} (shuffled orders: 'block', 'exact'; "
@@ -350,7 +347,7 @@ class Loader(EngineLoader):
         self._l = _core.Loader(path, **kw)
         self._path = path
         self._opts: Dict[str, Any] = dict(
-            layer=layer, tokens=tokens, batch_size=batch_size, order=order, seed=seed, drop_last=drop_last)
+            layer=layer, tokens=tokens, batch_size=batch_size, order=self._l.order, seed=seed, drop_last=drop_last)
 
     @property
     def path(self) -> str:
@@ -395,21 +392,7 @@ class Loader(EngineLoader):
         """The position and every parameter that decides the order (see
         :class:`shardkit.types.LoaderState`); pass it to ``load_state_dict`` to resume exactly,
         on any number of ranks with the same global batch size."""
-        st: Dict[str, Any] = dict(self._l.state_dict())
-        world = self.world_size
-        gbs = st["global_batch_size"]
-        out: Dict[str, Any] = {
-            "format": "saev",
-            "seed": st["seed"],
-            "epoch": st["epoch"],
-            "batch": -(-st["cursor"] // gbs) if gbs else 0,
-            "batch_size": gbs // world,
-            "world_size": world,
-            "cursor": st["cursor"],
-            "global_batch_size": gbs,
-        }
-        out.update({k: st[k] for k in _ORDER_KEYS if k in st})
-        return out  # type: ignore[return-value]
+        return cast(LoaderState, self._l.state_dict())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resumes at the state's position. A state taken by a loader that would serve other
@@ -418,16 +401,7 @@ class Loader(EngineLoader):
         differs, with both values. Right after it, ``set_epoch`` of the state's epoch keeps the
         position."""
         check_state(dict(state), "saev")
-        st: Dict[str, Any] = {k: state[k] for k in _ORDER_KEYS if k in state}
-        st.update({k: int(state[k]) for k in ("seed", "epoch") if k in state})
-        if "cursor" in state and "global_batch_size" in state:
-            st["cursor"] = int(state["cursor"])
-            st["global_batch_size"] = int(state["global_batch_size"])
-        elif all(k in state for k in ("batch", "batch_size", "world_size")):
-            gbs = int(state["batch_size"]) * int(state["world_size"])
-            st["cursor"] = min(int(state["batch"]) * gbs, self.rows)
-            st["global_batch_size"] = gbs
-        self._l.load_state_dict(st)
+        self._l.load_state_dict(dict(state))
 
     def __iter__(self) -> Iterator[SaevBatch]:
         it = self._l.iter()

@@ -1,0 +1,528 @@
+//! saev bindings (wrapped by `shardkit/saev`): writer, dataset, loader.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use shardkit::engine::Order;
+use shardkit::json;
+use shardkit::saev;
+
+use crate::loader::{rank_world, state_dict, state_from_dict, BatchIter, IntoDict};
+use crate::{
+    contiguous, drop_without_gil, external_pool, json_of, obj, py_error, record, to_py, RustBuffer,
+    SendSlice, Storage,
+};
+
+/// Streaming, crash-safe writer of one saev directory.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Writer {
+    inner: Option<saev::Writer>,
+    path: String,
+    start: String,
+    shape: (usize, usize, usize, usize),
+    content_tokens: usize,
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            drop_without_gil(w);
+        }
+    }
+}
+
+#[pymethods]
+impl Writer {
+    #[new]
+    #[pyo3(signature = (root, metadata_json, resume=false))]
+    fn new(
+        py: Python<'_>,
+        root: std::path::PathBuf,
+        metadata_json: &str,
+        resume: bool,
+    ) -> PyResult<Self> {
+        let v = json::parse(metadata_json.as_bytes())
+            .map_err(|e| py_error("InvalidArgumentError", format!("metadata: {e}")))?;
+        let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
+        let shape = (
+            md.n_examples() as usize,
+            md.layers().len(),
+            md.tokens_per_example() as usize,
+            md.d_model() as usize,
+        );
+        let content_tokens = md.content_tokens_per_example() as usize;
+        let w = py
+            .allow_threads(|| saev::Writer::create(root, md, saev::WriterOptions { resume }))
+            .map_err(to_py)?;
+        let start = match w.start() {
+            saev::WriteStart::Fresh => "fresh".to_string(),
+            saev::WriteStart::Resumed { from } => format!("resumed:{from}"),
+            saev::WriteStart::AlreadyComplete => "complete".to_string(),
+        };
+        Ok(Writer {
+            path: w.destination().display().to_string(),
+            inner: Some(w),
+            start,
+            shape,
+            content_tokens,
+        })
+    }
+
+    /// The dataset directory.
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+    /// "fresh", "resumed:<first example>" or "complete".
+    #[getter]
+    fn start(&self) -> &str {
+        &self.start
+    }
+    /// First example still to be written.
+    #[getter]
+    fn next_example(&self) -> u64 {
+        self.inner
+            .as_ref()
+            .map_or(self.shape.0 as u64, |w| w.next_example())
+    }
+    /// {"n_examples", "n_layers", "tokens_per_example", "d_model"}.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (n, l, t, d) = self.shape;
+        record(
+            py,
+            [
+                ("n_examples", obj(py, n)?),
+                ("n_layers", obj(py, l)?),
+                ("tokens_per_example", obj(py, t)?),
+                ("d_model", obj(py, d)?),
+            ],
+        )
+    }
+    /// Content tokens per example (labels are (b, this)).
+    #[getter]
+    fn content_tokens(&self) -> usize {
+        self.content_tokens
+    }
+
+    /// Writes acts float32 (b, L, T, D) and optional labels uint8 (b, P).
+    #[pyo3(signature = (acts, labels=None))]
+    fn write(
+        &mut self,
+        py: Python<'_>,
+        acts: &Bound<'_, PyAny>,
+        labels: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let (_, l, t, d) = self.shape;
+        let a = contiguous::<f32>(acts, "acts (float32)")?;
+        let s = a.shape();
+        if s.len() != 4 || s[1] != l || s[2] != t || s[3] != d {
+            return Err(py_error(
+                "InvalidArgumentError",
+                format!(
+                    "acts must have shape (b, {l}, {t}, {d}) = (batch, layers, \
+                     tokens_per_example, d_model); got {s:?}"
+                ),
+            ));
+        }
+        let lab = match labels {
+            None => None,
+            Some(obj) => {
+                let b = contiguous::<u8>(obj, "labels (uint8)")?;
+                let ls = b.shape();
+                if ls.len() != 2 || ls[0] != s[0] || ls[1] != self.content_tokens {
+                    return Err(py_error(
+                        "InvalidArgumentError",
+                        format!(
+                            "labels must have shape ({}, {}) = (batch, content tokens); got \
+                             {ls:?}",
+                            s[0], self.content_tokens
+                        ),
+                    ));
+                }
+                Some(b)
+            }
+        };
+        let w = self
+            .inner
+            .as_mut()
+            .ok_or_else(|| py_error("InvalidArgumentError", "the writer is closed"))?;
+        let acts_s = SendSlice(a.buf_ptr() as *const f32, a.item_count());
+        let lab_s = lab
+            .as_ref()
+            .map(|b| SendSlice(b.buf_ptr() as *const u8, b.item_count()));
+        // SAFETY: `a` and `lab` (the exporters' views) outlive the closure.
+        py.allow_threads(|| unsafe { w.write(acts_s.get(), lab_s.as_ref().map(|x| x.get())) })
+            .map_err(to_py)
+    }
+
+    /// Completes the dataset (labels.bin, then shards.json) and returns its directory.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
+        let w = self
+            .inner
+            .take()
+            .ok_or_else(|| py_error("InvalidArgumentError", "the writer is already closed"))?;
+        py.allow_threads(|| w.finish())
+            .map(|p| p.display().to_string())
+            .map_err(to_py)
+    }
+
+    /// Drops the writer without completing: the directory stays resumable. (Writing to a
+    /// store, the shards already finished are uploaded first, without holding the GIL.)
+    fn abort(&mut self, py: Python<'_>) {
+        let w = self.inner.take();
+        py.allow_threads(move || drop(w));
+    }
+}
+
+/// A complete saev directory opened for random access.
+#[pyclass(module = "shardkit._shardkit", frozen)]
+pub struct Dataset {
+    inner: Arc<saev::Dataset>,
+}
+
+#[pymethods]
+impl Dataset {
+    #[new]
+    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let ds = py
+            .allow_threads(|| saev::Dataset::open(path))
+            .map_err(to_py)?;
+        Ok(Dataset {
+            inner: Arc::new(ds),
+        })
+    }
+    /// metadata.json as a JSON string (keys in file order).
+    #[getter]
+    fn metadata_json(&self) -> String {
+        json_of(self.inner.metadata().raw())
+    }
+    /// The directory.
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().display().to_string()
+    }
+    /// {"n_examples", "n_layers", "tokens_per_example", "d_model", "content_tokens",
+    /// "cls_token", "examples_per_shard", "n_shards"}.
+    #[getter]
+    fn layout<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let l = self.inner.layout();
+        record(
+            py,
+            [
+                ("n_examples", obj(py, l.n_examples)?),
+                ("n_layers", obj(py, l.n_layers)?),
+                ("tokens_per_example", obj(py, l.tokens)?),
+                ("d_model", obj(py, l.d_model)?),
+                ("content_tokens", obj(py, l.content_tokens)?),
+                ("cls_token", obj(py, l.cls)?),
+                ("examples_per_shard", obj(py, l.examples_per_shard)?),
+                ("n_shards", obj(py, l.n_shards)?),
+            ],
+        )
+    }
+    /// Recorded layer values.
+    #[getter]
+    fn layers(&self) -> Vec<i64> {
+        self.inner.metadata().layers().to_vec()
+    }
+    /// Whether labels.bin is present and usable.
+    #[getter]
+    fn has_labels(&self) -> bool {
+        self.inner.has_labels()
+    }
+    /// Warnings from parsing metadata.json.
+    #[getter]
+    fn warnings(&self) -> Vec<String> {
+        self.inner.warnings().to_vec()
+    }
+    /// One vector (D,) of (example, recorded layer, token slot).
+    fn get(&self, py: Python<'_>, example: i64, layer: i64, token: i64) -> PyResult<RustBuffer> {
+        let (e, t) = (index(example, "example")?, index(token, "token")?);
+        let v = py
+            .allow_threads(|| self.inner.get(e, layer, t))
+            .map_err(to_py)?;
+        let d = v.len();
+        Ok(RustBuffer::new(Storage::F32(v), &[d]))
+    }
+    /// Many vectors (n, D): coordinates given as three equal-length sequences.
+    fn take(
+        &self,
+        py: Python<'_>,
+        examples: Vec<i64>,
+        layers: Vec<i64>,
+        tokens: Vec<i64>,
+    ) -> PyResult<RustBuffer> {
+        if examples.len() != layers.len() || examples.len() != tokens.len() {
+            return Err(py_error(
+                "InvalidArgumentError",
+                format!(
+                    "examples, layers and tokens must have the same length, got {}, {} and {}",
+                    examples.len(),
+                    layers.len(),
+                    tokens.len()
+                ),
+            ));
+        }
+        let mut coords = Vec::with_capacity(examples.len());
+        for i in 0..examples.len() {
+            coords.push((
+                index(examples[i], "example")?,
+                layers[i],
+                index(tokens[i], "token")?,
+            ));
+        }
+        let v = py
+            .allow_threads(|| self.inner.take(&coords))
+            .map_err(to_py)?;
+        let d = self.inner.layout().d_model as usize;
+        Ok(RustBuffer::new(Storage::F32(v), &[coords.len(), d]))
+    }
+    /// Rows of saev's indexed view for (layer, tokens).
+    fn indexed_len(&self, layer: i64, tokens: &str) -> PyResult<u64> {
+        let mode: saev::TokenMode = tokens.parse().map_err(to_py)?;
+        Ok(self.inner.indexed(layer, mode).map_err(to_py)?.len())
+    }
+    /// Row `i` of saev's indexed view: {"act", "example_idx", "token_idx", "token_label"
+    /// (None without labels)}.
+    fn indexed_get<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        tokens: &str,
+        i: i64,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let mode: saev::TokenMode = tokens.parse().map_err(to_py)?;
+        let view = self.inner.indexed(layer, mode).map_err(to_py)?;
+        let n = view.len() as i64;
+        let i = if i < 0 { i + n } else { i };
+        if i < 0 || i >= n {
+            return Err(py_error(
+                "OutOfRangeError",
+                format!(
+                    "{}: row {i} is out of range for {n} rows",
+                    self.inner.path().display()
+                ),
+            ));
+        }
+        let row = py.allow_threads(|| view.get(i as u64)).map_err(to_py)?;
+        let d = row.act.len();
+        record(
+            py,
+            [
+                (
+                    "act",
+                    obj(py, RustBuffer::new(Storage::F32(row.act), &[d]))?,
+                ),
+                ("example_idx", obj(py, row.example_idx)?),
+                ("token_idx", obj(py, row.token_idx)?),
+                ("token_label", obj(py, row.token_label)?),
+            ],
+        )
+    }
+}
+
+fn index(i: i64, what: &str) -> PyResult<u64> {
+    u64::try_from(i)
+        .map_err(|_| py_error("OutOfRangeError", format!("{what} index {i} is negative")))
+}
+
+/// Ordered or shuffled batches of a saev directory.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Loader {
+    inner: saev::Loader,
+}
+
+#[pymethods]
+impl Loader {
+    #[new]
+    #[pyo3(signature = (path, layer, tokens="content", batch_size=16384, order=None,
+        seed=0, epoch=0, rank=None, world_size=None, drop_last=false, memory_budget=None,
+        ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0, verify=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        layer: &Bound<'_, PyAny>,
+        tokens: &str,
+        batch_size: u64,
+        order: Option<&str>,
+        seed: u64,
+        epoch: u64,
+        rank: Option<u64>,
+        world_size: Option<u64>,
+        drop_last: bool,
+        memory_budget: Option<u64>,
+        ignore_labels: Vec<u8>,
+        io_threads: usize,
+        direct_io: bool,
+        threads: usize,
+        verify: bool,
+    ) -> PyResult<Self> {
+        let layer = if let Ok(s) = layer.extract::<String>() {
+            s.parse::<saev::LayerSel>().map_err(to_py)?
+        } else {
+            saev::LayerSel::Value(layer.extract::<i64>().map_err(|_| {
+                py_error(
+                    "InvalidArgumentTypeError",
+                    format!(
+                        "layer must be a recorded layer value (an integer) or \"all\", got {layer}"
+                    ),
+                )
+            })?)
+        };
+        let mut o = saev::LoaderOptions::new(layer);
+        o.tokens = tokens.parse().map_err(to_py)?;
+        o.batch_size = batch_size;
+        if let Some(order) = order {
+            o.order = order.parse::<Order>().map_err(to_py)?;
+        }
+        o.seed = seed;
+        o.epoch = epoch;
+        o.rank = rank;
+        o.world_size = world_size;
+        o.drop_last = drop_last;
+        o.memory_budget = memory_budget;
+        o.ignore_labels = ignore_labels;
+        o.io_threads = io_threads;
+        o.direct_io = direct_io;
+        o.threads = threads;
+        o.verify = verify;
+        let inner = py
+            .allow_threads(|| saev::Loader::new(path, o))
+            .map_err(to_py)?;
+        Ok(Loader { inner })
+    }
+    /// Batches per epoch on this rank.
+    fn __len__(&self) -> usize {
+        self.inner.len() as usize
+    }
+    /// Selected rows per epoch over all ranks.
+    #[getter]
+    fn rows(&self) -> u64 {
+        self.inner.rows()
+    }
+    /// {"rank", "world_size"}.
+    #[getter]
+    fn rank_world<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        rank_world(py, self.inner.rank_and_world())
+    }
+    /// d_model.
+    #[getter]
+    fn d_model(&self) -> u64 {
+        self.inner.dataset().layout().d_model
+    }
+    /// The order ("sequential", "block" or "exact").
+    #[getter]
+    fn order(&self) -> &'static str {
+        self.inner.options().order.name()
+    }
+    /// Current epoch.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.options().epoch
+    }
+    /// Switches epoch (and rewinds to its start; right after `load_state_dict`, the state's
+    /// epoch keeps the loaded position).
+    fn set_epoch(&mut self, epoch: u64) -> PyResult<()> {
+        self.inner.set_epoch(epoch).map_err(to_py)
+    }
+    /// Bytes of the `act` buffer of a full batch.
+    #[getter]
+    fn batch_bytes(&self) -> u64 {
+        self.inner.batch_bytes()
+    }
+    /// Gathers batches into caller-owned memory from now on (internal: shardkit.torch passes
+    /// pinned tensors held by `keeper`).
+    fn _set_batch_buffers(
+        &mut self,
+        keeper: PyObject,
+        regions: Vec<(usize, usize)>,
+    ) -> PyResult<()> {
+        self.inner
+            .set_batch_buffers(external_pool(keeper, regions)?);
+        Ok(())
+    }
+    /// The resumable state, as `saev.Loader.state_dict()` returns it (see
+    /// [`crate::loader::state_dict`]).
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        state_dict(py, &self.inner.state())
+    }
+    /// Restores a state from `state_dict()` (refused, naming each differing key, when it was
+    /// taken by a loader that would serve other rows).
+    fn load_state_dict(&mut self, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let st = state_from_dict(state, true)?;
+        self.inner.load_state(st).map_err(to_py)
+    }
+    /// Runs the rest of the epoch entirely in Rust and returns the payload bytes (for
+    /// benchmarks: the same loader, process and page cache as a Python loop).
+    fn _drain(&self, py: Python<'_>) -> PyResult<u64> {
+        py.allow_threads(|| {
+            let mut bytes = 0u64;
+            for b in self.inner.iter()? {
+                let b = b?;
+                bytes += (b.n * b.d_model * 4) as u64;
+            }
+            Ok(bytes)
+        })
+        .map_err(to_py)
+    }
+
+    /// Starts a pass over the rest of the epoch; yields {"act", "example_idx", "token_idx",
+    /// "layer", "token_label", "cursor"} (layer and token_label None when not selected).
+    fn iter(&self, py: Python<'_>) -> PyResult<BatchIter> {
+        let it = py.allow_threads(|| self.inner.iter()).map_err(to_py)?;
+        Ok(BatchIter::new(it))
+    }
+}
+
+/// `shardkit saev validate --json` as a JSON string.
+#[pyfunction]
+fn validate(py: Python<'_>, path: std::path::PathBuf) -> String {
+    let r = py.allow_threads(|| saev::validate(&path));
+    json_of(&r.to_json())
+}
+
+/// `shardkit saev inspect --json` as a JSON string.
+#[pyfunction]
+fn inspect(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    py.allow_threads(|| saev::inspect(&path))
+        .map(|v| json_of(&v))
+        .map_err(to_py)
+}
+
+impl IntoDict for saev::Batch {
+    /// {"act", "example_idx", "token_idx", "layer", "token_label", "cursor"}.
+    fn into_dict(self, py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+        let n = self.n;
+        let i64s = |v: Vec<i64>| RustBuffer::new(Storage::I64(v), &[n]);
+        crate::record(
+            py,
+            [
+                (
+                    "act",
+                    crate::obj(
+                        py,
+                        RustBuffer::new(Storage::Engine(self.act), &[n, self.d_model]),
+                    )?,
+                ),
+                ("example_idx", crate::obj(py, i64s(self.example_idx))?),
+                ("token_idx", crate::obj(py, i64s(self.token_idx))?),
+                ("layer", crate::obj(py, self.layer.map(i64s))?),
+                ("token_label", crate::obj(py, self.token_label.map(i64s))?),
+                ("cursor", crate::obj(py, self.cursor)?),
+            ],
+        )
+    }
+}
+
+/// Registers the classes and functions.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Writer>()?;
+    m.add_class::<Dataset>()?;
+    m.add_class::<Loader>()?;
+    m.add_function(wrap_pyfunction!(validate, m)?)?;
+    m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    Ok(())
+}
