@@ -24,11 +24,11 @@ use super::shard::{
     self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
 };
 use crate::checksum::{FileSums, Journal, Recorder};
+use crate::commit::{self, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
-use crate::lock::WriteLock;
-use crate::storage::{self, Remote, StoreLock, Streaming};
+use crate::storage::{self, Remote};
 
 /// The embeddings file's name.
 pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
@@ -91,20 +91,19 @@ impl Writer {
     /// configuration `config` (a JSON object with every key the reference producer writes).
     ///
     /// `dir` may be an `s3://bucket/prefix` URL naming a prefix without a cache: the cache is
-    /// then staged in a local directory ([`storage::staging_dir`]), each shard uploaded as soon
+    /// then staged in a local directory ([`commit::staging_dir`]), each shard uploaded as soon
     /// as it is written and its staged copy removed, and the rest uploaded by
     /// [`Writer::finish`], manifest.json last. The same rules apply to what the store holds: an
     /// interrupted write (shards named in its upload journal) is refused unless
     /// `options.resume`, then continued after the journaled shards, on any machine.
     pub fn create(dir: impl AsRef<Path>, config: &Value, options: WriterOptions) -> Result<Writer> {
-        if storage::is_remote(dir.as_ref()) {
-            return Self::create_remote(dir.as_ref(), config, options);
+        match Target::parse(dir.as_ref())? {
+            Target::Store(remote) => Self::create_remote(remote, config, options),
+            Target::Local(dir) => Self::create_local(&dir, config, options, &Journal::default()),
         }
-        Self::create_local(dir.as_ref(), config, options, &Journal::default())
     }
 
-    fn create_remote(dir: &Path, config: &Value, options: WriterOptions) -> Result<Writer> {
-        let remote = Remote::parse(dir)?;
+    fn create_remote(remote: Remote, config: &Value, options: WriterOptions) -> Result<Writer> {
         if let Some(bytes) = remote.get_opt(manifest::MANIFEST)? {
             // The store's commit record: the cache there is complete.
             let path = remote.url_of(manifest::MANIFEST);
@@ -129,7 +128,7 @@ impl Writer {
                         .into(),
                 });
             }
-            Streaming::clear_leftovers(&remote, &storage::staging_dir(Path::new(&remote.url())));
+            Streaming::clear_leftovers(&remote, &commit::staging_dir(Path::new(&remote.url())));
             let specs = field_specs(&m);
             return Ok(Writer {
                 dir: PathBuf::from(remote.url()),
@@ -144,10 +143,8 @@ impl Writer {
                 upload_to: None,
             });
         }
-        // Held from before the journal is read until the write ends.
-        let lock = StoreLock::acquire(&remote)?;
-        let found = Streaming::left_in(&remote)?;
-        let mut uploaded = found.clone();
+        let store = StoreWrite::begin(remote)?;
+        let mut uploaded = store.found().clone();
         // Shards upload several at a time: those after the first one missing are written again.
         let first_missing = (0u64..)
             .find(|&k| !uploaded.files.files.contains_key(&shard_name(k)))
@@ -158,7 +155,7 @@ impl Writer {
             .retain(|n, _| shard::shard_index(n).is_some_and(|k| k < first_missing));
         if !uploaded.files.files.is_empty() && !options.resume {
             return Err(Error::Exists {
-                path: PathBuf::from(remote.url()),
+                path: store.url(),
                 why: format!(
                     "holds an interrupted write of this cache ({} shard(s) uploaded); resume it \
                      or delete its objects",
@@ -166,8 +163,7 @@ impl Writer {
                 ),
             });
         }
-        let staging = storage::staging_dir(Path::new(&remote.url()));
-        let mut w = Self::create_local(&staging, config, options, &uploaded)?;
+        let mut w = Self::create_local(&store.staging(), config, options, &uploaded)?;
         let mut journal = Journal::default();
         let text = String::from_utf8_lossy(&w.manifest.to_bytes()).into_owned();
         journal.set_fact(MANIFEST_FACT, Value::String(text));
@@ -176,7 +172,7 @@ impl Writer {
                 journal.files.files.insert(name.clone(), sums.clone());
             }
         }
-        let mut streaming = Streaming::start(remote, journal, &found, lock)?;
+        let mut streaming = store.stream(journal)?;
         // Shards the interrupted run staged but did not upload go first.
         for k in 0..w.shard {
             let name = shard_name(k);

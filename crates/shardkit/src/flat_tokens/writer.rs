@@ -32,11 +32,11 @@ use zarrs::storage::{ListableStorageTraits, StorePrefix, WritableStorageTraits};
 use super::layout::{self, Layout};
 use super::store::{self, get_json, put_zarr2_json, zarrs_error, Completion, ZarrFormat, MARKER};
 use crate::checksum::{FileSums, Journal};
+use crate::commit::{self, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::{self, Value};
-use crate::lock::WriteLock;
-use crate::storage::{self, Remote, StoreLock, Streaming};
+use crate::storage::Remote;
 
 /// The largest token id the encoding can hold (`2*id + 1` must fit in uint32).
 pub const MAX_TOKEN_ID: u32 = (1 << 31) - 1;
@@ -625,7 +625,7 @@ impl Writer {
     /// as needed. An existing split is refused unless `options.resume`.
     ///
     /// `root` may be an `s3://bucket/prefix` URL naming an empty prefix: the dataset is then
-    /// staged in a local directory ([`storage::staging_dir`]) and streamed to the store. At
+    /// staged in a local directory ([`commit::staging_dir`]) and streamed to the store. At
     /// each commit the chunks it completed are uploaded in the background (their staged copies
     /// removed once they are in the store), and the commit is recorded in the store's upload
     /// journal as a checkpoint: the trailing chunks (under private names) and the metadata
@@ -642,12 +642,12 @@ impl Writer {
                 "split must be \"train\" or \"validation\", got {split:?}"
             )));
         }
-        if storage::is_remote(root.as_ref()) {
-            return Self::create_remote(root.as_ref(), split, options);
-        }
-        let root = &storage::local_path(root.as_ref());
+        let root = match Target::parse(root.as_ref())? {
+            Target::Store(target) => return Self::create_remote(target, split, options),
+            Target::Local(root) => root,
+        };
         super::delta::register();
-        let root = root.as_ref();
+        let root = root.as_path();
         let existing = existing_format(root)?;
         let split_exists = ZarrFormat::of_group(&root.join(split)).is_some();
         if split_exists && !options.resume {
@@ -720,13 +720,10 @@ impl Writer {
     }
 
     /// [`Writer::create`] for an `s3://` URL (see there).
-    fn create_remote(url: &Path, split: &str, options: WriterOptions) -> Result<Writer> {
-        let target = Remote::parse(url)?;
-        let url = PathBuf::from(target.url());
-        let staged = storage::staging_dir(&url);
-        // Held from before the journal is read until the write ends.
-        let lock = StoreLock::acquire(&target)?;
-        let was = Streaming::left_in(&target)?;
+    fn create_remote(target: Remote, split: &str, options: WriterOptions) -> Result<Writer> {
+        let store = StoreWrite::begin(target)?;
+        let (target, url, staged) = (store.target(), store.url(), store.staging());
+        let was = store.found();
         let checkpoint = was.fact(CHECKPOINT);
         if let Some(theirs) = checkpoint.and_then(|c| c.get("split")?.as_str()) {
             if theirs != split {
@@ -740,7 +737,7 @@ impl Writer {
             }
         }
         if !staged.exists() {
-            if was != Journal::default() {
+            if *was != Journal::default() {
                 if !options.resume {
                     return Err(Error::Exists {
                         path: url,
@@ -752,9 +749,9 @@ impl Writer {
                     });
                 }
                 if let Some(cp) = checkpoint {
-                    rebuild_staging(&target, cp, &staged)?;
+                    rebuild_staging(target, cp, &staged)?;
                 }
-            } else if target.list()?.iter().any(|(n, _)| !storage::is_private(n)) {
+            } else if target.list()?.iter().any(|(n, _)| !commit::is_private(n)) {
                 return Err(Error::Exists {
                     path: url,
                     why: "already holds objects; a flat-tokens dataset is written to an empty \
@@ -787,7 +784,7 @@ impl Writer {
                 journal.set_fact(CHECKPOINT, cp.clone());
             }
         }
-        let mut streaming = Streaming::start(target, journal, &was, lock)?;
+        let mut streaming = store.stream(journal)?;
         for name in unsent {
             // Chunks the interrupted run committed but did not upload: staged, or lost.
             let path = w.ds.root.join(&name);
@@ -1114,7 +1111,7 @@ impl Upload {
         }
         let mut documents = Vec::new();
         // The upload threads are removing the staged copies of chunks they have sent.
-        for (name, _) in storage::staged_files(root)? {
+        for (name, _) in commit::staged_files(root)? {
             if is_document(&name) {
                 let path = root.join(&name);
                 let text = std::fs::read_to_string(&path).at(&path)?;
@@ -1145,7 +1142,7 @@ impl Upload {
         // A writer whose lock was taken over deletes nothing.
         self.streaming.confirm_lock()?;
         let target = self.streaming.target.clone();
-        let staged: std::collections::HashSet<String> = storage::staged_files(root)?
+        let staged: std::collections::HashSet<String> = commit::staged_files(root)?
             .into_iter()
             .map(|(n, _)| n)
             .collect();

@@ -23,15 +23,15 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::checksum::{FileSums, Journal, Recorder};
+use crate::commit::{self, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
-use crate::lock::WriteLock;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
-use crate::storage::{self, Remote, StoreLock, Streaming};
+use crate::storage::{self, Remote};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
@@ -119,7 +119,7 @@ impl Writer {
     /// * anything else (different metadata.json bytes, foreign files): refused, never overwritten.
     ///
     /// `root` may be an `s3://bucket/prefix` URL: the dataset is then staged in a local
-    /// directory ([`storage::staging_dir`]), each shard uploaded as soon as it is complete and
+    /// directory ([`commit::staging_dir`]), each shard uploaded as soon as it is complete and
     /// its staged copy removed, and the rest uploaded by [`Writer::finish`], shards.json last.
     /// The same rules apply to what the store holds: an interrupted write (shards named in its
     /// upload journal) is refused unless `opts.resume`, then continued from the first shard in
@@ -128,10 +128,10 @@ impl Writer {
     /// their checksums when fetched back). A prefix already holding the complete dataset is
     /// [`WriteStart::AlreadyComplete`]; one holding a different dataset is refused.
     pub fn create(root: impl AsRef<Path>, md: Metadata, opts: WriterOptions) -> Result<Writer> {
-        if storage::is_remote(root.as_ref()) {
-            return Self::create_remote(root.as_ref(), md, opts);
+        match Target::parse(root.as_ref())? {
+            Target::Store(root) => Self::create_remote(root, md, opts),
+            Target::Local(root) => Self::create_local(&root, md, opts, &Journal::default(), None),
         }
-        Self::create_local(root.as_ref(), md, opts, &Journal::default(), None)
     }
 
     /// [`Writer::create`] in a local directory; `uploaded` is what an interrupted write to the
@@ -407,8 +407,8 @@ impl Writer {
         built
     }
 
-    fn create_remote(root: &Path, md: Metadata, opts: WriterOptions) -> Result<Writer> {
-        let target = Remote::parse(root)?.join(&md.dir_name());
+    fn create_remote(root: Remote, md: Metadata, opts: WriterOptions) -> Result<Writer> {
+        let target = root.join(&md.dir_name());
         let url = PathBuf::from(target.url());
         let theirs = target.get_opt("metadata.json")?;
         if let Some(theirs) = &theirs {
@@ -423,7 +423,7 @@ impl Writer {
             // Complete if it opens; anything else is finished by uploading again.
             if target.get_opt("shards.json")?.is_some() && crate::saev::Dataset::open(&url).is_ok()
             {
-                let staged = storage::staging_dir(&url).join(md.dir_name());
+                let staged = commit::staging_dir(&url).join(md.dir_name());
                 // Left by a write killed after its commit: nothing needs them, and readers
                 // ignore them, so a failure here loses nothing.
                 let _ = delete_label_pieces(&target);
@@ -445,9 +445,8 @@ impl Writer {
                 });
             }
         }
-        // Held from before the journal is read until the write ends.
-        let lock = StoreLock::acquire(&target)?;
-        let uploaded = Streaming::left_in(&target)?;
+        let store = StoreWrite::begin(target)?;
+        let uploaded = store.found();
         if !uploaded.files.files.is_empty() && !opts.resume {
             return Err(Error::Exists {
                 path: url,
@@ -458,13 +457,7 @@ impl Writer {
                 ),
             });
         }
-        let mut w = Self::create_local(
-            &storage::staging_dir(&url),
-            md,
-            opts,
-            &uploaded,
-            Some(&target),
-        )?;
+        let mut w = Self::create_local(&store.staging(), md, opts, uploaded, Some(store.target()))?;
         // The store's journal from now on: the shards kept (and their labels), and whether
         // there are labels.
         let mut journal = Journal::default();
@@ -480,9 +473,9 @@ impl Writer {
         }
         if theirs.is_none() {
             // Claims the prefix for this dataset before any shard goes there.
-            target.put("metadata.json", w.md.file_bytes())?;
+            store.target().put("metadata.json", w.md.file_bytes())?;
         }
-        let mut streaming = Streaming::start(target, journal, &uploaded, lock)?;
+        let mut streaming = store.stream(journal)?;
         if w.start != WriteStart::AlreadyComplete {
             // Shards the interrupted run staged but did not upload go first.
             for s in 0..kept {
