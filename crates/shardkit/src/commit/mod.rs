@@ -7,9 +7,12 @@
 //! checksum sidecar, then the format's commit record. [`transfer`] copies whole datasets
 //! between a directory and a store, the commit records last.
 //!
-//! [`Target`] is what a writer opens: it decides local or store, takes the lock, reads what an
-//! interrupted write left in the store, and streams; the writer only says which files it keeps
-//! and what its commit record is.
+//! A writer opens its destination as a [`Target`] (a local directory, or a store prefix); for a
+//! store, [`StoreWrite`] takes the lock, reads what an interrupted write left there, and starts
+//! the stream once the writer has said which of those files it keeps. The writer then hands each
+//! finished file to its [`Files`] (checksummed; uploaded in the background when streaming), and
+//! ends with [`Files::finish`] once its sidecar and commit record are staged: for a store, the
+//! rest is uploaded with the commit record last.
 
 pub mod lock;
 pub(crate) mod staged;
@@ -20,7 +23,7 @@ pub use transfer::{download, upload, Transfer};
 
 use std::path::{Path, PathBuf};
 
-use crate::checksum::Journal;
+use crate::checksum::{FileSums, Journal, Recorder};
 use crate::error::Result;
 use crate::storage::{self, Remote};
 use store_lock::StoreLock;
@@ -99,5 +102,90 @@ impl StoreWrite {
     /// finished file sent is uploaded in the background.
     pub(crate) fn stream(self, journal: Journal) -> Result<Streaming> {
         Streaming::start(self.target, journal, &self.found, self.lock)
+    }
+}
+
+/// A writer's finished files on their way into the dataset: each checksummed as it is
+/// published (while still in the page cache) and, writing to a store, uploaded in the
+/// background ([`Streaming`]). Locally, sending a file only records its checksums.
+#[derive(Debug, Default)]
+pub(crate) struct Files {
+    sums: Recorder,
+    upload: Option<Streaming>,
+}
+
+impl Files {
+    /// Files of a write that keeps those `kept` names (in a store already, with their
+    /// checksums), nothing streamed yet.
+    pub(crate) fn keeping(kept: &Journal) -> Files {
+        let mut sums = Recorder::default();
+        for (name, s) in &kept.files.files {
+            sums.insert(name, s.clone());
+        }
+        Files { sums, upload: None }
+    }
+
+    /// Streams the files sent from now on through `streaming`.
+    pub(crate) fn stream(&mut self, streaming: Streaming) {
+        self.upload = Some(streaming);
+    }
+
+    /// The stream to the store, when writing to one.
+    pub(crate) fn streaming(&mut self) -> Option<&mut Streaming> {
+        self.upload.as_mut()
+    }
+
+    /// Where the dataset written in `dir` ends up: the store's URL when streaming.
+    pub(crate) fn destination(&self, dir: &Path) -> PathBuf {
+        match &self.upload {
+            Some(up) => PathBuf::from(up.target.url()),
+            None => dir.to_path_buf(),
+        }
+    }
+
+    /// The stream to the store taken out (for a writer that sends more than the file itself
+    /// with it); [`Files::stream`] puts it back.
+    pub(crate) fn take_streaming(&mut self) -> Option<Streaming> {
+        self.upload.take()
+    }
+
+    /// Records the checksums of `dir/name`, just published; returns them.
+    pub(crate) fn record(&mut self, dir: &Path, name: &str) -> Result<FileSums> {
+        self.sums.add(dir, name)
+    }
+
+    /// Records `name`'s checksums from its bytes (a file about to be written).
+    pub(crate) fn record_bytes(&mut self, name: &str, bytes: &[u8]) {
+        self.sums.add_bytes(name, bytes);
+    }
+
+    /// Records the checksums known of `name` (kept from an interrupted write).
+    pub(crate) fn insert(&mut self, name: &str, sums: FileSums) {
+        self.sums.insert(name, sums);
+    }
+
+    /// Records `dir/name`, just published, and queues it for upload when streaming.
+    pub(crate) fn send(&mut self, dir: &Path, name: &str) -> Result<()> {
+        let sums = self.sums.add(dir, name)?;
+        match &mut self.upload {
+            Some(up) => up.send(dir, name, sums),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes the sidecar of the dataset in `dir`: every file recorded, the rest hashed now.
+    pub(crate) fn write_sidecar(&self, dir: &Path) -> Result<PathBuf> {
+        self.sums.finish(dir)
+    }
+
+    /// Ends the write of the dataset in `dir`, whose sidecar and commit record are in place.
+    /// Locally that is all; streaming, the queued uploads are waited for, what is left in `dir`
+    /// uploaded (the commit record last), the private objects `leftovers` deleted, and the
+    /// journal and the staging directory removed. Returns where the dataset is.
+    pub(crate) fn finish(self, dir: &Path, leftovers: &[String]) -> Result<PathBuf> {
+        match self.upload {
+            Some(streaming) => streaming.finish(dir, leftovers),
+            None => Ok(dir.to_path_buf()),
+        }
     }
 }

@@ -23,8 +23,8 @@ use super::rules;
 use super::shard::{
     self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
 };
-use crate::checksum::{FileSums, Journal, Recorder};
-use crate::commit::{self, StoreWrite, Streaming, Target, WriteLock};
+use crate::checksum::{FileSums, Journal};
+use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
@@ -77,10 +77,9 @@ pub struct Writer {
     /// Held for the writer's life: a second writer of this cache fails at once.
     /// `None` for a cache already complete in the store (nothing is staged).
     lock: Option<WriteLock>,
-    /// Checksums of the shards written so far (see [`crate::checksum`]).
-    sums: Recorder,
-    /// Writing to an object store: staged in `dir`, shards streamed as they are written.
-    upload_to: Option<Streaming>,
+    /// The shards written so far, checksummed (see [`crate::checksum`]) and, writing to an
+    /// object store (staged in `dir`), streamed there as they are written.
+    files: Files,
 }
 
 /// The journal fact holding the manifest (as its text): the store gets manifest.json last.
@@ -139,8 +138,7 @@ impl Writer {
                 resumed_from: Some(m.num_samples),
                 manifest: m,
                 lock: None,
-                sums: Recorder::default(),
-                upload_to: None,
+                files: Files::default(),
             });
         }
         let store = StoreWrite::begin(remote)?;
@@ -177,11 +175,11 @@ impl Writer {
         for k in 0..w.shard {
             let name = shard_name(k);
             if !streaming.has_sent(&name) {
-                let sums = w.sums.add(&w.dir, &name)?;
+                let sums = w.files.record(&w.dir, &name)?;
                 streaming.send(&w.dir, &name, sums)?;
             }
         }
-        w.upload_to = Some(streaming);
+        w.files.stream(streaming);
         Ok(w)
     }
 
@@ -299,10 +297,6 @@ impl Writer {
         shard::remove_temporaries(&dir)?;
         manifest::write(&dir, &m)?;
         let bufs = specs.iter().map(|_| Vec::new()).collect();
-        let mut sums = Recorder::default();
-        for (name, s) in &uploaded.files.files {
-            sums.insert(name, s.clone());
-        }
         Ok(Writer {
             dir,
             manifest: m,
@@ -312,8 +306,7 @@ impl Writer {
             shard,
             resumed_from,
             lock: Some(lock),
-            upload_to: None,
-            sums,
+            files: Files::keeping(uploaded),
         })
     }
 
@@ -412,10 +405,7 @@ impl Writer {
         }
         if check {
             if let Some(breach) = rules::check(&self.manifest, &self.specs, &given).first() {
-                let at = match &self.upload_to {
-                    Some(up) => PathBuf::from(up.target.url()),
-                    None => self.dir.clone(),
-                };
+                let at = self.files.destination(&self.dir);
                 return Err(breach.refusal(&at, self.next_sample()));
             }
         }
@@ -458,10 +448,7 @@ impl Writer {
             .collect();
         let name = shard_name(self.shard);
         shard::write_safetensors(&self.dir.join(&name), tensors)?;
-        let sums = self.sums.add(&self.dir, &name)?;
-        if let Some(up) = &mut self.upload_to {
-            up.send(&self.dir, &name, sums)?;
-        }
+        self.files.send(&self.dir, &name)?;
         for b in &mut self.bufs {
             b.clear();
         }
@@ -509,13 +496,11 @@ impl Writer {
             return Ok(self.dir);
         }
         // The sidecar covers the manifest, every shard and the embeddings.
-        self.sums.finish(&self.dir)?;
+        self.files.write_sidecar(&self.dir)?;
         fsutil::fsync_dir(&self.dir)?;
-        match self.upload_to.take() {
-            // The embeddings, the sidecar and manifest.json last are what is left to upload.
-            Some(streaming) => streaming.finish(&self.dir, &[]),
-            None => Ok(self.dir),
-        }
+        // Streaming, the embeddings, the sidecar and manifest.json last are what is left to
+        // upload.
+        std::mem::take(&mut self.files).finish(&self.dir, &[])
     }
 }
 

@@ -22,8 +22,8 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::checksum::{FileSums, Journal, Recorder};
-use crate::commit::{self, StoreWrite, Streaming, Target, WriteLock};
+use crate::checksum::{FileSums, Journal};
+use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
@@ -90,10 +90,9 @@ pub struct Writer {
     finished: bool,
     /// Held for the writer's life: a second writer of this directory fails at once.
     lock: Option<WriteLock>,
-    /// Checksums of the shards published so far (see [`crate::checksum`]).
-    sums: Recorder,
-    /// Writing to an object store: staged in `dir`, shards streamed as they are published.
-    upload_to: Option<Streaming>,
+    /// The shards published so far, checksummed (see [`crate::checksum`]) and, writing to an
+    /// object store (staged in `dir`), streamed there as they are published.
+    files: Files,
 }
 
 /// The journal fact saying whether the dataset has labels.
@@ -166,8 +165,7 @@ impl Writer {
             labels_decided: false,
             finished: false,
             lock: Some(lock),
-            sums: Recorder::default(),
-            upload_to: None,
+            files: Files::default(),
         };
         let md_path = dir.join("metadata.json");
         match fsutil::read_json_file(&md_path) {
@@ -333,7 +331,7 @@ impl Writer {
         let keep_shards = from.div_ceil(eps);
         for (name, sums) in &uploaded.files.files {
             if shard_index(name).is_some_and(|i| i < keep_shards) {
-                self.sums.insert(name, sums.clone());
+                self.files.insert(name, sums.clone());
             }
         }
 
@@ -440,8 +438,7 @@ impl Writer {
                     labels_decided: true,
                     finished: true,
                     lock: None,
-                    sums: Recorder::default(),
-                    upload_to: None,
+                    files: Files::default(),
                 });
             }
         }
@@ -484,12 +481,12 @@ impl Writer {
                     w.send_labels(&mut streaming, s)?;
                 }
                 if !streaming.has_sent(&name) {
-                    let sums = w.sums.add(&w.dir, &name)?;
+                    let sums = w.files.record(&w.dir, &name)?;
                     w.send(&mut streaming, &name, sums)?;
                 }
             }
         }
-        w.upload_to = Some(streaming);
+        w.files.stream(streaming);
         Ok(w)
     }
 
@@ -527,10 +524,7 @@ impl Writer {
     }
     /// Where the finished dataset will be: [`Writer::path`], or its `s3://` URL.
     pub fn destination(&self) -> PathBuf {
-        match &self.upload_to {
-            Some(r) => PathBuf::from(r.target.url()),
-            None => self.dir.clone(),
-        }
+        self.files.destination(&self.dir)
     }
     /// The metadata being written.
     pub fn metadata(&self) -> &Metadata {
@@ -672,12 +666,12 @@ impl Writer {
         let name = Layout::shard_name(shard.index);
         fsutil::publish(&shard.tmp, &self.dir.join(&name))?;
         // Hashed now, while its pages are still in memory.
-        let sums = self.sums.add(&self.dir, &name)?;
-        if let Some(mut up) = self.upload_to.take() {
+        let sums = self.files.record(&self.dir, &name)?;
+        if let Some(mut up) = self.files.take_streaming() {
             let sent = self
                 .send_labels(&mut up, shard.index)
                 .and_then(|()| self.send(&mut up, &name, sums));
-            self.upload_to = Some(up);
+            self.files.stream(up);
             sent?;
         }
         Ok(())
@@ -697,28 +691,27 @@ impl Writer {
     /// Writing to an object store, the staged dataset is then uploaded (commit record last)
     /// and its staging directory removed; the `s3://` URL of the dataset is returned.
     pub fn finish(mut self) -> Result<PathBuf> {
-        let upload_to = self.upload_to.take();
-        let dir = self.finish_local()?;
-        match upload_to {
-            // labels.bin, the sidecar, shards.json last (and whatever an earlier run staged
-            // whole) are what is left to upload; then the labels' pieces go.
-            Some(mut streaming) => {
-                // Listed once no upload is in flight, so that none is missed.
-                streaming.uploaded()?;
-                let pieces = streaming
-                    .target
-                    .join(LABEL_PIECES)
-                    .list()?
-                    .into_iter()
-                    .map(|(n, _)| format!("{LABEL_PIECES}/{n}"))
-                    .collect::<Vec<_>>();
-                streaming.finish(&dir, &pieces)
-            }
-            None => Ok(dir),
+        let mut files = std::mem::take(&mut self.files);
+        let dir = self.finish_local(&mut files)?;
+        // Streaming, labels.bin, the sidecar, shards.json last (and whatever an earlier run
+        // staged whole) are what is left to upload; then the labels' pieces go.
+        let mut pieces = Vec::new();
+        if let Some(streaming) = files.streaming() {
+            // Listed once no upload is in flight, so that none is missed.
+            streaming.uploaded()?;
+            pieces = streaming
+                .target
+                .join(LABEL_PIECES)
+                .list()?
+                .into_iter()
+                .map(|(n, _)| format!("{LABEL_PIECES}/{n}"))
+                .collect::<Vec<_>>();
         }
+        files.finish(&dir, &pieces)
     }
 
-    fn finish_local(&mut self) -> Result<PathBuf> {
+    /// The local part of [`Writer::finish`]; `files` are the writer's (taken out of it).
+    fn finish_local(&mut self, files: &mut Files) -> Result<PathBuf> {
         if self.start == WriteStart::AlreadyComplete {
             return Ok(self.dir.clone());
         }
@@ -742,8 +735,8 @@ impl Writer {
         // The sidecar goes before the commit record (whose hash is known from its bytes): a
         // complete dataset always has one, and a crash before the commit leaves an incomplete
         // dataset whose resumed writer rewrites it.
-        self.sums.add_bytes("shards.json", &shards_json);
-        self.sums.finish(&self.dir)?;
+        files.record_bytes("shards.json", &shards_json);
+        files.write_sidecar(&self.dir)?;
         fsutil::atomic_write(&self.dir.join("shards.json"), &shards_json)?;
         let marker = self.dir.join(MARKER);
         fs::remove_file(&marker).at(&marker)?;
