@@ -31,7 +31,7 @@
 #![deny(missing_docs)]
 
 pub mod checksum;
-pub mod commit;
+pub(crate) mod commit;
 pub mod eagle3;
 pub mod engine;
 mod env;

@@ -19,8 +19,6 @@ pub(crate) mod staged;
 pub(crate) mod store_lock;
 pub(crate) mod transfer;
 
-pub use transfer::{download, upload, Transfer};
-
 use std::path::{Path, PathBuf};
 
 use crate::checksum::{FileSums, Journal, Recorder};
@@ -187,5 +185,50 @@ impl Files {
             Some(streaming) => streaming.finish(dir, leftovers),
             None => Ok(dir.to_path_buf()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checksum::{Checksums, SIDECAR};
+
+    #[test]
+    fn a_destination_is_a_store_only_for_an_s3_url() {
+        let t = Target::parse(Path::new("s3://bucket/prefix/ds")).unwrap();
+        assert!(matches!(t, Target::Store(r) if r.url() == "s3://bucket/prefix/ds"));
+        for (given, local) in [("file:///data/ds", "/data/ds"), ("data/ds", "data/ds")] {
+            let t = Target::parse(Path::new(given)).unwrap();
+            assert!(
+                matches!(t, Target::Local(p) if p == Path::new(local)),
+                "{given}"
+            );
+        }
+    }
+
+    #[test]
+    fn local_files_are_recorded_and_the_sidecar_covers_them_and_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let dir = dir.path();
+        std::fs::write(dir.join("a.bin"), b"first").unwrap();
+        std::fs::write(dir.join("b.bin"), b"second").unwrap();
+        let kept = FileSums::of_bytes(b"in the store");
+        let mut journal = Journal::default();
+        journal.files.files.insert("k.bin".into(), kept.clone());
+        let mut files = Files::keeping(&journal);
+        files.send(dir, "a.bin").unwrap();
+        files.record_bytes("c.json", b"{}");
+        std::fs::write(dir.join("c.json"), b"{}").unwrap();
+        assert_eq!(files.destination(dir), dir);
+        let sidecar = files.write_sidecar(dir).unwrap();
+        assert_eq!(sidecar, dir.join(SIDECAR));
+        let sums = Checksums::read(&sidecar).unwrap().unwrap();
+        let names: Vec<&str> = sums.files.keys().map(String::as_str).collect();
+        // Sent, recorded from bytes, hashed at the end (b.bin), and kept from the store.
+        assert_eq!(names, ["a.bin", "b.bin", "c.json", "k.bin"]);
+        assert_eq!(sums.files["k.bin"], kept);
+        assert_eq!(sums.files["b.bin"], FileSums::of_bytes(b"second"));
+        // Locally, finishing is only saying where the dataset is.
+        assert_eq!(files.finish(dir, &[]).unwrap(), dir);
     }
 }

@@ -90,7 +90,7 @@ impl Writer {
     /// configuration `config` (a JSON object with every key the reference producer writes).
     ///
     /// `dir` may be an `s3://bucket/prefix` URL naming a prefix without a cache: the cache is
-    /// then staged in a local directory ([`commit::staging_dir`]), each shard uploaded as soon
+    /// then staged in a local directory ([`storage::staging_dir`]), each shard uploaded as soon
     /// as it is written and its staged copy removed, and the rest uploaded by
     /// [`Writer::finish`], manifest.json last. The same rules apply to what the store holds: an
     /// interrupted write (shards named in its upload journal) is refused unless

@@ -118,7 +118,7 @@ impl Writer {
     /// * anything else (different metadata.json bytes, foreign files): refused, never overwritten.
     ///
     /// `root` may be an `s3://bucket/prefix` URL: the dataset is then staged in a local
-    /// directory ([`commit::staging_dir`]), each shard uploaded as soon as it is complete and
+    /// directory ([`storage::staging_dir`]), each shard uploaded as soon as it is complete and
     /// its staged copy removed, and the rest uploaded by [`Writer::finish`], shards.json last.
     /// The same rules apply to what the store holds: an interrupted write (shards named in its
     /// upload journal) is refused unless `opts.resume`, then continued from the first shard in
