@@ -31,6 +31,7 @@
 #![deny(missing_docs)]
 
 pub mod checksum;
+pub(crate) mod commit;
 pub mod eagle3;
 pub mod engine;
 mod env;
@@ -38,14 +39,20 @@ pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;
 pub mod json;
-pub mod lock;
+pub use commit::lock;
 pub mod report;
 pub mod saev;
 pub mod sdnb;
 pub mod storage;
-mod store_lock;
 
 pub use error::{Error, Result};
+
+/// The container (a dataset made of files, not a directory) at `path`, as checksums see it.
+/// Checksums sit below the formats, so the crate root tells them which format is at a path:
+/// SDNB is the one container format.
+pub(crate) fn open_container(path: &std::path::Path) -> Result<Box<dyn checksum::Container>> {
+    sdnb::sidecar::open(path)
+}
 
 /// The version of this library.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

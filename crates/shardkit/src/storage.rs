@@ -30,7 +30,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -42,29 +42,28 @@ use object_store::{
     WriteMultipart,
 };
 
-use crate::checksum::{FileSums, Journal};
-use crate::engine::reader::ReadRange;
+// Re-exported for commit::transfer's downloads (their home is the io layer).
+pub(crate) use crate::engine::reader::ReadRange;
+pub(crate) use crate::engine::Buffer;
+// For checksum's Verifier (whether a block is still in the page cache).
+pub(crate) use crate::engine::reader::resident;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
-use crate::json::Value;
-pub(crate) use crate::store_lock::StoreLock;
 pub use cache::{
     cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
 };
 pub(crate) use cache::{fetch_container, HeldPages};
 
 mod cache;
-mod staged;
-mod transfer;
-pub use staged::*;
-pub use transfer::*;
+pub use crate::commit::staged::*;
+pub use crate::commit::transfer::*;
 
 /// Ranges of one object at most this far apart are fetched by one request (the gap's bytes are
 /// read and dropped: cheaper than another round trip).
 pub const COALESCE_GAP: u64 = 1 << 20;
 
 /// Objects larger than this are uploaded in parts of this size.
-const PART_SIZE: usize = 16 << 20;
+pub(crate) const PART_SIZE: usize = 16 << 20;
 
 /// Largest ranged GET issued (`SHARDKIT_S3_REQUEST_MIB`, default 8 MiB): large enough that
 /// per-request latency is amortised, small enough that many run in parallel.
@@ -281,7 +280,7 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime> {
     Ok(r)
 }
 
-fn block_on<F: std::future::Future>(f: F) -> Result<F::Output> {
+pub(crate) fn block_on<F: std::future::Future>(f: F) -> Result<F::Output> {
     if tokio::runtime::Handle::try_current().is_ok() {
         return Err(Error::Invalid(
             "shardkit's blocking object-store calls cannot run inside an async runtime; call \
@@ -673,14 +672,14 @@ impl Remote {
     }
 
     /// The client of this process (a dataset opened before a fork gets a new one in the child).
-    fn store(&self) -> Result<Arc<AmazonS3>> {
+    pub(crate) fn store(&self) -> Result<Arc<AmazonS3>> {
         match &self.client {
             (pid, store) if *pid == std::process::id() => Ok(store.clone()),
             _ => store_for(&self.bucket),
         }
     }
 
-    fn key(&self, name: &str) -> ObjectPath {
+    pub(crate) fn key(&self, name: &str) -> ObjectPath {
         if self.prefix.is_empty() {
             ObjectPath::from(name)
         } else {
@@ -688,7 +687,12 @@ impl Remote {
         }
     }
 
-    fn error(&self, name: &str, range: Option<Range<u64>>, e: object_store::Error) -> Error {
+    pub(crate) fn error(
+        &self,
+        name: &str,
+        range: Option<Range<u64>>,
+        e: object_store::Error,
+    ) -> Error {
         let object = self.url_of(name);
         if let object_store::Error::NotFound { .. } = e {
             return Error::NotFound {
@@ -801,7 +805,7 @@ impl Remote {
     }
 
     /// [`Remote::list`] with each object's ETag (quotes removed), where the store gives one.
-    fn list_etags(&self) -> Result<Vec<(String, u64, Option<String>)>> {
+    pub(crate) fn list_etags(&self) -> Result<Vec<(String, u64, Option<String>)>> {
         let prefix = (!self.prefix.is_empty()).then(|| ObjectPath::from(self.prefix.as_str()));
         let store = self.store()?;
         let metas = block_on(store.list(prefix.as_ref()).try_collect::<Vec<_>>())?

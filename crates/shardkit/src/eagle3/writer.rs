@@ -23,12 +23,12 @@ use super::rules;
 use super::shard::{
     self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
 };
-use crate::checksum::{FileSums, Journal, Recorder};
+use crate::checksum::{FileSums, Journal};
+use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
-use crate::lock::WriteLock;
-use crate::storage::{self, Remote, StoreLock, Streaming};
+use crate::storage::{self, Remote};
 
 /// The embeddings file's name.
 pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
@@ -77,10 +77,9 @@ pub struct Writer {
     /// Held for the writer's life: a second writer of this cache fails at once.
     /// `None` for a cache already complete in the store (nothing is staged).
     lock: Option<WriteLock>,
-    /// Checksums of the shards written so far (see [`crate::checksum`]).
-    sums: Recorder,
-    /// Writing to an object store: staged in `dir`, shards streamed as they are written.
-    upload_to: Option<Streaming>,
+    /// The shards written so far, checksummed (see [`crate::checksum`]) and, writing to an
+    /// object store (staged in `dir`), streamed there as they are written.
+    files: Files,
 }
 
 /// The journal fact holding the manifest (as its text): the store gets manifest.json last.
@@ -97,14 +96,13 @@ impl Writer {
     /// interrupted write (shards named in its upload journal) is refused unless
     /// `options.resume`, then continued after the journaled shards, on any machine.
     pub fn create(dir: impl AsRef<Path>, config: &Value, options: WriterOptions) -> Result<Writer> {
-        if storage::is_remote(dir.as_ref()) {
-            return Self::create_remote(dir.as_ref(), config, options);
+        match Target::parse(dir.as_ref())? {
+            Target::Store(remote) => Self::create_remote(remote, config, options),
+            Target::Local(dir) => Self::create_local(&dir, config, options, &Journal::default()),
         }
-        Self::create_local(dir.as_ref(), config, options, &Journal::default())
     }
 
-    fn create_remote(dir: &Path, config: &Value, options: WriterOptions) -> Result<Writer> {
-        let remote = Remote::parse(dir)?;
+    fn create_remote(remote: Remote, config: &Value, options: WriterOptions) -> Result<Writer> {
         if let Some(bytes) = remote.get_opt(manifest::MANIFEST)? {
             // The store's commit record: the cache there is complete.
             let path = remote.url_of(manifest::MANIFEST);
@@ -129,7 +127,7 @@ impl Writer {
                         .into(),
                 });
             }
-            Streaming::clear_leftovers(&remote, &storage::staging_dir(Path::new(&remote.url())));
+            Streaming::clear_leftovers(&remote, &commit::staging_dir(Path::new(&remote.url())));
             let specs = field_specs(&m);
             return Ok(Writer {
                 dir: PathBuf::from(remote.url()),
@@ -140,14 +138,11 @@ impl Writer {
                 resumed_from: Some(m.num_samples),
                 manifest: m,
                 lock: None,
-                sums: Recorder::default(),
-                upload_to: None,
+                files: Files::default(),
             });
         }
-        // Held from before the journal is read until the write ends.
-        let lock = StoreLock::acquire(&remote)?;
-        let found = Streaming::left_in(&remote)?;
-        let mut uploaded = found.clone();
+        let store = StoreWrite::begin(remote)?;
+        let mut uploaded = store.found().clone();
         // Shards upload several at a time: those after the first one missing are written again.
         let first_missing = (0u64..)
             .find(|&k| !uploaded.files.files.contains_key(&shard_name(k)))
@@ -158,7 +153,7 @@ impl Writer {
             .retain(|n, _| shard::shard_index(n).is_some_and(|k| k < first_missing));
         if !uploaded.files.files.is_empty() && !options.resume {
             return Err(Error::Exists {
-                path: PathBuf::from(remote.url()),
+                path: store.url(),
                 why: format!(
                     "holds an interrupted write of this cache ({} shard(s) uploaded); resume it \
                      or delete its objects",
@@ -166,8 +161,7 @@ impl Writer {
                 ),
             });
         }
-        let staging = storage::staging_dir(Path::new(&remote.url()));
-        let mut w = Self::create_local(&staging, config, options, &uploaded)?;
+        let mut w = Self::create_local(&store.staging(), config, options, &uploaded)?;
         let mut journal = Journal::default();
         let text = String::from_utf8_lossy(&w.manifest.to_bytes()).into_owned();
         journal.set_fact(MANIFEST_FACT, Value::String(text));
@@ -176,16 +170,16 @@ impl Writer {
                 journal.files.files.insert(name.clone(), sums.clone());
             }
         }
-        let mut streaming = Streaming::start(remote, journal, &found, lock)?;
+        let mut streaming = store.stream(journal)?;
         // Shards the interrupted run staged but did not upload go first.
         for k in 0..w.shard {
             let name = shard_name(k);
             if !streaming.has_sent(&name) {
-                let sums = w.sums.add(&w.dir, &name)?;
+                let sums = w.files.record(&w.dir, &name)?;
                 streaming.send(&w.dir, &name, sums)?;
             }
         }
-        w.upload_to = Some(streaming);
+        w.files.stream(streaming);
         Ok(w)
     }
 
@@ -303,10 +297,6 @@ impl Writer {
         shard::remove_temporaries(&dir)?;
         manifest::write(&dir, &m)?;
         let bufs = specs.iter().map(|_| Vec::new()).collect();
-        let mut sums = Recorder::default();
-        for (name, s) in &uploaded.files.files {
-            sums.insert(name, s.clone());
-        }
         Ok(Writer {
             dir,
             manifest: m,
@@ -316,8 +306,7 @@ impl Writer {
             shard,
             resumed_from,
             lock: Some(lock),
-            upload_to: None,
-            sums,
+            files: Files::keeping(uploaded),
         })
     }
 
@@ -416,10 +405,7 @@ impl Writer {
         }
         if check {
             if let Some(breach) = rules::check(&self.manifest, &self.specs, &given).first() {
-                let at = match &self.upload_to {
-                    Some(up) => PathBuf::from(up.target.url()),
-                    None => self.dir.clone(),
-                };
+                let at = self.files.destination(&self.dir);
                 return Err(breach.refusal(&at, self.next_sample()));
             }
         }
@@ -462,10 +448,7 @@ impl Writer {
             .collect();
         let name = shard_name(self.shard);
         shard::write_safetensors(&self.dir.join(&name), tensors)?;
-        let sums = self.sums.add(&self.dir, &name)?;
-        if let Some(up) = &mut self.upload_to {
-            up.send(&self.dir, &name, sums)?;
-        }
+        self.files.send(&self.dir, &name)?;
         for b in &mut self.bufs {
             b.clear();
         }
@@ -513,13 +496,11 @@ impl Writer {
             return Ok(self.dir);
         }
         // The sidecar covers the manifest, every shard and the embeddings.
-        self.sums.finish(&self.dir)?;
+        self.files.write_sidecar(&self.dir)?;
         fsutil::fsync_dir(&self.dir)?;
-        match self.upload_to.take() {
-            // The embeddings, the sidecar and manifest.json last are what is left to upload.
-            Some(streaming) => streaming.finish(&self.dir, &[]),
-            None => Ok(self.dir),
-        }
+        // Streaming, the embeddings, the sidecar and manifest.json last are what is left to
+        // upload.
+        std::mem::take(&mut self.files).finish(&self.dir, &[])
     }
 }
 

@@ -22,16 +22,16 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::checksum::{FileSums, Journal, Recorder};
+use crate::checksum::{FileSums, Journal};
+use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::json::Value;
-use crate::lock::WriteLock;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
-use crate::storage::{self, Remote, StoreLock, Streaming};
+use crate::storage::{self, Remote};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
@@ -90,10 +90,9 @@ pub struct Writer {
     finished: bool,
     /// Held for the writer's life: a second writer of this directory fails at once.
     lock: Option<WriteLock>,
-    /// Checksums of the shards published so far (see [`crate::checksum`]).
-    sums: Recorder,
-    /// Writing to an object store: staged in `dir`, shards streamed as they are published.
-    upload_to: Option<Streaming>,
+    /// The shards published so far, checksummed (see [`crate::checksum`]) and, writing to an
+    /// object store (staged in `dir`), streamed there as they are published.
+    files: Files,
 }
 
 /// The journal fact saying whether the dataset has labels.
@@ -128,10 +127,10 @@ impl Writer {
     /// their checksums when fetched back). A prefix already holding the complete dataset is
     /// [`WriteStart::AlreadyComplete`]; one holding a different dataset is refused.
     pub fn create(root: impl AsRef<Path>, md: Metadata, opts: WriterOptions) -> Result<Writer> {
-        if storage::is_remote(root.as_ref()) {
-            return Self::create_remote(root.as_ref(), md, opts);
+        match Target::parse(root.as_ref())? {
+            Target::Store(root) => Self::create_remote(root, md, opts),
+            Target::Local(root) => Self::create_local(&root, md, opts, &Journal::default(), None),
         }
-        Self::create_local(root.as_ref(), md, opts, &Journal::default(), None)
     }
 
     /// [`Writer::create`] in a local directory; `uploaded` is what an interrupted write to the
@@ -166,8 +165,7 @@ impl Writer {
             labels_decided: false,
             finished: false,
             lock: Some(lock),
-            sums: Recorder::default(),
-            upload_to: None,
+            files: Files::default(),
         };
         let md_path = dir.join("metadata.json");
         match fsutil::read_json_file(&md_path) {
@@ -333,7 +331,7 @@ impl Writer {
         let keep_shards = from.div_ceil(eps);
         for (name, sums) in &uploaded.files.files {
             if shard_index(name).is_some_and(|i| i < keep_shards) {
-                self.sums.insert(name, sums.clone());
+                self.files.insert(name, sums.clone());
             }
         }
 
@@ -407,8 +405,8 @@ impl Writer {
         built
     }
 
-    fn create_remote(root: &Path, md: Metadata, opts: WriterOptions) -> Result<Writer> {
-        let target = Remote::parse(root)?.join(&md.dir_name());
+    fn create_remote(root: Remote, md: Metadata, opts: WriterOptions) -> Result<Writer> {
+        let target = root.join(&md.dir_name());
         let url = PathBuf::from(target.url());
         let theirs = target.get_opt("metadata.json")?;
         if let Some(theirs) = &theirs {
@@ -423,7 +421,7 @@ impl Writer {
             // Complete if it opens; anything else is finished by uploading again.
             if target.get_opt("shards.json")?.is_some() && crate::saev::Dataset::open(&url).is_ok()
             {
-                let staged = storage::staging_dir(&url).join(md.dir_name());
+                let staged = commit::staging_dir(&url).join(md.dir_name());
                 // Left by a write killed after its commit: nothing needs them, and readers
                 // ignore them, so a failure here loses nothing.
                 let _ = delete_label_pieces(&target);
@@ -440,14 +438,12 @@ impl Writer {
                     labels_decided: true,
                     finished: true,
                     lock: None,
-                    sums: Recorder::default(),
-                    upload_to: None,
+                    files: Files::default(),
                 });
             }
         }
-        // Held from before the journal is read until the write ends.
-        let lock = StoreLock::acquire(&target)?;
-        let uploaded = Streaming::left_in(&target)?;
+        let store = StoreWrite::begin(target)?;
+        let uploaded = store.found();
         if !uploaded.files.files.is_empty() && !opts.resume {
             return Err(Error::Exists {
                 path: url,
@@ -458,13 +454,7 @@ impl Writer {
                 ),
             });
         }
-        let mut w = Self::create_local(
-            &storage::staging_dir(&url),
-            md,
-            opts,
-            &uploaded,
-            Some(&target),
-        )?;
+        let mut w = Self::create_local(&store.staging(), md, opts, uploaded, Some(store.target()))?;
         // The store's journal from now on: the shards kept (and their labels), and whether
         // there are labels.
         let mut journal = Journal::default();
@@ -480,9 +470,9 @@ impl Writer {
         }
         if theirs.is_none() {
             // Claims the prefix for this dataset before any shard goes there.
-            target.put("metadata.json", w.md.file_bytes())?;
+            store.target().put("metadata.json", w.md.file_bytes())?;
         }
-        let mut streaming = Streaming::start(target, journal, &uploaded, lock)?;
+        let mut streaming = store.stream(journal)?;
         if w.start != WriteStart::AlreadyComplete {
             // Shards the interrupted run staged but did not upload go first.
             for s in 0..kept {
@@ -491,12 +481,12 @@ impl Writer {
                     w.send_labels(&mut streaming, s)?;
                 }
                 if !streaming.has_sent(&name) {
-                    let sums = w.sums.add(&w.dir, &name)?;
+                    let sums = w.files.record(&w.dir, &name)?;
                     w.send(&mut streaming, &name, sums)?;
                 }
             }
         }
-        w.upload_to = Some(streaming);
+        w.files.stream(streaming);
         Ok(w)
     }
 
@@ -534,10 +524,7 @@ impl Writer {
     }
     /// Where the finished dataset will be: [`Writer::path`], or its `s3://` URL.
     pub fn destination(&self) -> PathBuf {
-        match &self.upload_to {
-            Some(r) => PathBuf::from(r.target.url()),
-            None => self.dir.clone(),
-        }
+        self.files.destination(&self.dir)
     }
     /// The metadata being written.
     pub fn metadata(&self) -> &Metadata {
@@ -679,12 +666,12 @@ impl Writer {
         let name = Layout::shard_name(shard.index);
         fsutil::publish(&shard.tmp, &self.dir.join(&name))?;
         // Hashed now, while its pages are still in memory.
-        let sums = self.sums.add(&self.dir, &name)?;
-        if let Some(mut up) = self.upload_to.take() {
+        let sums = self.files.record(&self.dir, &name)?;
+        if let Some(mut up) = self.files.take_streaming() {
             let sent = self
                 .send_labels(&mut up, shard.index)
                 .and_then(|()| self.send(&mut up, &name, sums));
-            self.upload_to = Some(up);
+            self.files.stream(up);
             sent?;
         }
         Ok(())
@@ -704,28 +691,27 @@ impl Writer {
     /// Writing to an object store, the staged dataset is then uploaded (commit record last)
     /// and its staging directory removed; the `s3://` URL of the dataset is returned.
     pub fn finish(mut self) -> Result<PathBuf> {
-        let upload_to = self.upload_to.take();
-        let dir = self.finish_local()?;
-        match upload_to {
-            // labels.bin, the sidecar, shards.json last (and whatever an earlier run staged
-            // whole) are what is left to upload; then the labels' pieces go.
-            Some(mut streaming) => {
-                // Listed once no upload is in flight, so that none is missed.
-                streaming.uploaded()?;
-                let pieces = streaming
-                    .target
-                    .join(LABEL_PIECES)
-                    .list()?
-                    .into_iter()
-                    .map(|(n, _)| format!("{LABEL_PIECES}/{n}"))
-                    .collect::<Vec<_>>();
-                streaming.finish(&dir, &pieces)
-            }
-            None => Ok(dir),
+        let mut files = std::mem::take(&mut self.files);
+        let dir = self.finish_local(&mut files)?;
+        // Streaming, labels.bin, the sidecar, shards.json last (and whatever an earlier run
+        // staged whole) are what is left to upload; then the labels' pieces go.
+        let mut pieces = Vec::new();
+        if let Some(streaming) = files.streaming() {
+            // Listed once no upload is in flight, so that none is missed.
+            streaming.uploaded()?;
+            pieces = streaming
+                .target
+                .join(LABEL_PIECES)
+                .list()?
+                .into_iter()
+                .map(|(n, _)| format!("{LABEL_PIECES}/{n}"))
+                .collect::<Vec<_>>();
         }
+        files.finish(&dir, &pieces)
     }
 
-    fn finish_local(&mut self) -> Result<PathBuf> {
+    /// The local part of [`Writer::finish`]; `files` are the writer's (taken out of it).
+    fn finish_local(&mut self, files: &mut Files) -> Result<PathBuf> {
         if self.start == WriteStart::AlreadyComplete {
             return Ok(self.dir.clone());
         }
@@ -749,8 +735,8 @@ impl Writer {
         // The sidecar goes before the commit record (whose hash is known from its bytes): a
         // complete dataset always has one, and a crash before the commit leaves an incomplete
         // dataset whose resumed writer rewrites it.
-        self.sums.add_bytes("shards.json", &shards_json);
-        self.sums.finish(&self.dir)?;
+        files.record_bytes("shards.json", &shards_json);
+        files.write_sidecar(&self.dir)?;
         fsutil::atomic_write(&self.dir.join("shards.json"), &shards_json)?;
         let marker = self.dir.join(MARKER);
         fs::remove_file(&marker).at(&marker)?;

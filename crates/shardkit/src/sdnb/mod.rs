@@ -51,6 +51,7 @@ pub mod manifest;
 pub(crate) mod read;
 #[doc(hidden)]
 pub mod sdz;
+pub(crate) mod sidecar;
 mod types;
 mod write;
 

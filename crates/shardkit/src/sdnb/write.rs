@@ -19,9 +19,9 @@ use super::manifest::{self, Entry};
 use super::read::{self, base_name, in_dir, shard_files, Container, Kind, Storage};
 use super::sdz::ZipWriter;
 use super::types::{DType, Order, VarType};
+use crate::commit::WriteLock;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
-use crate::lock::WriteLock;
 
 /// Arrays of at least this many bytes are appended as blobs; smaller ones are inline (DL4J's
 /// `APPEND_THRESHOLD_BYTES`).
@@ -403,8 +403,12 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
     // that fails before replacing anything puts the old one back. Each output has its own
     // sidecar (`m.sdnb.checksums.json`, `m.sdz.checksums.json`, `m.shard-set.checksums.json`),
     // so writing one never touches another container's.
-    let taken =
-        crate::checksum::take_container_sidecars(dir, name, opts.format == Format::Sharded)?;
+    let taken = crate::checksum::take_container_sidecars(
+        &super::sidecar::Naming,
+        dir,
+        name,
+        opts.format == Format::Sharded,
+    )?;
     let written = write_model_files(path, model, opts, name, dir, base);
     if written.is_err() {
         crate::checksum::put_back_sidecars(dir, taken);

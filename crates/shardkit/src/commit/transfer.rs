@@ -1,7 +1,19 @@
 //! Whole datasets copied between a local directory and a store ([`upload`], [`download`]), the
 //! commit records last.
 
-use super::*;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use object_store::ObjectStoreExt;
+
+use super::staged::Streaming;
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+use crate::storage::{
+    block_on, inflight, local_path, max_request, Buffer, ReadRange, Remote, PART_SIZE,
+};
 
 /// Files of a dataset written last, deepest first, then in this order: their presence says the
 /// dataset is whole (a zarr group's documents, whose root attributes carry flat-tokens'
@@ -332,12 +344,7 @@ fn fetch_files(
     let start = |w: &Vec<ReadRange>| {
         let bytes = w.iter().map(|r| r.dst + r.len).max().unwrap_or(0);
         let ranges = w.iter().filter(|r| r.len > 0).cloned().collect();
-        remote.start_read(
-            names.clone(),
-            ranges,
-            crate::engine::Buffer::zeroed(bytes as usize),
-            None,
-        )
+        remote.start_read(names.clone(), ranges, Buffer::zeroed(bytes as usize), None)
     };
     let path_of = |i: usize| match as_name {
         Some(n) => dst.join(n),

@@ -1,7 +1,18 @@
 //! Writes to a store staged locally: the staging directory, and [`Streaming`], which uploads a
 //! writer's finished files in the background under a journal.
 
-use super::*;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use super::lock::WriteLock;
+use super::store_lock::{self, LockWatch, StoreLock};
+use super::transfer::upload;
+use crate::checksum::{FileSums, Journal};
+use crate::error::{Error, IoContext, Result};
+use crate::json::Value;
+use crate::storage::{inflight, Remote};
 
 /// The local directory a write to `url` is staged in: `$SHARDKIT_STAGING_DIR` (default: the
 /// system's temporary directory, `shardkit-staging`), then the bucket and key. The same URL
@@ -61,7 +72,7 @@ struct Shared {
     /// A checkpoint waiting for the files sent before it: (files sent before it, its facts).
     checkpoint: Option<(u64, Vec<(String, Value)>)>,
     /// Whether the writer's lock in the store was taken over: then nothing more is written.
-    lock: crate::store_lock::LockWatch,
+    lock: LockWatch,
 }
 
 impl Shared {
@@ -185,11 +196,11 @@ impl Streaming {
     /// readers ignore them, so a failure here loses nothing.
     pub(crate) fn clear_leftovers(target: &Remote, staged: &Path) {
         let _ = target.delete(Journal::NAME);
-        if let Ok(Some(_)) = target.get_tagged(crate::store_lock::NAME) {
+        if let Ok(Some(_)) = target.get_tagged(store_lock::NAME) {
             // A lock whose holder is gone is taken, and deleted as it drops; a live one stays.
             let _ = StoreLock::acquire(target);
         }
-        if let Ok(_lock) = crate::lock::WriteLock::dir(staged) {
+        if let Ok(_lock) = WriteLock::dir(staged) {
             let _ = std::fs::remove_dir_all(staged);
         }
     }
@@ -313,7 +324,7 @@ impl Streaming {
                 Ok(r) => r,
                 Err(p) => Err(Error::Internal(format!(
                     "an upload thread panicked: {}",
-                    crate::engine::exec::panic_message(&*p)
+                    panic_message(&*p)
                 ))),
             };
             if first.is_ok() {
@@ -358,4 +369,12 @@ fn upload_journaled(
     }
     // In the store and journaled: the staged copy is no longer needed.
     std::fs::remove_file(path).at(path)
+}
+
+/// The message a panic carried (as the engine's loader threads report theirs).
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
