@@ -37,6 +37,9 @@ mod env;
 pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;
+#[cfg(feature = "bench-internals")]
+#[doc(hidden)]
+pub mod internals;
 pub mod json;
 pub mod lock;
 pub mod report;

@@ -20,21 +20,17 @@
 //!
 //! Thread counts and I/O timing change when a batch is ready, never what is in it.
 
-// The engine's parts are internals of the format loaders; they stay reachable (hidden from the
-// docs) for the CLI's benchmarks and the fault-injection tests.
-#[doc(hidden)]
-pub mod batch;
+// The engine's parts are internals of the format loaders. What the benchmarks time on its own
+// is re-exported by `crate::internals`, behind the `bench-internals` cargo feature.
+pub(crate) mod batch;
 pub(crate) mod dist;
-#[doc(hidden)]
-pub mod exec;
+pub(crate) mod exec;
 #[doc(hidden)]
 pub mod fault;
-#[doc(hidden)]
-pub mod order;
-#[doc(hidden)]
-pub mod quality;
-#[doc(hidden)]
-pub mod reader;
+pub(crate) mod order;
+pub(crate) mod quality;
+pub(crate) mod reader;
 
 pub use batch::{Buffer, BufferPool, Field};
 pub use order::Order;
+pub use quality::{shuffle_quality, ShuffleQuality};
