@@ -37,7 +37,7 @@ mod env;
 pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;
-#[cfg(feature = "bench-internals")]
+#[cfg(any(feature = "bench-internals", feature = "fault-injection"))]
 #[doc(hidden)]
 pub mod internals;
 pub mod json;

@@ -1018,6 +1018,7 @@ impl Remote {
             .map_err(|e| self.error(name, None, e))?;
         PUTS.fetch_add(1, Ordering::Relaxed);
         PUT_BYTES.fetch_add(n, Ordering::Relaxed);
+        #[cfg(feature = "fault-injection")]
         fsutil::trace::abort_after_put();
         Ok(())
     }
@@ -1062,6 +1063,7 @@ impl Remote {
         })??;
         PUTS.fetch_add(1, Ordering::Relaxed);
         PUT_BYTES.fetch_add(len, Ordering::Relaxed);
+        #[cfg(feature = "fault-injection")]
         fsutil::trace::abort_after_put();
         Ok(())
     }

@@ -3,15 +3,19 @@
 //! failing with EIO. Armed process-wide (tests that use them run in a process of their own);
 //! each armed fault fires once, after a given number of opportunities. When nothing is armed
 //! every check is one relaxed atomic load.
+//!
+//! Compiled in only with the `fault-injection` cargo feature (the tests', through
+//! `crate::internals::fault`); without it no fault can be armed and every check is a constant
+//! `false` the compiler removes.
 
 use std::path::Path;
+#[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use crate::error::{Error, Result};
 
 /// A fault to inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[doc(hidden)]
 pub enum Fault {
     /// A gather piece panics.
     PanicInGather = 0,
@@ -23,7 +27,9 @@ pub enum Fault {
     ReadFails = 3,
 }
 
+#[cfg(feature = "fault-injection")]
 static ARMED: AtomicU8 = AtomicU8::new(0);
+#[cfg(feature = "fault-injection")]
 static COUNTDOWN: [AtomicU64; 4] = [
     AtomicU64::new(0),
     AtomicU64::new(0),
@@ -32,19 +38,20 @@ static COUNTDOWN: [AtomicU64; 4] = [
 ];
 
 /// Arms `fault` to fire at its `after + 1`-th opportunity.
-#[doc(hidden)]
+#[cfg(feature = "fault-injection")]
 pub fn inject(fault: Fault, after: u64) {
     COUNTDOWN[fault as usize].store(after, Ordering::SeqCst);
     ARMED.fetch_or(1 << fault as u8, Ordering::SeqCst);
 }
 
 /// Disarms every fault.
-#[doc(hidden)]
+#[cfg(feature = "fault-injection")]
 pub fn clear() {
     ARMED.store(0, Ordering::SeqCst);
 }
 
 /// Whether `fault` fires at this opportunity (counting it down; disarmed once fired).
+#[cfg(feature = "fault-injection")]
 fn fires(fault: Fault) -> bool {
     let bit = 1u8 << fault as u8;
     if ARMED.load(Ordering::Relaxed) & bit == 0 {
@@ -63,6 +70,23 @@ fn fires(fault: Fault) -> bool {
         }
     }
 }
+
+/// Without the `fault-injection` feature nothing fires (a `const fn`: no atomics, no
+/// environment).
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+const fn fires(_: Fault) -> bool {
+    false
+}
+
+// A build without the feature (the user's) has no fault to fire.
+#[cfg(not(feature = "fault-injection"))]
+const _: () = assert!(
+    !fires(Fault::PanicInGather)
+        && !fires(Fault::PanicInPrepare)
+        && !fires(Fault::SpawnFails)
+        && !fires(Fault::ReadFails)
+);
 
 pub(crate) fn before_fill() -> Result<()> {
     if fires(Fault::PanicInGather) {

@@ -21,12 +21,12 @@
 //! Thread counts and I/O timing change when a batch is ready, never what is in it.
 
 // The engine's parts are internals of the format loaders. What the benchmarks time on its own
-// is re-exported by `crate::internals`, behind the `bench-internals` cargo feature.
+// and what the fault-injection tests arm is re-exported by `crate::internals`, behind the
+// `bench-internals` and `fault-injection` cargo features.
 pub(crate) mod batch;
 pub(crate) mod dist;
 pub(crate) mod exec;
-#[doc(hidden)]
-pub mod fault;
+pub(crate) mod fault;
 pub(crate) mod order;
 pub(crate) mod quality;
 pub(crate) mod reader;
