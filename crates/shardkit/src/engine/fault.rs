@@ -5,16 +5,22 @@
 //! every check is one relaxed atomic load.
 //!
 //! Compiled in only with the `fault-injection` cargo feature (the tests', through
-//! `crate::internals::fault`); without it no fault can be armed and every check is a constant
-//! `false` the compiler removes.
+//! `crate::internals::fault`). Without it (the user's build) no fault exists, and each check
+//! is an empty function: no atomics, nothing read from the environment.
 
+#[cfg(feature = "fault-injection")]
 use std::path::Path;
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
+#[cfg(feature = "fault-injection")]
 use crate::error::{Error, Result};
 
+#[cfg(not(feature = "fault-injection"))]
+pub(crate) use off::*;
+
 /// A fault to inject.
+#[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
     /// A gather piece panics.
@@ -71,23 +77,7 @@ fn fires(fault: Fault) -> bool {
     }
 }
 
-/// Without the `fault-injection` feature nothing fires (a `const fn`: no atomics, no
-/// environment).
-#[cfg(not(feature = "fault-injection"))]
-#[inline(always)]
-const fn fires(_: Fault) -> bool {
-    false
-}
-
-// A build without the feature (the user's) has no fault to fire.
-#[cfg(not(feature = "fault-injection"))]
-const _: () = assert!(
-    !fires(Fault::PanicInGather)
-        && !fires(Fault::PanicInPrepare)
-        && !fires(Fault::SpawnFails)
-        && !fires(Fault::ReadFails)
-);
-
+#[cfg(feature = "fault-injection")]
 pub(crate) fn before_fill() -> Result<()> {
     if fires(Fault::PanicInGather) {
         panic!("injected fault: a gather thread panicked");
@@ -95,6 +85,7 @@ pub(crate) fn before_fill() -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "fault-injection")]
 pub(crate) fn before_prepare() -> Result<()> {
     if fires(Fault::PanicInPrepare) {
         panic!("injected fault: the prefetch thread panicked");
@@ -102,11 +93,13 @@ pub(crate) fn before_prepare() -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "fault-injection")]
 pub(crate) fn spawn_fails() -> bool {
     fires(Fault::SpawnFails)
 }
 
 /// An injected EIO on a read of `path`.
+#[cfg(feature = "fault-injection")]
 pub(crate) fn before_read(path: impl AsRef<Path>) -> Result<()> {
     if fires(Fault::ReadFails) {
         return Err(Error::Io {
@@ -115,4 +108,32 @@ pub(crate) fn before_read(path: impl AsRef<Path>) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The checks of a build without the `fault-injection` feature: nothing fires.
+#[cfg(not(feature = "fault-injection"))]
+mod off {
+    use std::path::Path;
+
+    use crate::error::Result;
+
+    #[inline(always)]
+    pub(crate) const fn before_fill() -> Result<()> {
+        Ok(())
+    }
+
+    #[inline(always)]
+    pub(crate) const fn before_prepare() -> Result<()> {
+        Ok(())
+    }
+
+    #[inline(always)]
+    pub(crate) const fn spawn_fails() -> bool {
+        false
+    }
+
+    #[inline(always)]
+    pub(crate) fn before_read(_: impl AsRef<Path>) -> Result<()> {
+        Ok(())
+    }
 }
