@@ -65,7 +65,7 @@ pub fn rename(from: &Path, to: &Path) -> Result<()> {
 /// The durability calls writers make, recorded for tests of their order (crash safety after a
 /// power loss depends on it: a file is fsynced before it is renamed to its final name, and the
 /// directory after). Off unless a test calls [`trace::start`]. Compiled in only with the
-/// `fault-injection` cargo feature (the tests', through `crate::internals::trace`), as are the
+/// `fault-injection` cargo feature (the tests', through `shardkit::internals::trace`), as are the
 /// kill tests' abort hooks below: the user's build has no trace and reads no test variable.
 #[cfg(feature = "fault-injection")]
 pub(crate) mod trace {

@@ -5,7 +5,7 @@
 //! every check is one relaxed atomic load.
 //!
 //! Compiled in only with the `fault-injection` cargo feature (the tests', through
-//! `crate::internals::fault`). Without it (the user's build) no fault exists, and each check
+//! `shardkit::internals::fault`). Without it (the user's build) no fault exists, and each check
 //! is an empty function: no atomics, nothing read from the environment.
 
 #[cfg(feature = "fault-injection")]

@@ -21,7 +21,7 @@
 //! Thread counts and I/O timing change when a batch is ready, never what is in it.
 
 // The engine's parts are internals of the format loaders. What the benchmarks time on its own
-// and what the fault-injection tests arm is re-exported by `crate::internals`, behind the
+// and what the fault-injection tests arm is re-exported by `shardkit::internals`, behind the
 // `bench-internals` and `fault-injection` cargo features.
 pub(crate) mod batch;
 pub(crate) mod dist;
