@@ -1,4 +1,4 @@
-"""What the Python bench scripts share with `shardkit bench` (crates/shardkit-cli/src/bench.rs):
+"""What the Python bench scripts share with `shardkit bench` (crates/shardkit-bench/src/bench.rs):
 a ratio is reported only between two measured rates. A rate that is missing, zero or not finite
 fails the script (non-zero exit) instead of printing an infinite or zero ratio."""
 

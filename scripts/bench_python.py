@@ -4,6 +4,9 @@ the binding's overhead is what shows): epochs alternate between a Python ``for b
 loop and the same loader drained inside Rust, in one process. Prints JSON.
 
     .venv/bin/python scripts/bench_python.py [--dir bench-data] [--size-gib 2] [--rounds 4]
+
+It runs `target/release/shardkit bench saev-read` (`--bin`) to write the dataset: build it with
+`cargo build --release -p shardkit-cli -p shardkit-bench`.
 """
 
 import argparse

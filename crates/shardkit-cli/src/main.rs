@@ -4,23 +4,11 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-mod bench;
-mod bench_corpus;
-mod bench_eagle3;
-mod bench_link;
-mod bench_remote;
-mod bench_sdnb;
-mod bench_tokens;
-mod cache_cmd;
-mod checksum_cmd;
-mod eagle3_cmd;
-mod inspect_text;
-mod npy;
-mod plot;
-mod progress;
-mod saev_cmd;
-mod sdnb_cmd;
-mod tokens_cmd;
+use shardkit_cli::{
+    cache_cmd, eagle3_cmd, env_logger_lite, progress, saev_cmd, sdnb_cmd, tokens_cmd,
+};
+
+mod bench_forward;
 
 /// Exact, crash-safe, fast access to ML training caches.
 #[derive(Parser)]
@@ -67,8 +55,15 @@ enum Cmd {
     #[command(subcommand)]
     Cache(cache_cmd::CacheCmd),
     /// Measurements that print JSON with the ceiling measured in the same run.
-    #[command(subcommand)]
-    Bench(bench::BenchCmd),
+    ///
+    /// Run by the `shardkit-bench` binary (its own crate, crates/shardkit-bench), found next to
+    /// this executable or on PATH; every argument goes to it unchanged.
+    #[command(disable_help_flag = true)]
+    Bench {
+        /// The benchmark and its options, as `shardkit-bench` takes them.
+        #[arg(num_args = 0.., trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 /// `shardkit upload` / `shardkit download`: a byte bar, then a one-line summary.
@@ -120,7 +115,8 @@ fn main() -> ExitCode {
         Cmd::Upload { src, dst } => transfer(&src, &dst, true),
         Cmd::Download { src, dst } => transfer(&src, &dst, false),
         Cmd::Cache(c) => cache_cmd::run(c),
-        Cmd::Bench(c) => bench::run(c).map(|_| true),
+        // The benchmarks' process ends here: its own exit status, its output passed through.
+        Cmd::Bench { args } => return bench_forward::run(args),
     };
     // Pages fetched through SHARDKIT_CACHE_DIR are written after the reads return: kept now.
     let result = result.and_then(|ok| shardkit::storage::wait_for_cache().map(|()| ok));
@@ -132,23 +128,4 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// Library warnings (unknown protocol minor, foreign key names) go to stderr.
-fn env_logger_lite() {
-    struct Stderr;
-    impl log::Log for Stderr {
-        fn enabled(&self, m: &log::Metadata) -> bool {
-            m.level() <= log::Level::Warn
-        }
-        fn log(&self, r: &log::Record) {
-            if self.enabled(r.metadata()) {
-                eprintln!("warning: {}", r.args());
-            }
-        }
-        fn flush(&self) {}
-    }
-    static LOGGER: Stderr = Stderr;
-    let _ = log::set_logger(&LOGGER);
-    log::set_max_level(log::LevelFilter::Warn);
 }

@@ -6,7 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 /// What a bar counts.
 #[derive(Clone, Copy)]
-pub(crate) enum Unit {
+pub enum Unit {
     /// Bytes, shown as sizes and a byte rate.
     Bytes,
     /// Items of the named kind ("samples", "tokens").
@@ -15,7 +15,7 @@ pub(crate) enum Unit {
 
 /// A bar labelled `what` for `total` units (a spinner until [`set_total`] where the total is
 /// not known yet), or a hidden one when stderr is not a terminal.
-pub(crate) fn bar(total: Option<u64>, what: &str, unit: Unit) -> ProgressBar {
+pub fn bar(total: Option<u64>, what: &str, unit: Unit) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
@@ -28,7 +28,7 @@ pub(crate) fn bar(total: Option<u64>, what: &str, unit: Unit) -> ProgressBar {
 }
 
 /// Turns `pb` (a spinner or a bar) into a bar of `total` units.
-pub(crate) fn set_total(pb: &ProgressBar, total: u64, unit: Unit) {
+pub fn set_total(pb: &ProgressBar, total: u64, unit: Unit) {
     let counts = match unit {
         Unit::Bytes => "{bytes}/{total_bytes} {bytes_per_sec}".to_string(),
         Unit::Items(what) => format!("{{pos}}/{{len}} {what} {{per_sec}}"),

@@ -5,8 +5,7 @@ use std::path::{Path, PathBuf};
 
 use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
-use shardkit::engine::quality::shuffle_quality;
-use shardkit::engine::StateValue;
+use shardkit::engine::{shuffle_quality, StateValue};
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{
     self, inspect, validate, Dataset, LayerSel, Loader, LoaderOptions, LoaderState, Metadata,

@@ -550,10 +550,12 @@ fn verify_checksums(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Bound<
 }
 
 /// Arms a test fault in the engine (tests only): "panic_in_gather", "panic_in_prepare",
-/// "spawn_fails" or "read_fails", firing at its `after + 1`-th opportunity.
+/// "spawn_fails" or "read_fails", firing at its `after + 1`-th opportunity. Only in builds with
+/// the `fault-injection` feature (the tests'; not the user's wheel).
+#[cfg(feature = "fault-injection")]
 #[pyfunction]
 fn _inject_fault(name: &str, after: u64) -> PyResult<()> {
-    use shardkit::engine::fault::{inject, Fault};
+    use shardkit::internals::fault::{inject, Fault};
     let f = match name {
         "panic_in_gather" => Fault::PanicInGather,
         "panic_in_prepare" => Fault::PanicInPrepare,
@@ -566,9 +568,10 @@ fn _inject_fault(name: &str, after: u64) -> PyResult<()> {
 }
 
 /// Disarms every test fault.
+#[cfg(feature = "fault-injection")]
 #[pyfunction]
 fn _clear_faults() {
-    shardkit::engine::fault::clear();
+    shardkit::internals::fault::clear();
 }
 
 /// The compiled module.
@@ -579,6 +582,7 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<loader::BatchIter>()?;
     m.add("DEFAULT_ORDER", shardkit::engine::DEFAULT_ORDER.name())?;
     saev::register(m)?;
+    #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_inject_fault, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
     m.add_function(wrap_pyfunction!(transfer, m)?)?;
@@ -587,6 +591,7 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(clear_cache, m)?)?;
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
+    #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;
     flat_tokens::register(m)?;
     eagle3::register(m)?;

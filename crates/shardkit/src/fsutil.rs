@@ -28,6 +28,7 @@ pub fn is_temp_name(name: &str) -> bool {
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
     File::open(dir).and_then(|d| d.sync_all()).at(dir)?;
+    #[cfg(feature = "fault-injection")]
     trace::record(trace::Event::SyncDir(dir.to_path_buf()));
     Ok(())
 }
@@ -35,6 +36,7 @@ pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
 /// fsyncs a file's data and metadata (`path` names it in errors).
 pub(crate) fn sync_file(f: &File, path: &Path) -> Result<()> {
     f.sync_all().at(path)?;
+    #[cfg(feature = "fault-injection")]
     trace::record(trace::Event::SyncFile(path.to_path_buf()));
     Ok(())
 }
@@ -42,6 +44,7 @@ pub(crate) fn sync_file(f: &File, path: &Path) -> Result<()> {
 /// fsyncs a file's data (and the metadata needed to read it back: its size).
 pub(crate) fn sync_data(f: &File, path: &Path) -> Result<()> {
     f.sync_data().at(path)?;
+    #[cfg(feature = "fault-injection")]
     trace::record(trace::Event::SyncFile(path.to_path_buf()));
     Ok(())
 }
@@ -49,19 +52,23 @@ pub(crate) fn sync_data(f: &File, path: &Path) -> Result<()> {
 /// Renames `from` to `to` (not yet durable: fsync the directory after).
 pub fn rename(from: &Path, to: &Path) -> Result<()> {
     fs::rename(from, to).at(to)?;
+    #[cfg(feature = "fault-injection")]
     trace::record(trace::Event::Rename {
         from: from.to_path_buf(),
         to: to.to_path_buf(),
     });
+    #[cfg(feature = "fault-injection")]
     trace::abort_point();
     Ok(())
 }
 
 /// The durability calls writers make, recorded for tests of their order (crash safety after a
 /// power loss depends on it: a file is fsynced before it is renamed to its final name, and the
-/// directory after). Off unless a test calls [`trace::start`].
-#[doc(hidden)]
-pub mod trace {
+/// directory after). Off unless a test calls [`trace::start`]. Compiled in only with the
+/// `fault-injection` cargo feature (the tests', through `shardkit::internals::trace`), as are the
+/// kill tests' abort hooks below: the user's build has no trace and reads no test variable.
+#[cfg(feature = "fault-injection")]
+pub(crate) mod trace {
     use std::path::PathBuf;
     use std::sync::atomic::AtomicU64;
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -38,6 +38,9 @@ mod env;
 pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;
+#[cfg(any(feature = "bench-internals", feature = "fault-injection"))]
+#[doc(hidden)]
+pub mod internals;
 pub mod json;
 pub use commit::lock;
 pub mod report;

@@ -48,7 +48,6 @@ pub(crate) use crate::engine::Buffer;
 // For checksum's Verifier (whether a block is still in the page cache).
 pub(crate) use crate::engine::reader::resident;
 use crate::error::{Error, IoContext, Result};
-use crate::fsutil;
 pub use cache::{
     cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
 };
@@ -1022,7 +1021,8 @@ impl Remote {
             .map_err(|e| self.error(name, None, e))?;
         PUTS.fetch_add(1, Ordering::Relaxed);
         PUT_BYTES.fetch_add(n, Ordering::Relaxed);
-        fsutil::trace::abort_after_put();
+        #[cfg(feature = "fault-injection")]
+        crate::fsutil::trace::abort_after_put();
         Ok(())
     }
 
@@ -1066,7 +1066,8 @@ impl Remote {
         })??;
         PUTS.fetch_add(1, Ordering::Relaxed);
         PUT_BYTES.fetch_add(len, Ordering::Relaxed);
-        fsutil::trace::abort_after_put();
+        #[cfg(feature = "fault-injection")]
+        crate::fsutil::trace::abort_after_put();
         Ok(())
     }
 

@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use shardkit::eagle3::{self, Cache, Rows};
-use shardkit::engine::fault::{self, Fault};
 use shardkit::engine::Order;
 use shardkit::flat_tokens::{self, Split, TokenLoader};
+use shardkit::internals::fault::{self, Fault};
 use shardkit::json::{self, Value};
 use shardkit::saev::{self, LayerSel, Metadata};
 use shardkit::Error;

@@ -434,7 +434,7 @@ fn copy_dir(from: &Path, to: &Path) {
 /// fsynced in place) before the sidecar with the new state alone is renamed into place.
 #[test]
 fn changes_make_the_sidecar_accept_both_states_before_the_data_changes() {
-    use shardkit::fsutil::trace::{self, Event};
+    use shardkit::internals::trace::{self, Event};
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");
     eagle3_cache(&dir, false).finish().unwrap();

@@ -12,7 +12,7 @@
 
 use std::path::{Path, PathBuf};
 
-use shardkit::fsutil::trace::{self, Event};
+use shardkit::internals::trace::{self, Event};
 use shardkit::json;
 use shardkit::sdnb::{self, DType, Format, Order, SaveOptions, TensorIn, VarType};
 use shardkit::{eagle3, saev};

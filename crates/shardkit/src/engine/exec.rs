@@ -163,10 +163,6 @@ impl GatherPool {
             })?;
         Ok(GatherPool { pool })
     }
-    /// Gather threads.
-    pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
-    }
     /// The underlying pool.
     pub fn pool(&self) -> &rayon::ThreadPool {
         &self.pool
@@ -455,14 +451,6 @@ impl<T> Stream<T> {
             threads: Vec::new(),
             pid: std::process::id(),
         }
-    }
-
-    /// A stream with nothing to serve.
-    pub fn empty() -> Stream<T> {
-        let mut s = Stream::failed(Error::Invalid(String::new()));
-        s.pending = None;
-        s.done = true;
-        s
     }
 }
 

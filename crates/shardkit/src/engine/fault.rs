@@ -3,15 +3,25 @@
 //! failing with EIO. Armed process-wide (tests that use them run in a process of their own);
 //! each armed fault fires once, after a given number of opportunities. When nothing is armed
 //! every check is one relaxed atomic load.
+//!
+//! Compiled in only with the `fault-injection` cargo feature (the tests', through
+//! `shardkit::internals::fault`). Without it (the user's build) no fault exists, and each check
+//! is an empty function: no atomics, nothing read from the environment.
 
+#[cfg(feature = "fault-injection")]
 use std::path::Path;
+#[cfg(feature = "fault-injection")]
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
+#[cfg(feature = "fault-injection")]
 use crate::error::{Error, Result};
 
+#[cfg(not(feature = "fault-injection"))]
+pub(crate) use off::*;
+
 /// A fault to inject.
+#[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[doc(hidden)]
 pub enum Fault {
     /// A gather piece panics.
     PanicInGather = 0,
@@ -23,7 +33,9 @@ pub enum Fault {
     ReadFails = 3,
 }
 
+#[cfg(feature = "fault-injection")]
 static ARMED: AtomicU8 = AtomicU8::new(0);
+#[cfg(feature = "fault-injection")]
 static COUNTDOWN: [AtomicU64; 4] = [
     AtomicU64::new(0),
     AtomicU64::new(0),
@@ -32,19 +44,20 @@ static COUNTDOWN: [AtomicU64; 4] = [
 ];
 
 /// Arms `fault` to fire at its `after + 1`-th opportunity.
-#[doc(hidden)]
+#[cfg(feature = "fault-injection")]
 pub fn inject(fault: Fault, after: u64) {
     COUNTDOWN[fault as usize].store(after, Ordering::SeqCst);
     ARMED.fetch_or(1 << fault as u8, Ordering::SeqCst);
 }
 
 /// Disarms every fault.
-#[doc(hidden)]
+#[cfg(feature = "fault-injection")]
 pub fn clear() {
     ARMED.store(0, Ordering::SeqCst);
 }
 
 /// Whether `fault` fires at this opportunity (counting it down; disarmed once fired).
+#[cfg(feature = "fault-injection")]
 fn fires(fault: Fault) -> bool {
     let bit = 1u8 << fault as u8;
     if ARMED.load(Ordering::Relaxed) & bit == 0 {
@@ -64,6 +77,7 @@ fn fires(fault: Fault) -> bool {
     }
 }
 
+#[cfg(feature = "fault-injection")]
 pub(crate) fn before_fill() -> Result<()> {
     if fires(Fault::PanicInGather) {
         panic!("injected fault: a gather thread panicked");
@@ -71,6 +85,7 @@ pub(crate) fn before_fill() -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "fault-injection")]
 pub(crate) fn before_prepare() -> Result<()> {
     if fires(Fault::PanicInPrepare) {
         panic!("injected fault: the prefetch thread panicked");
@@ -78,11 +93,13 @@ pub(crate) fn before_prepare() -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "fault-injection")]
 pub(crate) fn spawn_fails() -> bool {
     fires(Fault::SpawnFails)
 }
 
 /// An injected EIO on a read of `path`.
+#[cfg(feature = "fault-injection")]
 pub(crate) fn before_read(path: impl AsRef<Path>) -> Result<()> {
     if fires(Fault::ReadFails) {
         return Err(Error::Io {
@@ -91,4 +108,32 @@ pub(crate) fn before_read(path: impl AsRef<Path>) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The checks of a build without the `fault-injection` feature: nothing fires.
+#[cfg(not(feature = "fault-injection"))]
+mod off {
+    use std::path::Path;
+
+    use crate::error::Result;
+
+    #[inline(always)]
+    pub(crate) const fn before_fill() -> Result<()> {
+        Ok(())
+    }
+
+    #[inline(always)]
+    pub(crate) const fn before_prepare() -> Result<()> {
+        Ok(())
+    }
+
+    #[inline(always)]
+    pub(crate) const fn spawn_fails() -> bool {
+        false
+    }
+
+    #[inline(always)]
+    pub(crate) fn before_read(_: impl AsRef<Path>) -> Result<()> {
+        Ok(())
+    }
 }

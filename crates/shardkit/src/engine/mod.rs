@@ -4,17 +4,17 @@
 //! [`BufferPool`] and [`Field`] (batch memory, and caller-owned memory such as pinned host
 //! buffers). The parts below are the loaders' internals.
 //!
-//! * [`order`]: which row goes to which batch slot, decided before any I/O: a pure function of
+//! * `order`: which row goes to which batch slot, decided before any I/O: a pure function of
 //!   `(seed, epoch, rank, world_size, cursor)` and the blocks' row counts (sequential, block
 //!   shuffle in memory-bounded windows, exact shuffle).
-//! * [`exec`]: the pipeline. A format describes its batches as a [`Job`](exec::Job)
+//! * `exec`: the pipeline. A format describes its batches as a `Job`
 //!   (prepare: make the data resident and take a buffer; fill: pieces gathered in parallel
 //!   into disjoint regions of the batch buffer; finish: per-batch extras); the engine runs
 //!   prepare a few batches ahead on a prefetch thread, gathers on a pool of threads (default:
 //!   every core), hands batches over in planned order through bounded queues, and turns every
 //!   fault (an error, a panic, a thread that cannot start) into an error at the consumer.
-//! * [`reader`]: many large reads in flight, readahead, memory maps of resident blocks.
-//! * [`batch`]: page-aligned batch buffers, recycled through pools (or caller-owned memory such
+//! * `reader`: many large reads in flight, readahead, memory maps of resident blocks.
+//! * `batch`: page-aligned batch buffers, recycled through pools (or caller-owned memory such
 //!   as pinned host buffers).
 //! * `dist`: the one `RANK`/`WORLD_SIZE` parser.
 //! * `contract`: what every loader takes and gives back alike: [`LoaderOptions`] (the common
@@ -22,23 +22,19 @@
 //!
 //! Thread counts and I/O timing change when a batch is ready, never what is in it.
 
-// The engine's parts are internals of the format loaders; they stay reachable (hidden from the
-// docs) for the CLI's benchmarks and the fault-injection tests.
-#[doc(hidden)]
-pub mod batch;
+// The engine's parts are internals of the format loaders. What the benchmarks time on its own
+// and what the fault-injection tests arm is re-exported by `shardkit::internals`, behind the
+// `bench-internals` and `fault-injection` cargo features.
+pub(crate) mod batch;
 mod contract;
 pub(crate) mod dist;
-#[doc(hidden)]
-pub mod exec;
-#[doc(hidden)]
-pub mod fault;
-#[doc(hidden)]
-pub mod order;
-#[doc(hidden)]
-pub mod quality;
-#[doc(hidden)]
-pub mod reader;
+pub(crate) mod exec;
+pub(crate) mod fault;
+pub(crate) mod order;
+pub(crate) mod quality;
+pub(crate) mod reader;
 
 pub use batch::{Buffer, BufferPool, Field};
 pub use contract::{LoaderOptions, LoaderState, StateValue, DEFAULT_ORDER};
 pub use order::Order;
+pub use quality::{shuffle_quality, ShuffleQuality};

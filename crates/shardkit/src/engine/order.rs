@@ -154,6 +154,7 @@ impl Window {
         *self.row_prefix.last().unwrap_or(&0)
     }
     /// (block, row within block) of window-local row `q`.
+    #[cfg(test)]
     pub fn locate(&self, q: u64) -> (u32, u64) {
         let i = self.row_prefix.partition_point(|&p| p <= q) - 1;
         (self.blocks[i], q - self.row_prefix[i])
@@ -240,10 +241,6 @@ impl EpochOrder {
     /// Rows in the epoch.
     pub fn len(&self) -> u64 {
         *self.block_prefix.last().unwrap()
-    }
-    /// Whether the epoch is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
     /// The order.
     pub fn order(&self) -> Order {

@@ -20,8 +20,8 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::{ArrowWriter, ProjectionMask};
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
-use shardkit::engine::order::SplitMix64;
 use shardkit::flat_tokens::{build, BuildOptions, Split, Tokenizer};
+use shardkit::internals::SplitMix64;
 use shardkit::json::Value;
 use shardkit::{Error, Result};
 

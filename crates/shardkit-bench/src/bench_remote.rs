@@ -1119,9 +1119,9 @@ impl Link {
                 ))
             })?
             .to_string();
-        let exe = std::env::current_exe().map_err(|e| Error::io("the shardkit binary", e))?;
+        let exe = std::env::current_exe().map_err(|e| Error::io("the shardkit-bench binary", e))?;
         let mut child = std::process::Command::new(&exe)
-            .args(["bench", "link", "--upstream", &upstream])
+            .args(["link", "--upstream", &upstream])
             .args(["--latency-ms", &latency_ms.to_string()])
             .args(["--conn-mbps", &conn_mbps.to_string()])
             .stdout(std::process::Stdio::piped())

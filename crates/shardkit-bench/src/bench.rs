@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Subcommand;
-use shardkit::fsutil::open_direct;
+use shardkit::internals::open_direct;
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{Writer, WriterOptions};
 use shardkit::{Error, Result};
@@ -115,6 +115,28 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Sdnb(args) => crate::bench_sdnb::run(args),
         BenchCmd::Link(args) => crate::bench_link::run(args),
     }
+}
+
+/// The `shardkit` binary, for the benchmarks that time a command as a user runs it: next to
+/// this executable (cargo builds both into one directory), else the first on PATH.
+pub(crate) fn shardkit_exe() -> Result<PathBuf> {
+    let name = format!("shardkit{}", std::env::consts::EXE_SUFFIX);
+    let exe = std::env::current_exe().map_err(|e| Error::io("shardkit-bench", e))?;
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default();
+    exe.parent()
+        .map(|dir| dir.join(&name))
+        .into_iter()
+        .chain(on_path.into_iter().map(|dir| dir.join(&name)))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "this benchmark runs the shardkit binary, which is neither next to {} nor on \
+                 PATH: build it with `cargo build --release -p shardkit-cli`",
+                exe.display()
+            ))
+        })
 }
 
 /// Bytes of one example of the benchmark shape: 2 layers x (256 patches + CLS) x 1024 floats.
@@ -457,7 +479,7 @@ fn rand4k(files: &[PathBuf], reads: usize) -> Result<f64> {
             let (handles, next) = (&handles, &next);
             s.spawn(move || {
                 use std::os::unix::fs::FileExt;
-                let mut rng = shardkit::engine::order::SplitMix64(t * 7919 + 1);
+                let mut rng = shardkit::internals::SplitMix64(t * 7919 + 1);
                 let mut buf = shardkit::engine::Buffer::zeroed(4096);
                 while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < reads {
                     let (f, pages) = &handles[rng.below(handles.len() as u64) as usize];
@@ -532,12 +554,12 @@ pub(crate) fn gather_ceiling(threads: usize, row: usize) -> f64 {
             for (t, dst) in dsts.iter_mut().enumerate() {
                 let src = &src;
                 s.spawn(move || {
-                    let mut rng = shardkit::engine::order::SplitMix64(pass * 1000 + t as u64);
+                    let mut rng = shardkit::internals::SplitMix64(pass * 1000 + t as u64);
                     for out in dst.as_mut_bytes().chunks_exact_mut(row) {
                         let at = rng.below(slots as u64) as usize * row;
-                        shardkit::engine::batch::copy_streaming(out, &src[at..at + row]);
+                        shardkit::internals::copy_streaming(out, &src[at..at + row]);
                     }
-                    shardkit::engine::batch::copy_done();
+                    shardkit::internals::copy_done();
                 });
             }
         });

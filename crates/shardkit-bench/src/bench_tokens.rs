@@ -13,8 +13,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use clap::Args;
-use shardkit::engine::order::SplitMix64;
 use shardkit::flat_tokens::{Layout, LoaderOptions, Split, TokenLoader, Writer, WriterOptions};
+use shardkit::internals::SplitMix64;
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
@@ -198,7 +198,7 @@ fn build_from_jsonl(dir: &Path, mtokens: u64) -> Result<(f64, u64)> {
     }
     let out = dir.join("build-output.zarr");
     let _ = std::fs::remove_dir_all(&out);
-    let exe = std::env::current_exe().map_err(|e| Error::io("shardkit", e))?;
+    let exe = crate::bench::shardkit_exe()?;
     let t0 = Instant::now();
     let status = Command::new(exe)
         .args(["tokens", "build", "--split", "train", "--from"])

@@ -1,0 +1,32 @@
+//! The library's internals that its own benchmarks (`shardkit-bench`) and fault-injection tests
+//! reach, in one place. Not part of the API (it changes without notice), and only there with
+//! the cargo features that ask for it:
+//!
+//! * `bench-internals` (shardkit-bench): the engine's parts the benchmarks time on their own.
+//! * `fault-injection` (the tests: the library's dev-dependency on itself, and the CLI and the
+//!   Python extension built for the tests): arming the engine's faults ([`fault`]) and tracing
+//!   the durability calls writers make ([`trace`]). Without it the hooks compile to nothing;
+//!   the kill tests' `SHARDKIT_TEST_ABORT_AFTER_RENAMES` / `SHARDKIT_TEST_ABORT_AFTER_PUTS` are
+//!   read only with it.
+
+/// Streaming (non-temporal) copies into batch buffers, and the fence that ends them.
+#[cfg(feature = "bench-internals")]
+pub use crate::engine::batch::{copy_done, copy_streaming};
+/// The engine's PRNG (row orders are reproducible from its seeds).
+#[cfg(feature = "bench-internals")]
+pub use crate::engine::order::SplitMix64;
+/// O_DIRECT opens, for read ceilings that bypass the page cache.
+#[cfg(feature = "bench-internals")]
+pub use crate::fsutil::open_direct;
+
+/// Faults the tests inject into the engine.
+#[cfg(feature = "fault-injection")]
+pub mod fault {
+    pub use crate::engine::fault::{clear, inject, Fault};
+}
+
+/// The durability calls writers make (fsyncs, renames), recorded for tests of their order.
+#[cfg(feature = "fault-injection")]
+pub mod trace {
+    pub use crate::fsutil::trace::{start, take, Event};
+}
