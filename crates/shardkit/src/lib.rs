@@ -31,12 +31,15 @@
 #![deny(missing_docs)]
 
 pub mod checksum;
+pub(crate) mod config;
 pub mod eagle3;
 pub mod engine;
-mod env;
+// The old name of `config`, for the commit lane's files until they are re-pointed.
+pub(crate) use config as env;
 pub mod error;
 pub mod flat_tokens;
 pub mod fsutil;
+pub mod io;
 pub mod json;
 pub mod lock;
 pub mod report;

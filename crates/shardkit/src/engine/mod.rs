@@ -23,7 +23,7 @@
 // The engine's parts are internals of the format loaders; they stay reachable (hidden from the
 // docs) for the CLI's benchmarks and the fault-injection tests.
 #[doc(hidden)]
-pub mod batch;
+pub use crate::io::buffer as batch;
 pub(crate) mod dist;
 #[doc(hidden)]
 pub mod exec;
@@ -34,7 +34,7 @@ pub mod order;
 #[doc(hidden)]
 pub mod quality;
 #[doc(hidden)]
-pub mod reader;
+pub use crate::io::local as reader;
 
 pub use batch::{Buffer, BufferPool, Field};
 pub use order::Order;

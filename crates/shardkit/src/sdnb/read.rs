@@ -613,7 +613,16 @@ impl Container {
     pub fn open_with(path: &Path, limits: &Limits) -> Result<Container> {
         if crate::storage::is_remote(path) {
             if let Some(cache) = crate::storage::cache_dir() {
-                let local = crate::storage::fetch_container(path, &cache)?;
+                let local = crate::io::fetch_container(
+                    path,
+                    &cache,
+                    &crate::io::ShardNames {
+                        base: base_name,
+                        is_shard: |n, base| {
+                            crate::sdnb::sdz::parse_shard_name(n).is_some_and(|(b, _, _)| b == base)
+                        },
+                    },
+                )?;
                 return Self::open_with(&local, limits);
             }
             return open_remote(path, limits);

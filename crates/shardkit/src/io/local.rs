@@ -7,7 +7,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::fault;
+use crate::engine::fault;
 use crate::error::{Error, Result};
 
 /// Largest single read issued.
