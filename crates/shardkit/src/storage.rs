@@ -20,7 +20,7 @@ pub use crate::io::{
     max_request, set_inflight, set_max_request_mib, wait_for_cache, CacheUsage, CachedObject,
     Counters, Remote, COALESCE_GAP,
 };
-pub(crate) use crate::io::{reads_stopped_by, verify_needs_local, HeldPages, PendingRead};
+pub(crate) use crate::io::{reads_stopped_by, verify_needs_local, PendingRead};
 use crate::json::Value;
 pub(crate) use crate::store_lock::StoreLock;
 

@@ -476,7 +476,7 @@ fn for_this_process<T: Default>(table: &mut (u32, T)) -> &mut T {
 /// out of the pages (as a local file's rows are out of its map), instead of read into a
 /// buffer first and copied again from there. A page evicted meanwhile stays mapped (pages are
 /// written aside and renamed, never changed in place).
-pub(crate) struct HeldPages {
+pub struct HeldPages {
     /// (start in the read's buffer, map, offset in the map, length), by start.
     pieces: Vec<(u64, Arc<memmap2::Mmap>, usize, usize)>,
 }

@@ -1,8 +1,84 @@
-//! Where a dataset lives, parsed once.
+//! Where a dataset lives, parsed once: a plain path or `file://` URL is a local directory,
+//! `s3://bucket/prefix` (or `s3a://`) a prefix in an object store. The rest of the library
+//! holds a [`Location`] (or the [`Source`](super::Source) opened from it) and never looks at
+//! the URL's text again.
 
 use std::path::{Path, PathBuf};
 
-use crate::error::Error;
+use crate::error::{Error, Result};
+
+/// Where a dataset lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// A local path (`file://` stripped).
+    Local(PathBuf),
+    /// A prefix in an S3-compatible object store.
+    S3 {
+        /// The bucket.
+        bucket: String,
+        /// The key prefix, without leading or trailing slashes; may be empty.
+        prefix: String,
+    },
+}
+
+impl Location {
+    /// Parses a path or URL: `s3://bucket/prefix` and `s3a://bucket/prefix` (a trailing slash
+    /// ignored; empty, `.` and `..` key segments refused), `file:///path`, or a plain path.
+    pub fn parse(path: impl AsRef<Path>) -> Result<Location> {
+        let path = path.as_ref();
+        let Some(s) = path.to_str() else {
+            return Ok(Location::Local(path.to_path_buf()));
+        };
+        let Some(rest) = s.strip_prefix("s3://").or_else(|| s.strip_prefix("s3a://")) else {
+            return Ok(Location::Local(local_path(path)));
+        };
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err(Error::Invalid(format!("{s}: the URL names no bucket")));
+        }
+        let prefix = prefix.trim_matches('/');
+        if prefix.split('/').any(|p| p == "." || p == "..") || prefix.contains("//") {
+            return Err(Error::Invalid(format!(
+                "{s}: object keys may not contain empty, `.` or `..` segments"
+            )));
+        }
+        Ok(Location::S3 {
+            bucket: bucket.to_string(),
+            prefix: prefix.to_string(),
+        })
+    }
+
+    /// Whether the bytes are local files (they can be mapped, read ahead, read with O_DIRECT).
+    pub fn is_local(&self) -> bool {
+        matches!(self, Location::Local(_))
+    }
+
+    /// The local directory or file, for a local location.
+    pub fn local_path(&self) -> Option<&Path> {
+        match self {
+            Location::Local(p) => Some(p),
+            Location::S3 { .. } => None,
+        }
+    }
+
+    /// The location as a path for messages and callers: the local path, or `s3://bucket/prefix`.
+    pub fn to_path(&self) -> PathBuf {
+        match self {
+            Location::Local(p) => p.clone(),
+            Location::S3 { .. } => PathBuf::from(self.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Display for Location {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Location::Local(p) => write!(f, "{}", p.display()),
+            Location::S3 { bucket, prefix } if prefix.is_empty() => write!(f, "s3://{bucket}"),
+            Location::S3 { bucket, prefix } => write!(f, "s3://{bucket}/{prefix}"),
+        }
+    }
+}
 
 /// Whether `path` names an object-store location (`s3://` or `s3a://`).
 pub fn is_remote(path: &Path) -> bool {
@@ -42,6 +118,25 @@ mod tests {
         assert!(e.to_string().contains("names no bucket"), "{e}");
         let e = Remote::parse(Path::new("s3://b/a/../c")).unwrap_err();
         assert!(e.to_string().contains("`..`"), "{e}");
+        assert_eq!(
+            Location::parse("s3a://bucket/a/b/").unwrap(),
+            Location::S3 {
+                bucket: "bucket".into(),
+                prefix: "a/b".into()
+            }
+        );
+        assert_eq!(
+            Location::parse("file:///a/b").unwrap(),
+            Location::Local("/a/b".into())
+        );
+        assert_eq!(
+            Location::parse("s3://bucket/a/b/").unwrap().to_string(),
+            "s3://bucket/a/b"
+        );
+        assert!(Location::parse("/data/s3://x").unwrap().is_local());
+        for bad in ["s3:///x", "s3://b/a/../c", "s3://b/a//c"] {
+            assert!(Location::parse(bad).is_err(), "{bad}");
+        }
         let ok = Remote::parse(Path::new("s3://bucket/a/b/")).unwrap();
         assert_eq!(ok.url(), "s3://bucket/a/b");
         assert_eq!(

@@ -31,28 +31,35 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub mod buffer;
-pub(crate) mod cache;
+pub mod cache;
 pub(crate) mod coalesce;
 pub mod local;
-pub(crate) mod location;
-pub(crate) mod runtime;
+pub mod location;
+pub mod runtime;
 #[cfg(feature = "s3")]
 pub(crate) mod s3;
 pub(crate) mod slots;
-pub(crate) mod stop;
+pub mod source;
+pub mod stop;
 pub(crate) mod store;
 #[cfg(feature = "zarr")]
 pub(crate) mod zarr;
 
 pub use crate::config::{inflight, max_request, set_inflight, set_max_request_mib};
+pub use cache::HeldPages;
 pub use cache::{
     cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
 };
-pub(crate) use cache::{fetch_container, HeldPages, ShardNames};
+pub(crate) use cache::{fetch_container, ShardNames};
 pub use coalesce::COALESCE_GAP;
+pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;
-pub use location::{is_remote, local_path};
-pub(crate) use runtime::{reads_stopped_by, PendingRead};
+pub use location::{is_remote, local_path, Location};
+pub(crate) use runtime::reads_stopped_by;
+pub(crate) use runtime::thread_stop;
+pub use runtime::PendingRead;
+pub use source::{open, open_store, LocalDir, Source};
+pub use stop::Stop;
 pub use store::Remote;
 
 /// Counters of the requests this process has made (for benchmarks and reports).

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::stop::{stopped_error, STOP_POLL};
+use super::stop::{stopped_error, Stop, STOP_POLL};
 use crate::error::{Error, Result};
 
 /// The runtime that drives every request: a few threads suffice, they only wait on sockets
@@ -94,19 +94,30 @@ pub(crate) fn reads_stopped_by<T>(
 
 /// Blocks on a read `f` made on this thread, giving up if [`reads_stopped_by`] set a stop
 /// that turns true.
+#[cfg(test)]
 pub(crate) fn block_on_read<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
-    let stop = READ_STOP.with_borrow(|s| s.clone());
-    let stopped = || {
-        stop.as_ref()
-            .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
-    };
-    block_on_until(f, stopped)?.unwrap_or_else(|| Err(stopped_error()))
+    block_on_stopped(f, &thread_stop())
+}
+
+/// The stop [`reads_stopped_by`] put in force on this thread, if any.
+pub(crate) fn thread_stop() -> Stop {
+    READ_STOP
+        .with_borrow(|s| s.clone())
+        .map_or_else(Stop::never, Stop::new)
+}
+
+/// Blocks on a read `f`, giving up once `stop` is set.
+pub(crate) fn block_on_stopped<F: std::future::Future<Output = Result<()>>>(
+    f: F,
+    stop: &Stop,
+) -> Result<()> {
+    block_on_until(f, || stop.is_set())?.unwrap_or_else(|| Err(stopped_error()))
 }
 
 /// A read running on the object-store runtime (see [`Remote::start_read`]). Dropped before
 /// [`PendingRead::wait`] (a loader dropped mid-epoch), it stops: requests not yet sent are never
 /// sent, and its slots of the request limit go to other reads at once.
-pub(crate) struct PendingRead(
+pub struct PendingRead(
     pub(crate) Mutex<Option<tokio::task::JoinHandle<Result<crate::io::buffer::Buffer>>>>,
 );
 
@@ -114,7 +125,7 @@ impl PendingRead {
     /// The buffer, once every range is in (or the read's error). Gives up, stopping the read,
     /// when `stopped()` turns true (checked every [`STOP_POLL`]): a loader dropped while it
     /// waits for a window goes at once, not when the window is in.
-    pub(crate) fn wait(&self, stopped: impl Fn() -> bool) -> Result<crate::io::buffer::Buffer> {
+    pub fn wait(&self, stopped: impl Fn() -> bool) -> Result<crate::io::buffer::Buffer> {
         let mut task = self
             .0
             .lock()

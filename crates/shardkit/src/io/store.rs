@@ -12,9 +12,11 @@ use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 
 use super::coalesce::{coalesce, Request, COALESCE_GAP};
 use super::local::ReadRange;
-use super::runtime::{block_on, block_on_read, runtime, PendingRead, READ_STOP};
+use super::location::Location;
+use super::runtime::{block_on, block_on_stopped, runtime, thread_stop, PendingRead};
 use super::slots::{request_slots, slot_quarters, RequestSlots};
 use super::stop::stopped_error;
+use super::stop::Stop;
 use super::{cache, cache_dir, GETS, GET_BYTES, PUTS, PUT_BYTES};
 use crate::config::max_request;
 use crate::error::{Error, IoContext, Result};
@@ -131,24 +133,15 @@ impl Remote {
         })
     }
 
-    /// The bucket and the prefix of `s3://bucket/prefix`, checked.
+    /// The bucket and the prefix of `s3://bucket/prefix`, checked ([`Location::parse`]).
     fn split_url(url: &Path) -> Result<(String, String)> {
-        let s = url.to_str().unwrap_or_default();
-        let rest = s
-            .strip_prefix("s3://")
-            .or_else(|| s.strip_prefix("s3a://"))
-            .ok_or_else(|| Error::Invalid(format!("{s}: not an s3:// URL")))?;
-        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        if bucket.is_empty() {
-            return Err(Error::Invalid(format!("{s}: the URL names no bucket")));
+        match Location::parse(url)? {
+            Location::S3 { bucket, prefix } => Ok((bucket, prefix)),
+            Location::Local(_) => Err(Error::Invalid(format!(
+                "{}: not an s3:// URL",
+                url.to_str().unwrap_or_default()
+            ))),
         }
-        let prefix = prefix.trim_matches('/');
-        if prefix.split('/').any(|p| p == "." || p == "..") || prefix.contains("//") {
-            return Err(Error::Invalid(format!(
-                "{s}: object keys may not contain empty, `.` or `..` segments"
-            )));
-        }
-        Ok((bucket.to_string(), prefix.to_string()))
     }
 
     /// This prefix, read through the bounded local cache when `SHARDKIT_CACHE_DIR` is set
@@ -367,21 +360,39 @@ impl Remote {
         ranges: &[ReadRange],
         buf: &mut [u8],
     ) -> Result<()> {
-        self.check_reads(names.len(), ranges, buf.len())?;
         // The stop in force on this thread cuts the read (see `reads_stopped_by`).
-        let stop = READ_STOP.with_borrow(|s| s.clone());
+        self.read_into_until(names, ranges, buf, &thread_stop())
+    }
+
+    /// [`Remote::read_into`], giving up once `stop` is set.
+    pub(crate) fn read_into_until(
+        &self,
+        names: &[String],
+        ranges: &[ReadRange],
+        buf: &mut [u8],
+        stop: &Stop,
+    ) -> Result<()> {
+        self.check_reads(names.len(), ranges, buf.len())?;
+        let flag = stop.flag();
         let Some(cache) = &self.object_cache else {
             let store = self.store()?;
-            let fetch = self.fetch_into(&store, names, ranges, buf, stop.as_deref());
-            return block_on_read(fetch);
+            let fetch = self.fetch_into(&store, names, ranges, buf, flag.as_deref());
+            return block_on_stopped(fetch, stop);
         };
         let paged = self.read_cached(cache, names, ranges, buf)?;
         if paged.is_done() {
             return Ok(());
         }
         let store = self.store()?;
-        let fetch = self.fetch_paged(&store, names, paged, buf, stop.as_deref());
-        block_on_read(fetch)
+        let fetch = self.fetch_paged(&store, names, paged, buf, flag.as_deref());
+        block_on_stopped(fetch, stop)
+    }
+
+    /// The size of object `name` (one HEAD request).
+    pub(crate) fn len(&self, name: &str) -> Result<u64> {
+        let store = self.store()?;
+        let meta = block_on(store.head(&self.key(name)))?.map_err(|e| self.error(name, None, e))?;
+        Ok(meta.size)
     }
 
     /// [`Remote::read_into`] started on the runtime and left running: the caller gets `buf`

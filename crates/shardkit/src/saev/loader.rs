@@ -29,8 +29,8 @@ use crate::engine::order::{rank_batches, EpochOrder, Order};
 use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
 use crate::engine::Buffer;
 use crate::error::{Error, Result};
+use crate::io::{HeldPages, PendingRead, Stop};
 use crate::saev::{Dataset, TokenMode};
-use crate::storage::{HeldPages, PendingRead};
 
 /// Which layer a loader reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -382,7 +382,12 @@ impl std::fmt::Debug for Loader {
 impl Loader {
     /// Opens `dir` (which must be a complete dataset) for loading with `opts`.
     pub fn new(dir: impl AsRef<std::path::Path>, opts: LoaderOptions) -> Result<Loader> {
-        let ds = Dataset::open(dir)?;
+        Loader::with_dataset(Dataset::open(dir)?, opts)
+    }
+
+    /// Loads `ds`, already open (a test hook: a dataset opened over any source).
+    #[doc(hidden)]
+    pub fn with_dataset(ds: Dataset, opts: LoaderOptions) -> Result<Loader> {
         let layout = *ds.layout();
         let slots = match opts.layer {
             LayerSel::Value(v) => vec![ds.metadata().layer_slot(v)?],
@@ -395,7 +400,7 @@ impl Loader {
         }
         let labels = ds.read_all_labels()?;
         if opts.verify && ds.remote().is_some() {
-            return Err(crate::storage::verify_needs_local(ds.path()));
+            return Err(crate::io::verify_needs_local(ds.path()));
         }
         let kept = if opts.ignore_labels.is_empty() {
             None
@@ -912,8 +917,8 @@ impl SaevJob {
         }
         let buf = cx.buffer(&self.windows, len as usize)?;
         // The window belongs to this pass: once it stops, no further request is sent.
-        let stop = Some(cx.stop_flag().clone());
-        let read = store.start_read(Arc::new(names.to_vec()), ranges, buf, stop)?;
+        let stop = Stop::new(cx.stop_flag().clone());
+        let read = store.start_read(Arc::new(names.to_vec()), ranges, buf, &stop)?;
         Ok(Some((w, Fetch::Read(read), block_dst)))
     }
 
@@ -1145,7 +1150,12 @@ impl Job for SaevJob {
                     dst: (k * rb) as u64,
                 })
                 .collect();
-            store.read_into(names, &ranges, buf.as_mut_bytes())?;
+            store.read_into(
+                names,
+                &ranges,
+                buf.as_mut_bytes(),
+                &crate::io::thread_stop(),
+            )?;
             // Exact order from an object store: the batch's rows fetched at once with coalesced
             // ranged GETs (one request per row would leave the network idle between round
             // trips); the rows are in place: the gather has nothing left to do.
