@@ -13,6 +13,7 @@ use crate::checksum::{FileSums, Journal};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 pub(crate) use crate::io::local::ReadRange;
+pub(crate) use crate::io::reads_stopped_by;
 pub(crate) use crate::io::runtime::block_on;
 pub(crate) use crate::io::store::PART_SIZE;
 pub use crate::io::{
@@ -20,7 +21,6 @@ pub use crate::io::{
     max_request, set_inflight, set_max_request_mib, wait_for_cache, CacheUsage, CachedObject,
     Counters, Remote, COALESCE_GAP,
 };
-pub(crate) use crate::io::{reads_stopped_by, verify_needs_local, PendingRead};
 use crate::json::Value;
 pub(crate) use crate::store_lock::StoreLock;
 

@@ -216,8 +216,8 @@ const MAX_LANES: u64 = 16;
 /// that a small buffer (a minipoch of a small R) still keeps the store's slots busy rather
 /// than fetching two groups' few requests at a time.
 fn fetch_plan(path: &std::path::Path, tokens: u64) -> (u64, usize) {
-    let slot_bytes = crate::storage::inflight() as u64 * crate::storage::max_request();
-    let remote = crate::storage::is_remote(path);
+    let slot_bytes = crate::config::inflight() as u64 * crate::config::max_request();
+    let remote = !crate::io::is_local(path);
     plan_groups(remote, tokens, group_tokens(), slot_bytes)
 }
 
@@ -485,7 +485,7 @@ impl TokenLoader {
             None => {
                 // Two minipochs' buffers: the one served and the next, read ahead.
                 let two = buffer_bytes(&epoch0, &host_rows, opts.seq_len).saturating_mul(2);
-                crate::storage::is_remote(split.path()) && two <= buffer_cap()?
+                !crate::io::is_local(split.path()) && two <= buffer_cap()?
             }
         };
         Ok(TokenLoader {
@@ -549,7 +549,7 @@ impl TokenLoader {
         // From an object store each thread waits on one request at a time (zarrs reads are
         // blocking calls): by default as many threads as requests should be in flight.
         let threads = match self.inner.opts.threads {
-            0 if crate::storage::is_remote(self.inner.split.path()) => crate::storage::inflight(),
+            0 if !crate::io::is_local(self.inner.split.path()) => crate::config::inflight(),
             t => t,
         };
         self.inner.gather.get(threads)

@@ -80,6 +80,12 @@ impl std::fmt::Display for Location {
     }
 }
 
+/// Whether `path` names local files (a plain path or a `file://` URL): the capability question
+/// a format asks of a path it holds (a store's reads are ranged requests, not maps).
+pub fn is_local(path: &Path) -> bool {
+    Location::parse(path).is_ok_and(|l| l.is_local())
+}
+
 /// Whether `path` names an object-store location (`s3://` or `s3a://`).
 pub fn is_remote(path: &Path) -> bool {
     path.to_str()

@@ -54,11 +54,11 @@ pub(crate) use cache::{fetch_container, ShardNames};
 pub use coalesce::COALESCE_GAP;
 pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;
-pub use location::{is_remote, local_path, Location};
+pub use location::{is_local, is_remote, local_path, Location};
 pub(crate) use runtime::reads_stopped_by;
 pub(crate) use runtime::thread_stop;
 pub use runtime::PendingRead;
-pub use source::{open, open_store, LocalDir, Source};
+pub use source::{open, open_store, open_uncached, LocalDir, Source};
 pub use stop::Stop;
 pub use store::Remote;
 

@@ -68,6 +68,26 @@ pub trait Source: Send + Sync + std::fmt::Debug {
         stop: &Stop,
     ) -> Result<()>;
 
+    /// [`Source::read_into`] of `(object, offset, len, dst)` ranges, stopped by the stop a
+    /// loader's preparation put in force on this thread, if any.
+    fn read_ranges(
+        &self,
+        names: &[String],
+        ranges: &[(u32, u64, u64, u64)],
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let ranges: Vec<ReadRange> = ranges
+            .iter()
+            .map(|&(file, offset, len, dst)| ReadRange {
+                file,
+                offset,
+                len,
+                dst,
+            })
+            .collect();
+        self.read_into(names, &ranges, buf, &super::runtime::thread_stop())
+    }
+
     /// [`Source::read_into`] started and left running: the caller gets `buf` back, filled, from
     /// [`PendingRead::wait`] (a loader starts the next batch's reads while the previous ones are
     /// in flight). A source without asynchronous reads reads before returning.
@@ -93,6 +113,15 @@ pub fn open(location: &Location) -> Result<Arc<dyn Source>> {
     Ok(match location {
         Location::Local(dir) => Arc::new(LocalDir::new(dir.clone())),
         Location::S3 { .. } => Arc::new(Remote::parse(&location.to_path())?.with_object_cache()),
+    })
+}
+
+/// Opens the source at `location` reading the store itself, never through the local cache
+/// (validation, checksum verification and transfers check what the store holds).
+pub fn open_uncached(location: &Location) -> Result<Arc<dyn Source>> {
+    Ok(match location {
+        Location::Local(dir) => Arc::new(LocalDir::new(dir.clone())),
+        Location::S3 { .. } => Arc::new(Remote::parse(&location.to_path())?),
     })
 }
 

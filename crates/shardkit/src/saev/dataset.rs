@@ -278,7 +278,7 @@ impl Dataset {
 
     fn open_local(dir: PathBuf) -> Result<Dataset> {
         if !dir.is_dir() {
-            return Err(super::metadata::missing_metadata(&dir, &[]));
+            return Err(super::metadata::missing_metadata(&dir, true, &[]));
         }
         let (md, warnings) = Metadata::read(&dir)?;
         let layout = Layout::new(&md, &dir.join("metadata.json"))?;
@@ -309,7 +309,7 @@ impl Dataset {
         let md_path = remote.path_of("metadata.json");
         if !objects.contains_key("metadata.json") {
             let candidates = super::metadata::remote_candidates(objects.keys());
-            return Err(super::metadata::missing_metadata(&dir, &candidates));
+            return Err(super::metadata::missing_metadata(&dir, false, &candidates));
         }
         let (md, warnings) = Metadata::parse(&remote.get("metadata.json")?, &md_path)?;
         let layout = Layout::new(&md, &md_path)?;
