@@ -174,6 +174,132 @@ fn a_saev_dataset_and_its_loader_read_the_same_bytes_from_any_store() {
     }
 }
 
+fn eagle3_dir(root: &Path) -> std::path::PathBuf {
+    use shardkit::eagle3::{Rows, Writer, WriterOptions};
+    let cfg = shardkit::json::parse(
+        br#"{"target_model": "m", "target_vocab_size": 100, "draft_vocab_size": 8,
+        "seq_length": 6, "dtype": "bf16", "num_samples": 11, "shard_size": 4,
+        "aux_hidden_dim": 12, "aux_layer_ids": [1, 3, 4], "selected_token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+        "input_data": "data.jsonl", "split": null, "shuffle_seed": 42}"#,
+    )
+    .unwrap();
+    let dir = root.join("eagle3");
+    let mut w = Writer::create(&dir, &cfg, WriterOptions::default()).unwrap();
+    let m = w.manifest().clone();
+    for i in 0..m.num_samples {
+        let fields = shardkit::eagle3::synth::sample(&m, i);
+        let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+        w.add(Rows {
+            n: 1,
+            fields: &refs,
+        })
+        .unwrap();
+    }
+    let table: Vec<u8> = (0..10 * 4).flat_map(|x| (x as f32).to_le_bytes()).collect();
+    w.write_target_embeddings(&table, 10, 4).unwrap();
+    w.finish().unwrap();
+    dir
+}
+
+#[test]
+fn an_eagle3_cache_and_its_loader_read_the_same_bytes_from_any_store() {
+    use shardkit::eagle3::{Cache, Loader, LoaderOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = eagle3_dir(tmp.path());
+    let local = Arc::new(Cache::open(&dir).unwrap());
+    let fields = |c: &Cache, i: i64| -> Vec<(String, Vec<u8>)> {
+        let item = c.item(i).unwrap();
+        c.fields(&item)
+            .unwrap()
+            .into_iter()
+            .map(|f| (f.name.to_string(), f.bytes.to_vec()))
+            .collect()
+    };
+    let batches = |c: Arc<Cache>| -> Vec<(Vec<u64>, Vec<(String, Vec<u8>)>)> {
+        let mut o = LoaderOptions::new(3);
+        o.shuffle = true;
+        o.seed = 9;
+        Loader::new(c, o)
+            .unwrap()
+            .iter()
+            .map(|b| {
+                let b = b.unwrap();
+                let f = b
+                    .fields()
+                    .map(|(f, x)| (format!("{f:?}"), x.to_vec()))
+                    .collect();
+                (b.indices.clone(), f)
+            })
+            .collect()
+    };
+    let want = batches(local.clone());
+    for (what, store, _keep) in stores(&dir) {
+        let remote = Cache::open_source(io::open_store(URL, store).unwrap(), 4).unwrap();
+        assert_eq!(remote.dir(), Path::new(URL));
+        assert_eq!(remote.len(), local.len(), "{what}");
+        for i in 0..local.len() as i64 {
+            assert_eq!(fields(&remote, i), fields(&local, i), "{what} sample {i}");
+        }
+        assert_eq!(
+            remote.target_embeddings().unwrap().bytes(),
+            local.target_embeddings().unwrap().bytes()
+        );
+        assert_eq!(batches(Arc::new(remote)), want, "{what}");
+    }
+}
+
+#[test]
+fn an_sdnb_container_opens_from_any_store_with_the_same_tensors() {
+    use shardkit::sdnb::{self, DType, Format, Order, SaveOptions, TensorIn, VarType};
+    let tmp = tempfile::tempdir().unwrap();
+    // One small tensor, one past the inline limit (appended, fetched on first use), in each
+    // container kind.
+    let small: Vec<u8> = (0..24u8).collect();
+    let big: Vec<u8> = (0..(3 << 20) / 4)
+        .flat_map(|x: u32| x.to_le_bytes())
+        .collect();
+    let tensors = [
+        TensorIn {
+            name: "small".into(),
+            var_type: VarType::Variable,
+            dtype: DType::Float,
+            shape: vec![2, 3],
+            order: Order::C,
+            bytes: &small,
+        },
+        TensorIn {
+            name: "big".into(),
+            var_type: VarType::Constant,
+            dtype: DType::Int32,
+            shape: vec![(3 << 20) / 4],
+            order: Order::C,
+            bytes: &big,
+        },
+    ];
+    for (format, name) in [(Format::Sdnb, "m.sdnb"), (Format::Sdz, "m.sdz")] {
+        let dir = tmp.path().join(name.replace('.', "_"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let opts = SaveOptions {
+            format,
+            ..SaveOptions::default()
+        };
+        sdnb::save(&dir.join(name), &tensors, &opts).unwrap();
+        let local = sdnb::open(dir.join(name)).unwrap();
+        for (what, store, _keep) in stores(&dir) {
+            let parent = io::open_store(URL, store).unwrap();
+            let remote = sdnb::open_source(parent, name).unwrap();
+            assert_eq!(remote.kind(), local.kind(), "{what} {name}");
+            for t in ["small", "big"] {
+                assert_eq!(
+                    remote.tensor(t).unwrap().bytes,
+                    local.tensor(t).unwrap().bytes,
+                    "{what} {name} {t}"
+                );
+            }
+        }
+    }
+}
+
 /// What the wrapper store does to ranged reads.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Fault {

@@ -61,6 +61,37 @@ impl Location {
         }
     }
 
+    /// The parent prefix and the last segment (`s3://b/a/m.sdnb` → `s3://b/a`, `m.sdnb`; a
+    /// local path's parent directory and file name).
+    pub fn split_last(&self) -> Result<(Location, String)> {
+        match self {
+            Location::S3 { bucket, prefix } => {
+                let (parent, name) = match prefix.rsplit_once('/') {
+                    Some((p, n)) => (p.to_string(), n.to_string()),
+                    None => (String::new(), prefix.clone()),
+                };
+                if name.is_empty() {
+                    return Err(Error::Invalid(format!(
+                        "{self}: names a bucket, not an object"
+                    )));
+                }
+                let parent = Location::S3 {
+                    bucket: bucket.clone(),
+                    prefix: parent,
+                };
+                Ok((parent, name))
+            }
+            Location::Local(p) => {
+                let name = p
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .ok_or_else(|| Error::Invalid(format!("{}: names no file", p.display())))?;
+                let parent = p.parent().map(Path::to_path_buf).unwrap_or_default();
+                Ok((Location::Local(parent), name))
+            }
+        }
+    }
+
     /// The location as a path for messages and callers: the local path, or `s3://bucket/prefix`.
     pub fn to_path(&self) -> PathBuf {
         match self {
