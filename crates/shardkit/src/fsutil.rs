@@ -108,7 +108,7 @@ pub mod trace {
     }
 
     /// The same for uploads: with `SHARDKIT_TEST_ABORT_AFTER_PUTS=K`, the process aborts right
-    /// after its K-th object is written to an object store (`crate::io`).
+    /// after its K-th object is written to an object store.
     pub(crate) fn abort_after_put() {
         static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
         static PUTS: AtomicU64 = AtomicU64::new(0);

@@ -37,6 +37,10 @@ pub mod engine;
 // The old name of `config`, for the commit lane's files until they are re-pointed.
 pub(crate) use config as env;
 pub mod error;
+// Test-only fault hooks (engine, reads), reached as `engine::fault`; below every layer that
+// checks them.
+#[doc(hidden)]
+pub mod fault;
 pub mod flat_tokens;
 pub mod fsutil;
 pub mod io;

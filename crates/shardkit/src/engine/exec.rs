@@ -394,9 +394,7 @@ fn prefetch_loop<J: Job, P: Iterator<Item = J::Plan>>(
             fault::before_prepare()?;
             // Blocking store reads the preparation makes (EAGLE-3 shard headers, say) give up
             // once the stream stops, like the reads it waits for through `Context`.
-            crate::storage::reads_stopped_by(Some(stop.clone()), || {
-                job.prepare(plan, &Context { stop })
-            })
+            crate::io::reads_stopped_by(Some(stop.clone()), || job.prepare(plan, &Context { stop }))
         });
         let failed = prepared.is_err();
         if lanes[turn].send(Msg::Batch(prepared)).is_err() || failed {

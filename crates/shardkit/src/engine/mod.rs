@@ -28,7 +28,7 @@ pub(crate) mod dist;
 #[doc(hidden)]
 pub mod exec;
 #[doc(hidden)]
-pub mod fault;
+pub use crate::fault;
 #[doc(hidden)]
 pub mod order;
 #[doc(hidden)]

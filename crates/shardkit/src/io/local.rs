@@ -7,8 +7,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::engine::fault;
 use crate::error::{Error, Result};
+use crate::fault;
 
 /// Largest single read issued.
 pub(crate) const MAX_READ: u64 = 8 << 20;
