@@ -147,6 +147,88 @@ pub(crate) fn available_cores() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// The local cache directory, `$SHARDKIT_CACHE_DIR`, when it is set (see the `io` module's
+/// cache).
+pub(crate) fn cache_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("SHARDKIT_CACHE_DIR")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+}
+
+/// The cache's size limit in bytes, `$SHARDKIT_CACHE_GIB` GiB (default 32).
+pub(crate) fn cache_limit() -> u64 {
+    // A value that does not parse was refused when the store was first used.
+    let gib = number("SHARDKIT_CACHE_GIB").ok().flatten().unwrap_or(32.0);
+    (gib * (1u64 << 30) as f64) as u64
+}
+
+/// Bytes per cached page of a data object (`SHARDKIT_CACHE_PAGE_MIB`, 1 to 64, default 4).
+pub(crate) fn cache_page_size() -> u64 {
+    env_u64("SHARDKIT_CACHE_PAGE_MIB").unwrap_or(4).clamp(1, 64) << 20
+}
+
+/// The S3 client's settings: retries of a request (`SHARDKIT_S3_RETRIES`, default 10) and for
+/// at most `SHARDKIT_S3_RETRY_TIMEOUT` seconds (default 180), the request timeout
+/// (`SHARDKIT_S3_TIMEOUT`, 60 s) and the connect timeout (`SHARDKIT_S3_CONNECT_TIMEOUT`, 10 s).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct S3Settings {
+    pub retries: usize,
+    pub retry_timeout: std::time::Duration,
+    pub timeout: std::time::Duration,
+    pub connect_timeout: std::time::Duration,
+}
+
+/// The S3 client's settings from the environment (an error names one that does not parse).
+pub(crate) fn s3_settings() -> Result<S3Settings> {
+    let secs = |key: &str, default: u64| -> Result<std::time::Duration> {
+        let s = number(key)?.unwrap_or(default as f64);
+        Ok(std::time::Duration::from_secs_f64(s.clamp(0.001, 1e9)))
+    };
+    Ok(S3Settings {
+        retries: env_u64("SHARDKIT_S3_RETRIES").unwrap_or(10) as usize,
+        retry_timeout: secs("SHARDKIT_S3_RETRY_TIMEOUT", 180)?,
+        timeout: secs("SHARDKIT_S3_TIMEOUT", 60)?,
+        connect_timeout: secs("SHARDKIT_S3_CONNECT_TIMEOUT", 10)?,
+    })
+}
+
+/// Whether the environment variable `key` is one of the S3 client's settings (a client is made
+/// again when one changes).
+pub(crate) fn is_s3_setting(key: &str) -> bool {
+    key.starts_with("SHARDKIT_S3_")
+}
+
+/// `SHARDKIT_TEST_TOKEN_GROUP`: tokens per fetched group of a flat-tokens buffer (tests only:
+/// small datasets in many groups); `None` when unset or zero.
+pub(crate) fn test_token_group() -> Option<u64> {
+    whole("SHARDKIT_TEST_TOKEN_GROUP")
+        .ok()
+        .flatten()
+        .filter(|&n| n > 0)
+}
+
+/// `SHARDKIT_TOKEN_BUFFER_GIB`: the flat-tokens loader's buffer cap in GiB, when set.
+pub(crate) fn token_buffer_gib() -> Result<Option<u64>> {
+    whole("SHARDKIT_TOKEN_BUFFER_GIB")
+}
+
+/// The kill tests' hooks: `SHARDKIT_TEST_ABORT_AFTER_RENAMES` and
+/// `SHARDKIT_TEST_ABORT_AFTER_PUTS` (the count after which the process aborts).
+pub(crate) fn test_abort_after(what: AbortAfter) -> Option<u64> {
+    let var = match what {
+        AbortAfter::Renames => "SHARDKIT_TEST_ABORT_AFTER_RENAMES",
+        AbortAfter::Puts => "SHARDKIT_TEST_ABORT_AFTER_PUTS",
+    };
+    std::env::var(var).ok().and_then(|v| v.parse().ok())
+}
+
+/// What a kill test counts before aborting ([`test_abort_after`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum AbortAfter {
+    Renames,
+    Puts,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -198,11 +198,7 @@ const GROUP_TOKENS: u64 = 1 << 24;
 /// groups). It also bounds the longest contiguous piece of a buffer in memory, so that a
 /// buffer of long contiguous runs still comes in many groups.
 fn group_tokens() -> u64 {
-    crate::config::whole("SHARDKIT_TEST_TOKEN_GROUP")
-        .ok()
-        .flatten()
-        .filter(|&n| n > 0)
-        .unwrap_or(GROUP_TOKENS)
+    crate::config::test_token_group().unwrap_or(GROUP_TOKENS)
 }
 
 /// Most groups of a buffer fetched at once.
@@ -1102,7 +1098,7 @@ fn buffer_bytes(schedule: &Schedule, host_rows: &Range<u64>, seq_len: u64) -> u6
 
 /// `SHARDKIT_TOKEN_BUFFER_GIB` in bytes (16 GiB when unset).
 fn buffer_cap() -> Result<u64> {
-    Ok(crate::config::whole("SHARDKIT_TOKEN_BUFFER_GIB")?
+    Ok(crate::config::token_buffer_gib()?
         .unwrap_or(BUFFER_GIB)
         .saturating_mul(1 << 30))
 }

@@ -50,9 +50,7 @@ use crate::fsutil;
 /// read from a store are copied whole into it and opened from there. At most
 /// `$SHARDKIT_CACHE_GIB` GiB (default 32), the least recently used files evicted to make room.
 pub fn cache_dir() -> Option<PathBuf> {
-    std::env::var_os("SHARDKIT_CACHE_DIR")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
+    crate::config::cache_dir()
 }
 
 /// The cache directory a command names, `dir`, else [`cache_dir`]; an error when neither is
@@ -63,22 +61,7 @@ pub fn cache_dir_or(dir: Option<PathBuf>) -> Result<PathBuf> {
     })
 }
 
-fn cache_limit() -> u64 {
-    // A value that does not parse was refused when the store was first used.
-    let gib = crate::config::number("SHARDKIT_CACHE_GIB")
-        .ok()
-        .flatten()
-        .unwrap_or(32.0);
-    (gib * (1u64 << 30) as f64) as u64
-}
-
-/// Bytes per cached page of a data object (`SHARDKIT_CACHE_PAGE_MIB`, 1 to 64, default 4).
-fn page_size() -> u64 {
-    crate::config::env_u64("SHARDKIT_CACHE_PAGE_MIB")
-        .unwrap_or(4)
-        .clamp(1, 64)
-        << 20
-}
+use crate::config::{cache_limit, cache_page_size as page_size};
 
 /// The file marking a shardkit cache, after the Cache Directory Tagging Specification (so
 /// backup tools skip the cache too): its signature line, then a line naming shardkit (other

@@ -9,7 +9,7 @@ use std::time::Duration;
 use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
 use object_store::{BackoffConfig, ClientOptions, RetryConfig};
 
-use crate::config::{check_settings, env_u64};
+use crate::config::{check_settings, is_s3_setting, s3_settings};
 use crate::error::{Error, Result};
 
 /// Section `[name]` of an AWS INI file (credentials or config) as key/value pairs.
@@ -144,7 +144,7 @@ pub(crate) fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
     // Keyed by the environment too (a process, a test, may point the same bucket elsewhere),
     // and by the process: a forked child's connections must not be its parent's.
     let mut env: Vec<String> = std::env::vars()
-        .filter(|(k, _)| k.starts_with("AWS_") || k.starts_with("SHARDKIT_S3_"))
+        .filter(|(k, _)| k.starts_with("AWS_") || is_s3_setting(k))
         .map(|(k, v)| format!("{k}={v}"))
         .collect();
     env.sort();
@@ -170,23 +170,20 @@ pub(crate) fn store_for(bucket: &str) -> Result<Arc<AmazonS3>> {
     let http = endpoint
         .as_deref()
         .is_some_and(|e| e.starts_with("http://"));
-    let secs = |key: &str, default: u64| -> Result<Duration> {
-        let s = crate::config::number(key)?.unwrap_or(default as f64);
-        Ok(Duration::from_secs_f64(s.clamp(0.001, 1e9)))
-    };
+    let settings = s3_settings()?;
     let retry = RetryConfig {
         backoff: BackoffConfig {
             init_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(15),
             base: 2.0,
         },
-        max_retries: env_u64("SHARDKIT_S3_RETRIES").unwrap_or(10) as usize,
-        retry_timeout: secs("SHARDKIT_S3_RETRY_TIMEOUT", 180)?,
+        max_retries: settings.retries,
+        retry_timeout: settings.retry_timeout,
     };
     let client = ClientOptions::new()
         .with_allow_http(http)
-        .with_timeout(secs("SHARDKIT_S3_TIMEOUT", 60)?)
-        .with_connect_timeout(secs("SHARDKIT_S3_CONNECT_TIMEOUT", 10)?)
+        .with_timeout(settings.timeout)
+        .with_connect_timeout(settings.connect_timeout)
         .with_pool_max_idle_per_host(1024);
     let store = b
         .with_retry(retry)
