@@ -300,6 +300,33 @@ fn an_sdnb_container_opens_from_any_store_with_the_same_tensors() {
     }
 }
 
+#[test]
+fn the_cache_wraps_a_store_and_serves_a_second_read_from_its_pages() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = saev_dir(tmp.path());
+    let local = Dataset::open(&dir).unwrap();
+    let mem = Arc::new(InMemory::new());
+    upload(&dir, &*mem);
+    let remote = io::Remote::with_store(Path::new(URL), mem).unwrap();
+    let cached = Arc::new(io::Cached::new(remote, tmp.path().join("cache")));
+    let ds = Dataset::open_source(cached).unwrap();
+    let layout = *local.layout();
+    let read_all = |ds: &Dataset| {
+        for e in 0..layout.n_examples {
+            for t in 0..layout.content_tokens {
+                assert_eq!(ds.get(e, 7, t).unwrap(), local.get(e, 7, t).unwrap());
+            }
+        }
+    };
+    read_all(&ds);
+    io::wait_for_cache().unwrap();
+    let before = io::counters();
+    read_all(&ds);
+    let after = io::counters();
+    assert_eq!(after.gets, before.gets, "every page was held");
+    assert!(after.cache_read_bytes > before.cache_read_bytes);
+}
+
 /// What the wrapper store does to ranged reads.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Fault {

@@ -318,11 +318,13 @@ const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(3600);
 const PAGE_GROUP: u64 = 256 << 20;
 
 /// The pieces of a read that the cache did not serve at once ([`Remote::read_cached`]).
-pub(super) struct Paged {
+pub(crate) struct Paged {
     /// Ranges of objects that are not cached: read from the store as without a cache.
     pub direct: Vec<ReadRange>,
     /// Pages to fetch, keep, and copy into the read.
     pub missing: Vec<MissingPage>,
+    /// The cache the missing pages are kept in.
+    pub cache: Option<PathBuf>,
 }
 
 impl Paged {
@@ -331,6 +333,7 @@ impl Paged {
         Paged {
             direct: ranges,
             missing: Vec::new(),
+            cache: None,
         }
     }
 
@@ -343,7 +346,7 @@ impl Paged {
 type Piece = (u64, u64, u64);
 
 /// A page the cache lacks, and the pieces of the read it serves.
-pub(super) struct MissingPage {
+pub(crate) struct MissingPage {
     file: u32,
     offset: u64,
     len: u64,
@@ -517,6 +520,7 @@ impl Remote {
         // before the next: a read may touch more pages than a process may hold open).
         let mut by_page: BTreeMap<(u32, u64), (&ObjectPages, Vec<Piece>)> = BTreeMap::new();
         let mut out = Paged::direct(Vec::new());
+        out.cache = Some(cache.to_path_buf());
         for r in ranges {
             let Some(Some(o)) = objects.get(&r.file) else {
                 out.direct.push(*r);
@@ -571,12 +575,10 @@ impl Remote {
     /// [`Remote::start_read`], which fetches what is missing).
     pub(crate) fn held_pages(
         &self,
+        cache: &Path,
         names: &[String],
         ranges: &[ReadRange],
     ) -> Result<Option<HeldPages>> {
-        let Some(cache) = &self.object_cache else {
-            return Ok(None);
-        };
         claim(cache)?;
         Remote::keep_failure()?;
         let objects = self.objects_in(cache, names, ranges)?;
@@ -708,7 +710,10 @@ impl Remote {
     ) -> Result<()> {
         self.fetch_into(store, names, &paged.direct, buf, stop)
             .await?;
-        self.fill_pages(store, names, paged.missing, buf, stop)
+        let Some(cache) = paged.cache else {
+            return Ok(());
+        };
+        self.fill_pages(store, &cache, names, paged.missing, buf, stop)
             .await
     }
 
@@ -717,14 +722,12 @@ impl Remote {
     async fn fill_pages(
         &self,
         store: &dyn ObjectStore,
+        cache: &Path,
         names: &[String],
         missing: Vec<MissingPage>,
         buf: &mut [u8],
         stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<()> {
-        let Some(cache) = self.object_cache.clone() else {
-            return Ok(());
-        };
         let group_bytes = (inflight() as u64 * max_request()).min(PAGE_GROUP);
         let mut rest = missing;
         while !rest.is_empty() {
@@ -764,7 +767,7 @@ impl Remote {
                 .acquire_many_owned(fetched.len().div_ceil(1 << 20) as u32)
                 .await
                 .map_err(|e| Error::Internal(format!("internal: keeping cache pages: {e}")))?;
-            let cache = cache.clone();
+            let cache = cache.to_path_buf();
             tokio::task::spawn_blocking(move || {
                 if let Err(e) = keep_pages(&cache, &group, &ranges, &fetched) {
                     let mut failed = KEEP_FAILED.lock().unwrap_or_else(|e| e.into_inner());
@@ -1026,6 +1029,9 @@ pub(crate) fn fetch_container(url: &Path, cache: &Path, shards: &ShardNames) -> 
     }
     Ok(local)
 }
+
+mod cached;
+pub use cached::Cached;
 
 #[cfg(test)]
 mod tests;

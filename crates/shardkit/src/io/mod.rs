@@ -46,11 +46,11 @@ pub(crate) mod store;
 pub(crate) mod zarr;
 
 pub use crate::config::{inflight, max_request, set_inflight, set_max_request_mib};
-pub use cache::HeldPages;
 pub use cache::{
     cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
 };
 pub(crate) use cache::{fetch_container, ShardNames};
+pub use cache::{Cached, HeldPages};
 pub use coalesce::COALESCE_GAP;
 pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;

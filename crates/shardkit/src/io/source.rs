@@ -112,7 +112,7 @@ pub trait Source: Send + Sync + std::fmt::Debug {
 pub fn open(location: &Location) -> Result<Arc<dyn Source>> {
     Ok(match location {
         Location::Local(dir) => Arc::new(LocalDir::new(dir.clone())),
-        Location::S3 { .. } => Arc::new(Remote::parse(&location.to_path())?.with_object_cache()),
+        Location::S3 { .. } => Remote::parse(&location.to_path())?.with_object_cache(),
     })
 }
 
@@ -291,10 +291,6 @@ impl Source for Remote {
         stop: &Stop,
     ) -> Result<PendingRead> {
         Remote::start_read(self, names, ranges, buf, stop.flag())
-    }
-
-    fn held_pages(&self, names: &[String], ranges: &[ReadRange]) -> Result<Option<HeldPages>> {
-        Remote::held_pages(self, names, ranges)
     }
 }
 

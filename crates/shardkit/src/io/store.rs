@@ -10,11 +10,13 @@ use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 
+use super::cache::Cached;
 use super::coalesce::{coalesce, Request, COALESCE_GAP};
 use super::local::ReadRange;
 use super::location::Location;
 use super::runtime::{block_on, block_on_stopped, runtime, thread_stop, PendingRead};
 use super::slots::{request_slots, slot_quarters, RequestSlots};
+use super::source::Source;
 use super::stop::stopped_error;
 use super::stop::Stop;
 use super::{cache, cache_dir, GETS, GET_BYTES, PUTS, PUT_BYTES};
@@ -34,8 +36,6 @@ pub struct Remote {
     /// The client, and the process it was made in (0: a client given by the caller,
     /// [`Remote::with_store`], used in every process).
     pub(crate) client: (u32, Arc<dyn ObjectStore>),
-    /// With [`Remote::with_object_cache`]: the cache directory reads go through.
-    pub(crate) object_cache: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Remote {
@@ -116,7 +116,6 @@ impl Remote {
             client: (std::process::id(), client_for(&bucket)?),
             bucket,
             prefix,
-            object_cache: None,
         })
     }
 
@@ -129,7 +128,6 @@ impl Remote {
             bucket,
             prefix,
             client: (0, store),
-            object_cache: None,
         })
     }
 
@@ -145,12 +143,15 @@ impl Remote {
     }
 
     /// This prefix, read through the bounded local cache when `SHARDKIT_CACHE_DIR` is set
-    /// ([`cache_dir`]): the pages of an object a read touches are fetched into the cache the
-    /// first time, and served from there after (see the `cache` module). The saev, EAGLE-3 and
-    /// flat-tokens readers use it; checksum verification and transfers read the store itself.
-    pub(crate) fn with_object_cache(mut self) -> Remote {
-        self.object_cache = cache_dir();
-        self
+    /// ([`cache_dir`]; a [`Cached`] source): the pages of an object a read touches are fetched
+    /// into the cache the first time, and served from there after (see the `cache` module).
+    /// The saev, EAGLE-3 and flat-tokens readers use it; checksum verification and transfers
+    /// read the store itself.
+    pub(crate) fn with_object_cache(self) -> Arc<dyn Source> {
+        match cache_dir() {
+            Some(dir) => Arc::new(Cached::new(self, dir)),
+            None => Arc::new(self),
+        }
     }
 
     /// `s3://bucket/prefix`.
@@ -373,18 +374,9 @@ impl Remote {
         stop: &Stop,
     ) -> Result<()> {
         self.check_reads(names.len(), ranges, buf.len())?;
-        let flag = stop.flag();
-        let Some(cache) = &self.object_cache else {
-            let store = self.store()?;
-            let fetch = self.fetch_into(&store, names, ranges, buf, flag.as_deref());
-            return block_on_stopped(fetch, stop);
-        };
-        let paged = self.read_cached(cache, names, ranges, buf)?;
-        if paged.is_done() {
-            return Ok(());
-        }
         let store = self.store()?;
-        let fetch = self.fetch_paged(&store, names, paged, buf, flag.as_deref());
+        let flag = stop.flag();
+        let fetch = self.fetch_into(&store, names, ranges, buf, flag.as_deref());
         block_on_stopped(fetch, stop)
     }
 
@@ -403,15 +395,21 @@ impl Remote {
         &self,
         names: Arc<Vec<String>>,
         ranges: Vec<ReadRange>,
-        mut buf: crate::io::buffer::Buffer,
+        buf: crate::io::buffer::Buffer,
         stop: Option<Arc<std::sync::atomic::AtomicBool>>,
     ) -> Result<PendingRead> {
         self.check_reads(names.len(), &ranges, buf.len())?;
-        // Pages already in the cache are read here, before returning; the rest in the task.
-        let paged = match &self.object_cache {
-            Some(cache) => self.read_cached(cache, &names, &ranges, buf.as_mut_bytes())?,
-            None => cache::Paged::direct(ranges),
-        };
+        self.start_paged(names, cache::Paged::direct(ranges), buf, stop)
+    }
+
+    /// Starts fetching what `paged` leaves (checked by the caller) on the runtime.
+    pub(crate) fn start_paged(
+        &self,
+        names: Arc<Vec<String>>,
+        paged: cache::Paged,
+        mut buf: crate::io::buffer::Buffer,
+        stop: Option<Arc<std::sync::atomic::AtomicBool>>,
+    ) -> Result<PendingRead> {
         let me = self.clone();
         let store = self.store()?;
         let task = runtime()?.spawn(async move {

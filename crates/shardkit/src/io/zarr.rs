@@ -4,33 +4,39 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::local::ReadRange;
-use super::Remote;
+use super::runtime::thread_stop;
+use super::source::Source;
 use crate::error::Result;
 
-impl Remote {
-    /// The prefix as a zarr store for zarrs' readers: every partial read is one coalesced
-    /// batch of ranged GETs ([`Remote::read_ranges`]), with object sizes taken from one listing
-    /// made here (no HEAD request per read).
-    #[cfg(feature = "zarr")]
-    pub(crate) fn zarr_store(&self) -> Result<Arc<dyn zarrs::storage::ReadableStorageTraits>> {
+impl dyn Source {
+    /// The source as a zarr store for zarrs' readers: every partial read is one coalesced
+    /// batch of ranged reads ([`Source::read_into`], stopped by the stop in force on the
+    /// reading thread: zarrs's interface carries none), with object sizes taken from one
+    /// listing made here (no HEAD request per read).
+    pub(crate) fn zarr_store(
+        self: Arc<Self>,
+    ) -> Result<Arc<dyn zarrs::storage::ReadableStorageTraits>> {
         let sizes = self.list()?.into_iter().collect();
-        Ok(Arc::new(ZarrRemote {
-            remote: self.clone(),
+        Ok(Arc::new(ZarrSource {
+            source: self,
             sizes,
         }))
     }
+
+    /// The location as a URL or path, in words.
+    pub(crate) fn url(&self) -> String {
+        self.location().to_string()
+    }
 }
 
-/// A prefix read by zarrs (see [`Remote::zarr_store`]). The dataset is complete when it is
-/// opened for reading, so the listing made then is the set of its objects.
-#[cfg(feature = "zarr")]
-struct ZarrRemote {
-    remote: Remote,
+/// A source read by zarrs (see `zarr_store`). The dataset is complete when it is opened for
+/// reading, so the listing made then is the set of its objects.
+struct ZarrSource {
+    source: Arc<dyn Source>,
     sizes: HashMap<String, u64>,
 }
 
-#[cfg(feature = "zarr")]
-impl zarrs::storage::ReadableStorageTraits for ZarrRemote {
+impl zarrs::storage::ReadableStorageTraits for ZarrSource {
     fn get_partial_many<'a>(
         &'a self,
         key: &zarrs::storage::StoreKey,
@@ -49,7 +55,7 @@ impl zarrs::storage::ReadableStorageTraits for ZarrRemote {
             if range.start > range.end || range.end > size {
                 return Err(StorageError::Other(format!(
                     "{}: bytes {} up to {} asked of a {size}-byte object, past its end",
-                    self.remote.url_of(name).display(),
+                    self.source.path_of(name).display(),
                     range.start,
                     range.end
                 )));
@@ -64,8 +70,8 @@ impl zarrs::storage::ReadableStorageTraits for ZarrRemote {
             at += len;
         }
         let mut buf = vec![0u8; at as usize];
-        self.remote
-            .read_into(&[name.to_string()], &ranges, &mut buf)
+        self.source
+            .read_into(&[name.to_string()], &ranges, &mut buf, &thread_stop())
             .map_err(|e| StorageError::Other(e.to_string()))?;
         let buf = bytes::Bytes::from(buf);
         let parts: Vec<_> = ranges
