@@ -120,6 +120,7 @@ pub(crate) fn env_u64(key: &str) -> Option<u64> {
 /// Checks every numeric `SHARDKIT_S3_*` and `SHARDKIT_CACHE_*` setting, when a store is used:
 /// one that is set but does not parse is an error naming it (the getters, which cannot fail,
 /// would otherwise fall back to their defaults without a word).
+#[cfg_attr(not(feature = "s3"), allow(dead_code))]
 pub(crate) fn check_settings() -> Result<()> {
     for name in [
         "SHARDKIT_S3_INFLIGHT",
@@ -171,6 +172,7 @@ pub(crate) fn cache_page_size() -> u64 {
 /// at most `SHARDKIT_S3_RETRY_TIMEOUT` seconds (default 180), the request timeout
 /// (`SHARDKIT_S3_TIMEOUT`, 60 s) and the connect timeout (`SHARDKIT_S3_CONNECT_TIMEOUT`, 10 s).
 #[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "s3"), allow(dead_code))]
 pub(crate) struct S3Settings {
     pub retries: usize,
     pub retry_timeout: std::time::Duration,
@@ -179,6 +181,7 @@ pub(crate) struct S3Settings {
 }
 
 /// The S3 client's settings from the environment (an error names one that does not parse).
+#[cfg_attr(not(feature = "s3"), allow(dead_code))]
 pub(crate) fn s3_settings() -> Result<S3Settings> {
     let secs = |key: &str, default: u64| -> Result<std::time::Duration> {
         let s = number(key)?.unwrap_or(default as f64);
@@ -194,6 +197,7 @@ pub(crate) fn s3_settings() -> Result<S3Settings> {
 
 /// Whether the environment variable `key` is one of the S3 client's settings (a client is made
 /// again when one changes).
+#[cfg_attr(not(feature = "s3"), allow(dead_code))]
 pub(crate) fn is_s3_setting(key: &str) -> bool {
     key.starts_with("SHARDKIT_S3_")
 }

@@ -174,6 +174,9 @@ fn a_saev_dataset_and_its_loader_read_the_same_bytes_from_any_store() {
     }
 }
 
+/// A sample's or a batch's fields: (name, bytes).
+type Fields = Vec<(String, Vec<u8>)>;
+
 fn eagle3_dir(root: &Path) -> std::path::PathBuf {
     use shardkit::eagle3::{Rows, Writer, WriterOptions};
     let cfg = shardkit::json::parse(
@@ -207,7 +210,7 @@ fn an_eagle3_cache_and_its_loader_read_the_same_bytes_from_any_store() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = eagle3_dir(tmp.path());
     let local = Arc::new(Cache::open(&dir).unwrap());
-    let fields = |c: &Cache, i: i64| -> Vec<(String, Vec<u8>)> {
+    let fields = |c: &Cache, i: i64| -> Fields {
         let item = c.item(i).unwrap();
         c.fields(&item)
             .unwrap()
@@ -215,7 +218,7 @@ fn an_eagle3_cache_and_its_loader_read_the_same_bytes_from_any_store() {
             .map(|f| (f.name.to_string(), f.bytes.to_vec()))
             .collect()
     };
-    let batches = |c: Arc<Cache>| -> Vec<(Vec<u64>, Vec<(String, Vec<u8>)>)> {
+    let batches = |c: Arc<Cache>| -> Vec<(Vec<u64>, Fields)> {
         let mut o = LoaderOptions::new(3);
         o.shuffle = true;
         o.seed = 9;
