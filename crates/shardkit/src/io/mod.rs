@@ -1,6 +1,22 @@
 //! Where bytes live, one layer: a dataset is a local path or a prefix in an S3-compatible
 //! object store, and every read goes through this module.
 //!
+//! A path or URL is parsed once into a [`Location`]; [`open`] makes the [`Source`] a format
+//! holds: [`LocalDir`] for local files, [`Remote`] for a prefix in any `object_store` store
+//! (S3 behind the `s3` cargo feature, on by default; in tests an in-memory or local-filesystem
+//! store, [`open_store`]), wrapped in [`Cached`] when `SHARDKIT_CACHE_DIR` is set. A source
+//! lists, sizes and gets objects, and reads ranges of them into the caller's buffer, now or
+//! started and left running ([`Source::start_read`]), until its [`Stop`] is set. Formats ask a
+//! source what it can do ([`Source::local_path`]: files to map, read ahead, read with O_DIRECT,
+//! the `local` module's readers) rather than whether a path is remote.
+//!
+//! ```text
+//! location.rs  parsing        source.rs   the trait, open     local.rs    files: maps, O_DIRECT
+//! store.rs     object stores  s3/         AWS config, client  cache.rs    the bounded cache
+//! runtime.rs   tokio, fork    slots.rs    request slots       coalesce.rs ranges to requests
+//! zarr.rs      zarrs adapter  buffer.rs   batch memory        stop.rs     stopping reads
+//! ```
+//!
 //! ```text
 //! /data/acts, file:///data/acts     a local directory (as before)
 //! s3://bucket/prefix/acts           objects under bucket/prefix/acts/
@@ -26,7 +42,7 @@
 //!
 //! Writes are single PUTs for small objects and multipart uploads for large ones: an object
 //! appears whole or not at all, so a dataset's commit record, written last, is the only thing
-//! a reader needs to trust ([`upload`]).
+//! a reader needs to trust (the `storage` module's `upload`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

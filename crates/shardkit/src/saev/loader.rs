@@ -994,7 +994,7 @@ impl SaevJob {
             // From a store, window `w`'s requests are in flight (started a window ahead, or
             // now, for the first window of a pass). When the windows before it are (all but at
             // most one) gathered, the next window's requests start now too: they queue behind
-            // `w`'s (see `storage::inflight`), so the store stays busy through the tail of
+            // `w`'s (see `io::inflight`), so the store stays busy through the tail of
             // `w`'s fetch instead of idling until `w` is in.
             let pending = match r.pending.take().filter(|p| p.0 == w) {
                 Some(p) => Some(p),
@@ -1150,12 +1150,8 @@ impl Job for SaevJob {
                     dst: (k * rb) as u64,
                 })
                 .collect();
-            store.read_into(
-                names,
-                &ranges,
-                buf.as_mut_bytes(),
-                &crate::io::thread_stop(),
-            )?;
+            let stop = Stop::new(cx.stop_flag().clone());
+            store.read_into(names, &ranges, buf.as_mut_bytes(), &stop)?;
             // Exact order from an object store: the batch's rows fetched at once with coalesced
             // ranged GETs (one request per row would leave the network idle between round
             // trips); the rows are in place: the gather has nothing left to do.
