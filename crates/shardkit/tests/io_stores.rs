@@ -337,6 +337,8 @@ enum Fault {
     Cut,
     /// A server error (500, or 503 SlowDown once the client's own retries are spent).
     ServerError,
+    /// No answer, ever (a read's timeout is the client's; its stop is the caller's).
+    Hang,
 }
 
 /// A store that injects `fault` into its next `left` ranged reads.
@@ -387,6 +389,7 @@ impl ObjectStore for Faulty {
             return self.inner.get_opts(location, options).await;
         }
         match self.fault {
+            Fault::Hang => futures::future::pending().await,
             Fault::ServerError => Err(object_store::Error::Generic {
                 store: "Faulty",
                 source: "Server returned non-2xx status code: 500 Internal Server Error".into(),
@@ -487,4 +490,53 @@ fn short_bodies_are_retried_and_failures_name_the_object_and_the_range() {
     );
     // The next read is served.
     assert_eq!(ds.get(3, 7, 2).unwrap(), want);
+}
+
+#[test]
+fn a_read_of_a_store_that_never_answers_stops_when_its_stop_is_set() {
+    use std::sync::atomic::AtomicBool;
+    use std::time::{Duration, Instant};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = saev_dir(tmp.path());
+    let store = faulty(&dir, Fault::Hang, u64::MAX);
+    let source = io::open_store(URL, store).unwrap();
+    let names: Vec<String> = vec!["acts000000.bin".into()];
+    let ranges = vec![io::ReadRange {
+        file: 0,
+        offset: 0,
+        len: 64,
+        dst: 0,
+    }];
+    // A blocking read, stopped from another thread.
+    let flag = Arc::new(AtomicBool::new(false));
+    let setter = {
+        let flag = flag.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            flag.store(true, Ordering::SeqCst);
+        })
+    };
+    let t = Instant::now();
+    let e = source
+        .read_into(&names, &ranges, &mut [0u8; 64], &Stop::new(flag))
+        .unwrap_err();
+    setter.join().unwrap();
+    assert!(e.to_string().contains("stopped"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // A read started and left running: its waiter gives up when told to.
+    let flag = Arc::new(AtomicBool::new(false));
+    let pending = source
+        .start_read(
+            Arc::new(names),
+            ranges,
+            shardkit::engine::Buffer::zeroed(64),
+            &Stop::new(flag.clone()),
+        )
+        .unwrap();
+    let t = Instant::now();
+    let e = pending
+        .wait(|| t.elapsed() > Duration::from_millis(200))
+        .unwrap_err();
+    assert!(e.to_string().contains("stopped"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5));
 }
