@@ -34,8 +34,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
+use shardkit::io::{self, counters, Remote};
 use shardkit::json::{self, Escape, Value};
-use shardkit::storage::{self, counters, Remote};
+use shardkit::{download, upload};
 use shardkit::{Error, Result};
 
 use crate::bench::{num, ratio, same_bytes, thread_counts, tree_sha256};
@@ -113,7 +114,7 @@ fn timed_read(
     inflight: usize,
 ) -> Result<(f64, u64, u64)> {
     let mut buf = vec![0u8; total as usize];
-    storage::set_inflight(inflight);
+    io::set_inflight(inflight);
     let before = counters();
     let t0 = Instant::now();
     remote.read_ranges(names, ranges, &mut buf)?;
@@ -234,9 +235,9 @@ fn ceilings(remote: &Remote, inflight: &[usize]) -> Result<Ceilings> {
     let mut out = Vec::new();
     for &n in inflight {
         for mib in REQUEST_SWEEP_MIB {
-            storage::set_max_request_mib(mib);
+            io::set_max_request_mib(mib);
             let rounds = [get_ceiling(remote, n), get_ceiling(remote, n)];
-            storage::set_max_request_mib(0);
+            io::set_max_request_mib(0);
             let [a, b] = rounds;
             let (a, b) = (a?, b?);
             out.push((n, mib, if b.0 > a.0 { b } else { a }));
@@ -280,7 +281,7 @@ fn saev_dataset(a: &RemoteBenchArgs) -> Result<(PathBuf, PathBuf, u64)> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let url = PathBuf::from(format!("{}/saev/{name}", Remote::parse(&a.url)?.url()));
-    storage::upload(&local, &url, |_, _| {})?;
+    upload(&local, &url, |_, _| {})?;
     Ok((local, url, examples * example))
 }
 
@@ -350,7 +351,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         .inflight
         .iter()
         .map(|&n| {
-            let mib = storage::max_request() >> 20;
+            let mib = io::max_request() >> 20;
             Ok((n, mib, layer_get_ceiling(&remote, &layout, 1, n)?))
         })
         .collect::<Result<_>>()?;
@@ -363,7 +364,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     ] {
         for &n in &a.inflight {
             for &t in threads {
-                storage::set_inflight(n);
+                io::set_inflight(n);
                 let (payload, took, batches, gets, get_bytes) =
                     timed_epoch(&mut saev_loader(a, &url, layer, order, t)?, 0)?;
                 let one_layer = layer != LayerSel::All;
@@ -425,7 +426,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     use shardkit::engine::Order;
     use shardkit::saev::LayerSel;
     let (local, url, dataset_bytes) = saev_dataset(a)?;
-    let inflight = storage::inflight();
+    let inflight = io::inflight();
     let ceiling = best(&ceilings(&Remote::parse(&url)?, &[inflight])?);
     let layer = LayerSel::Value(-1);
     let mut loaders = Vec::new();
@@ -441,7 +442,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         std::env::set_var("SHARDKIT_CACHE_DIR", &dir);
         let epochs = saev_loader(a, &url, layer, Order::Block, t).and_then(|mut l| {
             let cold = timed_epoch(&mut l, 0)?;
-            storage::wait_for_cache()?;
+            io::wait_for_cache()?;
             Ok((cold, warm_epochs(&mut l)?))
         });
         std::env::remove_var("SHARDKIT_CACHE_DIR");
@@ -543,7 +544,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let local = a.dir.join("tokens");
     crate::bench_tokens::ensure_dataset(&local, Layout::default(), (a.size_mib << 20) / 4)?;
     let url = PathBuf::from(format!("{}/tokens", Remote::parse(&a.url)?.url()));
-    storage::upload(&local, &url, |_, _| {})?;
+    upload(&local, &url, |_, _| {})?;
     let remote = Remote::parse(&url)?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
@@ -628,7 +629,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             let mut e = loader_entry(
                 &name,
                 // In memory, each shard's request list runs `inflight` requests at a time.
-                if in_memory { storage::inflight() } else { 0 },
+                if in_memory { io::inflight() } else { 0 },
                 loader.options().threads,
                 payload,
                 took,
@@ -692,14 +693,14 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         crate::eagle3_cmd::synth_cache(&synth)?;
     }
     let url = PathBuf::from(format!("{}/eagle3", Remote::parse(&a.url)?.url()));
-    storage::upload(&synth.out, &url, |_, _| {})?;
+    upload(&synth.out, &url, |_, _| {})?;
     let remote = Remote::parse(&url)?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let mut loaders = Vec::new();
     for &n in &a.inflight {
         for &t in threads {
-            storage::set_inflight(n);
+            io::set_inflight(n);
             let cache = std::sync::Arc::new(Cache::open(&url)?);
             let mut o = LoaderOptions::new(2);
             o.threads = t;
@@ -766,13 +767,13 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     }
     let prefix = Remote::parse(&a.url)?.url();
     let url = PathBuf::from(format!("{prefix}/sdnb/model.sdnb"));
-    storage::upload(&local, &url, |_, _| {})?;
+    upload(&local, &url, |_, _| {})?;
     let remote = Remote::parse(&PathBuf::from(format!("{prefix}/sdnb")))?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let mut reads = Vec::new();
     for &n in &a.inflight {
-        storage::set_inflight(n);
+        io::set_inflight(n);
         for &t in threads {
             let before = counters();
             let clock = Clock::start();
@@ -880,7 +881,7 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
     let (local, local_s) = synth_to(local_root.clone())?;
     let before = counters();
     let t0 = Instant::now();
-    storage::upload(
+    upload(
         &local,
         &PathBuf::from(format!("{base}/saev-upload-{run}")),
         |_, _| {},
@@ -897,9 +898,9 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
     let rate = gbps(bytes, streamed_s);
     // And back: `shardkit download` against the GET ceiling of the same objects.
     let remote = Remote::parse(&url)?;
-    let (get_ceiling, _, _) = get_ceiling(&remote, storage::inflight())?;
+    let (get_ceiling, _, _) = get_ceiling(&remote, io::inflight())?;
     let t0 = Instant::now();
-    storage::download(&url, &local_root, |_, _| {})?;
+    download(&url, &local_root, |_, _| {})?;
     let download_s = t0.elapsed().as_secs_f64();
     // The streamed dataset, downloaded, is the locally written one, file for file.
     let streamed_sha = tree_sha256(&local_root);
@@ -968,7 +969,7 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
     let before = counters();
     let t0 = Instant::now();
     let uploaded = PathBuf::from(format!("{base}/tokens-upload-{run}"));
-    storage::upload(&local, &uploaded, |_, _| {})?;
+    upload(&local, &uploaded, |_, _| {})?;
     let upload_s = t0.elapsed().as_secs_f64();
     let stored: u64 = Remote::parse(&uploaded)?
         .list()?
@@ -983,7 +984,7 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
     let streamed_tps = write(&streamed)?;
     let after = counters();
     // Outside the timing: the streamed dataset, downloaded, is the locally written one.
-    storage::download(&streamed, &local, |_, _| {})?;
+    download(&streamed, &local, |_, _| {})?;
     let streamed_sha = tree_sha256(&local);
     let _ = std::fs::remove_dir_all(&local);
     same_bytes(
@@ -1047,10 +1048,7 @@ pub fn run(a: RemoteBenchArgs) -> Result<()> {
             "endpoint".into(),
             Value::String(std::env::var("AWS_ENDPOINT_URL").unwrap_or_default()),
         ),
-        (
-            "request_mib".into(),
-            Value::int(storage::max_request() >> 20),
-        ),
+        ("request_mib".into(), Value::int(io::max_request() >> 20)),
         (
             "cores".into(),
             Value::int(std::thread::available_parallelism().map_or(1, |n| n.get()) as u64),
@@ -1087,7 +1085,7 @@ pub fn run(a: RemoteBenchArgs) -> Result<()> {
     if want("sdnb") {
         out.push(("sdnb".into(), sdnb(&a, &threads)?));
     }
-    storage::set_inflight(0);
+    io::set_inflight(0);
     println!("{}", json::to_pretty(&Value::Object(out), 2, Escape::Utf8));
     Ok(())
 }

@@ -36,7 +36,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = bench::run(cli.cmd);
     // Pages fetched through SHARDKIT_CACHE_DIR are written after the reads return: kept now.
-    let result = result.and_then(|()| shardkit::storage::wait_for_cache());
+    let result = result.and_then(|()| shardkit::io::wait_for_cache());
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

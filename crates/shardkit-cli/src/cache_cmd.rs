@@ -34,8 +34,8 @@ pub enum CacheCmd {
 pub fn run(cmd: CacheCmd) -> Result<bool> {
     match cmd {
         CacheCmd::Info { dir, json } => {
-            let dir = shardkit::storage::cache_dir_or(dir)?;
-            let usage = shardkit::storage::cache_usage(&dir)?;
+            let dir = shardkit::io::cache_dir_or(dir)?;
+            let usage = shardkit::io::cache_usage(&dir)?;
             if json {
                 println!(
                     "{}",
@@ -64,8 +64,8 @@ pub fn run(cmd: CacheCmd) -> Result<bool> {
             Ok(true)
         }
         CacheCmd::Clear { url, dir } => {
-            let dir = shardkit::storage::cache_dir_or(dir)?;
-            let (files, bytes) = shardkit::storage::clear_cache(&dir, url.as_deref())?;
+            let dir = shardkit::io::cache_dir_or(dir)?;
+            let (files, bytes) = shardkit::io::clear_cache(&dir, url.as_deref())?;
             println!(
                 "removed {files} file(s), {} from {}",
                 BinaryBytes(bytes),
@@ -76,7 +76,7 @@ pub fn run(cmd: CacheCmd) -> Result<bool> {
     }
 }
 
-fn usage_json(dir: &Path, usage: &shardkit::storage::CacheUsage) -> Value {
+fn usage_json(dir: &Path, usage: &shardkit::io::CacheUsage) -> Value {
     let unix = |t: std::time::SystemTime| {
         t.duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64())

@@ -83,9 +83,9 @@ fn transfer(src: &std::path::Path, dst: &std::path::Path, up: bool) -> shardkit:
         pb.set_position(done);
     };
     let t = if up {
-        shardkit::storage::upload(src, dst, &mut report)?
+        shardkit::upload(src, dst, &mut report)?
     } else {
-        shardkit::storage::download(src, dst, &mut report)?
+        shardkit::download(src, dst, &mut report)?
     };
     pb.finish_and_clear();
     println!(
@@ -119,7 +119,7 @@ fn main() -> ExitCode {
         Cmd::Bench { args } => return bench_forward::run(args),
     };
     // Pages fetched through SHARDKIT_CACHE_DIR are written after the reads return: kept now.
-    let result = result.and_then(|ok| shardkit::storage::wait_for_cache().map(|()| ok));
+    let result = result.and_then(|ok| shardkit::io::wait_for_cache().map(|()| ok));
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),

@@ -432,6 +432,15 @@ pub fn tokens_splits(py: Python<'_>, path: PathBuf) -> PyResult<Vec<String>> {
         .map_err(to_py)
 }
 
+/// The local path `path` names (`file://` stripped), or `None` for a store location (a
+/// malformed `s3://` URL included: opening it says what is wrong): the library's one parser.
+#[pyfunction]
+pub fn local_path(path: PathBuf) -> Option<String> {
+    shardkit::io::Location::parse(&path)
+        .ok()
+        .and_then(|l| l.local_path().map(|p| p.to_string_lossy().into_owned()))
+}
+
 /// `shardkit tokens inspect` as a JSON string.
 #[pyfunction]
 pub fn tokens_inspect(py: Python<'_>, path: PathBuf) -> PyResult<String> {
@@ -583,6 +592,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tokens_validate, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_inspect, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_splits, m)?)?;
+    m.add_function(wrap_pyfunction!(local_path, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_mark_complete, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_convert, m)?)?;
     m.add_function(wrap_pyfunction!(tokens_build, m)?)?;

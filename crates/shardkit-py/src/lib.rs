@@ -425,9 +425,9 @@ fn transfer<'py>(
     let t = py
         .allow_threads(|| {
             if upload {
-                shardkit::storage::upload(&src, &dst, &mut report)
+                shardkit::upload(&src, &dst, &mut report)
             } else {
-                shardkit::storage::download(&src, &dst, &mut report)
+                shardkit::download(&src, &dst, &mut report)
             }
         })
         .map_err(to_py)?;
@@ -442,7 +442,7 @@ fn transfer<'py>(
 /// "put_bytes", "cache_read_bytes", "cache_mapped_bytes"}.
 #[pyfunction]
 fn storage_counters(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let c = shardkit::storage::counters();
+    let c = shardkit::io::counters();
     let d = PyDict::new(py);
     d.set_item("gets", c.gets)?;
     d.set_item("get_bytes", c.get_bytes)?;
@@ -457,7 +457,7 @@ fn storage_counters(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// failure to write them since the last call.
 #[pyfunction]
 fn wait_for_cache(py: Python<'_>) -> PyResult<()> {
-    py.allow_threads(shardkit::storage::wait_for_cache)
+    py.allow_threads(shardkit::io::wait_for_cache)
         .map_err(to_py)
 }
 
@@ -466,9 +466,9 @@ fn wait_for_cache(py: Python<'_>) -> PyResult<()> {
 #[pyfunction]
 #[pyo3(signature = (dir=None))]
 fn cache_info(py: Python<'_>, dir: Option<std::path::PathBuf>) -> PyResult<Bound<'_, PyDict>> {
-    let dir = shardkit::storage::cache_dir_or(dir).map_err(to_py)?;
+    let dir = shardkit::io::cache_dir_or(dir).map_err(to_py)?;
     let usage = py
-        .allow_threads(|| shardkit::storage::cache_usage(&dir))
+        .allow_threads(|| shardkit::io::cache_usage(&dir))
         .map_err(to_py)?;
     let objects = pyo3::types::PyList::empty(py);
     for o in &usage.objects {
@@ -499,9 +499,9 @@ fn clear_cache(
     url: Option<String>,
     dir: Option<std::path::PathBuf>,
 ) -> PyResult<Bound<'_, PyDict>> {
-    let dir = shardkit::storage::cache_dir_or(dir).map_err(to_py)?;
+    let dir = shardkit::io::cache_dir_or(dir).map_err(to_py)?;
     let (files, bytes) = py
-        .allow_threads(|| shardkit::storage::clear_cache(&dir, url.as_deref()))
+        .allow_threads(|| shardkit::io::clear_cache(&dir, url.as_deref()))
         .map_err(to_py)?;
     let d = PyDict::new(py);
     d.set_item("files", files)?;

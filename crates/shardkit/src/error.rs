@@ -77,7 +77,7 @@ pub enum Error {
         /// What is there and why it is kept.
         why: String,
     },
-    /// Another writer holds the dataset's lock (see [`crate::lock`]).
+    /// Another writer holds the dataset's lock (see the `lock` module).
     #[error(
         "{}: another writer{} is writing this dataset; wait for it to finish or stop it (the lock \
          goes away with its process)",
@@ -279,4 +279,12 @@ impl<T> IoContext<T> for std::io::Result<T> {
     fn at(self, path: impl AsRef<Path>) -> Result<T> {
         self.map_err(|e| Error::io(path, e))
     }
+}
+
+/// The message of a caught panic.
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }

@@ -111,20 +111,21 @@ pub(crate) mod trace {
     pub(crate) fn abort_point() {
         static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
         static RENAMES: AtomicU64 = AtomicU64::new(0);
-        abort_at("SHARDKIT_TEST_ABORT_AFTER_RENAMES", &LIMIT, &RENAMES);
+        abort_at(crate::config::AbortAfter::Renames, &LIMIT, &RENAMES);
     }
 
     /// The same for uploads: with `SHARDKIT_TEST_ABORT_AFTER_PUTS=K`, the process aborts right
-    /// after its K-th object is written to an object store (`crate::storage`).
+    /// after its K-th object is written to an object store.
     pub(crate) fn abort_after_put() {
         static LIMIT: OnceLock<Option<u64>> = OnceLock::new();
         static PUTS: AtomicU64 = AtomicU64::new(0);
-        abort_at("SHARDKIT_TEST_ABORT_AFTER_PUTS", &LIMIT, &PUTS);
+        abort_at(crate::config::AbortAfter::Puts, &LIMIT, &PUTS);
     }
 
-    /// Aborts when `count`, counting this call, reaches the limit `$var` sets.
-    fn abort_at(var: &str, limit: &OnceLock<Option<u64>>, count: &AtomicU64) {
-        let limit = limit.get_or_init(|| std::env::var(var).ok().and_then(|v| v.parse().ok()));
+    /// Aborts when `count`, counting this call, reaches the limit the environment sets for
+    /// `what`.
+    fn abort_at(what: crate::config::AbortAfter, limit: &OnceLock<Option<u64>>, count: &AtomicU64) {
+        let limit = limit.get_or_init(|| crate::config::test_abort_after(what));
         if let Some(k) = *limit {
             if count.fetch_add(1, Ordering::SeqCst) + 1 == k {
                 std::process::abort();

@@ -295,10 +295,10 @@ class Dataset:
     def __init__(self, path: PathLike) -> None:
         self.path = _args.path("path", path)
         self.splits: List[str]
-        if self.path.startswith(("s3://", "s3a://")):
+        local = _core.local_path(self.path)
+        if local is None:
             self.splits = list(_core.tokens_splits(self.path))
         else:
-            local = self.path[len("file://"):] if self.path.startswith("file://") else self.path
             if not os.path.exists(local):
                 raise NotFoundError(f"{self.path}: no such directory")
             if not os.path.isdir(local):

@@ -60,7 +60,7 @@ pub(crate) struct Located {
 }
 
 fn locate(path: &Path) -> Result<Located> {
-    if crate::storage::is_remote(path) {
+    if crate::io::is_remote(path) {
         return Err(Error::Invalid(format!(
             "{}: checksums are recorded on local files (a writer given a URL records them \
              before it uploads); to add them to a dataset in a store, download it, run \
@@ -68,7 +68,7 @@ fn locate(path: &Path) -> Result<Located> {
             path.display()
         )));
     }
-    let path = &crate::storage::local_path(path);
+    let path = &crate::io::local_path(path);
     // A path that does not exist may still name a container: a shard set's base name.
     if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
         let mut names = Vec::new();

@@ -33,7 +33,7 @@ pub enum Verdict {
 /// Checks the dataset at `path` against its sidecar (`validate --deep`). A dataset in an
 /// object store is read once with ranged GETs, block by block, without a local copy.
 pub fn verify(path: &Path) -> Result<Verdict> {
-    if crate::storage::is_remote(path) {
+    if crate::io::is_remote(path) {
         return verify_remote(path);
     }
     let (sidecar, base, names) = dataset_files(path)?;
@@ -59,7 +59,7 @@ const REMOTE_VERIFY_GROUP: u64 = 256 << 20;
 /// then every block of every file it records, fetched in parallel groups of ranged GETs and
 /// hashed on every core; objects the sidecar does not cover are reported as locally.
 fn verify_remote(url: &Path) -> Result<Verdict> {
-    use crate::storage::Remote;
+    use crate::io::Remote;
     let remote = Remote::parse(url)?;
     let below = remote.list()?;
     // A dataset directory: every object below the prefix. Nothing below: a container object
@@ -288,7 +288,7 @@ impl Verifier {
         let r = self.files[i].1.block(b);
         whole
             .get(r.start as usize..r.end as usize)
-            .is_none_or(|bytes| !crate::storage::resident(bytes))
+            .is_none_or(|bytes| !crate::io::local::resident(bytes))
     }
 
     /// Hashes block `b` of file `i` (`whole` is the file's map): an error naming the file and

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 
 use crate::checksum::{FileSums, Journal, Recorder};
 use crate::error::Result;
-use crate::storage::{self, Remote};
+use crate::io::{self, Remote};
 use store_lock::StoreLock;
 
 pub(crate) use lock::WriteLock;
@@ -44,10 +44,10 @@ pub(crate) enum Target {
 impl Target {
     /// The destination `path` names: an `s3://` URL is a store, anything else a local path.
     pub(crate) fn parse(path: &Path) -> Result<Target> {
-        if storage::is_remote(path) {
+        if io::is_remote(path) {
             return Ok(Target::Store(Remote::parse(path)?));
         }
-        Ok(Target::Local(storage::local_path(path)))
+        Ok(Target::Local(io::local_path(path)))
     }
 }
 

@@ -11,8 +11,8 @@ use super::store_lock::{self, LockWatch, StoreLock};
 use super::transfer::upload;
 use crate::checksum::{FileSums, Journal};
 use crate::error::{Error, IoContext, Result};
+use crate::io::{inflight, Remote};
 use crate::json::Value;
-use crate::storage::{inflight, Remote};
 
 /// The local directory a write to `url` is staged in: `$SHARDKIT_STAGING_DIR` (default: the
 /// system's temporary directory, `shardkit-staging`), then the bucket and key. The same URL

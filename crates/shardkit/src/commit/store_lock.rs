@@ -22,8 +22,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::error::{Error, Result};
+use crate::io::Remote;
 use crate::json::{self, Value};
-use crate::storage::Remote;
 
 /// The lock object's name, beside the dataset's objects.
 pub(crate) const NAME: &str = ".shardkit-lock.json";
@@ -47,7 +47,7 @@ fn held_here(token: &str) -> bool {
 /// Seconds a lock stays valid after its last renewal.
 fn lease_s() -> u64 {
     // A value that does not parse was refused when the store was first used.
-    crate::env::whole("SHARDKIT_S3_LOCK_LEASE_S")
+    crate::config::whole("SHARDKIT_S3_LOCK_LEASE_S")
         .ok()
         .flatten()
         .unwrap_or(120)
@@ -247,7 +247,7 @@ impl StoreLock {
     /// Takes the lock of the dataset at `target`, or fails with [`Error::LockedRemote`]
     /// naming its holder.
     pub(crate) fn acquire(target: &Remote) -> Result<StoreLock> {
-        if crate::env::switch("SHARDKIT_S3_LOCK")? == Some(false) {
+        if crate::config::switch("SHARDKIT_S3_LOCK")? == Some(false) {
             return Ok(StoreLock {
                 shared: None,
                 stop: None,

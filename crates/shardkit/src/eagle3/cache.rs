@@ -19,7 +19,7 @@ use super::shard::{
 };
 use super::writer::EMBEDDINGS;
 use crate::error::{Error, IoContext, Result};
-use crate::storage::{self, Remote};
+use crate::io::{self, Location, Source};
 
 /// Shard handles kept open by default.
 pub const DEFAULT_OPEN_SHARDS: usize = 64;
@@ -46,7 +46,7 @@ pub struct Cache {
     open: Mutex<OpenShards>,
     max_open: usize,
     /// Set for a cache in an object store: its prefix and every object's size.
-    remote: Option<(Remote, HashMap<String, u64>)>,
+    remote: Option<(Arc<dyn Source>, HashMap<String, u64>)>,
 }
 
 #[derive(Default)]
@@ -118,10 +118,24 @@ impl Cache {
     /// a batch's new shards together) and then kept, whatever `max_open`, and items and
     /// batches read exactly their rows.
     pub fn open_with(dir: impl AsRef<Path>, max_open: usize) -> Result<Cache> {
-        if storage::is_remote(dir.as_ref()) {
-            return Self::open_remote(dir.as_ref(), max_open);
+        let location = Location::parse(dir.as_ref())?;
+        match location.local_path() {
+            Some(dir) => Self::open_local(dir.to_path_buf(), max_open),
+            None => Self::open_source(io::open(&location)?, max_open),
         }
-        let dir = storage::local_path(dir.as_ref());
+    }
+
+    /// Opens the cache `source` holds (a test hook: any [`Source`], an in-memory object store
+    /// say), keeping at most `max_open` shards mapped at once.
+    #[doc(hidden)]
+    pub fn open_source(source: Arc<dyn Source>, max_open: usize) -> Result<Cache> {
+        match source.local_path() {
+            Some(dir) => Self::open_local(dir.to_path_buf(), max_open),
+            None => Self::open_remote(source, max_open),
+        }
+    }
+
+    fn open_local(dir: PathBuf, max_open: usize) -> Result<Cache> {
         if !dir.is_dir() {
             return Err(manifest::missing(&dir));
         }
@@ -136,7 +150,7 @@ impl Cache {
         m: Manifest,
         present: &BTreeSet<u64>,
         max_open: usize,
-        remote: Option<(Remote, HashMap<String, u64>)>,
+        remote: Option<(Arc<dyn Source>, HashMap<String, u64>)>,
     ) -> Result<Cache> {
         check_shard_set(&dir, &m, present)?;
         Ok(Cache {
@@ -149,18 +163,17 @@ impl Cache {
         })
     }
 
-    fn open_remote(url: &Path, max_open: usize) -> Result<Cache> {
-        let remote = Remote::parse(url)?.with_object_cache();
-        let dir = PathBuf::from(remote.url());
+    fn open_remote(remote: Arc<dyn Source>, max_open: usize) -> Result<Cache> {
+        let dir = remote.location().to_path();
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
-        let m = remote_manifest(&remote, &objects)?;
+        let m = remote_manifest(&*remote, &objects)?;
         let present: BTreeSet<u64> = objects.keys().filter_map(|n| shard_index(n)).collect();
         Self::checked(dir, m, &present, max_open, Some((remote, objects)))
     }
 
-    /// The object store holding the cache, when it is remote.
-    pub(crate) fn remote(&self) -> Option<&Remote> {
-        self.remote.as_ref().map(|(r, _)| r)
+    /// The source holding the cache, when it is not local files.
+    pub(crate) fn remote(&self) -> Option<&dyn Source> {
+        self.remote.as_ref().map(|(r, _)| &**r)
     }
 
     /// The directory.
@@ -232,7 +245,7 @@ impl Cache {
                     .iter()
                     .map(|&k| remote_shard(&self.manifest, sizes, k))
                     .collect();
-                ShardFile::open_remote_many(remote, &shards, &self.specs)?
+                ShardFile::open_remote_many(&**remote, &shards, &self.specs)?
             }
         };
         // A shard in a store holds no map or descriptor, only its checked header (offsets):
@@ -375,7 +388,7 @@ impl Cache {
             None => open_embeddings(&self.dir),
             // The table is wanted whole: one object, fetched with parallel ranged GETs.
             Some((remote, sizes)) => {
-                let path = remote.url_of(EMBEDDINGS);
+                let path = remote.path_of(EMBEDDINGS);
                 let Some(&size) = sizes.get(EMBEDDINGS) else {
                     return Err(Error::NotFound {
                         path,
@@ -391,8 +404,11 @@ impl Cache {
 }
 
 /// The manifest of the cache in `remote`, whose objects (and their sizes) are `objects`.
-pub(crate) fn remote_manifest(remote: &Remote, objects: &HashMap<String, u64>) -> Result<Manifest> {
-    let path = remote.url_of(manifest::MANIFEST);
+pub(crate) fn remote_manifest(
+    remote: &dyn Source,
+    objects: &HashMap<String, u64>,
+) -> Result<Manifest> {
+    let path = remote.path_of(manifest::MANIFEST);
     if !objects.contains_key(manifest::MANIFEST) {
         return Err(Error::NotFound {
             path,
@@ -466,10 +482,10 @@ fn embeddings_in(bytes: EmbeddingBytes, path: &Path) -> Result<Embeddings> {
 
 /// Checks the header of the embedding table in `remote` (`size` bytes) without fetching the
 /// table (`validate`).
-pub(crate) fn check_remote_embeddings(remote: &Remote, size: u64) -> Result<()> {
+pub(crate) fn check_remote_embeddings(remote: &dyn Source, size: u64) -> Result<()> {
     let head = super::shard::remote_head(remote, EMBEDDINGS, size)?;
     let (_, meta) = super::shard::remote_header(remote, EMBEDDINGS, size, head)?;
-    embedding_weight(&meta, &remote.url_of(EMBEDDINGS)).map(|_| ())
+    embedding_weight(&meta, &remote.path_of(EMBEDDINGS)).map(|_| ())
 }
 
 /// The rows, columns and data offset of the table's one tensor, `weight`, F32 `[rows, H]`.

@@ -24,7 +24,7 @@ use crate::engine::order::{derive_key, shuffled};
 use crate::engine::reader::{self, plan_reads, Files, ReadRange};
 use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
-use crate::storage::PendingRead;
+use crate::io::{PendingRead, Stop};
 
 /// EAGLE-3's own loader knobs (fields of [`LoaderOptions`] through `Deref`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -184,7 +184,7 @@ impl Loader {
             maps: (0..k).map(|_| OnceLock::new()).collect(),
         };
         if opts.verify && cache.remote().is_some() {
-            return Err(crate::storage::verify_needs_local(cache.dir()));
+            return Err(crate::io::verify_needs_local(cache.dir()));
         }
         let names: Arc<Vec<String>> = Arc::new((0..k as u64).map(shard_name).collect());
         let verifier = if opts.verify {
@@ -461,7 +461,7 @@ fn depth(cache: &Cache, opts: &LoaderOptions) -> usize {
         return asked;
     }
     let per_batch = batch_layout(cache, opts.batch_size.max(1) as usize).map_or(1, |l| l.2);
-    let in_flight = crate::storage::inflight() as u64 * crate::storage::max_request();
+    let in_flight = crate::config::inflight() as u64 * crate::config::max_request();
     let want = in_flight.div_ceil(per_batch.max(1) as u64).min(256) as usize;
     asked.max(want)
 }
@@ -595,8 +595,8 @@ impl Job for Eagle3Job {
                 off,
             )?;
             // The batch is dropped when the stream stops: its requests stop with it.
-            let stop = Some(cx.stop_flag().clone());
-            let pending = remote.start_read(inner.names.clone(), ranges, buf, stop)?;
+            let stop = Stop::new(cx.stop_flag().clone());
+            let pending = remote.start_read(inner.names.clone(), ranges, buf, &stop)?;
             return Ok(Prepared {
                 buf: crate::engine::Buffer::zeroed(0),
                 regions: Vec::new(),

@@ -17,7 +17,7 @@ use safetensors::{Dtype, SafeTensorError, SafeTensors, View};
 use super::manifest::Manifest;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
-use crate::storage::Remote;
+use crate::io::Source;
 
 /// The file name of shard `k`.
 pub fn shard_name(k: u64) -> String {
@@ -285,12 +285,12 @@ pub(crate) fn check_length(head: &[u8], size: u64, path: &Path) -> Result<()> {
 /// a whole file (offsets, dtypes, shapes, the data ending exactly at the object's end). A header
 /// longer than `head` costs one more GET.
 pub(crate) fn remote_header(
-    remote: &Remote,
+    remote: &dyn Source,
     name: &str,
     size: u64,
     mut head: Vec<u8>,
 ) -> Result<(u64, Metadata)> {
-    let path = remote.url_of(name);
+    let path = remote.path_of(name);
     check_length(&head, size, &path)?;
     if head.len() < 8 {
         return Err(st_err(&path, SafeTensorError::HeaderTooSmall));
@@ -330,7 +330,7 @@ pub(crate) fn remote_header(
 
 /// The first [`HEADER_PROBE`] bytes of object `name` (`size` bytes): usually its whole
 /// safetensors header, for [`remote_header`].
-pub(crate) fn remote_head(remote: &Remote, name: &str, size: u64) -> Result<Vec<u8>> {
+pub(crate) fn remote_head(remote: &dyn Source, name: &str, size: u64) -> Result<Vec<u8>> {
     let mut head = vec![0u8; HEADER_PROBE.min(size) as usize];
     remote.read_ranges(
         &[name.to_string()],
@@ -365,12 +365,12 @@ impl ShardFile {
     /// Shards are opened while their batch is prepared, so every round trip here is one the
     /// loader waits for.
     pub(crate) fn open_remote_many(
-        remote: &Remote,
+        remote: &dyn Source,
         shards: &[(String, u64, u64)],
         specs: &[FieldSpec],
     ) -> Result<Vec<ShardFile>> {
         if let Some((name, size, _)) = shards.iter().find(|(_, size, _)| *size < 8) {
-            check_length(&[], *size, &remote.url_of(name))?;
+            check_length(&[], *size, &remote.path_of(name))?;
         }
         let names: Vec<String> = shards.iter().map(|(n, _, _)| n.clone()).collect();
         let mut ranges = Vec::with_capacity(shards.len());
@@ -394,14 +394,14 @@ impl ShardFile {
 
     /// The shard whose first bytes `head` (at least 8) are those of object `name`.
     fn from_head(
-        remote: &Remote,
+        remote: &dyn Source,
         name: &str,
         size: u64,
         head: Vec<u8>,
         specs: &[FieldSpec],
         rows: u64,
     ) -> Result<ShardFile> {
-        let path = remote.url_of(name);
+        let path = remote.path_of(name);
         let (n, meta) = remote_header(remote, name, size, head)?;
         let offsets = check_tensors(&meta, specs, rows, &path)?;
         Ok(ShardFile {

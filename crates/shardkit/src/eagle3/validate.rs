@@ -9,6 +9,7 @@ use super::shard::{
 };
 use super::writer::EMBEDDINGS;
 use crate::error::{Error, Result};
+use crate::io::{self, Location};
 use crate::json::Value;
 pub use crate::report::Validation;
 
@@ -20,9 +21,13 @@ pub use crate::report::Validation;
 /// tolerance ([`sum_tolerance`](super::sum_tolerance)). These are the rules the writer refuses a
 /// batch for, so a cache shardkit wrote passes them.
 pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
-    let dir = &crate::storage::local_path(dir.as_ref());
-    if crate::storage::is_remote(dir) {
-        return validate_remote(dir, deep);
+    let location = Location::parse(dir.as_ref());
+    let dir = &match &location {
+        Ok(l) => l.to_path(),
+        Err(_) => dir.as_ref().to_path_buf(),
+    };
+    if !location.as_ref().is_ok_and(Location::is_local) {
+        return validate_remote(dir, location, deep);
     }
     let mut v = Validation::new(dir);
     let m = match manifest::read(dir) {
@@ -84,9 +89,11 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
 /// the manifest, its size; a batch of headers in flight at a time), the embedding table's
 /// header, temporaries; with `deep`, every byte against the checksums sidecar. The checks of
 /// values read every byte of the shards, so they are made on a local copy only.
-fn validate_remote(url: &Path, deep: bool) -> Validation {
+fn validate_remote(url: &Path, location: Result<Location>, deep: bool) -> Validation {
     let mut v = Validation::new(url);
-    let listed = crate::storage::Remote::parse(url).and_then(|r| Ok((r.list()?, r)));
+    let listed = location
+        .and_then(|l| io::open_uncached(&l))
+        .and_then(|r| Ok((r.list()?, r)));
     let (objects, remote) = match listed {
         Ok((objects, remote)) => (objects, remote),
         Err(e) => {
@@ -95,7 +102,7 @@ fn validate_remote(url: &Path, deep: bool) -> Validation {
         }
     };
     let objects: std::collections::HashMap<String, u64> = objects.into_iter().collect();
-    let m = match super::cache::remote_manifest(&remote, &objects) {
+    let m = match super::cache::remote_manifest(&*remote, &objects) {
         Ok(m) => m,
         Err(e) => {
             v.error_from(&e);
@@ -116,11 +123,11 @@ fn validate_remote(url: &Path, deep: bool) -> Validation {
         .map(|&k| super::cache::remote_shard(&m, &objects, k))
         .collect();
     for group in shards.chunks(HEADERS_AT_ONCE) {
-        if ShardFile::open_remote_many(&remote, group, &specs).is_err() {
+        if ShardFile::open_remote_many(&*remote, group, &specs).is_err() {
             // One at a time, so that every bad header is reported.
             for one in group {
                 if let Err(e) =
-                    ShardFile::open_remote_many(&remote, std::slice::from_ref(one), &specs)
+                    ShardFile::open_remote_many(&*remote, std::slice::from_ref(one), &specs)
                 {
                     v.error_from(&e);
                 }
@@ -129,11 +136,11 @@ fn validate_remote(url: &Path, deep: bool) -> Validation {
     }
     match objects.get(EMBEDDINGS) {
         None => v.note(
-            remote.url_of(EMBEDDINGS),
+            remote.path_of(EMBEDDINGS),
             format!("no {EMBEDDINGS} (NeMo's training recipe needs it)"),
         ),
         Some(&size) => {
-            if let Err(e) = super::cache::check_remote_embeddings(&remote, size) {
+            if let Err(e) = super::cache::check_remote_embeddings(&*remote, size) {
                 v.error_from(&e);
             }
         }
@@ -196,14 +203,15 @@ fn deep_check(f: &ShardFile, k: u64, m: &Manifest, v: &mut Validation) {
 
 /// A summary: the configuration, sizes and completeness.
 pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
-    let dir = &crate::storage::local_path(dir.as_ref());
+    let location = Location::parse(dir.as_ref())?;
+    let dir = &location.to_path();
     // (manifest, shards present, their bytes, whether the embeddings file exists)
-    let (m, present, on_disk, embeddings) = if crate::storage::is_remote(dir) {
-        let remote = crate::storage::Remote::parse(dir)?;
+    let (m, present, on_disk, embeddings) = if !location.is_local() {
+        let remote = io::open_uncached(&location)?;
         let objects = remote.list()?;
         let m = Manifest::parse(
             &remote.get(manifest::MANIFEST)?,
-            &remote.url_of(manifest::MANIFEST),
+            &remote.path_of(manifest::MANIFEST),
         )?;
         let shards: Vec<(u64, u64)> = objects
             .iter()
@@ -265,8 +273,9 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
 /// Switches the cache at `dir` to `format_version` `version` by rewriting only the manifest
 /// (2 adds `target_probs_topk: 0`, 1 removes it). A top-k cache cannot become version 1.
 pub fn set_version(dir: impl AsRef<Path>, version: u8) -> Result<Manifest> {
-    let dir = &crate::storage::local_path(dir.as_ref());
-    if crate::storage::is_remote(dir) {
+    let local = Location::parse(dir.as_ref()).is_ok_and(|l| l.is_local());
+    let dir = &io::local_path(dir.as_ref());
+    if !local {
         return Err(Error::Invalid(format!(
             "{}: the manifest is rewritten in place, in a local directory; download the cache, \
              switch it and upload it (only manifest.json changes, so only it is uploaded again)",

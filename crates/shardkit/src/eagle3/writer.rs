@@ -27,8 +27,8 @@ use crate::checksum::{FileSums, Journal};
 use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::{self, Remote};
 use crate::json::Value;
-use crate::storage::{self, Remote};
 
 /// The embeddings file's name.
 pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
@@ -90,7 +90,7 @@ impl Writer {
     /// configuration `config` (a JSON object with every key the reference producer writes).
     ///
     /// `dir` may be an `s3://bucket/prefix` URL naming a prefix without a cache: the cache is
-    /// then staged in a local directory ([`storage::staging_dir`]), each shard uploaded as soon
+    /// then staged in a local directory ([`crate::commit::staging_dir`]), each shard uploaded as soon
     /// as it is written and its staged copy removed, and the rest uploaded by
     /// [`Writer::finish`], manifest.json last. The same rules apply to what the store holds: an
     /// interrupted write (shards named in its upload journal) is refused unless
@@ -191,7 +191,7 @@ impl Writer {
         options: WriterOptions,
         uploaded: &Journal,
     ) -> Result<Writer> {
-        let dir = storage::local_path(dir);
+        let dir = io::local_path(dir);
         let m = Manifest::for_writing(config, options.version)?;
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Exists {

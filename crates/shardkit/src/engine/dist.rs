@@ -8,11 +8,11 @@ use crate::error::{Error, Result};
 pub(crate) fn rank_and_world(rank: Option<u64>, world_size: Option<u64>) -> Result<(u64, u64)> {
     let world = match world_size {
         Some(w) => w,
-        None => crate::env::whole("WORLD_SIZE")?.unwrap_or(1),
+        None => crate::config::whole("WORLD_SIZE")?.unwrap_or(1),
     };
     let rank = match rank {
         Some(r) => r,
-        None => crate::env::whole("RANK")?.unwrap_or(0),
+        None => crate::config::whole("RANK")?.unwrap_or(0),
     };
     if world == 0 || rank >= world {
         return Err(Error::Invalid(format!(

@@ -100,15 +100,7 @@ impl Context<'_> {
     }
 }
 
-/// How often a preparation waiting on something slow (a read from a store, a shuffle buffer
-/// read ahead) checks whether its stream was stopped.
-pub(crate) const STOP_POLL: std::time::Duration = std::time::Duration::from_millis(50);
-
-/// What a preparation that gave up because its stream was stopped returns (nobody sees it: the
-/// stream's consumer is gone).
-pub(crate) fn stopped_error() -> Error {
-    Error::Invalid("the loader was stopped".into())
-}
+pub(crate) use crate::io::stop::{stopped_error, STOP_POLL};
 
 /// How a stream runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,10 +126,7 @@ impl std::fmt::Debug for GatherPool {
     }
 }
 
-/// The number of cores this process may use.
-pub(crate) fn available_cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
+pub(crate) use crate::config::available_cores;
 
 impl GatherPool {
     /// A pool of `threads` gather threads (0: one per core).
@@ -225,13 +214,7 @@ impl<T> std::fmt::Debug for Stream<T> {
     }
 }
 
-/// The message of a caught panic.
-pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
-}
+pub(crate) use crate::error::panic_message;
 
 fn panicked(stage: &str, p: Box<dyn std::any::Any + Send>) -> Error {
     Error::Internal(format!(
@@ -407,9 +390,7 @@ fn prefetch_loop<J: Job, P: Iterator<Item = J::Plan>>(
             fault::before_prepare()?;
             // Blocking store reads the preparation makes (EAGLE-3 shard headers, say) give up
             // once the stream stops, like the reads it waits for through `Context`.
-            crate::storage::reads_stopped_by(Some(stop.clone()), || {
-                job.prepare(plan, &Context { stop })
-            })
+            crate::io::reads_stopped_by(Some(stop.clone()), || job.prepare(plan, &Context { stop }))
         });
         let failed = prepared.is_err();
         if lanes[turn].send(Msg::Batch(prepared)).is_err() || failed {

@@ -25,14 +25,14 @@
 // The engine's parts are internals of the format loaders. What the benchmarks time on its own
 // and what the fault-injection tests arm is re-exported by `shardkit::internals`, behind the
 // `bench-internals` and `fault-injection` cargo features.
-pub(crate) mod batch;
+pub(crate) use crate::io::buffer as batch;
 mod contract;
 pub(crate) mod dist;
 pub(crate) mod exec;
-pub(crate) mod fault;
+pub(crate) use crate::fault;
 pub(crate) mod order;
 pub(crate) mod quality;
-pub(crate) mod reader;
+pub(crate) use crate::io::local as reader;
 
 pub use batch::{Buffer, BufferPool, Field};
 pub use contract::{LoaderOptions, LoaderState, StateValue, DEFAULT_ORDER};

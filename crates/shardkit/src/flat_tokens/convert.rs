@@ -22,11 +22,11 @@ pub fn convert(
     layout: Layout,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<Vec<(String, WriteSummary)>> {
-    let src = &crate::storage::local_path(src.as_ref());
-    let dst = &crate::storage::local_path(dst.as_ref());
-    let taken = match crate::storage::is_remote(dst) {
-        true => !super::report::split_dirs(dst)?.is_empty(),
-        false => dst.exists(),
+    let src = &crate::io::local_path(src.as_ref());
+    let dst = &crate::io::local_path(dst.as_ref());
+    let taken = match crate::io::is_local(dst) {
+        false => !super::report::split_dirs(dst)?.is_empty(),
+        true => dst.exists(),
     };
     if taken {
         return Err(Error::Exists {

@@ -206,11 +206,7 @@ const GROUP_TOKENS: u64 = 1 << 24;
 /// groups). It also bounds the longest contiguous piece of a buffer in memory, so that a
 /// buffer of long contiguous runs still comes in many groups.
 fn group_tokens() -> u64 {
-    crate::env::whole("SHARDKIT_TEST_TOKEN_GROUP")
-        .ok()
-        .flatten()
-        .filter(|&n| n > 0)
-        .unwrap_or(GROUP_TOKENS)
+    crate::config::test_token_group().unwrap_or(GROUP_TOKENS)
 }
 
 /// Most groups of a buffer fetched at once.
@@ -224,8 +220,8 @@ const MAX_LANES: u64 = 16;
 /// that a small buffer (a minipoch of a small R) still keeps the store's slots busy rather
 /// than fetching two groups' few requests at a time.
 fn fetch_plan(path: &std::path::Path, tokens: u64) -> (u64, usize) {
-    let slot_bytes = crate::storage::inflight() as u64 * crate::storage::max_request();
-    let remote = crate::storage::is_remote(path);
+    let slot_bytes = crate::config::inflight() as u64 * crate::config::max_request();
+    let remote = !crate::io::is_local(path);
     plan_groups(remote, tokens, group_tokens(), slot_bytes)
 }
 
@@ -501,7 +497,7 @@ impl TokenLoader {
             None => {
                 // Two minipochs' buffers: the one served and the next, read ahead.
                 let two = buffer_bytes(&epoch0, &host_rows, opts.seq_len).saturating_mul(2);
-                crate::storage::is_remote(split.path()) && two <= buffer_cap()?
+                !crate::io::is_local(split.path()) && two <= buffer_cap()?
             }
         };
         Ok(TokenLoader {
@@ -565,7 +561,7 @@ impl TokenLoader {
         // From an object store each thread waits on one request at a time (zarrs reads are
         // blocking calls): by default as many threads as requests should be in flight.
         let threads = match self.inner.opts.threads {
-            0 if crate::storage::is_remote(self.inner.split.path()) => crate::storage::inflight(),
+            0 if !crate::io::is_local(self.inner.split.path()) => crate::config::inflight(),
             t => t,
         };
         self.inner.gather.get(threads)
@@ -1118,7 +1114,7 @@ fn buffer_bytes(schedule: &Schedule, host_rows: &Range<u64>, seq_len: u64) -> u6
 
 /// `SHARDKIT_TOKEN_BUFFER_GIB` in bytes (16 GiB when unset).
 fn buffer_cap() -> Result<u64> {
-    Ok(crate::env::whole("SHARDKIT_TOKEN_BUFFER_GIB")?
+    Ok(crate::config::token_buffer_gib()?
         .unwrap_or(BUFFER_GIB)
         .saturating_mul(1 << 30))
 }

@@ -5,6 +5,7 @@ use std::path::Path;
 use super::store::{Completion, ZarrFormat};
 use super::Split;
 use crate::error::{Error, Result};
+use crate::io::{self, Location};
 use crate::json::Value;
 pub use crate::report::Validation;
 
@@ -13,12 +14,13 @@ const SPLITS: [&str; 2] = ["train", "validation"];
 /// The splits of the dataset at `root` (a directory, or an `s3://` prefix): those that are
 /// zarr groups.
 pub fn splits(root: impl AsRef<Path>) -> Result<Vec<&'static str>> {
-    present(&crate::storage::local_path(root.as_ref()))
+    present(&crate::io::local_path(root.as_ref()))
 }
 
 fn present(root: &Path) -> Result<Vec<&'static str>> {
-    if crate::storage::is_remote(root) {
-        let objects = crate::storage::Remote::parse(root)?.list()?;
+    let location = Location::parse(root)?;
+    if !location.is_local() {
+        let objects = io::open_uncached(&location)?.list()?;
         let has = |k: String| objects.iter().any(|(n, _)| *n == k);
         return Ok(SPLITS
             .into_iter()
@@ -34,7 +36,7 @@ fn present(root: &Path) -> Result<Vec<&'static str>> {
 /// The error for a local `root` that is not a directory: "no such directory" when nothing is
 /// there, "not a directory" when a file is. `None` for a directory (or an `s3://` URL).
 pub(crate) fn not_a_directory(root: &Path) -> Option<Error> {
-    if crate::storage::is_remote(root) || root.is_dir() {
+    if !io::is_local(root) || root.is_dir() {
         return None;
     }
     let what = if root.exists() {
@@ -57,7 +59,7 @@ pub(crate) fn no_splits(root: &Path) -> Error {
     }
     let base = "holds neither a train nor a validation split (a zarr group with either)";
     let mut what = base.to_string();
-    if !crate::storage::is_remote(root) {
+    if io::is_local(root) {
         let name = root.file_name().map(|n| n.to_string_lossy().into_owned());
         let parent = root.parent().filter(|p| !p.as_os_str().is_empty());
         let inside: Vec<String> = std::fs::read_dir(root)
@@ -100,7 +102,7 @@ pub(crate) fn no_splits(root: &Path) -> Error {
 /// The splits to open at `root`: in a store those that are zarr groups; locally every split
 /// directory (one that is not a zarr group then fails to open, saying what is wrong with it).
 pub(crate) fn split_dirs(root: &Path) -> Result<Vec<&'static str>> {
-    if crate::storage::is_remote(root) {
+    if !io::is_local(root) {
         return present(root);
     }
     Ok(SPLITS
@@ -113,7 +115,7 @@ pub(crate) fn split_dirs(root: &Path) -> Result<Vec<&'static str>> {
 /// length statistics (`null` for an absent split, `{"error": ...}` for one that cannot be
 /// opened; an error when neither is there). Reads `seq_starts` in full, not the tokens.
 pub fn inspect(root: impl AsRef<Path>) -> Result<Value> {
-    let root = &crate::storage::local_path(root.as_ref());
+    let root = &io::local_path(root.as_ref());
     if let Some(e) = not_a_directory(root) {
         return Err(e);
     }
@@ -191,7 +193,7 @@ fn summary(s: &Split) -> Result<Value> {
 /// violation: structure and dtypes, `max_token_id`, `seq_starts` bounds and order, start bits,
 /// ids, and an interrupted shardkit write. A dataset needs at least one split.
 pub fn validate(root: impl AsRef<Path>) -> Validation {
-    let root = &crate::storage::local_path(root.as_ref());
+    let root = &io::local_path(root.as_ref());
     let mut v = Validation::new(root);
     let splits = match present(root) {
         Ok(s) => s,

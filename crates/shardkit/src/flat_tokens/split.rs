@@ -148,16 +148,16 @@ impl Split {
     ///
     /// `root` may be an `s3://bucket/prefix` URL: the objects are listed once and every chunk
     /// or inner chunk zarrs reads is a ranged GET, retried like every request of
-    /// [`crate::storage`].
+    /// [`crate::io`].
     pub fn open_unvalidated(root: impl AsRef<Path>, split: &str) -> Result<Split> {
         let root = root.as_ref();
         check_split_name(split)?;
-        if crate::storage::is_remote(root) {
-            let remote = crate::storage::Remote::parse(root)?.with_object_cache();
+        if crate::io::is_remote(root) {
+            let remote = crate::io::Remote::parse(root)?.with_object_cache();
             let url = PathBuf::from(remote.url());
             return Self::from_store(remote.zarr_store()?, &url, split);
         }
-        let root = &crate::storage::local_path(root);
+        let root = &crate::io::local_path(root);
         if let Some(e) = super::report::not_a_directory(root) {
             return Err(e);
         }

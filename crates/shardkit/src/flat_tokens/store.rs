@@ -91,7 +91,7 @@ pub(crate) fn zarr2_json(v: &Value) -> Vec<u8> {
 /// if that is what went wrong.
 pub(crate) trait IoBeneath: std::fmt::Display {
     fn io_beneath(&self) -> Option<&std::io::Error>;
-    /// A failed request of an object store beneath (`storage`'s zarr store reports them
+    /// A failed request of an object store beneath (`io`'s zarr store reports them
     /// as `StorageError::Other`), after its retries.
     fn remote_beneath(&self) -> Option<&str> {
         None
@@ -196,7 +196,7 @@ pub(crate) fn zarrs_error(
     files: &[PathBuf],
     what: impl FnOnce() -> String,
 ) -> Error {
-    if let (Some(msg), true) = (e.remote_beneath(), crate::storage::is_remote(array)) {
+    if let (Some(msg), true) = (e.remote_beneath(), !crate::io::is_local(array)) {
         return Error::Remote {
             object: array.display().to_string(),
             range: None,

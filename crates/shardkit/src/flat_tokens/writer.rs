@@ -599,7 +599,7 @@ impl Writer {
     /// as needed. An existing split is refused unless `options.resume`.
     ///
     /// `root` may be an `s3://bucket/prefix` URL naming an empty prefix: the dataset is then
-    /// staged in a local directory ([`crate::storage::staging_dir`]) and streamed to the store. At
+    /// staged in a local directory ([`crate::commit::staging_dir`]) and streamed to the store. At
     /// each commit the chunks it completed are uploaded in the background (their staged copies
     /// removed once they are in the store), and the commit is recorded in the store's upload
     /// journal as a checkpoint: the trailing chunks (under private names) and the metadata

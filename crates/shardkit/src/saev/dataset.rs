@@ -8,14 +8,14 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use crate::engine::reader::ReadRange;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::ReadRange;
+use crate::io::{self, Location, Source};
 use crate::saev::layout::{parse_shards_json, Layout, ShardEntry};
 use crate::saev::Metadata;
-use crate::storage::{self, Remote};
 
 /// Which tokens of each example a flat index enumerates (saev's `tokens` option).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -247,24 +247,38 @@ pub struct Dataset {
     shards: Vec<OnceLock<File>>,
     direct: Vec<OnceLock<Option<File>>>,
     labels: Option<File>,
-    /// Set when the dataset is in an object store: its prefix and the object names read
-    /// (the shards, then labels.bin when present).
-    remote: Option<(Remote, Vec<String>)>,
+    /// Set when the dataset is not local files: its source and the object names read (the
+    /// shards, then labels.bin when present).
+    remote: Option<(Arc<dyn Source>, Vec<String>)>,
 }
 
 impl Dataset {
     /// Opens `dir`, refusing an incomplete or inconsistent dataset.
     ///
-    /// `dir` may be an `s3://bucket/prefix` URL (see [`crate::storage`]): metadata.json and
+    /// `dir` may be an `s3://bucket/prefix` URL (see [`crate::io`]): metadata.json and
     /// shards.json are fetched and the shards' sizes listed once; every read afterwards is a
     /// ranged GET of exactly the bytes asked for.
     pub fn open(dir: impl AsRef<Path>) -> Result<Dataset> {
-        if storage::is_remote(dir.as_ref()) {
-            return Self::open_remote(dir.as_ref());
+        let location = Location::parse(dir.as_ref())?;
+        match location.local_path() {
+            Some(dir) => Self::open_local(dir.to_path_buf()),
+            None => Self::open_source(io::open(&location)?),
         }
-        let dir = storage::local_path(dir.as_ref());
+    }
+
+    /// Opens the dataset `source` holds (a test hook: any [`Source`], an in-memory object
+    /// store say).
+    #[doc(hidden)]
+    pub fn open_source(source: Arc<dyn Source>) -> Result<Dataset> {
+        match source.local_path() {
+            Some(dir) => Self::open_local(dir.to_path_buf()),
+            None => Self::open_remote(source),
+        }
+    }
+
+    fn open_local(dir: PathBuf) -> Result<Dataset> {
         if !dir.is_dir() {
-            return Err(super::metadata::missing_metadata(&dir, &[]));
+            return Err(super::metadata::missing_metadata(&dir, true, &[]));
         }
         let (md, warnings) = Metadata::read(&dir)?;
         let layout = Layout::new(&md, &dir.join("metadata.json"))?;
@@ -289,14 +303,13 @@ impl Dataset {
         })
     }
 
-    fn open_remote(url: &Path) -> Result<Dataset> {
-        let remote = Remote::parse(url)?.with_object_cache();
-        let dir = PathBuf::from(remote.url());
+    fn open_remote(remote: Arc<dyn Source>) -> Result<Dataset> {
+        let dir = remote.location().to_path();
         let objects: std::collections::HashMap<String, u64> = remote.list()?.into_iter().collect();
-        let md_path = remote.url_of("metadata.json");
+        let md_path = remote.path_of("metadata.json");
         if !objects.contains_key("metadata.json") {
             let candidates = super::metadata::remote_candidates(objects.keys());
-            return Err(super::metadata::missing_metadata(&dir, &candidates));
+            return Err(super::metadata::missing_metadata(&dir, false, &candidates));
         }
         let (md, warnings) = Metadata::parse(&remote.get("metadata.json")?, &md_path)?;
         let layout = Layout::new(&md, &md_path)?;
@@ -330,8 +343,8 @@ impl Dataset {
 
     /// The object store holding the dataset and the names of its shards (then labels.bin),
     /// when it is remote.
-    pub(crate) fn remote(&self) -> Option<(&Remote, &[String])> {
-        self.remote.as_ref().map(|(r, n)| (r, &n[..]))
+    pub(crate) fn remote(&self) -> Option<(&dyn Source, &[String])> {
+        self.remote.as_ref().map(|(r, n)| (&**r, &n[..]))
     }
 
     /// Reads `out.len()` bytes of shard `s` at `offset`, from its file or with ranged GETs.
@@ -353,7 +366,7 @@ impl Dataset {
                     len,
                     dst: 0,
                 };
-                remote.read_into(names, &[r], bytes)?;
+                remote.read_into(names, &[r], bytes, &io::thread_stop())?;
                 from_le_in_place(out);
                 Ok(())
             }
@@ -514,7 +527,7 @@ impl Dataset {
             let bytes = unsafe {
                 std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 4)
             };
-            remote.read_into(names, &ranges, bytes)?;
+            remote.read_into(names, &ranges, bytes, &io::thread_stop())?;
             from_le_in_place(&mut out);
             return Ok(out);
         }
@@ -570,7 +583,7 @@ impl Dataset {
                 len: out.len() as u64,
                 dst: 0,
             };
-            remote.read_into(names, &[r], out)?;
+            remote.read_into(names, &[r], out, &io::thread_stop())?;
             return Ok(true);
         };
         let path = self.dir.join("labels.bin");
@@ -595,7 +608,7 @@ impl Dataset {
                     len: 1,
                     dst: 0,
                 };
-                remote.read_into(names, &[r], &mut b)?;
+                remote.read_into(names, &[r], &mut b, &io::thread_stop())?;
             }
             (None, None) => return Err(Error::Internal("internal: no labels.bin".into())),
         }
@@ -622,7 +635,7 @@ impl Dataset {
                     len,
                     dst: 0,
                 };
-                remote.read_into(names, &[r], &mut all)?;
+                remote.read_into(names, &[r], &mut all, &io::thread_stop())?;
             }
             (None, None) => return Err(Error::Internal("internal: no labels.bin".into())),
         }

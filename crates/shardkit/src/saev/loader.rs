@@ -28,10 +28,10 @@ use crate::engine::order::{rank_batches, EpochOrder, Order};
 use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
 use crate::engine::Buffer;
 use crate::error::{Error, Result};
+use crate::io::{HeldPages, PendingRead, Stop};
 use crate::saev::{Dataset, TokenMode};
 
 use super::options::{LoaderOptions, DEFAULT_MEMORY_BUDGET};
-use crate::storage::{HeldPages, PendingRead};
 
 /// Which layer a loader reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,7 +257,12 @@ impl std::fmt::Debug for Loader {
 impl Loader {
     /// Opens `dir` (which must be a complete dataset) for loading with `opts`.
     pub fn new(dir: impl AsRef<std::path::Path>, opts: LoaderOptions) -> Result<Loader> {
-        let ds = Dataset::open(dir)?;
+        Loader::with_dataset(Dataset::open(dir)?, opts)
+    }
+
+    /// Loads `ds`, already open (a test hook: a dataset opened over any source).
+    #[doc(hidden)]
+    pub fn with_dataset(ds: Dataset, opts: LoaderOptions) -> Result<Loader> {
         let layout = *ds.layout();
         let slots = match opts.layer {
             LayerSel::Value(v) => vec![ds.metadata().layer_slot(v)?],
@@ -270,7 +275,7 @@ impl Loader {
         }
         let labels = ds.read_all_labels()?;
         if opts.verify && ds.remote().is_some() {
-            return Err(crate::storage::verify_needs_local(ds.path()));
+            return Err(crate::io::verify_needs_local(ds.path()));
         }
         let kept = if opts.ignore_labels.is_empty() {
             None
@@ -656,8 +661,8 @@ impl SaevJob {
         }
         let buf = cx.buffer(&self.windows, len as usize)?;
         // The window belongs to this pass: once it stops, no further request is sent.
-        let stop = Some(cx.stop_flag().clone());
-        let read = store.start_read(Arc::new(names.to_vec()), ranges, buf, stop)?;
+        let stop = Stop::new(cx.stop_flag().clone());
+        let read = store.start_read(Arc::new(names.to_vec()), ranges, buf, &stop)?;
         Ok(Some((w, Fetch::Read(read), block_dst)))
     }
 
@@ -733,7 +738,7 @@ impl SaevJob {
             // From a store, window `w`'s requests are in flight (started a window ahead, or
             // now, for the first window of a pass). When the windows before it are (all but at
             // most one) gathered, the next window's requests start now too: they queue behind
-            // `w`'s (see `storage::inflight`), so the store stays busy through the tail of
+            // `w`'s (see `io::inflight`), so the store stays busy through the tail of
             // `w`'s fetch instead of idling until `w` is in.
             let pending = match r.pending.take().filter(|p| p.0 == w) {
                 Some(p) => Some(p),
@@ -889,7 +894,8 @@ impl Job for SaevJob {
                     dst: (k * rb) as u64,
                 })
                 .collect();
-            store.read_into(names, &ranges, buf.as_mut_bytes())?;
+            let stop = Stop::new(cx.stop_flag().clone());
+            store.read_into(names, &ranges, buf.as_mut_bytes(), &stop)?;
             // Exact order from an object store: the batch's rows fetched at once with coalesced
             // ranged GETs (one request per row would leave the network idle between round
             // trips); the rows are in place: the gather has nothing left to do.

@@ -262,8 +262,9 @@ pub(crate) fn remote_candidates<'a>(names: impl IntoIterator<Item = &'a String>)
 
 /// The error for a saev directory (or `s3://` prefix) `dir` that holds no metadata.json, given
 /// the dataset directories found one level below it: says what `dir` is instead and what to open.
-pub(crate) fn missing_metadata(dir: &Path, candidates: &[String]) -> Error {
-    let remote = crate::storage::is_remote(dir);
+/// `local`: whether `dir` is a local directory (a store's prefix is never missing).
+pub(crate) fn missing_metadata(dir: &Path, local: bool, candidates: &[String]) -> Error {
+    let remote = !local;
     // The same words for a store's prefix as for a local directory: a report of a store's copy
     // reads as the report of the local one, the path aside.
     let (kind, entry) = ("directory", "file");
@@ -333,7 +334,7 @@ impl Metadata {
         let path = dir.join("metadata.json");
         let bytes = fsutil::read_json_file(&path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
-                missing_metadata(dir, &local_candidates(dir))
+                missing_metadata(dir, true, &local_candidates(dir))
             } else {
                 Error::io(&path, e)
             }

@@ -6,13 +6,14 @@ use std::path::Path;
 use crate::error::Error;
 use crate::error::IoContext;
 use crate::fsutil;
+use crate::io::{self, Location, Source};
 use crate::json::Value;
 use crate::saev::dataset::{check_complete, check_complete_with, check_entries, leading_full_with};
 use crate::saev::layout::{parse_shards_json, Layout};
 use crate::saev::Metadata;
-use crate::storage::{self, Remote};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 pub use crate::report::{Finding, Severity, Validation};
 
@@ -30,7 +31,7 @@ pub type Problem = Finding;
 /// documents; like a local check, no shard's contents are read (`validate --deep` reads every
 /// byte against the checksums sidecar).
 pub fn validate(dir: impl AsRef<Path>) -> Validation {
-    let dir = storage::local_path(dir.as_ref());
+    let dir = io::local_path(dir.as_ref());
     let mut r = Validation::new(&dir);
     let files = match Files::list(&dir) {
         Ok(f) => f,
@@ -245,7 +246,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
 /// prefix, each with its size or why it cannot be read as a file.
 struct Files {
     dir: PathBuf,
-    remote: Option<Remote>,
+    remote: Option<Arc<dyn Source>>,
     entries: BTreeMap<String, std::result::Result<u64, String>>,
     /// The dataset directories one level below (a writer's root holds `<root>/<hash>/`), named
     /// when metadata.json is missing.
@@ -254,8 +255,9 @@ struct Files {
 
 impl Files {
     fn list(dir: &Path) -> crate::Result<Files> {
-        if storage::is_remote(dir) {
-            let remote = Remote::parse(dir)?;
+        let location = Location::parse(dir)?;
+        if !location.is_local() {
+            let remote = io::open_uncached(&location)?;
             let listing = remote.list()?;
             let candidates =
                 crate::saev::metadata::remote_candidates(listing.iter().map(|(n, _)| n));
@@ -272,7 +274,7 @@ impl Files {
             });
         }
         if !dir.is_dir() {
-            return Err(crate::saev::metadata::missing_metadata(dir, &[]));
+            return Err(crate::saev::metadata::missing_metadata(dir, true, &[]));
         }
         let mut entries = BTreeMap::new();
         for e in std::fs::read_dir(dir).at(dir)?.flatten() {
@@ -310,6 +312,7 @@ impl Files {
         match (&self.remote, self.entries.get(name)) {
             (_, None) if name == "metadata.json" => Err(crate::saev::metadata::missing_metadata(
                 &self.dir,
+                self.remote.is_none(),
                 &self.candidates,
             )),
             (_, None) => Err(Error::NotFound {
@@ -336,24 +339,29 @@ fn strip_path(e: &Error, path: &Path) -> String {
 /// A summary of a saev directory (what `shardkit saev inspect --json` prints): version, shapes,
 /// layers, counts, sizes, completeness and hash recipe.
 pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
-    let dir = &storage::local_path(dir.as_ref());
-    let (md, warnings, layout, complete, labels) = if storage::is_remote(dir) {
-        let remote = Remote::parse(dir)?;
+    let location = Location::parse(dir.as_ref())?;
+    let dir = &location.to_path();
+    let (md, warnings, layout, complete, labels) = if !location.is_local() {
+        let remote = io::open_uncached(&location)?;
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
         if !objects.contains_key("metadata.json") {
             let candidates = crate::saev::metadata::remote_candidates(objects.keys());
-            return Err(crate::saev::metadata::missing_metadata(dir, &candidates));
+            return Err(crate::saev::metadata::missing_metadata(
+                dir,
+                false,
+                &candidates,
+            ));
         }
         let (md, warnings) = Metadata::parse(
             &remote.get("metadata.json")?,
-            &remote.url_of("metadata.json"),
+            &remote.path_of("metadata.json"),
         )?;
-        let layout = Layout::new(&md, &remote.url_of("metadata.json"))?;
+        let layout = Layout::new(&md, &remote.path_of("metadata.json"))?;
         let sj = match objects.contains_key("shards.json") {
             true => Some(remote.get("shards.json")?),
             false => None,
         };
-        let url = PathBuf::from(remote.url());
+        let url = remote.location().to_path();
         let complete = check_complete_with(&url, &layout, sj, |n| {
             objects
                 .get(n)

@@ -26,12 +26,12 @@ use crate::checksum::{FileSums, Journal};
 use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::{self, Remote};
 use crate::json::Value;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
-use crate::storage::{self, Remote};
 
 const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
@@ -118,7 +118,7 @@ impl Writer {
     /// * anything else (different metadata.json bytes, foreign files): refused, never overwritten.
     ///
     /// `root` may be an `s3://bucket/prefix` URL: the dataset is then staged in a local
-    /// directory ([`storage::staging_dir`]), each shard uploaded as soon as it is complete and
+    /// directory ([`crate::commit::staging_dir`]), each shard uploaded as soon as it is complete and
     /// its staged copy removed, and the rest uploaded by [`Writer::finish`], shards.json last.
     /// The same rules apply to what the store holds: an interrupted write (shards named in its
     /// upload journal) is refused unless `opts.resume`, then continued from the first shard in
@@ -142,7 +142,7 @@ impl Writer {
         uploaded: &Journal,
         target: Option<&Remote>,
     ) -> Result<Writer> {
-        let root = &storage::local_path(root);
+        let root = &io::local_path(root);
         let layout = Layout::new(&md, Path::new("metadata.json"))?;
         let dir = root.join(md.dir_name());
         let ours = md.file_bytes();

@@ -63,6 +63,8 @@ pub use write::{convert, save, Format, Progress, SaveOptions, TensorIn, DEFAULT_
 
 // Shard-set naming, for the CLI.
 #[doc(hidden)]
+pub use read::open_source;
+#[doc(hidden)]
 pub use read::{base_name, shard_files};
 
 /// Checks the container at `path` (a file, an archive, or a shard set's base name): that it
@@ -70,7 +72,7 @@ pub use read::{base_name, shard_files};
 /// byte against its checksums sidecar (`NAME.checksums.json`; a shard set's
 /// `BASE.shard-set.checksums.json`).
 pub fn validate(path: impl AsRef<std::path::Path>, deep: bool) -> crate::report::Validation {
-    let path = &crate::storage::local_path(path.as_ref());
+    let path = &crate::io::local_path(path.as_ref());
     let mut v = crate::report::Validation::new(path);
     match open(path) {
         Err(e) => v.error_from(&e),

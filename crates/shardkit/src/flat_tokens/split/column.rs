@@ -174,7 +174,7 @@ impl Column {
         };
         // A chunk that does not decode is most often one cut short: say so, naming the file
         // and both sizes, rather than with the codec's words ("the checksum is invalid").
-        if e.io_beneath().is_none() && !crate::storage::is_remote(&self.path) {
+        if e.io_beneath().is_none() && !crate::io::is_remote(&self.path) {
             if let Some((file, size, want, from)) = self.truncated_file(root, &keys) {
                 return Error::format(
                     file,
@@ -194,7 +194,7 @@ impl Column {
     pub(super) fn damaged(&self, key: &str, detail: &str) -> Error {
         let root = self.store_root();
         let file = root.join(key);
-        if !crate::storage::is_remote(&self.path) {
+        if !crate::io::is_remote(&self.path) {
             if let Some((f, size, want, from)) = self.truncated_file(root, &[key.to_string()]) {
                 return Error::format(
                     f,

@@ -81,7 +81,7 @@ impl Prefetched {
                 ByteRange::Suffix(_) => (u64::MAX, false),
             })
             .collect();
-        let parts = crate::storage::reads_stopped_by(self.stop.clone(), || {
+        let parts = crate::io::reads_stopped_by(self.stop.clone(), || {
             self.inner
                 .get_partial_many(key, Box::new(ranges.into_iter()))
         })?;

@@ -8,8 +8,8 @@ use crate::checksum::{FileSums, Journal};
 use crate::commit::{self, StoreWrite, Streaming};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::Remote;
 use crate::json::Value;
-use crate::storage::Remote;
 
 /// A writer's stream to an object store (see [`Writer::create`]).
 pub(super) struct Upload {

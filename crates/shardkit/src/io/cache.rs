@@ -36,11 +36,12 @@ use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 
-use object_store::aws::AmazonS3;
-use object_store::ObjectStoreExt;
+use object_store::{ObjectStore, ObjectStoreExt};
 
-use super::{block_on, inflight, max_request, Remote};
-use crate::engine::reader::{read_all, Files, ReadRange};
+use super::local::{read_all, Files, ReadRange};
+use super::runtime::block_on;
+use super::Remote;
+use crate::config::{inflight, max_request};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 
@@ -49,9 +50,7 @@ use crate::fsutil;
 /// read from a store are copied whole into it and opened from there. At most
 /// `$SHARDKIT_CACHE_GIB` GiB (default 32), the least recently used files evicted to make room.
 pub fn cache_dir() -> Option<PathBuf> {
-    std::env::var_os("SHARDKIT_CACHE_DIR")
-        .filter(|d| !d.is_empty())
-        .map(PathBuf::from)
+    crate::config::cache_dir()
 }
 
 /// The cache directory a command names, `dir`, else [`cache_dir`]; an error when neither is
@@ -62,22 +61,7 @@ pub fn cache_dir_or(dir: Option<PathBuf>) -> Result<PathBuf> {
     })
 }
 
-fn cache_limit() -> u64 {
-    // A value that does not parse was refused when the store was first used.
-    let gib = crate::env::number("SHARDKIT_CACHE_GIB")
-        .ok()
-        .flatten()
-        .unwrap_or(32.0);
-    (gib * (1u64 << 30) as f64) as u64
-}
-
-/// Bytes per cached page of a data object (`SHARDKIT_CACHE_PAGE_MIB`, 1 to 64, default 4).
-fn page_size() -> u64 {
-    super::env_u64("SHARDKIT_CACHE_PAGE_MIB")
-        .unwrap_or(4)
-        .clamp(1, 64)
-        << 20
-}
+use crate::config::{cache_limit, cache_page_size as page_size};
 
 /// The file marking a shardkit cache, after the Cache Directory Tagging Specification (so
 /// backup tools skip the cache too): its signature line, then a line naming shardkit (other
@@ -334,11 +318,13 @@ const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(3600);
 const PAGE_GROUP: u64 = 256 << 20;
 
 /// The pieces of a read that the cache did not serve at once ([`Remote::read_cached`]).
-pub(super) struct Paged {
+pub(crate) struct Paged {
     /// Ranges of objects that are not cached: read from the store as without a cache.
     pub direct: Vec<ReadRange>,
     /// Pages to fetch, keep, and copy into the read.
     pub missing: Vec<MissingPage>,
+    /// The cache the missing pages are kept in.
+    pub cache: Option<PathBuf>,
 }
 
 impl Paged {
@@ -347,6 +333,7 @@ impl Paged {
         Paged {
             direct: ranges,
             missing: Vec::new(),
+            cache: None,
         }
     }
 
@@ -359,7 +346,7 @@ impl Paged {
 type Piece = (u64, u64, u64);
 
 /// A page the cache lacks, and the pieces of the read it serves.
-pub(super) struct MissingPage {
+pub(crate) struct MissingPage {
     file: u32,
     offset: u64,
     len: u64,
@@ -475,7 +462,7 @@ fn for_this_process<T: Default>(table: &mut (u32, T)) -> &mut T {
 /// out of the pages (as a local file's rows are out of its map), instead of read into a
 /// buffer first and copied again from there. A page evicted meanwhile stays mapped (pages are
 /// written aside and renamed, never changed in place).
-pub(crate) struct HeldPages {
+pub struct HeldPages {
     /// (start in the read's buffer, map, offset in the map, length), by start.
     pieces: Vec<(u64, Arc<memmap2::Mmap>, usize, usize)>,
 }
@@ -533,6 +520,7 @@ impl Remote {
         // before the next: a read may touch more pages than a process may hold open).
         let mut by_page: BTreeMap<(u32, u64), (&ObjectPages, Vec<Piece>)> = BTreeMap::new();
         let mut out = Paged::direct(Vec::new());
+        out.cache = Some(cache.to_path_buf());
         for r in ranges {
             let Some(Some(o)) = objects.get(&r.file) else {
                 out.direct.push(*r);
@@ -587,12 +575,10 @@ impl Remote {
     /// [`Remote::start_read`], which fetches what is missing).
     pub(crate) fn held_pages(
         &self,
+        cache: &Path,
         names: &[String],
         ranges: &[ReadRange],
     ) -> Result<Option<HeldPages>> {
-        let Some(cache) = &self.object_cache else {
-            return Ok(None);
-        };
         claim(cache)?;
         Remote::keep_failure()?;
         let objects = self.objects_in(cache, names, ranges)?;
@@ -716,7 +702,7 @@ impl Remote {
     /// not cached, then the missing pages.
     pub(super) async fn fetch_paged(
         &self,
-        store: &AmazonS3,
+        store: &dyn ObjectStore,
         names: &[String],
         paged: Paged,
         buf: &mut [u8],
@@ -724,7 +710,10 @@ impl Remote {
     ) -> Result<()> {
         self.fetch_into(store, names, &paged.direct, buf, stop)
             .await?;
-        self.fill_pages(store, names, paged.missing, buf, stop)
+        let Some(cache) = paged.cache else {
+            return Ok(());
+        };
+        self.fill_pages(store, &cache, names, paged.missing, buf, stop)
             .await
     }
 
@@ -732,15 +721,13 @@ impl Remote {
     /// coalesced ranged GETs), copies their pieces into `buf`, and keeps them in the cache.
     async fn fill_pages(
         &self,
-        store: &AmazonS3,
+        store: &dyn ObjectStore,
+        cache: &Path,
         names: &[String],
         missing: Vec<MissingPage>,
         buf: &mut [u8],
         stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<()> {
-        let Some(cache) = self.object_cache.clone() else {
-            return Ok(());
-        };
         let group_bytes = (inflight() as u64 * max_request()).min(PAGE_GROUP);
         let mut rest = missing;
         while !rest.is_empty() {
@@ -780,7 +767,7 @@ impl Remote {
                 .acquire_many_owned(fetched.len().div_ceil(1 << 20) as u32)
                 .await
                 .map_err(|e| Error::Internal(format!("internal: keeping cache pages: {e}")))?;
-            let cache = cache.clone();
+            let cache = cache.to_path_buf();
             tokio::task::spawn_blocking(move || {
                 if let Err(e) = keep_pages(&cache, &group, &ranges, &fetched) {
                     let mut failed = KEEP_FAILED.lock().unwrap_or_else(|e| e.into_inner());
@@ -813,7 +800,7 @@ impl PageFiles {
     /// Reads `reads` (of these pages) into `buf` on every core, then closes the pages.
     fn read(&mut self, reads: &mut Vec<ReadRange>, buf: &mut [u8]) -> Result<()> {
         if !reads.is_empty() {
-            let threads = crate::engine::exec::available_cores().min(reads.len());
+            let threads = crate::config::available_cores().min(reads.len());
             read_all(self, reads, buf, threads, false)?;
             let bytes = reads.iter().map(|r| r.len).sum::<u64>();
             super::CACHE_READ_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
@@ -998,10 +985,20 @@ fn whole_copy(
     Ok(local)
 }
 
+/// How a container format names the shards of a set (see [`fetch_container`]).
+pub(crate) struct ShardNames {
+    /// The base name of the set `name` would belong to.
+    pub base: fn(&str) -> &str,
+    /// Whether object `name` is a shard of the set `base`.
+    pub is_shard: fn(&str, &str) -> bool,
+}
+
 /// A container (one object, or a shard set `BASE.shard<i>-of-<N>.sdnb` beside `url`) copied into
 /// the cache at `cache` (reused while each object's size and ETag are unchanged); returns the
-/// local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_dir`]).
-pub(crate) fn fetch_container(url: &Path, cache: &Path) -> Result<PathBuf> {
+/// local path to open. Used only when `SHARDKIT_CACHE_DIR` is set ([`cache_dir`]). The format
+/// names its shard objects: `shards.base` is the set's base name for `name`, and
+/// `shards.is_shard` whether an object is a shard of that base.
+pub(crate) fn fetch_container(url: &Path, cache: &Path, shards: &ShardNames) -> Result<PathBuf> {
     claim(cache)?;
     let remote = Remote::parse(url)?;
     let (parent, name) = remote.split_last()?;
@@ -1014,12 +1011,10 @@ pub(crate) fn fetch_container(url: &Path, cache: &Path) -> Result<PathBuf> {
     if let Some((_, size, etag)) = objects.iter().find(|(n, _, _)| *n == name) {
         return whole_copy(cache, &parent, &name, *size, etag.as_deref());
     }
-    let base = crate::sdnb::read::base_name(&name);
+    let base = (shards.base)(&name);
     let shards: Vec<_> = objects
         .iter()
-        .filter(|(n, _, _)| {
-            crate::sdnb::sdz::parse_shard_name(n).is_some_and(|(b, _, _)| b == base)
-        })
+        .filter(|(n, _, _)| (shards.is_shard)(n, base))
         .collect();
     if shards.is_empty() {
         return Err(Error::NotFound {
@@ -1035,232 +1030,8 @@ pub(crate) fn fetch_container(url: &Path, cache: &Path) -> Result<PathBuf> {
     Ok(local)
 }
 
+mod cached;
+pub use cached::Cached;
+
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::time::{Duration, SystemTime};
-
-    #[test]
-    fn held_pages_copy_a_range_across_pages_and_refuse_one_outside() {
-        let dir = tempfile::tempdir().unwrap();
-        let map = |name: &str, bytes: Vec<u8>| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, bytes).unwrap();
-            let f = std::fs::File::open(&path).unwrap();
-            Arc::new(unsafe { memmap2::Mmap::map(&f) }.unwrap())
-        };
-        let (a, b, c) = (
-            map("a", (0..100).collect()),
-            map("b", (100..150).collect()),
-            map("c", (150..160).collect()),
-        );
-        // The read's bytes 0..140: a[10..100], b[0..50]; then 140..150: c[0..10].
-        let held = HeldPages {
-            pieces: vec![(0, a, 10, 90), (90, b, 0, 50), (140, c, 0, 10)],
-        };
-        let mut out = vec![0u8; 60];
-        held.copy_into(85, &mut out, |d, s| d.copy_from_slice(s))
-            .unwrap();
-        let want: Vec<u8> = (95..100).chain(100..150).chain(150..155).collect();
-        assert_eq!(out, want);
-        assert_eq!(held.first(89), Some(&[99u8][..]));
-        assert_eq!(held.first(145).map(<[u8]>::len), Some(5));
-        let mut past = vec![0u8; 20];
-        assert!(held
-            .copy_into(140, &mut past, |d, s| d.copy_from_slice(s))
-            .is_none());
-        assert!(held.first(150).is_none());
-    }
-
-    fn file(path: &Path, len: usize, age_s: u64) {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(path, vec![7u8; len]).unwrap();
-        let f = std::fs::File::options().write(true).open(path).unwrap();
-        f.set_modified(SystemTime::now() - Duration::from_secs(age_s))
-            .unwrap();
-    }
-
-    #[test]
-    fn eviction_removes_the_least_recently_used_until_the_incoming_bytes_fit() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path();
-        let pages = root.join("b/acts/acts000000.bin.pages/00ff");
-        file(&pages.join("0"), 100, 50);
-        file(&pages.join("1"), 100, 40);
-        file(&pages.join("2"), 100, 30);
-        file(&root.join("b/m.sdz"), 100, 10);
-        // Hidden files are not counted: stamps, and a live writer's temporary.
-        file(&root.join("b/.m.sdz.etag"), 5, 60);
-        file(&pages.join(".3.1.ThreadId(2).tmp"), 100, 60);
-        // A temporary left by a killed process is removed.
-        let stale = pages.join(".4.1.ThreadId(2).tmp");
-        file(&stale, 100, 2 * 3600);
-
-        assert_eq!(evict(root, 0, 400).unwrap(), 400);
-        assert!(!stale.exists());
-        assert_eq!(evict(root, 150, 400).unwrap(), 200);
-        assert!(!pages.join("0").exists() && !pages.join("1").exists());
-        assert!(pages.join("2").exists() && root.join("b/m.sdz").exists());
-        assert!(root.join("b/.m.sdz.etag").exists());
-        assert!(pages.join(".3.1.ThreadId(2).tmp").exists());
-        // More than the target: everything goes.
-        assert_eq!(evict(root, 1000, 400).unwrap(), 0);
-        assert!(!root.join("b/m.sdz").exists());
-    }
-
-    #[test]
-    fn a_cache_is_made_only_in_a_new_or_empty_directory_and_keeps_its_mark() {
-        let dir = tempfile::tempdir().unwrap();
-        // New, and empty: marked.
-        let new = dir.path().join("new/cache");
-        claim(&new).unwrap();
-        assert!(is_ours(&new.join(TAG)).unwrap());
-        let empty = dir.path().join("empty");
-        std::fs::create_dir(&empty).unwrap();
-        claim(&empty).unwrap();
-        assert!(is_ours(&empty.join(TAG)).unwrap());
-        // Marked, it is taken whatever it holds; eviction empties it but for the mark.
-        file(&new.join("b/m.sdz"), 100, 10);
-        CLAIMED.lock().unwrap().1.clear();
-        claim(&new).unwrap();
-        assert_eq!(evict(&new, 1000, 400).unwrap(), 0);
-        assert!(!new.join("b/m.sdz").exists() && is_ours(&new.join(TAG)).unwrap());
-        // A directory of other files is refused, naming it, and left as it was: here a
-        // user's data, and another tool's cache (cargo's target directory, same signature).
-        let data = dir.path().join("data");
-        file(&data.join("train.bin"), 100, 10);
-        let target = dir.path().join("target");
-        file(&target.join("debug/x"), 10, 10);
-        std::fs::write(
-            target.join(TAG),
-            "Signature: 8a477f597d28d172789f06886806bc55\n# cargo\n",
-        )
-        .unwrap();
-        for (d, found) in [(&data, "train.bin"), (&target, "")] {
-            let e = claim(d).unwrap_err();
-            assert!(matches!(e, Error::Invalid(_)), "{e:?}");
-            let e = e.to_string();
-            assert!(
-                e.contains(&d.display().to_string()) && e.contains(found),
-                "{e}"
-            );
-            assert!(e.contains("not a shardkit cache"), "{e}");
-            // Nor does anything that would write or evict there go ahead.
-            let e = reserve(d, 10).err().expect("not a shardkit cache");
-            assert!(
-                matches!(&e, Error::Invalid(m) if m.contains("not a shardkit cache")),
-                "{e:?}"
-            );
-        }
-        assert!(data.join("train.bin").exists() && target.join("debug/x").exists());
-        assert!(!data.join(TAG).exists());
-        // A marking in progress elsewhere (its temporary) does not make a directory "used".
-        let racing = dir.path().join("racing");
-        file(&racing.join(".CACHEDIR.TAG.7.ThreadId(2).tmp"), 10, 0);
-        claim(&racing).unwrap();
-        assert!(is_ours(&racing.join(TAG)).unwrap());
-    }
-
-    #[test]
-    fn usage_and_clearing_go_by_object_and_leave_writes_in_progress() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("cache");
-        claim(&root).unwrap();
-        let acts = root.join("b/acts");
-        file(&acts.join("acts000000.bin.pages/00ff/0"), 100, 30);
-        file(&acts.join("acts000000.bin.pages/00ff/1"), 100, 20);
-        file(&acts.join("acts000001.bin.pages/00ff/0"), 50, 10);
-        let writing = acts.join("acts000001.bin.pages/00ff/.1.7.ThreadId(3).tmp");
-        file(&writing, 50, 0);
-        file(&root.join("b/models/m.sdz"), 70, 40);
-        file(&root.join("b/models/.m.sdz.etag"), 5, 40);
-        file(&root.join("c/x.pages/v/0"), 10, 5);
-        let u = cache_usage(&root).unwrap();
-        assert_eq!(u.bytes, 330);
-        let got: Vec<(&str, u64, u64)> = u
-            .objects
-            .iter()
-            .map(|o| (o.url.as_str(), o.bytes, o.pages))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                ("s3://b/acts/acts000000.bin", 200, 2),
-                ("s3://b/models/m.sdz", 70, 0),
-                ("s3://b/acts/acts000001.bin", 50, 1),
-                ("s3://c/x", 10, 1),
-            ]
-        );
-        let newest = std::fs::metadata(acts.join("acts000000.bin.pages/00ff/1"))
-            .unwrap()
-            .modified()
-            .unwrap();
-        assert_eq!(u.objects[0].last_used, newest);
-
-        // A prefix is matched by path segments; an object by its URL (copy and stamp).
-        assert_eq!(clear_cache(&root, Some("s3://b/act")).unwrap(), (0, 0));
-        assert_eq!(clear_cache(&root, Some("s3://b/acts/")).unwrap(), (3, 250));
-        assert!(writing.exists(), "a write in progress is left to finish");
-        assert_eq!(
-            clear_cache(&root, Some("s3://b/models/m.sdz")).unwrap(),
-            (2, 70)
-        );
-        assert!(!root.join("b/models/.m.sdz.etag").exists());
-        assert_eq!(cache_usage(&root).unwrap().bytes, 10);
-        assert_eq!(clear_cache(&root, None).unwrap(), (1, 10));
-        assert_eq!(
-            cache_usage(&root).unwrap(),
-            CacheUsage {
-                bytes: 0,
-                limit: cache_limit(),
-                objects: vec![]
-            }
-        );
-        assert!(is_ours(&root.join(TAG)).unwrap() && writing.exists());
-
-        let e = clear_cache(&root, Some("b/acts")).unwrap_err();
-        assert!(
-            matches!(e, Error::Invalid(_)) && e.to_string().contains("b/acts"),
-            "{e}"
-        );
-        // Only a shardkit cache is looked at or cleared.
-        let data = dir.path().join("data");
-        file(&data.join("train.bin"), 100, 10);
-        for e in [
-            clear_cache(&data, None).unwrap_err(),
-            cache_usage(&data).unwrap_err(),
-        ] {
-            assert!(e.to_string().contains("not a shardkit cache"), "{e}");
-        }
-        assert!(data.join("train.bin").exists());
-        let e = cache_usage(&dir.path().join("none")).unwrap_err();
-        assert!(matches!(e, Error::NotFound { .. }), "{e:?}");
-    }
-
-    #[test]
-    fn a_file_written_aside_is_whole_or_absent() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("x.pages/v/0");
-        write_aside(&path, |f, tmp| {
-            use std::io::Write;
-            f.write_all(b"page").at(tmp)
-        })
-        .unwrap();
-        assert_eq!(std::fs::read(&path).unwrap(), b"page");
-        // A failed write leaves the old page and no temporary.
-        let err = write_aside(&path, |_, tmp| {
-            Err(Error::Io {
-                path: tmp.to_path_buf(),
-                source: std::io::Error::other("disk full"),
-            })
-        })
-        .unwrap_err();
-        assert!(err.to_string().contains("disk full"), "{err}");
-        assert_eq!(std::fs::read(&path).unwrap(), b"page");
-        let left: Vec<_> = std::fs::read_dir(path.parent().unwrap())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(left, vec![std::ffi::OsString::from("0")]);
-    }
-}
+mod tests;

@@ -7,15 +7,15 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::fault;
 use crate::error::{Error, Result};
+use crate::fault;
 
 /// Largest single read issued.
 pub(crate) const MAX_READ: u64 = 8 << 20;
 
 /// One range to read: `len` bytes of file `file` at `offset`, into the buffer at `dst`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct ReadRange {
+pub struct ReadRange {
     /// Index of the file (see [`Files`]).
     pub file: u32,
     /// Byte offset in the file.

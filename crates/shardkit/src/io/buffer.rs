@@ -317,7 +317,7 @@ impl BufferPool {
                 });
             }
             if stop.load(Ordering::Relaxed) {
-                return Err(crate::engine::exec::stopped_error());
+                return Err(crate::io::stop::stopped_error());
             }
             list = self
                 .free
