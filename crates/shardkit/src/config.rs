@@ -217,7 +217,9 @@ pub(crate) fn token_buffer_gib() -> Result<Option<u64>> {
 }
 
 /// The kill tests' hooks: `SHARDKIT_TEST_ABORT_AFTER_RENAMES` and
-/// `SHARDKIT_TEST_ABORT_AFTER_PUTS` (the count after which the process aborts).
+/// `SHARDKIT_TEST_ABORT_AFTER_PUTS` (the count after which the process aborts). Compiled only
+/// with the `fault-injection` feature: a user's build never reads them.
+#[cfg(feature = "fault-injection")]
 pub(crate) fn test_abort_after(what: AbortAfter) -> Option<u64> {
     let var = match what {
         AbortAfter::Renames => "SHARDKIT_TEST_ABORT_AFTER_RENAMES",
@@ -226,7 +228,8 @@ pub(crate) fn test_abort_after(what: AbortAfter) -> Option<u64> {
     std::env::var(var).ok().and_then(|v| v.parse().ok())
 }
 
-/// What a kill test counts before aborting ([`test_abort_after`]).
+/// What a kill test counts before aborting (`test_abort_after`).
+#[cfg(feature = "fault-injection")]
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum AbortAfter {
     Renames,

@@ -22,7 +22,6 @@ use super::stop::Stop;
 use super::{cache, cache_dir, GETS, GET_BYTES, PUTS, PUT_BYTES};
 use crate::config::max_request;
 use crate::error::{Error, IoContext, Result};
-use crate::fsutil;
 
 /// Objects larger than this are uploaded in parts of this size.
 pub(crate) const PART_SIZE: usize = 16 << 20;
@@ -567,7 +566,8 @@ impl Remote {
             .map_err(|e| self.error(name, None, e))?;
         PUTS.fetch_add(1, Ordering::Relaxed);
         PUT_BYTES.fetch_add(n, Ordering::Relaxed);
-        fsutil::trace::abort_after_put();
+        #[cfg(feature = "fault-injection")]
+        crate::fsutil::trace::abort_after_put();
         Ok(())
     }
 
@@ -611,7 +611,8 @@ impl Remote {
         })??;
         PUTS.fetch_add(1, Ordering::Relaxed);
         PUT_BYTES.fetch_add(len, Ordering::Relaxed);
-        fsutil::trace::abort_after_put();
+        #[cfg(feature = "fault-injection")]
+        crate::fsutil::trace::abort_after_put();
         Ok(())
     }
 
