@@ -13,12 +13,15 @@
 //!   prepare a few batches ahead on a prefetch thread, gathers on a pool of threads (default:
 //!   every core), hands batches over in planned order through bounded queues, and turns every
 //!   fault (an error, a panic, a thread that cannot start) into an error at the consumer.
-//! * `reader`: many large reads in flight, readahead, memory maps of resident blocks.
-//! * `batch`: page-aligned batch buffers, recycled through pools (or caller-owned memory such
-//!   as pinned host buffers).
 //! * `dist`: the one `RANK`/`WORLD_SIZE` parser.
 //! * `contract`: what every loader takes and gives back alike: [`LoaderOptions`] (the common
 //!   knobs, their defaults written once, the format's own beside them) and [`LoaderState`].
+//!
+//! The engine orders and gathers; it does not know where bytes live. Reads go down to
+//! [`crate::io`] (a format's `prepare` names byte ranges and hands them to its dataset's
+//! `io::Source`, with the loader's `Stop`), and batch memory is `io::buffer`'s. The layers, and
+//! how a shuffled batch and a remote write travel through them, are drawn in
+//! docs/development.md ("The library's layers").
 //!
 //! Thread counts and I/O timing change when a batch is ready, never what is in it.
 
