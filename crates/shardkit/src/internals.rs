@@ -9,20 +9,20 @@
 //!   the kill tests' `SHARDKIT_TEST_ABORT_AFTER_RENAMES` / `SHARDKIT_TEST_ABORT_AFTER_PUTS` are
 //!   read only with it.
 
-/// Streaming (non-temporal) copies into batch buffers, and the fence that ends them.
-#[cfg(feature = "bench-internals")]
-pub use crate::engine::batch::{copy_done, copy_streaming};
 /// The engine's PRNG (row orders are reproducible from its seeds).
 #[cfg(feature = "bench-internals")]
 pub use crate::engine::order::SplitMix64;
 /// O_DIRECT opens, for read ceilings that bypass the page cache.
 #[cfg(feature = "bench-internals")]
 pub use crate::fsutil::open_direct;
+/// Streaming (non-temporal) copies into batch buffers, and the fence that ends them.
+#[cfg(feature = "bench-internals")]
+pub use crate::io::buffer::{copy_done, copy_streaming};
 
 /// Faults the tests inject into the engine.
 #[cfg(feature = "fault-injection")]
 pub mod fault {
-    pub use crate::engine::fault::{clear, inject, Fault};
+    pub use crate::fault::{clear, inject, Fault};
 }
 
 /// The durability calls writers make (fsyncs, renames), recorded for tests of their order.

@@ -3,7 +3,7 @@
 //! a read failing with EIO, and a file that shrinks. Never a silently short epoch: before the
 //! error, batches are whole and exact; after it, the iterator ends.
 //!
-//! The faults are injected process-wide (`engine::fault`), so this file is a process of its own
+//! The faults are injected process-wide (`shardkit::internals::fault`), so this file is a process of its own
 //! and its tests run one at a time.
 
 use std::path::{Path, PathBuf};

@@ -14,7 +14,7 @@
 //! ends with [`Files::finish`] once its sidecar and commit record are staged: for a store, the
 //! rest is uploaded with the commit record last.
 
-pub mod lock;
+pub(crate) mod lock;
 pub(crate) mod staged;
 pub(crate) mod store_lock;
 pub(crate) mod transfer;
@@ -27,7 +27,7 @@ use crate::io::{self, Remote};
 use store_lock::StoreLock;
 
 pub(crate) use lock::WriteLock;
-pub use staged::staging_dir;
+pub(crate) use staged::staging_dir;
 pub(crate) use staged::Streaming;
 pub(crate) use transfer::{is_private, staged_files};
 

@@ -17,7 +17,7 @@ use crate::json::Value;
 /// The local directory a write to `url` is staged in: `$SHARDKIT_STAGING_DIR` (default: the
 /// system's temporary directory, `shardkit-staging`), then the bucket and key. The same URL
 /// always stages in the same place, so a killed write resumes from what it staged.
-pub fn staging_dir(url: &Path) -> PathBuf {
+pub(crate) fn staging_dir(url: &Path) -> PathBuf {
     let base = std::env::var_os("SHARDKIT_STAGING_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| std::env::temp_dir().join("shardkit-staging"));

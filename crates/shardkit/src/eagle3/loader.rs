@@ -18,12 +18,12 @@ use rayon::prelude::*;
 use super::cache::{scatter, Cache, ITEM_FIELDS};
 use super::shard::shard_name;
 use crate::checksum::{self, Verifier};
-use crate::engine::batch::{self, Buffer, BufferPool};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{derive_key, shuffled};
-use crate::engine::reader::{self, plan_reads, Files, ReadRange};
 use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
+use crate::io::buffer::{self, Buffer, BufferPool};
+use crate::io::local::{self, plan_reads, Files, ReadRange};
 use crate::io::{PendingRead, Stop};
 
 /// EAGLE-3's own loader knobs (fields of [`LoaderOptions`] through `Deref`).
@@ -57,7 +57,7 @@ impl crate::engine::LoaderOptions<Eagle3Options> {
 const FORMAT: &str = "eagle3";
 
 /// Where one field of a batch lies in the batch's buffer (the engine's [`Field`](crate::engine::Field)).
-pub use crate::engine::batch::Field as BatchField;
+pub use crate::io::buffer::Field as BatchField;
 
 /// One batch: every field stacked on dim 0, in one page-aligned buffer.
 pub struct Batch {
@@ -111,7 +111,7 @@ impl ShardFiles {
         let map = self.maps[i as usize].get_or_init(|| {
             let f = self.file(i).ok()?;
             let len = f.metadata().ok()?.len();
-            reader::map_file(f, &self.path(i), len).ok().map(Arc::new)
+            local::map_file(f, &self.path(i), len).ok().map(Arc::new)
         });
         map.clone().filter(|m| m.len() as u64 >= needed)
     }
@@ -627,11 +627,11 @@ impl Job for Eagle3Job {
                 let end = r.offset + r.len;
                 let map = files
                     .map(r.file, end)
-                    .filter(|m| reader::resident(&m[r.offset as usize..end as usize]));
+                    .filter(|m| local::resident(&m[r.offset as usize..end as usize]));
                 if map.is_some() {
                     // A map must never be read past its file's end: a shard that shrank is an
                     // error naming it, as a short read would be.
-                    reader::check_len(files.file(r.file)?, &files.path(r.file), end)?;
+                    local::check_len(files.file(r.file)?, &files.path(r.file), end)?;
                 }
                 Ok((r, map))
             })
@@ -680,12 +680,12 @@ impl Job for Eagle3Job {
         let (r, map) = &b.reads[piece];
         if let Some(map) = map {
             let (start, end) = (r.offset as usize, (r.offset + r.len) as usize);
-            batch::copy_streaming(out[0], &map[start..end]);
-            batch::copy_done();
+            buffer::copy_streaming(out[0], &map[start..end]);
+            buffer::copy_done();
             return Ok(());
         }
         let files = &self.inner.files;
-        reader::read_exact(files.file(r.file)?, &files.path(r.file), r.offset, out[0])
+        local::read_exact(files.file(r.file)?, &files.path(r.file), r.offset, out[0])
     }
 
     /// Expands top-k rows into the full-width `target_probs` (in parallel over samples).

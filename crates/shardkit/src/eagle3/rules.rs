@@ -58,7 +58,7 @@ pub(crate) struct Breach {
 
 impl Breach {
     /// The validator's finding, for rows starting at sample `first`.
-    pub fn finding(&self, first: u64) -> String {
+    pub(super) fn finding(&self, first: u64) -> String {
         format!(
             "{} (the first at sample {}, position {}: {}; allowed: {})",
             self.summary,
@@ -70,7 +70,7 @@ impl Breach {
     }
 
     /// The writer's refusal of a batch starting at sample `first` of the cache at `dir`.
-    pub fn refusal(&self, dir: &Path, first: u64) -> Error {
+    pub(super) fn refusal(&self, dir: &Path, first: u64) -> Error {
         Error::Refused {
             path: dir.to_path_buf(),
             field: self.field.to_string(),

@@ -29,13 +29,13 @@ use std::thread::JoinHandle;
 
 use rayon::prelude::*;
 
-use super::batch::{Buffer, BufferPool};
-use super::fault;
 use crate::error::{Error, Result};
+use crate::fault;
+use crate::io::buffer::{Buffer, BufferPool};
 
 /// A batch after [`Job::prepare`]: its buffer, the regions the pieces fill, and what the job
 /// needs to fill and finish it.
-pub struct Prepared<S> {
+pub(crate) struct Prepared<S> {
     /// The batch's memory.
     pub buf: Buffer,
     /// The regions of `buf` each piece fills (piece `i` gets `regions[i]`, in that order).
@@ -56,7 +56,7 @@ pub(crate) fn even_pieces(len: usize, step: usize) -> Vec<Vec<Range<usize>>> {
 }
 
 /// One format's batches as the engine runs them.
-pub trait Job: Send + Sync + 'static {
+pub(crate) trait Job: Send + Sync + 'static {
     /// What the order assigns one batch (its rows, its step, its samples).
     type Plan: Send + 'static;
     /// The job's state of a prepared batch.
@@ -79,18 +79,18 @@ pub trait Job: Send + Sync + 'static {
 }
 
 /// What [`Job::prepare`] may ask of the stream running it.
-pub struct Context<'a> {
+pub(crate) struct Context<'a> {
     stop: &'a Arc<AtomicBool>,
 }
 
 impl Context<'_> {
     /// A buffer of `len` bytes from `pool`; with an external pool, waits for one to come back
     /// unless the stream is being stopped.
-    pub fn buffer(&self, pool: &BufferPool, len: usize) -> Result<Buffer> {
+    pub(crate) fn buffer(&self, pool: &BufferPool, len: usize) -> Result<Buffer> {
         pool.get_or_wait(len, self.stop)
     }
     /// Whether the stream is being stopped (long preparations may give up early).
-    pub fn stopped(&self) -> bool {
+    pub(crate) fn stopped(&self) -> bool {
         self.stop.load(Ordering::Relaxed)
     }
     /// The stream's stop flag itself, for work that outlives this call or runs on other
@@ -104,7 +104,7 @@ pub(crate) use crate::io::stop::{stopped_error, STOP_POLL};
 
 /// How a stream runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StreamOptions {
+pub(crate) struct StreamOptions {
     /// Batches prepared ahead of the gather (at least 1).
     pub ahead: usize,
 }
@@ -116,7 +116,7 @@ impl Default for StreamOptions {
 }
 
 /// The gather threads of a loader (default: one per core). Kept across epochs.
-pub struct GatherPool {
+pub(crate) struct GatherPool {
     pool: rayon::ThreadPool,
 }
 
@@ -130,7 +130,7 @@ pub(crate) use crate::config::available_cores;
 
 impl GatherPool {
     /// A pool of `threads` gather threads (0: one per core).
-    pub fn new(threads: usize) -> Result<GatherPool> {
+    pub(crate) fn new(threads: usize) -> Result<GatherPool> {
         let threads = if threads == 0 {
             available_cores()
         } else {
@@ -153,7 +153,7 @@ impl GatherPool {
         Ok(GatherPool { pool })
     }
     /// The underlying pool.
-    pub fn pool(&self) -> &rayon::ThreadPool {
+    pub(crate) fn pool(&self) -> &rayon::ThreadPool {
         &self.pool
     }
 }
@@ -193,7 +193,7 @@ enum Msg<T> {
 }
 
 /// A running pipeline; iterate it for the items in planned order.
-pub struct Stream<T> {
+pub(crate) struct Stream<T> {
     lanes: Vec<Receiver<Msg<T>>>,
     next: usize,
     /// Set when the stream has ended (end mark or error): `next` returns None from then on.
@@ -299,7 +299,7 @@ pub(crate) fn run_one<J: Job>(job: &J, plan: J::Plan, pool: &GatherPool) -> Resu
 const LANES: usize = 2;
 
 /// Starts the pipeline over `plans` (in order; may be endless).
-pub fn start<J, P>(
+pub(crate) fn start<J, P>(
     job: Arc<J>,
     plans: P,
     pool: Arc<GatherPool>,
@@ -422,7 +422,7 @@ fn lane_loop<J: Job>(
 
 impl<T> Stream<T> {
     /// A stream that reports `e` at its first `next` (a loader that could not start).
-    pub fn failed(e: Error) -> Stream<T> {
+    pub(crate) fn failed(e: Error) -> Stream<T> {
         Stream {
             lanes: Vec::new(),
             next: 0,

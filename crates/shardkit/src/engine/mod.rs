@@ -28,16 +28,13 @@
 // The engine's parts are internals of the format loaders. What the benchmarks time on its own
 // and what the fault-injection tests arm is re-exported by `shardkit::internals`, behind the
 // `bench-internals` and `fault-injection` cargo features.
-pub(crate) use crate::io::buffer as batch;
 mod contract;
 pub(crate) mod dist;
 pub(crate) mod exec;
-pub(crate) use crate::fault;
 pub(crate) mod order;
 pub(crate) mod quality;
-pub(crate) use crate::io::local as reader;
 
-pub use batch::{Buffer, BufferPool, Field};
+pub use crate::io::buffer::{Buffer, BufferPool, Field};
 pub use contract::{LoaderOptions, LoaderState, StateValue, DEFAULT_ORDER};
 pub use order::Order;
 pub use quality::{shuffle_quality, ShuffleQuality};

@@ -51,7 +51,7 @@ pub(crate) fn derive_key(seed: u64, epoch: u64, purpose: u64) -> u64 {
 }
 
 /// A uniform random permutation of `0..n` (Fisher–Yates driven by SplitMix64).
-pub fn shuffled(n: usize, key: u64) -> Vec<u32> {
+pub(crate) fn shuffled(n: usize, key: u64) -> Vec<u32> {
     let mut v: Vec<u32> = (0..n as u32).collect();
     let mut rng = SplitMix64(key);
     for i in (1..n).rev() {
@@ -64,7 +64,7 @@ pub fn shuffled(n: usize, key: u64) -> Vec<u32> {
 /// A keyed bijection of `[0, n)` evaluated pointwise: a balanced Feistel network over the
 /// smallest even bit width covering `n`, with cycle walking back into range.
 #[derive(Debug, Clone)]
-pub struct Feistel {
+pub(crate) struct Feistel {
     n: u64,
     half_bits: u32,
     keys: [u64; 6],
@@ -72,7 +72,7 @@ pub struct Feistel {
 
 impl Feistel {
     /// The permutation of `[0, n)` for `key`.
-    pub fn new(n: u64, key: u64) -> Feistel {
+    pub(crate) fn new(n: u64, key: u64) -> Feistel {
         let bits = 64 - n.saturating_sub(1).leading_zeros();
         let half_bits = bits.div_ceil(2).max(1);
         let mut rng = SplitMix64(key);
@@ -91,7 +91,7 @@ impl Feistel {
     }
 
     /// The image of `i < n`.
-    pub fn apply(&self, i: u64) -> u64 {
+    pub(crate) fn apply(&self, i: u64) -> u64 {
         debug_assert!(i < self.n);
         let mut x = self.round(i);
         while x >= self.n {
@@ -139,7 +139,7 @@ impl Order {
 
 /// A window of the block order: consecutive stream positions served from a set of blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Window {
+pub(crate) struct Window {
     /// First stream position of the window.
     pub start: u64,
     /// Blocks, in the order their rows are numbered inside the window.
@@ -150,7 +150,7 @@ pub struct Window {
 
 impl Window {
     /// Rows in the window.
-    pub fn rows(&self) -> u64 {
+    pub(crate) fn rows(&self) -> u64 {
         *self.row_prefix.last().unwrap_or(&0)
     }
     /// (block, row within block) of window-local row `q`.
@@ -163,7 +163,7 @@ impl Window {
 
 /// The complete order of one epoch over blocks with the given row counts.
 #[derive(Debug, Clone)]
-pub struct EpochOrder {
+pub(crate) struct EpochOrder {
     order: Order,
     key: u64,
     /// Prefix sums of rows per block in storage order.
@@ -175,7 +175,7 @@ pub struct EpochOrder {
 impl EpochOrder {
     /// Plans an epoch. `rows_per_block[b]` is the number of selected rows of block `b`;
     /// `window_blocks` bounds the blocks of one window (sequential and block orders).
-    pub fn new(
+    pub(crate) fn new(
         order: Order,
         seed: u64,
         epoch: u64,
@@ -239,15 +239,15 @@ impl EpochOrder {
     }
 
     /// Rows in the epoch.
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         *self.block_prefix.last().unwrap()
     }
     /// The order.
-    pub fn order(&self) -> Order {
+    pub(crate) fn order(&self) -> Order {
         self.order
     }
     /// The windows of the sequential and block orders (empty for exact).
-    pub fn windows(&self) -> &[Window] {
+    pub(crate) fn windows(&self) -> &[Window] {
         &self.windows
     }
     /// The index of the window holding stream position `pos`.
@@ -270,7 +270,7 @@ impl EpochOrder {
     }
     /// (block, row within block) at stream position `pos` for the sequential and exact orders.
     /// (Block order is served window by window; see [`EpochOrder::windows`].)
-    pub fn locate(&self, pos: u64) -> (u32, u64) {
+    pub(crate) fn locate(&self, pos: u64) -> (u32, u64) {
         match &self.exact {
             Some(f) => self.locate_storage(f.apply(pos)),
             None => self.locate_storage(pos),

@@ -13,13 +13,13 @@ use std::sync::{Arc, Mutex};
 use safetensors::Dtype;
 
 use crate::checksum::{self, Verifier};
-use crate::engine::batch::{lay_out, Buffer, BufferPool, Field};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
-use crate::engine::reader;
 use crate::error::{Error, Result};
 use crate::flat_tokens::decode::decode_into;
 use crate::flat_tokens::seqax::{Schedule, ShuffleParams};
 use crate::flat_tokens::Split;
+use crate::io::buffer::{lay_out, Buffer, BufferPool, Field};
+use crate::io::local;
 
 /// How rows are cut from the token stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -407,7 +407,7 @@ impl FileVerifier {
         if len == 0 {
             return Ok(&[]);
         }
-        let _ = self.maps[i].set(reader::map_file(&f, p, len)?);
+        let _ = self.maps[i].set(local::map_file(&f, p, len)?);
         self.maps[i]
             .get()
             .map(|m| &m[..])
@@ -752,7 +752,7 @@ impl TokenLoader {
                 }
             }
             Packing::Unpacked => {
-                crate::engine::fault::before_read(split.path())?;
+                crate::fault::before_read(split.path())?;
                 let ranges: Vec<Range<u64>> =
                     blocks.iter().map(|&k| k * b..(k + 1) * b + 1).collect();
                 let starts = split.seq_starts_many(&ranges, pool)?;
@@ -811,7 +811,7 @@ impl TokenLoader {
             groups.last_mut().expect("one group").1.push(span);
         }
         let fetch = |g: &[Range<u64>]| {
-            crate::engine::fault::before_read(split.path())?;
+            crate::fault::before_read(split.path())?;
             split.fetch_encoded(g, Some(stop))
         };
         let lanes = lanes.min(groups.len()).max(1);
@@ -958,7 +958,7 @@ impl TokenLoader {
 }
 
 /// A prepared step: its rows' sequences.
-pub struct StepRows {
+pub(crate) struct StepRows {
     step: u64,
     rows: Vec<u64>,
     fields: Vec<Field>,
@@ -1058,7 +1058,7 @@ impl Job for TokenLoader {
                         d.start..d.end.min(d.start + len as u64)
                     }
                 };
-                crate::engine::fault::before_read(split.path())?;
+                crate::fault::before_read(split.path())?;
                 read = split.encoded(range)?;
                 &read
             }

@@ -329,7 +329,7 @@ pub(crate) struct Paged {
 
 impl Paged {
     /// Everything read from the store (no cache).
-    pub fn direct(ranges: Vec<ReadRange>) -> Paged {
+    pub(crate) fn direct(ranges: Vec<ReadRange>) -> Paged {
         Paged {
             direct: ranges,
             missing: Vec::new(),
@@ -337,7 +337,7 @@ impl Paged {
         }
     }
 
-    pub fn is_done(&self) -> bool {
+    pub(crate) fn is_done(&self) -> bool {
         self.direct.is_empty() && self.missing.is_empty()
     }
 }

@@ -424,7 +424,7 @@ impl Dataset {
     pub(crate) fn shard_file_direct(&self, s: u64) -> Option<&File> {
         self.direct
             .get(s as usize)?
-            .get_or_init(|| crate::engine::reader::open_direct(&self.shard_path(s)))
+            .get_or_init(|| crate::io::local::open_direct(&self.shard_path(s)))
             .as_ref()
     }
 

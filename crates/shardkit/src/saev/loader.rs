@@ -22,12 +22,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::checksum::{self, Verifier};
-use crate::engine::batch::{self, BufferPool};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::engine::order::{rank_batches, EpochOrder, Order};
-use crate::engine::reader::{self, plan_reads, read_all, Files, ReadRange};
 use crate::engine::Buffer;
 use crate::error::{Error, Result};
+use crate::io::buffer::{self, BufferPool};
+use crate::io::local::{self, plan_reads, read_all, Files, ReadRange};
 use crate::io::{HeldPages, PendingRead, Stop};
 use crate::saev::{Dataset, TokenMode};
 
@@ -83,8 +83,8 @@ impl SaevSource {
         }
         let len = self.ds.layout().shard_bytes();
         let f = self.file(s)?;
-        reader::check_len(f, &self.path(s), len)?;
-        let _ = cell.set(reader::map_file(f, &self.path(s), len)?);
+        local::check_len(f, &self.path(s), len)?;
+        let _ = cell.set(local::map_file(f, &self.path(s), len)?);
         cell.get()
             .ok_or_else(|| Error::Internal("internal: shard map vanished".into()))
     }
@@ -97,7 +97,7 @@ impl SaevSource {
         for s in shards {
             if !seen.contains(&s) {
                 seen.push(s);
-                reader::check_len(self.file(s)?, &self.path(s), len)?;
+                local::check_len(self.file(s)?, &self.path(s), len)?;
             }
         }
         Ok(())
@@ -714,9 +714,9 @@ impl SaevJob {
     fn readahead(&self, w: usize) {
         for &b in &self.order.windows()[w].blocks {
             let (file, offset, len) = self.src.block(b);
-            let cached = self.src.mapped_block(b).is_ok_and(reader::resident);
+            let cached = self.src.mapped_block(b).is_ok_and(local::resident);
             if let (false, Ok(f)) = (cached, self.src.file(file)) {
-                reader::readahead(f, offset, len);
+                local::readahead(f, offset, len);
             }
         }
     }
@@ -842,7 +842,7 @@ impl Job for SaevJob {
                 for &(b, j) in &rows {
                     let (file, offset, _) = self.src.block(b);
                     let f = self.src.file(file)?;
-                    reader::readahead(f, offset + self.src.row_offset(b, j as u64), rb);
+                    local::readahead(f, offset + self.src.row_offset(b, j as u64), rb);
                 }
             }
             let src = rows
@@ -949,23 +949,23 @@ impl Job for SaevJob {
         for (k, dst) in (first..first + rows).zip(dsts) {
             if k + AHEAD < first + rows {
                 match row(k + AHEAD) {
-                    Ok(Row::Bytes(next)) => batch::prefetch(next),
+                    Ok(Row::Bytes(next)) => buffer::prefetch(next),
                     Ok(Row::Held(pages, off)) => {
                         if let Some(next) = pages.first(off) {
-                            batch::prefetch(next);
+                            buffer::prefetch(next);
                         }
                     }
                     Err(_) => {}
                 }
             }
             match row(k)? {
-                Row::Bytes(bytes) => batch::copy_streaming(dst, bytes),
+                Row::Bytes(bytes) => buffer::copy_streaming(dst, bytes),
                 Row::Held(pages, off) => pages
-                    .copy_into(off, dst, batch::copy_streaming)
+                    .copy_into(off, dst, buffer::copy_streaming)
                     .ok_or_else(|| outside(k))?,
             }
         }
-        batch::copy_done();
+        buffer::copy_done();
         Ok(())
     }
 
@@ -1022,9 +1022,9 @@ const AHEAD: usize = 4;
 
 /// One row read straight into `dst`: O_DIRECT when aligned, else buffered.
 fn read_row(src: &SaevSource, file: u32, offset: u64, dst: &mut [u8]) -> Result<()> {
-    let aligned = offset.is_multiple_of(reader::DIRECT_ALIGN)
-        && (dst.len() as u64).is_multiple_of(reader::DIRECT_ALIGN)
-        && (dst.as_ptr() as u64).is_multiple_of(reader::DIRECT_ALIGN);
+    let aligned = offset.is_multiple_of(local::DIRECT_ALIGN)
+        && (dst.len() as u64).is_multiple_of(local::DIRECT_ALIGN)
+        && (dst.as_ptr() as u64).is_multiple_of(local::DIRECT_ALIGN);
     if aligned {
         if let Some(f) = src.direct(file) {
             use std::os::unix::fs::FileExt;
@@ -1033,7 +1033,7 @@ fn read_row(src: &SaevSource, file: u32, offset: u64, dst: &mut [u8]) -> Result<
             }
         }
     }
-    reader::read_exact(src.file(file)?, &src.path(file), offset, dst)
+    local::read_exact(src.file(file)?, &src.path(file), offset, dst)
 }
 
 /// The batches of one pass (see [`Loader::iter`]).
