@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-pub(super) use crate::report::{Finding, Severity, Validation};
+pub use crate::report::{Finding, Severity, Validation};
 
 /// The old name of [`Validation`] (saev's report is the one every format returns).
 pub type Report = Validation;
