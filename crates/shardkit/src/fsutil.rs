@@ -50,7 +50,7 @@ pub(crate) fn sync_data(f: &File, path: &Path) -> Result<()> {
 }
 
 /// Renames `from` to `to` (not yet durable: fsync the directory after).
-pub fn rename(from: &Path, to: &Path) -> Result<()> {
+pub(crate) fn rename(from: &Path, to: &Path) -> Result<()> {
     fs::rename(from, to).at(to)?;
     #[cfg(feature = "fault-injection")]
     trace::record(trace::Event::Rename {

@@ -84,7 +84,7 @@ impl Value {
 
     /// The same value with every object's keys sorted, as Python's `sort_keys=True` orders them
     /// (by code point, which is UTF-8 byte order).
-    pub fn sorted(&self) -> Value {
+    pub(crate) fn sorted(&self) -> Value {
         match self {
             Value::Array(items) => Value::Array(items.iter().map(Value::sorted).collect()),
             Value::Object(members) => {

@@ -71,7 +71,12 @@ impl Validation {
     }
 
     /// Records a finding about `file`.
-    pub fn push(&mut self, severity: Severity, file: impl AsRef<Path>, message: impl Into<String>) {
+    pub(crate) fn push(
+        &mut self,
+        severity: Severity,
+        file: impl AsRef<Path>,
+        message: impl Into<String>,
+    ) {
         self.findings.push(Finding {
             severity,
             file: file.as_ref().to_path_buf(),
@@ -80,17 +85,17 @@ impl Validation {
     }
 
     /// Records an error about `file`.
-    pub fn error(&mut self, file: impl AsRef<Path>, message: impl Into<String>) {
+    pub(crate) fn error(&mut self, file: impl AsRef<Path>, message: impl Into<String>) {
         self.push(Severity::Error, file, message);
     }
 
     /// Records a note about `file`.
-    pub fn note(&mut self, file: impl AsRef<Path>, message: impl Into<String>) {
+    pub(crate) fn note(&mut self, file: impl AsRef<Path>, message: impl Into<String>) {
         self.push(Severity::Note, file, message);
     }
 
     /// Records `e` as an error about the file it names (else the dataset).
-    pub fn error_from(&mut self, e: &Error) {
+    pub(crate) fn error_from(&mut self, e: &Error) {
         let file = e.path().unwrap_or(&self.path).to_path_buf();
         self.push(Severity::Error, file, e.message());
     }

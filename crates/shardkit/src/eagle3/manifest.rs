@@ -43,7 +43,7 @@ impl CacheDtype {
         }
     }
     /// Bytes per element.
-    pub fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             CacheDtype::Fp32 => 4,
             _ => 2,

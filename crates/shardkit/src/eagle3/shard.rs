@@ -441,7 +441,7 @@ impl ShardFile {
         (self.data_start + self.offsets[f] + r as usize * row_bytes) as u64
     }
     /// The whole tensor of field `f` (an error for a shard in an object store).
-    pub fn tensor(&self, f: usize, row_bytes: usize) -> Result<&[u8]> {
+    pub(crate) fn tensor(&self, f: usize, row_bytes: usize) -> Result<&[u8]> {
         let start = self.data_start + self.offsets[f];
         Ok(&self.mapped()?[start..start + self.rows as usize * row_bytes])
     }

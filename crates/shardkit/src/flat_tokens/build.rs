@@ -55,7 +55,7 @@ impl Tokenizer {
     }
 
     /// The token ids of `text`.
-    pub fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
+    pub(crate) fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
         let e = self
             .0
             .encode_fast(text, false)

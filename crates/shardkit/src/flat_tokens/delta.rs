@@ -118,7 +118,7 @@ impl ArrayToArrayCodecTraits for DeltaCodec {
 }
 
 /// Registers the codec with zarrs (once per process).
-pub fn register() {
+pub(crate) fn register() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         register_codec_v2(CodecRuntimePluginV2::new(

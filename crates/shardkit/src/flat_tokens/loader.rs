@@ -97,7 +97,7 @@ impl crate::engine::LoaderOptions<TokenOptions> {
     }
 
     /// (host_index, host_count): `rank` and `world_size`, host 0 of 1 by default.
-    pub fn host(&self) -> (u64, u64) {
+    pub(crate) fn host(&self) -> (u64, u64) {
         (self.rank.unwrap_or(0), self.world_size.unwrap_or(1))
     }
 

@@ -39,7 +39,7 @@ impl TokenLoader {
     /// The parameters that decide which rows each step holds, in the order a state is checked
     /// on them: `split`, `step_count`, `seq_len`, `global_batch_size`, `packed`, `streams`,
     /// `read_blocks_per_shuffle_buffer`, `sequences_per_read_block`, `seed`, `epochs`.
-    pub fn order_params(&self) -> Vec<(&'static str, StateValue)> {
+    pub(crate) fn order_params(&self) -> Vec<(&'static str, StateValue)> {
         let o = self.options();
         let split = self
             .split()

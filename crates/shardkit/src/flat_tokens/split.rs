@@ -325,7 +325,7 @@ impl Split {
     }
 
     /// The token range of document `i`.
-    pub fn document(&self, i: u64) -> Result<Range<u64>> {
+    pub(crate) fn document(&self, i: u64) -> Result<Range<u64>> {
         if i >= self.seq_count() {
             return Err(Error::OutOfRange {
                 what: "sequence",

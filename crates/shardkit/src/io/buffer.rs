@@ -100,7 +100,7 @@ impl Buffer {
         self.len == 0
     }
     /// The bytes.
-    pub fn as_bytes(&self) -> &[u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
         }
@@ -152,7 +152,7 @@ impl Field {
         self.len() == 0
     }
     /// Its byte range in the buffer.
-    pub fn range(&self) -> std::ops::Range<usize> {
+    pub(crate) fn range(&self) -> std::ops::Range<usize> {
         self.offset..self.offset + self.len()
     }
 }

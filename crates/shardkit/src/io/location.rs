@@ -63,7 +63,7 @@ impl Location {
 
     /// The parent prefix and the last segment (`s3://b/a/m.sdnb` → `s3://b/a`, `m.sdnb`; a
     /// local path's parent directory and file name).
-    pub fn split_last(&self) -> Result<(Location, String)> {
+    pub(crate) fn split_last(&self) -> Result<(Location, String)> {
         match self {
             Location::S3 { bucket, prefix } => {
                 let (parent, name) = match prefix.rsplit_once('/') {
@@ -93,7 +93,7 @@ impl Location {
     }
 
     /// The location as a path for messages and callers: the local path, or `s3://bucket/prefix`.
-    pub fn to_path(&self) -> PathBuf {
+    pub(crate) fn to_path(&self) -> PathBuf {
         match self {
             Location::Local(p) => p.clone(),
             Location::S3 { .. } => PathBuf::from(self.to_string()),

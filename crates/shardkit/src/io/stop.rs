@@ -30,14 +30,14 @@ impl Stop {
     }
 
     /// Whether the stop is set.
-    pub fn is_set(&self) -> bool {
+    pub(crate) fn is_set(&self) -> bool {
         self.0
             .as_ref()
             .is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// An error ([`stopped_error`]) once the stop is set.
-    pub fn check(&self) -> crate::error::Result<()> {
+    pub(crate) fn check(&self) -> crate::error::Result<()> {
         match self.is_set() {
             true => Err(stopped_error()),
             false => Ok(()),

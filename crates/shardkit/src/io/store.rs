@@ -163,7 +163,7 @@ impl Remote {
     }
 
     /// The URL of object `name` under this prefix, as a path (for errors and for callers).
-    pub fn url_of(&self, name: &str) -> PathBuf {
+    pub(crate) fn url_of(&self, name: &str) -> PathBuf {
         PathBuf::from(format!("{}/{name}", self.url()))
     }
 
@@ -252,7 +252,7 @@ impl Remote {
     }
 
     /// The whole of object `name`, or `None` when it does not exist.
-    pub fn get_opt(&self, name: &str) -> Result<Option<Vec<u8>>> {
+    pub(crate) fn get_opt(&self, name: &str) -> Result<Option<Vec<u8>>> {
         let got = self.get_tagged(name)?.map(|(b, _)| b);
         if let Some(b) = &got {
             GETS.fetch_add(1, Ordering::Relaxed);
@@ -558,7 +558,7 @@ impl Remote {
     }
 
     /// Writes `bytes` as object `name` (one PUT: it appears whole or not at all).
-    pub fn put(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
+    pub(crate) fn put(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
         let key = self.key(name);
         let n = bytes.len() as u64;
         let store = self.store()?;
@@ -574,7 +574,7 @@ impl Remote {
     /// Uploads local file `path` as object `name`: one PUT when small, else a multipart
     /// upload, whose parts are retried and which the store publishes only when complete (an
     /// interrupted upload is aborted, or expires, and leaves no object).
-    pub fn put_file(&self, name: &str, path: &Path) -> Result<()> {
+    pub(crate) fn put_file(&self, name: &str, path: &Path) -> Result<()> {
         let len = std::fs::metadata(path).at(path)?.len();
         if len <= PART_SIZE as u64 {
             return self.put(name, std::fs::read(path).at(path)?);

@@ -91,7 +91,7 @@ impl Layout {
         self.n_layers * self.slab_bytes()
     }
     /// Bytes of all shard files (`n_shards · shard_bytes`; checked at construction).
-    pub fn total_bytes(&self) -> u64 {
+    pub(crate) fn total_bytes(&self) -> u64 {
         self.n_shards * self.shard_bytes()
     }
     /// Size of every shard file (`eps·L·T·D·4`).

@@ -156,7 +156,7 @@ impl WriteVersion {
     }
 
     /// The directory-name recipe saev uses for this version.
-    pub fn recipe(self) -> Recipe {
+    pub(crate) fn recipe(self) -> Recipe {
         match self {
             WriteVersion::V2_1 => Recipe::R2,
             _ => Recipe::R1,
@@ -200,7 +200,7 @@ impl Recipe {
     }
 
     /// A short label ("R1", ...).
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Recipe::R0 => "R0",
             Recipe::R1 => "R1",
@@ -343,7 +343,7 @@ impl Metadata {
     }
 
     /// Builds metadata from an already-parsed JSON object (key order kept as given).
-    pub fn from_value(v: Value, src: &Path) -> Result<(Metadata, Vec<String>)> {
+    pub(crate) fn from_value(v: Value, src: &Path) -> Result<(Metadata, Vec<String>)> {
         let Value::Object(members) = &v else {
             return Err(bad(
                 src,
@@ -710,7 +710,7 @@ impl Metadata {
         &self.family
     }
     /// Checkpoint identifier.
-    pub fn ckpt(&self) -> &str {
+    pub(crate) fn ckpt(&self) -> &str {
         &self.ckpt
     }
     /// Recorded layer values, in slot order.
@@ -722,7 +722,7 @@ impl Metadata {
         self.content_tokens_per_example
     }
     /// Whether token slot 0 of every example is a CLS token.
-    pub fn cls_token(&self) -> bool {
+    pub(crate) fn cls_token(&self) -> bool {
         self.cls_token
     }
     /// Stored tokens per example, T = P + cls.
@@ -738,7 +738,7 @@ impl Metadata {
         self.n_examples
     }
     /// Shard budget in vectors over all layers (M).
-    pub fn max_tokens_per_shard(&self) -> u64 {
+    pub(crate) fn max_tokens_per_shard(&self) -> u64 {
         self.max_tokens_per_shard
     }
     /// The opaque `data` description, as found.
@@ -777,7 +777,7 @@ impl Metadata {
     }
 
     /// The recipe this metadata's version names its directory with.
-    pub fn recipe(&self) -> Recipe {
+    pub(crate) fn recipe(&self) -> Recipe {
         match self.write_version() {
             Some(v) => v.recipe(),
             None if self.major == 1 => Recipe::R1,

@@ -175,7 +175,7 @@ pub struct Graph {
 }
 
 /// The byte length of a dense array, overflow-checked; `None` for negative dims or overflow.
-pub fn byte_len(shape: &[i64], width: usize) -> Option<u64> {
+pub(crate) fn byte_len(shape: &[i64], width: usize) -> Option<u64> {
     shape.iter().try_fold(width as u64, |acc, &d| {
         u64::try_from(d).ok().and_then(|d| acc.checked_mul(d))
     })

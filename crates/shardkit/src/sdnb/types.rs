@@ -84,7 +84,7 @@ impl DType {
         })
     }
     /// The schema code.
-    pub fn code(self) -> i8 {
+    pub(crate) fn code(self) -> i8 {
         use DType::*;
         match self {
             Inherit => 0,
@@ -259,7 +259,7 @@ impl VarType {
         })
     }
     /// The schema code.
-    pub fn code(self) -> i8 {
+    pub(crate) fn code(self) -> i8 {
         match self {
             VarType::Variable => 0,
             VarType::Constant => 1,
