@@ -27,7 +27,7 @@ pub struct ReadRange {
 }
 
 /// The files a reader may touch, with their paths for error messages.
-pub trait Files: Sync {
+pub(crate) trait Files: Sync {
     /// The open file `i`.
     fn file(&self, i: u32) -> Result<&File>;
     /// The path of file `i`.

@@ -179,7 +179,7 @@ pub enum Recipe {
 
 impl Recipe {
     /// Every recipe, in the order validation tries them.
-    pub const ALL: [Recipe; 4] = [Recipe::R2, Recipe::R1, Recipe::R2Full, Recipe::R0];
+    pub(crate) const ALL: [Recipe; 4] = [Recipe::R2, Recipe::R1, Recipe::R2Full, Recipe::R0];
 
     /// The exact bytes this recipe hashes for the metadata object `md`.
     pub fn hashed_text(self, md: &Value) -> String {
