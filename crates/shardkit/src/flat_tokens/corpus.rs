@@ -36,7 +36,7 @@ use crate::json::{self, Value};
 
 /// How an input file is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum InputFormat {
+pub enum InputFormat {
     /// JSON Lines, uncompressed.
     Jsonl,
     /// JSON Lines in zstd frames (`.jsonl.zst`).
@@ -74,7 +74,7 @@ impl InputFormat {
 
 /// One input of a build: a file, or standard input (`-`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Input {
+pub struct Input {
     /// The file (`-` for standard input).
     pub path: PathBuf,
     /// How it is stored (from its first bytes).
