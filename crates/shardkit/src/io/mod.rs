@@ -72,7 +72,6 @@ pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;
 pub use location::{is_local, local_path, Location};
 pub(crate) use runtime::reads_stopped_by;
-pub(crate) use runtime::thread_stop;
 pub use runtime::PendingRead;
 pub use source::{open, open_store, open_uncached, LocalDir, Source};
 pub use stop::Stop;

@@ -14,7 +14,7 @@ use super::cache::Cached;
 use super::coalesce::{coalesce, Request, COALESCE_GAP};
 use super::local::ReadRange;
 use super::location::Location;
-use super::runtime::{block_on, block_on_stopped, runtime, thread_stop, PendingRead};
+use super::runtime::{block_on, block_on_stopped, runtime, PendingRead};
 use super::slots::{request_slots, slot_quarters, RequestSlots};
 use super::source::Source;
 use super::stop::stopped_error;
@@ -371,15 +371,15 @@ impl Remote {
 
     /// Reads `ranges` of the objects `names[r.file]` into `buf` at `r.dst`: coalesced into
     /// requests of at most [`max_request`] bytes, [`inflight`] at a time. Destinations must lie
-    /// inside `buf` and not overlap (checked before any request).
+    /// inside `buf` and not overlap (checked before any request). Nobody stops the read (see
+    /// [`Remote::read_into_until`]).
     pub(crate) fn read_into(
         &self,
         names: &[String],
         ranges: &[ReadRange],
         buf: &mut [u8],
     ) -> Result<()> {
-        // The stop in force on this thread cuts the read (see `reads_stopped_by`).
-        self.read_into_until(names, ranges, buf, &thread_stop())
+        self.read_into_until(names, ranges, buf, &Stop::never())
     }
 
     /// [`Remote::read_into`], giving up once `stop` is set.
