@@ -168,6 +168,29 @@ pub(crate) fn cache_page_size() -> u64 {
     env_u64("SHARDKIT_CACHE_PAGE_MIB").unwrap_or(4).clamp(1, 64) << 20
 }
 
+/// Where writes to a store are staged, `$SHARDKIT_STAGING_DIR`, when it is set (the commit
+/// layer's staging directories lie below it).
+pub(crate) fn staging_base() -> Option<std::path::PathBuf> {
+    std::env::var_os("SHARDKIT_STAGING_DIR").map(std::path::PathBuf::from)
+}
+
+/// Whether a writer to a store takes the store's lock (`SHARDKIT_S3_LOCK`, default on; `0`
+/// turns it off for stores without conditional writes).
+pub(crate) fn s3_lock() -> Result<bool> {
+    Ok(switch("SHARDKIT_S3_LOCK")?.unwrap_or(true))
+}
+
+/// Seconds a store lock stays valid after its last renewal (`SHARDKIT_S3_LOCK_LEASE_S`, at
+/// least 1, default 120).
+pub(crate) fn s3_lock_lease_s() -> u64 {
+    // A value that does not parse was refused when the store was first used.
+    whole("SHARDKIT_S3_LOCK_LEASE_S")
+        .ok()
+        .flatten()
+        .unwrap_or(120)
+        .max(1)
+}
+
 /// The S3 client's settings: retries of a request (`SHARDKIT_S3_RETRIES`, default 10) and for
 /// at most `SHARDKIT_S3_RETRY_TIMEOUT` seconds (default 180), the request timeout
 /// (`SHARDKIT_S3_TIMEOUT`, 60 s) and the connect timeout (`SHARDKIT_S3_CONNECT_TIMEOUT`, 10 s).

@@ -60,15 +60,17 @@ pub(crate) struct Located {
 }
 
 fn locate(path: &Path) -> Result<Located> {
-    if crate::io::is_remote(path) {
-        return Err(Error::Invalid(format!(
-            "{}: checksums are recorded on local files (a writer given a URL records them \
+    let path = &match crate::io::Location::parse(path) {
+        Ok(crate::io::Location::Local(dir)) => dir,
+        _ => {
+            return Err(Error::Invalid(format!(
+                "{}: checksums are recorded on local files (a writer given a URL records them \
              before it uploads); to add them to a dataset in a store, download it, run \
              `checksum`, and upload it again",
-            path.display()
-        )));
-    }
-    let path = &crate::io::local_path(path);
+                path.display()
+            )))
+        }
+    };
     // A path that does not exist may still name a container: a shard set's base name.
     if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
         let mut names = Vec::new();

@@ -33,8 +33,9 @@ pub enum Verdict {
 /// Checks the dataset at `path` against its sidecar (`validate --deep`). A dataset in an
 /// object store is read once with ranged GETs, block by block, without a local copy.
 pub fn verify(path: &Path) -> Result<Verdict> {
-    if crate::io::is_remote(path) {
-        return verify_remote(path);
+    let at = crate::io::Location::parse(path)?;
+    if !at.is_local() {
+        return verify_remote(&at, path);
     }
     let (sidecar, base, names) = dataset_files(path)?;
     let Some(sums) = Checksums::read(&sidecar)? else {
@@ -58,9 +59,9 @@ const REMOTE_VERIFY_GROUP: u64 = 256 << 20;
 /// [`verify`] of a dataset directory or a container object in a store: the sidecar object,
 /// then every block of every file it records, fetched in parallel groups of ranged GETs and
 /// hashed on every core; objects the sidecar does not cover are reported as locally.
-fn verify_remote(url: &Path) -> Result<Verdict> {
+fn verify_remote(at: &crate::io::Location, url: &Path) -> Result<Verdict> {
     use crate::io::Remote;
-    let remote = Remote::parse(url)?;
+    let remote = Remote::from_location(at)?;
     let below = remote.list()?;
     // A dataset directory: every object below the prefix. Nothing below: a container object
     // (SDNB, shard set, SDZ; also a shard set's base name), with its files and its sidecar

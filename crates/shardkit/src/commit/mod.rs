@@ -44,10 +44,10 @@ pub(crate) enum Target {
 impl Target {
     /// The destination `path` names: an `s3://` URL is a store, anything else a local path.
     pub(crate) fn parse(path: &Path) -> Result<Target> {
-        if io::is_remote(path) {
-            return Ok(Target::Store(Remote::parse(path)?));
-        }
-        Ok(Target::Local(io::local_path(path)))
+        Ok(match io::Location::parse(path)? {
+            io::Location::Local(dir) => Target::Local(dir),
+            store => Target::Store(Remote::from_location(&store)?),
+        })
     }
 }
 

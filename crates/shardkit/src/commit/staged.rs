@@ -18,8 +18,7 @@ use crate::json::Value;
 /// system's temporary directory, `shardkit-staging`), then the bucket and key. The same URL
 /// always stages in the same place, so a killed write resumes from what it staged.
 pub(crate) fn staging_dir(url: &Path) -> PathBuf {
-    let base = std::env::var_os("SHARDKIT_STAGING_DIR")
-        .map(PathBuf::from)
+    let base = crate::config::staging_base()
         .unwrap_or_else(|| std::env::temp_dir().join("shardkit-staging"));
     let key = url.to_string_lossy();
     let key = key

@@ -44,16 +44,6 @@ fn held_here(token: &str) -> bool {
     here
 }
 
-/// Seconds a lock stays valid after its last renewal.
-fn lease_s() -> u64 {
-    // A value that does not parse was refused when the store was first used.
-    crate::config::whole("SHARDKIT_S3_LOCK_LEASE_S")
-        .ok()
-        .flatten()
-        .unwrap_or(120)
-        .max(1)
-}
-
 fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -92,7 +82,7 @@ impl Holder {
                 COUNT.fetch_add(1, Ordering::Relaxed)
             ),
             renewed: now_unix(),
-            lease: lease_s(),
+            lease: crate::config::s3_lock_lease_s(),
         }
     }
 
@@ -247,7 +237,7 @@ impl StoreLock {
     /// Takes the lock of the dataset at `target`, or fails with [`Error::LockedRemote`]
     /// naming its holder.
     pub(crate) fn acquire(target: &Remote) -> Result<StoreLock> {
-        if crate::config::switch("SHARDKIT_S3_LOCK")? == Some(false) {
+        if !crate::config::s3_lock()? {
             return Ok(StoreLock {
                 shared: None,
                 stop: None,

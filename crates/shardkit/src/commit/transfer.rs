@@ -14,7 +14,7 @@ use crate::fsutil;
 use crate::io::buffer::Buffer;
 use crate::io::runtime::block_on;
 use crate::io::store::PART_SIZE;
-use crate::io::{inflight, local_path, max_request, ReadRange, Remote};
+use crate::io::{inflight, local_path, max_request, Location, ReadRange, Remote};
 
 /// Files of a dataset written last, deepest first, then in this order: their presence says the
 /// dataset is whole (a zarr group's documents, whose root attributes carry flat-tokens'
@@ -140,6 +140,14 @@ pub(crate) fn sort_commit_last(files: &mut [(String, u64)]) {
     files.sort_by(|a, b| (key(&a.0), &a.0).cmp(&(key(&b.0), &b.0)));
 }
 
+/// The store prefix `url` names; a local path is refused.
+fn store_at(url: &Path) -> Result<Remote> {
+    match Location::parse(url)? {
+        Location::Local(_) => Err(crate::io::not_a_store(url)),
+        store => Remote::from_location(&store),
+    }
+}
+
 /// Copies the dataset in local directory `src` to `dst` (`s3://bucket/prefix`), crash-safely
 /// and resumably: every data object first (those already present at the same size are
 /// skipped, so a rerun after a kill continues where it stopped), then the commit record
@@ -151,7 +159,7 @@ pub(crate) fn sort_commit_last(files: &mut [(String, u64)]) {
 /// when large.
 pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Result<Transfer> {
     let src = local_path(src);
-    let remote = Remote::parse(dst)?;
+    let remote = store_at(dst)?;
     if src.is_file() {
         let (parent, name) = remote.split_last()?;
         let len = std::fs::metadata(&src).at(&src)?.len();
@@ -271,7 +279,7 @@ pub fn upload(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Res
 /// ([`inflight`] × [`max_request`] bytes). A `src` naming one object (a container file) is
 /// copied into the file `dst`.
 pub fn download(src: &Path, dst: &Path, mut progress: impl FnMut(u64, u64)) -> Result<Transfer> {
-    let remote = Remote::parse(src)?;
+    let remote = store_at(src)?;
     let dst = local_path(dst);
     let mut objects = remote.list()?;
     if objects.is_empty() {

@@ -199,7 +199,7 @@ impl Cache {
 
     /// Shard `k`, mapped on first use (its header checked against the manifest).
     pub fn shard(&self, k: u64) -> Result<Arc<ShardFile>> {
-        self.shards(&[k])?
+        self.shards(&[k], &io::Stop::never())?
             .remove(&k)
             .ok_or_else(|| Error::Internal(format!("internal: shard {k} was not opened")))
     }
@@ -207,8 +207,12 @@ impl Cache {
     /// Shards `ks` (in any order, repeats allowed), each opened on first use as by
     /// [`Cache::shard`]. From a store, the headers of those not yet open are fetched together,
     /// one batch of parallel GETs: a batch of samples in many shards waits for one round trip,
-    /// not one per shard.
-    pub(crate) fn shards(&self, ks: &[u64]) -> Result<HashMap<u64, Arc<ShardFile>>> {
+    /// not one per shard; those reads give up once `stop` is set.
+    pub(crate) fn shards(
+        &self,
+        ks: &[u64],
+        stop: &io::Stop,
+    ) -> Result<HashMap<u64, Arc<ShardFile>>> {
         let mut got = HashMap::with_capacity(ks.len());
         let mut missing = Vec::new();
         let mut seen = std::collections::HashSet::with_capacity(ks.len());
@@ -245,7 +249,7 @@ impl Cache {
                     .iter()
                     .map(|&k| remote_shard(&self.manifest, sizes, k))
                     .collect();
-                ShardFile::open_remote_many(&**remote, &shards, &self.specs)?
+                ShardFile::open_remote_many(&**remote, &shards, &self.specs, stop)?
             }
         };
         // A shard in a store holds no map or descriptor, only its checked header (offsets):
@@ -306,7 +310,7 @@ impl Cache {
                     at += rb;
                 }
                 let mut buf = vec![0u8; at as usize];
-                remote.read_ranges(&[shard_name(j / s)], &ranges, &mut buf)?;
+                remote.read_ranges(&[shard_name(j / s)], &ranges, &mut buf, &io::Stop::never())?;
                 let rows = ranges
                     .iter()
                     .map(|&(_, _, len, at)| buf[at as usize..(at + len) as usize].to_vec())
@@ -396,7 +400,12 @@ impl Cache {
                     });
                 };
                 let mut bytes = vec![0u8; size as usize];
-                remote.read_ranges(&[EMBEDDINGS.to_string()], &[(0, 0, size, 0)], &mut bytes)?;
+                remote.read_ranges(
+                    &[EMBEDDINGS.to_string()],
+                    &[(0, 0, size, 0)],
+                    &mut bytes,
+                    &io::Stop::never(),
+                )?;
                 embeddings_in(EmbeddingBytes::Owned(bytes), &path)
             }
         }
@@ -483,8 +492,9 @@ fn embeddings_in(bytes: EmbeddingBytes, path: &Path) -> Result<Embeddings> {
 /// Checks the header of the embedding table in `remote` (`size` bytes) without fetching the
 /// table (`validate`).
 pub(crate) fn check_remote_embeddings(remote: &dyn Source, size: u64) -> Result<()> {
-    let head = super::shard::remote_head(remote, EMBEDDINGS, size)?;
-    let (_, meta) = super::shard::remote_header(remote, EMBEDDINGS, size, head)?;
+    let never = io::Stop::never();
+    let head = super::shard::remote_head(remote, EMBEDDINGS, size, &never)?;
+    let (_, meta) = super::shard::remote_header(remote, EMBEDDINGS, size, head, &never)?;
     embedding_weight(&meta, &remote.path_of(EMBEDDINGS)).map(|_| ())
 }
 

@@ -557,7 +557,8 @@ impl Job for Eagle3Job {
         let mut ranges = Vec::with_capacity(b * specs.len());
         // Every shard of the batch at once: from a store, the new ones' headers in one round.
         let ks: Vec<u64> = indices.iter().map(|&i| i / s).collect();
-        let shards = cache.shards(&ks)?;
+        // Their headers' reads stop with the stream.
+        let shards = cache.shards(&ks, &Stop::new(cx.stop_flag().clone()))?;
         for (j, &i) in indices.iter().enumerate() {
             let k = i / s;
             let shard = shards

@@ -17,7 +17,7 @@ use safetensors::{Dtype, SafeTensorError, SafeTensors, View};
 use super::manifest::Manifest;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
-use crate::io::Source;
+use crate::io::{Source, Stop};
 
 /// The file name of shard `k`.
 pub fn shard_name(k: u64) -> String {
@@ -283,12 +283,13 @@ pub(crate) fn check_length(head: &[u8], size: u64, path: &Path) -> Result<()> {
 /// The safetensors header of object `name` (`size` bytes) under `remote`, whose first bytes
 /// `head` (at least 8) were fetched: its length and metadata, checked as `read_metadata` checks
 /// a whole file (offsets, dtypes, shapes, the data ending exactly at the object's end). A header
-/// longer than `head` costs one more GET.
+/// longer than `head` costs one more GET, given up once `stop` is set.
 pub(crate) fn remote_header(
     remote: &dyn Source,
     name: &str,
     size: u64,
     mut head: Vec<u8>,
+    stop: &Stop,
 ) -> Result<(u64, Metadata)> {
     let path = remote.path_of(name);
     check_length(&head, size, &path)?;
@@ -310,7 +311,7 @@ pub(crate) fn remote_header(
         head.split_off(8)
     } else {
         let mut rest = vec![0u8; n as usize];
-        remote.read_ranges(&[name.to_string()], &[(0, 8, n, 0)], &mut rest)?;
+        remote.read_ranges(&[name.to_string()], &[(0, 8, n, 0)], &mut rest, stop)?;
         rest
     };
     let text = std::str::from_utf8(&header)
@@ -329,13 +330,19 @@ pub(crate) fn remote_header(
 }
 
 /// The first [`HEADER_PROBE`] bytes of object `name` (`size` bytes): usually its whole
-/// safetensors header, for [`remote_header`].
-pub(crate) fn remote_head(remote: &dyn Source, name: &str, size: u64) -> Result<Vec<u8>> {
+/// safetensors header, for [`remote_header`]; given up once `stop` is set.
+pub(crate) fn remote_head(
+    remote: &dyn Source,
+    name: &str,
+    size: u64,
+    stop: &Stop,
+) -> Result<Vec<u8>> {
     let mut head = vec![0u8; HEADER_PROBE.min(size) as usize];
     remote.read_ranges(
         &[name.to_string()],
         &[(0, 0, head.len() as u64, 0)],
         &mut head,
+        stop,
     )?;
     Ok(head)
 }
@@ -363,11 +370,12 @@ impl ShardFile {
     /// fetched together, one batch of parallel GETs, which usually brings the whole header (a
     /// few hundred bytes for a cache's tensors); a longer header costs its shard one more GET.
     /// Shards are opened while their batch is prepared, so every round trip here is one the
-    /// loader waits for.
+    /// loader waits for; the reads give up once `stop` (the loader's stream's) is set.
     pub(crate) fn open_remote_many(
         remote: &dyn Source,
         shards: &[(String, u64, u64)],
         specs: &[FieldSpec],
+        stop: &Stop,
     ) -> Result<Vec<ShardFile>> {
         if let Some((name, size, _)) = shards.iter().find(|(_, size, _)| *size < 8) {
             check_length(&[], *size, &remote.path_of(name))?;
@@ -381,13 +389,13 @@ impl ShardFile {
             at += len;
         }
         let mut heads = vec![0u8; at as usize];
-        remote.read_ranges(&names, &ranges, &mut heads)?;
+        remote.read_ranges(&names, &ranges, &mut heads, stop)?;
         shards
             .iter()
             .zip(&ranges)
             .map(|((name, size, rows), &(_, _, len, at))| {
                 let head = heads[at as usize..(at + len) as usize].to_vec();
-                Self::from_head(remote, name, *size, head, specs, *rows)
+                Self::from_head(remote, name, *size, head, specs, *rows, stop)
             })
             .collect()
     }
@@ -400,9 +408,10 @@ impl ShardFile {
         head: Vec<u8>,
         specs: &[FieldSpec],
         rows: u64,
+        stop: &Stop,
     ) -> Result<ShardFile> {
         let path = remote.path_of(name);
-        let (n, meta) = remote_header(remote, name, size, head)?;
+        let (n, meta) = remote_header(remote, name, size, head, stop)?;
         let offsets = check_tensors(&meta, specs, rows, &path)?;
         Ok(ShardFile {
             path,

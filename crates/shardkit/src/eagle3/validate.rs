@@ -123,12 +123,15 @@ fn validate_remote(url: &Path, location: Result<Location>, deep: bool) -> Valida
         .map(|&k| super::cache::remote_shard(&m, &objects, k))
         .collect();
     for group in shards.chunks(HEADERS_AT_ONCE) {
-        if ShardFile::open_remote_many(&*remote, group, &specs).is_err() {
+        if ShardFile::open_remote_many(&*remote, group, &specs, &io::Stop::never()).is_err() {
             // One at a time, so that every bad header is reported.
             for one in group {
-                if let Err(e) =
-                    ShardFile::open_remote_many(&*remote, std::slice::from_ref(one), &specs)
-                {
+                if let Err(e) = ShardFile::open_remote_many(
+                    &*remote,
+                    std::slice::from_ref(one),
+                    &specs,
+                    &io::Stop::never(),
+                ) {
                     v.error_from(&e);
                 }
             }

@@ -388,9 +388,9 @@ fn prefetch_loop<J: Job, P: Iterator<Item = J::Plan>>(
         };
         let prepared = guarded("preparing", || {
             fault::before_prepare()?;
-            // Blocking store reads the preparation makes (EAGLE-3 shard headers, say) give up
-            // once the stream stops, like the reads it waits for through `Context`.
-            crate::io::reads_stopped_by(Some(stop.clone()), || job.prepare(plan, &Context { stop }))
+            // The preparation's reads give up once the stream stops: it passes
+            // `Context::stop_flag` to each.
+            job.prepare(plan, &Context { stop })
         });
         let failed = prepared.is_err();
         if lanes[turn].send(Msg::Batch(prepared)).is_err() || failed {

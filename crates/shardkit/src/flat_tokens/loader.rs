@@ -972,73 +972,77 @@ impl Job for TokenLoader {
     type Item = TokenBatch;
 
     fn prepare(&self, step: u64, cx: &Context<'_>) -> Result<Prepared<StepRows>> {
-        let rows = self.sequences(step)?;
-        // With buffers in memory: the buffer each row is served from, read now if new.
-        let mut from = Vec::new();
-        if let Some(residents) = self.residents() {
-            let (schedule, t) = self.locate(step)?;
-            let mut last: Option<Arc<Resident>> = None;
-            for b in self.host_rows() {
-                let (m, s) = schedule.buffer_of(t, b);
-                let key = (schedule.epoch(), m, s);
-                let r = match last {
-                    Some(r) if r.key == key => r,
-                    _ => self.resident(&schedule, key, &residents, cx.stop_flag())?,
-                };
-                from.push(r.clone());
-                last = Some(r);
+        // The split's chunks are read through zarrs, whose storage interface carries no stop:
+        // its reads on this thread give up once the stream stops (see `io::reads_stopped_by`).
+        crate::io::reads_stopped_by(Some(cx.stop_flag().clone()), || {
+            let rows = self.sequences(step)?;
+            // With buffers in memory: the buffer each row is served from, read now if new.
+            let mut from = Vec::new();
+            if let Some(residents) = self.residents() {
+                let (schedule, t) = self.locate(step)?;
+                let mut last: Option<Arc<Resident>> = None;
+                for b in self.host_rows() {
+                    let (m, s) = schedule.buffer_of(t, b);
+                    let key = (schedule.epoch(), m, s);
+                    let r = match last {
+                        Some(r) if r.key == key => r,
+                        _ => self.resident(&schedule, key, &residents, cx.stop_flag())?,
+                    };
+                    from.push(r.clone());
+                    last = Some(r);
+                }
             }
-        }
-        if let Some(fv) = &self.inner.verify {
-            // The files this step decodes, checked before any of them is read.
-            let split = &self.inner.split;
-            let pool = self.gather_pool()?;
-            let len = self.inner.opts.seq_len;
-            let mut files = Vec::new();
-            for &seq in &rows {
-                let range = match self.inner.opts.packing {
-                    Packing::Packed => seq * len..(seq + 1) * len,
-                    Packing::Unpacked => {
-                        fv.ensure(split.start_files(seq..seq + 2), &pool)?;
-                        let d = split.document(seq)?;
-                        d.start..d.end.min(d.start + len)
-                    }
-                };
-                files.extend(split.token_files(range));
+            if let Some(fv) = &self.inner.verify {
+                // The files this step decodes, checked before any of them is read.
+                let split = &self.inner.split;
+                let pool = self.gather_pool()?;
+                let len = self.inner.opts.seq_len;
+                let mut files = Vec::new();
+                for &seq in &rows {
+                    let range = match self.inner.opts.packing {
+                        Packing::Packed => seq * len..(seq + 1) * len,
+                        Packing::Unpacked => {
+                            fv.ensure(split.start_files(seq..seq + 2), &pool)?;
+                            let d = split.document(seq)?;
+                            d.start..d.end.min(d.start + len)
+                        }
+                    };
+                    files.extend(split.token_files(range));
+                }
+                files.sort();
+                files.dedup();
+                fv.ensure(files, &pool)?;
             }
-            files.sort();
-            files.dedup();
-            fv.ensure(files, &pool)?;
-        }
-        let (fields, bytes) = self.layout(rows.len() as u64);
-        let len = self.inner.opts.seq_len as usize;
-        // Row r of every array: one piece.
-        let regions = (0..rows.len())
-            .map(|r| {
-                fields
-                    .iter()
-                    .map(|f| {
-                        let w = f.dtype.bitsize() / 8 * len;
-                        f.offset + r * w..f.offset + (r + 1) * w
-                    })
-                    .collect()
+            let (fields, bytes) = self.layout(rows.len() as u64);
+            let len = self.inner.opts.seq_len as usize;
+            // Row r of every array: one piece.
+            let regions = (0..rows.len())
+                .map(|r| {
+                    fields
+                        .iter()
+                        .map(|f| {
+                            let w = f.dtype.bitsize() / 8 * len;
+                            f.offset + r * w..f.offset + (r + 1) * w
+                        })
+                        .collect()
+                })
+                .collect();
+            let pool = self
+                .inner
+                .buffers
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            Ok(Prepared {
+                buf: cx.buffer(&pool, bytes)?,
+                regions,
+                state: StepRows {
+                    step,
+                    rows,
+                    fields,
+                    from,
+                },
             })
-            .collect();
-        let pool = self
-            .inner
-            .buffers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        Ok(Prepared {
-            buf: cx.buffer(&pool, bytes)?,
-            regions,
-            state: StepRows {
-                step,
-                rows,
-                fields,
-                from,
-            },
         })
     }
 

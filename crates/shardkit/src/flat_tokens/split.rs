@@ -138,7 +138,7 @@ impl Split {
     /// Opens `split` from any zarrs store (`root` labels paths in messages); the same rules as
     /// [`Split::open`].
     pub fn open_in_store(store: Arc<Storage>, root: &Path, split: &str) -> Result<Split> {
-        let s = Self::from_store(store, root, split)?;
+        let s = Self::from_store(store, root, split, crate::io::is_local(root))?;
         s.check_servable()?;
         Ok(s)
     }
@@ -152,12 +152,14 @@ impl Split {
     pub fn open_unvalidated(root: impl AsRef<Path>, split: &str) -> Result<Split> {
         let root = root.as_ref();
         check_split_name(split)?;
-        if crate::io::is_remote(root) {
-            let remote = crate::io::Remote::parse(root)?.with_object_cache();
-            let url = PathBuf::from(remote.url());
-            return Self::from_store(remote.zarr_store()?, &url, split);
-        }
-        let root = &crate::io::local_path(root);
+        let root = &match crate::io::Location::parse(root)? {
+            crate::io::Location::Local(dir) => dir,
+            store => {
+                let remote = crate::io::Remote::from_location(&store)?.with_object_cache();
+                let url = PathBuf::from(remote.url());
+                return Self::from_store(remote.zarr_store()?, &url, split, false);
+            }
+        };
         if let Some(e) = super::report::not_a_directory(root) {
             return Err(e);
         }
@@ -170,10 +172,12 @@ impl Split {
             FilesystemStore::new(root)
                 .map_err(|e| zarrs_error(&e, root, &[], || "store".into()))?,
         );
-        Self::from_store(store, root, split)
+        Self::from_store(store, root, split, true)
     }
 
-    fn from_store(store: Arc<Storage>, root: &Path, split: &str) -> Result<Split> {
+    /// The split `split` of the dataset at `root` in `store`; `local`: whether `root` is a
+    /// local directory (a chunk cut short is then measured and named).
+    fn from_store(store: Arc<Storage>, root: &Path, split: &str, local: bool) -> Result<Split> {
         check_split_name(split)?;
         super::delta::register();
         let path = root.join(split);
@@ -208,7 +212,7 @@ impl Split {
             let a = Array::open(store.clone(), &format!("/{split}/{name}"))
                 .map_err(|e| zerr(&p, format, "cannot open the array", &e))?;
             check_dtype(&a, &p, tokens)?;
-            Ok(Column::new(a, p))
+            Ok(Column::new(a, p, local))
         };
         let tokens = open("encoded_tokens", true)?;
         let starts = open("seq_starts", false)?;

@@ -117,12 +117,6 @@ pub fn is_local(path: &Path) -> bool {
     Location::parse(path).is_ok_and(|l| l.is_local())
 }
 
-/// Whether `path` names an object-store location (`s3://` or `s3a://`).
-pub fn is_remote(path: &Path) -> bool {
-    path.to_str()
-        .is_some_and(|s| s.starts_with("s3://") || s.starts_with("s3a://"))
-}
-
 /// `path` as a local path (`file://` stripped).
 pub fn local_path(path: &Path) -> PathBuf {
     match path.to_str().and_then(|s| s.strip_prefix("file://")) {
@@ -148,8 +142,9 @@ mod tests {
 
     #[test]
     fn urls_parse_and_bad_ones_are_refused() {
-        assert!(is_remote(Path::new("s3://b/p")));
-        assert!(!is_remote(Path::new("/data/s3://x")));
+        assert!(!is_local(Path::new("s3://b/p")));
+        assert!(!is_local(Path::new("s3a://b/p")));
+        assert!(is_local(Path::new("/data/s3://x")));
         assert_eq!(local_path(Path::new("file:///a/b")), PathBuf::from("/a/b"));
         let e = Remote::parse(Path::new("s3:///x")).unwrap_err();
         assert!(e.to_string().contains("names no bucket"), "{e}");

@@ -70,12 +70,12 @@ pub use cache::{Cached, HeldPages};
 pub use coalesce::COALESCE_GAP;
 pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;
-pub use location::{is_local, is_remote, local_path, Location};
+pub use location::{is_local, local_path, Location};
 pub(crate) use runtime::reads_stopped_by;
-pub(crate) use runtime::thread_stop;
 pub use runtime::PendingRead;
 pub use source::{open, open_store, open_uncached, LocalDir, Source};
 pub use stop::Stop;
+pub(crate) use store::not_a_store;
 pub use store::Remote;
 
 /// Counters of the requests this process has made (for benchmarks and reports).

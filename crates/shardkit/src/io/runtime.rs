@@ -70,10 +70,11 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Runs `f`; the blocking store reads it makes on this thread give up, with
-/// [`stopped_error`], once `stop` is set (a flat-tokens buffer read ahead for an iterator
+/// Runs `f`; the reads the zarrs adapter (`io::zarr`) makes for it on this thread give up,
+/// with [`stopped_error`], once `stop` is set (a flat-tokens buffer read ahead for an iterator
 /// that was closed stops the GETs of the groups it is fetching, through zarrs). With `None`,
-/// they keep the stop already in force on this thread, if any.
+/// they keep the stop already in force on this thread, if any. Every other read takes its
+/// [`Stop`] as an argument; zarrs's storage interface has no place for one.
 pub(crate) fn reads_stopped_by<T>(
     stop: Option<Arc<std::sync::atomic::AtomicBool>>,
     f: impl FnOnce() -> T,

@@ -68,13 +68,14 @@ pub trait Source: Send + Sync + std::fmt::Debug {
         stop: &Stop,
     ) -> Result<()>;
 
-    /// [`Source::read_into`] of `(object, offset, len, dst)` ranges, stopped by the stop a
-    /// loader's preparation put in force on this thread, if any.
+    /// [`Source::read_into`] of `(object, offset, len, dst)` ranges, giving up once `stop` is
+    /// set.
     fn read_ranges(
         &self,
         names: &[String],
         ranges: &[(u32, u64, u64, u64)],
         buf: &mut [u8],
+        stop: &Stop,
     ) -> Result<()> {
         let ranges: Vec<ReadRange> = ranges
             .iter()
@@ -85,7 +86,7 @@ pub trait Source: Send + Sync + std::fmt::Debug {
                 dst,
             })
             .collect();
-        self.read_into(names, &ranges, buf, &super::runtime::thread_stop())
+        self.read_into(names, &ranges, buf, stop)
     }
 
     /// [`Source::read_into`] started and left running: the caller gets `buf` back, filled, from

@@ -14,7 +14,7 @@ use super::cache::Cached;
 use super::coalesce::{coalesce, Request, COALESCE_GAP};
 use super::local::ReadRange;
 use super::location::Location;
-use super::runtime::{block_on, block_on_stopped, runtime, thread_stop, PendingRead};
+use super::runtime::{block_on, block_on_stopped, runtime, PendingRead};
 use super::slots::{request_slots, slot_quarters, RequestSlots};
 use super::source::Source;
 use super::stop::stopped_error;
@@ -107,6 +107,14 @@ fn unreachable(e: &(dyn std::error::Error + 'static)) -> bool {
     .any(|w| text.contains(w))
 }
 
+/// The refusal of `url`, a local path where a store's `s3://` URL is needed.
+pub(crate) fn not_a_store(url: &Path) -> Error {
+    Error::Invalid(format!(
+        "{}: not an s3:// URL",
+        url.to_str().unwrap_or_default()
+    ))
+}
+
 impl Remote {
     /// Parses `s3://bucket/prefix` (a trailing slash is ignored).
     pub fn parse(url: &Path) -> Result<Remote> {
@@ -130,14 +138,24 @@ impl Remote {
         })
     }
 
+    /// The store prefix `location` names, read and written through this process's client (a
+    /// local path is refused: [`not_a_store`]).
+    pub(crate) fn from_location(location: &Location) -> Result<Remote> {
+        match location {
+            Location::S3 { bucket, prefix } => Ok(Remote {
+                client: (std::process::id(), client_for(bucket)?),
+                bucket: bucket.clone(),
+                prefix: prefix.clone(),
+            }),
+            Location::Local(p) => Err(not_a_store(p)),
+        }
+    }
+
     /// The bucket and the prefix of `s3://bucket/prefix`, checked ([`Location::parse`]).
     fn split_url(url: &Path) -> Result<(String, String)> {
         match Location::parse(url)? {
             Location::S3 { bucket, prefix } => Ok((bucket, prefix)),
-            Location::Local(_) => Err(Error::Invalid(format!(
-                "{}: not an s3:// URL",
-                url.to_str().unwrap_or_default()
-            ))),
+            Location::Local(_) => Err(not_a_store(url)),
         }
     }
 
@@ -353,15 +371,15 @@ impl Remote {
 
     /// Reads `ranges` of the objects `names[r.file]` into `buf` at `r.dst`: coalesced into
     /// requests of at most [`max_request`] bytes, [`inflight`] at a time. Destinations must lie
-    /// inside `buf` and not overlap (checked before any request).
+    /// inside `buf` and not overlap (checked before any request). Nobody stops the read (see
+    /// [`Remote::read_into_until`]).
     pub(crate) fn read_into(
         &self,
         names: &[String],
         ranges: &[ReadRange],
         buf: &mut [u8],
     ) -> Result<()> {
-        // The stop in force on this thread cuts the read (see `reads_stopped_by`).
-        self.read_into_until(names, ranges, buf, &thread_stop())
+        self.read_into_until(names, ranges, buf, &Stop::never())
     }
 
     /// [`Remote::read_into`], giving up once `stop` is set.

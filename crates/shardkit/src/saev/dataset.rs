@@ -366,7 +366,7 @@ impl Dataset {
                     len,
                     dst: 0,
                 };
-                remote.read_into(names, &[r], bytes, &io::thread_stop())?;
+                remote.read_into(names, &[r], bytes, &io::Stop::never())?;
                 from_le_in_place(out);
                 Ok(())
             }
@@ -527,7 +527,7 @@ impl Dataset {
             let bytes = unsafe {
                 std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 4)
             };
-            remote.read_into(names, &ranges, bytes, &io::thread_stop())?;
+            remote.read_into(names, &ranges, bytes, &io::Stop::never())?;
             from_le_in_place(&mut out);
             return Ok(out);
         }
@@ -583,7 +583,7 @@ impl Dataset {
                 len: out.len() as u64,
                 dst: 0,
             };
-            remote.read_into(names, &[r], out, &io::thread_stop())?;
+            remote.read_into(names, &[r], out, &io::Stop::never())?;
             return Ok(true);
         };
         let path = self.dir.join("labels.bin");
@@ -608,7 +608,7 @@ impl Dataset {
                     len: 1,
                     dst: 0,
                 };
-                remote.read_into(names, &[r], &mut b, &io::thread_stop())?;
+                remote.read_into(names, &[r], &mut b, &io::Stop::never())?;
             }
             (None, None) => return Err(Error::Internal("internal: no labels.bin".into())),
         }
@@ -635,7 +635,7 @@ impl Dataset {
                     len,
                     dst: 0,
                 };
-                remote.read_into(names, &[r], &mut all, &io::thread_stop())?;
+                remote.read_into(names, &[r], &mut all, &io::Stop::never())?;
             }
             (None, None) => return Err(Error::Internal("internal: no labels.bin".into())),
         }

@@ -45,7 +45,7 @@ pub fn set_metadata(
             )));
         }
     }
-    if crate::io::is_remote(path) {
+    if !crate::io::is_local(path) {
         return Err(Error::Invalid(format!(
             "{}: metadata is edited in place, in a local file; download the container, edit it \
              and upload it",

@@ -366,7 +366,7 @@ fn check_options(opts: &SaveOptions) -> Result<()> {
 
 fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<PathBuf>> {
     check_options(opts)?;
-    if crate::io::is_remote(path) {
+    if !crate::io::is_local(path) {
         return Err(Error::Invalid(format!(
             "{}: containers are written to local files; write it locally, then copy it (each \
              file of a shard set) with \

@@ -35,6 +35,8 @@ const BULK: u64 = 1 << 20;
 pub(super) struct Column {
     pub(super) array: Arc<Array<Storage>>,
     pub(super) path: PathBuf,
+    /// Whether its chunk files are local files (a chunk cut short is measured and named).
+    pub(super) local: bool,
     pub(super) access: Access,
     /// Where a shard keeps its index, and how its inner chunks are encoded (sharded arrays
     /// only).
@@ -106,7 +108,7 @@ pub(super) enum Access {
 }
 
 impl Column {
-    pub(super) fn new(array: Array<Storage>, path: PathBuf) -> Column {
+    pub(super) fn new(array: Array<Storage>, path: PathBuf, local: bool) -> Column {
         let array = Arc::new(array);
         let access = if array.is_sharded() {
             Access::Sharded(ArrayShardedReadableExtCache::new(&array))
@@ -120,6 +122,7 @@ impl Column {
             index: ShardIndex::of(&array),
             array,
             path,
+            local,
             access,
             kept_indexes: Default::default(),
         }
@@ -174,7 +177,7 @@ impl Column {
         };
         // A chunk that does not decode is most often one cut short: say so, naming the file
         // and both sizes, rather than with the codec's words ("the checksum is invalid").
-        if e.io_beneath().is_none() && !crate::io::is_remote(&self.path) {
+        if e.io_beneath().is_none() && self.local {
             if let Some((file, size, want, from)) = self.truncated_file(root, &keys) {
                 return Error::format(
                     file,
@@ -194,7 +197,7 @@ impl Column {
     pub(super) fn damaged(&self, key: &str, detail: &str) -> Error {
         let root = self.store_root();
         let file = root.join(key);
-        if !crate::io::is_remote(&self.path) {
+        if self.local {
             if let Some((f, size, want, from)) = self.truncated_file(root, &[key.to_string()]) {
                 return Error::format(
                     f,

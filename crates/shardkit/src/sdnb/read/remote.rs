@@ -36,6 +36,7 @@ impl RemotePart {
             std::slice::from_ref(&self.name),
             &[(0, offset, len, 0)],
             &mut buf,
+            &io::Stop::never(),
         )?;
         Ok(buf)
     }
@@ -87,8 +88,12 @@ impl RemotePart {
                 dst = (dst + r.len() as u64).next_multiple_of(64);
             }
             let mut buf = vec![0u8; dst as usize];
-            self.remote
-                .read_ranges(std::slice::from_ref(&self.name), &reqs, &mut buf)?;
+            self.remote.read_ranges(
+                std::slice::from_ref(&self.name),
+                &reqs,
+                &mut buf,
+                &io::Stop::never(),
+            )?;
             let buf = bytes::Bytes::from(buf);
             for ((_, cell), &(_, _, len, at)) in group.iter().zip(&reqs) {
                 let _ = cell.set(buf.slice(at as usize..(at + len) as usize));
@@ -190,6 +195,7 @@ pub(super) fn open_in(
                 std::slice::from_ref(&name),
                 &[(0, 0, head.len() as u64, 0)],
                 &mut head,
+                &io::Stop::never(),
             )?;
             let n = head.len().min(4);
             if &head[..n] == b"PK\x03\x04" {
@@ -260,7 +266,12 @@ fn remote_part(
             head
         } else {
             let mut all = vec![0u8; size as usize];
-            parent.read_ranges(&[name.to_string()], &[(0, 0, size, 0)], &mut all)?;
+            parent.read_ranges(
+                &[name.to_string()],
+                &[(0, 0, size, 0)],
+                &mut all,
+                &io::Stop::never(),
+            )?;
             all
         };
         let n = all.len();
@@ -340,8 +351,12 @@ impl Skeleton {
         if ranges.is_empty() {
             return Ok(());
         }
-        self.parent
-            .read_ranges(std::slice::from_ref(&self.name), &ranges, &mut self.map)
+        self.parent.read_ranges(
+            std::slice::from_ref(&self.name),
+            &ranges,
+            &mut self.map,
+            &io::Stop::never(),
+        )
     }
 
     /// Fetches what opening the SDNB at `[base, base + len)` checks: its header, then its
