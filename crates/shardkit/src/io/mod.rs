@@ -42,7 +42,7 @@
 //!
 //! Writes are single PUTs for small objects and multipart uploads for large ones: an object
 //! appears whole or not at all, so a dataset's commit record, written last, is the only thing
-//! a reader needs to trust (the `storage` module's `upload`).
+//! a reader needs to trust (`commit`'s transfers: `shardkit::upload`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
