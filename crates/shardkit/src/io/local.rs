@@ -26,6 +26,22 @@ pub struct ReadRange {
     pub dst: u64,
 }
 
+impl ReadRange {
+    /// Ranges written as `(file, offset, len, dst)` tuples, the short form callers of
+    /// `read_ranges` use.
+    pub(crate) fn from_tuples(ranges: &[(u32, u64, u64, u64)]) -> Vec<ReadRange> {
+        ranges
+            .iter()
+            .map(|&(file, offset, len, dst)| ReadRange {
+                file,
+                offset,
+                len,
+                dst,
+            })
+            .collect()
+    }
+}
+
 /// The files a reader may touch, with their paths for error messages.
 pub(crate) trait Files: Sync {
     /// The open file `i`.

@@ -77,15 +77,7 @@ pub trait Source: Send + Sync + std::fmt::Debug {
         buf: &mut [u8],
         stop: &Stop,
     ) -> Result<()> {
-        let ranges: Vec<ReadRange> = ranges
-            .iter()
-            .map(|&(file, offset, len, dst)| ReadRange {
-                file,
-                offset,
-                len,
-                dst,
-            })
-            .collect();
+        let ranges = ReadRange::from_tuples(ranges);
         self.read_into(names, &ranges, buf, stop)
     }
 

@@ -527,15 +527,7 @@ impl Remote {
         ranges: &[(u32, u64, u64, u64)],
         buf: &mut [u8],
     ) -> Result<()> {
-        let ranges: Vec<ReadRange> = ranges
-            .iter()
-            .map(|&(file, offset, len, dst)| ReadRange {
-                file,
-                offset,
-                len,
-                dst,
-            })
-            .collect();
+        let ranges = ReadRange::from_tuples(ranges);
         self.read_into(names, &ranges, buf)
     }
 
