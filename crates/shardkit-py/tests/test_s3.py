@@ -1966,7 +1966,7 @@ def test_damaged_remote_containers_are_refused_never_crash(tmp_path: Path, s3: S
     # the same bytes except, where the flip fell in a tensor's data (which opening does not
     # checksum), exactly that byte, flipped as written; or, where it fell in a blob's offset in
     # the manifest (the file's end) and the offset still lies inside the file, the bytes the
-    # damaged manifest locates (nothing but a checksum could tell; see the lead's notes).
+    # damaged manifest locates (nothing but a checksum sidecar could tell).
     bucket = s3.bucket()
     big = np.arange(2_500_000, dtype=np.float32)
     want = {"w": np.ones((3, 4), np.float32), "big": big}
