@@ -95,30 +95,7 @@ pub(crate) fn staged_files(dir: &Path) -> Result<Vec<(String, u64)>> {
 }
 
 fn walk_files(dir: &Path, skip_removed: bool) -> Result<Vec<(String, u64)>> {
-    let removed = |e: &std::io::Error| skip_removed && e.kind() == std::io::ErrorKind::NotFound;
-    let mut out = Vec::new();
-    let mut stack = vec![PathBuf::new()];
-    while let Some(rel) = stack.pop() {
-        let here = dir.join(&rel);
-        for entry in std::fs::read_dir(&here).at(&here)? {
-            let entry = entry.at(&here)?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let rel_name = rel.join(&name);
-            let kind = match entry.file_type() {
-                Err(e) if removed(&e) => continue,
-                kind => kind.at(entry.path())?,
-            };
-            if kind.is_dir() {
-                stack.push(rel_name);
-            } else if kind.is_file() {
-                let len = match entry.metadata() {
-                    Err(e) if removed(&e) => continue,
-                    meta => meta.at(entry.path())?.len(),
-                };
-                out.push((rel_name.to_string_lossy().into_owned(), len));
-            }
-        }
-    }
+    let mut out = crate::io::local::walk(dir, skip_removed)?;
     out.retain(|(n, _)| !is_private(n));
     sort_commit_last(&mut out);
     Ok(out)

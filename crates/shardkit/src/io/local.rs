@@ -4,10 +4,10 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, IoContext, Result};
 use crate::fault;
 
 /// Largest single read issued.
@@ -281,6 +281,37 @@ fn read_error(path: &Path, offset: u64, len: usize, e: std::io::Error) -> Error 
     } else {
         Error::io(path, e)
     }
+}
+
+/// The regular files under `dir`, as paths relative to it with their sizes, unsorted. With
+/// `skip_removed`, a file removed between being listed and being looked at is left out (a
+/// directory other threads shrink while it is walked); otherwise that is an error.
+pub(crate) fn walk(dir: &Path, skip_removed: bool) -> Result<Vec<(String, u64)>> {
+    let removed = |e: &std::io::Error| skip_removed && e.kind() == std::io::ErrorKind::NotFound;
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let here = dir.join(&rel);
+        for entry in std::fs::read_dir(&here).at(&here)? {
+            let entry = entry.at(&here)?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let rel_name = rel.join(&name);
+            let kind = match entry.file_type() {
+                Err(e) if removed(&e) => continue,
+                kind => kind.at(entry.path())?,
+            };
+            if kind.is_dir() {
+                stack.push(rel_name);
+            } else if kind.is_file() {
+                let len = match entry.metadata() {
+                    Err(e) if removed(&e) => continue,
+                    meta => meta.at(entry.path())?.len(),
+                };
+                out.push((rel_name.to_string_lossy().into_owned(), len));
+            }
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -185,20 +185,7 @@ impl Source for LocalDir {
     }
 
     fn list(&self) -> Result<Vec<(String, u64)>> {
-        let mut out = Vec::new();
-        let mut dirs = vec![self.root.clone()];
-        while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(&dir).at(&dir)? {
-                let entry = entry.at(&dir)?;
-                let path = entry.path();
-                let meta = entry.metadata().at(&path)?;
-                if meta.is_dir() {
-                    dirs.push(path);
-                } else if let Ok(rel) = path.strip_prefix(&self.root) {
-                    out.push((rel.to_string_lossy().into_owned(), meta.len()));
-                }
-            }
-        }
+        let mut out = super::local::walk(&self.root, false)?;
         out.sort();
         Ok(out)
     }
