@@ -2,7 +2,7 @@
 """Narrow `pub` items of crates/shardkit/src to pub(crate) unless the workspace (CLI, Python
 bindings, bench, tests, examples, doctests) needs them, or they would become dead code.
 
-Usage (from a clean working tree; review `git diff` after, then fmt, clippy and the tests):
+Usage (from a clean working tree; NARROW_ONLY=io/,json.rs limits it to those paths; review `git diff` after, then fmt, clippy and the tests):
   scripts/narrow_pub.py fn                         narrow every `pub fn`, restore what breaks
   scripts/narrow_pub.py struct,enum,type,const     the same for those kinds
   scripts/narrow_pub.py continue                   resume the restore loop on the current diff
@@ -30,8 +30,12 @@ if KINDS == ['continue']:
             ln += 1
     KINDS = ['__none__']
     ITEM = re.compile(r'(?!x)x(a)(b)(c)(d)')
+# NARROW_ONLY=io/,engine/,json.rs narrows only files under those paths (relative to src/).
+ONLY = [x for x in __import__('os').environ.get('NARROW_ONLY', '').split(',') if x]
 for f in sorted(SRC.rglob('*.rs')):
     if f.name == 'internals.rs':
+        continue
+    if ONLY and not any(str(f.relative_to(SRC)).startswith(o) for o in ONLY):
         continue
     lines = f.read_text().split('\n')
     for i, l in enumerate(lines):

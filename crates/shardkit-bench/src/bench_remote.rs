@@ -34,7 +34,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Args;
-use shardkit::io::{self, counters, Remote};
+use shardkit::io::{self, counters, Location, Source, Stop};
 use shardkit::json::{self, Escape, Value};
 use shardkit::{download, upload};
 use shardkit::{Error, Result};
@@ -87,6 +87,25 @@ impl RemoteBenchArgs {
     }
 }
 
+/// A store prefix, read without the local cache (the ceilings measure the store itself).
+type Remote = std::sync::Arc<dyn Source>;
+
+/// `url` checked to name a store prefix, as `s3://bucket/prefix`.
+fn store_url(url: &std::path::Path) -> Result<String> {
+    match Location::parse(url)? {
+        l @ Location::S3 { .. } => Ok(l.to_string()),
+        Location::Local(p) => Err(Error::Invalid(format!(
+            "{}: not an s3:// URL",
+            p.display()
+        ))),
+    }
+}
+
+/// The store prefix at `url`.
+fn open_remote(url: &std::path::Path) -> Result<Remote> {
+    io::open_uncached(&Location::parse(store_url(url)?)?)
+}
+
 fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs.max(1e-9) / 1e9
 }
@@ -117,7 +136,7 @@ fn timed_read(
     io::set_inflight(inflight);
     let before = counters();
     let t0 = Instant::now();
-    remote.read_ranges(names, ranges, &mut buf)?;
+    remote.read_ranges(names, ranges, &mut buf, &Stop::never())?;
     let secs = t0.elapsed().as_secs_f64();
     let after = counters();
     std::hint::black_box(&buf);
@@ -280,7 +299,7 @@ fn saev_dataset(a: &RemoteBenchArgs) -> Result<(PathBuf, PathBuf, u64)> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let url = PathBuf::from(format!("{}/saev/{name}", Remote::parse(&a.url)?.url()));
+    let url = PathBuf::from(format!("{}/saev/{name}", store_url(&a.url)?));
     upload(&local, &url, |_, _| {})?;
     Ok((local, url, examples * example))
 }
@@ -341,7 +360,7 @@ fn saev(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     use shardkit::engine::Order;
     use shardkit::saev::LayerSel;
     let (_, url, dataset_bytes) = saev_dataset(a)?;
-    let remote = Remote::parse(&url)?;
+    let remote = open_remote(&url)?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     // The same client issuing exactly the GETs a one-layer loader needs (each example's slab
@@ -427,7 +446,7 @@ fn saev_cache(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     use shardkit::saev::LayerSel;
     let (local, url, dataset_bytes) = saev_dataset(a)?;
     let inflight = io::inflight();
-    let ceiling = best(&ceilings(&Remote::parse(&url)?, &[inflight])?);
+    let ceiling = best(&ceilings(&open_remote(&url)?, &[inflight])?);
     let layer = LayerSel::Value(-1);
     let mut loaders = Vec::new();
     for &t in threads {
@@ -543,9 +562,9 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     use shardkit::flat_tokens::{Layout, LoaderOptions, Split, TokenLoader};
     let local = a.dir.join("tokens");
     crate::bench_tokens::ensure_dataset(&local, Layout::default(), (a.size_mib << 20) / 4)?;
-    let url = PathBuf::from(format!("{}/tokens", Remote::parse(&a.url)?.url()));
+    let url = PathBuf::from(format!("{}/tokens", store_url(&a.url)?));
     upload(&local, &url, |_, _| {})?;
-    let remote = Remote::parse(&url)?;
+    let remote = open_remote(&url)?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let stored: u64 = remote.list()?.iter().map(|(_, n)| n).sum();
@@ -692,9 +711,9 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         }
         crate::eagle3_cmd::synth_cache(&synth)?;
     }
-    let url = PathBuf::from(format!("{}/eagle3", Remote::parse(&a.url)?.url()));
+    let url = PathBuf::from(format!("{}/eagle3", store_url(&a.url)?));
     upload(&synth.out, &url, |_, _| {})?;
-    let remote = Remote::parse(&url)?;
+    let remote = open_remote(&url)?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let mut loaders = Vec::new();
@@ -765,10 +784,10 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             .collect();
         sdnb::save(&local, &tensors, &SaveOptions::default())?;
     }
-    let prefix = Remote::parse(&a.url)?.url();
+    let prefix = store_url(&a.url)?;
     let url = PathBuf::from(format!("{prefix}/sdnb/model.sdnb"));
     upload(&local, &url, |_, _| {})?;
-    let remote = Remote::parse(&PathBuf::from(format!("{prefix}/sdnb")))?;
+    let remote = open_remote(&PathBuf::from(format!("{prefix}/sdnb")))?;
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let mut reads = Vec::new();
@@ -869,7 +888,7 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
     let run = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let base = Remote::parse(&a.url)?.url();
+    let base = store_url(&a.url)?;
     let synth_to = |out: PathBuf| -> Result<(PathBuf, f64)> {
         let mut args = crate::bench::vit_l(out, examples, true);
         args.budget = Some(8 * 2 * 257); // shards of 8 examples (17 MiB), as `saev` reads
@@ -897,7 +916,7 @@ fn saev_write(a: &RemoteBenchArgs) -> Result<Value> {
     let ideal = gbps(bytes, local_s).min(gbps(bytes, upload_s));
     let rate = gbps(bytes, streamed_s);
     // And back: `shardkit download` against the GET ceiling of the same objects.
-    let remote = Remote::parse(&url)?;
+    let remote = open_remote(&url)?;
     let (get_ceiling, _, _) = get_ceiling(&remote, io::inflight())?;
     let t0 = Instant::now();
     download(&url, &local_root, |_, _| {})?;
@@ -957,7 +976,7 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
     let run = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
-    let base = Remote::parse(&a.url)?.url();
+    let base = store_url(&a.url)?;
     let checkpoint = 1 << 24;
     // Generating the sequences is left out of each rate (the writer reports its own).
     let write = |root: &std::path::Path| -> Result<f64> {
@@ -971,7 +990,7 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
     let uploaded = PathBuf::from(format!("{base}/tokens-upload-{run}"));
     upload(&local, &uploaded, |_, _| {})?;
     let upload_s = t0.elapsed().as_secs_f64();
-    let stored: u64 = Remote::parse(&uploaded)?
+    let stored: u64 = open_remote(&uploaded)?
         .list()?
         .iter()
         .map(|(_, n)| n)

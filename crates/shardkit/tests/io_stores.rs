@@ -59,7 +59,7 @@ fn a_source_lists_gets_and_reads_ranges_the_same_wherever_the_bytes_live() {
     assert!(local.is_local());
     let listed = local.list().unwrap();
     for (what, store, _keep) in stores(&dir) {
-        let remote = io::open_store(URL, store).unwrap();
+        let remote = io::open_store(URL, store, None).unwrap();
         assert!(!remote.is_local(), "{what}");
         assert_eq!(remote.location().to_string(), URL);
         assert_eq!(remote.list().unwrap(), listed, "{what}");
@@ -140,7 +140,7 @@ fn a_saev_dataset_and_its_loader_read_the_same_bytes_from_any_store() {
         .map(|order| batches(Loader::new(&dir, opts(order)).unwrap()))
         .collect();
     for (what, store, _keep) in stores(&dir) {
-        let remote = Dataset::open_source(io::open_store(URL, store.clone()).unwrap()).unwrap();
+        let remote = Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap();
         assert_eq!(remote.path(), Path::new(URL));
         assert_eq!(*remote.layout(), layout, "{what}");
         assert!(remote.has_labels());
@@ -166,7 +166,7 @@ fn a_saev_dataset_and_its_loader_read_the_same_bytes_from_any_store() {
         for (order, want) in [Order::Block, Order::Exact].into_iter().zip(&want) {
             let ds = match remote.take() {
                 Some(ds) => ds,
-                None => Dataset::open_source(io::open_store(URL, store.clone()).unwrap()).unwrap(),
+                None => Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap(),
             };
             let got = batches(Loader::with_dataset(ds, opts(order)).unwrap());
             assert_eq!(&got, want, "{what} {order:?}");
@@ -237,7 +237,7 @@ fn an_eagle3_cache_and_its_loader_read_the_same_bytes_from_any_store() {
     };
     let want = batches(local.clone());
     for (what, store, _keep) in stores(&dir) {
-        let remote = Cache::open_source(io::open_store(URL, store).unwrap(), 4).unwrap();
+        let remote = Cache::open_source(io::open_store(URL, store, None).unwrap(), 4).unwrap();
         assert_eq!(remote.dir(), Path::new(URL));
         assert_eq!(remote.len(), local.len(), "{what}");
         for i in 0..local.len() as i64 {
@@ -289,7 +289,7 @@ fn an_sdnb_container_opens_from_any_store_with_the_same_tensors() {
         sdnb::save(&dir.join(name), &tensors, &opts).unwrap();
         let local = sdnb::open(dir.join(name)).unwrap();
         for (what, store, _keep) in stores(&dir) {
-            let parent = io::open_store(URL, store).unwrap();
+            let parent = io::open_store(URL, store, None).unwrap();
             let remote = sdnb::open_source(parent, name).unwrap();
             assert_eq!(remote.kind(), local.kind(), "{what} {name}");
             for t in ["small", "big"] {
@@ -310,8 +310,7 @@ fn the_cache_wraps_a_store_and_serves_a_second_read_from_its_pages() {
     let local = Dataset::open(&dir).unwrap();
     let mem = Arc::new(InMemory::new());
     upload(&dir, &*mem);
-    let remote = io::Remote::with_store(Path::new(URL), mem).unwrap();
-    let cached = Arc::new(io::Cached::new(remote, tmp.path().join("cache")));
+    let cached = io::open_store(URL, mem, Some(tmp.path().join("cache"))).unwrap();
     let ds = Dataset::open_source(cached).unwrap();
     let layout = *local.layout();
     let read_all = |ds: &Dataset| {
@@ -464,7 +463,7 @@ fn short_bodies_are_retried_and_failures_name_the_object_and_the_range() {
 
     // A body cut short twice: retried, then served whole.
     let store = faulty(&dir, Fault::Cut, 2);
-    let ds = Dataset::open_source(io::open_store(URL, store.clone()).unwrap()).unwrap();
+    let ds = Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap();
     store.left.store(2, Ordering::SeqCst);
     assert_eq!(ds.get(3, 7, 2).unwrap(), want);
     assert_eq!(store.left.load(Ordering::SeqCst), 0);
@@ -478,7 +477,7 @@ fn short_bodies_are_retried_and_failures_name_the_object_and_the_range() {
 
     // A server error the client gave up on: the error names the object and the range.
     let store = faulty(&dir, Fault::ServerError, 0);
-    let ds = Dataset::open_source(io::open_store(URL, store.clone()).unwrap()).unwrap();
+    let ds = Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap();
     store.left.store(1, Ordering::SeqCst);
     let e = ds.get(3, 7, 2).unwrap_err();
     let text = e.to_string();
@@ -499,7 +498,7 @@ fn a_read_of_a_store_that_never_answers_stops_when_its_stop_is_set() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = saev_dir(tmp.path());
     let store = faulty(&dir, Fault::Hang, u64::MAX);
-    let source = io::open_store(URL, store).unwrap();
+    let source = io::open_store(URL, store, None).unwrap();
     let names: Vec<String> = vec!["acts000000.bin".into()];
     let ranges = vec![io::ReadRange {
         file: 0,

@@ -1031,7 +1031,7 @@ pub(crate) fn fetch_container(url: &Path, cache: &Path, shards: &ShardNames) -> 
 }
 
 mod cached;
-pub use cached::Cached;
+pub(crate) use cached::Cached;
 
 #[cfg(test)]
 mod tests;

@@ -4,7 +4,7 @@ use super::local::ReadRange;
 
 /// Ranges of one object at most this far apart are fetched by one request (the gap's bytes are
 /// read and dropped: cheaper than another round trip).
-pub const COALESCE_GAP: u64 = 1 << 20;
+pub(crate) const COALESCE_GAP: u64 = 1 << 20;
 
 /// One ranged GET: `start..end` of object `file`, and the pieces of the caller's buffer it
 /// fills.

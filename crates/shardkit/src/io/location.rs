@@ -113,12 +113,12 @@ impl std::fmt::Display for Location {
 
 /// Whether `path` names local files (a plain path or a `file://` URL): the capability question
 /// a format asks of a path it holds (a store's reads are ranged requests, not maps).
-pub fn is_local(path: &Path) -> bool {
+pub(crate) fn is_local(path: &Path) -> bool {
     Location::parse(path).is_ok_and(|l| l.is_local())
 }
 
 /// `path` as a local path (`file://` stripped).
-pub fn local_path(path: &Path) -> PathBuf {
+pub(crate) fn local_path(path: &Path) -> PathBuf {
     match path.to_str().and_then(|s| s.strip_prefix("file://")) {
         Some(rest) => PathBuf::from(rest),
         None => path.to_path_buf(),

@@ -2,9 +2,9 @@
 //! object store, and every read goes through this module.
 //!
 //! A path or URL is parsed once into a [`Location`]; [`open`] makes the [`Source`] a format
-//! holds: [`LocalDir`] for local files, [`Remote`] for a prefix in any `object_store` store
+//! holds: `LocalDir` for local files, `Remote` for a prefix in any `object_store` store
 //! (S3 behind the `s3` cargo feature, on by default; in tests an in-memory or local-filesystem
-//! store, [`open_store`]), wrapped in [`Cached`] when `SHARDKIT_CACHE_DIR` is set. A source
+//! store, [`open_store`]), wrapped in `Cached` when `SHARDKIT_CACHE_DIR` is set. A source
 //! lists, sizes and gets objects, and reads ranges of them into the caller's buffer, now or
 //! started and left running ([`Source::start_read`]), until its [`Stop`] is set. Formats ask a
 //! source what it can do ([`Source::local_path`]: files to map, read ahead, read with O_DIRECT,
@@ -30,7 +30,7 @@
 //! buckets unsigned. Signing, retries and multipart uploads are the `object_store` crate's.
 //!
 //! Reads are ranged GETs: the ranges a batch needs are sorted, ranges of one object less than
-//! [`COALESCE_GAP`] apart are merged into requests of at most [`max_request`] bytes, and
+//! 1 MiB apart are merged into requests of at most [`max_request`] bytes, and
 //! [`inflight`] request slots (shared by the process's reads, which take them in turn, first
 //! come first served; a small request takes a share of a slot) bound the requests running at
 //! once on one small tokio runtime; each response is copied into its place in the caller's
@@ -46,17 +46,17 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub mod buffer;
-pub mod cache;
+pub(crate) mod buffer;
+pub(crate) mod cache;
 pub(crate) mod coalesce;
-pub mod local;
-pub mod location;
-pub mod runtime;
+pub(crate) mod local;
+pub(crate) mod location;
+pub(crate) mod runtime;
 #[cfg(feature = "s3")]
 pub(crate) mod s3;
 pub(crate) mod slots;
-pub mod source;
-pub mod stop;
+pub(crate) mod source;
+pub(crate) mod stop;
 pub(crate) mod store;
 #[cfg(feature = "zarr")]
 pub(crate) mod zarr;
@@ -66,17 +66,18 @@ pub use cache::{
     cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
 };
 pub(crate) use cache::{fetch_container, ShardNames};
-pub use cache::{Cached, HeldPages};
-pub use coalesce::COALESCE_GAP;
+pub(crate) use cache::Cached;
+pub use cache::HeldPages;
 pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;
-pub use location::{is_local, local_path, Location};
+pub(crate) use location::{is_local, local_path};
+pub use location::Location;
 pub(crate) use runtime::reads_stopped_by;
 pub use runtime::PendingRead;
-pub use source::{open, open_store, open_uncached, LocalDir, Source};
+pub use source::{open, open_store, open_uncached, Source};
 pub use stop::Stop;
 pub(crate) use store::not_a_store;
-pub use store::Remote;
+pub(crate) use store::Remote;
 
 /// Counters of the requests this process has made (for benchmarks and reports).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use super::local::{read_all, Files, ReadRange};
 use super::location::Location;
 use super::runtime::{runtime, PendingRead};
 use super::stop::Stop;
-use super::{HeldPages, Remote};
+use super::{Cached, HeldPages, Remote};
 use crate::error::{Error, IoContext, Result};
 
 /// A place a dataset's bytes are read from: a set of named objects (files of a directory,
@@ -118,23 +118,30 @@ pub fn open_uncached(location: &Location) -> Result<Arc<dyn Source>> {
     })
 }
 
-/// A test hook: `url` (`s3://bucket/prefix`) read through `store`, any object store (an
-/// in-memory or local-filesystem one), with the same requests, retries of short responses,
-/// and errors as S3.
-#[doc(hidden)]
-pub fn open_store(url: impl AsRef<Path>, store: Arc<dyn ObjectStore>) -> Result<Arc<dyn Source>> {
-    Ok(Arc::new(Remote::with_store(url.as_ref(), store)?))
+/// `url` (`s3://bucket/prefix`) read through `store`, any object store (S3, or an in-memory or
+/// local-filesystem one in tests), with the same requests, retries of short responses, and
+/// errors as S3; through a bounded local cache in `cache_dir` when one is given.
+pub fn open_store(
+    url: impl AsRef<Path>,
+    store: Arc<dyn ObjectStore>,
+    cache_dir: Option<PathBuf>,
+) -> Result<Arc<dyn Source>> {
+    let remote = Remote::with_store(url.as_ref(), store)?;
+    Ok(match cache_dir {
+        Some(dir) => Arc::new(Cached::new(remote, dir)),
+        None => Arc::new(remote),
+    })
 }
 
 /// A local directory's files.
 #[derive(Debug, Clone)]
-pub struct LocalDir {
+pub(crate) struct LocalDir {
     root: PathBuf,
 }
 
 impl LocalDir {
     /// The files of `root`.
-    pub fn new(root: PathBuf) -> LocalDir {
+    pub(crate) fn new(root: PathBuf) -> LocalDir {
         LocalDir { root }
     }
 }

@@ -28,7 +28,7 @@ pub(crate) const PART_SIZE: usize = 16 << 20;
 
 /// A prefix in an object store: `s3://bucket/prefix`.
 #[derive(Clone)]
-pub struct Remote {
+pub(crate) struct Remote {
     pub(crate) bucket: String,
     /// Without leading or trailing slashes; may be empty.
     pub(crate) prefix: String,
@@ -117,7 +117,7 @@ pub(crate) fn not_a_store(url: &Path) -> Error {
 
 impl Remote {
     /// Parses `s3://bucket/prefix` (a trailing slash is ignored).
-    pub fn parse(url: &Path) -> Result<Remote> {
+    pub(crate) fn parse(url: &Path) -> Result<Remote> {
         let (bucket, prefix) = Remote::split_url(url)?;
         Ok(Remote {
             client: (std::process::id(), client_for(&bucket)?),
@@ -128,8 +128,7 @@ impl Remote {
 
     /// `s3://bucket/prefix` read and written through `store` (any object store: an in-memory
     /// or local-filesystem one in tests), in every process.
-    #[doc(hidden)]
-    pub fn with_store(url: &Path, store: Arc<dyn ObjectStore>) -> Result<Remote> {
+    pub(crate) fn with_store(url: &Path, store: Arc<dyn ObjectStore>) -> Result<Remote> {
         let (bucket, prefix) = Remote::split_url(url)?;
         Ok(Remote {
             bucket,
@@ -172,7 +171,7 @@ impl Remote {
     }
 
     /// `s3://bucket/prefix`.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         if self.prefix.is_empty() {
             format!("s3://{}", self.bucket)
         } else {
@@ -203,7 +202,7 @@ impl Remote {
     }
 
     /// The prefix `name` below this one.
-    pub fn join(&self, name: &str) -> Remote {
+    pub(crate) fn join(&self, name: &str) -> Remote {
         let mut r = self.clone();
         r.prefix = if r.prefix.is_empty() {
             name.trim_matches('/').to_string()
@@ -330,7 +329,7 @@ impl Remote {
     }
 
     /// The whole of object `name`.
-    pub fn get(&self, name: &str) -> Result<Vec<u8>> {
+    pub(crate) fn get(&self, name: &str) -> Result<Vec<u8>> {
         self.get_opt(name)?.ok_or_else(|| Error::NotFound {
             path: self.url_of(name),
             what: "no such object".into(),
@@ -338,7 +337,7 @@ impl Remote {
     }
 
     /// Every object under this prefix: (name relative to it, size), sorted by name.
-    pub fn list(&self) -> Result<Vec<(String, u64)>> {
+    pub(crate) fn list(&self) -> Result<Vec<(String, u64)>> {
         Ok(self
             .list_etags()?
             .into_iter()
@@ -521,7 +520,7 @@ impl Remote {
 
     /// Reads `(object, offset, len, dst)` ranges of the objects `names[object]` into `buf`
     /// (see [`COALESCE_GAP`], [`max_request`], [`inflight`]).
-    pub fn read_ranges(
+    pub(crate) fn read_ranges(
         &self,
         names: &[String],
         ranges: &[(u32, u64, u64, u64)],

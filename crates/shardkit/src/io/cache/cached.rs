@@ -2,7 +2,7 @@
 //! pages held in the cache, and the pages they miss are fetched from the store, copied into
 //! the read and kept (see the `cache` module).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::super::buffer::Buffer;
@@ -17,21 +17,17 @@ use crate::error::Result;
 
 /// A store's objects read through the cache in `dir`.
 #[derive(Debug, Clone)]
-pub struct Cached {
+pub(crate) struct Cached {
     inner: Remote,
     dir: PathBuf,
 }
 
 impl Cached {
     /// `inner` read through the cache at `dir`.
-    pub fn new(inner: Remote, dir: PathBuf) -> Cached {
+    pub(crate) fn new(inner: Remote, dir: PathBuf) -> Cached {
         Cached { inner, dir }
     }
 
-    /// The cache directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
 }
 
 impl Source for Cached {
