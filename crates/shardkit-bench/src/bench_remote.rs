@@ -94,10 +94,7 @@ type Remote = std::sync::Arc<dyn Source>;
 fn store_url(url: &std::path::Path) -> Result<String> {
     match Location::parse(url)? {
         l @ Location::S3 { .. } => Ok(l.to_string()),
-        Location::Local(p) => Err(Error::Invalid(format!(
-            "{}: not an s3:// URL",
-            p.display()
-        ))),
+        Location::Local(p) => Err(Error::Invalid(format!("{}: not an s3:// URL", p.display()))),
     }
 }
 
@@ -990,11 +987,7 @@ fn tokens_write(a: &RemoteBenchArgs) -> Result<Value> {
     let uploaded = PathBuf::from(format!("{base}/tokens-upload-{run}"));
     upload(&local, &uploaded, |_, _| {})?;
     let upload_s = t0.elapsed().as_secs_f64();
-    let stored: u64 = open_remote(&uploaded)?
-        .list()?
-        .iter()
-        .map(|(_, n)| n)
-        .sum();
+    let stored: u64 = open_remote(&uploaded)?.list()?.iter().map(|(_, n)| n).sum();
     let upload_puts = counters().puts - before.puts;
     let local_sha = tree_sha256(&local)?;
     let _ = std::fs::remove_dir_all(&local);

@@ -140,7 +140,8 @@ fn a_saev_dataset_and_its_loader_read_the_same_bytes_from_any_store() {
         .map(|order| batches(Loader::new(&dir, opts(order)).unwrap()))
         .collect();
     for (what, store, _keep) in stores(&dir) {
-        let remote = Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap();
+        let remote =
+            Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap();
         assert_eq!(remote.path(), Path::new(URL));
         assert_eq!(*remote.layout(), layout, "{what}");
         assert!(remote.has_labels());
@@ -166,7 +167,9 @@ fn a_saev_dataset_and_its_loader_read_the_same_bytes_from_any_store() {
         for (order, want) in [Order::Block, Order::Exact].into_iter().zip(&want) {
             let ds = match remote.take() {
                 Some(ds) => ds,
-                None => Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap(),
+                None => {
+                    Dataset::open_source(io::open_store(URL, store.clone(), None).unwrap()).unwrap()
+                }
             };
             let got = batches(Loader::with_dataset(ds, opts(order)).unwrap());
             assert_eq!(&got, want, "{what} {order:?}");

@@ -116,7 +116,7 @@ impl FileSums {
     }
 
     /// The byte range of block `i`.
-    pub fn block(&self, i: usize) -> Range<u64> {
+    pub(crate) fn block(&self, i: usize) -> Range<u64> {
         let start = i as u64 * self.block_bytes;
         start..(start + self.block_bytes).min(self.bytes)
     }
@@ -279,7 +279,7 @@ impl Checksums {
     }
 
     /// Writes the sidecar atomically.
-    pub fn write(&self, path: &Path) -> Result<()> {
+    pub(crate) fn write(&self, path: &Path) -> Result<()> {
         fsutil::atomic_write(path, &document_bytes(self.to_json()))
     }
 

@@ -60,7 +60,7 @@ impl<F> LoaderOptions<F> {
     /// `batch_size` and `format`, every common knob at its default: [`DEFAULT_ORDER`], seed 0,
     /// epoch 0, rank and world size from the environment, `drop_last` false, one thread per
     /// core, no verification.
-    pub fn with_format(batch_size: u64, format: F) -> LoaderOptions<F> {
+    pub(crate) fn with_format(batch_size: u64, format: F) -> LoaderOptions<F> {
         LoaderOptions {
             batch_size,
             order: DEFAULT_ORDER,
@@ -76,7 +76,7 @@ impl<F> LoaderOptions<F> {
     }
 
     /// Whether the order is shuffled (not [`Order::Sequential`]).
-    pub fn shuffled(&self) -> bool {
+    pub(crate) fn shuffled(&self) -> bool {
         self.order != Order::Sequential
     }
 
@@ -212,7 +212,11 @@ impl LoaderState {
     }
 
     /// Key `k` read with `read`, when the state has it; another type is an error naming it.
-    pub fn read<T>(&self, k: &str, read: impl Fn(&StateValue) -> Option<T>) -> Result<Option<T>> {
+    pub(crate) fn read<T>(
+        &self,
+        k: &str,
+        read: impl Fn(&StateValue) -> Option<T>,
+    ) -> Result<Option<T>> {
         match self.get(k) {
             None => Ok(None),
             Some(v) => read(v).map(Some).ok_or_else(|| {
@@ -233,7 +237,7 @@ impl LoaderState {
     }
 
     /// Key `k` as a flag.
-    pub fn flag(&self, k: &str) -> Result<Option<bool>> {
+    pub(crate) fn flag(&self, k: &str) -> Result<Option<bool>> {
         self.read(k, |v| match *v {
             StateValue::Bool(x) => Some(x),
             _ => None,

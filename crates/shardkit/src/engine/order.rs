@@ -155,7 +155,7 @@ impl Window {
     }
     /// (block, row within block) of window-local row `q`.
     #[cfg(test)]
-    pub fn locate(&self, q: u64) -> (u32, u64) {
+    pub(crate) fn locate(&self, q: u64) -> (u32, u64) {
         let i = self.row_prefix.partition_point(|&p| p <= q) - 1;
         (self.blocks[i], q - self.row_prefix[i])
     }

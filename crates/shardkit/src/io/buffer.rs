@@ -116,7 +116,7 @@ impl Buffer {
         unsafe { std::slice::from_raw_parts_mut(self.raw().ptr, self.len) }
     }
     /// The bytes as native float32 values (the length rounded down to whole values).
-    pub fn as_f32(&self) -> &[f32] {
+    pub(crate) fn as_f32(&self) -> &[f32] {
         if self.len == 0 {
             return &[];
         }
@@ -144,12 +144,8 @@ pub struct Field {
 
 impl Field {
     /// Bytes of the field.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
-    }
-    /// Whether the field has no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
     /// Its byte range in the buffer.
     pub(crate) fn range(&self) -> std::ops::Range<usize> {
@@ -160,7 +156,9 @@ impl Field {
 /// Lays `arrays` (name, dtype, shape) out one after another, each at a 64-byte boundary;
 /// returns the fields and the bytes they need.
 #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' loader only
-pub fn lay_out(arrays: &[(&'static str, safetensors::Dtype, Vec<usize>)]) -> (Vec<Field>, usize) {
+pub(crate) fn lay_out(
+    arrays: &[(&'static str, safetensors::Dtype, Vec<usize>)],
+) -> (Vec<Field>, usize) {
     let mut at = 0usize;
     let fields = arrays
         .iter()
@@ -421,7 +419,7 @@ pub fn copy_done() {
 /// Hints that `bytes` will be read soon (the first lines of a row gathered next, and its page
 /// table entry).
 #[inline]
-pub fn prefetch(bytes: &[u8]) {
+pub(crate) fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

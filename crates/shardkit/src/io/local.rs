@@ -197,7 +197,7 @@ pub(crate) fn read_exact(file: &File, path: &Path, offset: u64, dst: &mut [u8]) 
 
 /// Asks the kernel to start reading `len` bytes at `offset` into the page cache, without
 /// waiting (`posix_fadvise(WILLNEED)`). Advisory: failures are ignored.
-pub fn readahead(file: &File, offset: u64, len: u64) {
+pub(crate) fn readahead(file: &File, offset: u64, len: u64) {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
@@ -235,7 +235,7 @@ pub(crate) fn check_len(file: &File, path: &Path, len: u64) -> Result<()> {
 /// The first `len` bytes of `file`, mapped read-only (`len` must be non-zero). The caller
 /// checks that the file still holds them (`check_len`) before reading a part of the map it
 /// has not checked since: a map must never be read past the end of its file.
-pub fn map_file(file: &File, path: &Path, len: u64) -> Result<memmap2::Mmap> {
+pub(crate) fn map_file(file: &File, path: &Path, len: u64) -> Result<memmap2::Mmap> {
     // SAFETY: a read-only shared map of a finished file, which shardkit never writes; its length
     // is checked against the file before each use. (Another process truncating the file while it
     // is mapped is the one hazard of any memory map.)
@@ -245,7 +245,7 @@ pub fn map_file(file: &File, path: &Path, len: u64) -> Result<memmap2::Mmap> {
 
 /// Whether every page of `bytes` (a part of a file map) is in memory (`mincore`). True when
 /// it cannot be told: the answer only decides whether to start readahead.
-pub fn resident(bytes: &[u8]) -> bool {
+pub(crate) fn resident(bytes: &[u8]) -> bool {
     #[cfg(target_os = "linux")]
     {
         if bytes.is_empty() {

@@ -49,7 +49,7 @@ impl Location {
     }
 
     /// Whether the bytes are local files (they can be mapped, read ahead, read with O_DIRECT).
-    pub fn is_local(&self) -> bool {
+    pub(crate) fn is_local(&self) -> bool {
         matches!(self, Location::Local(_))
     }
 

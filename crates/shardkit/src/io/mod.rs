@@ -62,16 +62,16 @@ pub(crate) mod store;
 pub(crate) mod zarr;
 
 pub use crate::config::{inflight, max_request, set_inflight, set_max_request_mib};
+pub(crate) use cache::Cached;
+pub use cache::HeldPages;
 pub use cache::{
     cache_dir, cache_dir_or, cache_usage, clear_cache, wait_for_cache, CacheUsage, CachedObject,
 };
 pub(crate) use cache::{fetch_container, ShardNames};
-pub(crate) use cache::Cached;
-pub use cache::HeldPages;
 pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;
-pub(crate) use location::{is_local, local_path};
 pub use location::Location;
+pub(crate) use location::{is_local, local_path};
 pub(crate) use runtime::reads_stopped_by;
 pub use runtime::PendingRead;
 pub use source::{open, open_store, open_uncached, Source};

@@ -27,7 +27,6 @@ impl Cached {
     pub(crate) fn new(inner: Remote, dir: PathBuf) -> Cached {
         Cached { inner, dir }
     }
-
 }
 
 impl Source for Cached {
