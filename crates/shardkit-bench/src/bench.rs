@@ -445,9 +445,7 @@ pub(crate) fn seq_read(
                     let n = chunk.min(len - off) as usize;
                     // O_DIRECT needs an aligned length: read the rounded-up tail.
                     let n = if direct { n.div_ceil(4096) * 4096 } else { n };
-                    if f.read_at(&mut buf.as_mut_bytes()[..n.min(chunk as usize)], off)
-                        .is_err()
-                    {
+                    if f.read_at(&mut buf[..n.min(chunk as usize)], off).is_err() {
                         failed.store(true, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
@@ -484,7 +482,7 @@ fn rand4k(files: &[PathBuf], reads: usize) -> Result<f64> {
                 while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < reads {
                     let (f, pages) = &handles[rng.below(handles.len() as u64) as usize];
                     let off = rng.below(*pages) * 4096;
-                    let _ = f.read_at(buf.as_mut_bytes(), off);
+                    let _ = f.read_at(&mut buf, off);
                 }
             });
         }
@@ -555,7 +553,7 @@ pub(crate) fn gather_ceiling(threads: usize, row: usize) -> f64 {
                 let src = &src;
                 s.spawn(move || {
                     let mut rng = shardkit::internals::SplitMix64(pass * 1000 + t as u64);
-                    for out in dst.as_mut_bytes().chunks_exact_mut(row) {
+                    for out in dst.chunks_exact_mut(row) {
                         let at = rng.below(slots as u64) as usize * row;
                         shardkit::internals::copy_streaming(out, &src[at..at + row]);
                     }

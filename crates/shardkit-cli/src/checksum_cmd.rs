@@ -4,18 +4,17 @@
 use std::path::Path;
 
 use shardkit::checksum;
-use shardkit::error::Result;
 use shardkit::report::{Severity, Validation};
+use shardkit::Result;
 
 /// Writes the sidecar of the dataset at `path` (every file hashed).
 pub fn checksum(path: &Path) -> Result<bool> {
-    let sidecar = checksum::record(path)?;
-    let sums = checksum::Checksums::read(&sidecar)?.unwrap_or_default();
-    let bytes: u64 = sums.files.values().map(|s| s.bytes).sum();
+    let rec = checksum::record(path)?;
     println!(
-        "{}: {} file(s), {bytes} bytes hashed (xxh3-64 per block)",
-        sidecar.display(),
-        sums.files.len()
+        "{}: {} file(s), {} bytes hashed (xxh3-64 per block)",
+        rec.sidecar.display(),
+        rec.files.len(),
+        rec.bytes
     );
     Ok(true)
 }

@@ -513,6 +513,7 @@ fn clear_cache(
 #[pyfunction]
 fn checksum(py: Python<'_>, path: std::path::PathBuf) -> PyResult<std::path::PathBuf> {
     py.allow_threads(|| shardkit::checksum::record(&path))
+        .map(|r| r.sidecar)
         .map_err(to_py)
 }
 

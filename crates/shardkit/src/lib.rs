@@ -45,7 +45,7 @@ pub(crate) mod commit;
 pub(crate) mod config;
 pub mod eagle3;
 pub mod engine;
-pub mod error;
+mod error;
 // Test-only fault hooks (engine, reads), compiled only with the `fault-injection` feature.
 pub(crate) mod fault;
 pub mod flat_tokens;

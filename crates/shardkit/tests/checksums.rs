@@ -7,9 +7,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use shardkit::checksum::{self, Verdict};
-use shardkit::error::Error;
 use shardkit::json;
 use shardkit::saev::{self, LayerSel, LoaderOptions};
+use shardkit::Error;
 use shardkit::{eagle3, engine::Order};
 
 fn flip(path: &Path, at: u64) {
@@ -96,12 +96,14 @@ fn saev_sidecar_verify_and_verifying_loader() {
     );
     assert_eq!(checksum::verify(&dir).unwrap(), Verdict::NoSidecar);
     // Added afterwards (as for data written by other tools), it covers every file.
-    checksum::record(&dir).unwrap();
-    let sums = checksum::Checksums::read(&dir.join(checksum::SIDECAR))
-        .unwrap()
-        .unwrap();
+    let recorded = checksum::record(&dir).unwrap();
+    assert_eq!(recorded.sidecar, dir.join(checksum::SIDECAR));
     assert_eq!(
-        sums.files.keys().map(String::as_str).collect::<Vec<_>>(),
+        recorded
+            .files
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
         [
             "acts000000.bin",
             "acts000001.bin",
@@ -200,7 +202,12 @@ fn flat_tokens_verifying_loader_finds_a_damaged_chunk_file() {
     }
     // Damage the last byte of the biggest token file: a zstd chunk whose checksum no longer
     // matches (zstd itself may or may not notice).
-    let files = checksum::dataset_files(&root).unwrap().2;
+    let sidecar =
+        shardkit::json::parse(&std::fs::read(root.join(checksum::SIDECAR)).unwrap()).unwrap();
+    let Some(shardkit::json::Value::Object(files)) = sidecar.get("files") else {
+        panic!("the sidecar lists its files");
+    };
+    let files: Vec<&String> = files.iter().map(|(name, _)| name).collect();
     let victim = files
         .iter()
         .filter(|n| n.contains("encoded_tokens/c/"))

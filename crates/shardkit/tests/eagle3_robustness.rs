@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use shardkit::checksum::{self, Verdict};
 use shardkit::eagle3::{self, synth, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions};
-use shardkit::error::Error;
 use shardkit::json::{self, Value};
+use shardkit::Error;
 
 fn config(n: u64, s: u64, seq: u64, vd: u64, dtype: &str, topk: Option<u64>) -> Value {
     let ids: Vec<String> = (0..vd).map(|j| j.to_string()).collect();

@@ -9,10 +9,10 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
 use shardkit::checksum::{self, Verdict};
-use shardkit::error::Error;
 use shardkit::flat_tokens::{
     self, Layout, LoaderOptions, Packing, Sharded, Split, TokenLoader, Writer, WriterOptions,
 };
+use shardkit::Error;
 
 fn files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();

@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 
 use shardkit::checksum::{self, Verdict};
 use shardkit::eagle3::{self, synth, Rows, Writer, WriterOptions};
-use shardkit::error::Error;
 use shardkit::json;
 use shardkit::report::Validation;
 use shardkit::sdnb::{self, DType, Format, Order, SaveOptions, TensorIn, VarType};
+use shardkit::Error;
 
 /// No errors, and the note that every block of `files` files matched.
 fn assert_deep_valid(v: &Validation, files: usize) {
@@ -302,13 +302,12 @@ fn verify_and_checksum_take_a_shard_sets_base_name() {
     let sidecar = tmp.path().join("model.shard-set.checksums.json");
     std::fs::remove_file(&sidecar).unwrap();
     assert_eq!(checksum::verify(&base).unwrap(), Verdict::NoSidecar);
-    assert_eq!(checksum::record(&base).unwrap(), sidecar);
+    let recorded = checksum::record(&base).unwrap();
+    assert_eq!(recorded.sidecar, sidecar);
     assert_eq!(intact(&base), files.len());
     assert_eq!(intact(&tmp.path().join("model")), files.len());
     assert_eq!(intact(&files[1]), files.len());
-    let (found, _, names) = checksum::dataset_files(&base).unwrap();
-    assert_eq!(found, sidecar);
-    assert_eq!(names.len(), files.len());
+    assert_eq!(recorded.files.len(), files.len());
     // A name that is neither a file nor a set's base: NotFound naming it.
     let e = checksum::verify(&tmp.path().join("none.sdnb")).unwrap_err();
     assert!(matches!(e, Error::NotFound { .. }), "{e:?}");

@@ -5,9 +5,9 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use shardkit::error::Error;
 use shardkit::json::{self, Value};
 use shardkit::sdnb::{self, DType, Format, Order, SaveOptions, TensorIn, VarType};
+use shardkit::Error;
 use shardkit::{eagle3, flat_tokens, saev};
 
 #[track_caller]

@@ -39,7 +39,7 @@ pub(crate) trait Naming {
 /// the sidecar, writers' temporaries and lock files; anything else is an SDNB container (a
 /// file, an archive, a shard file or a shard set's base name), whose files are its parts. The sidecar is the one in use: the container's own, or one
 /// an earlier version wrote under the old shared name when only it covers the container.
-pub fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
+pub(crate) fn dataset_files(path: &Path) -> Result<(PathBuf, PathBuf, Vec<String>)> {
     let l = locate(path)?;
     Ok((l.sidecar, l.base, l.names))
 }
@@ -284,7 +284,26 @@ pub(crate) fn record_with(path: &Path, known: &BTreeMap<String, FileSums>) -> Re
     Ok(sidecar)
 }
 
-/// `record_with` hashing everything: `shardkit <format> checksum`.
-pub fn record(path: &Path) -> Result<PathBuf> {
-    record_with(path, &BTreeMap::new())
+/// What [`record`] wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Recorded {
+    /// The sidecar.
+    pub sidecar: PathBuf,
+    /// The files it covers, relative to the sidecar's directory, sorted.
+    pub files: Vec<String>,
+    /// Their bytes, all together.
+    pub bytes: u64,
+}
+
+/// Hashes every file of the dataset at `path` (a directory or an SDNB container) into its
+/// sidecar: `shardkit <format> checksum`.
+pub fn record(path: &Path) -> Result<Recorded> {
+    let sidecar = record_with(path, &BTreeMap::new())?;
+    let sums = Checksums::read(&sidecar)?.unwrap_or_default();
+    Ok(Recorded {
+        bytes: sums.files.values().map(|s| s.bytes).sum(),
+        files: sums.files.into_keys().collect(),
+        sidecar,
+    })
 }

@@ -42,12 +42,13 @@ mod container;
 mod journal;
 mod verify;
 
+pub(crate) use container::dataset_files;
 #[cfg(test)]
 pub(crate) use container::{container_sidecar_names, legacy_bytes_cover};
-pub use container::{dataset_files, record};
 pub(crate) use container::{
     locate_container, put_back_sidecars, record_with, take_container_sidecars, Container, Naming,
 };
+pub use container::{record, Recorded};
 pub(crate) use journal::Journal;
 pub(crate) use verify::Verifier;
 pub use verify::{verify, verify_into, Verdict};
@@ -69,7 +70,7 @@ pub(crate) fn block_bytes_for(len: u64) -> u64 {
 
 /// The hashes of one file.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FileSums {
+pub(crate) struct FileSums {
     /// The file's length.
     pub bytes: u64,
     /// The block size.
@@ -211,7 +212,7 @@ impl std::fmt::Display for Damage {
 
 /// The checksums of a dataset: file name (relative to the sidecar's directory) to its hashes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Checksums {
+pub(crate) struct Checksums {
     /// Every file covered.
     pub files: BTreeMap<String, FileSums>,
     /// Files that a change in progress (or one a kill interrupted) is replacing: the state each
@@ -221,7 +222,7 @@ pub struct Checksums {
 
 impl Checksums {
     /// Reads a sidecar (None when there is none).
-    pub fn read(path: &Path) -> Result<Option<Checksums>> {
+    pub(crate) fn read(path: &Path) -> Result<Option<Checksums>> {
         let bytes = match fsutil::read_json_file(path) {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -231,7 +232,7 @@ impl Checksums {
     }
 
     /// Parses a sidecar's bytes (`path` names it in errors).
-    pub fn parse(bytes: &[u8], path: &Path) -> Result<Checksums> {
+    pub(crate) fn parse(bytes: &[u8], path: &Path) -> Result<Checksums> {
         let v = json::parse(bytes).map_err(|e| Error::format(path, e.to_string()))?;
         if v.get("shardkit_checksums").and_then(Value::as_u64) != Some(1) {
             return Err(Error::format(
@@ -347,7 +348,7 @@ impl Checksums {
 
     /// Checks every file below `base`: present, of the recorded length, every block matching
     /// (or matching the state a change in progress replaces, see [`Checksums::previous`]).
-    pub fn verify(&self, base: &Path) -> Vec<Damage> {
+    pub(crate) fn verify(&self, base: &Path) -> Vec<Damage> {
         let mut out: Vec<Damage> = self
             .files
             .par_iter()
@@ -662,7 +663,7 @@ mod tests {
         std::fs::create_dir(dir.path().join("sub")).unwrap();
         std::fs::write(dir.path().join("sub/b.json"), b"{}").unwrap();
         std::fs::write(dir.path().join(".x.tmp"), b"temp").unwrap();
-        let sidecar = record(dir.path()).unwrap();
+        let sidecar = record(dir.path()).unwrap().sidecar;
         assert_eq!(sidecar, dir.path().join(SIDECAR));
         let sums = Checksums::read(&sidecar).unwrap().unwrap();
         assert_eq!(

@@ -91,14 +91,6 @@ impl Buffer {
     fn raw(&self) -> &Raw {
         self.raw.as_ref().expect("present until drop")
     }
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    /// Whether the buffer is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
     /// The bytes.
     pub(crate) fn as_bytes(&self) -> &[u8] {
         if self.len == 0 {
@@ -108,7 +100,7 @@ impl Buffer {
         unsafe { std::slice::from_raw_parts(self.raw().ptr, self.len) }
     }
     /// The bytes, mutably.
-    pub fn as_mut_bytes(&mut self) -> &mut [u8] {
+    pub(crate) fn as_mut_bytes(&mut self) -> &mut [u8] {
         if self.len == 0 {
             return &mut [];
         }
@@ -123,9 +115,20 @@ impl Buffer {
         // SAFETY: ALIGN-aligned, every bit pattern is a valid f32.
         unsafe { std::slice::from_raw_parts(self.raw().ptr.cast::<f32>(), self.len / 4) }
     }
-    /// A raw pointer to the first byte (for zero-copy hand-off to other runtimes).
-    pub fn as_ptr(&self) -> *const u8 {
-        self.raw().ptr
+}
+
+/// The bytes: `&buf[..]`, `buf.len()`, `buf.as_ptr()` (for zero-copy hand-off to other
+/// runtimes; the buffer is page-aligned).
+impl std::ops::Deref for Buffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl std::ops::DerefMut for Buffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.as_mut_bytes()
     }
 }
 
