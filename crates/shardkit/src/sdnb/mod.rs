@@ -93,3 +93,6 @@ pub fn validate(path: impl AsRef<std::path::Path>, deep: bool) -> crate::report:
     }
     v
 }
+
+#[cfg(test)]
+mod tests;
