@@ -181,7 +181,7 @@ fn self_referencing_and_oversized_flatbuffer_offsets() {
     named(&sdnb::set_metadata(&p, &edit, false).unwrap_err(), &[&p]).unwrap();
     assert!(!sdnb::set_metadata(&p, &edit, true).unwrap().in_place);
     let e = sdnb::open(&p).unwrap();
-    assert_eq!((e.meta("k"), e.op_count()), (Some("v"), 2));
+    assert_eq!((meta(&e, "k"), e.op_count()), (Some("v"), 2));
 }
 
 #[test]

@@ -33,9 +33,10 @@ use std::sync::OnceLock;
 use crate::sdnb::graph::Graph;
 use crate::sdnb::header::Header;
 use crate::sdnb::manifest::{self, Entry};
+use crate::sdnb::read::Limits;
 use crate::sdnb::sdz::{self, Method, ModelEntries, ZipLimits};
 use crate::sdnb::{
-    self, Container, DType, Format, Kind, Limits, Order, SaveOptions, Storage, TensorIn, VarType,
+    self, Container, DType, Format, Kind, Order, SaveOptions, Storage, TensorIn, VarType,
 };
 use flatbuffers::{FlatBufferBuilder, TableFinishedWIPOffset, WIPOffset};
 use proptest::collection::vec;
@@ -44,6 +45,7 @@ use proptest::test_runner::RngSeed;
 
 mod hostile;
 mod mutate;
+mod stores;
 
 // ---- Heap accounting ----
 
@@ -128,6 +130,14 @@ fn cached_bytes(p: &Path) -> u64 {
 }
 
 const MIB: usize = 1 << 20;
+
+/// One metadata value of `c`.
+fn meta<'a>(c: &'a Container, key: &str) -> Option<&'a str> {
+    c.metadata()
+        .iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
 
 /// The path the parsers' own tests name in errors.
 const P: &str = "/fuzz/in.sdnb";
