@@ -850,7 +850,7 @@ fn sdnb(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         c.prefetch::<&str>(&[])?;
         let mut bytes = 0u64;
         for v in c.variables() {
-            bytes += std::hint::black_box(c.tensor_of(v)?.bytes).len() as u64;
+            bytes += std::hint::black_box(c.tensor(&v.name)?.bytes).len() as u64;
         }
         let took = clock.took();
         let after = counters();

@@ -6,9 +6,7 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Subcommand};
 use memmap2::Mmap;
 use shardkit::json::{self, Escape, Value};
-use shardkit::sdnb::{
-    self, manifest, DType, Format, Kind, Order, SaveOptions, Storage, TensorIn, VarType,
-};
+use shardkit::sdnb::{self, DType, Format, Kind, Order, SaveOptions, Storage, TensorIn, VarType};
 use shardkit::{fsutil, Error, Result};
 
 use crate::npy::{self, RawNpy};
@@ -127,7 +125,7 @@ pub struct LayoutArgs {
     #[arg(long, value_parser = parse_bytes)]
     shard_size: Option<u64>,
     /// Blob alignment in bytes (power of two, 8 to 32768).
-    #[arg(long, default_value_t = sdnb::DEFAULT_ALIGN)]
+    #[arg(long, default_value_t = SaveOptions::default().align)]
     align: u64,
     /// Zero slack after the graph for in-place metadata edits, in bytes.
     #[arg(long, value_parser = parse_bytes, default_value = "65536")]
@@ -176,7 +174,12 @@ pub fn run(cmd: SdnbCmd) -> Result<bool> {
         SdnbCmd::Meta(MetaCmd::Get { file, key }) => {
             let c = sdnb::open(&file)?;
             match key {
-                Some(k) => match c.meta(&k) {
+                Some(k) => match c
+                    .metadata()
+                    .iter()
+                    .find(|(key, _)| *key == k)
+                    .map(|(_, v)| v)
+                {
                     Some(v) => {
                         println!("{v}");
                         Ok(true)
@@ -297,10 +300,10 @@ fn save_options(l: &LayoutArgs, out: &Path) -> Result<SaveOptions> {
 fn with_bar(opts: &mut SaveOptions) -> indicatif::ProgressBar {
     let bar = crate::progress::bar(Some(0), "writing", crate::progress::Unit::Bytes);
     let feed = bar.clone();
-    opts.progress = Some(sdnb::Progress(std::sync::Arc::new(move |done, total| {
+    opts.progress = Some(std::sync::Arc::new(move |done, total| {
         feed.set_length(total);
         feed.set_position(done);
-    })));
+    }));
     bar
 }
 
@@ -309,20 +312,7 @@ fn refuse_existing(out: &Path, force: bool, opts: &SaveOptions) -> Result<()> {
     if force {
         return Ok(());
     }
-    let existing = match opts.format {
-        Format::Sharded => {
-            let name = out.file_name().map(|n| n.to_string_lossy().into_owned());
-            let name = name.as_deref().unwrap_or("");
-            let base = sdnb::sdz::parse_shard_name(name)
-                .map_or_else(|| sdnb::base_name(name), |(b, _, _)| b);
-            sdnb::shard_files(fsutil::parent_of(out), base)?
-                .into_iter()
-                .next()
-                .map(|(_, _, p)| p)
-        }
-        _ => out.exists().then(|| out.to_path_buf()),
-    };
-    match existing {
+    match opts.existing(out)? {
         Some(p) => Err(Error::Exists {
             path: p,
             why: "already exists; pass --force to replace it".into(),
@@ -355,7 +345,11 @@ fn shape_json(s: &Option<Vec<i64>>) -> Value {
 
 fn inspect(file: &Path, as_json: bool) -> Result<bool> {
     let c = sdnb::open(file)?;
-    let (kind, shards) = (c.kind().name(), c.kind().parts());
+    let kind = c.kind().to_string();
+    let shards = match c.kind() {
+        Kind::Sdnb => 1,
+        Kind::Sharded { shards } | Kind::Sdz { shards } => shards,
+    };
     if as_json {
         let vars = c
             .variables()
@@ -363,10 +357,10 @@ fn inspect(file: &Path, as_json: bool) -> Result<bool> {
             .map(|v| {
                 Value::Object(vec![
                     ("name".into(), Value::String(v.name.clone())),
-                    ("var_type".into(), Value::String(v.var_type.name().into())),
-                    ("dtype".into(), Value::String(v.dtype.name().into())),
+                    ("var_type".into(), Value::String(v.var_type.to_string())),
+                    ("dtype".into(), Value::String(v.dtype.to_string())),
                     ("shape".into(), shape_json(&v.shape)),
-                    ("storage".into(), Value::String(v.storage.name().into())),
+                    ("storage".into(), Value::String(v.storage.to_string())),
                     ("bytes".into(), Value::int(v.byte_len)),
                     (
                         "order".into(),
@@ -395,7 +389,7 @@ fn inspect(file: &Path, as_json: bool) -> Result<bool> {
             .collect();
         let v = Value::Object(vec![
             ("path".into(), Value::String(c.path().display().to_string())),
-            ("kind".into(), Value::String(kind.into())),
+            ("kind".into(), Value::String(kind)),
             ("shards".into(), Value::int(shards as u64)),
             ("ops".into(), Value::int(c.op_count() as u64)),
             ("metadata".into(), meta_json(c.metadata())),
@@ -450,10 +444,10 @@ fn inspect(file: &Path, as_json: bool) -> Result<bool> {
         println!(
             "{:<40} {:<11} {:<9} {:<20} {:<8} {:>12}",
             v.name,
-            v.var_type.name(),
-            v.dtype.name(),
+            v.var_type,
+            v.dtype,
             shape + order,
-            v.storage.name(),
+            v.storage,
             v.byte_len
         );
     }
@@ -520,7 +514,7 @@ fn read_safetensors(
     let k = maps.len();
     for (name, info) in tensors {
         inputs.push(Input {
-            dtype: DType::from_safetensors(info.dtype)
+            dtype: dtype_of_safetensors(info.dtype)
                 .map_err(|e| Error::format(path, format!("tensor {name:?}: {e}")))?,
             shape: info.shape.iter().map(|&d| d as i64).collect(),
             order: Order::C,
@@ -534,6 +528,76 @@ fn read_safetensors(
     }
     maps.push(map);
     Ok(())
+}
+
+/// The numpy dtype string of `d`'s bytes ("<f4", "|b1", ...), when numpy has one.
+fn numpy_descr(d: DType) -> Option<&'static str> {
+    use DType::*;
+    Some(match d {
+        Bool => "|b1",
+        Float8 | Uint8 => "|u1",
+        Int8 => "|i1",
+        Half => "<f2",
+        Float => "<f4",
+        Double => "<f8",
+        Int16 => "<i2",
+        Int32 => "<i4",
+        Int64 => "<i8",
+        Uint16 | Bfloat16 => "<u2",
+        Uint32 => "<u4",
+        Uint64 => "<u8",
+        _ => return None,
+    })
+}
+
+/// The safetensors dtype holding the same bytes as `d`, if there is one.
+fn safetensors_dtype(d: DType) -> Option<safetensors::Dtype> {
+    use safetensors::Dtype as S;
+    use DType::*;
+    Some(match d {
+        Bool => S::BOOL,
+        Float8 => S::F8_E4M3,
+        Half => S::F16,
+        Float => S::F32,
+        Double => S::F64,
+        Int8 => S::I8,
+        Int16 => S::I16,
+        Int32 => S::I32,
+        Int64 => S::I64,
+        Uint8 => S::U8,
+        Uint16 => S::U16,
+        Uint32 => S::U32,
+        Uint64 => S::U64,
+        Bfloat16 => S::BF16,
+        _ => return None,
+    })
+}
+
+/// The SameDiff type holding the same bytes as a safetensors dtype.
+fn dtype_of_safetensors(d: safetensors::Dtype) -> Result<DType> {
+    use safetensors::Dtype as S;
+    use DType::*;
+    Ok(match d {
+        S::BOOL => Bool,
+        S::F8_E4M3 => Float8,
+        S::F16 => Half,
+        S::F32 => Float,
+        S::F64 => Double,
+        S::I8 => Int8,
+        S::I16 => Int16,
+        S::I32 => Int32,
+        S::I64 => Int64,
+        S::U8 => Uint8,
+        S::U16 => Uint16,
+        S::U32 => Uint32,
+        S::U64 => Uint64,
+        S::BF16 => Bfloat16,
+        other => {
+            return Err(Error::Invalid(format!(
+                "safetensors dtype {other} has no SameDiff DType"
+            )))
+        }
+    })
 }
 
 fn dtype_of_descr(descr: &str) -> Option<DType> {
@@ -583,7 +647,7 @@ fn read_npy(
         Some(d) => {
             return Err(Error::format(
                 path,
-                format!("holds {} but the index says {}", raw.descr, d.name()),
+                format!("holds {} but the index says {}", raw.descr, d),
             ))
         }
         None => natural,
@@ -776,18 +840,17 @@ fn unpack(file: &Path, out: &Path, as_npy: bool, force: bool) -> Result<bool> {
         let mut arrays = Vec::new();
         let mut used = std::collections::HashSet::new();
         for v in &with_data {
-            let t = c.tensor_of(v)?;
+            let t = c.tensor(&v.name)?;
             let mut stem = file_stem_for(&v.name);
             while !used.insert(stem.to_lowercase()) {
                 stem.push('_');
             }
             let fname = format!("{stem}.npy");
-            let descr = v.dtype.numpy().ok_or_else(|| {
+            let descr = numpy_descr(v.dtype).ok_or_else(|| {
                 Error::Invalid(format!(
                     "variable {:?} cannot be unpacked: {} has no numpy dtype (only fixed-width \
                      numbers and booleans unpack); keep the container for it",
-                    v.name,
-                    v.dtype.name()
+                    v.name, v.dtype
                 ))
             })?;
             let shape: Vec<u64> = t.shape.iter().map(|&d| d as u64).collect();
@@ -797,8 +860,8 @@ fn unpack(file: &Path, out: &Path, as_npy: bool, force: bool) -> Result<bool> {
             arrays.push(Value::Object(vec![
                 ("name".into(), Value::String(v.name.clone())),
                 ("file".into(), Value::String(fname)),
-                ("dtype".into(), Value::String(v.dtype.name().into())),
-                ("var_type".into(), Value::String(v.var_type.name().into())),
+                ("dtype".into(), Value::String(v.dtype.to_string())),
+                ("var_type".into(), Value::String(v.var_type.to_string())),
             ]));
         }
         let index = Value::Object(vec![
@@ -828,18 +891,17 @@ fn unpack(file: &Path, out: &Path, as_npy: bool, force: bool) -> Result<bool> {
         }
         let mut owned: Vec<Unpacked> = Vec::new();
         for v in &with_data {
-            let t = c.tensor_of(v)?;
-            let dt = v.dtype.safetensors().ok_or_else(|| {
+            let t = c.tensor(&v.name)?;
+            let dt = safetensors_dtype(v.dtype).ok_or_else(|| {
                 Error::Invalid(format!(
                     "variable {:?} cannot be unpacked: {} has no safetensors dtype (only \
                      fixed-width numbers and booleans unpack); keep the container for it",
-                    v.name,
-                    v.dtype.name()
+                    v.name, v.dtype
                 ))
             })?;
             let shape = t.shape.iter().map(|&d| d as usize).collect();
             owned.push((v.name.clone(), dt, shape, t.c_order_bytes()));
-            var_types.push((v.name.clone(), Value::String(v.var_type.name().into())));
+            var_types.push((v.name.clone(), Value::String(v.var_type.to_string())));
         }
         let views = owned
             .iter()
@@ -885,14 +947,7 @@ fn unpack(file: &Path, out: &Path, as_npy: bool, force: bool) -> Result<bool> {
 
 fn manifest_check(file: &Path, encode_to: Option<&Path>) -> Result<bool> {
     let bytes = std::fs::read(file).map_err(|e| Error::io(file, e))?;
-    let raw: &[u8] = if bytes.starts_with(b"SDNB") {
-        let h = sdnb::header::Header::parse(&bytes, bytes.len() as u64, file)?;
-        &bytes[h.manifest_offset as usize..(h.manifest_offset + h.manifest_len) as usize]
-    } else {
-        &bytes
-    };
-    let entries = manifest::decode(raw, file, usize::MAX)?;
-    let again = manifest::encode(&entries);
+    let (entries, again, same) = sdnb::manifest_round_trip(&bytes, file)?;
     if let Some(p) = encode_to {
         fsutil::atomic_write(p, &again)?;
     }
@@ -902,20 +957,20 @@ fn manifest_check(file: &Path, encode_to: Option<&Path>) -> Result<bool> {
             Value::Array(
                 entries
                     .iter()
-                    .map(|e| {
+                    .map(|(name, offset, length)| {
                         Value::Object(vec![
-                            ("name".into(), Value::String(e.name.clone())),
-                            ("offset".into(), Value::int(e.offset)),
-                            ("length".into(), Value::int(e.length)),
+                            ("name".into(), Value::String(name.clone())),
+                            ("offset".into(), Value::int(*offset)),
+                            ("length".into(), Value::int(*length)),
                         ])
                     })
                     .collect(),
             ),
         ),
-        ("reencodes_identically".into(), Value::Bool(again == raw)),
+        ("reencodes_identically".into(), Value::Bool(same)),
     ]);
     println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
-    Ok(again == raw)
+    Ok(same)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::sync::{Arc, RwLock};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
-use shardkit::sdnb::{self, Container, DType, Format, Order, SaveOptions, TensorIn, VarType};
+use shardkit::sdnb::{self, Container, DType, Format, Kind, Order, SaveOptions, TensorIn, VarType};
 
 use crate::{contiguous, obj, record, to_py, RustBuffer, SendSlice};
 
@@ -46,7 +46,7 @@ fn order_name(o: Order) -> &'static str {
 pub struct SdnbContainer {
     inner: RwLock<Option<Arc<Container>>>,
     path: String,
-    kind: &'static str,
+    kind: String,
     shards: usize,
 }
 
@@ -70,7 +70,11 @@ impl SdnbContainer {
     #[new]
     fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
         let c = py.allow_threads(|| sdnb::open(&path)).map_err(to_py)?;
-        let (kind, shards) = (c.kind().name(), c.kind().parts());
+        let kind = c.kind().to_string();
+        let shards = match c.kind() {
+            Kind::Sdnb => 1,
+            Kind::Sharded { shards } | Kind::Sdz { shards } => shards,
+        };
         Ok(SdnbContainer {
             path: c.path().display().to_string(),
             inner: RwLock::new(Some(Arc::new(c))),
@@ -85,8 +89,8 @@ impl SdnbContainer {
     }
     /// "sdnb", "sharded" or "sdz".
     #[getter]
-    fn kind(&self) -> &'static str {
-        self.kind
+    fn kind(&self) -> &str {
+        &self.kind
     }
     /// The number of SDNB parts (shards) that make up the model.
     #[getter]
@@ -118,10 +122,10 @@ impl SdnbContainer {
                     py,
                     [
                         ("name", obj(py, &v.name)?),
-                        ("var_type", obj(py, v.var_type.name())?),
-                        ("dtype", obj(py, v.dtype.name())?),
+                        ("var_type", obj(py, v.var_type.to_string())?),
+                        ("dtype", obj(py, v.dtype.to_string())?),
                         ("shape", obj(py, &v.shape)?),
-                        ("storage", obj(py, v.storage.name())?),
+                        ("storage", obj(py, v.storage.to_string())?),
                         ("nbytes", obj(py, v.byte_len)?),
                         ("order", obj(py, order_name(v.order))?),
                     ],
@@ -138,7 +142,10 @@ impl SdnbContainer {
     #[getter]
     fn parts(&self) -> PyResult<Vec<String>> {
         let c = self.get()?;
-        Ok(c.parts().iter().map(|p| p.display().to_string()).collect())
+        Ok(c.layout()
+            .iter()
+            .map(|p| p.name.display().to_string())
+            .collect())
     }
     /// Archive entries that are not part of the model.
     #[getter]
@@ -167,8 +174,7 @@ impl SdnbContainer {
                 "InvalidArgumentError",
                 format!(
                     "{}: variable {name:?} has dtype {}, which has no numpy equivalent",
-                    self.path,
-                    t.dtype.name()
+                    self.path, t.dtype
                 ),
             )
         })?;
@@ -189,7 +195,7 @@ impl SdnbContainer {
                 )
             })?;
         let fortran = t.order == Order::F;
-        let (dtype, bytes) = (t.dtype.name(), t.bytes);
+        let (dtype, bytes) = (t.dtype.to_string(), t.bytes);
         let view = RustBuffer::view(c.clone(), bytes, fmt, &shape, fortran, false);
         record(py, [("dtype", obj(py, dtype)?), ("array", obj(py, view)?)])
     }
@@ -239,12 +245,12 @@ fn save_options(
 /// A writer progress hook calling a Python `callback(done, total)` (taking the GIL for the
 /// call; the write itself runs without it). Errors raised by the callback are ignored: a
 /// progress display must not abort a write half-way.
-fn py_progress(callback: PyObject) -> sdnb::Progress {
-    sdnb::Progress(Arc::new(move |done, total| {
+fn py_progress(callback: PyObject) -> Arc<dyn Fn(u64, u64) + Send + Sync> {
+    Arc::new(move |done, total| {
         Python::with_gil(|py| {
             let _ = callback.call1(py, (done, total));
         })
-    }))
+    })
 }
 
 fn paths(files: Vec<PathBuf>) -> Vec<String> {

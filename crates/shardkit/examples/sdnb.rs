@@ -60,11 +60,7 @@ fn run(dir: &std::path::Path) -> shardkit::Result<()> {
     for v in model.variables() {
         println!(
             "{}: {:?} {:?}, {} bytes, {}",
-            v.name,
-            v.dtype,
-            v.shape,
-            v.byte_len,
-            v.storage.name()
+            v.name, v.dtype, v.shape, v.byte_len, v.storage
         );
     }
 
@@ -76,7 +72,11 @@ fn run(dir: &std::path::Path) -> shardkit::Result<()> {
     )?;
     println!(
         "model.name = {:?} (edited in place: {})",
-        sdnb::open(&path)?.meta("model.name"),
+        sdnb::open(&path)?
+            .metadata()
+            .iter()
+            .find(|(k, _)| k == "model.name")
+            .map(|(_, v)| v),
         edit.in_place
     );
 

@@ -255,58 +255,6 @@ fn an_eagle3_cache_and_its_loader_read_the_same_bytes_from_any_store() {
 }
 
 #[test]
-fn an_sdnb_container_opens_from_any_store_with_the_same_tensors() {
-    use shardkit::sdnb::{self, DType, Format, Order, SaveOptions, TensorIn, VarType};
-    let tmp = tempfile::tempdir().unwrap();
-    // One small tensor, one past the inline limit (appended, fetched on first use), in each
-    // container kind.
-    let small: Vec<u8> = (0..24u8).collect();
-    let big: Vec<u8> = (0..(3 << 20) / 4)
-        .flat_map(|x: u32| x.to_le_bytes())
-        .collect();
-    let tensors = [
-        TensorIn {
-            name: "small".into(),
-            var_type: VarType::Variable,
-            dtype: DType::Float,
-            shape: vec![2, 3],
-            order: Order::C,
-            bytes: &small,
-        },
-        TensorIn {
-            name: "big".into(),
-            var_type: VarType::Constant,
-            dtype: DType::Int32,
-            shape: vec![(3 << 20) / 4],
-            order: Order::C,
-            bytes: &big,
-        },
-    ];
-    for (format, name) in [(Format::Sdnb, "m.sdnb"), (Format::Sdz, "m.sdz")] {
-        let dir = tmp.path().join(name.replace('.', "_"));
-        std::fs::create_dir_all(&dir).unwrap();
-        let opts = SaveOptions {
-            format,
-            ..SaveOptions::default()
-        };
-        sdnb::save(&dir.join(name), &tensors, &opts).unwrap();
-        let local = sdnb::open(dir.join(name)).unwrap();
-        for (what, store, _keep) in stores(&dir) {
-            let parent = io::open_store(URL, store, None).unwrap();
-            let remote = sdnb::open_source(parent, name).unwrap();
-            assert_eq!(remote.kind(), local.kind(), "{what} {name}");
-            for t in ["small", "big"] {
-                assert_eq!(
-                    remote.tensor(t).unwrap().bytes,
-                    local.tensor(t).unwrap().bytes,
-                    "{what} {name} {t}"
-                );
-            }
-        }
-    }
-}
-
-#[test]
 fn the_cache_wraps_a_store_and_serves_a_second_read_from_its_pages() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = saev_dir(tmp.path());

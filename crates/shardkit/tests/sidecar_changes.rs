@@ -176,7 +176,12 @@ fn sdnb_metadata_edits_keep_the_sidecar_true() {
             let out = sdnb::set_metadata(&target, &changes, rewrite).unwrap();
             assert_eq!(out.in_place, !rewrite, "{format:?}");
             assert_eq!(
-                sdnb::open(&path).unwrap().meta("license"),
+                sdnb::open(&path)
+                    .unwrap()
+                    .metadata()
+                    .iter()
+                    .find(|(k, _)| k == "license")
+                    .map(|(_, v)| v.as_str()),
                 Some(value.as_str())
             );
             // A rewrite cuts a shard set by the default shard size: fewer shards.

@@ -157,7 +157,7 @@ fn sdnb_writers_exclude_each_other_for_every_format() {
         let (inner2, path2, tensors2) = (inner.clone(), path.clone(), tensors.clone());
         let opts = SaveOptions {
             format,
-            progress: Some(sdnb::Progress(Arc::new(move |_, _| {
+            progress: Some(Arc::new(move |_, _| {
                 let mut slot = inner2.lock().unwrap();
                 if slot.is_none() {
                     let o = SaveOptions {
@@ -166,7 +166,7 @@ fn sdnb_writers_exclude_each_other_for_every_format() {
                     };
                     *slot = Some(sdnb::save(&path2, &tensors2, &o));
                 }
-            }))),
+            })),
             ..SaveOptions::default()
         };
         let files = sdnb::save(&path, &tensors, &opts).unwrap();

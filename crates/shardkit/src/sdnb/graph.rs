@@ -89,7 +89,7 @@ const END_MARK: &[u8; 8] = b"shardkit";
 
 /// Where an inline or appended array's bytes are, as a FlatArray describes them.
 #[derive(Debug, Clone, PartialEq)]
-pub struct ArrayDesc {
+pub(crate) struct ArrayDesc {
     /// `FlatArray.shape`: plain dimensions; absent on some stubs of old files.
     pub shape: Option<Vec<i64>>,
     /// `FlatArray.dtype`.
@@ -106,7 +106,7 @@ pub struct ArrayDesc {
 
 /// One `FlatVariable`.
 #[derive(Debug, Clone, PartialEq)]
-pub struct VarDesc {
+pub(crate) struct VarDesc {
     /// `id`: (node id, output index); `None` when the table is absent.
     pub id: Option<(i32, i32)>,
     /// The variable's name.
@@ -151,7 +151,7 @@ pub(crate) struct OpaqueParts {
 
 /// A parsed and verified FlatGraph.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Graph {
+pub(crate) struct Graph {
     /// `variables`, in order.
     pub variables: Vec<VarDesc>,
     /// `metadataKeys`/`metadataValues`, in stored order.

@@ -8,13 +8,13 @@ use crate::error::{Error, Result};
 /// `SDNB`.
 pub(crate) const MAGIC: [u8; 4] = *b"SDNB";
 /// The only version written or read.
-pub const VERSION: i32 = 1;
+pub(crate) const VERSION: i32 = 1;
 /// Bytes before the FlatBuffer.
 pub(crate) const HEADER_LEN: u64 = 32;
 
 /// A parsed, bounds-checked header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Header {
+pub(crate) struct Header {
     /// Absolute offset of the manifest (M).
     pub manifest_offset: u64,
     /// Manifest length in bytes.
@@ -24,7 +24,7 @@ pub struct Header {
 impl Header {
     /// Checks the header of a `file_len`-byte file: magic, version 1, metadata offset 32, and
     /// 32 ≤ M ≤ M + manifest length ≤ file length.
-    pub fn parse(bytes: &[u8], file_len: u64, path: &Path) -> Result<Header> {
+    pub(crate) fn parse(bytes: &[u8], file_len: u64, path: &Path) -> Result<Header> {
         let bad = |rule: String| Error::format(path, rule);
         let cut = "the file was cut short (an interrupted copy or write): copy or write it again";
         if bytes.len() >= 4 && bytes[..4] != MAGIC {
@@ -89,7 +89,7 @@ impl Header {
     }
 
     /// The 32 bytes.
-    pub fn to_bytes(self) -> [u8; 32] {
+    pub(crate) fn to_bytes(self) -> [u8; 32] {
         let mut b = [0u8; 32];
         b[..4].copy_from_slice(&MAGIC);
         b[4..8].copy_from_slice(&VERSION.to_be_bytes());

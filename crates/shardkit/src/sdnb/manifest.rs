@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 
 /// One manifest entry: a variable's blob at an absolute file offset.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     /// The variable name.
     pub name: String,
     /// Absolute offset in the file.
@@ -128,7 +128,7 @@ fn sizing(n: usize) -> (i32, i32) {
 }
 
 /// The manifest bytes for `entries`, in their order.
-pub fn encode(entries: &[Entry]) -> Vec<u8> {
+pub(crate) fn encode(entries: &[Entry]) -> Vec<u8> {
     let mut out = MAGIC.to_vec();
     out.push(TC_OBJECT);
     out.push(TC_CLASSDESC);
@@ -454,7 +454,7 @@ pub(crate) fn decode_modified_utf8(b: &[u8]) -> Option<String> {
 }
 
 /// Parses manifest bytes, accepting only DL4J's map grammar; at most `max_entries` entries.
-pub fn decode(bytes: &[u8], path: &Path, max_entries: usize) -> Result<Vec<Entry>> {
+pub(crate) fn decode(bytes: &[u8], path: &Path, max_entries: usize) -> Result<Vec<Entry>> {
     let mut r = Reader {
         b: bytes,
         at: 0,

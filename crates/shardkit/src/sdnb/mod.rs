@@ -40,32 +40,19 @@
 //! ```
 
 mod edit;
-// The container's parts, public for the robustness tests and the CLI only: what a user needs
-// is re-exported below.
-#[doc(hidden)]
-pub mod graph;
-#[doc(hidden)]
-pub mod header;
-#[doc(hidden)]
-pub mod manifest;
+pub(crate) mod graph;
+pub(crate) mod header;
+pub(crate) mod manifest;
 pub(crate) mod read;
-#[doc(hidden)]
-pub mod sdz;
+pub(crate) mod sdz;
 pub(crate) mod sidecar;
 mod types;
 mod write;
 
 pub use edit::{set_metadata, EditOutcome};
-pub use read::{open, Container, Kind, Limits, PartLayout, Storage, Tensor, Variable};
-pub use sdz::ZipLimits;
+pub use read::{open, Container, Kind, PartLayout, Storage, Tensor, Variable};
 pub use types::{DType, Order, VarType};
-pub use write::{convert, save, Format, Progress, SaveOptions, TensorIn, DEFAULT_ALIGN};
-
-// Shard-set naming, for the CLI.
-#[doc(hidden)]
-pub use read::open_source;
-#[doc(hidden)]
-pub use read::{base_name, shard_files};
+pub use write::{convert, save, Format, SaveOptions, TensorIn};
 
 /// Checks the container at `path` (a file, an archive, or a shard set's base name): that it
 /// opens, which checks every structure, offset and manifest entry once; with `deep`, also every
@@ -93,3 +80,31 @@ pub fn validate(path: impl AsRef<std::path::Path>, deep: bool) -> crate::report:
     }
     v
 }
+
+/// Decodes a manifest (`bytes`: the raw Java serialization, or a whole SDNB file, whose
+/// manifest is read) and encodes its entries again, for interop checks: each entry's (name,
+/// absolute offset, length), shardkit's encoding of them, and whether that is the manifest's
+/// bytes exactly. `path` names the input in errors.
+#[allow(clippy::type_complexity)] // three plain values; a named type would exist only for this
+pub fn manifest_round_trip(
+    bytes: &[u8],
+    path: &std::path::Path,
+) -> crate::Result<(Vec<(String, u64, u64)>, Vec<u8>, bool)> {
+    let raw = if bytes.starts_with(&header::MAGIC) {
+        let h = header::Header::parse(bytes, bytes.len() as u64, path)?;
+        &bytes[h.manifest_offset as usize..(h.manifest_offset + h.manifest_len) as usize]
+    } else {
+        bytes
+    };
+    let entries = manifest::decode(raw, path, usize::MAX)?;
+    let again = manifest::encode(&entries);
+    let same = again == raw;
+    let entries = entries
+        .into_iter()
+        .map(|e| (e.name, e.offset, e.length))
+        .collect();
+    Ok((entries, again, same))
+}
+
+#[cfg(test)]
+mod tests;

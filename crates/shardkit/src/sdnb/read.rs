@@ -26,12 +26,13 @@ use super::types::{DType, Order, VarType};
 use crate::error::{Error, IoContext, Result};
 
 mod remote;
-pub use remote::open_source;
+#[cfg(test)]
+pub(crate) use remote::open_source;
 
 /// Caps applied while opening, so a hostile file cannot make the reader allocate or scan
 /// without bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// The FlatGraph region, [32, B) (at most 2^31 − 1: FlatBuffers' and Java's limit).
     pub max_graph_bytes: u64,
     /// The manifest, in bytes.
@@ -70,22 +71,14 @@ pub enum Kind {
     },
 }
 
-impl Kind {
-    /// "sdnb", "sharded" or "sdz".
-    pub fn name(self) -> &'static str {
-        match self {
+/// "sdnb", "sharded" or "sdz".
+impl std::fmt::Display for Kind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
             Kind::Sdnb => "sdnb",
             Kind::Sharded { .. } => "sharded",
             Kind::Sdz { .. } => "sdz",
-        }
-    }
-
-    /// The number of SDNB parts that make up the model.
-    pub fn parts(self) -> usize {
-        match self {
-            Kind::Sdnb => 1,
-            Kind::Sharded { shards } | Kind::Sdz { shards } => shards,
-        }
+        })
     }
 }
 
@@ -102,15 +95,15 @@ pub enum Storage {
     None,
 }
 
-impl Storage {
-    /// "inline", "appended", "empty" or "none".
-    pub fn name(self) -> &'static str {
-        match self {
+/// "inline", "appended", "empty" or "none".
+impl std::fmt::Display for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
             Storage::Inline => "inline",
             Storage::Appended => "appended",
             Storage::Empty => "empty",
             Storage::None => "none",
-        }
+        })
     }
 }
 
@@ -195,6 +188,7 @@ pub(crate) fn f_to_c(bytes: &[u8], shape: &[i64], width: usize) -> Vec<u8> {
 
 /// Where the regions of one part lie (samediff.md §1.1).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PartLayout {
     /// The file, or `archive!entry`.
     pub name: PathBuf,
@@ -490,22 +484,24 @@ impl std::fmt::Debug for Container {
     }
 }
 
-/// Opens a container with the default limits; see [`Container::open_with`].
+/// Opens `path`: an SDZ archive (zip magic), an SDNB file (SDNB magic), a shard file
+/// `<base>.shard<i>-of-<N>.sdnb`, or a base name whose shards sit beside it. Every structure,
+/// offset and manifest entry is checked once, within caps that keep a hostile file from making
+/// the reader allocate or scan without bound.
+///
+/// `path` may be an `s3://` URL. The container (an SDNB object, a shard set or an SDZ
+/// archive) is read by range: opening fetches each part's header, graph region and
+/// manifest (for an archive first its central directory and local headers), and a
+/// tensor's blob is fetched the first time it is asked for. With `SHARDKIT_CACHE_DIR` set,
+/// the objects are instead copied whole into that bounded cache
+/// ([`crate::io::cache_dir`], reused while unchanged) and opened from there.
 pub fn open(path: impl AsRef<Path>) -> Result<Container> {
     Container::open_with(path.as_ref(), &Limits::default())
 }
 
 impl Container {
-    /// Opens `path`: an SDZ archive (zip magic), an SDNB file (SDNB magic), a shard file
-    /// `<base>.shard<i>-of-<N>.sdnb`, or a base name whose shards sit beside it.
-    ///
-    /// `path` may be an `s3://` URL. The container (an SDNB object, a shard set or an SDZ
-    /// archive) is read by range: opening fetches each part's header, graph region and
-    /// manifest (for an archive first its central directory and local headers), and a
-    /// tensor's blob is fetched the first time it is asked for. With `SHARDKIT_CACHE_DIR` set,
-    /// the objects are instead copied whole into that bounded cache
-    /// ([`crate::io::cache_dir`], reused while unchanged) and opened from there.
-    pub fn open_with(path: &Path, limits: &Limits) -> Result<Container> {
+    /// [`open`] within `limits`.
+    pub(crate) fn open_with(path: &Path, limits: &Limits) -> Result<Container> {
         let location = crate::io::Location::parse(path)?;
         if !location.is_local() {
             return remote::open_remote(&location, limits);
@@ -597,18 +593,13 @@ impl Container {
         &self.parts[0].graph.metadata
     }
 
-    /// One metadata value.
-    pub fn meta(&self, key: &str) -> Option<&str> {
-        self.parts[0].graph.meta(key)
-    }
-
     /// Every variable, in the graph's order.
     pub fn variables(&self) -> &[Variable] {
         &self.variables
     }
 
     /// A variable by name.
-    pub fn variable(&self, name: &str) -> Option<&Variable> {
+    pub(crate) fn variable(&self, name: &str) -> Option<&Variable> {
         self.index.get(name).map(|&i| &self.variables[i])
     }
 
@@ -626,12 +617,7 @@ impl Container {
             .collect()
     }
 
-    /// The files (or `archive!entry` names) that make up the model, in shard order.
-    pub fn parts(&self) -> Vec<PathBuf> {
-        self.parts.iter().map(|p| p.label.clone()).collect()
-    }
-
-    /// Each part's layout, in shard order.
+    /// Each part's layout (its name: the file, or `archive!entry`), in shard order.
     pub fn layout(&self) -> Vec<PartLayout> {
         self.parts
             .iter()
@@ -739,7 +725,7 @@ impl Container {
     }
 
     /// The tensor of a listed variable.
-    pub fn tensor_of<'a>(&'a self, v: &'a Variable) -> Result<Tensor<'a>> {
+    pub(crate) fn tensor_of<'a>(&'a self, v: &'a Variable) -> Result<Tensor<'a>> {
         let shape = match (&v.shape, v.storage) {
             (_, Storage::None) | (None, _) => {
                 return Err(Error::Missing(format!(
@@ -776,7 +762,7 @@ fn read_up_to(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
 }
 
 /// The file name minus its last extension when the last `.` is past index 0 (DL4J's base).
-pub fn base_name(name: &str) -> &str {
+pub(crate) fn base_name(name: &str) -> &str {
     match name.rfind('.') {
         Some(i) if i > 0 => &name[..i],
         _ => name,
@@ -789,7 +775,7 @@ pub fn base_name(name: &str) -> &str {
 /// this is the new set: shard i is the new temporary where it is not renamed yet, and files of
 /// the old set that the new one does not replace are left out. Without a journal it is every
 /// file that matches the pattern.
-pub fn shard_files(dir: &Path, base: &str) -> Result<Vec<(u32, u32, PathBuf)>> {
+pub(crate) fn shard_files(dir: &Path, base: &str) -> Result<Vec<(u32, u32, PathBuf)>> {
     match pending_set(dir, base)? {
         None => listed_shard_files(dir, base),
         Some(set) => Ok(set),

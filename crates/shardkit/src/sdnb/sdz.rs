@@ -23,7 +23,7 @@ use crate::error::{Error, IoContext, Result};
 
 /// Limits applied to an archive before its entries are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ZipLimits {
+pub(crate) struct ZipLimits {
     /// Entries, directories included (DL4J: 1000).
     pub max_entries: usize,
     /// Uncompressed bytes over all entries, as declared and as produced.
@@ -44,7 +44,7 @@ impl Default for ZipLimits {
 
 /// How an entry's bytes are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Method {
+pub(crate) enum Method {
     /// 0: as they are.
     Stored,
     /// 8: raw DEFLATE.
@@ -53,7 +53,7 @@ pub enum Method {
 
 /// One checked archive entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ZipEntry {
+pub(crate) struct ZipEntry {
     /// The entry name (UTF-8; checked by `check_name`).
     pub name: String,
     /// Stored or deflated.
@@ -128,7 +128,7 @@ fn declared_entries(bytes: &[u8]) -> Option<u64> {
 }
 
 /// Lists and checks the entries of the archive `bytes` (the whole file).
-pub fn entries(bytes: &[u8], path: &Path, limits: &ZipLimits) -> Result<Vec<ZipEntry>> {
+pub(crate) fn entries(bytes: &[u8], path: &Path, limits: &ZipLimits) -> Result<Vec<ZipEntry>> {
     if let Some(n) = declared_entries(bytes) {
         if n > limits.max_entries as u64 {
             return Err(bad(
@@ -286,7 +286,7 @@ fn check_local_header(bytes: &[u8], e: &ZipEntry, path: &Path) -> Result<()> {
 }
 
 /// Inflates a DEFLATE entry, checking its size and CRC-32; at most `limit` bytes.
-pub fn inflate(bytes: &[u8], e: &ZipEntry, path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn inflate(bytes: &[u8], e: &ZipEntry, path: &Path) -> Result<Vec<u8>> {
     let what = |rule: String| bad(path, format!("entry {:?}: {rule}", e.name));
     let data = &bytes[e.data.start as usize..e.data.end as usize];
     let cap = usize::try_from(e.size).map_err(|_| what("too large".into()))?;
@@ -315,7 +315,7 @@ pub fn inflate(bytes: &[u8], e: &ZipEntry, path: &Path) -> Result<Vec<u8>> {
 }
 
 /// The first bytes of an entry (up to `n`), inflating only as much as needed.
-pub fn peek(bytes: &[u8], e: &ZipEntry, n: usize) -> Vec<u8> {
+pub(crate) fn peek(bytes: &[u8], e: &ZipEntry, n: usize) -> Vec<u8> {
     let data = &bytes[e.data.start as usize..e.data.end as usize];
     match e.method {
         Method::Stored => data[..n.min(data.len())].to_vec(),
@@ -330,7 +330,7 @@ pub fn peek(bytes: &[u8], e: &ZipEntry, n: usize) -> Vec<u8> {
 }
 
 /// A shard file name `<base>.shard<i>-of-<N>.sdnb` split into (base, i, N).
-pub fn parse_shard_name(name: &str) -> Option<(&str, u32, u32)> {
+pub(crate) fn parse_shard_name(name: &str) -> Option<(&str, u32, u32)> {
     let stem = name.strip_suffix(".sdnb")?;
     let (head, n) = stem.rsplit_once("-of-")?;
     let (base, i) = head.rsplit_once(".shard")?;
@@ -345,7 +345,7 @@ pub fn parse_shard_name(name: &str) -> Option<(&str, u32, u32)> {
 
 /// What an archive holds as its model.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ModelEntries {
+pub(crate) enum ModelEntries {
     /// One SDNB entry (its index).
     Single(usize),
     /// A complete shard set, indices in shard order.
@@ -354,7 +354,11 @@ pub enum ModelEntries {
 
 /// Chooses the model among the entries (samediff.md §9.7): `model.sdnb`, `model`, the
 /// complete `model.shard*` set, or the only SDNB entry that is not shard-named.
-pub fn choose_model(bytes: &[u8], entries: &[ZipEntry], path: &Path) -> Result<ModelEntries> {
+pub(crate) fn choose_model(
+    bytes: &[u8],
+    entries: &[ZipEntry],
+    path: &Path,
+) -> Result<ModelEntries> {
     let is_sdnb =
         |e: &ZipEntry| !e.is_dir && e.size >= 32 && peek(bytes, e, 4) == super::header::MAGIC;
     let named = |n: &str| entries.iter().position(|e| e.name == n && is_sdnb(e));

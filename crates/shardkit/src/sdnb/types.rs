@@ -111,7 +111,7 @@ impl DType {
         }
     }
     /// Bytes per element, for the types that can carry tensor bytes.
-    pub fn width(self) -> Option<usize> {
+    pub(crate) fn width(self) -> Option<usize> {
         use DType::*;
         match self {
             Bool | Float8 | Int8 | Uint8 => Some(1),
@@ -122,7 +122,7 @@ impl DType {
         }
     }
     /// The schema's name ("FLOAT", "BFLOAT16", ...).
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         use DType::*;
         match self {
             Inherit => "INHERIT",
@@ -148,72 +148,12 @@ impl DType {
             Utf32 => "UTF32",
         }
     }
-    /// The safetensors dtype holding the same bytes, if there is one.
-    pub fn safetensors(self) -> Option<safetensors::Dtype> {
-        use safetensors::Dtype as S;
-        use DType::*;
-        Some(match self {
-            Bool => S::BOOL,
-            Float8 => S::F8_E4M3,
-            Half => S::F16,
-            Float => S::F32,
-            Double => S::F64,
-            Int8 => S::I8,
-            Int16 => S::I16,
-            Int32 => S::I32,
-            Int64 => S::I64,
-            Uint8 => S::U8,
-            Uint16 => S::U16,
-            Uint32 => S::U32,
-            Uint64 => S::U64,
-            Bfloat16 => S::BF16,
-            _ => return None,
-        })
-    }
-    /// The type holding the same bytes as a safetensors dtype.
-    pub fn from_safetensors(d: safetensors::Dtype) -> Result<DType> {
-        use safetensors::Dtype as S;
-        use DType::*;
-        Ok(match d {
-            S::BOOL => Bool,
-            S::F8_E4M3 => Float8,
-            S::F16 => Half,
-            S::F32 => Float,
-            S::F64 => Double,
-            S::I8 => Int8,
-            S::I16 => Int16,
-            S::I32 => Int32,
-            S::I64 => Int64,
-            S::U8 => Uint8,
-            S::U16 => Uint16,
-            S::U32 => Uint32,
-            S::U64 => Uint64,
-            S::BF16 => Bfloat16,
-            other => {
-                return Err(Error::Invalid(format!(
-                    "safetensors dtype {other} has no SameDiff DType"
-                )))
-            }
-        })
-    }
-    /// The numpy dtype string of the same bytes ("<f4", "|b1", ...), when numpy has one.
-    pub fn numpy(self) -> Option<&'static str> {
-        use DType::*;
-        Some(match self {
-            Bool => "|b1",
-            Float8 | Uint8 => "|u1",
-            Int8 => "|i1",
-            Half => "<f2",
-            Float => "<f4",
-            Double => "<f8",
-            Int16 => "<i2",
-            Int32 => "<i4",
-            Int64 => "<i8",
-            Uint16 | Bfloat16 => "<u2",
-            Uint32 => "<u4",
-            Uint64 => "<u8",
-            _ => return None,
-        })
+}
+
+/// The schema's name ("FLOAT", "BFLOAT16", ...), as `FromStr` reads it.
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
     }
 }
 
@@ -269,7 +209,7 @@ impl VarType {
         }
     }
     /// "VARIABLE", "CONSTANT", ...
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             VarType::Variable => "VARIABLE",
             VarType::Constant => "CONSTANT",
@@ -300,5 +240,12 @@ impl std::str::FromStr for VarType {
             .filter_map(|c| VarType::from_code(c).ok())
             .find(|v| v.name().eq_ignore_ascii_case(s))
             .ok_or_else(|| Error::Invalid(format!("unknown variable type {s:?}")))
+    }
+}
+
+/// "VARIABLE", "CONSTANT", ..., as `FromStr` reads it.
+impl std::fmt::Display for VarType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
     }
 }

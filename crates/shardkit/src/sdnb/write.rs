@@ -29,7 +29,7 @@ pub(crate) const APPEND_THRESHOLD: u64 = 1 << 20;
 /// The default shard size cap (DL4J's `MAX_SHARD_FILE_BYTES`).
 pub(crate) const DEFAULT_SHARD_SIZE: u64 = 1 << 30;
 /// Default blob alignment.
-pub const DEFAULT_ALIGN: u64 = 64;
+pub(crate) const DEFAULT_ALIGN: u64 = 64;
 /// Default zero slack after the graph, for in-place metadata edits.
 pub(crate) const DEFAULT_SLACK: u64 = 64 << 10;
 
@@ -74,19 +74,8 @@ impl std::str::FromStr for Format {
     }
 }
 
-/// A callback told (bytes written, bytes in all) as a write proceeds, about every 16 MiB and
-/// once at the end; for progress bars.
-#[derive(Clone)]
-pub struct Progress(pub Arc<dyn Fn(u64, u64) + Send + Sync>);
-
-impl std::fmt::Debug for Progress {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Progress(..)")
-    }
-}
-
 /// How to write.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct SaveOptions {
     /// The container kind.
     pub format: Format,
@@ -102,8 +91,41 @@ pub struct SaveOptions {
     pub metadata: Vec<(String, String)>,
     /// Further SDZ entries (e.g. `tokenizer.json`), kept as they are.
     pub extra_entries: Vec<(String, Vec<u8>)>,
-    /// Called as bytes are written.
-    pub progress: Option<Progress>,
+    /// Told (bytes written, bytes in all) as a write proceeds, about every 16 MiB and once at
+    /// the end; for progress bars.
+    pub progress: Option<Arc<dyn Fn(u64, u64) + Send + Sync>>,
+}
+
+impl std::fmt::Debug for SaveOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SaveOptions")
+            .field("format", &self.format)
+            .field("shard_size", &self.shard_size)
+            .field("align", &self.align)
+            .field("slack", &self.slack)
+            .field("metadata", &self.metadata)
+            .field("extra_entries", &self.extra_entries)
+            .field("progress", &self.progress.as_ref().map(|_| ".."))
+            .finish()
+    }
+}
+
+impl SaveOptions {
+    /// The first file that a save to `path` with these options would replace, if any: `path`
+    /// itself, or for a shard set any shard of its set (`path` may name a shard or the base).
+    pub fn existing(&self, path: &Path) -> Result<Option<PathBuf>> {
+        if self.format != Format::Sharded {
+            return Ok(path.exists().then(|| path.to_path_buf()));
+        }
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let name = name.as_deref().unwrap_or("");
+        let base =
+            super::sdz::parse_shard_name(name).map_or_else(|| base_name(name), |(b, _, _)| b);
+        Ok(shard_files(fsutil::parent_of(path), base)?
+            .into_iter()
+            .next()
+            .map(|(_, _, p)| p))
+    }
 }
 
 impl Default for SaveOptions {
@@ -723,7 +745,7 @@ fn plan_sharded<'a>(
 
 /// Counts written bytes for the progress callback.
 struct Tracker<'p> {
-    callback: Option<&'p Progress>,
+    callback: Option<&'p Arc<dyn Fn(u64, u64) + Send + Sync>>,
     done: u64,
     total: u64,
     reported: u64,
@@ -734,7 +756,7 @@ impl Tracker<'_> {
         self.done += n;
         if let Some(p) = self.callback {
             if self.done - self.reported >= 16 << 20 || self.done >= self.total {
-                (p.0)(self.done, self.total);
+                p(self.done, self.total);
                 self.reported = self.done;
             }
         }

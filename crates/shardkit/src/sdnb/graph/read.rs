@@ -159,7 +159,7 @@ impl<'a> Fb<'a> {
 impl Graph {
     /// Verifies and parses the graph region (bytes [32, B) of an SDNB file); `path` names the
     /// file in errors.
-    pub fn parse(region: &[u8], path: &Path) -> Result<Graph> {
+    pub(crate) fn parse(region: &[u8], path: &Path) -> Result<Graph> {
         verify(region, path)?;
         let r = Fb { b: region, path };
         let root = r.table(r.follow(0)?)?;
@@ -273,7 +273,7 @@ impl Graph {
     }
 
     /// A metadata value.
-    pub fn meta(&self, key: &str) -> Option<&str> {
+    pub(crate) fn meta(&self, key: &str) -> Option<&str> {
         self.metadata
             .iter()
             .find(|(k, _)| k == key)
@@ -281,7 +281,7 @@ impl Graph {
     }
 
     /// The parameter names of the updater state entries (`None` for an entry without one).
-    pub fn updater_params(&self) -> Vec<Option<&str>> {
+    pub(crate) fn updater_params(&self) -> Vec<Option<&str>> {
         self.opaque
             .updater_state
             .iter()

@@ -150,8 +150,8 @@ pub(super) fn open_remote(location: &Location, limits: &Limits) -> Result<Contai
 }
 
 /// Opens the container `name` of `parent`, any source (a test hook: an in-memory store, say).
-#[doc(hidden)]
-pub fn open_source(parent: Arc<dyn Source>, name: &str) -> Result<Container> {
+#[cfg(test)]
+pub(crate) fn open_source(parent: Arc<dyn Source>, name: &str) -> Result<Container> {
     let url = parent.path_of(name);
     open_in(parent, name, url, &Limits::default())
 }
