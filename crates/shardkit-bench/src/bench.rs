@@ -120,23 +120,15 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
 /// The `shardkit` binary, for the benchmarks that time a command as a user runs it: next to
 /// this executable (cargo builds both into one directory), else the first on PATH.
 pub(crate) fn shardkit_exe() -> Result<PathBuf> {
-    let name = format!("shardkit{}", std::env::consts::EXE_SUFFIX);
-    let exe = std::env::current_exe().map_err(|e| Error::io("shardkit-bench", e))?;
-    let on_path = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .unwrap_or_default();
-    exe.parent()
-        .map(|dir| dir.join(&name))
-        .into_iter()
-        .chain(on_path.into_iter().map(|dir| dir.join(&name)))
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            Error::Invalid(format!(
-                "this benchmark runs the shardkit binary, which is neither next to {} nor on \
-                 PATH: build it with `cargo build --release -p shardkit-cli`",
-                exe.display()
-            ))
-        })
+    shardkit_cli::sibling_exe("shardkit").ok_or_else(|| {
+        Error::Invalid(format!(
+            "this benchmark runs the shardkit binary, which is neither next to {} nor on \
+             PATH: build it with `cargo build --release -p shardkit-cli`",
+            std::env::current_exe()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|_| "shardkit-bench".into())
+        ))
+    })
 }
 
 /// Bytes of one example of the benchmark shape: 2 layers x (256 patches + CLS) x 1024 floats.

@@ -4,7 +4,6 @@
 //! with the arguments unchanged: its output and exit status are the command's.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 
 /// The benchmarks' binary.
@@ -13,7 +12,7 @@ const BENCH: &str = "shardkit-bench";
 /// Runs `shardkit-bench ARGS...` in place of this process (on Unix) or as a child whose exit
 /// status becomes this one's.
 pub fn run(args: Vec<OsString>) -> ExitCode {
-    let Some(bin) = find() else {
+    let Some(bin) = shardkit_cli::sibling_exe(BENCH) else {
         eprintln!(
             "error: `shardkit bench` runs the {BENCH} binary, which is neither next to {} nor on \
              PATH: build it with `cargo build --release -p shardkit-bench` (it lands next to \
@@ -43,19 +42,4 @@ pub fn run(args: Vec<OsString>) -> ExitCode {
             ExitCode::from(1)
         }
     }
-}
-
-/// `shardkit-bench` next to the running executable, else the first on PATH.
-fn find() -> Option<PathBuf> {
-    let name = format!("{BENCH}{}", std::env::consts::EXE_SUFFIX);
-    let beside = std::env::current_exe()
-        .ok()
-        .and_then(|exe| exe.parent().map(|dir| dir.join(&name)));
-    let on_path = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .unwrap_or_default();
-    beside
-        .into_iter()
-        .chain(on_path.into_iter().map(|dir| dir.join(&name)))
-        .find(|p| p.is_file())
 }

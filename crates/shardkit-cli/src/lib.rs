@@ -14,6 +14,23 @@ pub mod saev_cmd;
 pub mod sdnb_cmd;
 pub mod tokens_cmd;
 
+/// The executable `name` (the platform's suffix added) next to the running executable, else
+/// the first on PATH: how `shardkit bench` finds `shardkit-bench`, and the benchmarks
+/// `shardkit`.
+pub fn sibling_exe(name: &str) -> Option<std::path::PathBuf> {
+    let name = format!("{name}{}", std::env::consts::EXE_SUFFIX);
+    let beside = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join(&name)));
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default();
+    beside
+        .into_iter()
+        .chain(on_path.into_iter().map(|dir| dir.join(&name)))
+        .find(|p| p.is_file())
+}
+
 /// Library warnings (unknown protocol minor, foreign key names) go to stderr.
 pub fn env_logger_lite() {
     struct Stderr;

@@ -188,8 +188,10 @@ pub(crate) fn state_from_dict(
     };
     let seed = required(state, "seed")?;
     let epoch = required(state, "epoch")?;
-    let common = ["batch", "batch_size", "world_size"];
-    let mut st = if !global_position || common.iter().all(|k| state.contains(k).unwrap_or(false)) {
+    // The position keys after seed and epoch.
+    let position = &COMMON[2..];
+    let mut st = if !global_position || position.iter().all(|k| state.contains(k).unwrap_or(false))
+    {
         LoaderState::new(
             &format,
             seed,

@@ -212,10 +212,10 @@ impl LoaderState {
     }
 
     /// Key `k` read with `read`, when the state has it; another type is an error naming it.
-    pub(crate) fn read<T>(
-        &self,
+    pub(crate) fn read<'a, T>(
+        &'a self,
         k: &str,
-        read: impl Fn(&StateValue) -> Option<T>,
+        read: impl Fn(&'a StateValue) -> Option<T>,
     ) -> Result<Option<T>> {
         match self.get(k) {
             None => Ok(None),
@@ -246,13 +246,10 @@ impl LoaderState {
 
     /// Key `k` as a name.
     pub fn name(&self, k: &str) -> Result<Option<&str>> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(StateValue::Str(s)) => Ok(Some(s)),
-            Some(v) => Err(Error::Invalid(format!(
-                "state key {k:?} has a value of the wrong type: {v}"
-            ))),
-        }
+        self.read(k, |v| match v {
+            StateValue::Str(s) => Some(s.as_str()),
+            _ => None,
+        })
     }
 
     /// Refuses a state another format's loader took.
