@@ -526,14 +526,6 @@ impl Writer {
     pub fn destination(&self) -> PathBuf {
         self.files.destination(&self.dir)
     }
-    /// The metadata being written.
-    pub fn metadata(&self) -> &Metadata {
-        &self.md
-    }
-    /// The layout being written.
-    pub fn layout(&self) -> &Layout {
-        &self.layout
-    }
     /// What was found at the destination.
     pub fn start(&self) -> WriteStart {
         self.start
