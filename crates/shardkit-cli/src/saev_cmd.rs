@@ -345,7 +345,7 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
         layout.d_model,
         layout.content_tokens,
     );
-    if args.labels.is_some() && md.major() == 1 {
+    if args.labels.is_some() && md.protocol().starts_with("1.") {
         // Refuse before anything is created, so the corrected command starts cleanly.
         return Err(Error::Invalid(
             "protocol 1.0.0 has no labels.bin (labels arrived with 1.1): write protocol 2.0 or \
@@ -424,7 +424,6 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
 fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
     let ds = Dataset::open(dir)?;
     let view = ds.indexed(layer, mode)?;
-    let slot = ds.metadata().layer_slot(layer)?;
     let layout = *ds.layout();
     let n = view.len();
     // The selected rows of one example: (stored token slot, reported token index), the same
@@ -443,7 +442,7 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
         let mut slab = vec![0f32; (layout.tokens * layout.d_model) as usize];
         let mut rows: Vec<u8> = Vec::with_capacity(per as usize * d * 4);
         for e in 0..layout.n_examples {
-            ds.read_slab_into(e, slot, &mut slab)?;
+            ds.read_slab_into(e, layer, &mut slab)?;
             rows.clear();
             for &(t, _) in &tokens {
                 let v = &slab[t as usize * d..(t as usize + 1) * d];

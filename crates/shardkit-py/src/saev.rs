@@ -63,7 +63,7 @@ impl Writer {
             saev::WriteStart::AlreadyComplete => "complete".to_string(),
         };
         Ok(Writer {
-            path: w.destination().display().to_string(),
+            path: w.path().display().to_string(),
             inner: Some(w),
             start,
             shape,

@@ -10,6 +10,12 @@ use shardkit::Error;
 
 mod common;
 use common::*;
+
+/// Reads and parses `dir/metadata.json`.
+fn read_md(dir: &Path) -> shardkit::Result<(Metadata, Vec<String>)> {
+    let path = dir.join("metadata.json");
+    Metadata::parse(&std::fs::read(&path).unwrap(), &path)
+}
 const COMPLETE: [&str; 6] = [A_100, B_100, A_20, A_21, B_21, C_21];
 
 /// The coded value of every fixture: v[e, l, t, d] = 1000e + 100l + t + d/16.
@@ -45,7 +51,7 @@ fn sha(path: &Path) -> String {
 fn directory_names_follow_each_versions_recipe() {
     for dir in COMPLETE.iter().chain([&CRASHED_20]) {
         let path = fixtures().join(dir);
-        let (md, warnings) = Metadata::read(&path).unwrap();
+        let (md, warnings) = read_md(&path).unwrap();
         assert!(warnings.is_empty(), "{dir}: {warnings:?}");
         let name = path.file_name().unwrap().to_str().unwrap();
         assert_eq!(md.dir_name(), name, "{dir}");
@@ -135,8 +141,9 @@ fn complete_fixtures_validate_cleanly() {
 #[test]
 fn layer_lookup_uses_recorded_values() {
     let ds = Dataset::open(fixtures().join(A_21)).unwrap();
-    assert_eq!(ds.metadata().layer_slot(-2).unwrap(), 0);
-    assert_eq!(ds.metadata().layer_slot(-1).unwrap(), 1);
+    // -2 is stored slot 0 and -1 slot 1: values are labels, not positions from the end.
+    assert_eq!(ds.get(4, -2, 3).unwrap()[0], coded(4, 0, 3, 0));
+    assert_eq!(ds.get(4, -1, 3).unwrap()[0], coded(4, 1, 3, 0));
     let err = ds.get(0, 3, 0).unwrap_err().to_string();
     assert!(err.contains("layer 3") && err.contains("[-2, -1]"), "{err}");
     // Example 4, layer -1, content token 2 (slot 3): acts000001.bin at byte 576.
@@ -219,7 +226,7 @@ fn take_returns_rows_in_request_order() {
 
 /// Writes a fixture's case with shardkit and returns the new directory.
 fn write_case(dir: &str, root: &Path, batch: u64) -> PathBuf {
-    let (md, _) = Metadata::read(&fixtures().join(dir)).unwrap();
+    let (md, _) = read_md(&fixtures().join(dir)).unwrap();
     let md = Metadata::for_writing(md.raw()).unwrap();
     let layout = Layout::new(&md, Path::new("metadata.json")).unwrap();
     let (n, l, t, d) = (
@@ -301,7 +308,7 @@ fn writing_the_fixture_cases_reproduces_their_bytes() {
 
 #[test]
 fn case_b_as_2_0_has_the_documented_shards_json() {
-    let (md, _) = Metadata::read(&fixtures().join(B_100)).unwrap();
+    let (md, _) = read_md(&fixtures().join(B_100)).unwrap();
     let Value::Object(mut members) = md.raw().clone() else {
         panic!()
     };
@@ -338,7 +345,7 @@ fn resuming_the_crashed_fixture_completes_it_exactly() {
     let src = fixtures().join(CRASHED_20);
     let name = src.file_name().unwrap();
     copy_dir(&src, &tmp.path().join(name));
-    let (md, _) = Metadata::read(&src).unwrap();
+    let (md, _) = read_md(&src).unwrap();
     let md = Metadata::for_writing(md.raw()).unwrap();
     // Without resume the interrupted dataset is kept and the call refused.
     let err = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap_err();

@@ -478,16 +478,15 @@ impl Dataset {
         self.read_shard_at(s, off, out)
     }
 
-    /// Reads one example's contiguous slab of layer `slot` (`T·D` values) into `out`.
-    pub fn read_slab_into(&self, example: u64, slot: usize, out: &mut [f32]) -> Result<()> {
+    /// Reads one example's contiguous slab of recorded layer value `layer` (`T·D` values, every
+    /// stored token) into `out`.
+    pub fn read_slab_into(&self, example: u64, layer: i64, out: &mut [f32]) -> Result<()> {
+        let slot = self.md.layer_slot(layer)?;
         self.check_example(example)?;
-        if out.len() as u64 != self.layout.tokens * self.layout.d_model
-            || slot as u64 >= self.layout.n_layers
-        {
+        if out.len() as u64 != self.layout.tokens * self.layout.d_model {
             return Err(Error::Invalid(format!(
-                "read_slab_into: need a buffer of T*D = {} values and a slot below {}",
-                self.layout.tokens * self.layout.d_model,
-                self.layout.n_layers
+                "read_slab_into: need a buffer of T*D = {} values",
+                self.layout.tokens * self.layout.d_model
             )));
         }
         let (s, _) = self.layout.locate(example);

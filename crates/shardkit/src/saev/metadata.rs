@@ -330,7 +330,7 @@ impl Metadata {
     /// A `dir` without metadata.json is refused with a message that says what `dir` is instead:
     /// no such directory, a writer's root (the dataset is the `<hash>` directory inside it,
     /// named), or a directory with no saev dataset in it.
-    pub fn read(dir: &Path) -> Result<(Metadata, Vec<String>)> {
+    pub(crate) fn read(dir: &Path) -> Result<(Metadata, Vec<String>)> {
         let path = dir.join("metadata.json");
         let bytes = fsutil::read_json_file(&path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -698,7 +698,7 @@ impl Metadata {
         &self.protocol
     }
     /// The protocol major version (1 or 2).
-    pub fn major(&self) -> u32 {
+    pub(crate) fn major(&self) -> u32 {
         self.major
     }
     /// The version shardkit would write this metadata as, when the protocol is one it writes.
@@ -706,7 +706,7 @@ impl Metadata {
         WriteVersion::from_protocol(&self.protocol)
     }
     /// Model family (`family` / `vit_family`).
-    pub fn family(&self) -> &str {
+    pub(crate) fn family(&self) -> &str {
         &self.family
     }
     /// Checkpoint identifier.
@@ -746,13 +746,13 @@ impl Metadata {
         self.dataset.as_deref()
     }
     /// `pixel_agg`, when present and not null.
-    pub fn pixel_agg(&self) -> Option<&str> {
+    pub(crate) fn pixel_agg(&self) -> Option<&str> {
         self.pixel_agg.as_deref()
     }
 
     /// The stored layer slot of the recorded layer value `value` (first occurrence, as saev's
     /// `layers.index`). Negative values are literal labels, not positions from the end.
-    pub fn layer_slot(&self, value: i64) -> Result<usize> {
+    pub(crate) fn layer_slot(&self, value: i64) -> Result<usize> {
         self.layers.iter().position(|&l| l == value).ok_or_else(|| {
             Error::Missing(format!(
                 "layer {value} is not recorded in this dataset; recorded layers: {:?}",
