@@ -13,8 +13,9 @@ use crate::saev::Metadata;
 /// Bytes per stored value (float32).
 pub(crate) const VALUE_BYTES: u64 = 4;
 
-/// Index arithmetic of a saev directory. All products are checked once, at construction, so
-/// the accessors cannot overflow for in-range arguments.
+/// The shape of a saev directory, derived from its metadata (plain data: read the fields).
+/// All byte sizes are checked once, at construction, so the crate's index arithmetic on it
+/// cannot overflow for in-range arguments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Layout {
