@@ -302,8 +302,9 @@ pub(crate) fn ceiling_run(path: &Path, bytes: u64) -> Result<f64> {
 /// The saev writer producing a ViT-L-shaped dataset (2 layers, 256 patches + CLS, d 1024).
 fn writer_run(root: &Path, args: &SynthArgs, batch: &[f32]) -> Result<(f64, u64)> {
     let md = synth_metadata(args)?;
-    let eb = md.layers().len() as u64 * md.tokens_per_example() * md.d_model();
-    let n = md.n_examples();
+    let layout = shardkit::saev::Layout::new(&md, Path::new("metadata.json"))?;
+    let eb = layout.n_layers * layout.tokens * layout.d_model;
+    let n = layout.n_examples;
     let per_batch = batch.len() as u64 / eb;
     flush_page_cache();
     let t0 = Instant::now();
@@ -628,10 +629,12 @@ pub fn saev_read(
         crate::saev_cmd::synth(&args)?;
     }
     let ds = shardkit::saev::Dataset::open(&ds_dir)?;
-    let files: Vec<PathBuf> = (0..ds.layout().n_shards)
-        .map(|s| ds.shard_path(s))
+    let l = ds.layout();
+    let files: Vec<PathBuf> = (0..l.n_shards)
+        .map(|s| ds.path().join(format!("acts{s:06}.bin")))
         .collect();
-    let total: u64 = ds.layout().shard_bytes() * ds.layout().n_shards;
+    // Every shard file is full size: eps x L x T x D float32 values.
+    let total: u64 = l.examples_per_shard * l.n_layers * l.tokens * l.d_model * 4 * l.n_shards;
     let best = |v: &mut Vec<f64>, x: f64| v.push(x);
     // The last round's time series of each loader, for --plot.
     let mut series: Vec<crate::plot::Series> = Vec::new();

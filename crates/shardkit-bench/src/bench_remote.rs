@@ -540,16 +540,21 @@ fn layer_get_ceiling(
     slot: u64,
     inflight: usize,
 ) -> Result<(f64, u64, u64)> {
+    // The on-disk layout (docs/saev.md): shard `acts{s:06}.bin` holds examples
+    // `s*eps..(s+1)*eps`, each `(L, T, D)` float32, C order.
     let names: Vec<String> = (0..layout.n_shards)
-        .map(shardkit::saev::Layout::shard_name)
+        .map(|s| format!("acts{s:06}.bin"))
         .collect();
-    let first = u64::from(layout.cls);
-    let len = layout.content_tokens * layout.vector_bytes();
+    let l = layout;
+    let first = u64::from(l.cls);
+    let vector = l.d_model * 4;
+    let len = l.content_tokens * vector;
     let mut ranges = Vec::new();
     let mut dst = 0;
-    for g in 0..layout.n_examples {
-        let (shard, _) = layout.locate(g);
-        ranges.push((shard as u32, layout.offset(g, slot, first), len, dst));
+    for g in 0..l.n_examples {
+        let (shard, row) = (g / l.examples_per_shard, g % l.examples_per_shard);
+        let offset = ((row * l.n_layers + slot) * l.tokens + first) * vector;
+        ranges.push((shard as u32, offset, len, dst));
         dst += len;
     }
     timed_read(remote, &names, &ranges, dst, inflight)

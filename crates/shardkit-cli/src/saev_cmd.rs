@@ -8,8 +8,8 @@ use clap::{Args, Subcommand};
 use shardkit::engine::{shuffle_quality, StateValue};
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{
-    self, inspect, validate, Dataset, LayerSel, Loader, LoaderOptions, LoaderState, Metadata,
-    TokenMode, WriteStart, Writer, WriterOptions,
+    self, inspect, validate, Dataset, LayerSel, Layout, Loader, LoaderOptions, LoaderState,
+    Metadata, TokenMode, WriteStart, Writer, WriterOptions,
 };
 use shardkit::{Error, Result};
 
@@ -337,14 +337,15 @@ fn read_metadata(path: &Path) -> Result<Metadata> {
 
 fn write_cmd(args: WriteArgs) -> Result<()> {
     let md = read_metadata(&args.metadata)?;
+    let layout = Layout::new(&md, Path::new("metadata.json"))?;
     let (n, l, t, d, p) = (
-        md.n_examples(),
-        md.layers().len() as u64,
-        md.tokens_per_example(),
-        md.d_model(),
-        md.content_tokens_per_example(),
+        layout.n_examples,
+        layout.n_layers,
+        layout.tokens,
+        layout.d_model,
+        layout.content_tokens,
     );
-    if args.labels.is_some() && md.major() == 1 {
+    if args.labels.is_some() && md.protocol().starts_with("1.") {
         // Refuse before anything is created, so the corrected command starts cleanly.
         return Err(Error::Invalid(
             "protocol 1.0.0 has no labels.bin (labels arrived with 1.1): write protocol 2.0 or \
@@ -423,24 +424,27 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
 fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
     let ds = Dataset::open(dir)?;
     let view = ds.indexed(layer, mode)?;
-    let slot = ds.metadata().layer_slot(layer)?;
     let layout = *ds.layout();
-    let per = mode.rows_per_example(&layout)?;
     let n = view.len();
+    // The selected rows of one example: (stored token slot, reported token index), the same
+    // for every example (the view's first rows are example 0's).
+    let per = n / layout.n_examples;
+    let tokens: Vec<(u64, i64)> = (0..per)
+        .map(|j| view.locate(j).map(|(_, t, c)| (t, c)))
+        .collect::<Result<_>>()?;
     let d = layout.d_model as usize;
     let mut npz = NpzWriter::create(out)?;
     let tmp = npz.tmp().to_path_buf();
     let io = |e| Error::io(&tmp, e);
-    let pb = progress::bar(Some(n * layout.vector_bytes()), "exporting", Unit::Bytes);
+    let pb = progress::bar(Some(n * layout.d_model * 4), "exporting", Unit::Bytes);
     {
         let w = npz.start("act", Dtype::F32, &[n, d as u64])?;
         let mut slab = vec![0f32; (layout.tokens * layout.d_model) as usize];
         let mut rows: Vec<u8> = Vec::with_capacity(per as usize * d * 4);
         for e in 0..layout.n_examples {
-            ds.read_slab_into(e, slot, &mut slab)?;
+            ds.read_slab_into(e, layer, &mut slab)?;
             rows.clear();
-            for j in 0..per {
-                let (t, _) = mode.token_of(&layout, j);
+            for &(t, _) in &tokens {
                 let v = &slab[t as usize * d..(t as usize + 1) * d];
                 rows.extend(v.iter().flat_map(|x| x.to_le_bytes()));
             }
@@ -458,7 +462,7 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
     npz.start("example_idx", Dtype::I64, &[n])?
         .write_all(&example_idx)
         .map_err(io)?;
-    let token_idx = ints(&|_, j| mode.token_of(&layout, j).1);
+    let token_idx = ints(&|_, j| tokens[j as usize].1);
     npz.start("token_idx", Dtype::I64, &[n])?
         .write_all(&token_idx)
         .map_err(io)?;
@@ -467,8 +471,7 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
         let mut row = vec![0u8; layout.content_tokens as usize];
         for e in 0..layout.n_examples {
             ds.read_labels_into(e, &mut row)?;
-            for j in 0..per {
-                let c = mode.token_of(&layout, j).1;
+            for &(_, c) in &tokens {
                 let v = if c >= 0 {
                     i64::from(row[c as usize])
                 } else {
@@ -484,8 +487,7 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
     npz.finish()?;
     pb.finish_and_clear();
     eprintln!(
-        "exported {n} rows of layer {layer} ({} tokens) to {}",
-        mode.name(),
+        "exported {n} rows of layer {layer} ({mode} tokens) to {}",
         out.display()
     );
     Ok(())
@@ -571,12 +573,13 @@ fn coded_labels(first: u64, n: u64, p: u64) -> Vec<u8> {
 /// Writes the synthetic dataset (or .npy inputs) of `args` and returns where it went.
 pub fn synth(args: &SynthArgs) -> Result<PathBuf> {
     let md = synth_metadata(args)?;
+    let layout = Layout::new(&md, Path::new("metadata.json"))?;
     let (n, l, t, d, p) = (
-        md.n_examples(),
-        md.layers().len() as u64,
-        md.tokens_per_example(),
-        md.d_model(),
-        md.content_tokens_per_example(),
+        layout.n_examples,
+        layout.n_layers,
+        layout.tokens,
+        layout.d_model,
+        layout.content_tokens,
     );
     let eb = l * t * d * 4;
     let batch = ((32u64 << 20) / eb).max(1);
@@ -770,7 +773,7 @@ fn stream_cmd(
         ex.extend(b.example_idx.iter().flat_map(|x| x.to_le_bytes()));
         tok.extend(b.token_idx.iter().flat_map(|x| x.to_le_bytes()));
         if with_acts {
-            acts.extend(b.act().iter().flat_map(|x| x.to_le_bytes()));
+            acts.extend(b.act.as_f32().iter().flat_map(|x| x.to_le_bytes()));
         }
         n_batches += 1;
     }

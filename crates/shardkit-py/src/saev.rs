@@ -45,13 +45,15 @@ impl Writer {
         let v = json::parse(metadata_json.as_bytes())
             .map_err(|e| py_error("InvalidArgumentError", format!("metadata: {e}")))?;
         let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
+        let layout =
+            saev::Layout::new(&md, std::path::Path::new("metadata.json")).map_err(to_py)?;
         let shape = (
-            md.n_examples() as usize,
-            md.layers().len(),
-            md.tokens_per_example() as usize,
-            md.d_model() as usize,
+            layout.n_examples as usize,
+            layout.n_layers as usize,
+            layout.tokens as usize,
+            layout.d_model as usize,
         );
-        let content_tokens = md.content_tokens_per_example() as usize;
+        let content_tokens = layout.content_tokens as usize;
         let w = py
             .allow_threads(|| saev::Writer::create(root, md, saev::WriterOptions { resume }))
             .map_err(to_py)?;
@@ -61,7 +63,7 @@ impl Writer {
             saev::WriteStart::AlreadyComplete => "complete".to_string(),
         };
         Ok(Writer {
-            path: w.destination().display().to_string(),
+            path: w.path().display().to_string(),
             inner: Some(w),
             start,
             shape,
@@ -431,7 +433,7 @@ impl Loader {
     /// Bytes of the `act` buffer of a full batch.
     #[getter]
     fn batch_bytes(&self) -> u64 {
-        self.inner.batch_bytes()
+        self.inner.options().batch_size * self.inner.dataset().layout().d_model * 4
     }
     /// Gathers batches into caller-owned memory from now on (internal: shardkit.torch passes
     /// pinned tensors held by `keeper`).

@@ -131,7 +131,7 @@ fn a_saev_dataset_and_its_loader_read_the_same_bytes_from_any_store() {
             .unwrap()
             .map(|b| {
                 let b = b.unwrap();
-                (b.act().to_vec(), b.example_idx.clone())
+                (b.act.as_f32().to_vec(), b.example_idx.clone())
             })
             .collect()
     };

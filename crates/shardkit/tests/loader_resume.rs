@@ -38,7 +38,7 @@ fn saev_rows(b: &saev::Batch) -> Rows {
             (
                 b.example_idx[i],
                 b.token_idx[i],
-                b.act()[i * b.d_model].to_bits(),
+                b.act.as_f32()[i * b.d_model].to_bits(),
             )
         })
         .collect()

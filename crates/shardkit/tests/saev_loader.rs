@@ -48,8 +48,8 @@ fn check_values(b: &Batch, slot: i64) {
             .as_ref()
             .map_or(slot, |l| if l[i] == 7 { 0 } else { 1 });
         let want = (1000 * e + 100 * slot + 10 * t) as f32;
-        assert_eq!(b.act()[i * 4], want, "row {i}: e={e} c={c}");
-        assert_eq!(b.act()[i * 4 + 3], want + 3.0);
+        assert_eq!(b.act.as_f32()[i * 4], want, "row {i}: e={e} c={c}");
+        assert_eq!(b.act.as_f32()[i * 4 + 3], want + 3.0);
         if let Some(labels) = &b.token_label {
             let want = if c < 0 { -1 } else { (e + c) % 4 };
             assert_eq!(labels[i], want);

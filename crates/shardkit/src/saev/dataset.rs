@@ -42,9 +42,16 @@ impl FromStr for TokenMode {
     }
 }
 
+/// The option's canonical name.
+impl std::fmt::Display for TokenMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl TokenMode {
     /// The option's canonical name.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             TokenMode::Content => "content",
             TokenMode::Special => "special",
@@ -53,7 +60,7 @@ impl TokenMode {
     }
 
     /// Rows this mode selects per example, or an error when the dataset has no CLS token.
-    pub fn rows_per_example(self, layout: &Layout) -> Result<u64> {
+    pub(crate) fn rows_per_example(self, layout: &Layout) -> Result<u64> {
         match self {
             TokenMode::Content => Ok(layout.content_tokens),
             TokenMode::Special if !layout.cls => Err(Error::Invalid(
@@ -67,7 +74,7 @@ impl TokenMode {
 
     /// For the `j`-th selected row of an example: (stored token slot, reported token index).
     /// The reported index is the content token `c` (0-based), or -1 for CLS.
-    pub fn token_of(self, layout: &Layout, j: u64) -> (u64, i64) {
+    pub(crate) fn token_of(self, layout: &Layout, j: u64) -> (u64, i64) {
         let cls = u64::from(layout.cls);
         match self {
             TokenMode::Content => (j + cls, j as i64),
@@ -400,7 +407,7 @@ impl Dataset {
 
     /// The path of shard `s`.
     /// (An `s3://` URL when the dataset is remote.)
-    pub fn shard_path(&self, s: u64) -> PathBuf {
+    pub(crate) fn shard_path(&self, s: u64) -> PathBuf {
         self.dir.join(Layout::shard_name(s))
     }
 
@@ -451,7 +458,7 @@ impl Dataset {
     }
 
     /// Reads the vector of (`example`, layer `slot`, token `slot t`) into `out` (`D` values).
-    pub fn read_vector_into(
+    pub(crate) fn read_vector_into(
         &self,
         example: u64,
         slot: usize,
@@ -471,16 +478,15 @@ impl Dataset {
         self.read_shard_at(s, off, out)
     }
 
-    /// Reads one example's contiguous slab of layer `slot` (`T·D` values) into `out`.
-    pub fn read_slab_into(&self, example: u64, slot: usize, out: &mut [f32]) -> Result<()> {
+    /// Reads one example's contiguous slab of recorded layer value `layer` (`T·D` values, every
+    /// stored token) into `out`.
+    pub fn read_slab_into(&self, example: u64, layer: i64, out: &mut [f32]) -> Result<()> {
+        let slot = self.md.layer_slot(layer)?;
         self.check_example(example)?;
-        if out.len() as u64 != self.layout.tokens * self.layout.d_model
-            || slot as u64 >= self.layout.n_layers
-        {
+        if out.len() as u64 != self.layout.tokens * self.layout.d_model {
             return Err(Error::Invalid(format!(
-                "read_slab_into: need a buffer of T*D = {} values and a slot below {}",
-                self.layout.tokens * self.layout.d_model,
-                self.layout.n_layers
+                "read_slab_into: need a buffer of T*D = {} values",
+                self.layout.tokens * self.layout.d_model
             )));
         }
         let (s, _) = self.layout.locate(example);

@@ -11,11 +11,13 @@ use crate::json::{self, Escape, Value};
 use crate::saev::Metadata;
 
 /// Bytes per stored value (float32).
-pub const VALUE_BYTES: u64 = 4;
+pub(crate) const VALUE_BYTES: u64 = 4;
 
-/// Index arithmetic of a saev directory. All products are checked once, at construction, so
-/// the accessors cannot overflow for in-range arguments.
+/// The shape of a saev directory, derived from its metadata (plain data: read the fields).
+/// All byte sizes are checked once, at construction, so the crate's index arithmetic on it
+/// cannot overflow for in-range arguments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Layout {
     /// Examples (N).
     pub n_examples: u64,
@@ -79,15 +81,15 @@ impl Layout {
     }
 
     /// Bytes of one vector (`D·4`).
-    pub fn vector_bytes(&self) -> u64 {
+    pub(crate) fn vector_bytes(&self) -> u64 {
         self.d_model * VALUE_BYTES
     }
     /// Bytes of one example's slab of one layer (`T·D·4`), contiguous on disk.
-    pub fn slab_bytes(&self) -> u64 {
+    pub(crate) fn slab_bytes(&self) -> u64 {
         self.tokens * self.vector_bytes()
     }
     /// Bytes of one whole example (`L·T·D·4`), contiguous on disk.
-    pub fn example_bytes(&self) -> u64 {
+    pub(crate) fn example_bytes(&self) -> u64 {
         self.n_layers * self.slab_bytes()
     }
     /// Bytes of all shard files (`n_shards · shard_bytes`; checked at construction).
@@ -95,38 +97,38 @@ impl Layout {
         self.n_shards * self.shard_bytes()
     }
     /// Size of every shard file (`eps·L·T·D·4`).
-    pub fn shard_bytes(&self) -> u64 {
+    pub(crate) fn shard_bytes(&self) -> u64 {
         self.examples_per_shard * self.example_bytes()
     }
     /// Values in one example (`L·T·D`).
-    pub fn example_values(&self) -> u64 {
+    pub(crate) fn example_values(&self) -> u64 {
         self.n_layers * self.tokens * self.d_model
     }
     /// Examples held by shard `s` (`eps` except for the last).
-    pub fn shard_count(&self, s: u64) -> u64 {
+    pub(crate) fn shard_count(&self, s: u64) -> u64 {
         let start = s * self.examples_per_shard;
         self.n_examples
             .saturating_sub(start)
             .min(self.examples_per_shard)
     }
     /// (shard, row) of global example `g`.
-    pub fn locate(&self, g: u64) -> (u64, u64) {
+    pub(crate) fn locate(&self, g: u64) -> (u64, u64) {
         (g / self.examples_per_shard, g % self.examples_per_shard)
     }
     /// Byte offset, within its shard, of `(example g, layer slot, token slot t)`.
-    pub fn offset(&self, g: u64, slot: u64, t: u64) -> u64 {
+    pub(crate) fn offset(&self, g: u64, slot: u64, t: u64) -> u64 {
         let row = g % self.examples_per_shard;
         ((row * self.n_layers + slot) * self.tokens + t) * self.vector_bytes()
     }
     /// The file name of shard `s`.
-    pub fn shard_name(s: u64) -> String {
+    pub(crate) fn shard_name(s: u64) -> String {
         format!("acts{s:06}.bin")
     }
 }
 
 /// One entry of shards.json.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShardEntry {
+pub(crate) struct ShardEntry {
     /// File name (`acts%06d.bin`).
     pub name: String,
     /// Valid leading examples in that file.
@@ -135,7 +137,7 @@ pub struct ShardEntry {
 
 /// Parses shards.json: an array of `{"name": ..., <count key>: k}` with the count key any of
 /// `n_imgs`, `n_ex`, `n_examples`. Names must be plain file names (no path separators).
-pub fn parse_shards_json(bytes: &[u8], src: &Path) -> Result<Vec<ShardEntry>> {
+pub(crate) fn parse_shards_json(bytes: &[u8], src: &Path) -> Result<Vec<ShardEntry>> {
     let v = json::parse(bytes).map_err(|e| Error::format(src, e.to_string()))?;
     let Value::Array(items) = v else {
         return Err(Error::format(src, "shards.json must be a JSON array"));
@@ -187,7 +189,7 @@ pub fn parse_shards_json(bytes: &[u8], src: &Path) -> Result<Vec<ShardEntry>> {
 }
 
 /// The bytes of shards.json as saev writes them: 2-space indent, no trailing newline.
-pub fn shards_json_bytes(counts: &[u64], count_key: &str) -> Vec<u8> {
+pub(crate) fn shards_json_bytes(counts: &[u64], count_key: &str) -> Vec<u8> {
     let entries = counts
         .iter()
         .enumerate()

@@ -203,13 +203,6 @@ pub struct Batch {
     pub cursor: u64,
 }
 
-impl Batch {
-    /// The activations as `n · d_model` values.
-    pub fn act(&self) -> &[f32] {
-        self.act.as_f32()
-    }
-}
-
 impl std::fmt::Display for LayerSel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -384,11 +377,6 @@ impl Loader {
     /// each buffer must hold `batch_size x d_model x 4` bytes).
     pub fn set_batch_buffers(&mut self, pool: BufferPool) {
         self.batches = pool;
-    }
-
-    /// Bytes of the `act` buffer of a full batch.
-    pub fn batch_bytes(&self) -> u64 {
-        self.opts.batch_size * self.src.row_bytes()
     }
 
     /// The gather pool, started on first use.

@@ -66,7 +66,7 @@ const SHARED_KEYS: [&str; 7] = [
 
 /// The protocol versions shardkit writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WriteVersion {
+pub(crate) enum WriteVersion {
     /// `"1.0.0"`: 1.x key names, 4-space ASCII JSON, recipe R1, count key `n_imgs`.
     V1_0_0,
     /// `"2.0"`: the original 2.0 key set, 4-space ASCII JSON, recipe R1, count key `n_ex`.
@@ -77,7 +77,7 @@ pub enum WriteVersion {
 
 impl WriteVersion {
     /// The `protocol` string.
-    pub fn protocol(self) -> &'static str {
+    pub(crate) fn protocol(self) -> &'static str {
         match self {
             WriteVersion::V1_0_0 => "1.0.0",
             WriteVersion::V2_0 => "2.0",
@@ -147,7 +147,7 @@ impl WriteVersion {
     }
 
     /// The per-shard count key in shards.json.
-    pub fn count_key(self) -> &'static str {
+    pub(crate) fn count_key(self) -> &'static str {
         match self {
             WriteVersion::V1_0_0 => "n_imgs",
             WriteVersion::V2_0 => "n_ex",
@@ -166,7 +166,7 @@ impl WriteVersion {
 
 /// A directory-name recipe: how saev derives `<NAME>` from metadata.json (saev.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Recipe {
+pub(crate) enum Recipe {
     /// v0: SHA-256 of `json.dumps(md, sort_keys=True)` with default separators.
     R0,
     /// 1.x and 2.0: SHA-256 of sorted compact ASCII-escaped JSON, 64 hex.
@@ -182,7 +182,7 @@ impl Recipe {
     pub(crate) const ALL: [Recipe; 4] = [Recipe::R2, Recipe::R1, Recipe::R2Full, Recipe::R0];
 
     /// The exact bytes this recipe hashes for the metadata object `md`.
-    pub fn hashed_text(self, md: &Value) -> String {
+    pub(crate) fn hashed_text(self, md: &Value) -> String {
         match self {
             Recipe::R0 => json::to_python_default(md),
             Recipe::R1 => json::to_compact(md, true, Escape::Ascii),
@@ -191,7 +191,7 @@ impl Recipe {
     }
 
     /// The directory name this recipe gives for `md`.
-    pub fn name(self, md: &Value) -> String {
+    pub(crate) fn name(self, md: &Value) -> String {
         let mut hex = json::sha256_hex(self.hashed_text(md).as_bytes());
         if self == Recipe::R2 {
             hex.truncate(8);
@@ -330,7 +330,7 @@ impl Metadata {
     /// A `dir` without metadata.json is refused with a message that says what `dir` is instead:
     /// no such directory, a writer's root (the dataset is the `<hash>` directory inside it,
     /// named), or a directory with no saev dataset in it.
-    pub fn read(dir: &Path) -> Result<(Metadata, Vec<String>)> {
+    pub(crate) fn read(dir: &Path) -> Result<(Metadata, Vec<String>)> {
         let path = dir.join("metadata.json");
         let bytes = fsutil::read_json_file(&path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -698,7 +698,7 @@ impl Metadata {
         &self.protocol
     }
     /// The protocol major version (1 or 2).
-    pub fn major(&self) -> u32 {
+    pub(crate) fn major(&self) -> u32 {
         self.major
     }
     /// The version shardkit would write this metadata as, when the protocol is one it writes.
@@ -706,7 +706,7 @@ impl Metadata {
         WriteVersion::from_protocol(&self.protocol)
     }
     /// Model family (`family` / `vit_family`).
-    pub fn family(&self) -> &str {
+    pub(crate) fn family(&self) -> &str {
         &self.family
     }
     /// Checkpoint identifier.
@@ -718,7 +718,7 @@ impl Metadata {
         &self.layers
     }
     /// Content tokens per example, CLS excluded (P).
-    pub fn content_tokens_per_example(&self) -> u64 {
+    pub(crate) fn content_tokens_per_example(&self) -> u64 {
         self.content_tokens_per_example
     }
     /// Whether token slot 0 of every example is a CLS token.
@@ -726,37 +726,33 @@ impl Metadata {
         self.cls_token
     }
     /// Stored tokens per example, T = P + cls.
-    pub fn tokens_per_example(&self) -> u64 {
+    pub(crate) fn tokens_per_example(&self) -> u64 {
         self.content_tokens_per_example + u64::from(self.cls_token)
     }
     /// Hidden width (D).
-    pub fn d_model(&self) -> u64 {
+    pub(crate) fn d_model(&self) -> u64 {
         self.d_model
     }
     /// Number of examples (N).
-    pub fn n_examples(&self) -> u64 {
+    pub(crate) fn n_examples(&self) -> u64 {
         self.n_examples
     }
     /// Shard budget in vectors over all layers (M).
     pub(crate) fn max_tokens_per_shard(&self) -> u64 {
         self.max_tokens_per_shard
     }
-    /// The opaque `data` description, as found.
-    pub fn data(&self) -> &Value {
-        self.raw.get("data").unwrap_or(&Value::Null)
-    }
     /// The `dataset` string, when present.
-    pub fn dataset(&self) -> Option<&str> {
+    pub(crate) fn dataset(&self) -> Option<&str> {
         self.dataset.as_deref()
     }
     /// `pixel_agg`, when present and not null.
-    pub fn pixel_agg(&self) -> Option<&str> {
+    pub(crate) fn pixel_agg(&self) -> Option<&str> {
         self.pixel_agg.as_deref()
     }
 
     /// The stored layer slot of the recorded layer value `value` (first occurrence, as saev's
     /// `layers.index`). Negative values are literal labels, not positions from the end.
-    pub fn layer_slot(&self, value: i64) -> Result<usize> {
+    pub(crate) fn layer_slot(&self, value: i64) -> Result<usize> {
         self.layers.iter().position(|&l| l == value).ok_or_else(|| {
             Error::Missing(format!(
                 "layer {value} is not recorded in this dataset; recorded layers: {:?}",
@@ -796,7 +792,7 @@ impl Metadata {
     }
 
     /// The shards.json count key for the version shardkit writes (`n_examples` otherwise).
-    pub fn count_key(&self) -> &'static str {
+    pub(crate) fn count_key(&self) -> &'static str {
         self.write_version().map_or(
             if self.major == 1 {
                 "n_imgs"

@@ -51,19 +51,17 @@ mod layout;
 mod loader;
 mod metadata;
 mod options;
+#[cfg(test)]
+mod tests;
 mod validate;
 mod writer;
 
 pub use crate::engine::LoaderState;
 pub use compat::fake_dataset_data;
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
-pub use layout::{Layout, VALUE_BYTES};
+pub use layout::Layout;
 pub use loader::{Batch, Batches, LayerSel, Loader};
-pub use metadata::{Metadata, Recipe, WriteVersion};
+pub use metadata::Metadata;
 pub use options::{state_at, LoaderOptions, SaevOptions, DEFAULT_MEMORY_BUDGET};
-pub use validate::{inspect, validate, Problem, Report, Severity};
+pub use validate::{inspect, validate, Severity};
 pub use writer::{WriteStart, Writer, WriterOptions};
-
-// shards.json as saev reads and writes it, for the robustness tests.
-#[doc(hidden)]
-pub use layout::{parse_shards_json, shards_json_bytes, ShardEntry};

@@ -15,13 +15,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-pub use crate::report::{Finding, Severity, Validation};
-
-/// The old name of [`Validation`] (saev's report is the one every format returns).
-pub type Report = Validation;
-
-/// The old name of [`Finding`].
-pub type Problem = Finding;
+pub use crate::report::Severity;
+use crate::report::Validation;
 
 /// Checks a saev directory and collects every problem: metadata, directory name, shards.json
 /// against metadata, each shard file (missing, empty, not regular, unreadable, wrong size),

@@ -517,22 +517,10 @@ impl Writer {
         up.send(&self.dir, &name, FileSums::of_bytes(&bytes))
     }
 
-    /// The dataset directory (`root/<name>`; the local staging directory of a dataset being
-    /// written to an object store, see [`Writer::destination`]).
-    pub fn path(&self) -> &Path {
-        &self.dir
-    }
-    /// Where the finished dataset will be: [`Writer::path`], or its `s3://` URL.
-    pub fn destination(&self) -> PathBuf {
+    /// Where the finished dataset will be: the dataset directory `root/<name>`, or its
+    /// `s3://` URL when writing to an object store (staged in a local directory meanwhile).
+    pub fn path(&self) -> PathBuf {
         self.files.destination(&self.dir)
-    }
-    /// The metadata being written.
-    pub fn metadata(&self) -> &Metadata {
-        &self.md
-    }
-    /// The layout being written.
-    pub fn layout(&self) -> &Layout {
-        &self.layout
     }
     /// What was found at the destination.
     pub fn start(&self) -> WriteStart {
