@@ -182,7 +182,7 @@ pub fn build<S: AsRef<str>>(
     corpus::check_inputs(&inputs, &want)?;
     if options.append && root.join(split).is_dir() {
         let s = Split::open_unvalidated(root, split)?;
-        if s.completion() == Completion::Interrupted {
+        if s.info().completion == Completion::Interrupted {
             return Err(Error::Interrupted {
                 path: root.to_path_buf(),
                 detail: "a build did not finish; resume it before appending".into(),
@@ -199,7 +199,7 @@ pub fn build<S: AsRef<str>>(
     }
     let mut writer = Writer::create(root, split, writer_options)?;
     let skip = if options.resume {
-        writer.resumed_from().unwrap_or(0)
+        writer.info().resumed_from.unwrap_or(0)
     } else {
         0
     };

@@ -15,7 +15,7 @@
 //!   ([`Layout`]), crash-safely, with resume.
 //! * [`Split`] reads and validates one split; datasets without shardkit's completion marker
 //!   are validated in full before they are served.
-//! * [`TokenLoader`] serves any step of seqax's shuffled order directly ([`seqax`]), packed or
+//! * [`TokenLoader`] serves any step of seqax's shuffled order directly (seqax's closed form), packed or
 //!   one document per row, decoded into model inputs ([`decode`]), split across hosts, and
 //!   optionally over several epochs.
 //! * [`build`] fills a split from JSONL (plain, zstd, gzip) or Parquet corpora ([`corpus`]),
@@ -45,7 +45,7 @@
 //! opts.sequences_per_read_block = Some(4);
 //! let loader = TokenLoader::new(split, opts)?;
 //! let batch = loader.load(0)?;
-//! assert_eq!(batch.inputs().len(), 4 * 16);
+//! assert_eq!(batch.arrays().inputs.len(), 4 * 16);
 //! # Ok(())
 //! # }
 //! ```
@@ -67,13 +67,16 @@ mod loader;
 mod report;
 #[cfg(feature = "zarr")]
 mod resume;
-pub mod seqax;
+mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
 #[cfg(feature = "zarr")]
 mod store;
 #[cfg(feature = "zarr")]
 mod writer;
+
+#[cfg(test)]
+mod tests;
 
 #[cfg(feature = "corpus")]
 pub use build::{build, BuildOptions, BuildProgress, BuildSummary, Tokenizer};
@@ -82,11 +85,13 @@ pub use convert::convert;
 #[cfg(feature = "zarr")]
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
-pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader, TokenOptions};
+pub use loader::{
+    Batches, LoaderInfo, LoaderOptions, Packing, TokenArrays, TokenBatch, TokenLoader, TokenOptions,
+};
 #[cfg(feature = "zarr")]
 pub use report::{inspect, splits, validate, Validation};
 #[cfg(feature = "zarr")]
-pub use split::Split;
+pub use split::{Split, SplitInfo};
 #[cfg(feature = "zarr")]
 pub use store::{Completion, ZarrFormat};
 #[cfg(feature = "zarr")]

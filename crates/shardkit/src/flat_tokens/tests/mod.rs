@@ -1,0 +1,5 @@
+//! Unit tests of the format's internals.
+
+#[cfg(feature = "zarr")]
+mod io;
+mod seqax;
