@@ -29,7 +29,7 @@ fn closed() -> PyErr {
 pub struct TokensWriter {
     inner: Option<Writer>,
     resumed_from: Option<u64>,
-    format: &'static str,
+    format: String,
 }
 
 impl Drop for TokensWriter {
@@ -83,7 +83,7 @@ impl TokensWriter {
             .map_err(to_py)?;
         Ok(TokensWriter {
             resumed_from: w.info().resumed_from,
-            format: w.info().format.name(),
+            format: w.info().format.to_string(),
             inner: Some(w),
         })
     }
@@ -95,8 +95,8 @@ impl TokensWriter {
     }
     /// "v2" or "v3".
     #[getter]
-    fn format(&self) -> &'static str {
-        self.format
+    fn format(&self) -> &str {
+        &self.format
     }
     /// {"seq_count", "token_count", "max_token_id", "sequences_with_id_zero"} so far.
     #[getter]
@@ -222,8 +222,8 @@ impl TokensSplit {
         record(
             py,
             [
-                ("format", obj(py, s.info().format.name())?),
-                ("completion", obj(py, s.info().completion.name())?),
+                ("format", obj(py, s.info().format.to_string())?),
+                ("completion", obj(py, s.info().completion.to_string())?),
                 ("sharded", obj(py, s.info().sharded)?),
             ],
         )
@@ -485,7 +485,7 @@ pub fn tokens_build(
     let options = py.allow_threads(|| -> shardkit::Result<flat_tokens::BuildOptions> {
         let tokenizer = match tokenizer {
             None => None,
-            Some(t) if tokenizer_is_json => Some(flat_tokens::Tokenizer::from_json(&t)?),
+            Some(t) if tokenizer_is_json => Some(t.parse::<flat_tokens::Tokenizer>()?),
             Some(t) => Some(flat_tokens::Tokenizer::from_file(t)?),
         };
         Ok(flat_tokens::BuildOptions {

@@ -30,20 +30,23 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// A tokenizer from the JSON text of a `tokenizer.json`.
+impl std::str::FromStr for Tokenizer {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Tokenizer> {
+        let t: tokenizers::Tokenizer = text
+            .parse()
+            .map_err(|e| Error::Invalid(format!("cannot load the tokenizer: {e}")))?;
+        Ok(Tokenizer::plain(t))
+    }
+}
+
 impl Tokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
         let t = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::format(path, format!("cannot load the tokenizer: {e}")))?;
-        Ok(Self::plain(t))
-    }
-
-    /// Loads a tokenizer from the JSON text of a `tokenizer.json`.
-    pub fn from_json(text: &str) -> Result<Tokenizer> {
-        let t: tokenizers::Tokenizer = text
-            .parse()
-            .map_err(|e| Error::Invalid(format!("cannot load the tokenizer: {e}")))?;
         Ok(Self::plain(t))
     }
 

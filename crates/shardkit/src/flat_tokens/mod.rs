@@ -9,16 +9,16 @@
 //!
 //! Reference: seqax `docs/flat-tokens.md`, `tools/flat_tokens.py`, `input_loader.py`; exact
 //! behaviour in `shared/formats/flat_tokens.md`. seqax writes zarr v2 with blosc and a numcodecs
-//! `delta` filter on `seq_starts` ([`delta`] registers it with zarrs).
+//! `delta` filter on `seq_starts` (the `delta` module registers it with zarrs).
 //!
 //! * [`Writer`] appends sequences in any number of calls, in seqax's v2 layout or sharded v3
 //!   ([`Layout`]), crash-safely, with resume.
 //! * [`Split`] reads and validates one split; datasets without shardkit's completion marker
 //!   are validated in full before they are served.
-//! * [`TokenLoader`] serves any step of seqax's shuffled order directly (seqax's closed form), packed or
-//!   one document per row, decoded into model inputs ([`decode`]), split across hosts, and
-//!   optionally over several epochs.
-//! * [`build`] fills a split from JSONL (plain, zstd, gzip) or Parquet corpora ([`corpus`]),
+//! * [`TokenLoader`] serves any step of seqax's shuffled order directly (in closed form, the
+//!   `seqax` module), packed or one document per row, decoded into model inputs ([`TokenArrays`]),
+//!   split across hosts, and optionally over several epochs.
+//! * [`build`] fills a split from JSONL (plain, zstd, gzip) or Parquet corpora,
 //!   tokenizing text with a Hugging Face tokenizer on every core, with the writer's resume.
 //! * [`convert`] rewrites a dataset in the other layout (seqax's v2 chunks must be decoded
 //!   whole for any row, so v3 serves random rows far faster; v2 is what seqax reads).
@@ -55,10 +55,11 @@ mod build;
 #[cfg(feature = "zarr")]
 mod convert;
 #[cfg(feature = "corpus")]
-pub mod corpus;
-pub mod decode;
+mod corpus;
 #[cfg(feature = "zarr")]
-pub mod delta;
+mod decode;
+#[cfg(feature = "zarr")]
+mod delta;
 #[cfg(feature = "zarr")]
 mod layout;
 #[cfg(feature = "zarr")]
@@ -67,6 +68,7 @@ mod loader;
 mod report;
 #[cfg(feature = "zarr")]
 mod resume;
+#[cfg(feature = "zarr")]
 mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
@@ -75,7 +77,7 @@ mod store;
 #[cfg(feature = "zarr")]
 mod writer;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "zarr"))]
 mod tests;
 
 #[cfg(feature = "corpus")]

@@ -1,5 +1,5 @@
 //! Unit tests of the format's internals.
 
-#[cfg(feature = "zarr")]
+mod fixture;
 mod io;
 mod seqax;
