@@ -50,6 +50,8 @@
 //! # }
 //! ```
 
+#[cfg(feature = "zarr")]
+mod batch;
 #[cfg(feature = "corpus")]
 mod build;
 #[cfg(feature = "zarr")]
@@ -80,6 +82,8 @@ mod writer;
 #[cfg(all(test, feature = "zarr"))]
 mod tests;
 
+#[cfg(feature = "zarr")]
+pub use batch::{TokenArrays, TokenBatch};
 #[cfg(feature = "corpus")]
 pub use build::{build, BuildOptions, BuildProgress, BuildSummary, Tokenizer};
 #[cfg(feature = "zarr")]
@@ -87,9 +91,7 @@ pub use convert::convert;
 #[cfg(feature = "zarr")]
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
-pub use loader::{
-    Batches, LoaderInfo, LoaderOptions, Packing, TokenArrays, TokenBatch, TokenLoader, TokenOptions,
-};
+pub use loader::{Batches, LoaderInfo, LoaderOptions, Packing, TokenLoader, TokenOptions};
 #[cfg(feature = "zarr")]
 pub use report::{inspect, splits, validate, Validation};
 #[cfg(feature = "zarr")]
