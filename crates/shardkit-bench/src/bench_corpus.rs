@@ -237,13 +237,13 @@ fn decode_rate(path: &Path, format: &str) -> Result<f64> {
 /// The digests of what the train split at `root` holds, as [`Corpus::expected`] has them.
 fn built_digests(root: &Path) -> Result<(String, String)> {
     let split = Split::open(root, "train")?;
-    let starts = split.seq_starts(0..split.seq_count() + 1)?;
+    let starts = split.seq_starts(0..split.info().seq_count + 1)?;
     let mut lengths = Digest::default();
     for w in starts.windows(2) {
         lengths.update(&(w[1] - w[0]).to_le_bytes());
     }
     let mut ids = Digest::default();
-    let total = split.token_count();
+    let total = split.info().token_count;
     let mut at = 0;
     while at < total {
         let end = (at + (1 << 22)).min(total);

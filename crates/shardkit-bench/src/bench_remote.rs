@@ -570,7 +570,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     let ceilings = ceilings(&remote, &a.inflight)?;
     let ceiling = best(&ceilings);
     let stored: u64 = remote.list()?.iter().map(|(_, n)| n).sum();
-    let total_tokens = Split::open(&url, "train")?.token_count().max(1);
+    let total_tokens = Split::open(&url, "train")?.info().token_count.max(1);
     // The decode ceiling: the same in-memory loader over the local copy, warm in the page
     // cache (reading costs a copy; decoding the zstd inner chunks is the work), per thread count.
     let mut decode = Vec::new();
@@ -579,15 +579,15 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         o.threads = t;
         o.seed = 1;
         o.buffer_in_memory = Some(true);
-        let loader = TokenLoader::new(Split::open(&local, "train")?, o)?;
+        let loader = TokenLoader::new(Split::open(&local, "train")?, o.clone())?;
         for b in loader.iter(0).take(1) {
             b?;
         }
-        let loader = TokenLoader::new(Split::open(&local, "train")?, loader.options().clone())?;
+        let loader = TokenLoader::new(Split::open(&local, "train")?, o)?;
         let clock = Clock::start();
         let mut tokens = 0u64;
         for b in loader.iter(0) {
-            tokens += b?.encoded().len() as u64;
+            tokens += b?.arrays().encoded.len() as u64;
         }
         let took = clock.took();
         let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
@@ -606,8 +606,8 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
     // with seqax's default buffers (one minipoch here), and with four minipochs, each
     // minipoch's buffer read while the one before is served.
     let blocks = TokenLoader::new(Split::open(&url, "train")?, LoaderOptions::new(2048, 16))?
-        .schedule()
-        .read_blocks();
+        .info()
+        .read_blocks;
     for (in_memory, minipochs) in [(false, 1), (true, 1), (true, 4)] {
         for &t in threads {
             let split = Split::open(&url, "train")?;
@@ -620,11 +620,12 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             o.threads = if in_memory { t } else { t * 16 };
             o.seed = 1;
             o.buffer_in_memory = Some(in_memory);
+            let gather_threads = o.threads;
             let loader = TokenLoader::new(split, o)?;
             let steps = if in_memory {
-                loader.step_count()
+                loader.info().step_count
             } else {
-                a.steps.min(loader.step_count())
+                a.steps.min(loader.info().step_count)
             };
             let before = counters();
             let clock = Clock::start();
@@ -633,14 +634,14 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             // bytes fetched, give the buffer's read rate.
             let mut first = None;
             for b in loader.iter(0).take(steps as usize) {
-                tokens += b?.encoded().len() as u64;
+                tokens += b?.arrays().encoded.len() as u64;
                 first.get_or_insert_with(|| (clock.took().secs, counters()));
             }
             let took = clock.took();
             let after = counters();
             // Payload as stored bytes: tokens times the dataset's compressed bytes per token.
             let payload = (tokens as f64 * stored as f64 / total_tokens as f64) as u64;
-            let name = match (in_memory, loader.schedule().minipochs()) {
+            let name = match (in_memory, loader.info().minipochs) {
                 (false, _) => "flat-tokens packed, 16 x 2048, row by row (stored bytes)".into(),
                 (true, m) => format!(
                     "flat-tokens packed, 16 x 2048, shuffle buffers in memory, one epoch of {m} \
@@ -651,7 +652,7 @@ fn tokens(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
                 &name,
                 // In memory, each shard's request list runs `inflight` requests at a time.
                 if in_memory { io::inflight() } else { 0 },
-                loader.options().threads,
+                gather_threads,
                 payload,
                 took,
                 steps,

@@ -131,7 +131,7 @@ pub(crate) fn ensure_dataset_with(
     const BATCH_TOKENS: usize = 1 << 20;
     const MAX_SEQ: u64 = 4096;
     if let Ok(s) = Split::open(root, "train") {
-        if (tokens..tokens + BATCH_TOKENS as u64 + MAX_SEQ).contains(&s.token_count()) {
+        if (tokens..tokens + BATCH_TOKENS as u64 + MAX_SEQ).contains(&s.info().token_count) {
             return Ok(None);
         }
     }
@@ -151,7 +151,7 @@ pub(crate) fn ensure_dataset_with(
     )?;
     let mut batch = Vec::new();
     let mut gen_secs = 0.0;
-    while w.token_count() < tokens {
+    while w.info().token_count < tokens {
         let g = Instant::now();
         batch.clear();
         let mut n = 0;
@@ -163,7 +163,7 @@ pub(crate) fn ensure_dataset_with(
         gen_secs += g.elapsed().as_secs_f64();
         w.append(&batch)?;
     }
-    let written = w.token_count();
+    let written = w.info().token_count;
     w.finish()?;
     Ok(Some(
         written as f64 / (t0.elapsed().as_secs_f64() - gen_secs),
@@ -235,8 +235,8 @@ fn sustained(loader: &TokenLoader, start: u64, steps: u64) -> Result<f64> {
     let mut tokens = 0u64;
     for b in loader.iter(start).take(steps as usize) {
         let b = b?;
-        tokens += b.encoded().len() as u64;
-        std::hint::black_box(b.inputs());
+        tokens += b.arrays().encoded.len() as u64;
+        std::hint::black_box(b.arrays().inputs);
     }
     Ok(tokens as f64 / t0.elapsed().as_secs_f64())
 }
@@ -297,7 +297,7 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         .map(|m| m.len())
         .sum();
     let split = Split::open(&root, "train")?;
-    let token_count = split.token_count();
+    let token_count = split.info().token_count;
     drop(split);
 
     eprintln!("ceilings: sequential read of the files, and a sequential scan through zarrs");
@@ -324,7 +324,7 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         evict_all(&files)?;
         let t0 = Instant::now();
         let loader = TokenLoader::new(Split::open(&root, "train")?, options(&a, seed))?;
-        step_count = loader.step_count();
+        step_count = loader.info().step_count;
         let step = rng.below(step_count);
         std::hint::black_box(loader.load(step)?);
         let cold = t0.elapsed().as_secs_f64() * 1e3;
@@ -462,7 +462,7 @@ pub fn run(a: TokensBenchArgs) -> Result<()> {
         // (int32, little-endian, step after step), as shardkit's loader does.
         let mut digest = Digest::default();
         for s in start..start + py_steps {
-            for t in loader.load(s)?.targets() {
+            for t in loader.load(s)?.arrays().targets {
                 digest.update(&t.to_le_bytes());
             }
         }

@@ -225,19 +225,21 @@ fn batch(a: BatchArgs) -> Result<bool> {
     o.sequences_per_read_block = a.block;
     o.seed = a.seed;
     o.epochs = a.epochs;
-    let o = o.hosts(a.host_index, a.host_count);
+    o.rank = Some(a.host_index);
+    o.world_size = Some(a.host_count);
     let loader = TokenLoader::new(Split::open(&a.dir, &a.split)?, o)?;
     let b = loader.load(a.step)?;
     let Some(out) = a.out else {
         let ints = |v: &[u64]| Value::Array(v.iter().map(|&x| Value::int(x)).collect());
         let targets: Vec<Value> = b
-            .targets()
+            .arrays()
+            .targets
             .chunks(b.seq_len.max(1))
             .map(|r| Value::Array(r.iter().map(|&x| Value::int(x)).collect()))
             .collect();
         let v = Value::Object(vec![
             ("step".into(), Value::int(a.step)),
-            ("step_count".into(), Value::int(loader.step_count())),
+            ("step_count".into(), Value::int(loader.info().step_count)),
             ("rows".into(), ints(&b.rows)),
             ("targets".into(), Value::Array(targets)),
         ]);
@@ -248,16 +250,21 @@ fn batch(a: BatchArgs) -> Result<bool> {
     let mut npz = NpzWriter::create(&out)?;
     let u32s = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let members: [(&str, Dtype, &[u64], Vec<u8>); 6] = [
-        ("inputs", Dtype::I32, &shape, u32s(b.inputs())),
-        ("targets", Dtype::I32, &shape, u32s(b.targets())),
-        ("segment_ids", Dtype::I32, &shape, u32s(b.segment_ids())),
+        ("inputs", Dtype::I32, &shape, u32s(b.arrays().inputs)),
+        ("targets", Dtype::I32, &shape, u32s(b.arrays().targets)),
+        (
+            "segment_ids",
+            Dtype::I32,
+            &shape,
+            u32s(b.arrays().segment_ids),
+        ),
         (
             "is_seq_start",
             Dtype::Bool,
             &shape,
-            b.is_seq_start().to_vec(),
+            b.arrays().is_seq_start.to_vec(),
         ),
-        ("mask", Dtype::Bool, &shape, b.mask().to_vec()),
+        ("mask", Dtype::Bool, &shape, b.arrays().mask.to_vec()),
         (
             "rows",
             Dtype::I64,
@@ -275,7 +282,7 @@ fn batch(a: BatchArgs) -> Result<bool> {
     eprintln!(
         "step {} of {} ({} rows of {}) written to {}",
         a.step,
-        loader.step_count(),
+        loader.info().step_count,
         b.rows.len(),
         b.seq_len,
         out.display()

@@ -41,7 +41,7 @@ fn args(src: &[String], out: &Path, layout: &str, resume: bool) -> Vec<String> {
 fn check_state(out: &Path, reference: &BTreeMap<String, String>) -> &'static str {
     match Split::open(out, "train") {
         Ok(s) => {
-            assert!(s.is_marked_complete());
+            assert!(s.info().completion == shardkit::flat_tokens::Completion::Complete);
             // A kill between the commit (write_completed) and the checksums sidecar, written
             // right after it, leaves a complete dataset without one (README, Guarantees); the
             // resumed run adds it. Everything else must be exact.

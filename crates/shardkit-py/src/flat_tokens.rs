@@ -29,7 +29,7 @@ fn closed() -> PyErr {
 pub struct TokensWriter {
     inner: Option<Writer>,
     resumed_from: Option<u64>,
-    format: &'static str,
+    format: String,
 }
 
 impl Drop for TokensWriter {
@@ -82,8 +82,8 @@ impl TokensWriter {
             .allow_threads(|| Writer::create(path, split, options))
             .map_err(to_py)?;
         Ok(TokensWriter {
-            resumed_from: w.resumed_from(),
-            format: w.format().name(),
+            resumed_from: w.info().resumed_from,
+            format: w.info().format.to_string(),
             inner: Some(w),
         })
     }
@@ -95,8 +95,8 @@ impl TokensWriter {
     }
     /// "v2" or "v3".
     #[getter]
-    fn format(&self) -> &'static str {
-        self.format
+    fn format(&self) -> &str {
+        &self.format
     }
     /// {"seq_count", "token_count", "max_token_id", "sequences_with_id_zero"} so far.
     #[getter]
@@ -105,12 +105,12 @@ impl TokensWriter {
         record(
             py,
             [
-                ("seq_count", obj(py, w.seq_count())?),
-                ("token_count", obj(py, w.token_count())?),
-                ("max_token_id", obj(py, w.max_token_id())?),
+                ("seq_count", obj(py, w.info().seq_count)?),
+                ("token_count", obj(py, w.info().token_count)?),
+                ("max_token_id", obj(py, w.info().max_token_id)?),
                 (
                     "sequences_with_id_zero",
-                    obj(py, w.sequences_with_id_zero())?,
+                    obj(py, w.info().sequences_with_id_zero)?,
                 ),
             ],
         )
@@ -209,9 +209,9 @@ impl TokensSplit {
         record(
             py,
             [
-                ("token_count", obj(py, s.token_count())?),
-                ("seq_count", obj(py, s.seq_count())?),
-                ("max_token_id", obj(py, s.max_token_id())?),
+                ("token_count", obj(py, s.info().token_count)?),
+                ("seq_count", obj(py, s.info().seq_count)?),
+                ("max_token_id", obj(py, s.info().max_token_id)?),
             ],
         )
     }
@@ -222,16 +222,16 @@ impl TokensSplit {
         record(
             py,
             [
-                ("format", obj(py, s.format().name())?),
-                ("completion", obj(py, s.completion().name())?),
-                ("sharded", obj(py, s.is_sharded())?),
+                ("format", obj(py, s.info().format.to_string())?),
+                ("completion", obj(py, s.info().completion.to_string())?),
+                ("sharded", obj(py, s.info().sharded)?),
             ],
         )
     }
     /// The split's directory.
     #[getter]
     fn path(&self) -> String {
-        self.inner.path().display().to_string()
+        self.inner.info().path.display().to_string()
     }
     /// `seq_starts[start:stop]` (uint64).
     fn seq_starts(&self, py: Python<'_>, start: u64, stop: u64) -> PyResult<RustBuffer> {
@@ -251,7 +251,7 @@ impl TokensSplit {
     }
     /// The token ids of document `i` (uint32).
     fn ids(&self, py: Python<'_>, i: i64) -> PyResult<RustBuffer> {
-        let n = self.inner.seq_count() as i64;
+        let n = self.inner.info().seq_count as i64;
         let j = if i < 0 { i + n } else { i };
         if j < 0 || j >= n {
             return Err(crate::py_error(
@@ -332,7 +332,8 @@ impl TokensLoader {
         o.threads = threads;
         o.verify = verify;
         o.buffer_in_memory = buffer_in_memory;
-        let o = o.hosts(host_index, host_count);
+        o.rank = Some(host_index);
+        o.world_size = Some(host_count);
         let split = split.to_string();
         let inner = py
             .allow_threads(|| TokenLoader::new(Split::open(path, &split)?, o))
@@ -342,7 +343,7 @@ impl TokensLoader {
     /// Bytes of one batch's buffer (every array).
     #[getter]
     fn batch_bytes(&self) -> usize {
-        self.inner.batch_bytes()
+        self.inner.info().batch_bytes
     }
     /// Gathers batches into caller-owned memory from now on (internal: shardkit.torch passes
     /// pinned tensors held by `keeper`).
@@ -354,7 +355,7 @@ impl TokensLoader {
     /// Whether shuffle buffers are read whole into memory.
     #[getter]
     fn buffers_in_memory(&self) -> bool {
-        self.inner.buffers_in_memory()
+        self.inner.info().buffers_in_memory
     }
     /// The loader state (`flat_tokens.Loader.state_dict()`) at `step`, serving `epoch` (the
     /// wrapper keeps the position; see [`crate::loader::state_dict`]).
@@ -375,20 +376,17 @@ impl TokensLoader {
     /// Steps in an epoch.
     #[getter]
     fn step_count(&self) -> u64 {
-        self.inner.step_count()
+        self.inner.info().step_count
     }
     /// Sequences per read block actually used (B).
     #[getter]
     fn sequences_per_read_block(&self) -> u64 {
-        self.inner
-            .options()
-            .shuffle_params()
-            .sequences_per_read_block
+        self.inner.info().sequences_per_read_block
     }
     /// {"start", "end"}: the batch rows this host serves.
     #[getter]
     fn host_rows<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.inner.host_rows();
+        let r = self.inner.info().host_rows.clone();
         record(py, [("start", obj(py, r.start)?), ("end", obj(py, r.end)?)])
     }
     /// This host's rows of `step`.
@@ -487,7 +485,7 @@ pub fn tokens_build(
     let options = py.allow_threads(|| -> shardkit::Result<flat_tokens::BuildOptions> {
         let tokenizer = match tokenizer {
             None => None,
-            Some(t) if tokenizer_is_json => Some(flat_tokens::Tokenizer::from_json(&t)?),
+            Some(t) if tokenizer_is_json => Some(t.parse::<flat_tokens::Tokenizer>()?),
             Some(t) => Some(flat_tokens::Tokenizer::from_file(t)?),
         };
         Ok(flat_tokens::BuildOptions {

@@ -50,14 +50,14 @@ fn run(root: &std::path::Path) -> shardkit::Result<()> {
     opts.sequences_per_read_block = Some(16);
     opts.seed = 7;
     let loader = TokenLoader::new(split, opts)?;
-    println!("{} steps per epoch", loader.step_count());
+    println!("{} steps per epoch", loader.info().step_count);
     for batch in loader.iter(0).take(2) {
         let batch = batch?;
         println!(
             "step {}: rows {:?}, first inputs {:?}",
             batch.step,
             batch.rows,
-            &batch.inputs()[..6]
+            &batch.arrays().inputs[..6]
         );
     }
 

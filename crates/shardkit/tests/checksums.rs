@@ -196,7 +196,7 @@ fn flat_tokens_verifying_loader_finds_a_damaged_chunk_file() {
         o.sequences_per_read_block = Some(4);
         o.read_blocks_per_shuffle_buffer = 4;
         let l = TokenLoader::new(Split::open(&root, "train").unwrap(), o).unwrap();
-        for step in 0..l.step_count() {
+        for step in 0..l.info().step_count {
             l.load(step).unwrap();
         }
     }
@@ -220,7 +220,7 @@ fn flat_tokens_verifying_loader_finds_a_damaged_chunk_file() {
     o.sequences_per_read_block = Some(4);
     o.read_blocks_per_shuffle_buffer = 4;
     let l = TokenLoader::new(Split::open(&root, "train").unwrap(), o).unwrap();
-    let e = (0..l.step_count())
+    let e = (0..l.info().step_count)
         .find_map(|s| l.load(s).err())
         .expect("the damaged chunk was decoded");
     assert!(matches!(e, Error::Format { .. }), "{e:?}");

@@ -211,7 +211,7 @@ fn setup(which: Which, root: &Path) -> (Box<dyn Fn() -> Outcome>, usize, PathBuf
         Which::Tokens { in_memory } => {
             let ds = tokens_dataset(root);
             let l = tokens_loader(&ds, in_memory);
-            let n = l.step_count() as usize;
+            let n = l.info().step_count as usize;
             let shard = std::fs::read_dir(ds.join("train/encoded_tokens/c"))
                 .unwrap()
                 .next()

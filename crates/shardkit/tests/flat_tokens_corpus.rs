@@ -115,8 +115,8 @@ fn run(out: &Path, inputs: &[String], o: &BuildOptions) -> shardkit::Result<()> 
 fn contents(out: &Path) -> (Vec<u32>, Vec<u64>) {
     let s = Split::open(out, "train").unwrap();
     (
-        s.encoded(0..s.token_count()).unwrap(),
-        s.seq_starts(0..s.seq_count() + 1).unwrap(),
+        s.encoded(0..s.info().token_count).unwrap(),
+        s.seq_starts(0..s.info().seq_count + 1).unwrap(),
     )
 }
 

@@ -87,9 +87,9 @@ fn exercise(root: &Path) {
     }
     if let Ok(s) = Split::open_unvalidated(root, "train") {
         let _ = s.validate();
-        let _ = s.encoded(0..s.token_count().min(1000));
-        let _ = s.seq_starts(0..(s.seq_count() + 1).min(50));
-        for i in 0..s.seq_count().min(70) {
+        let _ = s.encoded(0..s.info().token_count.min(1000));
+        let _ = s.seq_starts(0..(s.info().seq_count + 1).min(50));
+        for i in 0..s.info().seq_count.min(70) {
             let _ = s.ids(i);
         }
     }
@@ -100,7 +100,7 @@ fn exercise(root: &Path) {
             o.sequences_per_read_block = Some(2);
             o.read_blocks_per_shuffle_buffer = 2;
             if let Ok(l) = TokenLoader::new(s, o) {
-                for step in 0..l.step_count().min(20) {
+                for step in 0..l.info().step_count.min(20) {
                     let _ = l.load(step);
                 }
             }

@@ -105,12 +105,12 @@ fn write_all(root: &Path, split: &str, layout: Layout, seqs: &[Vec<u32>], pieces
 /// Reads a split back: every document's ids, checked against `seqs`.
 fn assert_reads_back(root: &Path, split: &str, seqs: &[Vec<u32>]) {
     let s = Split::open(root, split).unwrap();
-    assert!(s.is_marked_complete());
-    assert_eq!(s.seq_count(), seqs.len() as u64);
+    assert!(s.info().completion == shardkit::flat_tokens::Completion::Complete);
+    assert_eq!(s.info().seq_count, seqs.len() as u64);
     let total: usize = seqs.iter().map(Vec::len).sum();
-    assert_eq!(s.token_count(), total as u64);
+    assert_eq!(s.info().token_count, total as u64);
     let max = seqs.iter().flatten().copied().max().unwrap_or(0);
-    assert_eq!(s.max_token_id(), u64::from(max));
+    assert_eq!(s.info().max_token_id, u64::from(max));
     for (i, q) in seqs.iter().enumerate() {
         assert_eq!(&s.ids(i as u64).unwrap(), q, "sequence {i}");
     }
@@ -139,7 +139,7 @@ fn v2_chunks_equal_zarr_python_2_bytes_however_appended() {
     let s = Split::open(&a, "train").unwrap();
     assert_eq!(s.encoded(0..8).unwrap(), [3, 4, 7, 8, 10, 13, 14, 16]);
     assert_eq!(s.seq_starts(0..4).unwrap(), [0, 2, 5, 8]);
-    assert_eq!(s.max_token_id(), 8);
+    assert_eq!(s.info().max_token_id, 8);
     drop(s);
 
     let mut w = Writer::create(
@@ -151,8 +151,8 @@ fn v2_chunks_equal_zarr_python_2_bytes_however_appended() {
         },
     )
     .unwrap();
-    assert_eq!(w.resumed_from(), Some(3));
-    assert_eq!(w.format(), ZarrFormat::V2);
+    assert_eq!(w.info().resumed_from, Some(3));
+    assert_eq!(w.info().format, ZarrFormat::V2);
     w.append(&second).unwrap();
     w.finish().unwrap();
     assert_eq!(
@@ -169,7 +169,7 @@ fn v2_chunks_equal_zarr_python_2_bytes_however_appended() {
         [3, 4, 7, 8, 10, 13, 14, 16, 19, 21, 22]
     );
     assert_eq!(s.seq_starts(0..7).unwrap(), [0, 2, 5, 8, 9, 9, 11]);
-    assert_eq!(s.max_token_id(), 11);
+    assert_eq!(s.info().max_token_id, 11);
 
     // One call, and one call per sequence, give the same files.
     let all: Vec<Vec<u32>> = first.iter().chain(&second).cloned().collect();
@@ -232,8 +232,8 @@ fn v2_spanning_chunks_and_v3_spanning_shards_equal_one_shot_writes() {
     );
     assert_same_tree(&one, &many, "v3");
     let s = Split::open(&many, "validation").unwrap();
-    assert!(s.is_sharded());
-    assert_eq!(s.format(), ZarrFormat::V3);
+    assert!(s.info().sharded);
+    assert_eq!(s.info().format, ZarrFormat::V3);
     drop(s);
     assert_reads_back(&many, "validation", &small);
     // The default layout: one shard of ~60 inner chunks encoded in parallel, laid out in C
@@ -265,9 +265,9 @@ fn content_rules_ids_empty_sequences_and_zero() {
         err.contains("2147483648") && err.contains("sequence 1") && err.contains("below 2^31"),
         "{err}"
     );
-    assert_eq!((w.seq_count(), w.token_count()), (1, 2));
+    assert_eq!((w.info().seq_count, w.info().token_count), (1, 2));
     w.append(&[vec![], vec![0u32, 3], vec![]]).unwrap();
-    assert_eq!(w.sequences_with_id_zero(), 1);
+    assert_eq!(w.info().sequences_with_id_zero, 1);
     w.append(&[vec![(1u32 << 31) - 1]]).unwrap();
     let summary = w.finish().unwrap();
     assert_eq!(summary.seq_count, 5);
@@ -282,7 +282,11 @@ fn content_rules_ids_empty_sequences_and_zero() {
     w.finish().unwrap();
     let s = Split::open(&root, "validation").unwrap();
     assert_eq!(
-        (s.token_count(), s.seq_count(), s.max_token_id()),
+        (
+            s.info().token_count,
+            s.info().seq_count,
+            s.info().max_token_id
+        ),
         (0, 0, 0)
     );
     assert_eq!(s.seq_starts(0..1).unwrap(), [0]);
@@ -366,8 +370,8 @@ fn a_crashed_write_is_refused_and_resume_completes_it_byte_for_byte() {
         assert!(matches!(err, Error::Interrupted { .. }), "{err}");
         assert!(err.to_string().contains("150 sequences committed"), "{err}");
         let s = Split::open_unvalidated(&root, "train").unwrap();
-        assert_eq!(s.completion(), Completion::Interrupted);
-        assert_eq!(s.seq_count(), committed);
+        assert_eq!(s.info().completion, Completion::Interrupted);
+        assert_eq!(s.info().seq_count, committed);
         drop(s);
 
         // A crash inside the next commit, after encoded_tokens' metadata grew but before the
@@ -378,7 +382,8 @@ fn a_crashed_write_is_refused_and_resume_completes_it_byte_for_byte() {
             let text = std::fs::read_to_string(&p).unwrap();
             let n = Split::open_unvalidated(&root, "train")
                 .unwrap()
-                .token_count();
+                .info()
+                .token_count;
             std::fs::write(
                 &p,
                 text.replacen(&format!("{n}"), &format!("{}", n + 40), 1),
@@ -395,7 +400,7 @@ fn a_crashed_write_is_refused_and_resume_completes_it_byte_for_byte() {
             std::fs::write(root.join("train/zarr.json.tmp"), b"{").unwrap();
         }
         let mut w = Writer::create(&root, "train", resume_opts(layout, 500)).unwrap();
-        assert_eq!(w.resumed_from(), Some(committed));
+        assert_eq!(w.info().resumed_from, Some(committed));
         w.append(&seqs[committed as usize..]).unwrap();
         w.finish().unwrap();
         assert_same_tree(&clean, &root, &format!("{layout:?}"));
@@ -410,10 +415,13 @@ fn a_resumed_writer_that_writes_nothing_keeps_a_complete_dataset_complete() {
     write_all(&root, "train", Layout::default(), &corpus(20, 10), &[]);
     let before = tree(&root);
     let w = Writer::create(&root, "train", resume_opts(Layout::default(), 1 << 20)).unwrap();
-    assert_eq!(w.resumed_from(), Some(20));
+    assert_eq!(w.info().resumed_from, Some(20));
     drop(w);
     assert_eq!(before, tree(&root));
-    assert!(Split::open(&root, "train").unwrap().is_marked_complete());
+    assert!(
+        Split::open(&root, "train").unwrap().info().completion
+            == shardkit::flat_tokens::Completion::Complete
+    );
 }
 
 /// Finishing a resumed writer that added nothing leaves every metadata document as it was (not
@@ -441,10 +449,13 @@ fn finishing_a_resumed_writer_that_added_nothing_rewrites_no_metadata() {
         let before = inodes(&root);
         assert!(!before.is_empty());
         let w = Writer::create(&root, "train", resume_opts(layout, 1 << 20)).unwrap();
-        assert_eq!(w.resumed_from(), Some(20));
+        assert_eq!(w.info().resumed_from, Some(20));
         w.finish().unwrap();
         assert_eq!(inodes(&root), before, "{layout:?}");
-        assert!(Split::open(&root, "train").unwrap().is_marked_complete());
+        assert!(
+            Split::open(&root, "train").unwrap().info().completion
+                == shardkit::flat_tokens::Completion::Complete
+        );
     }
 }
 
@@ -454,7 +465,7 @@ fn seqax_data_is_marked_once_validated_and_can_be_appended_to() {
     let root = tmp.path().join("seqax.zarr");
     copy_tree(&fixture(), &root);
     assert_eq!(
-        Split::open(&root, "train").unwrap().completion(),
+        Split::open(&root, "train").unwrap().info().completion,
         Completion::Unmarked
     );
     mark_complete(&root).unwrap();
@@ -462,12 +473,15 @@ fn seqax_data_is_marked_once_validated_and_can_be_appended_to() {
         std::fs::read_to_string(root.join(".zattrs")).unwrap(),
         "{\n    \"write_completed\": true\n}"
     );
-    assert!(Split::open(&root, "train").unwrap().is_marked_complete());
+    assert!(
+        Split::open(&root, "train").unwrap().info().completion
+            == shardkit::flat_tokens::Completion::Complete
+    );
 
     // Appending keeps seqax's own .zarray (fill_value null included) apart from the shape.
     let zarray = std::fs::read_to_string(root.join("train/encoded_tokens/.zarray")).unwrap();
     let mut w = Writer::create(&root, "train", resume_opts(Layout::V2, 1 << 20)).unwrap();
-    assert_eq!(w.resumed_from(), Some(512));
+    assert_eq!(w.info().resumed_from, Some(512));
     w.append(&[vec![7u32, 8, 9]]).unwrap();
     w.finish().unwrap();
     let after = std::fs::read_to_string(root.join("train/encoded_tokens/.zarray")).unwrap();
@@ -511,7 +525,7 @@ fn converting_seqax_data_to_v3_and_back_gives_seqaxs_chunk_files() {
         Split::open(fixture(), "validation").unwrap(),
         Split::open(&v3, "validation").unwrap(),
     );
-    assert!(b.is_sharded() && b.is_marked_complete());
+    assert!(b.info().sharded && b.info().completion == shardkit::flat_tokens::Completion::Complete);
     assert_eq!(
         a.encoded(0..278_035).unwrap(),
         b.encoded(0..278_035).unwrap()

@@ -330,7 +330,7 @@ mod flat_tokens {
             fs::write(&file, &good[..cut]).unwrap();
             let want = format!("truncated: {cut} of {} bytes", good.len());
             let split = Split::open_unvalidated(&root, "train").unwrap();
-            let e = split.encoded(0..split.token_count()).unwrap_err();
+            let e = split.encoded(0..split.info().token_count).unwrap_err();
             assert!(matches!(e, Error::Format { .. }), "{name}: {e:?}");
             assert_eq!(e.path(), Some(file.as_path()), "{name}: {e}");
             let msg = e.to_string();
@@ -358,7 +358,7 @@ mod flat_tokens {
         let root = tmp.path().join("ds");
         make(&root, Layout::V2);
         let split = Split::open(&root, "train").unwrap();
-        let n = split.token_count();
+        let n = split.info().token_count;
         let e = split.encoded(n - 2..n + 5).unwrap_err();
         assert!(matches!(e, Error::OutOfRange { .. }), "{e:?}");
         assert_eq!(

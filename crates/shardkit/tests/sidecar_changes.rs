@@ -381,13 +381,16 @@ fn flat_tokens_mark_complete_keeps_the_sidecar_true() {
     checksum::record(&seqax).unwrap();
     let files = intact(&seqax);
     assert_eq!(
-        Split::open(&seqax, "train").unwrap().completion(),
+        Split::open(&seqax, "train").unwrap().info().completion,
         Completion::Unmarked
     );
     // seqax writes no root .zattrs: the marker creates it, and the sidecar covers it.
     assert!(!seqax.join(".zattrs").exists());
     mark_complete(&seqax).unwrap();
-    assert!(Split::open(&seqax, "train").unwrap().is_marked_complete());
+    assert!(
+        Split::open(&seqax, "train").unwrap().info().completion
+            == shardkit::flat_tokens::Completion::Complete
+    );
     let mut v = flat_tokens::validate(&seqax);
     checksum::verify_into(&seqax, &mut v);
     assert_deep_valid(&v, files + 1);

@@ -352,11 +352,15 @@ fn flat_tokens_refuse_ids_past_the_encoding_and_append_nothing() {
     assert_eq!(at, "sequence 1 of this append, position 1");
     assert_eq!(value, "2147483648");
     assert!(allowed.contains("0 to 2147483647"), "{allowed}");
-    assert_eq!((w.seq_count(), w.token_count()), (1, 3), "nothing appended");
+    assert_eq!(
+        (w.info().seq_count, w.info().token_count),
+        (1, 3),
+        "nothing appended"
+    );
     w.append(&[vec![4u32, MAX_TOKEN_ID]]).unwrap();
     w.finish().unwrap();
     let s = Split::open(&root, "train").unwrap();
-    assert_eq!(s.seq_count(), 2);
+    assert_eq!(s.info().seq_count, 2);
     assert_eq!(s.ids(1).unwrap(), vec![4, MAX_TOKEN_ID]);
 }
 

@@ -30,20 +30,23 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// A tokenizer from the JSON text of a `tokenizer.json`.
+impl std::str::FromStr for Tokenizer {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Tokenizer> {
+        let t: tokenizers::Tokenizer = text
+            .parse()
+            .map_err(|e| Error::Invalid(format!("cannot load the tokenizer: {e}")))?;
+        Ok(Tokenizer::plain(t))
+    }
+}
+
 impl Tokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
         let t = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| Error::format(path, format!("cannot load the tokenizer: {e}")))?;
-        Ok(Self::plain(t))
-    }
-
-    /// Loads a tokenizer from the JSON text of a `tokenizer.json`.
-    pub fn from_json(text: &str) -> Result<Tokenizer> {
-        let t: tokenizers::Tokenizer = text
-            .parse()
-            .map_err(|e| Error::Invalid(format!("cannot load the tokenizer: {e}")))?;
         Ok(Self::plain(t))
     }
 
@@ -182,7 +185,7 @@ pub fn build<S: AsRef<str>>(
     corpus::check_inputs(&inputs, &want)?;
     if options.append && root.join(split).is_dir() {
         let s = Split::open_unvalidated(root, split)?;
-        if s.completion() == Completion::Interrupted {
+        if s.info().completion == Completion::Interrupted {
             return Err(Error::Interrupted {
                 path: root.to_path_buf(),
                 detail: "a build did not finish; resume it before appending".into(),
@@ -199,7 +202,7 @@ pub fn build<S: AsRef<str>>(
     }
     let mut writer = Writer::create(root, split, writer_options)?;
     let skip = if options.resume {
-        writer.resumed_from().unwrap_or(0)
+        writer.info().resumed_from.unwrap_or(0)
     } else {
         0
     };

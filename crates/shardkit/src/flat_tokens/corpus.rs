@@ -36,7 +36,7 @@ use crate::json::{self, Value};
 
 /// How an input file is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InputFormat {
+pub(crate) enum InputFormat {
     /// JSON Lines, uncompressed.
     Jsonl,
     /// JSON Lines in zstd frames (`.jsonl.zst`).
@@ -48,16 +48,6 @@ pub enum InputFormat {
 }
 
 impl InputFormat {
-    /// A short name ("jsonl", "jsonl.zst", "jsonl.gz", "parquet").
-    pub fn name(self) -> &'static str {
-        match self {
-            InputFormat::Jsonl => "jsonl",
-            InputFormat::JsonlZstd => "jsonl.zst",
-            InputFormat::JsonlGzip => "jsonl.gz",
-            InputFormat::Parquet => "parquet",
-        }
-    }
-
     /// The format of a file whose first bytes are `head`.
     fn sniff(head: &[u8]) -> InputFormat {
         if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
@@ -74,7 +64,7 @@ impl InputFormat {
 
 /// One input of a build: a file, or standard input (`-`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Input {
+pub(crate) struct Input {
     /// The file (`-` for standard input).
     pub path: PathBuf,
     /// How it is stored (from its first bytes).

@@ -5,8 +5,9 @@
 //! in column 0 and at every sequence start, and `segment_ids` = the running count of starts.
 
 /// Decoded model inputs of `rows` rows of `len` tokens each, row-major.
+#[cfg(test)]
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Decoded {
+pub(crate) struct Decoded {
     /// Token ids to predict.
     pub targets: Vec<u32>,
     /// Ids fed to the model (0 at column 0 and at sequence starts: the BOS convention).
@@ -18,7 +19,7 @@ pub struct Decoded {
 }
 
 /// Writes the model inputs of one row of encoded tokens, `enc`, into slices of its length:
-/// the one decoding routine behind [`decode`] and the token loaders' batches. Each output is its
+/// the one decoding routine behind `decode` (the tests') and the token loaders' batches. Each output is its
 /// own pass with no state carried from one token to the next, except the running count of
 /// segments: those passes vectorize (a fused loop carrying the previous target did not).
 pub(crate) fn decode_into(
@@ -61,7 +62,8 @@ pub(crate) fn decode_into(
 }
 
 /// Decodes `enc` (`rows × len` encoded tokens).
-pub fn decode(enc: &[u32], len: usize) -> Decoded {
+#[cfg(test)]
+pub(crate) fn decode(enc: &[u32], len: usize) -> Decoded {
     let n = enc.len();
     let (mut targets, mut inputs, mut segment_ids) = (vec![0; n], vec![0; n], vec![0; n]);
     let mut starts = vec![0u8; n];

@@ -10,15 +10,14 @@
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use safetensors::Dtype;
-
 use crate::checksum::{self, Verifier};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
 use crate::error::{Error, Result};
+use crate::flat_tokens::batch::batch_layout;
 use crate::flat_tokens::decode::decode_into;
 use crate::flat_tokens::seqax::{Schedule, ShuffleParams};
-use crate::flat_tokens::Split;
-use crate::io::buffer::{lay_out, Buffer, BufferPool, Field};
+use crate::flat_tokens::{Split, TokenBatch};
+use crate::io::buffer::{BufferPool, Field};
 use crate::io::local;
 
 /// How rows are cut from the token stream.
@@ -59,8 +58,8 @@ pub struct TokenOptions {
 
 /// Everything that decides which rows a step holds, plus this host's share: the common knobs
 /// and [`TokenOptions`]. Here `batch_size` is rows per step over all hosts (seqax's `batch`);
-/// host `rank` of `world_size` (seqax's `host_index` of `host_count`, set together with
-/// [`LoaderOptions::hosts`]; default host 0 of 1, not `$RANK`) serves rows
+/// host `rank` of `world_size` (seqax's `host_index` of `host_count`;
+/// default host 0 of 1, not `$RANK`) serves rows
 /// `[h·batch/H, (h+1)·batch/H)` of every step. The order is seqax's shuffled one (any
 /// shuffled `order`; `Sequential` is refused), batches are always full (`drop_last`), steps
 /// count across epochs (`epoch` must be 0: iterate from step `epoch × step_count`), and
@@ -89,20 +88,13 @@ impl crate::engine::LoaderOptions<TokenOptions> {
         o
     }
 
-    /// Host `host_index` of `host_count` (seqax's names for `rank` and `world_size`).
-    pub fn hosts(mut self, host_index: u64, host_count: u64) -> LoaderOptions {
-        self.rank = Some(host_index);
-        self.world_size = Some(host_count);
-        self
-    }
-
     /// (host_index, host_count): `rank` and `world_size`, host 0 of 1 by default.
     pub(crate) fn host(&self) -> (u64, u64) {
         (self.rank.unwrap_or(0), self.world_size.unwrap_or(1))
     }
 
     /// seqax's shuffle parameters.
-    pub fn shuffle_params(&self) -> ShuffleParams {
+    pub(crate) fn shuffle_params(&self) -> ShuffleParams {
         ShuffleParams {
             batch: self.batch_size,
             streams: self.streams,
@@ -112,84 +104,6 @@ impl crate::engine::LoaderOptions<TokenOptions> {
                 .unwrap_or(((1u64 << 20) / self.seq_len.max(1)).max(1)),
             seed: self.seed,
         }
-    }
-}
-
-/// One step's rows (this host's share): every array in one page-aligned buffer, each
-/// `rows × seq_len`: `encoded` (uint32, as stored: padding is seqax's encoded 1), the decoded
-/// `targets`, `inputs` and `segment_ids` (int32), and `is_seq_start` and `mask` (bool: one
-/// byte, 0 or 1).
-#[derive(Debug)]
-pub struct TokenBatch {
-    /// The step (counting across epochs when epochs are enabled).
-    pub step: u64,
-    /// Tokens per row.
-    pub seq_len: usize,
-    /// The sequence (packed row or document) index of each row.
-    pub rows: Vec<u64>,
-    data: Buffer,
-    fields: Vec<Field>,
-}
-
-/// The arrays of a batch, in buffer order.
-const FIELDS: [(&str, Dtype); 6] = [
-    ("encoded", Dtype::U32),
-    ("targets", Dtype::I32),
-    ("inputs", Dtype::I32),
-    ("segment_ids", Dtype::I32),
-    ("is_seq_start", Dtype::BOOL),
-    ("mask", Dtype::BOOL),
-];
-
-/// Equal when the steps, rows and every array's contents are.
-impl PartialEq for TokenBatch {
-    fn eq(&self, other: &Self) -> bool {
-        self.step == other.step
-            && self.seq_len == other.seq_len
-            && self.rows == other.rows
-            && self.fields.len() == other.fields.len()
-            && self
-                .fields()
-                .zip(other.fields())
-                .all(|((f, a), (g, b))| f.name == g.name && f.shape == g.shape && a == b)
-    }
-}
-
-impl TokenBatch {
-    fn array(&self, i: usize) -> &Field {
-        &self.fields[i]
-    }
-    /// Encoded tokens as stored (`id*2+1` at a sequence start), padding included.
-    pub fn encoded(&self) -> &[u32] {
-        self.data.field_u32(self.array(0))
-    }
-    /// Token ids to predict (`encoded >> 1`).
-    pub fn targets(&self) -> &[u32] {
-        self.data.field_u32(self.array(1))
-    }
-    /// Ids fed to the model (0 at column 0 and at sequence starts).
-    pub fn inputs(&self) -> &[u32] {
-        self.data.field_u32(self.array(2))
-    }
-    /// Cumulative count of sequence starts along each row.
-    pub fn segment_ids(&self) -> &[u32] {
-        self.data.field_u32(self.array(3))
-    }
-    /// 1 where a position starts a sequence.
-    pub fn is_seq_start(&self) -> &[u8] {
-        self.data.field(self.array(4))
-    }
-    /// 1 for real tokens, 0 for padding (always 1 when packed).
-    pub fn mask(&self) -> &[u8] {
-        self.data.field(self.array(5))
-    }
-    /// Every array with its bytes.
-    pub fn fields(&self) -> impl Iterator<Item = (&Field, &[u8])> {
-        self.fields.iter().map(|f| (f, self.data.field(f)))
-    }
-    /// The buffer and its arrays (for zero-copy hand-off).
-    pub fn into_parts(self) -> (Buffer, Vec<Field>) {
-        (self.data, self.fields)
     }
 }
 
@@ -304,7 +218,7 @@ struct Inner {
     /// The later epochs' schedules most recently used: the one served, and the next one,
     /// whose first buffers are read ahead.
     later: Mutex<Vec<Arc<Schedule>>>,
-    host_rows: Range<u64>,
+    info: LoaderInfo,
     /// Gathers (decodes) rows; started on first use and kept.
     gather: GatherCell,
     /// Batch buffers, recycled.
@@ -432,6 +346,27 @@ impl FileVerifier {
     }
 }
 
+/// What a [`TokenLoader`] serves, fixed when it is made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LoaderInfo {
+    /// Steps in an epoch (seqax's `step_count`).
+    pub step_count: u64,
+    /// The batch rows this host serves.
+    pub host_rows: Range<u64>,
+    /// Bytes of one batch's buffer (every array).
+    pub batch_bytes: usize,
+    /// Whether shuffle buffers are read whole into memory (see
+    /// [`TokenOptions::buffer_in_memory`]).
+    pub buffers_in_memory: bool,
+    /// Sequences per read block actually used (B).
+    pub sequences_per_read_block: u64,
+    /// Read blocks of epoch 0's shuffle.
+    pub read_blocks: u64,
+    /// Minipochs (shuffle buffers per stream) of epoch 0's shuffle.
+    pub minipochs: u64,
+}
+
 /// seqax-compatible loader over one split; cheap to clone (shared state).
 #[derive(Clone)]
 pub struct TokenLoader {
@@ -443,7 +378,7 @@ impl std::fmt::Debug for TokenLoader {
         f.debug_struct("TokenLoader")
             .field("split", &self.inner.split)
             .field("options", &self.inner.opts)
-            .field("step_count", &self.step_count())
+            .field("info", &self.inner.info)
             .finish()
     }
 }
@@ -500,6 +435,15 @@ impl TokenLoader {
                 !crate::io::is_local(split.path()) && two <= buffer_cap()?
             }
         };
+        let info = LoaderInfo {
+            step_count: epoch0.step_count(),
+            batch_bytes: batch_layout(per_host, opts.seq_len).1,
+            host_rows,
+            buffers_in_memory: in_memory,
+            sequences_per_read_block: epoch0.params().sequences_per_read_block,
+            read_blocks: epoch0.read_blocks(),
+            minipochs: epoch0.minipochs(),
+        };
         Ok(TokenLoader {
             inner: Arc::new(Inner {
                 split,
@@ -507,7 +451,7 @@ impl TokenLoader {
                 n_seq,
                 epoch0,
                 later: Mutex::new(Vec::new()),
-                host_rows,
+                info,
                 gather: GatherCell::default(),
                 buffers: Mutex::new(BufferPool::new(PREFETCH + 6)),
                 verify,
@@ -517,43 +461,41 @@ impl TokenLoader {
         })
     }
 
-    /// Steps in an epoch (seqax's `step_count`).
-    pub fn step_count(&self) -> u64 {
-        self.inner.epoch0.step_count()
+    /// What the loader serves: step count, this host's rows, batch size in bytes, and the
+    /// shuffle it follows.
+    pub fn info(&self) -> &LoaderInfo {
+        &self.inner.info
+    }
+    /// Steps in an epoch.
+    pub(crate) fn step_count(&self) -> u64 {
+        self.inner.info.step_count
     }
     /// Epoch 0's schedule (seqax's order).
-    pub fn schedule(&self) -> &Schedule {
+    #[cfg(test)]
+    pub(crate) fn schedule(&self) -> &Schedule {
         &self.inner.epoch0
     }
     /// The split.
-    pub fn split(&self) -> &Split {
+    pub(crate) fn split(&self) -> &Split {
         &self.inner.split
     }
     /// The options.
-    pub fn options(&self) -> &LoaderOptions {
+    pub(crate) fn options(&self) -> &LoaderOptions {
         &self.inner.opts
     }
     /// The batch rows this host serves.
-    pub fn host_rows(&self) -> Range<u64> {
-        self.inner.host_rows.clone()
-    }
-    /// Bytes of one batch's buffer (every array).
-    pub fn batch_bytes(&self) -> usize {
-        self.layout(self.inner.host_rows.end - self.inner.host_rows.start)
-            .1
+    pub(crate) fn host_rows(&self) -> Range<u64> {
+        self.inner.info.host_rows.clone()
     }
     /// Gathers batches into `pool` from now on (e.g. pinned host memory for copies to a GPU;
-    /// each buffer must hold [`TokenLoader::batch_bytes`]).
+    /// each buffer must hold [`LoaderInfo::batch_bytes`]).
     pub fn set_batch_buffers(&self, pool: BufferPool) {
         *self.inner.buffers.lock().unwrap_or_else(|e| e.into_inner()) = pool;
     }
 
     /// The arrays of a batch of `rows` rows and the bytes they need.
     fn layout(&self, rows: u64) -> (Vec<Field>, usize) {
-        let shape = vec![rows as usize, self.inner.opts.seq_len as usize];
-        let arrays: Vec<(&'static str, Dtype, Vec<usize>)> =
-            FIELDS.iter().map(|&(n, d)| (n, d, shape.clone())).collect();
-        lay_out(&arrays)
+        batch_layout(rows, self.inner.opts.seq_len)
     }
 
     /// The gather pool, started on first use.
@@ -602,12 +544,6 @@ impl TokenLoader {
         }
         later.push(s.clone());
         Ok(s)
-    }
-
-    /// Whether shuffle buffers are read whole into memory (see
-    /// [`LoaderOptions::buffer_in_memory`]).
-    pub fn buffers_in_memory(&self) -> bool {
-        self.inner.residents.is_some()
     }
 
     /// This process's shuffle buffers, with buffers in memory (a forked child leaves its
@@ -1093,13 +1029,13 @@ impl Job for TokenLoader {
     }
 
     fn finish(&self, p: Prepared<StepRows>, _: &rayon::ThreadPool) -> Result<TokenBatch> {
-        Ok(TokenBatch {
-            step: p.state.step,
-            seq_len: self.inner.opts.seq_len as usize,
-            rows: p.state.rows,
-            data: p.buf,
-            fields: p.state.fields,
-        })
+        Ok(TokenBatch::new(
+            p.state.step,
+            self.inner.opts.seq_len as usize,
+            p.state.rows,
+            p.buf,
+            p.state.fields,
+        ))
     }
 }
 

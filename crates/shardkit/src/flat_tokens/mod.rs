@@ -9,16 +9,16 @@
 //!
 //! Reference: seqax `docs/flat-tokens.md`, `tools/flat_tokens.py`, `input_loader.py`; exact
 //! behaviour in `shared/formats/flat_tokens.md`. seqax writes zarr v2 with blosc and a numcodecs
-//! `delta` filter on `seq_starts` ([`delta`] registers it with zarrs).
+//! `delta` filter on `seq_starts` (the `delta` module registers it with zarrs).
 //!
 //! * [`Writer`] appends sequences in any number of calls, in seqax's v2 layout or sharded v3
 //!   ([`Layout`]), crash-safely, with resume.
 //! * [`Split`] reads and validates one split; datasets without shardkit's completion marker
 //!   are validated in full before they are served.
-//! * [`TokenLoader`] serves any step of seqax's shuffled order directly ([`seqax`]), packed or
-//!   one document per row, decoded into model inputs ([`decode`]), split across hosts, and
-//!   optionally over several epochs.
-//! * [`build`] fills a split from JSONL (plain, zstd, gzip) or Parquet corpora ([`corpus`]),
+//! * [`TokenLoader`] serves any step of seqax's shuffled order directly (in closed form, the
+//!   `seqax` module), packed or one document per row, decoded into model inputs ([`TokenArrays`]),
+//!   split across hosts, and optionally over several epochs.
+//! * [`build`] fills a split from JSONL (plain, zstd, gzip) or Parquet corpora,
 //!   tokenizing text with a Hugging Face tokenizer on every core, with the writer's resume.
 //! * [`convert`] rewrites a dataset in the other layout (seqax's v2 chunks must be decoded
 //!   whole for any row, so v3 serves random rows far faster; v2 is what seqax reads).
@@ -45,20 +45,23 @@
 //! opts.sequences_per_read_block = Some(4);
 //! let loader = TokenLoader::new(split, opts)?;
 //! let batch = loader.load(0)?;
-//! assert_eq!(batch.inputs().len(), 4 * 16);
+//! assert_eq!(batch.arrays().inputs.len(), 4 * 16);
 //! # Ok(())
 //! # }
 //! ```
 
+#[cfg(feature = "zarr")]
+mod batch;
 #[cfg(feature = "corpus")]
 mod build;
 #[cfg(feature = "zarr")]
 mod convert;
 #[cfg(feature = "corpus")]
-pub mod corpus;
-pub mod decode;
+mod corpus;
 #[cfg(feature = "zarr")]
-pub mod delta;
+mod decode;
+#[cfg(feature = "zarr")]
+mod delta;
 #[cfg(feature = "zarr")]
 mod layout;
 #[cfg(feature = "zarr")]
@@ -67,7 +70,8 @@ mod loader;
 mod report;
 #[cfg(feature = "zarr")]
 mod resume;
-pub mod seqax;
+#[cfg(feature = "zarr")]
+mod seqax;
 #[cfg(feature = "zarr")]
 mod split;
 #[cfg(feature = "zarr")]
@@ -75,6 +79,11 @@ mod store;
 #[cfg(feature = "zarr")]
 mod writer;
 
+#[cfg(all(test, feature = "zarr"))]
+mod tests;
+
+#[cfg(feature = "zarr")]
+pub use batch::{TokenArrays, TokenBatch};
 #[cfg(feature = "corpus")]
 pub use build::{build, BuildOptions, BuildProgress, BuildSummary, Tokenizer};
 #[cfg(feature = "zarr")]
@@ -82,11 +91,11 @@ pub use convert::convert;
 #[cfg(feature = "zarr")]
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
-pub use loader::{Batches, LoaderOptions, Packing, TokenBatch, TokenLoader, TokenOptions};
+pub use loader::{Batches, LoaderInfo, LoaderOptions, Packing, TokenLoader, TokenOptions};
 #[cfg(feature = "zarr")]
 pub use report::{inspect, splits, validate, Validation};
 #[cfg(feature = "zarr")]
-pub use split::Split;
+pub use split::{Split, SplitInfo};
 #[cfg(feature = "zarr")]
 pub use store::{Completion, ZarrFormat};
 #[cfg(feature = "zarr")]

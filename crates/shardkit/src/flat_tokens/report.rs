@@ -173,9 +173,9 @@ fn summary(s: &Split) -> Result<Value> {
         ("format".into(), Value::String(s.format().name().into())),
         (
             "completion".into(),
-            Value::String(s.completion().name().into()),
+            Value::String(s.info().completion.name().into()),
         ),
-        ("sharded".into(), Value::Bool(s.is_sharded())),
+        ("sharded".into(), Value::Bool(s.info().sharded)),
         ("token_count".into(), Value::int(s.token_count())),
         ("seq_count".into(), Value::int(seqs)),
         ("max_token_id".into(), Value::int(s.max_token_id())),
@@ -216,7 +216,7 @@ pub fn validate(root: impl AsRef<Path>) -> Validation {
         match Split::open_unvalidated(root, name) {
             Err(e) => v.error_from(&e),
             Ok(s) => {
-                match s.completion() {
+                match s.info().completion {
                     Completion::Interrupted => v.error(
                         root,
                         "write_completed is false: a shardkit write did not finish; resume it \

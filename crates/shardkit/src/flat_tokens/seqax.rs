@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use crate::error::{Error, Result};
 
 /// numpy `SeedSequence(seed).generate_state(2, uint64)`: the Philox key of an integer seed.
-pub fn seed_sequence_key(seed: u128) -> [u64; 2] {
+pub(crate) fn seed_sequence_key(seed: u128) -> [u64; 2] {
     const INIT_A: u32 = 0x43b0_d7e5;
     const MULT_A: u32 = 0x931e_8875;
     const INIT_B: u32 = 0x8b51_f9dd;
@@ -68,22 +68,25 @@ pub fn seed_sequence_key(seed: u128) -> [u64; 2] {
     [w[0] | w[1] << 32, w[2] | w[3] << 32]
 }
 
-/// numpy's Philox4x64-10 bit generator, for `random_raw`.
+/// numpy's Philox4x64-10 bit generator, for `random_raw` (the tests check [`philox_block`]
+/// against numpy's stream through it).
+#[cfg(test)]
 #[derive(Debug, Clone)]
-pub struct Philox {
+pub(crate) struct Philox {
     counter: [u64; 4],
     key: [u64; 2],
     buffer: [u64; 4],
     used: usize,
 }
 
+#[cfg(test)]
 impl Philox {
     /// numpy `Philox(seed)`.
-    pub fn from_seed(seed: u128) -> Philox {
+    pub(crate) fn from_seed(seed: u128) -> Philox {
         Philox::from_key(seed_sequence_key(seed))
     }
     /// numpy `Philox(key=key)`.
-    pub fn from_key(key: [u64; 2]) -> Philox {
+    pub(crate) fn from_key(key: [u64; 2]) -> Philox {
         Philox {
             counter: [0; 4],
             key,
@@ -91,28 +94,8 @@ impl Philox {
             used: 4,
         }
     }
-    fn block(counter: [u64; 4], key: [u64; 2]) -> [u64; 4] {
-        const M0: u64 = 0xD2E7_470E_E14C_6C93;
-        const M1: u64 = 0xCA5A_8263_9512_1157;
-        const W0: u64 = 0x9E37_79B9_7F4A_7C15;
-        const W1: u64 = 0xBB67_AE85_84CA_A73B;
-        let mut x = counter;
-        for i in 0..10u64 {
-            let k0 = key[0].wrapping_add(i.wrapping_mul(W0));
-            let k1 = key[1].wrapping_add(i.wrapping_mul(W1));
-            let p0 = u128::from(M0) * u128::from(x[0]);
-            let p1 = u128::from(M1) * u128::from(x[2]);
-            x = [
-                (p1 >> 64) as u64 ^ x[1] ^ k0,
-                p1 as u64,
-                (p0 >> 64) as u64 ^ x[3] ^ k1,
-                p0 as u64,
-            ];
-        }
-        x
-    }
     /// The next raw 64-bit output (`random_raw()`).
-    pub fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         if self.used == 4 {
             // numpy increments the counter before computing each block.
             for c in self.counter.iter_mut() {
@@ -121,7 +104,7 @@ impl Philox {
                     break;
                 }
             }
-            self.buffer = Philox::block(self.counter, self.key);
+            self.buffer = philox_block(self.counter, self.key);
             self.used = 0;
         }
         self.used += 1;
@@ -129,17 +112,39 @@ impl Philox {
     }
 }
 
+/// One Philox4x64-10 block: the four outputs at `counter` under `key`.
+fn philox_block(counter: [u64; 4], key: [u64; 2]) -> [u64; 4] {
+    const M0: u64 = 0xD2E7_470E_E14C_6C93;
+    const M1: u64 = 0xCA5A_8263_9512_1157;
+    const W0: u64 = 0x9E37_79B9_7F4A_7C15;
+    const W1: u64 = 0xBB67_AE85_84CA_A73B;
+    let mut x = counter;
+    for i in 0..10u64 {
+        let k0 = key[0].wrapping_add(i.wrapping_mul(W0));
+        let k1 = key[1].wrapping_add(i.wrapping_mul(W1));
+        let p0 = u128::from(M0) * u128::from(x[0]);
+        let p1 = u128::from(M1) * u128::from(x[2]);
+        x = [
+            (p1 >> 64) as u64 ^ x[1] ^ k0,
+            p1 as u64,
+            (p0 >> 64) as u64 ^ x[3] ^ k1,
+            p0 as u64,
+        ];
+    }
+    x
+}
+
 /// seqax's `_random_permutation(seed, n)`: Fisher–Yates over `0..n` driven by Philox outputs
 /// consumed in reverse (`j_i = u[i] mod (i + 1)`, no rejection), as seqax promises never to
 /// change. Output `i` is word `i mod 4` of the block at counter `i / 4 + 1`, so the outputs are
 /// computed in reverse as they are needed instead of being stored (4 bytes per element).
-pub fn perm(seed: u128, n: usize) -> Vec<u32> {
+pub(crate) fn perm(seed: u128, n: usize) -> Vec<u32> {
     let key = seed_sequence_key(seed);
     let mut a: Vec<u32> = (0..n as u32).collect();
     let mut block = [0u64; 4];
     for i in (0..n).rev() {
         if i == n - 1 || i % 4 == 3 {
-            block = Philox::block([(i / 4) as u64 + 1, 0, 0, 0], key);
+            block = philox_block([(i / 4) as u64 + 1, 0, 0, 0], key);
         }
         let j = (block[i % 4] % (i as u64 + 1)) as usize;
         a.swap(i, j);
@@ -152,7 +157,7 @@ const MAX_PERM: u64 = 1 << 28;
 
 /// The shuffle parameters of seqax's `FlatTokensParams` plus the batch size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShuffleParams {
+pub(crate) struct ShuffleParams {
     /// Rows per step (`batch`).
     pub batch: u64,
     /// Streams (S; the maximum number of hosts).
@@ -167,7 +172,7 @@ pub struct ShuffleParams {
 
 /// Which sequence every (step, row) of an epoch is, computed in closed form (§5.5).
 #[derive(Debug, Clone)]
-pub struct Schedule {
+pub(crate) struct Schedule {
     p: ShuffleParams,
     /// The seed of this epoch's permutations: `seed + epoch * 2^64` (epoch 0 is seqax's).
     base_seed: u128,
@@ -185,7 +190,7 @@ type BufferPerms = HashMap<(u64, u64), Arc<Vec<u32>>>;
 
 impl Schedule {
     /// seqax's schedule over `n_seq` sequences (packed rows or documents).
-    pub fn new(n_seq: u64, p: ShuffleParams) -> Result<Schedule> {
+    pub(crate) fn new(n_seq: u64, p: ShuffleParams) -> Result<Schedule> {
         Schedule::for_epoch(n_seq, p, 0)
     }
 
@@ -262,27 +267,27 @@ impl Schedule {
         })
     }
     /// Read blocks used (`rbc`).
-    pub fn read_blocks(&self) -> u64 {
+    pub(crate) fn read_blocks(&self) -> u64 {
         self.rbc
     }
     /// Steps in the epoch.
-    pub fn step_count(&self) -> u64 {
+    pub(crate) fn step_count(&self) -> u64 {
         self.step_count
     }
     /// Minipochs (shuffle buffers per stream).
-    pub fn minipochs(&self) -> u64 {
+    pub(crate) fn minipochs(&self) -> u64 {
         self.minipochs
     }
     /// Rows each stream contributes to a step.
-    pub fn rows_per_stream(&self) -> u64 {
+    pub(crate) fn rows_per_stream(&self) -> u64 {
         self.bips
     }
     /// The parameters.
-    pub fn params(&self) -> &ShuffleParams {
+    pub(crate) fn params(&self) -> &ShuffleParams {
         &self.p
     }
     /// The epoch this schedule orders.
-    pub fn epoch(&self) -> u64 {
+    pub(crate) fn epoch(&self) -> u64 {
         self.epoch
     }
 
@@ -314,7 +319,7 @@ impl Schedule {
     }
 
     /// The sequence at row `b` of step `t`.
-    pub fn sequence(&self, t: u64, b: u64) -> Result<u64> {
+    pub(crate) fn sequence(&self, t: u64, b: u64) -> Result<u64> {
         if t >= self.step_count || b >= self.p.batch {
             return Err(Error::OutOfRange {
                 what: if t >= self.step_count {
@@ -354,14 +359,14 @@ impl Schedule {
     }
 
     /// The shuffle buffer (minipoch, stream) that row `b` of step `t` is drawn from.
-    pub fn buffer_of(&self, t: u64, b: u64) -> (u64, u64) {
+    pub(crate) fn buffer_of(&self, t: u64, b: u64) -> (u64, u64) {
         let (m, s, _) = self.position(t, b);
         (m, s)
     }
 
     /// The read blocks making up stream `s`'s buffer in minipoch `m` (block `k` holds sequences
     /// `[k·B, (k+1)·B)`), in buffer order.
-    pub fn buffer_blocks(&self, m: u64, s: u64) -> Vec<u64> {
+    pub(crate) fn buffer_blocks(&self, m: u64, s: u64) -> Vec<u64> {
         let (sn, r) = (self.p.streams, self.p.read_blocks_per_shuffle_buffer);
         if m >= self.minipochs || s >= sn {
             return Vec::new();
@@ -372,7 +377,8 @@ impl Schedule {
     }
 
     /// Every row of step `t`.
-    pub fn step(&self, t: u64) -> Result<Vec<u64>> {
+    #[cfg(test)]
+    pub(crate) fn step(&self, t: u64) -> Result<Vec<u64>> {
         (0..self.p.batch).map(|b| self.sequence(t, b)).collect()
     }
 }

@@ -76,6 +76,27 @@ pub(crate) fn max_token_id_attr<S: ?Sized>(g: &Group<S>, path: &Path) -> Result<
     }
 }
 
+/// What an opened split is ([`Split::info`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SplitInfo {
+    /// The split's directory.
+    pub path: PathBuf,
+    /// The dataset's zarr format.
+    pub format: ZarrFormat,
+    /// What the root's completion marker says (`Complete`: `write_completed: true`, which
+    /// seqax data never carries).
+    pub completion: Completion,
+    /// Tokens in the split.
+    pub token_count: u64,
+    /// Sequences (documents) in the split.
+    pub seq_count: u64,
+    /// The `max_token_id` attribute.
+    pub max_token_id: u64,
+    /// Whether `encoded_tokens` is sharded (read by inner chunk).
+    pub sharded: bool,
+}
+
 /// An opened split: `encoded_tokens` (uint32) and `seq_starts` (uint64).
 pub struct Split {
     path: PathBuf,
@@ -136,8 +157,9 @@ impl Split {
     }
 
     /// Opens `split` from any zarrs store (`root` labels paths in messages); the same rules as
-    /// [`Split::open`].
-    pub fn open_in_store(store: Arc<Storage>, root: &Path, split: &str) -> Result<Split> {
+    /// [`Split::open`] (the tests' counting store).
+    #[cfg(test)]
+    pub(crate) fn open_in_store(store: Arc<Storage>, root: &Path, split: &str) -> Result<Split> {
         let s = Self::from_store(store, root, split, crate::io::is_local(root))?;
         s.check_servable()?;
         Ok(s)
@@ -280,8 +302,20 @@ impl Split {
         }
     }
 
+    /// What the split is: where, its format and completion, its counts.
+    pub fn info(&self) -> SplitInfo {
+        SplitInfo {
+            path: self.path.clone(),
+            format: self.format,
+            completion: self.completion,
+            token_count: self.token_count(),
+            seq_count: self.seq_count(),
+            max_token_id: self.max_token_id,
+            sharded: matches!(self.tokens.access, Access::Sharded(_)),
+        }
+    }
     /// The split's directory.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
     /// The files (chunks or shards, below the dataset root) that hold tokens `range`.
@@ -295,32 +329,20 @@ impl Split {
             .files_of(crate::fsutil::parent_of(&self.path), range)
     }
     /// The dataset's zarr format.
-    pub fn format(&self) -> ZarrFormat {
+    pub(crate) fn format(&self) -> ZarrFormat {
         self.format
     }
-    /// What the root's completion marker says.
-    pub fn completion(&self) -> Completion {
-        self.completion
-    }
-    /// Whether the root carries `write_completed: true` (seqax data never does).
-    pub fn is_marked_complete(&self) -> bool {
-        self.completion == Completion::Complete
-    }
     /// Tokens in the split.
-    pub fn token_count(&self) -> u64 {
+    pub(crate) fn token_count(&self) -> u64 {
         self.tokens.len()
     }
     /// Sequences (documents) in the split.
-    pub fn seq_count(&self) -> u64 {
+    pub(crate) fn seq_count(&self) -> u64 {
         self.starts.len() - 1
     }
     /// The `max_token_id` attribute.
-    pub fn max_token_id(&self) -> u64 {
+    pub(crate) fn max_token_id(&self) -> u64 {
         self.max_token_id
-    }
-    /// Whether `encoded_tokens` is sharded (read by inner chunk).
-    pub fn is_sharded(&self) -> bool {
-        matches!(self.tokens.access, Access::Sharded(_))
     }
 
     /// Entries `range` of `seq_starts` (`seq_count + 1` entries in all).

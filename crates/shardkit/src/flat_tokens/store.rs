@@ -37,8 +37,8 @@ impl ZarrFormat {
         }
     }
 
-    /// "v2" or "v3".
-    pub fn name(self) -> &'static str {
+    /// "v2" or "v3" (also its `Display`).
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ZarrFormat::V2 => "v2",
             ZarrFormat::V3 => "v3",
@@ -71,13 +71,27 @@ impl Completion {
         }
     }
 
-    /// "complete", "interrupted" or "unmarked".
-    pub fn name(self) -> &'static str {
+    /// "complete", "interrupted" or "unmarked" (also its `Display`).
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Completion::Complete => "complete",
             Completion::Interrupted => "interrupted",
             Completion::Unmarked => "unmarked",
         }
+    }
+}
+
+/// "v2" or "v3".
+impl std::fmt::Display for ZarrFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// "complete", "interrupted" or "unmarked".
+impl std::fmt::Display for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

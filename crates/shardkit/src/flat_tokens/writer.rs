@@ -54,7 +54,7 @@ pub struct WriterOptions {
     /// dataset's is an error.
     pub layout: Option<Layout>,
     /// Continue the split if it already exists (an interrupted write, or a finished split to
-    /// append to) instead of refusing. [`Writer::resumed_from`] then says how many sequences
+    /// append to) instead of refusing. [`WriteSummary::resumed_from`] then says how many sequences
     /// it already holds.
     pub resume: bool,
     /// Commit (make everything so far durable and resumable) whenever this many tokens have
@@ -72,11 +72,17 @@ impl Default for WriterOptions {
     }
 }
 
-/// What a finished write produced.
+/// What a write produced: so far ([`Writer::info`]) or when finished ([`Writer::finish`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct WriteSummary {
     /// The dataset root.
     pub root: PathBuf,
+    /// The dataset's zarr format.
+    pub format: ZarrFormat,
+    /// When the split existed before this writer: the sequences it held (after rolling back an
+    /// interrupted write to its last commit). A resumed build skips that many input sequences.
+    pub resumed_from: Option<u64>,
     /// Sequences in the split.
     pub seq_count: u64,
     /// Tokens in the split.
@@ -776,38 +782,26 @@ impl Writer {
         Ok(w)
     }
 
-    /// The dataset root.
-    pub fn root(&self) -> &Path {
-        &self.ds.root
-    }
-    /// The split being written.
-    pub fn split(&self) -> &str {
-        &self.split
-    }
-    /// The dataset's zarr format.
-    pub fn format(&self) -> ZarrFormat {
-        self.ds.format
+    /// What the writer has written so far (committed or not); `root` is the local dataset
+    /// (the staging directory when writing to an object store).
+    pub fn info(&self) -> WriteSummary {
+        WriteSummary {
+            root: self.ds.root.clone(),
+            format: self.ds.format,
+            resumed_from: self.resumed_seqs,
+            seq_count: self.seq_count(),
+            token_count: self.token_count(),
+            max_token_id: self.max_token_id,
+            sequences_with_id_zero: self.sequences_with_id_zero,
+        }
     }
     /// Sequences in the split so far (committed or not).
-    pub fn seq_count(&self) -> u64 {
+    pub(crate) fn seq_count(&self) -> u64 {
         self.starts.len() - 1
     }
     /// Tokens in the split so far.
-    pub fn token_count(&self) -> u64 {
+    pub(crate) fn token_count(&self) -> u64 {
         self.tokens.len()
-    }
-    /// The running `max_token_id` (0 while the split has no tokens).
-    pub fn max_token_id(&self) -> u64 {
-        self.max_token_id
-    }
-    /// When the split existed before this writer: the sequences it held (after rolling back an
-    /// interrupted write to its last commit). A resumed build skips that many input sequences.
-    pub fn resumed_from(&self) -> Option<u64> {
-        self.resumed_seqs
-    }
-    /// Sequences appended by this writer that contain token id 0.
-    pub fn sequences_with_id_zero(&self) -> u64 {
-        self.sequences_with_id_zero
     }
 
     /// Appends whole sequences of token ids. Ids above [`MAX_TOKEN_ID`] (2^31 - 1) are refused
@@ -927,13 +921,7 @@ impl Writer {
         self.ds.set_marker(true)?;
         // zarrs writes the shard files: they are hashed here, once the dataset is complete.
         crate::checksum::record_with(&self.ds.root, uploaded)?;
-        Ok(WriteSummary {
-            root: self.ds.root.clone(),
-            seq_count: self.seq_count(),
-            token_count: self.token_count(),
-            max_token_id: self.max_token_id,
-            sequences_with_id_zero: self.sequences_with_id_zero,
-        })
+        Ok(self.info())
     }
 
     fn fsync_chunk_dirs(&self) -> Result<()> {

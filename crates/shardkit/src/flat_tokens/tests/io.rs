@@ -1,14 +1,13 @@
 //! Loading a step reads only that step's rows: at most `rows × (ceil(len / chunk) + 1)` chunks
 //! (inner chunks when sharded), and only chunks those rows overlap (flat_tokens.md §9.6, §10.5).
 //! Reads are counted by a storage adapter between zarrs and the file system.
-#![cfg(feature = "zarr")]
 
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use shardkit::flat_tokens::{Layout, LoaderOptions, Sharded, Split, TokenLoader, Writer};
+use crate::flat_tokens::{Layout, LoaderOptions, Sharded, Split, TokenLoader, Writer};
 use zarrs::filesystem::FilesystemStore;
 use zarrs::storage::byte_range::{ByteRange, ByteRangeIterator};
 use zarrs::storage::{MaybeBytesIterator, ReadableStorageTraits, StorageError, StoreKey};
@@ -51,7 +50,7 @@ fn write(root: &Path, layout: Layout) {
     let mut w = Writer::create(
         root,
         "train",
-        shardkit::flat_tokens::WriterOptions {
+        crate::flat_tokens::WriterOptions {
             layout: Some(layout),
             ..Default::default()
         },
@@ -134,7 +133,7 @@ fn a_sharded_step_reads_only_the_inner_chunks_of_its_rows() {
     let chunk = 16u64;
     let (store, split) = counted(&root);
     let loader = TokenLoader::new(split, options()).unwrap();
-    for step in [0, 5, loader.step_count() - 1] {
+    for step in [0, 5, loader.info().step_count - 1] {
         store.reads.lock().unwrap().clear();
         let batch = loader.load(step).unwrap();
         let reads = store.reads.lock().unwrap().clone();
@@ -194,8 +193,8 @@ fn a_v2_step_reads_only_the_chunks_its_rows_overlap() {
 }
 
 /// Every step of `loader`'s first epoch and a few of its second.
-fn all_steps(loader: &TokenLoader) -> Vec<shardkit::flat_tokens::TokenBatch> {
-    let n = loader.step_count();
+fn all_steps(loader: &TokenLoader) -> Vec<crate::flat_tokens::TokenBatch> {
+    let n = loader.info().step_count;
     (0..n + 3).map(|s| loader.load(s).unwrap()).collect()
 }
 
@@ -213,8 +212,8 @@ fn buffers_in_memory_serve_the_same_batches_as_rows_read_one_by_one() {
         let root = tmp.path().join("ds.zarr");
         write(&root, layout);
         for packing in [
-            shardkit::flat_tokens::Packing::Packed,
-            shardkit::flat_tokens::Packing::Unpacked,
+            crate::flat_tokens::Packing::Packed,
+            crate::flat_tokens::Packing::Unpacked,
         ] {
             // Two streams, the second of two hosts: several minipochs, rows of both streams.
             for (streams, host) in [(1, 0), (2, 1)] {
@@ -223,7 +222,7 @@ fn buffers_in_memory_serve_the_same_batches_as_rows_read_one_by_one() {
                 o.streams = streams;
                 (o.rank, o.world_size) = (Some(host), Some(2)); // seqax's host_index, host_count
                 o.epochs = true;
-                if packing == shardkit::flat_tokens::Packing::Unpacked {
+                if packing == crate::flat_tokens::Packing::Unpacked {
                     o.sequences_per_read_block = Some(2);
                     o.read_blocks_per_shuffle_buffer = 3;
                 }
@@ -231,7 +230,7 @@ fn buffers_in_memory_serve_the_same_batches_as_rows_read_one_by_one() {
                     let mut o = o.clone();
                     o.buffer_in_memory = Some(in_memory);
                     let loader = TokenLoader::new(Split::open(&root, "train").unwrap(), o).unwrap();
-                    assert_eq!(loader.buffers_in_memory(), in_memory);
+                    assert_eq!(loader.info().buffers_in_memory, in_memory);
                     all_steps(&loader)
                 };
                 let (rows, buffered) = (load(false), load(true));
@@ -247,7 +246,7 @@ fn buffers_in_memory_serve_the_same_batches_as_rows_read_one_by_one() {
                 let mut o2 = o.clone();
                 o2.buffer_in_memory = Some(true);
                 let loader = TokenLoader::new(Split::open(&root, "train").unwrap(), o2).unwrap();
-                let n = loader.step_count() as usize;
+                let n = loader.info().step_count as usize;
                 let streamed: Vec<_> = loader.iter(0).take(n + 3).map(|b| b.unwrap()).collect();
                 assert!(
                     streamed == buffered,
@@ -336,7 +335,7 @@ fn buffers_in_memory_read_inner_chunks_and_shards_a_zero_run_left_unstored() {
     let mut w = Writer::create(
         &root,
         "train",
-        shardkit::flat_tokens::WriterOptions {
+        crate::flat_tokens::WriterOptions {
             layout: Some(Layout::V3(Sharded {
                 tokens_per_shard: 256,
                 tokens_per_chunk: 16,
@@ -368,7 +367,7 @@ fn buffers_in_memory_read_inner_chunks_and_shards_a_zero_run_left_unstored() {
     );
     let zeros = buffered
         .iter()
-        .flat_map(|b| b.encoded())
+        .flat_map(|b| b.arrays().encoded)
         .filter(|&&e| e == 0);
     assert!(zeros.count() >= 500, "the zero run is served");
 }
@@ -394,7 +393,7 @@ fn streaming_reads_the_next_minipochs_buffer_ahead_and_load_does_not() {
         "steps 0..8 in minipoch 0"
     );
     // The last step first: it starts the loader's threads, and has no minipoch after it.
-    loader.load(loader.step_count() - 1).unwrap();
+    loader.load(loader.info().step_count - 1).unwrap();
     let (before, warm) = (threads(), reads(&store));
     loader.load(0).unwrap();
     // A read ahead runs on a thread `load` would start, and the store holds its reads while it
@@ -429,7 +428,7 @@ fn streaming_reads_the_next_minipochs_buffer_ahead_and_load_does_not() {
     // Every batch of the epoch still comes, in order, equal to direct loads.
     let mut all = vec![first];
     all.extend(it.map(|b| b.unwrap()));
-    assert_eq!(all.len() as u64, loader.step_count());
+    assert_eq!(all.len() as u64, loader.info().step_count);
     let direct = TokenLoader::new(
         Split::open(&root, "train").unwrap(),
         loader.options().clone(),

@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
-use shardkit::flat_tokens::seqax::{perm, seed_sequence_key, Philox, Schedule, ShuffleParams};
-use shardkit::json::{self, Value};
-use shardkit::Error;
+use crate::flat_tokens::seqax::{perm, seed_sequence_key, Philox, Schedule, ShuffleParams};
+use crate::json::{self, Value};
+use crate::Error;
 
 const TRAIN_TOKENS: u64 = 264_992;
 const TRAIN_DOCS: u64 = 512;

@@ -1,0 +1,5 @@
+//! Unit tests of the format's internals.
+
+mod fixture;
+mod io;
+mod seqax;
