@@ -108,7 +108,7 @@ impl Buffer {
         unsafe { std::slice::from_raw_parts_mut(self.raw().ptr, self.len) }
     }
     /// The bytes as native float32 values (the length rounded down to whole values).
-    pub(crate) fn as_f32(&self) -> &[f32] {
+    pub fn as_f32(&self) -> &[f32] {
         if self.len == 0 {
             return &[];
         }
