@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use shardkit::eagle3::{synth, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions};
+use shardkit::eagle3::{synth, Cache, Loader, LoaderOptions, Writer, WriterOptions};
 use shardkit::json;
 
 fn main() -> shardkit::Result<()> {
@@ -36,10 +36,7 @@ fn run(dir: &std::path::Path) -> shardkit::Result<()> {
     for i in 0..writer.manifest().num_samples {
         let fields = synth::sample(writer.manifest(), i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        writer.add(Rows {
-            n: 1,
-            fields: &refs,
-        })?;
+        writer.add(1, &refs)?;
     }
     writer.finish()?;
 
@@ -63,7 +60,7 @@ fn run(dir: &std::path::Path) -> shardkit::Result<()> {
         println!(
             "batch of samples {:?}: {} bytes",
             batch.indices,
-            batch.bytes()
+            batch.data.len()
         );
     }
 

@@ -266,11 +266,7 @@ fn eagle3_cache(dir: &Path, n: u64) -> Arc<Cache> {
     for i in 0..n {
         let fields = synth::sample(w.manifest(), i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        w.add(eagle3::Rows {
-            n: 1,
-            fields: &refs,
-        })
-        .unwrap();
+        w.add(1, &refs).unwrap();
     }
     w.finish().unwrap();
     Arc::new(Cache::open(dir).unwrap())

@@ -12,7 +12,7 @@ use crate::fsutil;
 use crate::json::{self, Escape, Value};
 
 /// The manifest's file name.
-pub const MANIFEST: &str = "manifest.json";
+pub(crate) const MANIFEST: &str = "manifest.json";
 
 /// The float dtype of a cache's float fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,7 +27,7 @@ pub enum CacheDtype {
 
 impl CacheDtype {
     /// The manifest's name: "bf16", "fp16" or "fp32".
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             CacheDtype::Bf16 => "bf16",
             CacheDtype::Fp16 => "fp16",
@@ -35,7 +35,7 @@ impl CacheDtype {
         }
     }
     /// The safetensors dtype.
-    pub fn safetensors(self) -> safetensors::Dtype {
+    pub(crate) fn safetensors(self) -> safetensors::Dtype {
         match self {
             CacheDtype::Bf16 => safetensors::Dtype::BF16,
             CacheDtype::Fp16 => safetensors::Dtype::F16,
@@ -120,7 +120,7 @@ const PRODUCER_KEYS: [&str; 10] = [
 
 impl Manifest {
     /// Parses the manifest text of `path` (for messages); the version must be 1 or 2.
-    pub fn parse(text: &[u8], path: &Path) -> Result<Manifest> {
+    pub(crate) fn parse(text: &[u8], path: &Path) -> Result<Manifest> {
         let v = json::parse(text).map_err(|e| Error::format(path, e.to_string()))?;
         let version = match v.get("format_version") {
             None => {
@@ -149,7 +149,7 @@ impl Manifest {
     /// A manifest to write: `object` is the run configuration (`format_version` inside it is
     /// ignored; `version` decides). Every key the reference producer writes is required;
     /// `target_probs_topk` is added as 0 in version 2 and refused above 0 in version 1.
-    pub fn for_writing(object: &Value, version: u8) -> Result<Manifest> {
+    pub(crate) fn for_writing(object: &Value, version: u8) -> Result<Manifest> {
         let path = Path::new(MANIFEST);
         if !matches!(object, Value::Object(_)) {
             return Err(Error::Invalid(format!(
@@ -304,7 +304,7 @@ impl Manifest {
     }
 
     /// The file's bytes, exactly as Python `json.dump(obj, f, indent=2, sort_keys=True)`.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         json::to_pretty(&self.to_value().sorted(), 2, Escape::Ascii).into_bytes()
     }
 
@@ -350,7 +350,7 @@ impl Manifest {
     }
 
     /// The run configuration as given (without `format_version`).
-    pub fn raw(&self) -> &Value {
+    pub(crate) fn raw(&self) -> &Value {
         &self.raw
     }
 
