@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
 use memmap2::Mmap;
-use shardkit::eagle3::{self, read_header, synth, Writer, WriterOptions};
+use shardkit::eagle3::{self, read_header, synthetic_sample, Writer, WriterOptions};
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
@@ -196,7 +196,7 @@ pub fn synth_cache(a: &SynthArgs) -> Result<PathBuf> {
     let pb = progress::bar(Some(m.num_samples), "writing", Unit::Items("samples"));
     pb.set_position(w.next_sample());
     for i in w.next_sample()..m.num_samples {
-        let fields = synth::sample(&m, i);
+        let fields = synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
         w.add(1, &refs)?;
         pb.set_position(i + 1);

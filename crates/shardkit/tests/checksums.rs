@@ -127,7 +127,7 @@ fn eagle3_verifying_loader_finds_a_flipped_bit() {
     let m = w.manifest().clone();
     for i in 0..12 {
         // Valid samples (the writer refuses all-zero probability rows).
-        let fields = eagle3::synth::sample(&m, i);
+        let fields = eagle3::synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, &b[..])).collect();
         w.add(1, &refs).unwrap();
     }

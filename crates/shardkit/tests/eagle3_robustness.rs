@@ -9,7 +9,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use shardkit::checksum::{self, Verdict};
-use shardkit::eagle3::{self, synth, Cache, Loader, LoaderOptions, Writer, WriterOptions};
+use shardkit::eagle3::{
+    self, synthetic_sample, Cache, Loader, LoaderOptions, Writer, WriterOptions,
+};
 use shardkit::error::Error;
 use shardkit::json::{self, Value};
 
@@ -40,7 +42,7 @@ fn make(dir: &Path, cfg: &Value, version: u8) {
     .unwrap();
     let m = w.manifest().clone();
     for i in 0..m.num_samples {
-        let f = synth::sample(&m, i);
+        let f = synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = f.iter().map(|(n, b)| (*n, b.as_slice())).collect();
         w.add(1, &refs).unwrap();
     }

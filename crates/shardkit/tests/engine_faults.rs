@@ -117,7 +117,7 @@ fn eagle3_cache(root: &Path) -> Arc<Cache> {
     let mut w = eagle3::Writer::create(&dir, &config, eagle3::WriterOptions::default()).unwrap();
     let m = w.manifest().clone();
     for i in 0..m.num_samples {
-        let fields = eagle3::synth::sample(&m, i);
+        let fields = eagle3::synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
         w.add(1, &refs).unwrap();
     }

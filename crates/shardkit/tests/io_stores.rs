@@ -190,7 +190,7 @@ fn eagle3_dir(root: &Path) -> std::path::PathBuf {
     let mut w = Writer::create(&dir, &cfg, WriterOptions::default()).unwrap();
     let m = w.manifest().clone();
     for i in 0..m.num_samples {
-        let fields = shardkit::eagle3::synth::sample(&m, i);
+        let fields = shardkit::eagle3::synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
         w.add(1, &refs).unwrap();
     }

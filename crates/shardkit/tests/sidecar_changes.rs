@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use shardkit::checksum::{self, Verdict};
-use shardkit::eagle3::{self, synth, Writer, WriterOptions};
+use shardkit::eagle3::{self, synthetic_sample, Writer, WriterOptions};
 use shardkit::error::Error;
 use shardkit::json;
 use shardkit::report::Validation;
@@ -54,7 +54,7 @@ fn eagle3_cache(dir: &Path, resume: bool) -> Writer {
     };
     let mut w = Writer::create(dir, &config, opts).unwrap();
     for i in w.resumed_from().unwrap_or(0)..6 {
-        let fields = synth::sample(w.manifest(), i);
+        let fields = synthetic_sample(w.manifest(), i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
         w.add(1, &refs).unwrap();
     }

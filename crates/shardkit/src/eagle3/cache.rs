@@ -329,7 +329,7 @@ impl Cache {
             if name == "target_probs" && self.manifest.topk.is_some() {
                 out.push(Field {
                     name,
-                    dtype: self.manifest.dtype.safetensors(),
+                    dtype: self.manifest.dtype,
                     shape: vec![
                         self.manifest.seq_length as usize,
                         self.manifest.draft_vocab_size as usize,
@@ -369,7 +369,7 @@ impl Cache {
             v,
             ix,
             &mut out,
-            self.manifest.dtype.size(),
+            self.manifest.dtype.bitsize() / 8,
             self.manifest.draft_vocab_size as usize,
             item.file.path(),
         )?;
@@ -379,7 +379,7 @@ impl Cache {
     /// Bytes of one sample's full-width `target_probs`.
     pub(crate) fn full_probs_bytes(&self) -> usize {
         (self.manifest.seq_length * self.manifest.draft_vocab_size) as usize
-            * self.manifest.dtype.size()
+            * (self.manifest.dtype.bitsize() / 8)
     }
 
     /// The embedding table: `weight`, F32 `[rows, H]`, mapped.

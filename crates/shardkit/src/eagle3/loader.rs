@@ -459,7 +459,7 @@ fn batch_layout(
     for name in ITEM_FIELDS {
         let (dtype, row) = if name == "target_probs" {
             (
-                m.dtype.safetensors(),
+                m.dtype,
                 vec![m.seq_length as usize, m.draft_vocab_size as usize],
             )
         } else {
@@ -678,7 +678,7 @@ impl Job for Eagle3Job {
         let cache = &self.inner.cache;
         let m = cache.manifest();
         if m.topk.is_some() {
-            let elem = m.dtype.size();
+            let elem = m.dtype.bitsize() / 8;
             let vd = m.draft_vocab_size as usize;
             let probs = b
                 .layout

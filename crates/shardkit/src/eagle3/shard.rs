@@ -128,7 +128,7 @@ impl FieldSpec {
 /// The tensors every shard of `m` holds, in name order.
 pub(crate) fn field_specs(m: &Manifest) -> Vec<FieldSpec> {
     let s = m.seq_length as usize;
-    let d = m.dtype.safetensors();
+    let d = m.dtype;
     let mut v = vec![
         FieldSpec {
             name: "attention_mask",

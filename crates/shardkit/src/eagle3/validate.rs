@@ -246,7 +246,10 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
     Ok(Value::Object(vec![
         ("format_version".into(), Value::int(m.format_version)),
         ("target_model".into(), get("target_model")),
-        ("dtype".into(), Value::String(m.dtype.name().into())),
+        (
+            "dtype".into(),
+            Value::String(super::manifest::dtype_name(m.dtype).into()),
+        ),
         ("seq_length".into(), Value::int(m.seq_length)),
         ("aux_hidden_dim".into(), Value::int(m.aux_hidden_dim)),
         ("draft_vocab_size".into(), Value::int(m.draft_vocab_size)),

@@ -31,7 +31,7 @@ fn config(n: u64, dtype: &str, topk: Option<u64>) -> Value {
 fn rows(m: &Manifest, first: u64, n: u64) -> BTreeMap<&'static str, Vec<u8>> {
     let mut out: BTreeMap<&'static str, Vec<u8>> = BTreeMap::new();
     for i in first..first + n {
-        for (name, bytes) in eagle3::synth::sample(m, i) {
+        for (name, bytes) in eagle3::synthetic_sample(m, i) {
             out.entry(name).or_default().extend(bytes);
         }
     }
