@@ -322,7 +322,8 @@ impl Cache {
         })
     }
 
-    /// The fields of `item`, in [`ITEM_FIELDS`] order.
+    /// The fields of `item`, in the order NeMo's collate stacks them: input_ids, attention_mask,
+    /// loss_mask, aux_hidden_states, position_mask, target_probs.
     pub fn fields<'a>(&self, item: &'a Item) -> Result<Vec<Field<'a>>> {
         let mut out = Vec::with_capacity(ITEM_FIELDS.len());
         for name in ITEM_FIELDS {

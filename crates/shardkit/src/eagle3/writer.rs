@@ -324,11 +324,11 @@ impl Writer {
 
     /// Adds `n` samples, in order: `fields` holds, for each stored tensor (see
     /// [`Writer::fields`]), its name and the bytes of `n` rows, C order, little-endian. Every
-    /// stored tensor must be given with exactly `n` rows of its dtype and shape, and every value must follow the rules `validate --deep`
-    /// checks (finite floats, probabilities not negative and, lossless, each row summing to 1
-    /// within [`sum_tolerance`](super::sum_tolerance); masks 0 or 1, `position_mask` only where
-    /// `loss_mask` is 1; `input_ids` in `0..target_vocab_size`; top-k indices in
-    /// `0..draft_vocab_size`). Nothing is added when a tensor or a value breaks them
+    /// stored tensor must be given with exactly `n` rows of its dtype and shape, and every value
+    /// must follow the rules `validate --deep` checks (finite floats, probabilities not negative
+    /// and, lossless, each row summing to 1 within the dtype's tolerance: 1e-2 bf16, 2e-3 fp16,
+    /// 1e-4 fp32; masks 0 or 1, `position_mask` only where `loss_mask` is 1; `input_ids` in
+    /// `0..target_vocab_size`; top-k indices in `0..draft_vocab_size`). Nothing is added when a tensor or a value breaks them
     /// ([`Error::Refused`] names the tensor, the sample, the position, the value and the rule),
     /// or when the samples would exceed `num_samples`. A shard is written as soon as it is full.
     pub fn add(&mut self, n: u64, fields: &[(&str, &[u8])]) -> Result<()> {
