@@ -80,8 +80,9 @@ impl Writer {
     /// configuration `config` (a JSON object with every key the reference producer writes).
     ///
     /// `dir` may be an `s3://bucket/prefix` URL naming a prefix without a cache: the cache is
-    /// then staged in a local directory ([`crate::commit::staging_dir`]), each shard uploaded as soon
-    /// as it is written and its staged copy removed, and the rest uploaded by
+    /// then staged in a local directory (`$SHARDKIT_STAGING_DIR`, default the system's temporary
+    /// directory's `shardkit-staging`, then the bucket and key), each shard uploaded as soon as it
+    /// is written and its staged copy removed, and the rest uploaded by
     /// [`Writer::finish`], manifest.json last. The same rules apply to what the store holds: an
     /// interrupted write (shards named in its upload journal) is refused unless
     /// `options.resume`, then continued after the journaled shards, on any machine.
