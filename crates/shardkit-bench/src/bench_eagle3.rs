@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Args;
-use shardkit::eagle3::{shard_index, Cache, Loader, LoaderOptions};
+use shardkit::eagle3::{Cache, Loader, LoaderOptions};
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
@@ -49,11 +49,18 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| Error::io(dir, e))?
         .flatten()
-        .filter(|e| e.file_name().to_str().and_then(shard_index).is_some())
+        .filter(|e| e.file_name().to_str().is_some_and(is_shard))
         .map(|e| e.path())
         .collect();
     v.sort();
     Ok(v)
+}
+
+/// Whether a file name is exactly `shard-` + 6 digits + `.safetensors` (an EAGLE-3 shard).
+fn is_shard(name: &str) -> bool {
+    name.strip_prefix("shard-")
+        .and_then(|n| n.strip_suffix(".safetensors"))
+        .is_some_and(|d| d.len() == 6 && d.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// One pass of the shuffled loader over the epoch: (payload bytes/s, samples/s).
@@ -73,7 +80,7 @@ fn loader_pass(
     for epoch in 0..warmup {
         loader.set_epoch(100 + epoch);
         for b in loader.iter() {
-            std::hint::black_box(b?.bytes());
+            std::hint::black_box(b?.data.len());
         }
     }
     loader.set_epoch(0);
@@ -82,7 +89,7 @@ fn loader_pass(
     for b in loader.iter() {
         let b = b?;
         samples += b.indices.len() as u64;
-        std::hint::black_box(b.bytes());
+        std::hint::black_box(b.data.len());
     }
     let secs = t0.elapsed().as_secs_f64();
     Ok((
@@ -93,7 +100,7 @@ fn loader_pass(
 }
 
 /// The SHA-256 of every batch of epoch 0 of the loader the NeMo-style baseline is given the
-/// order of (seed 7, one rank), its fields in [`shardkit::eagle3::ITEM_FIELDS`] order, batch
+/// order of (seed 7, one rank), its fields in NeMo's collate order, batch
 /// after batch: what the baseline must have read too (an unmeasured pass).
 fn batches_sha256(cache: &Arc<Cache>, a: &Eagle3BenchArgs) -> Result<String> {
     let mut o = LoaderOptions::new(a.batch);
@@ -102,8 +109,9 @@ fn batches_sha256(cache: &Arc<Cache>, a: &Eagle3BenchArgs) -> Result<String> {
     loader.set_epoch(0);
     let mut digest = Digest::default();
     for b in loader.iter() {
-        for (_, bytes) in b?.fields() {
-            digest.update(bytes);
+        let b = b?;
+        for f in &b.layout {
+            digest.update(b.data.field(f));
         }
     }
     Ok(digest.hex())
@@ -128,7 +136,7 @@ pub fn run(a: Eagle3BenchArgs) -> Result<()> {
     let synth = SynthArgs { samples, ..synth };
     let mut writer_bps = None;
     let reuse = Cache::open(&synth.out)
-        .map(|c| c.len() == samples && c.manifest().shard_size == a.shard_size)
+        .map(|c| c.manifest().num_samples == samples && c.manifest().shard_size == a.shard_size)
         .unwrap_or(false);
     if !reuse {
         if synth.out.exists() {

@@ -707,7 +707,7 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
         version: 2,
         resume: false,
     };
-    let reuse = Cache::open(&synth.out).is_ok_and(|c| c.len() == samples);
+    let reuse = Cache::open(&synth.out).is_ok_and(|c| c.manifest().num_samples == samples);
     if !reuse {
         if synth.out.exists() {
             std::fs::remove_dir_all(&synth.out).map_err(|e| shardkit::Error::io(&synth.out, e))?;
@@ -732,7 +732,7 @@ fn eagle3(a: &RemoteBenchArgs, threads: &[usize]) -> Result<Value> {
             let (mut payload, mut batches) = (0u64, 0u64);
             for b in loader.iter() {
                 let b = b?;
-                payload += b.bytes() as u64;
+                payload += b.data.len() as u64;
                 batches += 1;
             }
             let took = clock.took();

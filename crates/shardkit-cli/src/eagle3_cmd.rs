@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
 use memmap2::Mmap;
-use shardkit::eagle3::{self, read_header, synth, Rows, Writer, WriterOptions};
+use shardkit::eagle3::{self, read_header, synthetic_sample, Writer, WriterOptions};
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
@@ -196,12 +196,9 @@ pub fn synth_cache(a: &SynthArgs) -> Result<PathBuf> {
     let pb = progress::bar(Some(m.num_samples), "writing", Unit::Items("samples"));
     pb.set_position(w.next_sample());
     for i in w.next_sample()..m.num_samples {
-        let fields = synth::sample(&m, i);
+        let fields = synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        w.add(Rows {
-            n: 1,
-            fields: &refs,
-        })?;
+        w.add(1, &refs)?;
         pb.set_position(i + 1);
     }
     pb.finish_and_clear();
@@ -305,11 +302,7 @@ fn write(a: WriteArgs) -> Result<bool> {
             .iter()
             .map(|(n, bytes, rb)| (*n, &bytes[take_from as usize * rb..]))
             .collect();
-        w.add(Rows {
-            n: b - take_from,
-            fields: &fields,
-        })
-        .map_err(|e| match e {
+        w.add(b - take_from, &fields).map_err(|e| match e {
             Error::Invalid(why) => Error::format(&input.path, why),
             e => e,
         })?;

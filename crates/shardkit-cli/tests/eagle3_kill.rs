@@ -13,6 +13,15 @@ use common::{run, run_and_kill, snapshot, Rng};
 use shardkit::eagle3::{self, Cache};
 use shardkit::Error;
 
+/// Whether `name` is a temporary a killed writer leaves: `<name>.tmp`, or `.tmp` followed by 6
+/// characters (the safetensors crate's own temporary file).
+fn is_temporary(name: &str) -> bool {
+    name.ends_with(".tmp")
+        || (name.len() == 10
+            && name.starts_with(".tmp")
+            && name[4..].bytes().all(|b| b.is_ascii_alphanumeric()))
+}
+
 fn args(out: &Path, resume: bool) -> Vec<String> {
     let mut a: Vec<String> = [
         "eagle3",
@@ -54,7 +63,7 @@ fn check_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str
     match Cache::open(dir) {
         Ok(_) => {
             let mut files = snapshot(dir);
-            files.retain(|name, _| !eagle3::is_temporary(name));
+            files.retain(|name, _| !is_temporary(name));
             // A kill after the last shard but before the writer finished leaves the embeddings
             // or the checksums sidecar to come; the resumed run writes them.
             let mut reference = reference.clone();

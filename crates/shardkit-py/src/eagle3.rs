@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, Rows, Writer};
+use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, Writer};
 use shardkit::json;
 
 use crate::loader::{rank_world, state_dict, state_from_dict, BatchIter, IntoDict};
@@ -145,7 +145,7 @@ impl Eagle3Writer {
                 .iter()
                 .map(|(n, s)| (n.as_str(), unsafe { s.get() }))
                 .collect();
-            w.add(Rows { n, fields: &refs })
+            w.add(n, &refs)
         })
         .map_err(to_py)
     }
@@ -191,14 +191,17 @@ impl Eagle3Cache {
     #[pyo3(signature = (cache_dir, max_open=eagle3::DEFAULT_OPEN_SHARDS))]
     fn new(py: Python<'_>, cache_dir: PathBuf, max_open: usize) -> PyResult<Self> {
         let inner = py
-            .allow_threads(|| Cache::open_with(cache_dir, max_open))
+            .allow_threads(|| {
+                let at = shardkit::io::Location::parse(&cache_dir)?;
+                Cache::open_source(shardkit::io::open(&at)?, max_open)
+            })
             .map_err(to_py)?;
         Ok(Eagle3Cache {
             inner: Arc::new(inner),
         })
     }
     fn __len__(&self) -> usize {
-        self.inner.len() as usize
+        self.inner.manifest().num_samples as usize
     }
     /// The manifest, as JSON.
     #[getter]
@@ -296,7 +299,8 @@ impl Eagle3Loader {
     /// {"rank", "world_size"}.
     #[getter]
     fn rank_world<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        rank_world(py, self.inner.rank_and_world())
+        let o = self.inner.options();
+        rank_world(py, (o.rank.unwrap_or(0), o.world_size.unwrap_or(1)))
     }
     /// The current epoch.
     #[getter]
@@ -366,8 +370,12 @@ struct E3Batch {
 impl IntoDict for E3Batch {
     /// {"cursor", "indices", "fields": [{"name", "dtype", "shape", "array"}]}.
     fn into_dict(self, py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-        let indices = self.batch.indices.clone();
-        let (data, layout) = self.batch.into_parts();
+        let eagle3::Batch {
+            indices,
+            data,
+            layout,
+            ..
+        } = self.batch;
         let out = batch_views(data, &layout)?
             .into_iter()
             .zip(&layout)

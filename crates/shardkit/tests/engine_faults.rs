@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use shardkit::eagle3::{self, Cache, Rows};
+use shardkit::eagle3::{self, Cache};
 use shardkit::engine::Order;
 use shardkit::flat_tokens::{self, Split, TokenLoader};
 use shardkit::internals::fault::{self, Fault};
@@ -117,13 +117,9 @@ fn eagle3_cache(root: &Path) -> Arc<Cache> {
     let mut w = eagle3::Writer::create(&dir, &config, eagle3::WriterOptions::default()).unwrap();
     let m = w.manifest().clone();
     for i in 0..m.num_samples {
-        let fields = eagle3::synth::sample(&m, i);
+        let fields = eagle3::synthetic_sample(&m, i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        w.add(Rows {
-            n: 1,
-            fields: &refs,
-        })
-        .unwrap();
+        w.add(1, &refs).unwrap();
     }
     w.finish().unwrap();
     Arc::new(Cache::open(&dir).unwrap())
@@ -224,7 +220,7 @@ fn setup(which: Which, root: &Path) -> (Box<dyn Fn() -> Outcome>, usize, PathBuf
             let cache = eagle3_cache(root);
             let l = eagle3_loader(&cache);
             let n = l.len() as usize;
-            let shard = cache.dir().join(eagle3::shard_name(3));
+            let shard = root.join("cache/shard-000003.safetensors");
             (Box::new(move || drain(l.iter())), n, shard)
         }
     }

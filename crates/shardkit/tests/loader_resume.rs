@@ -248,7 +248,7 @@ fn a_saev_state_with_only_the_position_still_loads_and_is_checked_on_what_it_has
 
 // --- EAGLE-3 ----------------------------------------------------------------------------------
 
-use shardkit::eagle3::{self, synth, Cache};
+use shardkit::eagle3::{self, synthetic_sample, Cache};
 
 fn eagle3_cache(dir: &Path, n: u64) -> Arc<Cache> {
     let config = json::parse(
@@ -264,13 +264,9 @@ fn eagle3_cache(dir: &Path, n: u64) -> Arc<Cache> {
     .unwrap();
     let mut w = eagle3::Writer::create(dir, &config, eagle3::WriterOptions::default()).unwrap();
     for i in 0..n {
-        let fields = synth::sample(w.manifest(), i);
+        let fields = synthetic_sample(w.manifest(), i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        w.add(eagle3::Rows {
-            n: 1,
-            fields: &refs,
-        })
-        .unwrap();
+        w.add(1, &refs).unwrap();
     }
     w.finish().unwrap();
     Arc::new(Cache::open(dir).unwrap())

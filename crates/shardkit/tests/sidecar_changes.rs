@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use shardkit::checksum::{self, Verdict};
-use shardkit::eagle3::{self, synth, Rows, Writer, WriterOptions};
+use shardkit::eagle3::{self, synthetic_sample, Writer, WriterOptions};
 use shardkit::json;
 use shardkit::report::Validation;
 use shardkit::sdnb::{self, DType, Format, Order, SaveOptions, TensorIn, VarType};
@@ -54,13 +54,9 @@ fn eagle3_cache(dir: &Path, resume: bool) -> Writer {
     };
     let mut w = Writer::create(dir, &config, opts).unwrap();
     for i in w.resumed_from().unwrap_or(0)..6 {
-        let fields = synth::sample(w.manifest(), i);
+        let fields = synthetic_sample(w.manifest(), i);
         let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-        w.add(Rows {
-            n: 1,
-            fields: &refs,
-        })
-        .unwrap();
+        w.add(1, &refs).unwrap();
     }
     w
 }
@@ -74,7 +70,7 @@ fn eagle3_set_version_keeps_the_sidecar_true() {
     let sidecar = dir.join(checksum::SIDECAR);
     let files = intact(&dir);
     assert_deep_valid(&eagle3::validate(&dir, true), files);
-    let v1 = std::fs::read(dir.join(eagle3::MANIFEST)).unwrap();
+    let v1 = std::fs::read(dir.join("manifest.json")).unwrap();
     for version in [2u8, 1, 2, 2] {
         let m = eagle3::set_version(&dir, version).unwrap();
         assert_eq!(m.format_version, version);
@@ -82,7 +78,7 @@ fn eagle3_set_version_keeps_the_sidecar_true() {
         settled(&sidecar);
     }
     eagle3::set_version(&dir, 1).unwrap();
-    assert_eq!(std::fs::read(dir.join(eagle3::MANIFEST)).unwrap(), v1);
+    assert_eq!(std::fs::read(dir.join("manifest.json")).unwrap(), v1);
     // The sidecar is the one a fresh `checksum` writes.
     let before = std::fs::read(&sidecar).unwrap();
     checksum::record(&dir).unwrap();
@@ -475,7 +471,7 @@ fn changes_make_the_sidecar_accept_both_states_before_the_data_changes() {
     eagle3::set_version(&dir, 2).unwrap();
     let events = here(trace::take());
     let sidecar = at(&events, &|e| renamed(e, checksum::SIDECAR));
-    let manifest = at(&events, &|e| renamed(e, eagle3::MANIFEST));
+    let manifest = at(&events, &|e| renamed(e, "manifest.json"));
     assert_eq!((sidecar.len(), manifest.len()), (2, 1), "{events:#?}");
     assert!(
         sidecar[0] < manifest[0] && manifest[0] < sidecar[1],

@@ -139,27 +139,24 @@ fn eagle3_writer_order() {
         .fields()
         .iter()
         .map(|f| {
+            let row_bytes = f.row.iter().product::<usize>() * f.dtype.bitsize() / 8;
             // Zeros everywhere, except the target distribution: each position's row (two draft
             // columns, fp32) is [1, 0], so it sums to 1 as the writer requires.
             let bytes = if f.name == "target_probs" {
                 [1.0f32, 0.0]
-                    .repeat(f.row_bytes() / 8)
+                    .repeat(row_bytes / 8)
                     .iter()
                     .flat_map(|x| x.to_le_bytes())
                     .collect()
             } else {
-                vec![0u8; f.row_bytes()]
+                vec![0u8; row_bytes]
             };
             (f.name.to_string(), bytes)
         })
         .collect();
     let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (n.as_str(), &b[..])).collect();
     for _ in 0..5 {
-        w.add(eagle3::Rows {
-            n: 1,
-            fields: &refs,
-        })
-        .unwrap();
+        w.add(1, &refs).unwrap();
     }
     w.finish().unwrap();
     let events = below(trace::take(), tmp.path());
@@ -167,8 +164,8 @@ fn eagle3_writer_order() {
     // The manifest is durable before the first shard (a shard set without its configuration
     // could not be resumed), and the sidecar comes after the last shard.
     let manifest = position(&events, |e| renamed_to(e, "manifest.json"))[0];
-    let first = position(&events, |e| renamed_to(e, &eagle3::shard_name(0)))[0];
-    let last = position(&events, |e| renamed_to(e, &eagle3::shard_name(2)))[0];
+    let first = position(&events, |e| renamed_to(e, "shard-000000.safetensors"))[0];
+    let last = position(&events, |e| renamed_to(e, "shard-000002.safetensors"))[0];
     let sidecar = position(&events, |e| renamed_to(e, "shardkit.checksums.json"))[0];
     assert!(manifest < first && last < sidecar, "{events:#?}");
 }

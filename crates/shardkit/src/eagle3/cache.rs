@@ -29,7 +29,7 @@ pub const DEFAULT_OPEN_SHARDS: usize = 64;
 const REMOTE_SHARDS_KEPT: usize = 1 << 16;
 
 /// The fields of an item (and of a batch), in the order NeMo's collate stacks them.
-pub const ITEM_FIELDS: [&str; 6] = [
+pub(crate) const ITEM_FIELDS: [&str; 6] = [
     "input_ids",
     "attention_mask",
     "loss_mask",
@@ -79,13 +79,18 @@ pub struct Field<'a> {
     pub bytes: std::borrow::Cow<'a, [u8]>,
 }
 
-/// One sample: its shard stays mapped while the item lives (from an object store, its rows
-/// are fetched with the item, one ranged GET per stored tensor, all in flight at once).
+/// One sample: sample `index` is row `row` of shard `shard`. Its shard stays mapped while the
+/// item lives (from an object store, its rows are fetched with the item, one ranged GET per
+/// stored tensor, all in flight at once); [`Cache::fields`] gives its fields.
 #[derive(Debug, Clone)]
 pub struct Item {
-    shard: Arc<ShardFile>,
-    row: u64,
-    index: u64,
+    /// The sample's index in the cache.
+    pub index: u64,
+    /// The shard it comes from.
+    pub shard: u64,
+    /// Its row in the shard.
+    pub row: u64,
+    file: Arc<ShardFile>,
     /// The rows of every stored tensor (specs order), for a cache in an object store.
     fetched: Option<Arc<Vec<Vec<u8>>>>,
 }
@@ -98,36 +103,30 @@ impl Item {
                 .get(f)
                 .map(|r| &r[..])
                 .ok_or_else(|| Error::Internal(format!("internal: no fetched field {f}"))),
-            None => self.shard.row(f, self.row, row_bytes),
+            None => self.file.row(f, self.row, row_bytes),
         }
     }
 }
 
 impl Cache {
     /// Opens the cache at `dir`: the manifest (version 1 or 2) and the shard set, which must be
-    /// exactly `0..ceil(num_samples / shard_size)`. A cache whose writer has not finished is
-    /// reported as incomplete with the samples that are missing.
-    pub fn open(dir: impl AsRef<Path>) -> Result<Cache> {
-        Self::open_with(dir, DEFAULT_OPEN_SHARDS)
-    }
-
-    /// [`Cache::open`] keeping at most `max_open` shards mapped at once.
+    /// exactly `0..ceil(num_samples / shard_size)`, keeping at most [`DEFAULT_OPEN_SHARDS`]
+    /// shards mapped at once. A cache whose writer has not finished is reported as incomplete
+    /// with the samples that are missing.
     ///
     /// `dir` may be an `s3://bucket/prefix` URL: the manifest is fetched and the objects listed
     /// once; each shard's header is read when the shard is first used (usually one ranged GET;
-    /// a batch's new shards together) and then kept, whatever `max_open`, and items and
-    /// batches read exactly their rows.
-    pub fn open_with(dir: impl AsRef<Path>, max_open: usize) -> Result<Cache> {
+    /// a batch's new shards together) and then kept, and items and batches read exactly their
+    /// rows.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Cache> {
         let location = Location::parse(dir.as_ref())?;
-        match location.local_path() {
-            Some(dir) => Self::open_local(dir.to_path_buf(), max_open),
-            None => Self::open_source(io::open(&location)?, max_open),
-        }
+        Self::open_source(io::open(&location)?, DEFAULT_OPEN_SHARDS)
     }
 
-    /// Opens the cache `source` holds (a test hook: any [`Source`], an in-memory object store
-    /// say), keeping at most `max_open` shards mapped at once.
-    #[doc(hidden)]
+    /// Opens the cache `source` holds ([`io::open`] of a path or URL, or any [`Source`]: an
+    /// in-memory object store, say), as [`Cache::open`] does, keeping at most `max_open` shards
+    /// mapped at once (a cache in an object store keeps every shard's checked header, whatever
+    /// `max_open`).
     pub fn open_source(source: Arc<dyn Source>, max_open: usize) -> Result<Cache> {
         match source.local_path() {
             Some(dir) => Self::open_local(dir.to_path_buf(), max_open),
@@ -176,29 +175,25 @@ impl Cache {
         self.remote.as_ref().map(|(r, _)| &**r)
     }
 
-    /// The directory.
-    pub fn dir(&self) -> &Path {
+    /// The directory (or URL).
+    pub(crate) fn dir(&self) -> &Path {
         &self.dir
     }
-    /// The manifest.
+    /// The manifest (`num_samples` is the number of samples).
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
     /// Samples (`num_samples`).
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.manifest.num_samples
     }
-    /// Whether the cache has no samples.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
     /// The stored tensors of every shard.
-    pub fn specs(&self) -> &[FieldSpec] {
+    pub(crate) fn specs(&self) -> &[FieldSpec] {
         &self.specs
     }
 
     /// Shard `k`, mapped on first use (its header checked against the manifest).
-    pub fn shard(&self, k: u64) -> Result<Arc<ShardFile>> {
+    fn shard(&self, k: u64) -> Result<Arc<ShardFile>> {
         self.shards(&[k], &io::Stop::never())?
             .remove(&k)
             .ok_or_else(|| Error::Internal(format!("internal: shard {k} was not opened")))
@@ -319,21 +314,23 @@ impl Cache {
             }
         };
         Ok(Item {
-            shard,
-            row,
             index: j,
+            shard: j / s,
+            row,
+            file: shard,
             fetched,
         })
     }
 
-    /// The fields of `item`, in [`ITEM_FIELDS`] order.
+    /// The fields of `item`, in the order NeMo's collate stacks them: input_ids, attention_mask,
+    /// loss_mask, aux_hidden_states, position_mask, target_probs.
     pub fn fields<'a>(&self, item: &'a Item) -> Result<Vec<Field<'a>>> {
         let mut out = Vec::with_capacity(ITEM_FIELDS.len());
         for name in ITEM_FIELDS {
             if name == "target_probs" && self.manifest.topk.is_some() {
                 out.push(Field {
                     name,
-                    dtype: self.manifest.dtype.safetensors(),
+                    dtype: self.manifest.dtype,
                     shape: vec![
                         self.manifest.seq_length as usize,
                         self.manifest.draft_vocab_size as usize,
@@ -373,9 +370,9 @@ impl Cache {
             v,
             ix,
             &mut out,
-            self.manifest.dtype.size(),
+            self.manifest.dtype.bitsize() / 8,
             self.manifest.draft_vocab_size as usize,
-            item.shard.path(),
+            item.file.path(),
         )?;
         Ok(out)
     }
@@ -383,7 +380,7 @@ impl Cache {
     /// Bytes of one sample's full-width `target_probs`.
     pub(crate) fn full_probs_bytes(&self) -> usize {
         (self.manifest.seq_length * self.manifest.draft_vocab_size) as usize
-            * self.manifest.dtype.size()
+            * (self.manifest.dtype.bitsize() / 8)
     }
 
     /// The embedding table: `weight`, F32 `[rows, H]`, mapped.
@@ -469,7 +466,7 @@ fn check_shard_set(dir: &Path, m: &Manifest, present: &BTreeSet<u64>) -> Result<
 }
 
 /// Maps and checks `dir/target_embeddings.safetensors`: one tensor, `weight`, F32 2-D.
-pub fn open_embeddings(dir: &Path) -> Result<Embeddings> {
+pub(crate) fn open_embeddings(dir: &Path) -> Result<Embeddings> {
     let path = dir.join(EMBEDDINGS);
     let file = crate::fsutil::open_regular(&path)?;
     // SAFETY: written only by rename (never in place), see `ShardFile::open`.
@@ -551,21 +548,6 @@ pub(crate) fn scatter(
         out[dst..dst + elem].copy_from_slice(&values[j * elem..(j + 1) * elem]);
     }
     Ok(())
-}
-
-impl Item {
-    /// The sample's index in the cache.
-    pub fn index(&self) -> u64 {
-        self.index
-    }
-    /// The shard file it comes from.
-    pub fn shard(&self) -> &Arc<ShardFile> {
-        &self.shard
-    }
-    /// Its row in the shard.
-    pub fn row(&self) -> u64 {
-        self.row
-    }
 }
 
 /// The embedding file's bytes: mapped, or fetched from an object store.

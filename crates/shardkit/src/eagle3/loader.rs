@@ -59,12 +59,17 @@ const FORMAT: &str = "eagle3";
 /// Where one field of a batch lies in the batch's buffer (the engine's [`Field`](crate::engine::Field)).
 pub use crate::io::buffer::Field as BatchField;
 
-/// One batch: every field stacked on dim 0, in one page-aligned buffer.
+/// One batch: every field stacked on dim 0, in one page-aligned buffer. The bytes of field
+/// `f` (in `layout`, in NeMo's collate order: input_ids, attention_mask, loss_mask,
+/// aux_hidden_states, position_mask, target_probs) are `data.field(f)`.
+#[non_exhaustive]
 pub struct Batch {
     /// The sample index of each row.
     pub indices: Vec<u64>,
-    data: Buffer,
-    layout: Vec<BatchField>,
+    /// The buffer holding every field.
+    pub data: Buffer,
+    /// Where each field lies in `data`: name, dtype, shape (`[rows, ...]`), offset.
+    pub layout: Vec<BatchField>,
 }
 
 impl std::fmt::Debug for Batch {
@@ -72,27 +77,6 @@ impl std::fmt::Debug for Batch {
         f.debug_struct("Batch")
             .field("indices", &self.indices)
             .finish()
-    }
-}
-
-impl Batch {
-    /// The fields in [`ITEM_FIELDS`] order, with their bytes.
-    pub fn fields(&self) -> impl Iterator<Item = (&BatchField, &[u8])> {
-        self.layout
-            .iter()
-            .map(|f| (f, &self.data.as_bytes()[f.offset..f.offset + f.len()]))
-    }
-    /// One field by name.
-    pub fn field(&self, name: &str) -> Option<(&BatchField, &[u8])> {
-        self.fields().find(|(f, _)| f.name == name)
-    }
-    /// Total bytes of the batch's fields.
-    pub fn bytes(&self) -> usize {
-        self.data.len()
-    }
-    /// The buffer and field layout (for zero-copy hand-off).
-    pub fn into_parts(self) -> (Buffer, Vec<BatchField>) {
-        (self.data, self.layout)
     }
 }
 
@@ -165,8 +149,9 @@ pub struct Loader {
 
 impl Loader {
     /// A loader over `cache`.
-    pub fn new(cache: Arc<Cache>, opts: LoaderOptions) -> Result<Loader> {
+    pub fn new(cache: Arc<Cache>, mut opts: LoaderOptions) -> Result<Loader> {
         let (rank, world) = opts.rank_and_world()?;
+        (opts.rank, opts.world_size) = (Some(rank), Some(world));
         if opts.batch_size == 0 {
             return Err(Error::Invalid("batch_size must be at least 1".into()));
         }
@@ -211,17 +196,9 @@ impl Loader {
         })
     }
 
-    /// (rank, world_size).
-    pub fn rank_and_world(&self) -> (u64, u64) {
-        (self.rank, self.world)
-    }
-    /// The options.
+    /// The options, `rank` and `world_size` resolved (`epoch` is the current epoch).
     pub fn options(&self) -> &LoaderOptions {
         &self.opts
-    }
-    /// The cache.
-    pub fn cache(&self) -> &Arc<Cache> {
-        &self.inner.cache
     }
 
     /// The gather pool, started on first use.
@@ -482,7 +459,7 @@ fn batch_layout(
     for name in ITEM_FIELDS {
         let (dtype, row) = if name == "target_probs" {
             (
-                m.dtype.safetensors(),
+                m.dtype,
                 vec![m.seq_length as usize, m.draft_vocab_size as usize],
             )
         } else {
@@ -701,7 +678,7 @@ impl Job for Eagle3Job {
         let cache = &self.inner.cache;
         let m = cache.manifest();
         if m.topk.is_some() {
-            let elem = m.dtype.size();
+            let elem = m.dtype.bitsize() / 8;
             let vd = m.draft_vocab_size as usize;
             let probs = b
                 .layout

@@ -7,55 +7,31 @@
 
 use std::path::{Path, PathBuf};
 
+use safetensors::Dtype;
+
 use crate::error::{Error, Result};
 use crate::fsutil;
 use crate::json::{self, Escape, Value};
 
 /// The manifest's file name.
-pub const MANIFEST: &str = "manifest.json";
+pub(crate) const MANIFEST: &str = "manifest.json";
 
-/// The float dtype of a cache's float fields.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CacheDtype {
-    /// bfloat16 (`"bf16"`, safetensors `BF16`), the reference's default.
-    Bf16,
-    /// float16 (`"fp16"`, `F16`).
-    Fp16,
-    /// float32 (`"fp32"`, `F32`).
-    Fp32,
+/// The manifest's name of a float dtype (BF16, F16 or F32): "bf16", "fp16" or "fp32".
+pub(crate) fn dtype_name(d: Dtype) -> &'static str {
+    match d {
+        Dtype::BF16 => "bf16",
+        Dtype::F16 => "fp16",
+        _ => "fp32",
+    }
 }
 
-impl CacheDtype {
-    /// The manifest's name: "bf16", "fp16" or "fp32".
-    pub fn name(self) -> &'static str {
-        match self {
-            CacheDtype::Bf16 => "bf16",
-            CacheDtype::Fp16 => "fp16",
-            CacheDtype::Fp32 => "fp32",
-        }
-    }
-    /// The safetensors dtype.
-    pub fn safetensors(self) -> safetensors::Dtype {
-        match self {
-            CacheDtype::Bf16 => safetensors::Dtype::BF16,
-            CacheDtype::Fp16 => safetensors::Dtype::F16,
-            CacheDtype::Fp32 => safetensors::Dtype::F32,
-        }
-    }
-    /// Bytes per element.
-    pub(crate) fn size(self) -> usize {
-        match self {
-            CacheDtype::Fp32 => 4,
-            _ => 2,
-        }
-    }
-    fn parse(s: &str) -> Option<CacheDtype> {
-        match s {
-            "bf16" => Some(CacheDtype::Bf16),
-            "fp16" => Some(CacheDtype::Fp16),
-            "fp32" => Some(CacheDtype::Fp32),
-            _ => None,
-        }
+/// The float dtype a manifest names.
+fn parse_dtype(s: &str) -> Option<Dtype> {
+    match s {
+        "bf16" => Some(Dtype::BF16),
+        "fp16" => Some(Dtype::F16),
+        "fp32" => Some(Dtype::F32),
+        _ => None,
     }
 }
 
@@ -76,8 +52,9 @@ pub struct Manifest {
     pub aux_hidden_dim: u64,
     /// `draft_vocab_size` (Vd), equal to the length of `selected_token_ids`.
     pub draft_vocab_size: u64,
-    /// The float dtype.
-    pub dtype: CacheDtype,
+    /// The float dtype of the float fields: BF16 (`"bf16"`, the reference's default), F16
+    /// (`"fp16"`) or F32 (`"fp32"`).
+    pub dtype: Dtype,
     /// `target_probs_topk`: `Some(k)` when shards hold top-k pairs (`0 < k < Vd`, v2 only).
     pub topk: Option<u64>,
     /// `target_vocab_size`, when recorded.
@@ -120,7 +97,7 @@ const PRODUCER_KEYS: [&str; 10] = [
 
 impl Manifest {
     /// Parses the manifest text of `path` (for messages); the version must be 1 or 2.
-    pub fn parse(text: &[u8], path: &Path) -> Result<Manifest> {
+    pub(crate) fn parse(text: &[u8], path: &Path) -> Result<Manifest> {
         let v = json::parse(text).map_err(|e| Error::format(path, e.to_string()))?;
         let version = match v.get("format_version") {
             None => {
@@ -149,7 +126,7 @@ impl Manifest {
     /// A manifest to write: `object` is the run configuration (`format_version` inside it is
     /// ignored; `version` decides). Every key the reference producer writes is required;
     /// `target_probs_topk` is added as 0 in version 2 and refused above 0 in version 1.
-    pub fn for_writing(object: &Value, version: u8) -> Result<Manifest> {
+    pub(crate) fn for_writing(object: &Value, version: u8) -> Result<Manifest> {
         let path = Path::new(MANIFEST);
         if !matches!(object, Value::Object(_)) {
             return Err(Error::Invalid(format!(
@@ -208,18 +185,15 @@ impl Manifest {
         let dtype_text = obj
             .get("dtype")
             .ok_or_else(|| Error::format(path, "missing key `dtype`"))?;
-        let dtype = dtype_text
-            .as_str()
-            .and_then(CacheDtype::parse)
-            .ok_or_else(|| {
-                Error::format(
-                    path,
-                    format!(
-                        "`dtype` must be \"bf16\", \"fp16\" or \"fp32\", found {}",
-                        json::to_compact(dtype_text, false, Escape::Utf8)
-                    ),
-                )
-            })?;
+        let dtype = dtype_text.as_str().and_then(parse_dtype).ok_or_else(|| {
+            Error::format(
+                path,
+                format!(
+                    "`dtype` must be \"bf16\", \"fp16\" or \"fp32\", found {}",
+                    json::to_compact(dtype_text, false, Escape::Utf8)
+                ),
+            )
+        })?;
         let selected = match obj.get("selected_token_ids") {
             Some(Value::Array(items)) => items
                 .iter()
@@ -304,7 +278,7 @@ impl Manifest {
     }
 
     /// The file's bytes, exactly as Python `json.dump(obj, f, indent=2, sort_keys=True)`.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
         json::to_pretty(&self.to_value().sorted(), 2, Escape::Ascii).into_bytes()
     }
 
@@ -321,7 +295,7 @@ impl Manifest {
     /// Bytes one sample takes in a shard (eagle3.md §2.3); None on overflow.
     pub fn sample_bytes(&self) -> Option<u64> {
         let s = self.seq_length;
-        let e = self.dtype.size() as u64;
+        let e = self.dtype.bitsize() as u64 / 8;
         let probs = match self.topk {
             None => s.checked_mul(self.draft_vocab_size)?.checked_mul(e)?,
             Some(k) => s.checked_mul(k)?.checked_mul(e + 4)?,
@@ -350,7 +324,7 @@ impl Manifest {
     }
 
     /// The run configuration as given (without `format_version`).
-    pub fn raw(&self) -> &Value {
+    pub(crate) fn raw(&self) -> &Value {
         &self.raw
     }
 

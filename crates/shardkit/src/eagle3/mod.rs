@@ -30,7 +30,7 @@
 //! ```
 //! use std::sync::Arc;
 //!
-//! use shardkit::eagle3::{synth, Cache, Loader, LoaderOptions, Rows, Writer, WriterOptions};
+//! use shardkit::eagle3::{synthetic_sample, Cache, Loader, LoaderOptions, Writer, WriterOptions};
 //!
 //! # fn main() -> shardkit::Result<()> {
 //! let dir = tempfile::tempdir().unwrap();
@@ -45,9 +45,9 @@
 //! let mut writer = Writer::create(dir.path(), &config, WriterOptions::default())?;
 //! for i in 0..6 {
 //!     // Each field's little-endian bytes (synthetic values here).
-//!     let fields = synth::sample(writer.manifest(), i);
+//!     let fields = synthetic_sample(writer.manifest(), i);
 //!     let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, b)| (*n, b.as_slice())).collect();
-//!     writer.add(Rows { n: 1, fields: &refs })?;
+//!     writer.add(1, &refs)?;
 //! }
 //! writer.finish()?;
 //!
@@ -68,20 +68,17 @@ mod loader;
 mod manifest;
 mod rules;
 mod shard;
-pub mod synth;
+mod synth;
+#[cfg(test)]
+mod tests;
 mod validate;
 mod writer;
 
 pub use crate::engine::LoaderState;
-pub use cache::{
-    open_embeddings, Cache, Embeddings, Field, Item, DEFAULT_OPEN_SHARDS, ITEM_FIELDS,
-};
+pub use cache::{Cache, Embeddings, Field, Item, DEFAULT_OPEN_SHARDS};
 pub use loader::{Batch, BatchField, Batches, Eagle3Options, Loader, LoaderOptions};
-pub use manifest::{CacheDtype, Manifest, MANIFEST};
-pub use rules::sum_tolerance;
-pub use shard::{field_specs, shard_name, FieldSpec};
-// Shard-file helpers for the CLI and its tests.
-#[doc(hidden)]
-pub use shard::{is_temporary, read_header, shard_index};
+pub use manifest::Manifest;
+pub use shard::{read_header, FieldSpec};
+pub use synth::synthetic_sample;
 pub use validate::{inspect, set_version, validate, Validation};
-pub use writer::{write_embeddings, Rows, Writer, WriterOptions, EMBEDDINGS};
+pub use writer::{Writer, WriterOptions};

@@ -20,7 +20,7 @@ use crate::error::Error;
 
 /// Tolerance on a probability row's sum, by dtype: each of Vd values carries a relative
 /// rounding error of half an ulp (2^-8 bf16, 2^-11 fp16, 2^-24 fp32), and the row sums to 1.
-pub fn sum_tolerance(dtype: Dtype) -> f64 {
+pub(crate) fn sum_tolerance(dtype: Dtype) -> f64 {
     match dtype {
         Dtype::BF16 => 1e-2,
         Dtype::F16 => 2e-3,

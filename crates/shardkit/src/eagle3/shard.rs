@@ -20,7 +20,7 @@ use crate::fsutil;
 use crate::io::{Source, Stop};
 
 /// The file name of shard `k`.
-pub fn shard_name(k: u64) -> String {
+pub(crate) fn shard_name(k: u64) -> String {
     format!("shard-{k:06}.safetensors")
 }
 
@@ -28,7 +28,7 @@ pub fn shard_name(k: u64) -> String {
 const HEADER_PROBE: u64 = 64 << 10;
 
 /// The shard index a file name carries, if it is exactly `shard-` + 6 digits + `.safetensors`.
-pub fn shard_index(name: &str) -> Option<u64> {
+pub(crate) fn shard_index(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("shard-")?.strip_suffix(".safetensors")?;
     (digits.len() == 6 && digits.bytes().all(|b| b.is_ascii_digit()))
         .then(|| digits.parse().ok())
@@ -37,7 +37,7 @@ pub fn shard_index(name: &str) -> Option<u64> {
 
 /// Whether `name` is a temporary a writer leaves when killed: `<name>.tmp`, or `.tmp` followed
 /// by 6 characters (the safetensors crate's own temporary file).
-pub fn is_temporary(name: &str) -> bool {
+pub(crate) fn is_temporary(name: &str) -> bool {
     name.ends_with(".tmp")
         || (name.len() == 10
             && name.starts_with(".tmp")
@@ -120,15 +120,15 @@ pub struct FieldSpec {
 
 impl FieldSpec {
     /// Bytes in one row.
-    pub fn row_bytes(&self) -> usize {
+    pub(crate) fn row_bytes(&self) -> usize {
         self.row.iter().product::<usize>() * self.dtype.bitsize() / 8
     }
 }
 
 /// The tensors every shard of `m` holds, in name order.
-pub fn field_specs(m: &Manifest) -> Vec<FieldSpec> {
+pub(crate) fn field_specs(m: &Manifest) -> Vec<FieldSpec> {
     let s = m.seq_length as usize;
-    let d = m.dtype.safetensors();
+    let d = m.dtype;
     let mut v = vec![
         FieldSpec {
             name: "attention_mask",
@@ -187,7 +187,7 @@ fn st_err(path: &Path, source: safetensors::SafeTensorError) -> Error {
 
 /// A shard opened for reading: its memory map (or its object in a store) and parsed header,
 /// checked against the manifest.
-pub struct ShardFile {
+pub(crate) struct ShardFile {
     path: PathBuf,
     /// None for a shard in an object store, whose rows are read with ranged GETs.
     map: Option<Mmap>,
@@ -349,7 +349,7 @@ pub(crate) fn remote_head(
 
 impl ShardFile {
     /// Maps `path` and checks that it holds exactly `specs` with `rows` rows each.
-    pub fn open(path: &Path, specs: &[FieldSpec], rows: u64) -> Result<ShardFile> {
+    pub(crate) fn open(path: &Path, specs: &[FieldSpec], rows: u64) -> Result<ShardFile> {
         let file = fsutil::open_regular(path)?;
         // SAFETY: shards are only ever replaced by rename, never rewritten in place, so the
         // mapped bytes do not change under us (eagle3.md §9.1).
@@ -432,16 +432,12 @@ impl ShardFile {
         })
     }
     /// The file.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
-    }
-    /// Samples in the shard.
-    pub fn rows(&self) -> u64 {
-        self.rows
     }
     /// The bytes of row `r` of field `f` (index into the specs), borrowed from the map (an
     /// error for a shard in an object store).
-    pub fn row(&self, f: usize, r: u64, row_bytes: usize) -> Result<&[u8]> {
+    pub(crate) fn row(&self, f: usize, r: u64, row_bytes: usize) -> Result<&[u8]> {
         let start = self.data_start + self.offsets[f] + r as usize * row_bytes;
         Ok(&self.mapped()?[start..start + row_bytes])
     }

@@ -39,7 +39,7 @@ fn unit(rng: &mut SplitMix64) -> f32 {
 }
 
 /// Every stored tensor's bytes for sample `i` of a cache described by `m`.
-pub fn sample(m: &Manifest, i: u64) -> Vec<(&'static str, Vec<u8>)> {
+pub fn synthetic_sample(m: &Manifest, i: u64) -> Vec<(&'static str, Vec<u8>)> {
     let mut rng = SplitMix64(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xea61e3);
     let s = m.seq_length as usize;
     let vocab = m.target_vocab_size.unwrap_or(32_000).max(1);

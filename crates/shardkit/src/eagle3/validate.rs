@@ -18,7 +18,7 @@ pub use crate::report::Validation;
 /// or Inf in float fields, no negative probability; masks and `position_mask` 0 or 1, `position_mask` set only where
 /// `loss_mask` is; `input_ids` in `0..target_vocab_size`; top-k indices inside the draft
 /// vocabulary; and each `target_probs` row of a lossless cache summing to 1 within the dtype's
-/// tolerance ([`sum_tolerance`](super::sum_tolerance)). These are the rules the writer refuses a
+/// tolerance (1e-2 bf16, 2e-3 fp16, 1e-4 fp32). These are the rules the writer refuses a
 /// batch for, so a cache shardkit wrote passes them.
 pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
     let location = Location::parse(dir.as_ref());
@@ -246,7 +246,10 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
     Ok(Value::Object(vec![
         ("format_version".into(), Value::int(m.format_version)),
         ("target_model".into(), get("target_model")),
-        ("dtype".into(), Value::String(m.dtype.name().into())),
+        (
+            "dtype".into(),
+            Value::String(super::manifest::dtype_name(m.dtype).into()),
+        ),
         ("seq_length".into(), Value::int(m.seq_length)),
         ("aux_hidden_dim".into(), Value::int(m.aux_hidden_dim)),
         ("draft_vocab_size".into(), Value::int(m.draft_vocab_size)),

@@ -31,7 +31,7 @@ use crate::io::{self, Remote};
 use crate::json::Value;
 
 /// The embeddings file's name.
-pub const EMBEDDINGS: &str = "target_embeddings.safetensors";
+pub(crate) const EMBEDDINGS: &str = "target_embeddings.safetensors";
 
 /// Options of [`Writer::create`].
 #[derive(Debug, Clone)]
@@ -50,16 +50,6 @@ impl Default for WriterOptions {
             resume: false,
         }
     }
-}
-
-/// Rows of samples to add: for each stored tensor (see [`Writer::fields`]), the bytes of `n`
-/// rows, C order, little-endian.
-#[derive(Debug, Clone, Copy)]
-pub struct Rows<'a> {
-    /// Number of samples.
-    pub n: u64,
-    /// (tensor name, bytes) for every stored tensor.
-    pub fields: &'a [(&'a str, &'a [u8])],
 }
 
 /// Writes one cache directory.
@@ -90,8 +80,9 @@ impl Writer {
     /// configuration `config` (a JSON object with every key the reference producer writes).
     ///
     /// `dir` may be an `s3://bucket/prefix` URL naming a prefix without a cache: the cache is
-    /// then staged in a local directory ([`crate::commit::staging_dir`]), each shard uploaded as soon
-    /// as it is written and its staged copy removed, and the rest uploaded by
+    /// then staged in a local directory (`$SHARDKIT_STAGING_DIR`, default the system's temporary
+    /// directory's `shardkit-staging`, then the bucket and key), each shard uploaded as soon as it
+    /// is written and its staged copy removed, and the rest uploaded by
     /// [`Writer::finish`], manifest.json last. The same rules apply to what the store holds: an
     /// interrupted write (shards named in its upload journal) is refused unless
     /// `options.resume`, then continued after the journaled shards, on any machine.
@@ -310,10 +301,6 @@ impl Writer {
         })
     }
 
-    /// The cache directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
     /// The manifest written.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
@@ -336,27 +323,27 @@ impl Writer {
         self.resumed_from
     }
 
-    /// Adds `rows.n` samples, in order. Every stored tensor must be given with exactly `n`
-    /// rows of its dtype and shape, and every value must follow the rules `validate --deep`
-    /// checks (finite floats, probabilities not negative and, lossless, each row summing to 1
-    /// within [`sum_tolerance`](super::sum_tolerance); masks 0 or 1, `position_mask` only where
-    /// `loss_mask` is 1; `input_ids` in `0..target_vocab_size`; top-k indices in
-    /// `0..draft_vocab_size`). Nothing is added when a tensor or a value breaks them
+    /// Adds `n` samples, in order: `fields` holds, for each stored tensor (see
+    /// [`Writer::fields`]), its name and the bytes of `n` rows, C order, little-endian. Every
+    /// stored tensor must be given with exactly `n` rows of its dtype and shape, and every value
+    /// must follow the rules `validate --deep` checks (finite floats, probabilities not negative
+    /// and, lossless, each row summing to 1 within the dtype's tolerance: 1e-2 bf16, 2e-3 fp16,
+    /// 1e-4 fp32; masks 0 or 1, `position_mask` only where `loss_mask` is 1; `input_ids` in
+    /// `0..target_vocab_size`; top-k indices in `0..draft_vocab_size`). Nothing is added when a tensor or a value breaks them
     /// ([`Error::Refused`] names the tensor, the sample, the position, the value and the rule),
     /// or when the samples would exceed `num_samples`. A shard is written as soon as it is full.
-    pub fn add(&mut self, rows: Rows<'_>) -> Result<()> {
-        self.add_rows(rows, true)
+    pub fn add(&mut self, n: u64, fields: &[(&str, &[u8])]) -> Result<()> {
+        self.add_rows(n, fields, true)
     }
 
     /// [`Writer::add`] without the checks of values (the shapes are still checked): for tests
     /// that reproduce a reference file byte for byte from filler values. Never for data.
-    #[doc(hidden)]
-    pub fn add_unchecked(&mut self, rows: Rows<'_>) -> Result<()> {
-        self.add_rows(rows, false)
+    #[cfg(test)]
+    pub(crate) fn add_unchecked(&mut self, n: u64, fields: &[(&str, &[u8])]) -> Result<()> {
+        self.add_rows(n, fields, false)
     }
 
-    fn add_rows(&mut self, rows: Rows<'_>, check: bool) -> Result<()> {
-        let n = rows.n;
+    fn add_rows(&mut self, n: u64, fields: &[(&str, &[u8])], check: bool) -> Result<()> {
         let left = self.manifest.num_samples - self.next_sample();
         if n > left {
             return Err(Error::Invalid(format!(
@@ -366,8 +353,7 @@ impl Writer {
         }
         let mut given: Vec<&[u8]> = Vec::with_capacity(self.specs.len());
         for spec in &self.specs {
-            let bytes = rows
-                .fields
+            let bytes = fields
                 .iter()
                 .find(|(name, _)| *name == spec.name)
                 .map(|(_, b)| *b)
@@ -389,8 +375,7 @@ impl Writer {
             }
             given.push(bytes);
         }
-        if let Some((name, _)) = rows
-            .fields
+        if let Some((name, _)) = fields
             .iter()
             .find(|(name, _)| !self.specs.iter().any(|s| s.name == *name))
         {
@@ -505,7 +490,13 @@ impl Writer {
 }
 
 /// Writes the embeddings file of the cache at `dir` (see [`Writer::write_target_embeddings`]).
-pub fn write_embeddings(dir: &Path, m: &Manifest, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+pub(crate) fn write_embeddings(
+    dir: &Path,
+    m: &Manifest,
+    data: &[u8],
+    rows: u64,
+    cols: u64,
+) -> Result<()> {
     let want = rows
         .checked_mul(cols)
         .and_then(|e| e.checked_mul(4))
