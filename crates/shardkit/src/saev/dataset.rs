@@ -273,9 +273,8 @@ impl Dataset {
         }
     }
 
-    /// Opens the dataset `source` holds (a test hook: any [`Source`], an in-memory object
-    /// store say).
-    #[doc(hidden)]
+    /// Opens the dataset `source` holds: any [`Source`] (a store of your own, or an
+    /// `object_store` store through [`crate::io::open_store`]).
     pub fn open_source(source: Arc<dyn Source>) -> Result<Dataset> {
         match source.local_path() {
             Some(dir) => Self::open_local(dir.to_path_buf()),

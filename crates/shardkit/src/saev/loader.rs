@@ -253,8 +253,7 @@ impl Loader {
         Loader::with_dataset(Dataset::open(dir)?, opts)
     }
 
-    /// Loads `ds`, already open (a test hook: a dataset opened over any source).
-    #[doc(hidden)]
+    /// Loads `ds`, already open (a dataset opened over any source: [`Dataset::open_source`]).
     pub fn with_dataset(ds: Dataset, opts: LoaderOptions) -> Result<Loader> {
         let layout = *ds.layout();
         let slots = match opts.layer {

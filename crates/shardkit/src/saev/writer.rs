@@ -88,7 +88,9 @@ pub struct Writer {
     labels: Option<File>,
     labels_decided: bool,
     finished: bool,
-    /// Held for the writer's life: a second writer of this directory fails at once.
+    /// Held for the writer's life: a second writer of this directory fails at once. Held, not
+    /// read (only the tests' `abandon` takes it out early).
+    #[cfg_attr(not(any(test, feature = "fault-injection")), allow(dead_code))]
     lock: Option<WriteLock>,
     /// The shards published so far, checksummed (see [`crate::checksum`]) and, writing to an
     /// object store (staged in `dir`), streamed there as they are published.
@@ -667,6 +669,8 @@ impl Writer {
 
     /// Ends the writer as a killed process would (tests of crash recovery): nothing runs on
     /// the way out and nothing is cleaned up; only the lock goes, as the kernel releases it.
+    /// Only in test builds (the `fault-injection` feature).
+    #[cfg(any(test, feature = "fault-injection"))]
     #[doc(hidden)]
     pub fn abandon(self) {
         let mut me = std::mem::ManuallyDrop::new(self);
