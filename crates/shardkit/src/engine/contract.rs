@@ -3,7 +3,7 @@
 //!
 //! * [`LoaderOptions`]: the knobs every loader has (batch size, order, seed, epoch, rank and
 //!   world size, `drop_last`, threads, verification), with their defaults written once in
-//!   [`LoaderOptions::with_format`], and the format's own knobs beside them in `format` (a
+//!   `LoaderOptions::with_format`, and the format's own knobs beside them in `format` (a
 //!   field of each format's options struct reads as a field of the whole: `o.layer`).
 //! * [`LoaderState`]: the position a loader's `state()` returns and its `load_state` takes:
 //!   seed, epoch, next batch, batch size and world size, then the format's own keys (its exact
@@ -11,8 +11,8 @@
 //!   user's saved state lists them. Bindings convert it to a dict (or JSON) and back key by
 //!   key, without knowing the format.
 //!
-//! Seqax's names (`host_index`, `host_count`, `batch`) are aliases at the edges (flat-tokens'
-//! builder methods, Python keywords), not fields here.
+//! Seqax's names (`host_index`, `host_count`, `batch`) are aliases at the edge (Python
+//! keywords), not fields here.
 
 use std::ops::{Deref, DerefMut};
 

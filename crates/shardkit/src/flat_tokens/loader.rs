@@ -909,8 +909,9 @@ impl Job for TokenLoader {
 
     fn prepare(&self, step: u64, cx: &Context<'_>) -> Result<Prepared<StepRows>> {
         // The split's chunks are read through zarrs, whose storage interface carries no stop:
-        // its reads on this thread give up once the stream stops (see `io::reads_stopped_by`).
-        crate::io::reads_stopped_by(Some(cx.stop_flag().clone()), || {
+        // its reads on this thread give up once the stream stops (`io::zarr_reads_stopped_by`).
+        let stop = crate::io::Stop::new(cx.stop_flag().clone());
+        crate::io::zarr_reads_stopped_by(&stop, || {
             let rows = self.sequences(step)?;
             // With buffers in memory: the buffer each row is served from, read now if new.
             let mut from = Vec::new();

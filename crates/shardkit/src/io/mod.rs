@@ -60,6 +60,8 @@ pub(crate) mod stop;
 pub(crate) mod store;
 #[cfg(feature = "zarr")]
 pub(crate) mod zarr;
+#[cfg(feature = "zarr")]
+pub(crate) use zarr::zarr_reads_stopped_by;
 
 pub use crate::config::{inflight, max_request, set_inflight, set_max_request_mib};
 pub(crate) use cache::Cached;
@@ -72,7 +74,6 @@ pub use local::ReadRange;
 pub(crate) use location::verify_needs_local;
 pub use location::Location;
 pub(crate) use location::{is_local, local_path};
-pub(crate) use runtime::reads_stopped_by;
 pub use runtime::PendingRead;
 pub use source::{open, open_store, open_uncached, Source};
 pub use stop::Stop;

@@ -1,7 +1,7 @@
 //! The tokio runtime every request runs on (one per process, made again after fork), and
 //! blocking on it.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use super::stop::{stopped_error, Stop, STOP_POLL};
 use crate::error::{Error, Result};
@@ -63,50 +63,6 @@ pub(crate) fn block_on_until<F: std::future::Future>(
     })
 }
 
-thread_local! {
-    /// The stop of the store reads this thread makes beneath an interface that carries none
-    /// (zarrs's storage traits); set by [`reads_stopped_by`].
-    pub(crate) static READ_STOP: std::cell::RefCell<Option<Arc<std::sync::atomic::AtomicBool>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// Runs `f`; the reads the zarrs adapter (`io::zarr`) makes for it on this thread give up,
-/// with [`stopped_error`], once `stop` is set (a flat-tokens buffer read ahead for an iterator
-/// that was closed stops the GETs of the groups it is fetching, through zarrs). With `None`,
-/// they keep the stop already in force on this thread, if any. Every other read takes its
-/// [`Stop`] as an argument; zarrs's storage interface has no place for one.
-pub(crate) fn reads_stopped_by<T>(
-    stop: Option<Arc<std::sync::atomic::AtomicBool>>,
-    f: impl FnOnce() -> T,
-) -> T {
-    let Some(stop) = stop else {
-        return f();
-    };
-    struct Restore(Option<Arc<std::sync::atomic::AtomicBool>>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            let before = self.0.take();
-            READ_STOP.with_borrow_mut(|s| *s = before);
-        }
-    }
-    let _restore = Restore(READ_STOP.with_borrow_mut(|s| s.replace(stop)));
-    f()
-}
-
-/// Blocks on a read `f` made on this thread, giving up if [`reads_stopped_by`] set a stop
-/// that turns true.
-#[cfg(test)]
-pub(crate) fn block_on_read<F: std::future::Future<Output = Result<()>>>(f: F) -> Result<()> {
-    block_on_stopped(f, &thread_stop())
-}
-
-/// The stop [`reads_stopped_by`] put in force on this thread, if any.
-pub(crate) fn thread_stop() -> Stop {
-    READ_STOP
-        .with_borrow(|s| s.clone())
-        .map_or_else(Stop::never, Stop::new)
-}
-
 /// Blocks on a read `f`, giving up once `stop` is set.
 pub(crate) fn block_on_stopped<F: std::future::Future<Output = Result<()>>>(
     f: F,
@@ -155,43 +111,5 @@ impl Drop for PendingRead {
             // kept (on their own blocking tasks), and the buffer goes back to its pool.
             task.abort();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_read_stop_holds_on_its_thread_for_its_call_and_cuts_a_blocked_read() {
-        use std::sync::atomic::AtomicBool;
-        let current = || READ_STOP.with_borrow(|s| s.as_ref().map(Arc::as_ptr));
-        let outer = Arc::new(AtomicBool::new(false));
-        let inner = Arc::new(AtomicBool::new(true));
-        assert_eq!(current(), None);
-        reads_stopped_by(Some(outer.clone()), || {
-            assert_eq!(current(), Some(Arc::as_ptr(&outer)));
-            // None keeps the stop in force; another replaces it for its call only.
-            reads_stopped_by(None, || assert_eq!(current(), Some(Arc::as_ptr(&outer))));
-            reads_stopped_by(Some(inner.clone()), || {
-                assert_eq!(current(), Some(Arc::as_ptr(&inner)));
-                // A read that would never end gives up once its stop is set.
-                let e = block_on_read(std::future::pending()).unwrap_err();
-                assert_eq!(e.to_string(), stopped_error().to_string());
-            });
-            assert_eq!(current(), Some(Arc::as_ptr(&outer)));
-            // Restored when the call panics too.
-            let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                reads_stopped_by(Some(inner.clone()), || panic!("a read failed"))
-            }));
-            assert!(unwound.is_err());
-            assert_eq!(current(), Some(Arc::as_ptr(&outer)));
-            // Not stopped: a read completes.
-            assert!(block_on_read(async { Ok(()) }).is_ok());
-        });
-        assert_eq!(current(), None);
-        std::thread::spawn(move || assert_eq!(current(), None))
-            .join()
-            .unwrap();
     }
 }

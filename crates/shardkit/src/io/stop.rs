@@ -29,6 +29,11 @@ impl Stop {
         Stop(Some(flag))
     }
 
+    /// Whether this is [`Stop::never`].
+    pub(crate) fn is_never(&self) -> bool {
+        self.0.is_none()
+    }
+
     /// Whether the stop is set.
     pub(crate) fn is_set(&self) -> bool {
         self.0

@@ -81,7 +81,11 @@ impl Prefetched {
                 ByteRange::Suffix(_) => (u64::MAX, false),
             })
             .collect();
-        let parts = crate::io::reads_stopped_by(self.stop.clone(), || {
+        let stop = self
+            .stop
+            .clone()
+            .map_or_else(crate::io::Stop::never, crate::io::Stop::new);
+        let parts = crate::io::zarr_reads_stopped_by(&stop, || {
             self.inner
                 .get_partial_many(key, Box::new(ranges.into_iter()))
         })?;
