@@ -9,6 +9,7 @@ pub mod checksum_cmd;
 pub mod eagle3_cmd;
 pub mod inspect_text;
 pub mod npy;
+pub mod parts_cmd;
 pub mod progress;
 pub mod saev_cmd;
 pub mod sdnb_cmd;

@@ -14,6 +14,20 @@ use crate::{
     SendSlice, Storage,
 };
 
+/// {"n_examples", "n_layers", "tokens_per_example", "d_model"} of a writer.
+fn shape_dict(py: Python<'_>, shape: (usize, usize, usize, usize)) -> PyResult<Bound<'_, PyDict>> {
+    let (n, l, t, d) = shape;
+    record(
+        py,
+        [
+            ("n_examples", obj(py, n)?),
+            ("n_layers", obj(py, l)?),
+            ("tokens_per_example", obj(py, t)?),
+            ("d_model", obj(py, d)?),
+        ],
+    )
+}
+
 /// Streaming, crash-safe writer of one saev directory.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct Writer {
@@ -91,16 +105,7 @@ impl Writer {
     /// {"n_examples", "n_layers", "tokens_per_example", "d_model"}.
     #[getter]
     fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (n, l, t, d) = self.shape;
-        record(
-            py,
-            [
-                ("n_examples", obj(py, n)?),
-                ("n_layers", obj(py, l)?),
-                ("tokens_per_example", obj(py, t)?),
-                ("d_model", obj(py, d)?),
-            ],
-        )
+        shape_dict(py, self.shape)
     }
     /// Content tokens per example (labels are (b, this)).
     #[getter]
@@ -480,6 +485,179 @@ impl Loader {
 }
 
 /// `shardkit saev validate --json` as a JSON string.
+/// Writer of one rank's part of a saev dataset that several processes write together.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct PartWriter {
+    inner: Option<saev::PartWriter>,
+    path: String,
+    rank: shardkit::Rank,
+    examples: (u64, u64),
+    shape: (usize, usize, usize, usize),
+    content_tokens: usize,
+}
+
+impl Drop for PartWriter {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            drop_without_gil(w);
+        }
+    }
+}
+
+/// The rank given, or the launcher's from the environment when neither is given.
+fn rank_of(rank: Option<u64>, world_size: Option<u64>) -> PyResult<shardkit::Rank> {
+    match (rank, world_size) {
+        (Some(r), Some(w)) => shardkit::Rank::new(r, w).map_err(to_py),
+        (None, None) => shardkit::Rank::from_env().map_err(to_py),
+        _ => Err(py_error(
+            "InvalidArgumentError",
+            "give both rank and world_size, or neither (they are then read from the \
+             launcher's environment: RANK/WORLD_SIZE, Slurm or MPI variables)",
+        )),
+    }
+}
+
+/// A parts status as a dict: {"committed", "units", "done", "missing", "claimed"}.
+fn status_json(st: &shardkit::PartsStatus) -> String {
+    json_of(&st.to_json())
+}
+
+#[pymethods]
+impl PartWriter {
+    #[new]
+    #[pyo3(signature = (root, metadata_json, rank=None, world_size=None))]
+    fn new(
+        py: Python<'_>,
+        root: std::path::PathBuf,
+        metadata_json: &str,
+        rank: Option<u64>,
+        world_size: Option<u64>,
+    ) -> PyResult<Self> {
+        let v = json::parse(metadata_json.as_bytes())
+            .map_err(|e| py_error("InvalidArgumentError", format!("metadata: {e}")))?;
+        let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
+        let layout =
+            saev::Layout::new(&md, std::path::Path::new("metadata.json")).map_err(to_py)?;
+        let rank = rank_of(rank, world_size)?;
+        let w = py
+            .allow_threads(|| saev::PartWriter::create(root, md, rank))
+            .map_err(to_py)?;
+        let examples = w.examples();
+        Ok(PartWriter {
+            path: w.path().display().to_string(),
+            rank,
+            examples: (examples.start, examples.end),
+            shape: (
+                layout.n_examples as usize,
+                layout.n_layers as usize,
+                layout.tokens as usize,
+                layout.d_model as usize,
+            ),
+            content_tokens: layout.content_tokens as usize,
+            inner: Some(w),
+        })
+    }
+
+    /// The dataset directory.
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+    /// (rank, world_size).
+    #[getter]
+    fn rank(&self) -> (u64, u64) {
+        (self.rank.rank, self.rank.world_size)
+    }
+    /// (first, end) of the examples this part covers.
+    #[getter]
+    fn examples(&self) -> (u64, u64) {
+        self.examples
+    }
+    /// The (first, end) ranges of examples still to write, in order.
+    #[getter]
+    fn pending(&self) -> Vec<(u64, u64)> {
+        self.inner.as_ref().map_or_else(Vec::new, |w| {
+            w.pending().iter().map(|r| (r.start, r.end)).collect()
+        })
+    }
+    /// The example the next write begins at (None once the part is written).
+    #[getter]
+    fn next_example(&self) -> Option<u64> {
+        self.inner.as_ref().and_then(|w| w.next_example())
+    }
+    /// Content tokens per example (labels are (b, this)).
+    #[getter]
+    fn content_tokens(&self) -> usize {
+        self.content_tokens
+    }
+    /// {"n_examples", "n_layers", "tokens_per_example", "d_model"}.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        shape_dict(py, self.shape)
+    }
+
+    /// Writes acts float32 (b, L, T, D) and optional labels uint8 (b, P), checked by the
+    /// Python wrapper.
+    #[pyo3(signature = (acts, labels=None))]
+    fn write(
+        &mut self,
+        py: Python<'_>,
+        acts: &Bound<'_, PyAny>,
+        labels: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let a = contiguous::<f32>(acts, "acts (float32)")?;
+        let lab = labels
+            .map(|l| contiguous::<u8>(l, "labels (uint8)"))
+            .transpose()?;
+        let w = self
+            .inner
+            .as_mut()
+            .ok_or_else(|| py_error("InvalidArgumentError", "the writer is closed"))?;
+        let acts_s = SendSlice(a.buf_ptr() as *const f32, a.item_count());
+        let lab_s = lab
+            .as_ref()
+            .map(|b| SendSlice(b.buf_ptr() as *const u8, b.item_count()));
+        // SAFETY: `a` and `lab` (the exporters' views) outlive the closure.
+        py.allow_threads(|| unsafe { w.write(acts_s.get(), lab_s.as_ref().map(|x| x.get())) })
+            .map_err(to_py)
+    }
+
+    /// Ends the part and commits the dataset when every shard is durable; returns the status
+    /// as JSON.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
+        let w = self
+            .inner
+            .take()
+            .ok_or_else(|| py_error("InvalidArgumentError", "the writer is already closed"))?;
+        py.allow_threads(|| w.finish())
+            .map(|st| status_json(&st))
+            .map_err(to_py)
+    }
+
+    /// Drops the writer without finishing: the shards written are durable, the rest is left
+    /// to a restart.
+    fn abort(&mut self, py: Python<'_>) {
+        let w = self.inner.take();
+        py.allow_threads(move || drop(w));
+    }
+}
+
+/// The status of a saev dataset written in parts, as JSON.
+#[pyfunction(name = "saev_status")]
+fn status(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    py.allow_threads(|| saev::status(&path))
+        .map(|st| status_json(&st))
+        .map_err(to_py)
+}
+
+/// Commits a saev dataset written in parts whose every shard is durable; its status as JSON.
+#[pyfunction(name = "saev_commit_parts")]
+fn commit_parts(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
+    py.allow_threads(|| saev::commit_parts(&path))
+        .map(|st| status_json(&st))
+        .map_err(to_py)
+}
+
 #[pyfunction]
 fn validate(py: Python<'_>, path: std::path::PathBuf) -> String {
     let r = py.allow_threads(|| saev::validate(&path));
@@ -522,6 +700,9 @@ impl IntoDict for saev::Batch {
 /// Registers the classes and functions.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Writer>()?;
+    m.add_class::<PartWriter>()?;
+    m.add_function(wrap_pyfunction!(status, m)?)?;
+    m.add_function(wrap_pyfunction!(commit_parts, m)?)?;
     m.add_class::<Dataset>()?;
     m.add_class::<Loader>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;

@@ -59,6 +59,7 @@ pub mod report;
 pub mod saev;
 pub mod sdnb;
 
+pub use commit::parts::{part_of, PartsStatus, Rank};
 pub use commit::transfer::{download, upload, Transfer};
 pub use error::{Error, Result};
 

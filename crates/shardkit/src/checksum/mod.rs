@@ -42,13 +42,13 @@ mod container;
 mod journal;
 mod verify;
 
+#[cfg(feature = "zarr")]
+pub(crate) use container::dataset_files;
 #[cfg(test)]
 pub(crate) use container::{container_sidecar_names, legacy_bytes_cover};
 pub(crate) use container::{
     locate_container, put_back_sidecars, record_with, take_container_sidecars, Container, Naming,
 };
-#[cfg(feature = "zarr")]
-pub(crate) use container::dataset_files;
 pub use container::{record, Recorded};
 pub(crate) use journal::Journal;
 pub(crate) use verify::Verifier;

@@ -29,6 +29,49 @@ impl WriteLock {
         Ok(WriteLock { file, remove: None })
     }
 
+    /// Locks the directory `dir` shared: the part writers of one dataset hold it together
+    /// (`commit::parts`), and none of them can start while a whole-dataset writer holds it
+    /// exclusively, nor that writer while any of them does.
+    pub(crate) fn dir_shared(dir: &Path) -> Result<WriteLock> {
+        let file = File::open(dir).at(dir)?;
+        flock(&file, libc::LOCK_SH | libc::LOCK_NB, dir)?;
+        Ok(WriteLock { file, remove: None })
+    }
+
+    /// Locks the file at `path` (created if absent, never removed), waiting while another
+    /// process holds it: the commit of a dataset written in parts is one process's at a time.
+    pub(crate) fn waiting(path: &Path) -> Result<WriteLock> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .at(path)?;
+        flock(&file, libc::LOCK_EX, path)?;
+        Ok(WriteLock { file, remove: None })
+    }
+
+    /// Locks the file at `path`, which must exist, exclusively without waiting; `None` when
+    /// another process holds it.
+    pub(crate) fn try_file(path: &Path) -> Result<Option<WriteLock>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .at(path)?;
+        match flock(&file, libc::LOCK_EX | libc::LOCK_NB, path) {
+            Ok(()) => Ok(Some(WriteLock { file, remove: None })),
+            Err(Error::Locked { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The locked file (a part's claim writes who holds it there).
+    pub(crate) fn file(&self) -> &File {
+        &self.file
+    }
+
     /// Locks the file `target` (which need not exist yet) through `.NAME.lock` beside it.
     #[cfg(test)]
     pub(crate) fn beside(target: &Path) -> Result<WriteLock> {
@@ -75,12 +118,23 @@ impl Drop for WriteLock {
 }
 
 fn try_lock(file: &File, shown: &Path) -> Result<()> {
+    flock(file, libc::LOCK_EX | libc::LOCK_NB, shown)
+}
+
+/// `flock(op)` on `file`; a lock held elsewhere (with `LOCK_NB`) is [`Error::Locked`] naming
+/// `shown` and the holder. A wait interrupted by a signal is taken up again.
+fn flock(file: &File, op: libc::c_int, shown: &Path) -> Result<()> {
     use std::os::fd::AsRawFd;
-    // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(());
-    }
-    let err = std::io::Error::last_os_error();
+    let err = loop {
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let err = std::io::Error::last_os_error();
+        if err.kind() != std::io::ErrorKind::Interrupted {
+            break err;
+        }
+    };
     if err.kind() == std::io::ErrorKind::WouldBlock {
         return Err(Error::Locked {
             path: shown.to_path_buf(),

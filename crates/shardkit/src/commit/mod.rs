@@ -15,6 +15,7 @@
 //! rest is uploaded with the commit record last.
 
 pub(crate) mod lock;
+pub(crate) mod parts;
 pub(crate) mod staged;
 pub(crate) mod store_lock;
 pub(crate) mod transfer;

@@ -51,6 +51,7 @@ mod layout;
 mod loader;
 mod metadata;
 mod options;
+mod parts;
 #[cfg(test)]
 mod tests;
 mod validate;
@@ -63,5 +64,6 @@ pub use layout::Layout;
 pub use loader::{Batch, Batches, LayerSel, Loader};
 pub use metadata::Metadata;
 pub use options::{state_at, LoaderOptions, SaevOptions, DEFAULT_MEMORY_BUDGET};
+pub use parts::{commit_parts, status, PartWriter};
 pub use validate::{inspect, validate, Severity};
 pub use writer::{WriteStart, Writer, WriterOptions};

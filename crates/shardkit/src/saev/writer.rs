@@ -33,13 +33,13 @@ use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
 
-const MARKER: &str = ".shardkit-writing";
+pub(super) const MARKER: &str = ".shardkit-writing";
 const LABELS_TMP: &str = ".labels.bin.tmp";
 /// Where a write to a store keeps each shard's labels until labels.bin is uploaded.
-const LABEL_PIECES: &str = ".shardkit-labels";
+pub(super) const LABEL_PIECES: &str = ".shardkit-labels";
 
 /// The private object holding the labels of shard `s` (a write to a store with labels).
-fn label_piece(s: u64) -> String {
+pub(super) fn label_piece(s: u64) -> String {
     format!("{LABEL_PIECES}/{}", Layout::shard_name(s))
 }
 
@@ -761,7 +761,7 @@ fn delete_label_pieces(target: &Remote) -> Result<()> {
 }
 
 /// Writes native float32 bytes as little-endian.
-fn write_le(f: &mut File, bytes: &[u8]) -> std::io::Result<()> {
+pub(super) fn write_le(f: &mut File, bytes: &[u8]) -> std::io::Result<()> {
     if cfg!(target_endian = "little") {
         return f.write_all(bytes);
     }

@@ -25,6 +25,9 @@ Batch = SaevBatch  # the old name
 
 __all__ = [
     "Writer",
+    "PartWriter",
+    "status",
+    "commit_parts",
     "Dataset",
     "IndexedView",
     "Loader",
@@ -40,6 +43,29 @@ __all__ = [
 def _array(buf: Any) -> np.ndarray:
     # The buffer protocol of RustBuffer: numpy wraps Rust memory, keeping it alive.
     return np.asarray(buf)
+
+
+def _checked_examples(w: Any, path: str, acts: Any, labels: Any) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    """``acts`` as float32 (b, L, T, D) and ``labels`` as uint8 (b, P) for writer ``w`` (whose
+    ``shape``, ``content_tokens`` and ``next_example`` say what fits), or the error naming what
+    does not."""
+    s = w.shape
+    a = _inputs.float32(acts, "acts", path)
+    _inputs.check_shape(
+        a, "acts", path, (None, s["n_layers"], s["tokens_per_example"], s["d_model"]),
+        "(batch, layers, tokens_per_example, d_model)",
+    )
+    lab = None
+    if labels is not None:
+        first = w.next_example or 0
+        raw = _inputs.array(labels, "labels", path)
+        _inputs.check_shape(raw, "labels", path, (a.shape[0], w.content_tokens), "(batch, content tokens)")
+        lab = _inputs.integers(
+            labels, "labels", path, dtype=np.uint8, lo=0, hi=255, a=raw,
+            allowed="0 to 255, labels.bin stores uint8",
+            where=lambda i: f"example {first + i[0]}, content token {i[1]}",
+        )
+    return a, lab
 
 
 class Writer:
@@ -108,23 +134,7 @@ class Writer:
         A refused write stores nothing: the dataset stays as it was, and resumable.
         """
         s = self._w.shape
-        a = _inputs.float32(acts, "acts", self._path)
-        _inputs.check_shape(
-            a, "acts", self._path, (None, s["n_layers"], s["tokens_per_example"], s["d_model"]),
-            "(batch, layers, tokens_per_example, d_model)",
-        )
-        lab = None
-        if labels is not None:
-            first = self._w.next_example
-            raw = _inputs.array(labels, "labels", self._path)
-            _inputs.check_shape(
-                raw, "labels", self._path, (a.shape[0], self._w.content_tokens), "(batch, content tokens)"
-            )
-            lab = _inputs.integers(
-                labels, "labels", self._path, dtype=np.uint8, lo=0, hi=255, a=raw,
-                allowed="0 to 255, labels.bin stores uint8",
-                where=lambda i: f"example {first + i[0]}, content token {i[1]}",
-            )
+        a, lab = _checked_examples(self._w, self._path, acts, labels)
         self._w.write(a, lab)
         self._progress.advance(int(a.shape[0]), self._w.next_example, s["n_examples"])
 
@@ -156,6 +166,139 @@ class Writer:
         n = self._w.shape["n_examples"]
         state = "closed" if self._closed else "open"
         return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}, {state})"
+
+
+class PartWriter:
+    """Writes this process's part of one saev dataset that several processes write together.
+
+    Rank ``rank`` of ``world_size`` writes the shards ``shardkit.part_of(n_shards, rank)``
+    (contiguous, shard-aligned: examples ``examples[0]`` to ``examples[1]``) into the same
+    ``root/<hash>/`` directory; the rank that completes the set commits it, exactly as one
+    ``Writer`` would have written it (same bytes, same hash directory). Without ``rank`` and
+    ``world_size`` they come from the launcher: ``RANK``/``WORLD_SIZE`` (torchrun), Slurm
+    (``SLURM_ARRAY_TASK_ID``/``SLURM_ARRAY_TASK_COUNT``, ``SLURM_PROCID``/``SLURM_NTASKS``) or MPI.
+    No collective is needed: the ranks coordinate through the directory (a shared file system
+    across nodes).
+
+    Each shard is durable as soon as it is full. After a kill, start the job again, with the
+    same or another world size: ``pending`` lists the examples this rank still owes (shards
+    already durable are kept), and ``write`` takes them in that order. Use as a context
+    manager: a clean exit finishes the part (and commits if it was the last); an exception
+    leaves it to a restart. ``close()`` returns the dataset's status (``status()``).
+    """
+
+    def __init__(
+        self,
+        root: PathLike,
+        metadata: Dict[str, Any],
+        *,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        progress: Any = None,
+    ) -> None:
+        root = _args.path("root", root)
+        if not isinstance(metadata, Mapping):
+            raise _args.InvalidArgumentTypeError(
+                f"metadata must be a dict (metadata.json's keys), got {type(metadata).__name__}")
+        rank = None if rank is None else _args.count("rank", rank)
+        world_size = None if world_size is None else _args.count("world_size", world_size)
+        self._w = _core.PartWriter(root, json.dumps(metadata), rank, world_size)
+        first, end = self._w.examples
+        owed = sum(e - b for b, e in self._w.pending)
+        self._progress = Progress(_args.callback("progress", progress), unit="ex", total=end - first,
+                                  initial=end - first - owed)
+        self._path: str = self._w.path
+        self._closed = False
+        self._status: Optional[Dict[str, Any]] = None
+
+    @property
+    def path(self) -> str:
+        """The dataset directory."""
+        return self._path
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return int(self._w.rank[0])
+
+    @property
+    def world_size(self) -> int:
+        """How many processes write the dataset."""
+        return int(self._w.rank[1])
+
+    @property
+    def examples(self) -> Tuple[int, int]:
+        """(first, end) of the examples this rank's part covers."""
+        first, end = self._w.examples
+        return (int(first), int(end))
+
+    @property
+    def pending(self) -> List[Tuple[int, int]]:
+        """(first, end) ranges of the examples still to write, in the order to write them."""
+        return [(int(b), int(e)) for b, e in self._w.pending]
+
+    @property
+    def next_example(self) -> Optional[int]:
+        """The example the next ``write`` begins at (None once the part is written)."""
+        return self._w.next_example
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """(n_examples, n_layers, tokens_per_example, d_model) of the whole dataset."""
+        s = self._w.shape
+        return (s["n_examples"], s["n_layers"], s["tokens_per_example"], s["d_model"])
+
+    def write(self, acts: Any, labels: Any = None) -> None:
+        """Writes the next ``b`` pending examples (see ``Writer.write`` for the inputs taken)."""
+        a, lab = _checked_examples(self._w, self._path, acts, labels)
+        self._w.write(a, lab)
+        first, end = self._w.examples
+        owed = sum(e - b for b, e in self._w.pending)
+        self._progress.advance(int(a.shape[0]), end - first - owed, end - first)
+
+    def close(self) -> Dict[str, Any]:
+        """Finishes the part (fails, leaving it to a restart, if pending examples remain) and
+        commits the dataset when every shard is durable. Returns ``status()``."""
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._status = json.loads(self._w.finish())
+        assert self._status is not None
+        return self._status
+
+    def abort(self) -> None:
+        """Stops without finishing: the shards written are durable; a restart writes the rest."""
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._w.abort()
+
+    def __enter__(self) -> "PartWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        first, end = self.examples
+        return (f"saev.PartWriter({self._path!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"examples={first}..{end}, {state})")
+
+
+def status(path: PathLike) -> Dict[str, Any]:
+    """Where a dataset written in parts stands: ``{"committed", "units" (shards), "done",
+    "missing" ([first, end] shard ranges), "claimed" ([{"units", "by"}] of live ranks)}``."""
+    return json.loads(_core.saev_status(_args.path("path", path)))
+
+
+def commit_parts(path: PathLike) -> Dict[str, Any]:
+    """Commits a dataset written in parts whose every shard is durable (its last rank was
+    killed while committing); returns ``status()``. A committed dataset is left as it is."""
+    return json.loads(_core.saev_commit_parts(_args.path("path", path)))
 
 
 class IndexedView:

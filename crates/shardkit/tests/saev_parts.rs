@@ -1,0 +1,226 @@
+//! One saev dataset written by several writers (`saev::PartWriter`): byte-identical to one
+//! writer's, resumable after a kill with the same or another world size, and refusing what
+//! would mix two datasets or two writers of one part. (Multi-process runs, with SIGKILL, are
+//! in the Python tests: crates/shardkit-py/tests/test_parts.py.)
+#![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use shardkit::saev::{self, Dataset, Metadata, PartWriter, Writer, WriterOptions};
+use shardkit::{Error, Rank};
+
+/// 11 examples, 2 layers, CLS + 3 content tokens, d_model 4; 2 examples per shard (6 shards,
+/// the last one short).
+fn metadata(n_examples: u64) -> Metadata {
+    let md = format!(
+        r#"{{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
+        "cls_token": true, "d_model": 4, "n_examples": {n_examples}, "max_tokens_per_shard": 16,
+        "data": "d", "dataset": "t", "protocol": "2.1"}}"#
+    );
+    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
+}
+
+const EV: usize = 2 * 4 * 4; // values of one example: L x T x D
+
+fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
+    examples
+        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
+        .collect()
+}
+
+fn labels(examples: std::ops::Range<u64>) -> Vec<u8> {
+    examples
+        .flat_map(|e| (0..3).map(move |t| (e * 7 + t) as u8))
+        .collect()
+}
+
+/// Every file below `dir` (names relative to it) with its bytes.
+fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let name = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                out.insert(name, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+fn single(root: &Path, n: u64, with_labels: bool) -> PathBuf {
+    let mut w = Writer::create(root, metadata(n), WriterOptions::default()).unwrap();
+    let l = labels(0..n);
+    w.write(&acts(0..n), with_labels.then_some(&l[..])).unwrap();
+    w.finish().unwrap()
+}
+
+/// Writes `w`'s pending examples in batches of 3, finishing it.
+fn write_all(mut w: PartWriter, with_labels: bool) -> shardkit::PartsStatus {
+    for r in w.pending().to_vec() {
+        let mut at = r.start;
+        while at < r.end {
+            let end = (at + 3).min(r.end);
+            let l = labels(at..end);
+            w.write(&acts(at..end), with_labels.then_some(&l[..]))
+                .unwrap();
+            at = end;
+        }
+    }
+    w.finish().unwrap()
+}
+
+#[test]
+fn two_three_and_four_writers_commit_the_dataset_one_writer_writes_byte_for_byte() {
+    for with_labels in [true, false] {
+        let tmp = tempfile::tempdir().unwrap();
+        let want = tree(&single(&tmp.path().join("one"), 11, with_labels));
+        let names: Vec<&str> = want.keys().map(String::as_str).collect();
+        let mut expected = vec!["acts000000.bin", "acts000001.bin", "acts000002.bin"];
+        expected.extend(["acts000003.bin", "acts000004.bin", "acts000005.bin"]);
+        expected.extend(with_labels.then_some("labels.bin"));
+        expected.extend(["metadata.json", "shardkit.checksums.json", "shards.json"]);
+        assert_eq!(names, expected);
+        for world in [1u64, 2, 3, 4, 7] {
+            let root = tmp.path().join(format!("w{world}-{with_labels}"));
+            // Every rank opens before any writes, as launched ranks do.
+            let writers: Vec<PartWriter> = (0..world)
+                .map(|r| {
+                    PartWriter::create(&root, metadata(11), Rank::new(r, world).unwrap()).unwrap()
+                })
+                .collect();
+            let dir = writers[0].path().to_path_buf();
+            let mut statuses = Vec::new();
+            // Ranks finish out of order; the last to finish commits.
+            for w in writers.into_iter().rev() {
+                statuses.push(write_all(w, with_labels));
+            }
+            assert!(statuses[..statuses.len() - 1].iter().all(|s| !s.committed));
+            let last = statuses.last().unwrap();
+            assert!(last.committed && last.missing().is_empty(), "{last:?}");
+            assert_eq!(tree(&dir), want, "world {world}, labels {with_labels}");
+            Dataset::open(&dir).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_part_is_resumed_by_a_restart_with_another_world_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = tree(&single(&tmp.path().join("one"), 11, true));
+    let root = tmp.path().join("parts");
+    let rank = |r, w| Rank::new(r, w).unwrap();
+    // World 3: shards 0..2, 2..4, 4..6. Rank 0 finishes; rank 1 dies after one shard and a
+    // half; rank 2 never starts.
+    write_all(
+        PartWriter::create(&root, metadata(11), rank(0, 3)).unwrap(),
+        true,
+    );
+    let mut w = PartWriter::create(&root, metadata(11), rank(1, 3)).unwrap();
+    assert_eq!(w.pending(), [4..8]);
+    w.write(&acts(4..7), Some(&labels(4..7))).unwrap();
+    let dir = w.path().to_path_buf();
+    drop(w); // a kill: the claim and the lock go with the process; the half shard stays
+    let st = saev::status(&dir).unwrap();
+    assert!(!st.committed);
+    assert_eq!(st.done, [0, 1, 2]);
+    assert_eq!(st.missing(), [3..6]);
+    assert!(st.claimed.is_empty(), "{:?}", st.claimed);
+    assert_eq!(st.resume_plan(2), [vec![], vec![3..6]]);
+    // Restarted with world 2: rank 0 (shards 0..3) has nothing left, rank 1 writes 3..6.
+    let w0 = PartWriter::create(&root, metadata(11), rank(0, 2)).unwrap();
+    assert!(w0.pending().is_empty() && w0.next_example().is_none());
+    let w1 = PartWriter::create(&root, metadata(11), rank(1, 2)).unwrap();
+    assert_eq!(w1.pending(), [6..11]);
+    assert!(!w0.finish().unwrap().committed);
+    assert!(write_all(w1, true).committed);
+    assert_eq!(tree(&dir), want);
+}
+
+#[test]
+fn every_shard_durable_but_not_committed_is_committed_by_commit_parts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = tree(&single(&tmp.path().join("one"), 11, false));
+    let root = tmp.path().join("parts");
+    write_all(
+        PartWriter::create(&root, metadata(11), Rank::new(0, 2).unwrap()).unwrap(),
+        false,
+    );
+    // The last rank writes everything and is killed before it commits.
+    let mut w = PartWriter::create(&root, metadata(11), Rank::new(1, 2).unwrap()).unwrap();
+    w.write(&acts(6..11), None).unwrap();
+    let dir = w.path().to_path_buf();
+    drop(w);
+    let e = Dataset::open(&dir).unwrap_err();
+    assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
+    let st = saev::status(&dir).unwrap();
+    assert!(!st.committed && st.missing().is_empty(), "{st:?}");
+    assert!(saev::commit_parts(&dir).unwrap().committed);
+    assert_eq!(tree(&dir), want);
+    // Committed: status says so, and a second commit is a no-op.
+    assert!(saev::status(&dir).unwrap().committed);
+    assert!(saev::commit_parts(&dir).unwrap().committed);
+    assert_eq!(tree(&dir), want);
+}
+
+#[test]
+fn another_dataset_an_overlapping_rank_and_a_whole_dataset_writer_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let a = PartWriter::create(root, metadata(11), Rank::new(0, 2).unwrap()).unwrap();
+    let dir = a.path().to_path_buf();
+    // The same part twice (a rank started twice, or two world sizes at once): refused naming
+    // the holder.
+    let e = PartWriter::create(root, metadata(11), Rank::new(0, 3).unwrap()).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank 0 of 2") && msg.contains("claimed"),
+        "{msg}"
+    );
+    // A whole-dataset writer cannot start while parts are being written, nor parts while it
+    // writes.
+    let e = Writer::create(root, metadata(11), WriterOptions { resume: true }).unwrap_err();
+    assert!(matches!(e, Error::Locked { .. }), "{e:?}");
+    drop(a);
+    let whole = Writer::create(root, metadata(11), WriterOptions { resume: true }).unwrap();
+    let e = PartWriter::create(root, metadata(11), Rank::new(1, 2).unwrap()).unwrap_err();
+    assert!(matches!(e, Error::Locked { .. }), "{e:?}");
+    drop(whole);
+    // Another metadata lands in another hash directory; the same directory with other bytes
+    // in metadata.json is refused naming the key.
+    let md = std::fs::read_to_string(dir.join("metadata.json")).unwrap();
+    std::fs::write(
+        dir.join("metadata.json"),
+        md.replace("\"ckpt\": \"x\"", "\"ckpt\": \"y\""),
+    )
+    .unwrap();
+    let e = PartWriter::create(root, metadata(11), Rank::new(1, 2).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("\"ckpt\""), "{e}");
+    // Writing past the part, and finishing early, are refused.
+    std::fs::write(dir.join("metadata.json"), md).unwrap();
+    let mut w = PartWriter::create(root, metadata(11), Rank::new(1, 2).unwrap()).unwrap();
+    assert_eq!(w.examples(), 6..11);
+    let e = w.write(&acts(0..6), None).unwrap_err();
+    assert!(e.to_string().contains("rank 1 of 2"), "{e}");
+    w.write(&acts(6..8), None).unwrap();
+    let e = w.finish().unwrap_err();
+    assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
+}
+
+#[test]
+fn ranks_that_disagree_on_labels_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    write_all(
+        PartWriter::create(root, metadata(11), Rank::new(0, 2).unwrap()).unwrap(),
+        true,
+    );
+    let mut w = PartWriter::create(root, metadata(11), Rank::new(1, 2).unwrap()).unwrap();
+    let e = w.write(&acts(6..8), None).unwrap_err();
+    assert!(e.to_string().contains("labels"), "{e}");
+}
