@@ -16,6 +16,7 @@
 //! .shardkit-parts/done/UNIT.json     one unit durable: the checksums of its files, written
 //!                                    (fsynced, renamed) after the files themselves
 //! .shardkit-parts/claims.lock        held while a claim is checked and made
+//! .shardkit-parts/setup.lock         held while a rank writes or checks the configuration
 //! .shardkit-parts/commit.lock        held by the process committing
 //! ```
 //!
@@ -191,6 +192,12 @@ impl Parts {
     pub(crate) fn existing(dataset: &Path) -> Option<Parts> {
         let dir = dataset.join(PARTS_DIR);
         dir.is_dir().then_some(Parts { dir })
+    }
+
+    /// Waits for and takes the lock the ranks of a dataset set it up under, one at a time
+    /// (its configuration file written by the first, compared by the others).
+    pub(crate) fn setup_lock(&self) -> Result<WriteLock> {
+        WriteLock::waiting(&self.dir.join("setup.lock"))
     }
 
     /// Claims `units` for `rank`. Refused, naming the holder, when a live claim overlaps them;

@@ -43,8 +43,9 @@ pub struct PartWriter {
     shard: Option<(u64, File, PathBuf, u64, Vec<u8>)>,
     /// Whether the dataset has labels, once the first write (or a durable shard) says.
     labels: Option<bool>,
-    parts: Parts,
-    _claim: Claim,
+    /// The parts state and this rank's claim on its shards; `None` when the dataset was
+    /// already committed (nothing is written then).
+    parts: Option<(Parts, Claim)>,
     /// Held shared by every part writer of the dataset (a whole-dataset writer holds it
     /// exclusively).
     _lock: WriteLock,
@@ -99,8 +100,30 @@ impl PartWriter {
         let dir = root.join(md.dir_name());
         fs::create_dir_all(&dir).at(&dir)?;
         let lock = WriteLock::dir_shared(&dir)?;
-        let ours = md.file_bytes();
         let md_path = dir.join("metadata.json");
+        let committed = fsutil::read_json_file(&md_path).is_ok_and(|b| b == md.file_bytes())
+            && check_complete(&dir, &layout).is_ok()
+            && Parts::existing(&dir).is_none();
+        if committed {
+            // Done before (a rank started again after the commit): nothing to write.
+            return Ok(PartWriter {
+                shards: part_of(layout.n_shards, rank),
+                dir,
+                md,
+                layout,
+                rank,
+                pending: Vec::new(),
+                next: None,
+                shard: None,
+                labels: None,
+                parts: None,
+                _lock: lock,
+            });
+        }
+        let parts = Parts::open(&dir)?;
+        // Ranks start together: one at a time checks (or writes) metadata.json.
+        let setting_up = parts.setup_lock()?;
+        let ours = md.file_bytes();
         match fsutil::read_json_file(&md_path) {
             Ok(theirs) if theirs == ours => {}
             Ok(theirs) => {
@@ -121,8 +144,8 @@ impl PartWriter {
             }
             Err(e) => return Err(Error::io(&md_path, e)),
         }
+        drop(setting_up);
         let shards = part_of(layout.n_shards, rank);
-        let parts = Parts::open(&dir)?;
         let claim = parts.claim(shards.clone(), rank)?;
         let mut w = PartWriter {
             dir,
@@ -134,8 +157,7 @@ impl PartWriter {
             next: None,
             shard: None,
             labels: None,
-            parts,
-            _claim: claim,
+            parts: Some((parts, claim)),
             _lock: lock,
         };
         w.plan()?;
@@ -145,7 +167,10 @@ impl PartWriter {
     /// Finds this part's shards still to write from the records, and removes what a killed
     /// rank left of them (a temporary, a shard published without its record).
     fn plan(&mut self) -> Result<()> {
-        let done = self.parts.done()?;
+        let Some(parts) = self.parts.as_ref().map(|(p, _)| p.clone()) else {
+            return Ok(());
+        };
+        let done = parts.done()?;
         // Any durable shard, this part's or another's, says whether the dataset has labels.
         for (name, files) in &done {
             if let Some(s) = shard_index(name) {
@@ -160,7 +185,7 @@ impl PartWriter {
                 if self.intact(s, files) {
                     continue;
                 }
-                self.parts.forget(&name)?;
+                parts.forget(&name)?;
             }
             for p in [self.dir.join(&name), self.dir.join(label_piece(s))] {
                 match fs::remove_file(&p) {
@@ -261,6 +286,12 @@ impl PartWriter {
         if b == 0 {
             return Ok(());
         }
+        if self.parts.is_none() {
+            return Err(Error::Invalid(format!(
+                "{}: the dataset is already committed; nothing is left to write",
+                self.dir.display()
+            )));
+        }
         let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
         if b > left {
             return Err(Error::Invalid(format!(
@@ -340,7 +371,11 @@ impl PartWriter {
         drop(file);
         fsutil::publish(&tmp, &self.dir.join(&name))?;
         files.insert(name.clone(), FileSums::of_file(&self.dir.join(&name))?);
-        self.parts.record_done(&name, &files)
+        let (parts, _) = self
+            .parts
+            .as_ref()
+            .expect("a shard is written only when unfinished");
+        parts.record_done(&name, &files)
     }
 
     /// Ends this rank's part, then commits the dataset if every shard is durable (waiting for a
@@ -361,8 +396,11 @@ impl PartWriter {
                 ),
             });
         }
-        let committed = commit(&self.dir, &self.md, &self.layout, &self.parts)?;
-        status_of(&self.layout, Some(&self.parts), committed)
+        let Some((parts, _)) = &self.parts else {
+            return status_of(&self.layout, None, true);
+        };
+        let committed = commit(&self.dir, &self.md, &self.layout, parts)?;
+        status_of(&self.layout, Some(parts), committed)
     }
 }
 

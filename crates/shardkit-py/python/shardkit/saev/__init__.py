@@ -292,13 +292,15 @@ class PartWriter:
 def status(path: PathLike) -> Dict[str, Any]:
     """Where a dataset written in parts stands: ``{"committed", "units" (shards), "done",
     "missing" ([first, end] shard ranges), "claimed" ([{"units", "by"}] of live ranks)}``."""
-    return json.loads(_core.saev_status(_args.path("path", path)))
+    st: Dict[str, Any] = json.loads(_core.saev_status(_args.path("path", path)))
+    return st
 
 
 def commit_parts(path: PathLike) -> Dict[str, Any]:
     """Commits a dataset written in parts whose every shard is durable (its last rank was
     killed while committing); returns ``status()``. A committed dataset is left as it is."""
-    return json.loads(_core.saev_commit_parts(_args.path("path", path)))
+    st: Dict[str, Any] = json.loads(_core.saev_commit_parts(_args.path("path", path)))
+    return st
 
 
 class IndexedView:
