@@ -129,6 +129,15 @@ fn a_rank_killed_mid_part_is_resumed_by_a_restart_with_another_world_size() {
     let st = saev::status(&dir).unwrap();
     assert!(!st.committed);
     assert_eq!(st.done, [0, 1, 2]);
+    // validate names what is missing.
+    let report = saev::validate(&dir);
+    assert!(
+        report.errors().any(|f| f.message.contains(
+            "written in parts and not committed: 3 of 6 shards durable; missing shards 3..6"
+        )),
+        "{:?}",
+        report.findings
+    );
     assert_eq!(st.missing(), [3..6]);
     assert!(st.claimed.is_empty(), "{:?}", st.claimed);
     assert_eq!(st.resume_plan(2), [vec![], vec![3..6]]);

@@ -18,6 +18,35 @@ use std::sync::Arc;
 pub use crate::report::Severity;
 use crate::report::Validation;
 
+/// What a dataset being written in parts still lacks, for `validate`.
+fn parts_finding(st: &crate::PartsStatus) -> String {
+    let ranges = |rs: &[std::ops::Range<u64>]| {
+        rs.iter()
+            .map(|r| format!("{}..{}", r.start, r.end))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut msg = format!(
+        "written in parts and not committed: {} of {} shards durable",
+        st.done.len(),
+        st.units
+    );
+    match st.missing() {
+        m if m.is_empty() => msg.push_str(
+            "; every shard is durable, the commit is missing (`shardkit saev status --commit` \
+             commits it)",
+        ),
+        m => msg.push_str(&format!("; missing shards {}", ranges(&m))),
+    }
+    for (r, who) in &st.claimed {
+        msg.push_str(&format!(
+            "; shards {}..{} being written by {who}",
+            r.start, r.end
+        ));
+    }
+    msg
+}
+
 /// Checks a saev directory and collects every problem: metadata, directory name, shards.json
 /// against metadata, each shard file (missing, empty, not regular, unreadable, wrong size),
 /// completeness, labels.bin, and leftovers of an interrupted write.
@@ -114,6 +143,11 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
                     layout.n_examples
                 ),
             );
+            if let Some(st) = crate::commit::parts::Parts::existing(&dir)
+                .and_then(|_| super::parts::status(&dir).ok())
+            {
+                push(Severity::Error, &dir, parts_finding(&st));
+            }
         }
         Some(Err(why)) => push(Severity::Error, &sj, why.clone()),
         Some(Ok(_)) => match files
