@@ -14,6 +14,21 @@ use crate::{
     SendSlice, Storage,
 };
 
+/// Runs `write` on the examples `acts` and `labels` hold, without the GIL (the buffers are
+/// the exporters' views, held for the call).
+fn write_without_gil(
+    py: Python<'_>,
+    acts: &pyo3::buffer::PyBuffer<f32>,
+    labels: Option<&pyo3::buffer::PyBuffer<u8>>,
+    write: impl FnOnce(&[f32], Option<&[u8]>) -> shardkit::Result<()> + Send,
+) -> PyResult<()> {
+    let acts_s = SendSlice(acts.buf_ptr() as *const f32, acts.item_count());
+    let lab_s = labels.map(|b| SendSlice(b.buf_ptr() as *const u8, b.item_count()));
+    // SAFETY: `acts` and `labels` (the exporters' views) outlive the closure.
+    py.allow_threads(|| unsafe { write(acts_s.get(), lab_s.as_ref().map(|x| x.get())) })
+        .map_err(to_py)
+}
+
 /// {"n_examples", "n_layers", "tokens_per_example", "d_model"} of a writer.
 fn shape_dict(py: Python<'_>, shape: (usize, usize, usize, usize)) -> PyResult<Bound<'_, PyDict>> {
     let (n, l, t, d) = shape;
@@ -155,13 +170,7 @@ impl Writer {
             .inner
             .as_mut()
             .ok_or_else(|| py_error("InvalidArgumentError", "the writer is closed"))?;
-        let acts_s = SendSlice(a.buf_ptr() as *const f32, a.item_count());
-        let lab_s = lab
-            .as_ref()
-            .map(|b| SendSlice(b.buf_ptr() as *const u8, b.item_count()));
-        // SAFETY: `a` and `lab` (the exporters' views) outlive the closure.
-        py.allow_threads(|| unsafe { w.write(acts_s.get(), lab_s.as_ref().map(|x| x.get())) })
-            .map_err(to_py)
+        write_without_gil(py, &a, lab.as_ref(), |acts, labels| w.write(acts, labels))
     }
 
     /// Completes the dataset (labels.bin, then shards.json) and returns its directory.
@@ -613,13 +622,7 @@ impl PartWriter {
             .inner
             .as_mut()
             .ok_or_else(|| py_error("InvalidArgumentError", "the writer is closed"))?;
-        let acts_s = SendSlice(a.buf_ptr() as *const f32, a.item_count());
-        let lab_s = lab
-            .as_ref()
-            .map(|b| SendSlice(b.buf_ptr() as *const u8, b.item_count()));
-        // SAFETY: `a` and `lab` (the exporters' views) outlive the closure.
-        py.allow_threads(|| unsafe { w.write(acts_s.get(), lab_s.as_ref().map(|x| x.get())) })
-            .map_err(to_py)
+        write_without_gil(py, &a, lab.as_ref(), |acts, labels| w.write(acts, labels))
     }
 
     /// Ends the part and commits the dataset when every shard is durable; returns the status

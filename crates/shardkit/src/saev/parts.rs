@@ -24,7 +24,7 @@ use crate::json::Value;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{shards_json_bytes, Layout};
 use crate::saev::validate::shard_index;
-use crate::saev::writer::{label_piece, write_le, LABEL_PIECES, MARKER};
+use crate::saev::writer::{examples_in, label_piece, write_le, LABEL_PIECES, MARKER};
 use crate::saev::Metadata;
 
 /// Writes rank `rank`'s part of a saev dataset; see the module documentation.
@@ -260,28 +260,12 @@ impl PartWriter {
     /// float32 values, C order; `labels`, when the dataset has labels, `b·P` bytes. The ranks
     /// of one dataset must agree on whether it has labels.
     pub fn write(&mut self, acts: &[f32], labels: Option<&[u8]>) -> Result<()> {
-        let ev = self.layout.example_values() as usize;
-        if !acts.len().is_multiple_of(ev) {
-            return Err(Error::Invalid(format!(
-                "acts holds {} values, not a multiple of one example (L*T*D = {ev})",
-                acts.len()
-            )));
-        }
-        let b = (acts.len() / ev) as u64;
+        let b = examples_in(&self.layout, acts, labels)?;
         let p = self.layout.content_tokens;
-        if let Some(l) = labels {
-            if l.len() as u64 != b * p {
-                return Err(Error::Invalid(format!(
-                    "labels hold {} values; {b} examples need {} (b x P = {b} x {p})",
-                    l.len(),
-                    b * p
-                )));
-            }
-            if self.md.major() == 1 {
-                return Err(Error::Invalid(
-                    "protocol 1.0.0 has no labels.bin (labels arrived with 1.1)".into(),
-                ));
-            }
+        if labels.is_some() && self.md.major() == 1 {
+            return Err(Error::Invalid(
+                "protocol 1.0.0 has no labels.bin (labels arrived with 1.1)".into(),
+            ));
         }
         if b == 0 {
             return Ok(());

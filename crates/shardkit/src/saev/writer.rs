@@ -538,24 +538,8 @@ impl Writer {
     /// call decides whether the dataset has labels; later calls must agree. On an
     /// already-complete dataset the data are discarded.
     pub fn write(&mut self, acts: &[f32], labels: Option<&[u8]>) -> Result<()> {
-        let ev = self.layout.example_values() as usize;
-        if !acts.len().is_multiple_of(ev) {
-            return Err(Error::Invalid(format!(
-                "acts holds {} values, not a multiple of one example (L*T*D = {ev})",
-                acts.len()
-            )));
-        }
-        let b = (acts.len() / ev) as u64;
+        let b = examples_in(&self.layout, acts, labels)?;
         let p = self.layout.content_tokens;
-        if let Some(l) = labels {
-            if l.len() as u64 != b * p {
-                return Err(Error::Invalid(format!(
-                    "labels hold {} values; {b} examples need {} (b x P = {b} x {p})",
-                    l.len(),
-                    b * p
-                )));
-            }
-        }
         if self.start == WriteStart::AlreadyComplete {
             return Ok(());
         }
@@ -758,6 +742,28 @@ fn delete_label_pieces(target: &Remote) -> Result<()> {
         pieces.delete(&name)?;
     }
     Ok(())
+}
+
+/// How many examples a write of `acts` (and `labels`) holds: `acts` must be whole examples
+/// (`L·T·D` values each) and `labels`, when given, `P` bytes per example.
+pub(super) fn examples_in(layout: &Layout, acts: &[f32], labels: Option<&[u8]>) -> Result<u64> {
+    let ev = layout.example_values() as usize;
+    if !acts.len().is_multiple_of(ev) {
+        return Err(Error::Invalid(format!(
+            "acts holds {} values, not a multiple of one example (L*T*D = {ev})",
+            acts.len()
+        )));
+    }
+    let b = (acts.len() / ev) as u64;
+    let p = layout.content_tokens;
+    if let Some(l) = labels.filter(|l| l.len() as u64 != b * p) {
+        return Err(Error::Invalid(format!(
+            "labels hold {} values; {b} examples need {} (b x P = {b} x {p})",
+            l.len(),
+            b * p
+        )));
+    }
+    Ok(b)
 }
 
 /// Writes native float32 bytes as little-endian.
