@@ -233,3 +233,11 @@ fn ranks_that_disagree_on_labels_are_refused() {
     let e = w.write(&acts(6..8), None).unwrap_err();
     assert!(e.to_string().contains("labels"), "{e}");
 }
+
+#[test]
+fn parts_to_an_object_store_are_refused_saying_so() {
+    let e =
+        PartWriter::create("s3://bucket/acts", metadata(11), Rank::new(0, 2).unwrap()).unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+    assert!(e.to_string().contains("not supported yet"), "{e}");
+}
