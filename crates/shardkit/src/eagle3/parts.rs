@@ -214,47 +214,63 @@ impl PartWriter {
         if w.committed_before()? {
             return Ok(w);
         }
-        let parts = Parts::open(&w.dir)?;
+        match w.join() {
+            Ok(()) => Ok(w),
+            // The rank completing the set committed meanwhile, removing the parts' state this
+            // rank was reading: as if started after the commit (its configuration checked).
+            Err(_) if w.dir.join(MANIFEST).is_file() => {
+                w.parts = None;
+                w.pending.clear();
+                w.committed_before()?;
+                Ok(w)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Joins the write in parts: the setup record written or checked, this rank's shards
+    /// claimed, and the pending samples planned.
+    fn join(&mut self) -> Result<()> {
+        let parts = Parts::open(&self.dir)?;
         // Ranks start together: one at a time checks (or writes) the setup record.
         let setting_up = parts.setup_lock()?;
-        let setup = w.dir.join(PARTS_DIR).join(SETUP);
+        let setup = self.dir.join(PARTS_DIR).join(SETUP);
         match fsutil::read_json_file(&setup) {
             Ok(bytes) => {
                 let (theirs, emb) = parse_setup(&bytes, &setup)?;
-                let keys = differing(&w.manifest, &theirs);
+                let keys = differing(&self.manifest, &theirs);
                 if !keys.is_empty() {
                     return Err(mismatch(setup, &keys));
                 }
-                if emb != w.options.target_embeddings {
+                if emb != self.options.target_embeddings {
                     return Err(Error::Exists {
                         path: setup,
                         why: format!(
                             "the cache's ranks were started with target_embeddings {emb}, this \
-                             one with {}; every rank must give the same options (nothing was \
-                             written)",
-                            w.options.target_embeddings
+                         one with {}; every rank must give the same options (nothing was \
+                         written)",
+                            self.options.target_embeddings
                         ),
                     });
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                if !shard::shard_set(&w.dir)?.is_empty() {
+                if !shard::shard_set(&self.dir)?.is_empty() {
                     return Err(Error::Exists {
-                        path: w.dir.clone(),
+                        path: self.dir.clone(),
                         why: "has shards but neither manifest.json nor the state of a write in \
-                              parts; refusing to write among them"
+                          parts; refusing to write among them"
                             .into(),
                     });
                 }
-                fsutil::atomic_write(&setup, &setup_bytes(&w.manifest, &w.options))?;
+                fsutil::atomic_write(&setup, &setup_bytes(&self.manifest, &self.options))?;
             }
             Err(e) => return Err(Error::io(&setup, e)),
         }
         drop(setting_up);
-        let claim = parts.claim(w.shards.clone(), rank)?;
-        w.parts = Some((parts, claim));
-        w.plan()?;
-        Ok(w)
+        let claim = parts.claim(self.shards.clone(), self.rank)?;
+        self.parts = Some((parts, claim));
+        self.plan()
     }
 
     /// Whether the cache was committed before this rank started (checked against this rank's
@@ -485,27 +501,32 @@ impl PartWriter {
                   same target embeddings"
                 .into(),
         };
+        let same = || match holds_table(&path, data, rows, cols)? {
+            true => Ok(()),
+            false => Err(differs()),
+        };
         let Some((parts, _)) = &self.parts else {
             // Committed: the table the cache holds must be this one.
-            return match holds_table(&path, data, rows, cols)? {
-                true => Ok(()),
-                false => Err(differs()),
-            };
+            return same();
         };
-        let _writing = WriteLock::waiting(&self.dir.join(PARTS_DIR).join("embeddings.lock"))?;
-        if let Some(files) = parts.done()?.get(EMBEDDINGS) {
-            if intact(&self.dir, EMBEDDINGS, files) {
-                return match holds_table(&path, data, rows, cols)? {
-                    true => Ok(()),
-                    false => Err(differs()),
-                };
+        let written = (|| {
+            let _writing = WriteLock::waiting(&self.dir.join(PARTS_DIR).join("embeddings.lock"))?;
+            if let Some(files) = parts.done()?.get(EMBEDDINGS) {
+                if intact(&self.dir, EMBEDDINGS, files) {
+                    return same();
+                }
+                parts.forget(EMBEDDINGS)?;
             }
-            parts.forget(EMBEDDINGS)?;
+            shard::write_safetensors(&path, tensors)?;
+            let mut files = UnitFiles::new();
+            files.insert(EMBEDDINGS.to_string(), FileSums::of_file(&path)?);
+            parts.record_done(EMBEDDINGS, &files)
+        })();
+        match written {
+            // Committed meanwhile (the table was recorded, and the parts' state is gone).
+            Err(_) if self.dir.join(MANIFEST).is_file() => same(),
+            r => r,
         }
-        shard::write_safetensors(&path, tensors)?;
-        let mut files = UnitFiles::new();
-        files.insert(EMBEDDINGS.to_string(), FileSums::of_file(&path)?);
-        parts.record_done(EMBEDDINGS, &files)
     }
 
     /// Ends this rank's part, then commits the cache if every shard (and the embeddings, when
@@ -533,7 +554,13 @@ impl PartWriter {
         };
         let emb = self.options.target_embeddings;
         let committed = commit(&self.dir, &self.manifest, emb, parts)?;
-        status_of(&self.manifest, emb, Some(parts), committed)
+        match status_of(&self.manifest, emb, Some(parts), committed) {
+            // Committed by another rank since (the parts' state read is gone).
+            Err(_) if self.dir.join(MANIFEST).is_file() => {
+                status_of(&self.manifest, emb, None, true)
+            }
+            st => st,
+        }
     }
 }
 
@@ -568,7 +595,12 @@ fn intact(dir: &Path, name: &str, files: &UnitFiles) -> bool {
 /// Commits the cache in `dir` if every shard (and the embeddings when `emb`) is durable and
 /// nobody has; true when it is committed (now or before).
 fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
-    let _committing = parts.commit_lock()?;
+    let _committing = match parts.commit_lock() {
+        Ok(l) => l,
+        // Committed by another rank, which removed the parts' state, lock file included.
+        Err(_) if dir.join(MANIFEST).is_file() => return Ok(true),
+        Err(e) => return Err(e),
+    };
     if dir.join(MANIFEST).is_file() {
         // Committed by another rank (or by a run killed while cleaning up after it).
         clean_after_commit(dir, parts.clone())?;
@@ -667,9 +699,15 @@ pub fn status(dir: impl AsRef<Path>) -> Result<PartsStatus> {
         let complete = shard::shard_set_problem(&shard::shard_set(dir)?, m.num_shards()).is_none();
         return status_of(&m, false, None, complete);
     }
-    match setup_of(dir)? {
-        Some((m, emb, parts)) => status_of(&m, emb, Some(&parts), false),
-        None => Err(manifest::missing(dir)),
+    let st = match setup_of(dir) {
+        Ok(Some((m, emb, parts))) => status_of(&m, emb, Some(&parts), false),
+        Ok(None) => Err(manifest::missing(dir)),
+        Err(e) => Err(e),
+    };
+    match st {
+        // Committed while it was being read (the parts' state removed).
+        Err(_) if dir.join(MANIFEST).is_file() => status(dir),
+        st => st,
     }
 }
 
