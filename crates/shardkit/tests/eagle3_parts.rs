@@ -231,6 +231,8 @@ fn a_rank_killed_mid_part_is_resumed_by_a_restart_with_another_world_size() {
         msg.contains("shard-000003.safetensors to shard-000005.safetensors"),
         "{msg}"
     );
+    let e = eagle3::inspect(&dir).unwrap_err();
+    assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
     let v = eagle3::validate(&dir, false);
     assert!(
         v.errors().any(|e| e.message.contains("written in parts")),
