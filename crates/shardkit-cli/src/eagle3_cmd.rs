@@ -45,6 +45,23 @@ pub enum Eagle3Cmd {
         /// 1 or 2 (a top-k cache can only be 2).
         version: u8,
     },
+    /// Where a cache written in parts (eagle3.PartWriter) stands: shards durable, missing,
+    /// claimed by live ranks (and by whom), the embeddings if still owed, and what a restart
+    /// would write.
+    Status {
+        /// The cache directory.
+        dir: PathBuf,
+        /// Also show what each rank of a restart with this many ranks would write.
+        #[arg(long)]
+        world_size: Option<u64>,
+        /// Commit the cache when every part is durable (its last rank was killed while
+        /// committing).
+        #[arg(long)]
+        commit: bool,
+        /// Print the status as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Write a cache from safetensors batch files holding the stored tensors, [b, ...] each.
     Write(WriteArgs),
     /// Write a synthetic cache of valid, deterministic samples (for tests and benchmarks).
@@ -140,6 +157,20 @@ pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
                 }
             );
             Ok(true)
+        }
+        Eagle3Cmd::Status {
+            dir,
+            world_size,
+            commit,
+            json,
+        } => {
+            let st = if commit {
+                eagle3::commit_parts(&dir)?
+            } else {
+                eagle3::status(&dir)?
+            };
+            crate::parts_cmd::print_status(&dir, &st, "shard", json, world_size);
+            Ok(st.committed || !commit)
         }
         Eagle3Cmd::Write(a) => write(a),
         Eagle3Cmd::Synth(a) => synth_cache(&a).map(|p| {

@@ -179,6 +179,192 @@ impl Eagle3Writer {
     }
 }
 
+/// Writes one rank's part of a cache that several processes write together.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct Eagle3PartWriter {
+    inner: Option<eagle3::PartWriter>,
+    path: String,
+    rank: shardkit::Rank,
+    samples: (u64, u64),
+    manifest_json: String,
+    fields: Vec<(&'static str, String, Vec<usize>)>,
+}
+
+impl Drop for Eagle3PartWriter {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            crate::drop_without_gil(w);
+        }
+    }
+}
+
+#[pymethods]
+impl Eagle3PartWriter {
+    #[new]
+    #[pyo3(signature = (cache_dir, manifest_json, total_samples, version=1, target_embeddings=false, rank=None, world_size=None))]
+    #[allow(clippy::too_many_arguments)] // the Python constructor's keywords
+    fn new(
+        py: Python<'_>,
+        cache_dir: PathBuf,
+        manifest_json: &str,
+        total_samples: u64,
+        version: u8,
+        target_embeddings: bool,
+        rank: Option<u64>,
+        world_size: Option<u64>,
+    ) -> PyResult<Self> {
+        let config = json::parse(manifest_json.as_bytes())
+            .map_err(|e| crate::py_error("InvalidArgumentError", format!("manifest: {e}")))?;
+        let options = eagle3::PartOptions {
+            version,
+            target_embeddings,
+        };
+        let rank = crate::saev::rank_of(rank, world_size)?;
+        let w = py
+            .allow_threads(|| {
+                eagle3::PartWriter::create(cache_dir, &config, options, total_samples, rank)
+            })
+            .map_err(to_py)?;
+        let samples = w.samples();
+        Ok(Eagle3PartWriter {
+            path: w.path().display().to_string(),
+            rank,
+            samples: (samples.start, samples.end),
+            manifest_json: json_of(&w.manifest().to_value()),
+            fields: w
+                .fields()
+                .iter()
+                .map(|f| (f.name, f.dtype.to_string(), f.row.clone()))
+                .collect(),
+            inner: Some(w),
+        })
+    }
+    /// The cache directory.
+    #[getter]
+    fn path(&self) -> &str {
+        &self.path
+    }
+    /// (rank, world_size).
+    #[getter]
+    fn rank(&self) -> (u64, u64) {
+        (self.rank.rank, self.rank.world_size)
+    }
+    /// (first, end) of the samples this part covers.
+    #[getter]
+    fn samples(&self) -> (u64, u64) {
+        self.samples
+    }
+    /// The (first, end) ranges of samples still to write, in order.
+    #[getter]
+    fn pending(&self) -> Vec<(u64, u64)> {
+        self.inner.as_ref().map_or_else(Vec::new, |w| {
+            w.pending().iter().map(|r| (r.start, r.end)).collect()
+        })
+    }
+    /// The sample the next add begins at (None once the part is written).
+    #[getter]
+    fn next_sample(&self) -> Option<u64> {
+        self.inner.as_ref().and_then(|w| w.next_sample())
+    }
+    /// The manifest the commit writes, as JSON.
+    #[getter]
+    fn manifest_json(&self) -> &str {
+        &self.manifest_json
+    }
+    /// {"name", "dtype" (code), "shape" (of a row)} of every stored tensor.
+    #[getter]
+    fn fields<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.fields
+            .iter()
+            .map(|(name, dtype, shape)| {
+                record(
+                    py,
+                    [
+                        ("name", obj(py, *name)?),
+                        ("dtype", obj(py, dtype)?),
+                        ("shape", obj(py, shape)?),
+                    ],
+                )
+            })
+            .collect()
+    }
+    /// Adds `n` samples: `fields` maps each stored tensor's name to a C-contiguous buffer of
+    /// its bytes (uint8 view).
+    fn add_rows(&mut self, py: Python<'_>, n: u64, fields: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut bufs = Vec::new();
+        for (k, v) in fields.iter() {
+            let name: String = k.extract()?;
+            let b = contiguous::<u8>(&v, &format!("{name} (bytes)"))?;
+            bufs.push((name, b));
+        }
+        let slices: Vec<(String, SendSlice<u8>)> = bufs
+            .iter()
+            .map(|(n, b)| {
+                (
+                    n.clone(),
+                    SendSlice(b.buf_ptr() as *const u8, b.item_count()),
+                )
+            })
+            .collect();
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        // SAFETY: the exporters' views (`bufs`) outlive the closure.
+        py.allow_threads(|| {
+            let refs: Vec<(&str, &[u8])> = slices
+                .iter()
+                .map(|(n, s)| (n.as_str(), unsafe { s.get() }))
+                .collect();
+            w.add(n, &refs)
+        })
+        .map_err(to_py)
+    }
+    /// Writes target_embeddings.safetensors from float32 bytes of `rows × cols`, once for the
+    /// cache.
+    fn write_target_embeddings(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        rows: u64,
+        cols: u64,
+    ) -> PyResult<()> {
+        let b = contiguous::<u8>(data, "embeddings (bytes)")?;
+        let s = SendSlice(b.buf_ptr() as *const u8, b.item_count());
+        let w = self.inner.as_ref().ok_or_else(closed)?;
+        // SAFETY: `b` outlives the closure.
+        py.allow_threads(|| w.write_target_embeddings(unsafe { s.get() }, rows, cols))
+            .map_err(to_py)
+    }
+    /// Ends the part and commits the cache when every part is durable; returns the status as
+    /// JSON.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
+        let w = self.inner.take().ok_or_else(closed)?;
+        py.allow_threads(|| w.finish())
+            .map(|st| crate::saev::status_json(&st))
+            .map_err(to_py)
+    }
+    /// Drops the writer without finishing: the shards written are durable, the rest is left
+    /// to a restart.
+    fn abort(&mut self, py: Python<'_>) {
+        let w = self.inner.take();
+        py.allow_threads(move || drop(w));
+    }
+}
+
+/// The status of a cache written in parts, as JSON.
+#[pyfunction]
+pub fn eagle3_status(py: Python<'_>, cache_dir: PathBuf) -> PyResult<String> {
+    py.allow_threads(|| eagle3::status(&cache_dir))
+        .map(|st| crate::saev::status_json(&st))
+        .map_err(to_py)
+}
+
+/// Commits a cache written in parts whose every part is durable; its status as JSON.
+#[pyfunction]
+pub fn eagle3_commit_parts(py: Python<'_>, cache_dir: PathBuf) -> PyResult<String> {
+    py.allow_threads(|| eagle3::commit_parts(&cache_dir))
+        .map(|st| crate::saev::status_json(&st))
+        .map_err(to_py)
+}
+
 /// A cache opened for reading.
 #[pyclass(module = "shardkit._shardkit", frozen)]
 pub struct Eagle3Cache {
@@ -423,6 +609,9 @@ pub fn eagle3_set_version(py: Python<'_>, cache_dir: PathBuf, version: u8) -> Py
 /// Registers the classes and functions.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Eagle3Writer>()?;
+    m.add_class::<Eagle3PartWriter>()?;
+    m.add_function(wrap_pyfunction!(eagle3_status, m)?)?;
+    m.add_function(wrap_pyfunction!(eagle3_commit_parts, m)?)?;
     m.add_class::<Eagle3Cache>()?;
     m.add_class::<Eagle3Loader>()?;
     // The pass of every loader is one class (see `crate::loader`); the old name stays.

@@ -514,7 +514,7 @@ impl Drop for PartWriter {
 }
 
 /// The rank given, or the launcher's from the environment when neither is given.
-fn rank_of(rank: Option<u64>, world_size: Option<u64>) -> PyResult<shardkit::Rank> {
+pub(crate) fn rank_of(rank: Option<u64>, world_size: Option<u64>) -> PyResult<shardkit::Rank> {
     match (rank, world_size) {
         (Some(r), Some(w)) => shardkit::Rank::new(r, w).map_err(to_py),
         (None, None) => shardkit::Rank::from_env().map_err(to_py),
@@ -527,7 +527,7 @@ fn rank_of(rank: Option<u64>, world_size: Option<u64>) -> PyResult<shardkit::Ran
 }
 
 /// A parts status as a dict: {"committed", "units", "done", "missing", "claimed"}.
-fn status_json(st: &shardkit::PartsStatus) -> String {
+pub(crate) fn status_json(st: &shardkit::PartsStatus) -> String {
     json_of(&st.to_json())
 }
 

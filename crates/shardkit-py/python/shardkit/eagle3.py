@@ -41,6 +41,9 @@ Sample = Dict[str, np.ndarray]
 
 __all__ = [
     "Writer",
+    "PartWriter",
+    "status",
+    "commit_parts",
     "Cache",
     "Loader",
     "open",
@@ -130,6 +133,43 @@ def _coerce(x: Any, code: str, name: str, path: str, first: int) -> np.ndarray:
     raise InvalidArgumentError(f"{path}: `{name}` has stored dtype {code}, which this writer does not know")  # pragma: no cover
 
 
+def _batch_arrays(fields: Dict[str, Tuple[Any, ...]], path: str, first: int, batch: Any) -> Tuple[int, Dict[str, np.ndarray]]:
+    """The stored fields of ``batch`` (samples stacked on dim 0, the first being ``first``) as
+    uint8 views of C-contiguous arrays in the cache dtypes, checked; and the batch size."""
+    if not isinstance(batch, Mapping):
+        raise InvalidArgumentTypeError(f"{path}: a batch is a dict of arrays, got {type(batch).__name__}")
+    unknown = sorted(set(batch) - set(fields))
+    if unknown:
+        raise InvalidArgumentError(f"{unknown} are not tensors of this cache (it stores {sorted(fields)})")
+    missing = sorted(set(fields) - set(batch))
+    if missing:
+        raise InvalidArgumentError(f"missing {missing}")
+    arrays = {}
+    n = None
+    for name, (code, row) in fields.items():
+        a = _coerce(batch[name], code, name, path, first)
+        if a.ndim != len(row) + 1 or tuple(a.shape[1:]) != row:
+            raise InvalidArgumentError(
+                f"{path}: `{name}` must have shape (b, {', '.join(map(str, row))}) = (batch, "
+                f"{'seq_length' if len(row) == 1 else 'seq_length, ' + str(row[1])}); got {tuple(a.shape)}"
+            )
+        if n is None:
+            n = a.shape[0]
+        elif a.shape[0] != n:
+            raise InvalidArgumentError(f"{name}: {a.shape[0]} samples, the other fields have {n}")
+        arrays[name] = a.reshape(-1).view(np.uint8)
+    return int(n or 0), arrays
+
+
+def _write_embeddings(core: Any, path: str, array: Any) -> None:
+    a = _inputs.float32(array, "weight", path)
+    if a.ndim != 2:
+        raise InvalidArgumentError(
+            f"{path}: embeddings must have shape (vocab_rows, hidden), 2-D; got {tuple(a.shape)}"
+        )
+    core.write_target_embeddings(a.reshape(-1).view(np.uint8), a.shape[0], a.shape[1])
+
+
 class Writer:
     """Writes a cache: samples accumulate into shards of ``shard_size``, each written atomically
     and durably; the manifest is written first.
@@ -209,42 +249,15 @@ class Writer:
         ``draft_vocab_size``. A batch breaking one raises InvalidArgumentError naming the field,
         the sample, the position, the value and the rule, and nothing of it is stored.
         """
-        if not isinstance(batch, Mapping):
-            raise InvalidArgumentTypeError(f"{self.path}: a batch is a dict of arrays, got {type(batch).__name__}")
-        unknown = sorted(set(batch) - set(self._fields))
-        if unknown:
-            raise InvalidArgumentError(f"{unknown} are not tensors of this cache (it stores {sorted(self._fields)})")
-        missing = sorted(set(self._fields) - set(batch))
-        if missing:
-            raise InvalidArgumentError(f"missing {missing}")
-        arrays = {}
-        n = None
-        first = self.next_sample
-        for name, (code, row) in self._fields.items():
-            a = _coerce(batch[name], code, name, self.path, first)
-            if a.ndim != len(row) + 1 or tuple(a.shape[1:]) != row:
-                raise InvalidArgumentError(
-                    f"{self.path}: `{name}` must have shape (b, {', '.join(map(str, row))}) = (batch, "
-                    f"{'seq_length' if len(row) == 1 else 'seq_length, ' + str(row[1])}); got {tuple(a.shape)}"
-                )
-            if n is None:
-                n = a.shape[0]
-            elif a.shape[0] != n:
-                raise InvalidArgumentError(f"{name}: {a.shape[0]} samples, the other fields have {n}")
-            arrays[name] = a.reshape(-1).view(np.uint8)
-        self._w.add_rows(int(n or 0), arrays)
-        self._progress.advance(int(n or 0), self.next_sample, int(self.manifest["num_samples"]))
+        n, arrays = _batch_arrays(self._fields, self.path, self.next_sample, batch)
+        self._w.add_rows(n, arrays)
+        self._progress.advance(n, self.next_sample, int(self.manifest["num_samples"]))
 
     def write_target_embeddings(self, array: Any) -> None:
         """Writes ``target_embeddings.safetensors``: ``weight``, float32 ``[vocab_rows, hidden]``
         (float16/bfloat16 widened exactly; float64 or integers only where float32 holds every
         value exactly)."""
-        a = _inputs.float32(array, "weight", self.path)
-        if a.ndim != 2:
-            raise InvalidArgumentError(
-                f"{self.path}: embeddings must have shape (vocab_rows, hidden), 2-D; got {tuple(a.shape)}"
-            )
-        self._w.write_target_embeddings(a.reshape(-1).view(np.uint8), a.shape[0], a.shape[1])
+        _write_embeddings(self._w, self.path, array)
 
     def close(self) -> str:
         """Finishes the cache; raises IncompleteDatasetError (and stays resumable) when samples
@@ -277,6 +290,168 @@ class Writer:
             f"eagle3.Writer({self.path!r}, next_sample={self.next_sample}, "
             f"num_samples={self.manifest.get('num_samples')}, shard_size={self.manifest.get('shard_size')}, {state})"
         )
+
+
+class PartWriter:
+    """Writes this process's part of one cache that several processes write together, as
+    NeMo's distributed producer does: ``total_samples`` is known up front, and rank ``rank`` of
+    ``world_size`` writes the shards ``shardkit.part_of(ceil(total_samples / shard_size), rank)``
+    (contiguous, shard-aligned: samples ``samples[0]`` to ``samples[1]``) into the same
+    ``cache_dir``. The rank that completes the set commits the cache (checksums sidecar, then
+    ``manifest.json`` last), exactly as one ``Writer`` would have written it, byte for byte.
+    Without ``rank`` and ``world_size`` they come from the launcher: ``RANK``/``WORLD_SIZE``
+    (torchrun), Slurm or MPI variables. No collective is needed: the ranks coordinate through
+    the directory (a shared file system across nodes; ``s3://`` is refused).
+
+    ``manifest`` is the run configuration (as ``Writer`` takes it; ``num_samples`` may be left
+    out, it is ``total_samples``); every rank must give the same, and the same
+    ``format_version`` and ``target_embeddings``: a rank that differs is refused, naming the
+    keys, before it writes anything. With ``target_embeddings=True`` the commit waits for
+    ``target_embeddings.safetensors``: any rank writes it with ``write_target_embeddings``
+    (typically rank 0 first thing, as NeMo's producer does; a rank giving the same table again
+    writes nothing, another table is refused).
+
+    Until the commit the directory has no ``manifest.json``: ``open`` raises
+    ``IncompleteDatasetError`` naming the shards missing, and ``validate`` reports them. Each
+    shard is durable as soon as it is full. After a kill, start the job again with the same or
+    another world size: ``pending`` lists the samples this rank still owes (shards already
+    durable are kept). As a context manager, a clean exit finishes the part (and commits if it
+    completes the set); an exception leaves it to a restart. ``close()`` returns ``status()``.
+    """
+
+    def __init__(
+        self,
+        cache_dir: PathLike,
+        manifest: Dict[str, Any],
+        total_samples: int,
+        *,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        format_version: int = 1,
+        target_embeddings: bool = False,
+        progress: Any = None,
+    ) -> None:
+        cache_dir = _args.path("cache_dir", cache_dir)
+        if not isinstance(manifest, Mapping):
+            raise _args.InvalidArgumentTypeError(
+                f"manifest must be a dict (the run configuration), got {type(manifest).__name__}")
+        total_samples = _args.count("total_samples", total_samples)
+        rank = None if rank is None else _args.count("rank", rank)
+        world_size = None if world_size is None else _args.count("world_size", world_size)
+        format_version = _args.integer("format_version", format_version, lo=0, hi=255, rule="1 or 2")
+        self._w = _core.Eagle3PartWriter(
+            cache_dir, json.dumps(manifest), total_samples, format_version,
+            _args.boolean("target_embeddings", target_embeddings), rank, world_size,
+        )
+        self.path: str = self._w.path
+        self.manifest: Dict[str, Any] = json.loads(self._w.manifest_json)
+        self._fields = {f["name"]: (f["dtype"], tuple(f["shape"])) for f in self._w.fields}
+        first, end = self._w.samples
+        self._progress = Progress(_args.callback("progress", progress), unit="sample", total=end - first,
+                                  initial=end - first - self._owed())
+        self._closed = False
+        self._status: Optional[Dict[str, Any]] = None
+
+    def _owed(self) -> int:
+        return sum(int(e) - int(b) for b, e in self._w.pending)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return int(self._w.rank[0])
+
+    @property
+    def world_size(self) -> int:
+        """How many processes write the cache."""
+        return int(self._w.rank[1])
+
+    @property
+    def fields(self) -> Dict[str, Tuple[Any, ...]]:
+        """Stored tensor name -> (safetensors dtype code, shape of one sample's row)."""
+        return dict(self._fields)
+
+    @property
+    def samples(self) -> Tuple[int, int]:
+        """(first, end) of the samples this rank's part covers."""
+        first, end = self._w.samples
+        return (int(first), int(end))
+
+    @property
+    def pending(self) -> List[Tuple[int, int]]:
+        """(first, end) ranges of the samples still to write, in the order to add them."""
+        return [(int(b), int(e)) for b, e in self._w.pending]
+
+    @property
+    def next_sample(self) -> Optional[int]:
+        """The sample the next ``add_batch`` begins at (None once the part is written)."""
+        return self._w.next_sample
+
+    def add(self, sample: Dict[str, Any]) -> None:
+        """Adds the next pending sample: a dict of arrays without the batch dimension."""
+        if not isinstance(sample, Mapping):
+            raise InvalidArgumentTypeError(f"{self.path}: a sample is a dict of arrays, got {type(sample).__name__}")
+        self.add_batch({k: _inputs.array(v, str(k), self.path)[None] for k, v in sample.items()})
+
+    def add_batch(self, batch: Dict[str, Any]) -> None:
+        """Adds the next ``b`` pending samples, stacked on dim 0 (inputs and checks as
+        ``Writer.add_batch``); the writer moves from one pending range to the next by itself."""
+        n, arrays = _batch_arrays(self._fields, self.path, self.next_sample or 0, batch)
+        self._w.add_rows(n, arrays)
+        first, end = self._w.samples
+        self._progress.advance(n, end - first - self._owed(), end - first)
+
+    def write_target_embeddings(self, array: Any) -> None:
+        """Writes ``target_embeddings.safetensors`` (float32 ``[vocab_rows, hidden]``) once for
+        the cache; only with ``target_embeddings=True``."""
+        _write_embeddings(self._w, self.path, array)
+
+    def close(self) -> Dict[str, Any]:
+        """Finishes the part (raises IncompleteDatasetError, leaving it to a restart, if
+        pending samples remain) and commits the cache when every part is durable. Returns
+        ``status()``."""
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._status = json.loads(self._w.finish())
+        assert self._status is not None
+        return self._status
+
+    def abort(self) -> None:
+        """Stops without finishing: the shards written are durable; a restart writes the rest."""
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._w.abort()
+
+    def __enter__(self) -> "PartWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        first, end = self.samples
+        return (f"eagle3.PartWriter({self.path!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"samples={first}..{end}, {state})")
+
+
+def status(cache_dir: PathLike) -> Dict[str, Any]:
+    """Where a cache written in parts stands: ``{"committed", "units" (shards), "done",
+    "missing" ([first, end] shard ranges), "claimed" ([{"units", "by"}] of live ranks)}``, and
+    ``"missing_files": ["target_embeddings.safetensors"]`` while declared embeddings are owed."""
+    st: Dict[str, Any] = json.loads(_core.eagle3_status(_args.path("cache_dir", cache_dir)))
+    return st
+
+
+def commit_parts(cache_dir: PathLike) -> Dict[str, Any]:
+    """Commits a cache written in parts whose every part is durable (its last rank was killed
+    while committing); returns ``status()``. A committed cache is left as it is."""
+    st: Dict[str, Any] = json.loads(_core.eagle3_commit_parts(_args.path("cache_dir", cache_dir)))
+    return st
 
 
 def _item(fields: Sequence[Any]) -> Sample:

@@ -365,9 +365,23 @@ pub struct PartsStatus {
     pub done: Vec<u64>,
     /// The live claims: units and who holds them.
     pub claimed: Vec<(Range<u64>, String)>,
+    /// Files the commit still waits for besides the units (an EAGLE-3 cache's
+    /// `target_embeddings.safetensors`, declared by its ranks, until one of them writes it).
+    pub missing_files: Vec<String>,
 }
 
 impl PartsStatus {
+    /// A status of `units` units, none durable, none claimed, no file missing.
+    pub(crate) fn new(committed: bool, units: u64) -> PartsStatus {
+        PartsStatus {
+            committed,
+            units,
+            done: Vec::new(),
+            claimed: Vec::new(),
+            missing_files: Vec::new(),
+        }
+    }
+
     /// The units not durable yet, as ranges.
     pub fn missing(&self) -> Vec<Range<u64>> {
         let mut out: Vec<Range<u64>> = Vec::new();
@@ -418,29 +432,42 @@ impl PartsStatus {
                     .collect(),
             )
         };
-        Value::Object(vec![
+        let mut fields = vec![
             ("committed".into(), Value::Bool(self.committed)),
             ("units".into(), Value::int(self.units)),
             ("done".into(), Value::int(self.done.len() as u64)),
             ("missing".into(), ranges(&self.missing())),
-            (
-                "claimed".into(),
+        ];
+        if !self.missing_files.is_empty() {
+            // Only where a format has such files: the others' status stays as it was.
+            fields.push((
+                "missing_files".into(),
                 Value::Array(
-                    self.claimed
+                    self.missing_files
                         .iter()
-                        .map(|(r, who)| {
-                            Value::Object(vec![
-                                (
-                                    "units".into(),
-                                    Value::Array(vec![Value::int(r.start), Value::int(r.end)]),
-                                ),
-                                ("by".into(), Value::String(who.clone())),
-                            ])
-                        })
+                        .map(|f| Value::String(f.clone()))
                         .collect(),
                 ),
+            ));
+        }
+        fields.push((
+            "claimed".into(),
+            Value::Array(
+                self.claimed
+                    .iter()
+                    .map(|(r, who)| {
+                        Value::Object(vec![
+                            (
+                                "units".into(),
+                                Value::Array(vec![Value::int(r.start), Value::int(r.end)]),
+                            ),
+                            ("by".into(), Value::String(who.clone())),
+                        ])
+                    })
+                    .collect(),
             ),
-        ])
+        ));
+        Value::Object(fields)
     }
 }
 
@@ -580,12 +607,8 @@ mod tests {
     #[test]
     #[allow(clippy::single_range_in_vec_init)] // a rank's missing units: one range each here
     fn a_status_names_missing_units_and_what_each_rank_of_a_restart_writes() {
-        let s = PartsStatus {
-            committed: false,
-            units: 10,
-            done: vec![0, 1, 2, 5, 9],
-            claimed: vec![],
-        };
+        let mut s = PartsStatus::new(false, 10);
+        s.done = vec![0, 1, 2, 5, 9];
         assert_eq!(s.missing(), vec![3..5, 6..9]);
         assert_eq!(s.resume_plan(2), [[3..5], [6..9]]);
         assert_eq!(

@@ -138,6 +138,11 @@ impl Cache {
         if !dir.is_dir() {
             return Err(manifest::missing(&dir));
         }
+        // A write in parts has no manifest.json until its commit: say so, naming what is
+        // missing, rather than "no manifest".
+        if let Some(e) = super::parts::unfinished(&dir) {
+            return Err(e);
+        }
         let m = manifest::read(&dir)?;
         let present = shard_set(&dir)?;
         Self::checked(dir, m, &present, max_open, None)

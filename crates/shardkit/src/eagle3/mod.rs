@@ -20,6 +20,9 @@
 //!
 //! * [`Writer`]: samples into shards, each file written atomically and durably, the manifest
 //!   first; resume continues a killed run byte-identically.
+//! * [`PartWriter`]: one cache written by many processes (ranks of `torchrun`, a Slurm
+//!   array...), each its block of shards, committed once, byte-identical to one [`Writer`];
+//!   [`status`], [`commit_parts`].
 //! * [`Cache`]: lazily mapped shards, items without copies, top-k rows expanded.
 //! * [`Loader`]: shuffled or sequential batches per epoch, split across ranks like PyTorch's
 //!   `DistributedSampler`, read with many reads in flight.
@@ -66,6 +69,7 @@
 mod cache;
 mod loader;
 mod manifest;
+mod parts;
 mod rules;
 mod shard;
 mod synth;
@@ -78,6 +82,7 @@ pub use crate::engine::LoaderState;
 pub use cache::{Cache, Embeddings, Field, Item, DEFAULT_OPEN_SHARDS};
 pub use loader::{Batch, BatchField, Batches, Eagle3Options, Loader, LoaderOptions};
 pub use manifest::Manifest;
+pub use parts::{commit_parts, status, PartOptions, PartWriter};
 pub use shard::{read_header, FieldSpec};
 pub use synth::synthetic_sample;
 pub use validate::{inspect, set_version, validate, Validation};

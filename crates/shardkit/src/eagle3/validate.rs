@@ -30,6 +30,10 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
         return validate_remote(dir, location, deep);
     }
     let mut v = Validation::new(dir);
+    if let Some(e) = super::parts::unfinished(dir) {
+        v.error_from(&e);
+        return v;
+    }
     let m = match manifest::read(dir) {
         Ok(m) => m,
         Err(e) => {
@@ -228,6 +232,9 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
             embeddings,
         )
     } else {
+        if let Some(e) = super::parts::unfinished(dir) {
+            return Err(e);
+        }
         let m = manifest::read(dir)?;
         let present = shard_set(dir)?;
         let on_disk: u64 = present

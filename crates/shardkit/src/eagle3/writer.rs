@@ -24,6 +24,7 @@ use super::shard::{
     self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
 };
 use crate::checksum::{FileSums, Journal};
+use crate::commit::parts::PARTS_DIR;
 use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
@@ -197,6 +198,17 @@ impl Writer {
         } else {
             None
         };
+        if dir.join(PARTS_DIR).is_dir() {
+            // Its configuration is in the parts' state; a whole-cache writer would find
+            // shards without a manifest, or write a manifest the ranks' commit decides.
+            return Err(Error::Exists {
+                path: dir,
+                why: "is being written in parts (eagle3 PartWriter; .shardkit-parts holds its \
+                      state): continue it with part writers (any world size), or write the \
+                      cache elsewhere"
+                    .into(),
+            });
+        }
         let in_store: BTreeSet<u64> = uploaded
             .files
             .files
@@ -351,43 +363,7 @@ impl Writer {
                 self.manifest.num_samples
             )));
         }
-        let mut given: Vec<&[u8]> = Vec::with_capacity(self.specs.len());
-        for spec in &self.specs {
-            let bytes = fields
-                .iter()
-                .find(|(name, _)| *name == spec.name)
-                .map(|(_, b)| *b)
-                .ok_or_else(|| {
-                    Error::Invalid(format!(
-                        "missing `{}` ({} {:?} per sample)",
-                        spec.name, spec.dtype, spec.row
-                    ))
-                })?;
-            let want = spec.row_bytes() as u64 * n;
-            if bytes.len() as u64 != want {
-                return Err(Error::Invalid(format!(
-                    "`{}` holds {} bytes; {n} samples of {} {:?} need {want}",
-                    spec.name,
-                    bytes.len(),
-                    spec.dtype,
-                    spec.row
-                )));
-            }
-            given.push(bytes);
-        }
-        if let Some((name, _)) = fields
-            .iter()
-            .find(|(name, _)| !self.specs.iter().any(|s| s.name == *name))
-        {
-            return Err(Error::Invalid(format!(
-                "`{name}` is not a tensor of this cache (it stores {})",
-                self.specs
-                    .iter()
-                    .map(|s| s.name)
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
+        let given = given_fields(&self.specs, n, fields)?;
         if check {
             if let Some(breach) = rules::check(&self.manifest, &self.specs, &given).first() {
                 let at = self.files.destination(&self.dir);
@@ -489,14 +465,52 @@ impl Writer {
     }
 }
 
-/// Writes the embeddings file of the cache at `dir` (see [`Writer::write_target_embeddings`]).
-pub(crate) fn write_embeddings(
-    dir: &Path,
-    m: &Manifest,
-    data: &[u8],
-    rows: u64,
-    cols: u64,
-) -> Result<()> {
+/// The bytes of each stored tensor in `fields` for `n` samples, in the order of `specs`:
+/// every tensor given, each with exactly `n` rows, and no other.
+pub(crate) fn given_fields<'a>(
+    specs: &[FieldSpec],
+    n: u64,
+    fields: &[(&str, &'a [u8])],
+) -> Result<Vec<&'a [u8]>> {
+    let mut given: Vec<&[u8]> = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let bytes = fields
+            .iter()
+            .find(|(name, _)| *name == spec.name)
+            .map(|(_, b)| *b)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "missing `{}` ({} {:?} per sample)",
+                    spec.name, spec.dtype, spec.row
+                ))
+            })?;
+        let want = spec.row_bytes() as u64 * n;
+        if bytes.len() as u64 != want {
+            return Err(Error::Invalid(format!(
+                "`{}` holds {} bytes; {n} samples of {} {:?} need {want}",
+                spec.name,
+                bytes.len(),
+                spec.dtype,
+                spec.row
+            )));
+        }
+        given.push(bytes);
+    }
+    if let Some((name, _)) = fields
+        .iter()
+        .find(|(name, _)| !specs.iter().any(|s| s.name == *name))
+    {
+        return Err(Error::Invalid(format!(
+            "`{name}` is not a tensor of this cache (it stores {})",
+            specs.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    Ok(given)
+}
+
+/// Checks an embedding table of `rows × cols` float32 (`data`, little-endian) against the
+/// manifest `m`: its size, and its width against `aux_hidden_dim` / the aux layers.
+pub(crate) fn check_embeddings(m: &Manifest, data: &[u8], rows: u64, cols: u64) -> Result<()> {
     let want = rows
         .checked_mul(cols)
         .and_then(|e| e.checked_mul(4))
@@ -517,6 +531,18 @@ pub(crate) fn write_embeddings(
             )));
         }
     }
+    Ok(())
+}
+
+/// Writes the embeddings file of the cache at `dir` (see [`Writer::write_target_embeddings`]).
+pub(crate) fn write_embeddings(
+    dir: &Path,
+    m: &Manifest,
+    data: &[u8],
+    rows: u64,
+    cols: u64,
+) -> Result<()> {
+    check_embeddings(m, data, rows, cols)?;
     std::fs::create_dir_all(dir).at(dir)?;
     let path = dir.join(EMBEDDINGS);
     shard::write_safetensors_then(

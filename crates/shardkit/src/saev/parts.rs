@@ -490,12 +490,9 @@ fn status_of(layout: &Layout, parts: Option<&Parts>, committed: bool) -> Result<
         None if committed => ((0..layout.n_shards).collect(), Vec::new()),
         None => (Vec::new(), Vec::new()),
     };
-    Ok(PartsStatus {
-        committed,
-        units: layout.n_shards,
-        done,
-        claimed,
-    })
+    let mut st = PartsStatus::new(committed, layout.n_shards);
+    (st.done, st.claimed) = (done, claimed);
+    Ok(st)
 }
 
 /// Where the dataset at `dir` (a saev dataset directory) stands: committed, or which shards

@@ -1,0 +1,766 @@
+//! One EAGLE-3 cache written by many processes ([`PartWriter`]), as NeMo's distributed
+//! producer does: the sample count is known up front, and rank `r` of `W` writes the shards
+//! [`part_of`]`(ceil(N/s), r of W)`, i.e. samples `first·s .. min(end·s, N)`, into the one
+//! cache directory. The rank that completes the set commits it exactly as a single
+//! [`Writer`](super::Writer) finishes: the checksum sidecar, then manifest.json. The committed
+//! directory is byte-identical to a single process's.
+//!
+//! Unlike the single writer (which writes manifest.json first, so that a resume finds the
+//! configuration), a write in parts keeps its configuration in `.shardkit-parts/eagle3.json`
+//! and writes manifest.json **last**, as the commit record: a directory without it is no
+//! cache to any reader (NeMo's included), and shardkit's readers and `validate` name it an
+//! unfinished write in parts, with the shards still missing ([`unfinished`]).
+//!
+//! `target_embeddings.safetensors`, when the ranks declare it ([`PartOptions::target_embeddings`]),
+//! is one more thing the commit waits for: any rank may write it (NeMo's producer writes it on
+//! every run, before any shard; typically rank 0 does, or every rank with the same table), the
+//! first one writes it, and a later one whose table differs is refused.
+//!
+//! Each shard is durable on its own: written through a temporary, fsynced, renamed, then its
+//! record (`commit::parts`). A killed rank loses at most the shard it was filling; a restart,
+//! with any world size, writes only the shards not recorded.
+
+use std::fs;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use safetensors::Dtype;
+
+use super::manifest::{self, Manifest, MANIFEST};
+use super::rules;
+use super::shard::{self, field_specs, shard_index, shard_name, FieldSpec, Tensor};
+use super::writer::{check_embeddings, EMBEDDINGS};
+use crate::checksum::FileSums;
+use crate::commit::parts::{part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, PARTS_DIR};
+use crate::commit::{Files, Target, WriteLock};
+use crate::error::{Error, IoContext, Result};
+use crate::fsutil;
+use crate::json::{self, Value};
+
+/// The configuration of a write in parts, written by the first rank, checked by the others.
+const SETUP: &str = "eagle3.json";
+
+/// Options of [`PartWriter::create`]; every rank of one cache must give the same.
+#[derive(Debug, Clone)]
+pub struct PartOptions {
+    /// The `format_version` to write: 1 (the default) or 2 (see [`super::WriterOptions`]).
+    pub version: u8,
+    /// Whether the cache gets `target_embeddings.safetensors`: the commit then waits until a
+    /// rank has written it ([`PartWriter::write_target_embeddings`]). Declared up front because
+    /// the rank completing the shards cannot know whether another rank still means to write it.
+    pub target_embeddings: bool,
+}
+
+impl Default for PartOptions {
+    fn default() -> Self {
+        PartOptions {
+            version: 1,
+            target_embeddings: false,
+        }
+    }
+}
+
+/// Writes rank `rank`'s part of an EAGLE-3 cache; see the module documentation.
+pub struct PartWriter {
+    dir: PathBuf,
+    manifest: Manifest,
+    specs: Vec<FieldSpec>,
+    options: PartOptions,
+    rank: Rank,
+    /// This rank's shards.
+    shards: Range<u64>,
+    /// Samples still to write, in order (the part's, less the shards already durable).
+    pending: Vec<Range<u64>>,
+    /// Rows of the shard being filled, per field.
+    bufs: Vec<Vec<u8>>,
+    rows_buffered: u64,
+    /// The parts state and this rank's claim; `None` when the cache was already committed.
+    parts: Option<(Parts, Claim)>,
+    /// Held shared by every part writer (a whole-cache writer holds it exclusively).
+    _lock: WriteLock,
+}
+
+impl std::fmt::Debug for PartWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartWriter")
+            .field("dir", &self.dir)
+            .field("rank", &self.rank)
+            .field("shards", &self.shards)
+            .field("pending", &self.pending)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The setup record's bytes: the manifest (as manifest.json will hold it) and the options.
+fn setup_bytes(m: &Manifest, o: &PartOptions) -> Vec<u8> {
+    let v = Value::Object(vec![
+        (
+            "manifest".into(),
+            Value::String(String::from_utf8_lossy(&m.to_bytes()).into_owned()),
+        ),
+        ("target_embeddings".into(), Value::Bool(o.target_embeddings)),
+    ]);
+    json::to_compact(&v, true, json::Escape::Ascii).into_bytes()
+}
+
+/// The manifest and whether embeddings are declared, from a setup record.
+fn parse_setup(bytes: &[u8], path: &Path) -> Result<(Manifest, bool)> {
+    let v = json::parse(bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    let (Some(Value::String(text)), Some(Value::Bool(emb))) =
+        (v.get("manifest"), v.get("target_embeddings"))
+    else {
+        return Err(Error::format(
+            path,
+            "a write in parts' setup record without `manifest` (text) and `target_embeddings` \
+             (bool); it was damaged: delete the cache directory and write it again",
+        ));
+    };
+    Ok((Manifest::parse(text.as_bytes(), path)?, *emb))
+}
+
+/// The keys of `theirs` that differ from `ours` (with `format_version` among them), for a
+/// refusal.
+fn differing(ours: &Manifest, theirs: &Manifest) -> Vec<String> {
+    let mut keys = ours.differing_keys(theirs);
+    if ours.format_version != theirs.format_version {
+        keys.insert(0, "format_version".into());
+    }
+    keys
+}
+
+/// The refusal of a rank whose configuration differs from the one on disk.
+fn mismatch(path: PathBuf, keys: &[String]) -> Error {
+    Error::Exists {
+        path,
+        why: format!(
+            "holds an EAGLE-3 cache of another configuration: manifest key(s) {} differ from \
+             this rank's; every rank must give the same configuration (nothing was written)",
+            keys.join(", ")
+        ),
+    }
+}
+
+/// The manifest a part writer writes: `config` with `num_samples` = `total` (added when
+/// absent; a differing one is refused, naming the key).
+fn manifest_for(config: &Value, version: u8, total: u64) -> Result<Manifest> {
+    let mut config = config.clone();
+    match config.get("num_samples").map(Value::as_i64) {
+        None => config.set("num_samples", Value::int(total)),
+        Some(Some(n)) if u64::try_from(n) == Ok(total) => {}
+        Some(_) => {
+            return Err(Error::Invalid(format!(
+                "manifest key \"num_samples\" ({}) differs from total_samples {total}",
+                json::to_compact(
+                    &config.get("num_samples").cloned().unwrap_or(Value::Null),
+                    false,
+                    json::Escape::Utf8
+                )
+            )))
+        }
+    }
+    Manifest::for_writing(&config, version)
+}
+
+impl PartWriter {
+    /// Opens rank `rank`'s part of the cache at `dir` (created by whichever rank comes first)
+    /// for the run configuration `config` (as [`super::Writer::create`] takes it) of
+    /// `total_samples` samples. Refused before anything is written when the directory holds a
+    /// cache of another configuration (naming the differing manifest keys), when a whole-cache
+    /// writer holds it, or when a live rank has claimed shards of this part (naming it).
+    /// Shards already durable (an earlier run, with any world size) are kept:
+    /// [`PartWriter::pending`] says what is left. After the commit, a rank writes nothing.
+    pub fn create(
+        dir: impl AsRef<Path>,
+        config: &Value,
+        options: PartOptions,
+        total_samples: u64,
+        rank: Rank,
+    ) -> Result<PartWriter> {
+        let dir = match Target::parse(dir.as_ref())? {
+            Target::Local(dir) => dir,
+            Target::Store(store) => {
+                return Err(Error::Invalid(format!(
+                    "{}: writing a cache in parts to an object store is not supported yet; \
+                     write the parts to a shared file system (or one process with \
+                     eagle3.Writer to the store)",
+                    store.url()
+                )))
+            }
+        };
+        let m = manifest_for(config, options.version, total_samples)?;
+        if dir.exists() && !dir.is_dir() {
+            return Err(Error::Exists {
+                path: dir,
+                why: "exists and is not a directory".into(),
+            });
+        }
+        fs::create_dir_all(&dir).at(&dir)?;
+        let lock = WriteLock::dir_shared(&dir)?;
+        let shards = part_of(m.num_shards(), rank);
+        let mut w = PartWriter {
+            specs: field_specs(&m),
+            bufs: Vec::new(),
+            dir,
+            manifest: m,
+            options,
+            rank,
+            shards,
+            pending: Vec::new(),
+            rows_buffered: 0,
+            parts: None,
+            _lock: lock,
+        };
+        w.bufs = w.specs.iter().map(|_| Vec::new()).collect();
+        if w.committed_before()? {
+            return Ok(w);
+        }
+        match w.join() {
+            Ok(()) => Ok(w),
+            // The rank completing the set committed meanwhile, removing the parts' state this
+            // rank was reading: as if started after the commit (its configuration checked).
+            Err(_) if w.dir.join(MANIFEST).is_file() => {
+                w.parts = None;
+                w.pending.clear();
+                w.committed_before()?;
+                Ok(w)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Joins the write in parts: the setup record written or checked, this rank's shards
+    /// claimed, and the pending samples planned.
+    fn join(&mut self) -> Result<()> {
+        let parts = Parts::open(&self.dir)?;
+        // Ranks start together: one at a time checks (or writes) the setup record.
+        let setting_up = parts.setup_lock()?;
+        let setup = self.dir.join(PARTS_DIR).join(SETUP);
+        match fsutil::read_json_file(&setup) {
+            Ok(bytes) => {
+                let (theirs, emb) = parse_setup(&bytes, &setup)?;
+                let keys = differing(&self.manifest, &theirs);
+                if !keys.is_empty() {
+                    return Err(mismatch(setup, &keys));
+                }
+                if emb != self.options.target_embeddings {
+                    return Err(Error::Exists {
+                        path: setup,
+                        why: format!(
+                            "the cache's ranks were started with target_embeddings {emb}, this \
+                         one with {}; every rank must give the same options (nothing was \
+                         written)",
+                            self.options.target_embeddings
+                        ),
+                    });
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                if !shard::shard_set(&self.dir)?.is_empty() {
+                    return Err(Error::Exists {
+                        path: self.dir.clone(),
+                        why: "has shards but neither manifest.json nor the state of a write in \
+                          parts; refusing to write among them"
+                            .into(),
+                    });
+                }
+                fsutil::atomic_write(&setup, &setup_bytes(&self.manifest, &self.options))?;
+            }
+            Err(e) => return Err(Error::io(&setup, e)),
+        }
+        drop(setting_up);
+        let claim = parts.claim(self.shards.clone(), self.rank)?;
+        self.parts = Some((parts, claim));
+        self.plan()
+    }
+
+    /// Whether the cache was committed before this rank started (checked against this rank's
+    /// configuration); finishes the cleanup of a commit cut short.
+    fn committed_before(&self) -> Result<bool> {
+        let path = self.dir.join(MANIFEST);
+        let theirs = match manifest::read(&self.dir) {
+            Ok(t) => t,
+            Err(Error::NotFound { .. }) if !path.exists() => return Ok(false),
+            Err(e) => return Err(e),
+        };
+        let keys = differing(&self.manifest, &theirs);
+        if !keys.is_empty() {
+            return Err(mismatch(path, &keys));
+        }
+        if let Some(parts) = Parts::existing(&self.dir) {
+            // manifest.json is the last thing a commit in parts writes: committed, and killed
+            // while cleaning up.
+            let _committing = parts.commit_lock()?;
+            clean_after_commit(&self.dir, parts)?;
+            return Ok(true);
+        }
+        let present = shard::shard_set(&self.dir)?;
+        if shard::shard_set_problem(&present, self.manifest.num_shards()).is_none()
+            && self.dir.join(crate::checksum::SIDECAR).is_file()
+        {
+            return Ok(true);
+        }
+        Err(Error::Exists {
+            path: self.dir.clone(),
+            why: format!(
+                "holds a cache a single eagle3 Writer started and did not finish ({} of {} \
+                 shards); resume it with that Writer (resume), or write the parts elsewhere",
+                present.len(),
+                self.manifest.num_shards()
+            ),
+        })
+    }
+
+    /// Finds this part's shards still to write from the records, and removes what a killed
+    /// rank left of them (a shard published without its record).
+    fn plan(&mut self) -> Result<()> {
+        let Some((parts, _)) = &self.parts else {
+            return Ok(());
+        };
+        let done = parts.done()?;
+        let (s_size, n) = (self.manifest.shard_size, self.manifest.num_samples);
+        for s in self.shards.clone() {
+            let name = shard_name(s);
+            if let Some(files) = done.get(&name) {
+                if intact(&self.dir, &name, files) {
+                    continue;
+                }
+                parts.forget(&name)?;
+            }
+            let p = self.dir.join(&name);
+            match fs::remove_file(&p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&p, e)),
+                _ => {}
+            }
+            let r = s * s_size..((s + 1) * s_size).min(n);
+            match self.pending.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => self.pending.push(r),
+            }
+        }
+        Ok(())
+    }
+
+    /// The cache directory.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+    /// This rank and world size.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+    /// The manifest the commit writes.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+    /// The tensors each sample needs (name, dtype, row shape).
+    pub fn fields(&self) -> &[FieldSpec] {
+        &self.specs
+    }
+    /// The samples this rank's part covers (its shards'), durable or not.
+    pub fn samples(&self) -> Range<u64> {
+        let (s, n) = (self.manifest.shard_size, self.manifest.num_samples);
+        (self.shards.start * s).min(n)..(self.shards.end * s).min(n)
+    }
+    /// The samples still to write, in order: feed [`PartWriter::add`] exactly these (the
+    /// writer moves from one range to the next by itself).
+    pub fn pending(&self) -> &[Range<u64>] {
+        &self.pending
+    }
+    /// The sample the next [`PartWriter::add`] begins at (`None` once the part is written).
+    pub fn next_sample(&self) -> Option<u64> {
+        self.pending.first().map(|r| r.start + self.rows_buffered)
+    }
+
+    /// Adds the next `n` samples of [`PartWriter::pending`], as [`super::Writer::add`] takes
+    /// them (every stored tensor, every value checked). A shard is made durable as soon as it
+    /// is full.
+    pub fn add(&mut self, n: u64, fields: &[(&str, &[u8])]) -> Result<()> {
+        let given = super::writer::given_fields(&self.specs, n, fields)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let Some(first) = self.next_sample() else {
+            return Err(Error::Invalid(if self.parts.is_none() {
+                format!(
+                    "{}: the cache is already committed; nothing is left to write",
+                    self.dir.display()
+                )
+            } else {
+                format!(
+                    "{}'s part is written whole; nothing is left to add",
+                    self.rank
+                )
+            }));
+        };
+        let left = self.pending.iter().map(|r| r.end - r.start).sum::<u64>() - self.rows_buffered;
+        if n > left {
+            return Err(Error::Invalid(format!(
+                "{n} more samples would pass the end of {}'s part ({left} left to write of \
+                 samples {}..{})",
+                self.rank,
+                self.samples().start,
+                self.samples().end
+            )));
+        }
+        if let Some(breach) = rules::check(&self.manifest, &self.specs, &given).first() {
+            return Err(breach.refusal(&self.dir, first));
+        }
+        let mut done = 0u64;
+        while done < n {
+            let at = self.next_sample().expect("samples are left, checked above");
+            let s = at / self.manifest.shard_size;
+            let want = self.manifest.rows_in_shard(s);
+            let take = (want - self.rows_buffered).min(n - done);
+            for (f, spec) in self.specs.iter().enumerate() {
+                let rb = spec.row_bytes();
+                self.bufs[f]
+                    .extend_from_slice(&given[f][done as usize * rb..(done + take) as usize * rb]);
+            }
+            self.rows_buffered += take;
+            done += take;
+            if self.rows_buffered == want {
+                self.publish_shard(s)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes the full shard `s` durable: the file under its final name, then its record; and
+    /// moves on past its samples.
+    fn publish_shard(&mut self, s: u64) -> Result<()> {
+        let rows = self.rows_buffered as usize;
+        let tensors: Vec<(&str, Tensor<'_>)> = self
+            .specs
+            .iter()
+            .zip(&self.bufs)
+            .map(|(spec, buf)| {
+                let mut shape = vec![rows];
+                shape.extend(&spec.row);
+                (
+                    spec.name,
+                    Tensor {
+                        dtype: spec.dtype,
+                        shape,
+                        data: buf,
+                    },
+                )
+            })
+            .collect();
+        let name = shard_name(s);
+        let path = self.dir.join(&name);
+        shard::write_safetensors(&path, tensors)?;
+        let mut files = UnitFiles::new();
+        files.insert(name.clone(), FileSums::of_file(&path)?);
+        let (parts, _) = self
+            .parts
+            .as_ref()
+            .expect("a shard is written only when unfinished");
+        parts.record_done(&name, &files)?;
+        for b in &mut self.bufs {
+            b.clear();
+        }
+        self.rows_buffered = 0;
+        let end = self
+            .manifest
+            .num_samples
+            .min((s + 1) * self.manifest.shard_size);
+        while self.pending.first().is_some_and(|r| r.end <= end) {
+            self.pending.remove(0);
+        }
+        if let Some(r) = self.pending.first_mut() {
+            r.start = r.start.max(end);
+        }
+        Ok(())
+    }
+
+    /// Writes `target_embeddings.safetensors` (one F32 tensor `weight`, `rows × cols`), once
+    /// for the cache: the first rank to call it writes the file and records it; a later call
+    /// (any rank, any run) with the same table writes nothing, and one with another table is
+    /// refused. Only for a cache whose ranks declared [`PartOptions::target_embeddings`].
+    pub fn write_target_embeddings(&self, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+        let path = self.dir.join(EMBEDDINGS);
+        if !self.options.target_embeddings {
+            return Err(Error::Invalid(format!(
+                "{}: this cache's ranks were started without target_embeddings; start every \
+                 rank with it to write the embeddings in parts",
+                path.display()
+            )));
+        }
+        check_embeddings(&self.manifest, data, rows, cols)?;
+        let tensors = vec![(
+            "weight",
+            Tensor {
+                dtype: Dtype::F32,
+                shape: vec![rows as usize, cols as usize],
+                data,
+            },
+        )];
+        let differs = || Error::Exists {
+            path: path.clone(),
+            why: "was written by another rank with another table; every rank must give the \
+                  same target embeddings"
+                .into(),
+        };
+        let same = || match holds_table(&path, data, rows, cols)? {
+            true => Ok(()),
+            false => Err(differs()),
+        };
+        let Some((parts, _)) = &self.parts else {
+            // Committed: the table the cache holds must be this one.
+            return same();
+        };
+        let written = (|| {
+            let _writing = WriteLock::waiting(&self.dir.join(PARTS_DIR).join("embeddings.lock"))?;
+            if let Some(files) = parts.done()?.get(EMBEDDINGS) {
+                if intact(&self.dir, EMBEDDINGS, files) {
+                    return same();
+                }
+                parts.forget(EMBEDDINGS)?;
+            }
+            shard::write_safetensors(&path, tensors)?;
+            let mut files = UnitFiles::new();
+            files.insert(EMBEDDINGS.to_string(), FileSums::of_file(&path)?);
+            parts.record_done(EMBEDDINGS, &files)
+        })();
+        match written {
+            // Committed meanwhile (the table was recorded, and the parts' state is gone).
+            Err(_) if self.dir.join(MANIFEST).is_file() => same(),
+            r => r,
+        }
+    }
+
+    /// Ends this rank's part, then commits the cache if every shard (and the embeddings, when
+    /// declared) is durable, waiting for a rank committing meanwhile. Refused, leaving the
+    /// part resumable, when samples of the part are still pending. Returns where the cache
+    /// stands: committed, or what other ranks still owe.
+    pub fn finish(self) -> Result<PartsStatus> {
+        if let Some(next) = self.next_sample() {
+            let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
+            let part = self.samples();
+            return Err(Error::Incomplete {
+                path: self.dir.clone(),
+                present: part.end - part.start - left,
+                total: part.end - part.start,
+                detail: format!(
+                    "{}'s part is not written whole (next sample {next}, {left} left to add \
+                     to whole shards); the shards written are durable and a restart writes \
+                     the rest",
+                    self.rank
+                ),
+            });
+        }
+        let Some((parts, _)) = &self.parts else {
+            return status_of(&self.manifest, false, None, true);
+        };
+        let emb = self.options.target_embeddings;
+        let committed = commit(&self.dir, &self.manifest, emb, parts)?;
+        match status_of(&self.manifest, emb, Some(parts), committed) {
+            // Committed by another rank since (the parts' state read is gone).
+            Err(_) if self.dir.join(MANIFEST).is_file() => {
+                status_of(&self.manifest, emb, None, true)
+            }
+            st => st,
+        }
+    }
+}
+
+/// Whether the embeddings file at `path` holds exactly the table `data` of `rows × cols`
+/// (which, written, gives the same bytes: serialisation is deterministic).
+fn holds_table(path: &Path, data: &[u8], rows: u64, cols: u64) -> Result<bool> {
+    let Ok(file) = fs::File::open(path) else {
+        return Ok(false);
+    };
+    // SAFETY: a finished file, replaced only by rename (never written in place).
+    let map = unsafe { memmap2::Mmap::map(&file) }.at(path)?;
+    let Ok(st) = safetensors::SafeTensors::deserialize(&map) else {
+        return Ok(false);
+    };
+    Ok(st.names().len() == 1
+        && st.tensor("weight").is_ok_and(|t| {
+            t.dtype() == Dtype::F32
+                && t.shape() == [rows as usize, cols as usize]
+                && t.data() == data
+        }))
+}
+
+/// Whether `name`, recorded with `files`, is on disk as recorded (sizes checked; the checksums
+/// are the sidecar's to check).
+fn intact(dir: &Path, name: &str, files: &UnitFiles) -> bool {
+    files.contains_key(name)
+        && files
+            .iter()
+            .all(|(n, sums)| fsutil::regular_file_len(&dir.join(n)) == Some(sums.bytes))
+}
+
+/// Commits the cache in `dir` if every shard (and the embeddings when `emb`) is durable and
+/// nobody has; true when it is committed (now or before).
+fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
+    let _committing = match parts.commit_lock() {
+        Ok(l) => l,
+        // Committed by another rank, which removed the parts' state, lock file included.
+        Err(_) if dir.join(MANIFEST).is_file() => return Ok(true),
+        Err(e) => return Err(e),
+    };
+    if dir.join(MANIFEST).is_file() {
+        // Committed by another rank (or by a run killed while cleaning up after it).
+        clean_after_commit(dir, parts.clone())?;
+        return Ok(true);
+    }
+    let done = parts.done()?;
+    let mut names: Vec<String> = (0..m.num_shards()).map(shard_name).collect();
+    if emb {
+        names.push(EMBEDDINGS.to_string());
+    }
+    if names.iter().any(|n| !done.contains_key(n)) {
+        return Ok(false);
+    }
+    let mut files = Files::default();
+    for name in &names {
+        if !intact(dir, name, &done[name]) {
+            return Err(Error::format(
+                dir.join(name),
+                "recorded durable but missing or of another size (delete its record under \
+                 .shardkit-parts/done and write it again)",
+            ));
+        }
+        files.insert(name, done[name][name].clone());
+    }
+    // What killed ranks left (temporaries of shards written again since) goes: no rank is
+    // writing now, every shard being durable.
+    shard::remove_temporaries(dir)?;
+    // The single writer's finish: the sidecar (covering manifest.json, hashed from the bytes
+    // about to be written) then manifest.json, the commit record, last.
+    let bytes = m.to_bytes();
+    files.record_bytes(MANIFEST, &bytes);
+    files.write_sidecar(dir)?;
+    fsutil::atomic_write(&dir.join(MANIFEST), &bytes)?;
+    // Committed: the rest is cleaning up, which a later open, status or commit finishes.
+    clean_after_commit(dir, parts.clone())?;
+    Ok(true)
+}
+
+fn clean_after_commit(dir: &Path, parts: Parts) -> Result<()> {
+    parts.remove()?;
+    fsutil::fsync_dir(dir)
+}
+
+fn status_of(
+    m: &Manifest,
+    emb: bool,
+    parts: Option<&Parts>,
+    committed: bool,
+) -> Result<PartsStatus> {
+    let units = m.num_shards();
+    let mut st = PartsStatus::new(committed, units);
+    match parts.filter(|_| !committed) {
+        Some(p) => {
+            let done = p.done()?;
+            st.done = done
+                .keys()
+                .filter_map(|n| shard_index(n))
+                .filter(|&s| s < units)
+                .collect();
+            st.claimed = p.live_claims()?;
+            if emb && !done.contains_key(EMBEDDINGS) {
+                st.missing_files.push(EMBEDDINGS.to_string());
+            }
+        }
+        None if committed => st.done = (0..units).collect(),
+        None => {}
+    }
+    Ok(st)
+}
+
+/// The configuration of the write in parts in `dir`, when there is one.
+fn setup_of(dir: &Path) -> Result<Option<(Manifest, bool, Parts)>> {
+    let Some(parts) = Parts::existing(dir) else {
+        return Ok(None);
+    };
+    let path = dir.join(PARTS_DIR).join(SETUP);
+    match fsutil::read_json_file(&path) {
+        Ok(bytes) => {
+            let (m, emb) = parse_setup(&bytes, &path)?;
+            Ok(Some((m, emb, parts)))
+        }
+        // Its first rank was killed before the setup record: nothing was written.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(&path, e)),
+    }
+}
+
+/// Where the cache at `dir` stands: committed, or which shards are durable, which are claimed
+/// by live ranks (and by whom), whether the declared embeddings are still owed, and what a
+/// restart would write. A cache whose every part is durable but not committed (its last rank
+/// killed mid-commit) is committed by [`commit_parts`].
+pub fn status(dir: impl AsRef<Path>) -> Result<PartsStatus> {
+    let dir = dir.as_ref();
+    if dir.join(MANIFEST).is_file() {
+        let m = manifest::read(dir)?;
+        let complete = shard::shard_set_problem(&shard::shard_set(dir)?, m.num_shards()).is_none();
+        return status_of(&m, false, None, complete);
+    }
+    let st = match setup_of(dir) {
+        Ok(Some((m, emb, parts))) => status_of(&m, emb, Some(&parts), false),
+        Ok(None) => Err(manifest::missing(dir)),
+        Err(e) => Err(e),
+    };
+    match st {
+        // Committed while it was being read (the parts' state removed).
+        Err(_) if dir.join(MANIFEST).is_file() => status(dir),
+        st => st,
+    }
+}
+
+/// Commits the cache at `dir` written in parts when every part is durable (the ranks
+/// finished, the last was killed while committing). Returns its status.
+pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
+    let dir = dir.as_ref();
+    let Some((m, emb, parts)) = setup_of(dir)? else {
+        if let Some(parts) = Parts::existing(dir).filter(|_| dir.join(MANIFEST).is_file()) {
+            let _lock = WriteLock::dir_shared(dir)?;
+            let _committing = parts.commit_lock()?;
+            clean_after_commit(dir, parts)?;
+        }
+        return status(dir);
+    };
+    let _lock = WriteLock::dir_shared(dir)?;
+    let committed = commit(dir, &m, emb, &parts)?;
+    status_of(&m, emb, Some(&parts), committed)
+}
+
+/// The error for reading `dir` while it is an unfinished write in parts (no manifest.json
+/// yet), naming what is missing; `None` when it is not one.
+pub(crate) fn unfinished(dir: &Path) -> Option<Error> {
+    if dir.join(MANIFEST).is_file() {
+        return None;
+    }
+    let (m, emb, parts) = setup_of(dir).ok()??;
+    let st = status_of(&m, emb, Some(&parts), false).ok()?;
+    let present: u64 = st.done.iter().map(|&s| m.rows_in_shard(s)).sum();
+    let mut missing: Vec<String> = st
+        .missing()
+        .iter()
+        .map(|r| match r.end - r.start {
+            1 => shard_name(r.start),
+            _ => format!("{} to {}", shard_name(r.start), shard_name(r.end - 1)),
+        })
+        .collect();
+    missing.extend(st.missing_files.iter().cloned());
+    Some(Error::Incomplete {
+        path: dir.to_path_buf(),
+        present,
+        total: m.num_samples,
+        detail: format!(
+            "an EAGLE-3 cache being written in parts, not committed (manifest.json is written \
+             last, once every part is durable); missing: {}; `shardkit eagle3 status` says \
+             more",
+            if missing.is_empty() {
+                "nothing (its last rank was killed while committing: commit it with \
+                 `shardkit eagle3 status --commit`)"
+                    .to_string()
+            } else {
+                missing.join(", ")
+            }
+        ),
+    })
+}
