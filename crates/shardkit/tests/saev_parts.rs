@@ -175,6 +175,13 @@ fn every_shard_durable_but_not_committed_is_committed_by_commit_parts() {
     assert!(saev::status(&dir).unwrap().committed);
     assert!(saev::commit_parts(&dir).unwrap().committed);
     assert_eq!(tree(&dir), want);
+    // A rank started after the commit writes nothing and touches nothing, even where a
+    // committer killed while cleaning up left parts state behind.
+    std::fs::create_dir_all(dir.join(".shardkit-parts/done")).unwrap();
+    let w = PartWriter::create(&root, metadata(11), Rank::new(1, 2).unwrap()).unwrap();
+    assert!(w.pending().is_empty());
+    assert!(w.finish().unwrap().committed);
+    assert_eq!(tree(&dir), want);
 }
 
 #[test]

@@ -322,8 +322,14 @@ impl Parts {
     }
 
     /// Waits for and takes the commit lock.
-    pub(crate) fn commit_lock(&self) -> Result<WriteLock> {
-        WriteLock::waiting(&self.dir.join("commit.lock"))
+    /// `None` when the parts state is gone: a rank that committed meanwhile removed it (the
+    /// caller then looks at the commit record).
+    pub(crate) fn commit_lock(&self) -> Result<Option<WriteLock>> {
+        match WriteLock::waiting(&self.dir.join("commit.lock")) {
+            Ok(l) => Ok(Some(l)),
+            Err(_) if !self.dir.is_dir() => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Removes the parts state (after the commit record is durable).
@@ -577,6 +583,16 @@ mod tests {
         assert_eq!(parts.live_claims().unwrap().len(), 2);
         drop((b, c));
         assert!(parts.live_claims().unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_commit_lock_of_a_removed_parts_state_says_so_instead_of_failing() {
+        let dir = tempfile::tempdir().unwrap();
+        let parts = Parts::open(dir.path()).unwrap();
+        assert!(parts.commit_lock().unwrap().is_some());
+        // Another rank committed and removed the state while this one waited.
+        parts.clone().remove().unwrap();
+        assert!(parts.commit_lock().unwrap().is_none());
     }
 
     #[test]

@@ -289,8 +289,9 @@ impl PartWriter {
         if let Some(parts) = Parts::existing(&self.dir) {
             // manifest.json is the last thing a commit in parts writes: committed, and killed
             // while cleaning up.
-            let _committing = parts.commit_lock()?;
-            clean_after_commit(&self.dir, parts)?;
+            if let Some(_committing) = parts.commit_lock()? {
+                clean_after_commit(&self.dir, parts)?;
+            }
             return Ok(true);
         }
         let present = shard::shard_set(&self.dir)?;
@@ -595,11 +596,9 @@ fn intact(dir: &Path, name: &str, files: &UnitFiles) -> bool {
 /// Commits the cache in `dir` if every shard (and the embeddings when `emb`) is durable and
 /// nobody has; true when it is committed (now or before).
 fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
-    let _committing = match parts.commit_lock() {
-        Ok(l) => l,
+    let Some(_committing) = parts.commit_lock()? else {
         // Committed by another rank, which removed the parts' state, lock file included.
-        Err(_) if dir.join(MANIFEST).is_file() => return Ok(true),
-        Err(e) => return Err(e),
+        return Ok(dir.join(MANIFEST).is_file());
     };
     if dir.join(MANIFEST).is_file() {
         // Committed by another rank (or by a run killed while cleaning up after it).
@@ -718,8 +717,9 @@ pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
     let Some((m, emb, parts)) = setup_of(dir)? else {
         if let Some(parts) = Parts::existing(dir).filter(|_| dir.join(MANIFEST).is_file()) {
             let _lock = WriteLock::dir_shared(dir)?;
-            let _committing = parts.commit_lock()?;
-            clean_after_commit(dir, parts)?;
+            if let Some(_committing) = parts.commit_lock()? {
+                clean_after_commit(dir, parts)?;
+            }
         }
         return status(dir);
     };

@@ -102,10 +102,15 @@ impl PartWriter {
         let lock = WriteLock::dir_shared(&dir)?;
         let md_path = dir.join("metadata.json");
         let committed = fsutil::read_json_file(&md_path).is_ok_and(|b| b == md.file_bytes())
-            && check_complete(&dir, &layout).is_ok()
-            && Parts::existing(&dir).is_none();
+            && check_complete(&dir, &layout).is_ok();
         if committed {
-            // Done before (a rank started again after the commit): nothing to write.
+            // Done before (a rank started again after the commit): nothing to write. What a
+            // committer killed while cleaning up left is removed; nothing else is touched.
+            if let Some(parts) = Parts::existing(&dir) {
+                if let Some(_committing) = parts.commit_lock()? {
+                    clean_after_commit(&dir, &dir.join(LABEL_PIECES), parts)?;
+                }
+            }
             return Ok(PartWriter {
                 shards: part_of(layout.n_shards, rank),
                 dir,
@@ -391,7 +396,10 @@ impl PartWriter {
 /// Commits the dataset in `dir` if every shard is durable and nobody has; true when it is
 /// committed (now or before).
 fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<bool> {
-    let _committing = parts.commit_lock()?;
+    let Some(_committing) = parts.commit_lock()? else {
+        // Another rank committed and cleaned up while this one waited.
+        return Ok(check_complete(dir, layout).is_ok());
+    };
     if check_complete(dir, layout).is_ok() {
         // Committed by another rank (or by a run killed while cleaning up after it).
         clean_after_commit(dir, &dir.join(LABEL_PIECES), parts.clone())?;
