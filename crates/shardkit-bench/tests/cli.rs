@@ -149,7 +149,7 @@ fn a_small_parts_bench_writes_identical_datasets_and_times_the_commit() {
     );
     assert_eq!(commit.get("committed"), Some(&Value::Bool(true)), "{text}");
     positive(commit, "commit_s");
-    positive(commit, "remove_files_s");
+    positive(commit, "remove_files_serial_s");
     // Every run's data is removed.
     let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().collect();
     assert!(left.is_empty(), "{left:?}");

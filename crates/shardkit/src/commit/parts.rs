@@ -326,8 +326,10 @@ impl Parts {
         WriteLock::waiting(&self.dir.join("commit.lock"))
     }
 
-    /// Removes the parts state (after the commit record is durable).
+    /// Removes the parts state (after the commit record is durable): the unit records, one
+    /// file per unit, several at a time (see `fsutil::remove_dir_files_parallel`).
     pub(crate) fn remove(self) -> Result<()> {
+        fsutil::remove_dir_files_parallel(&self.dir.join("done"))?;
         match fs::remove_dir_all(&self.dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(&self.dir, e)),
             _ => Ok(()),
