@@ -330,9 +330,20 @@ impl Parts {
     /// file per unit, several at a time (see `fsutil::remove_dir_files_parallel`).
     pub(crate) fn remove(self) -> Result<()> {
         fsutil::remove_dir_files_parallel(&self.dir.join("done"))?;
-        match fs::remove_dir_all(&self.dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(&self.dir, e)),
-            _ => Ok(()),
+        // A rank reaching its commit while this runs can create commit.lock again after it was
+        // removed (the directory is then not empty): removed on the next try; that rank finds
+        // the dataset committed.
+        let mut tries = 0;
+        loop {
+            match fs::remove_dir_all(&self.dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 3 => {
+                    tries += 1;
+                }
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::io(&self.dir, e))
+                }
+                _ => return Ok(()),
+            }
         }
     }
 }

@@ -407,7 +407,13 @@ impl PartWriter {
 /// Commits the dataset in `dir` if every shard is durable and nobody has; true when it is
 /// committed (now or before).
 fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<bool> {
-    let _committing = parts.commit_lock()?;
+    let _committing = match parts.commit_lock() {
+        Ok(lock) => lock,
+        // Another rank committed and removed the parts state (its lock file with it) after
+        // this rank's last shard was recorded and before it got here.
+        Err(Error::NotFound { .. }) if check_complete(dir, layout).is_ok() => return Ok(true),
+        Err(e) => return Err(e),
+    };
     if check_complete(dir, layout).is_ok() {
         // Committed by another rank (or by a run killed while cleaning up after it).
         clean_after_commit(dir, &dir.join(LABEL_PIECES), parts.clone())?;
