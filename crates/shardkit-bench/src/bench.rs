@@ -74,6 +74,13 @@ pub enum BenchCmd {
     /// A TCP relay that makes a loopback S3 server answer like a far store (a latency on every
     /// response, a pace per connection); `bench remote --link-latency-ms` starts one itself.
     Link(crate::bench_link::LinkArgs),
+    /// One saev dataset written by 1, 2, 4, ... writer processes (ranks of one PartWriter
+    /// job) against the sequential write ceiling, each checked byte-identical to 1 writer;
+    /// and the commit time of a 1,000-shard dataset, in the same run.
+    Parts(crate::bench_parts::PartsBenchArgs),
+    /// One writer process of `parts` (internal: the benchmark spawns it).
+    #[command(hide = true)]
+    PartsRank(crate::bench_parts::RankArgs),
 }
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
@@ -114,6 +121,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Eagle3(args) => crate::bench_eagle3::run(args),
         BenchCmd::Sdnb(args) => crate::bench_sdnb::run(args),
         BenchCmd::Link(args) => crate::bench_link::run(args),
+        BenchCmd::Parts(args) => crate::bench_parts::run(args),
+        BenchCmd::PartsRank(args) => crate::bench_parts::rank(args),
     }
 }
 

@@ -12,6 +12,7 @@ mod bench;
 mod bench_corpus;
 mod bench_eagle3;
 mod bench_link;
+mod bench_parts;
 mod bench_remote;
 mod bench_sdnb;
 mod bench_tokens;

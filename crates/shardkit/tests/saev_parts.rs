@@ -248,3 +248,30 @@ fn parts_to_an_object_store_are_refused_saying_so() {
     assert!(matches!(e, Error::Invalid(_)), "{e:?}");
     assert!(e.to_string().contains("not supported yet"), "{e}");
 }
+
+#[test]
+fn a_rank_finishing_after_another_committed_and_cleaned_up_finds_the_dataset_committed() {
+    // Both ranks' shards durable; rank 1 finishes first, commits and removes the parts state;
+    // rank 0, which had not reached its commit lock yet (seen with 4 rank processes on 2
+    // cores in `shardkit bench parts`), then finishes: committed, not an error about the
+    // removed `.shardkit-parts/commit.lock`.
+    let tmp = tempfile::tempdir().unwrap();
+    let want = tree(&single(&tmp.path().join("one"), 11, false));
+    let root = tmp.path().join("parts");
+    let mut writers: Vec<PartWriter> = (0..2)
+        .map(|r| PartWriter::create(&root, metadata(11), Rank::new(r, 2).unwrap()).unwrap())
+        .collect();
+    for w in &mut writers {
+        for r in w.pending().to_vec() {
+            w.write(&acts(r), None).unwrap();
+        }
+    }
+    let dir = writers[0].path().to_path_buf();
+    let rank0 = writers.remove(0);
+    let committed = writers.remove(0).finish().unwrap();
+    assert!(committed.committed, "{committed:?}");
+    assert!(!dir.join(".shardkit-parts").exists());
+    let late = rank0.finish().unwrap();
+    assert!(late.committed && late.missing().is_empty(), "{late:?}");
+    assert_eq!(tree(&dir), want);
+}

@@ -332,11 +332,24 @@ impl Parts {
         }
     }
 
-    /// Removes the parts state (after the commit record is durable).
+    /// Removes the parts state (after the commit record is durable): the unit records, one
+    /// file per unit, several at a time (see `fsutil::remove_dir_files_parallel`).
     pub(crate) fn remove(self) -> Result<()> {
-        match fs::remove_dir_all(&self.dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(&self.dir, e)),
-            _ => Ok(()),
+        fsutil::remove_dir_files_parallel(&self.dir.join("done"))?;
+        // A rank reaching its commit while this runs can create commit.lock again after it was
+        // removed (the directory is then not empty): removed on the next try; that rank finds
+        // the dataset committed.
+        let mut tries = 0;
+        loop {
+            match fs::remove_dir_all(&self.dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 3 => {
+                    tries += 1;
+                }
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::io(&self.dir, e))
+                }
+                _ => return Ok(()),
+            }
         }
     }
 }

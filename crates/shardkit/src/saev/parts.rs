@@ -471,10 +471,8 @@ fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<b
 }
 
 fn clean_after_commit(dir: &Path, pieces: &Path, parts: Parts) -> Result<()> {
-    match fs::remove_dir_all(pieces) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(pieces, e)),
-        _ => {}
-    }
+    // One labels piece a shard: removed several at a time, as the records are.
+    fsutil::remove_dir_files_parallel(pieces)?;
     match fs::remove_file(dir.join(MARKER)) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             return Err(Error::io(dir.join(MARKER), e))
