@@ -64,14 +64,15 @@ pub fn print_status(
         dir.display(),
         status.units
     );
-    println!("  missing: {unit}s {}", ranges(&status.missing()));
+    let missing = status.missing();
+    println!("  missing: {unit}s {}", ranges(&missing));
     for f in &status.missing_files {
         println!("  missing: {f} (any rank writes it; the commit waits for it)");
     }
     for (r, who) in &status.claimed {
         println!("  claimed: {unit}s {} by {who}", range(r));
     }
-    if status.missing().is_empty() && status.missing_files.is_empty() {
+    if missing.is_empty() && status.missing_files.is_empty() {
         println!("  every {unit} is durable: `status --commit` (or any rank's finish) commits it");
     } else if let Some(w) = world_size {
         println!("  a restart with {w} rank(s) writes:");

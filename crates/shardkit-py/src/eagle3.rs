@@ -39,6 +39,72 @@ fn closed() -> PyErr {
     crate::py_error("InvalidArgumentError", "the writer is closed")
 }
 
+/// {"name", "dtype" (code), "shape" (of a row)} of every stored tensor, for Python.
+fn fields_out<'py>(
+    py: Python<'py>,
+    fields: &[(&'static str, String, Vec<usize>)],
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    fields
+        .iter()
+        .map(|(name, dtype, shape)| {
+            record(
+                py,
+                [
+                    ("name", obj(py, *name)?),
+                    ("dtype", obj(py, dtype)?),
+                    ("shape", obj(py, shape)?),
+                ],
+            )
+        })
+        .collect()
+}
+
+/// Calls `add` without the GIL on byte views of `fields` (each stored tensor's name → a
+/// C-contiguous buffer), for both writers' `add_rows`.
+fn add_without_gil(
+    py: Python<'_>,
+    fields: &Bound<'_, PyDict>,
+    add: impl FnOnce(&[(&str, &[u8])]) -> shardkit::Result<()> + Send,
+) -> PyResult<()> {
+    let mut bufs = Vec::new();
+    for (k, v) in fields.iter() {
+        let name: String = k.extract()?;
+        let b = contiguous::<u8>(&v, &format!("{name} (bytes)"))?;
+        bufs.push((name, b));
+    }
+    let slices: Vec<(String, SendSlice<u8>)> = bufs
+        .iter()
+        .map(|(n, b)| {
+            (
+                n.clone(),
+                SendSlice(b.buf_ptr() as *const u8, b.item_count()),
+            )
+        })
+        .collect();
+    // SAFETY: the exporters' views (`bufs`) outlive the closure.
+    py.allow_threads(|| {
+        let refs: Vec<(&str, &[u8])> = slices
+            .iter()
+            .map(|(n, s)| (n.as_str(), unsafe { s.get() }))
+            .collect();
+        add(&refs)
+    })
+    .map_err(to_py)
+}
+
+/// Calls `f` without the GIL on a byte view of `data` (`what` names it in errors).
+fn bytes_without_gil(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    what: &str,
+    f: impl FnOnce(&[u8]) -> shardkit::Result<()> + Send,
+) -> PyResult<()> {
+    let b = contiguous::<u8>(data, what)?;
+    let s = SendSlice(b.buf_ptr() as *const u8, b.item_count());
+    // SAFETY: `b` outlives the closure.
+    py.allow_threads(|| f(unsafe { s.get() })).map_err(to_py)
+}
+
 /// Writes one cache directory.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct Eagle3Writer {
@@ -94,19 +160,7 @@ impl Eagle3Writer {
     /// {"name", "dtype" (code), "shape" (of a row)} of every stored tensor.
     #[getter]
     fn fields<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        self.fields
-            .iter()
-            .map(|(name, dtype, shape)| {
-                record(
-                    py,
-                    [
-                        ("name", obj(py, *name)?),
-                        ("dtype", obj(py, dtype)?),
-                        ("shape", obj(py, shape)?),
-                    ],
-                )
-            })
-            .collect()
+        fields_out(py, &self.fields)
     }
     /// The first sample still to be written.
     #[getter]
@@ -123,31 +177,8 @@ impl Eagle3Writer {
     /// Adds `n` samples: `fields` maps each stored tensor's name to a C-contiguous buffer of
     /// its bytes (uint8 view).
     fn add_rows(&mut self, py: Python<'_>, n: u64, fields: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut bufs = Vec::new();
-        for (k, v) in fields.iter() {
-            let name: String = k.extract()?;
-            let b = contiguous::<u8>(&v, &format!("{name} (bytes)"))?;
-            bufs.push((name, b));
-        }
-        let slices: Vec<(String, SendSlice<u8>)> = bufs
-            .iter()
-            .map(|(n, b)| {
-                (
-                    n.clone(),
-                    SendSlice(b.buf_ptr() as *const u8, b.item_count()),
-                )
-            })
-            .collect();
         let w = self.inner.as_mut().ok_or_else(closed)?;
-        // SAFETY: the exporters' views (`bufs`) outlive the closure.
-        py.allow_threads(|| {
-            let refs: Vec<(&str, &[u8])> = slices
-                .iter()
-                .map(|(n, s)| (n.as_str(), unsafe { s.get() }))
-                .collect();
-            w.add(n, &refs)
-        })
-        .map_err(to_py)
+        add_without_gil(py, fields, |refs| w.add(n, refs))
     }
     /// Writes target_embeddings.safetensors from float32 bytes of `rows × cols`.
     fn write_target_embeddings(
@@ -157,12 +188,10 @@ impl Eagle3Writer {
         rows: u64,
         cols: u64,
     ) -> PyResult<()> {
-        let b = contiguous::<u8>(data, "embeddings (bytes)")?;
-        let s = SendSlice(b.buf_ptr() as *const u8, b.item_count());
         let w = self.inner.as_ref().ok_or_else(closed)?;
-        // SAFETY: `b` outlives the closure.
-        py.allow_threads(|| w.write_target_embeddings(unsafe { s.get() }, rows, cols))
-            .map_err(to_py)
+        bytes_without_gil(py, data, "embeddings (bytes)", |b| {
+            w.write_target_embeddings(b, rows, cols)
+        })
     }
     /// Finishes the cache (every sample must have been added) and returns its directory.
     fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
@@ -274,48 +303,13 @@ impl Eagle3PartWriter {
     /// {"name", "dtype" (code), "shape" (of a row)} of every stored tensor.
     #[getter]
     fn fields<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        self.fields
-            .iter()
-            .map(|(name, dtype, shape)| {
-                record(
-                    py,
-                    [
-                        ("name", obj(py, *name)?),
-                        ("dtype", obj(py, dtype)?),
-                        ("shape", obj(py, shape)?),
-                    ],
-                )
-            })
-            .collect()
+        fields_out(py, &self.fields)
     }
     /// Adds `n` samples: `fields` maps each stored tensor's name to a C-contiguous buffer of
     /// its bytes (uint8 view).
     fn add_rows(&mut self, py: Python<'_>, n: u64, fields: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut bufs = Vec::new();
-        for (k, v) in fields.iter() {
-            let name: String = k.extract()?;
-            let b = contiguous::<u8>(&v, &format!("{name} (bytes)"))?;
-            bufs.push((name, b));
-        }
-        let slices: Vec<(String, SendSlice<u8>)> = bufs
-            .iter()
-            .map(|(n, b)| {
-                (
-                    n.clone(),
-                    SendSlice(b.buf_ptr() as *const u8, b.item_count()),
-                )
-            })
-            .collect();
         let w = self.inner.as_mut().ok_or_else(closed)?;
-        // SAFETY: the exporters' views (`bufs`) outlive the closure.
-        py.allow_threads(|| {
-            let refs: Vec<(&str, &[u8])> = slices
-                .iter()
-                .map(|(n, s)| (n.as_str(), unsafe { s.get() }))
-                .collect();
-            w.add(n, &refs)
-        })
-        .map_err(to_py)
+        add_without_gil(py, fields, |refs| w.add(n, refs))
     }
     /// Writes target_embeddings.safetensors from float32 bytes of `rows × cols`, once for the
     /// cache.
@@ -326,12 +320,10 @@ impl Eagle3PartWriter {
         rows: u64,
         cols: u64,
     ) -> PyResult<()> {
-        let b = contiguous::<u8>(data, "embeddings (bytes)")?;
-        let s = SendSlice(b.buf_ptr() as *const u8, b.item_count());
         let w = self.inner.as_ref().ok_or_else(closed)?;
-        // SAFETY: `b` outlives the closure.
-        py.allow_threads(|| w.write_target_embeddings(unsafe { s.get() }, rows, cols))
-            .map_err(to_py)
+        bytes_without_gil(py, data, "embeddings (bytes)", |b| {
+            w.write_target_embeddings(b, rows, cols)
+        })
     }
     /// Ends the part and commits the cache when every part is durable; returns the status as
     /// JSON.

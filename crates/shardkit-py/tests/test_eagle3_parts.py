@@ -7,10 +7,11 @@ byte for byte, what one process writes with ``eagle3.Writer``.
 
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from shardkit import IncompleteDatasetError, eagle3
 from shardkit.errors import AlreadyExistsError, LockedError
 
 from _cli import shardkit_cli
+from _procs import child_env, run_child, snapshot
 
 TIMEOUT = 120
 N = 14  # samples: 3 per shard, 5 shards (the last one short); of 3 ranks, shards 0..2, 2..4, 4..5
@@ -84,57 +86,26 @@ SINGLE = COMMON + textwrap.dedent(
 )
 
 
-def snapshot(root):
-    """Every file under `root` (relative path -> bytes), hidden ones included."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
-
-
-def env(**extra):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_", "SHARDKIT_TEST_"))}
-    e["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
 
 
 def start(path, r, world, **extra):
     return subprocess.Popen(
         [sys.executable, "-c", RANK, str(path), str(r), str(world)],
-        env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=child_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
 
 def rank(path, r, world, kill_at=None, **extra):
     """Runs rank `r` of `world`; with `kill_at` (a line prefix), SIGKILLs it once it printed that
     line. Returns (killed or aborted, output lines)."""
-    p = start(path, r, world, **extra)
-    lines = []
-    killed = False
-    for line in p.stdout:
-        lines.append(line.strip())
-        if kill_at is not None and line.startswith(kill_at):
-            p.send_signal(signal.SIGKILL)
-            killed = True
-            break
-    p.wait(timeout=TIMEOUT)
-    err = p.stderr.read()
-    p.stdout.close()
-    p.stderr.close()
-    if not killed and "SHARDKIT_TEST_ABORT_AFTER_RENAMES" not in extra:
-        assert p.returncode == 0, err
-    return killed or p.returncode != 0, lines
+    return run_child([sys.executable, "-c", RANK, str(path), str(r), str(world)], kill_at, **extra)
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The cache one process writes with eagle3.Writer."""
     path = tmp_path_factory.mktemp("single") / "cache"
-    out = subprocess.run([sys.executable, "-c", SINGLE, str(path)], env=env(), capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", SINGLE, str(path)], env=child_env(), capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr
     files = snapshot(path)
@@ -242,3 +213,28 @@ def test_status_names_what_is_missing_and_claimed_and_refusals_name_the_cause(tm
     out = subprocess.run([shardkit_cli(), "eagle3", "status", str(path), "--json"], capture_output=True,
                          text=True, timeout=TIMEOUT)
     assert json.loads(out.stdout)["committed"] is True
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "examples" / "parallel"
+
+
+def run_eagle3_recipe(cache, launcher=()):
+    out = subprocess.run(
+        [*launcher, str(RECIPES / "torchrun_eagle3.py"), "--cache", str(cache), "--n-samples", "37"],
+        env=child_env(OMP_NUM_THREADS=1), capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["committed"] and res["missing"] == [] and res["claimed"] == [], res
+    return snapshot(res["path"])
+
+
+def test_the_torchrun_eagle3_recipe_with_2_ranks_writes_what_one_process_writes(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    assert torchrun, "torchrun comes with torch, which the test environment installs"
+    want = run_eagle3_recipe(tmp_path / "one", [sys.executable])
+    got = run_eagle3_recipe(tmp_path / "two", [torchrun, "--standalone", "--nproc_per_node", "2"])
+    assert got == want
+    assert "manifest.json" in got and "target_embeddings.safetensors" in got
+    c = eagle3.Cache(tmp_path / "two")
+    assert len(c) == 37

@@ -34,6 +34,7 @@ import pytest
 from shardkit import saev, sdnb
 
 from _faults import DROP_SRC, must_drop, private_mounts, world_dir  # noqa: F401 - world_dir: a fixture
+from _procs import snapshot
 
 FORMATS = ["saev", "eagle3", "flat_tokens", "sdnb"]
 
@@ -122,16 +123,6 @@ exec(WRITERS_SRC)  # noqa: S102 - the module's own source, shared with the child
 # Where each format's dataset goes under a parent directory (saev: the root of hash-named dirs).
 TARGET = {"saev": "saev", "eagle3": "cache", "flat_tokens": "ds.zarr", "sdnb": "m.sdnb"}
 BIG_TARGET = {"saev": "saev", "eagle3": "cache-big", "flat_tokens": "big.zarr", "sdnb": "m.sdnb"}
-
-def snapshot(root):
-    """Every file under `root` (relative path -> bytes); {} when absent."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
 
 
 def dataset_snapshot(which, path):

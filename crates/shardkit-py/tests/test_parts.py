@@ -7,7 +7,6 @@ another world size. Every finished dataset must equal, byte for byte, what one p
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,28 +18,15 @@ from shardkit import IncompleteDatasetError, saev
 from shardkit.errors import InvalidArgumentError, LockedError
 
 from _cli import shardkit_cli
+from _procs import TIMEOUT, child_env, run_child, snapshot
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "parallel"
-TIMEOUT = 300
 N = 40  # examples: 3 per shard, 14 shards (the last one short); of 3 ranks, shards 0..5, 5..10, 10..14
 
 
-def snapshot(root):
-    """Every file under `root` (relative path -> bytes), hidden ones included."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
-
 
 def env(**extra):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_", "LOCAL_RANK"))}
-    e["PYTHONPATH"] = os.pathsep.join([str(RECIPES)] + [p for p in sys.path if p])
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
+    return child_env(path_first=[RECIPES], **extra)
 
 
 def run_cli(*args):
@@ -135,25 +121,7 @@ CHILD = textwrap.dedent(
 def rank(root, r, world, kill_at=None, **extra):
     """Runs rank `r` of `world`; with `kill_at` (a line prefix), SIGKILLs it once it printed
     that line. Returns (killed, output lines)."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), str(r), str(world)],
-        env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    lines = []
-    killed = False
-    for line in p.stdout:
-        lines.append(line.strip())
-        if kill_at is not None and line.startswith(kill_at):
-            p.send_signal(signal.SIGKILL)
-            killed = True
-            break
-    p.wait(timeout=TIMEOUT)
-    err = p.stderr.read()
-    p.stdout.close()
-    p.stderr.close()
-    if not killed and "SHARDKIT_TEST_ABORT_AFTER_RENAMES" not in extra:
-        assert p.returncode == 0, err
-    return killed or p.returncode != 0, lines
+    return run_child([sys.executable, "-c", CHILD, str(root), str(r), str(world)], kill_at, [RECIPES], **extra)
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,8 @@ import pytest
 import shardkit
 from shardkit import IncompleteDatasetError, eagle3, flat_tokens, saev, sdnb
 
+from _procs import snapshot
+
 # ---------------------------------------------------------------------------------------------
 # Child processes
 
@@ -56,16 +58,6 @@ def hidden(names):
     """The leftovers among `names`."""
     return sorted(n for n in names if is_leftover(n))
 
-
-def snapshot(root):
-    """Every file under `root` (relative path -> bytes), hidden ones included."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
 
 
 def visible(snap):
@@ -156,6 +148,7 @@ PRELUDE = """
 import os, sys, time
 import numpy as np
 from shardkit import eagle3, flat_tokens, saev, sdnb
+
 def say(s):
     sys.stdout.write(s + "\\n")
     sys.stdout.flush()

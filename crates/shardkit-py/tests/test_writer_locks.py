@@ -14,21 +14,14 @@ import pytest
 import shardkit
 from shardkit import eagle3, flat_tokens, saev, sdnb
 
+from _procs import snapshot
+
 SAEV_MD = {
     "family": "clip", "ckpt": "x", "layers": [0], "content_tokens_per_example": 4,
     "cls_token": False, "d_model": 8, "n_examples": 10, "max_tokens_per_shard": 8,
     "data": "gASV", "dataset": "t", "protocol": "2.1",
 }
 
-
-def snapshot(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
 
 
 def test_a_killed_writer_leaves_no_lock(tmp_path):

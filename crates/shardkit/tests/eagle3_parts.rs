@@ -5,7 +5,10 @@
 //! SIGKILL, are in the Python tests: crates/shardkit-py/tests/test_eagle3_parts.py.)
 #![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
 
-use std::collections::BTreeMap;
+mod common;
+
+use common::tree;
+
 use std::path::{Path, PathBuf};
 
 use shardkit::eagle3::{
@@ -62,24 +65,6 @@ fn table(seed: u8) -> Vec<u8> {
     (0..16u8)
         .flat_map(|i| f32::from(i.wrapping_mul(seed)).to_le_bytes())
         .collect()
-}
-
-/// Every file below `dir` (names relative to it) with its bytes.
-fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let name = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-                out.insert(name, std::fs::read(&p).unwrap());
-            }
-        }
-    }
-    out
 }
 
 fn single(dir: &Path, version: u8, embeddings: bool) -> PathBuf {

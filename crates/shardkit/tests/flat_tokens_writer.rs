@@ -2,7 +2,10 @@
 //! resume, refusals that leave the disk untouched.
 #![cfg(feature = "zarr")]
 
-use std::collections::BTreeMap;
+mod common;
+
+use common::{assert_same_tree, tree};
+
 use std::path::{Path, PathBuf};
 
 use shardkit::flat_tokens::{
@@ -14,32 +17,6 @@ use shardkit::Error;
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../../shared/fixtures/flat_tokens/seqax_synthetic_dataset.zarr")
-}
-
-/// Every file under `dir`, by relative path.
-fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    fn walk(base: &Path, dir: &Path, out: &mut BTreeMap<String, Vec<u8>>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                walk(base, &e.path(), out);
-            } else {
-                let rel = e.path().strip_prefix(base).unwrap().display().to_string();
-                out.insert(rel, std::fs::read(e.path()).unwrap());
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    walk(dir, dir, &mut out);
-    out
-}
-
-/// Asserts two directories hold the same files with the same bytes, naming any that differ.
-fn assert_same_tree(a: &Path, b: &Path, what: &str) {
-    let (ta, tb) = (tree(a), tree(b));
-    let keys: std::collections::BTreeSet<&String> = ta.keys().chain(tb.keys()).collect();
-    let differ: Vec<&&String> = keys.iter().filter(|k| ta.get(**k) != tb.get(**k)).collect();
-    assert!(differ.is_empty(), "{what}: files differ: {differ:?}");
 }
 
 fn copy_tree(from: &Path, to: &Path) {

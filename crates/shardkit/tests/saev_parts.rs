@@ -4,7 +4,10 @@
 //! in the Python tests: crates/shardkit-py/tests/test_parts.py.)
 #![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
 
-use std::collections::BTreeMap;
+mod common;
+
+use common::tree;
+
 use std::path::{Path, PathBuf};
 
 use shardkit::saev::{self, Dataset, Metadata, PartWriter, Writer, WriterOptions};
@@ -33,24 +36,6 @@ fn labels(examples: std::ops::Range<u64>) -> Vec<u8> {
     examples
         .flat_map(|e| (0..3).map(move |t| (e * 7 + t) as u8))
         .collect()
-}
-
-/// Every file below `dir` (names relative to it) with its bytes.
-fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let name = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-                out.insert(name, std::fs::read(&p).unwrap());
-            }
-        }
-    }
-    out
 }
 
 fn single(root: &Path, n: u64, with_labels: bool) -> PathBuf {

@@ -4,7 +4,7 @@ tqdm is installed), a bool, or a callable that is called instead of drawing a ba
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 
 class Progress:
@@ -46,3 +46,49 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+_R = TypeVar("_R")
+_W = TypeVar("_W", bound="Closing[Any]")
+
+
+class Closing(Generic[_R]):
+    """What every writer does once: ``close()`` finishes it (the result kept, so a second
+    ``close()`` returns it again), ``abort()`` stops it without finishing, and as a context
+    manager a clean exit closes and an exception aborts. A writer sets ``_w`` (its core object,
+    with ``finish()`` and ``abort()``) and ``_progress``, and defines ``close`` with its own
+    docstring as ``return self._close_once(finish)``."""
+
+    _w: Any  # the core writer; each writer declares its type
+    _progress: Progress
+    _closed: bool = False
+    _result: Optional[_R] = None
+
+    def _close_once(self, finish: Callable[[], _R]) -> _R:
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._result = finish()
+        if self._result is None:
+            raise RuntimeError("the writer failed to finish; it stays resumable")
+        return self._result
+
+    def abort(self) -> None:
+        """Stops without finishing: what was written stays durable, and a restart (or
+        ``resume=True``) continues."""
+        if not self._closed:
+            self._closed = True
+            self._progress.close()
+            self._w.abort()
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def close(self) -> _R:
+        raise NotImplementedError

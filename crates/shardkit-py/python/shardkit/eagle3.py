@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _args, _inputs
 from . import _shardkit as _core
-from ._progress import Progress
+from ._progress import Closing, Progress
 from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError
 from .types import EngineLoader, Eagle3Batch, LoaderState, Validation, check_state
 
@@ -170,7 +170,7 @@ def _write_embeddings(core: Any, path: str, array: Any) -> None:
     core.write_target_embeddings(a.reshape(-1).view(np.uint8), a.shape[0], a.shape[1])
 
 
-class Writer:
+class Writer(Closing[str]):
     """Writes a cache: samples accumulate into shards of ``shard_size``, each written atomically
     and durably; the manifest is written first.
 
@@ -191,6 +191,8 @@ class Writer:
     on exit; a killed write resumes (``resume=True``) from what the store holds, on any machine.
     A lock object in the store keeps out a second writer on any machine (``LockedError``).
     """
+
+    _w: _core.Eagle3Writer
 
     def __init__(
         self,
@@ -262,27 +264,7 @@ class Writer:
     def close(self) -> str:
         """Finishes the cache; raises IncompleteDatasetError (and stays resumable) when samples
         are missing."""
-        if self._closed:
-            return self.path
-        self._closed = True
-        self._progress.close()
-        return self._w.finish()
-
-    def abort(self) -> None:
-        """Stops without finishing; the shards written stay and ``resume=True`` continues."""
-        if not self._closed:
-            self._closed = True
-            self._progress.close()
-            self._w.abort()
-
-    def __enter__(self) -> "Writer":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        return self._close_once(self._w.finish)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -292,7 +274,7 @@ class Writer:
         )
 
 
-class PartWriter:
+class PartWriter(Closing[Dict[str, Any]]):
     """Writes this process's part of one cache that several processes write together, as
     NeMo's distributed producer does: ``total_samples`` is known up front, and rank ``rank`` of
     ``world_size`` writes the shards ``shardkit.part_of(ceil(total_samples / shard_size), rank)``
@@ -318,6 +300,8 @@ class PartWriter:
     durable are kept). As a context manager, a clean exit finishes the part (and commits if it
     completes the set); an exception leaves it to a restart. ``close()`` returns ``status()``.
     """
+
+    _w: _core.Eagle3PartWriter
 
     def __init__(
         self,
@@ -350,7 +334,6 @@ class PartWriter:
         self._progress = Progress(_args.callback("progress", progress), unit="sample", total=end - first,
                                   initial=end - first - self._owed())
         self._closed = False
-        self._status: Optional[Dict[str, Any]] = None
 
     def _owed(self) -> int:
         return sum(int(e) - int(b) for b, e in self._w.pending)
@@ -409,28 +392,7 @@ class PartWriter:
         """Finishes the part (raises IncompleteDatasetError, leaving it to a restart, if
         pending samples remain) and commits the cache when every part is durable. Returns
         ``status()``."""
-        if not self._closed:
-            self._closed = True
-            self._progress.close()
-            self._status = json.loads(self._w.finish())
-        assert self._status is not None
-        return self._status
-
-    def abort(self) -> None:
-        """Stops without finishing: the shards written are durable; a restart writes the rest."""
-        if not self._closed:
-            self._closed = True
-            self._progress.close()
-            self._w.abort()
-
-    def __enter__(self) -> "PartWriter":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        return self._close_once(lambda: json.loads(self._w.finish()))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

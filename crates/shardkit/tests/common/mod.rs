@@ -1,6 +1,7 @@
 //! Shared by the integration tests: the saev reference fixtures and their coded values.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// `shared/fixtures/saev`, beside the repository.
@@ -52,4 +53,31 @@ pub fn coded_saev(
     }
     w.write(&acts, Some(&labels)).unwrap();
     w.finish().unwrap()
+}
+
+/// Every file below `dir` (paths relative to it, hidden ones included) with its bytes: two
+/// datasets are byte-identical when their trees are equal.
+pub fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let name = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                out.insert(name, std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Asserts two directories hold the same files with the same bytes, naming any that differ.
+pub fn assert_same_tree(a: &Path, b: &Path, what: &str) {
+    let (ta, tb) = (tree(a), tree(b));
+    let keys: std::collections::BTreeSet<&String> = ta.keys().chain(tb.keys()).collect();
+    let differ: Vec<&&String> = keys.iter().filter(|k| ta.get(**k) != tb.get(**k)).collect();
+    assert!(differ.is_empty(), "{what}: files differ: {differ:?}");
 }

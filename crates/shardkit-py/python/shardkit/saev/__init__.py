@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import _args, _inputs
 from .. import _shardkit as _core
-from .._progress import Progress
+from .._progress import Closing, Progress
 from ..errors import IncompleteDatasetError, InvalidArgumentError
 from ..types import EngineLoader, LoaderState, SaevBatch, Validation, check_state
 
@@ -68,7 +68,7 @@ def _checked_examples(w: Any, path: str, acts: Any, labels: Any) -> Tuple[np.nda
     return a, lab
 
 
-class Writer:
+class Writer(Closing[str]):
     """Streams activations into ``root/<hash>/``, crash-safely and resumably.
 
     ``metadata`` is what goes into metadata.json (any key order; its ``protocol`` — "1.0.0",
@@ -82,6 +82,8 @@ class Writer:
     on exit; a killed write resumes (``resume=True``) from what the store holds, on any machine.
     A lock object in the store keeps out a second writer on any machine (``LockedError``).
     """
+
+    _w: _core.Writer
 
     def __init__(
         self,
@@ -139,28 +141,10 @@ class Writer:
         self._progress.advance(int(a.shape[0]), self._w.next_example, s["n_examples"])
 
     def close(self) -> str:
-        """Completes the dataset (fails, leaving it resumable, if examples are missing)."""
-        if not self._closed:
-            self._closed = True
-            self._progress.close()
-            self._path = self._w.finish()
+        """Completes the dataset (fails, leaving it resumable, if examples are missing) and
+        returns its directory."""
+        self._path = self._close_once(self._w.finish)
         return self._path
-
-    def abort(self) -> None:
-        """Stops without completing; the directory stays resumable."""
-        if not self._closed:
-            self._closed = True
-            self._progress.close()
-            self._w.abort()
-
-    def __enter__(self) -> "Writer":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def __repr__(self) -> str:
         n = self._w.shape["n_examples"]
@@ -168,7 +152,7 @@ class Writer:
         return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}, {state})"
 
 
-class PartWriter:
+class PartWriter(Closing[Dict[str, Any]]):
     """Writes this process's part of one saev dataset that several processes write together.
 
     Rank ``rank`` of ``world_size`` writes the shards ``shardkit.part_of(n_shards, rank)``
@@ -186,6 +170,8 @@ class PartWriter:
     manager: a clean exit finishes the part (and commits if it was the last); an exception
     leaves it to a restart. ``close()`` returns the dataset's status (``status()``).
     """
+
+    _w: _core.PartWriter
 
     def __init__(
         self,
@@ -209,7 +195,6 @@ class PartWriter:
                                   initial=end - first - owed)
         self._path: str = self._w.path
         self._closed = False
-        self._status: Optional[Dict[str, Any]] = None
 
     @property
     def path(self) -> str:
@@ -259,28 +244,7 @@ class PartWriter:
     def close(self) -> Dict[str, Any]:
         """Finishes the part (fails, leaving it to a restart, if pending examples remain) and
         commits the dataset when every shard is durable. Returns ``status()``."""
-        if not self._closed:
-            self._closed = True
-            self._progress.close()
-            self._status = json.loads(self._w.finish())
-        assert self._status is not None
-        return self._status
-
-    def abort(self) -> None:
-        """Stops without finishing: the shards written are durable; a restart writes the rest."""
-        if not self._closed:
-            self._closed = True
-            self._progress.close()
-            self._w.abort()
-
-    def __enter__(self) -> "PartWriter":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        return self._close_once(lambda: json.loads(self._w.finish()))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
