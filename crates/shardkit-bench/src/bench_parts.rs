@@ -9,6 +9,13 @@
 //! its index stamped in its first value), so the writers, not the generator, are timed. The
 //! ceiling is plain files written in 8 MiB writes and fsynced at the end, by one writer and by
 //! as many writers (threads) as the run being compared, alternating with the runs.
+//!
+//! With `--url s3://bucket/prefix` the ranks write to the store instead (each shard a PUT, its
+//! record a PUT, the commit's objects last), and the ceiling is the PUT ceiling: the same
+//! bytes, as objects of the shard size, uploaded from page cache by one and by as many
+//! concurrent uploads as the run has writers (`shardkit::upload`, the client the writers use).
+//! Each run's committed dataset is downloaded and compared with the 1-writer one.
+//! `scripts/bench_remote parts` starts a loopback server and runs this.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,7 +24,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use clap::Args;
 use shardkit::json::{self, Escape, Value};
 use shardkit::saev::{self, Metadata, PartWriter};
-use shardkit::{Error, Rank, Result};
+use shardkit::{download, upload, Error, Rank, Result};
 
 use crate::bench::{flush_page_cache, num, ratio, thread_counts, tree_sha256, vit_l};
 use crate::saev_cmd::synth_metadata;
@@ -48,6 +55,11 @@ pub struct PartsBenchArgs {
     /// Writer processes that write the commit-time dataset before its commit is timed.
     #[arg(long, default_value_t = 4)]
     commit_writers: u64,
+    /// Write to this object store prefix (`s3://bucket/prefix`, endpoint and credentials from
+    /// the AWS environment) against its PUT ceiling, instead of to `--dir` against the disk's.
+    /// `--dir` then holds the ceiling's source files and the downloaded copies.
+    #[arg(long)]
+    url: Option<String>,
     /// Print JSON (always printed; kept for symmetry with other benches).
     #[arg(long)]
     json: bool,
@@ -292,6 +304,14 @@ fn remove_dir(p: &Path) -> Result<()> {
     }
 }
 
+/// What the writers are measured against, for messages.
+fn target_name(store: &Option<String>) -> &'static str {
+    match store {
+        Some(_) => "store's PUT ceiling",
+        None => "disk",
+    }
+}
+
 /// The best of one writer count's rounds.
 #[derive(Default)]
 struct Best {
@@ -310,9 +330,84 @@ struct Best {
     identical: bool,
 }
 
+/// A ViT-L example's bytes (2 layers x 257 tokens x 1024 floats).
+const EXAMPLE_BYTES: u64 = 2 * 257 * 1024 * 4;
+
+/// `writers` concurrent uploads (`shardkit::upload`, the writers' client) of `bytes / writers`
+/// each, as objects of `object` bytes read from page cache, to fresh prefixes under `url`;
+/// bytes/s from the start to the last upload's end.
+fn put_ceiling(
+    dir: &Path,
+    url: &str,
+    tag: &str,
+    bytes: u64,
+    object: u64,
+    writers: usize,
+) -> Result<f64> {
+    let writers = writers.max(1);
+    let per = bytes.div_ceil(writers as u64);
+    let src = dir.join("put-ceiling");
+    remove_dir(&src)?;
+    let chunk = vec![0x5au8; object.clamp(1, 64 << 20) as usize];
+    let mut sources = Vec::new();
+    for i in 0..writers {
+        let d = src.join(i.to_string());
+        std::fs::create_dir_all(&d).map_err(|e| Error::io(&d, e))?;
+        let mut left = per;
+        let mut k = 0;
+        while left > 0 {
+            let p = d.join(format!("object-{k:05}"));
+            let n = left.min(object.max(1));
+            let mut bytes = Vec::with_capacity(n as usize);
+            while (bytes.len() as u64) < n {
+                let take = (n as usize - bytes.len()).min(chunk.len());
+                bytes.extend_from_slice(&chunk[..take]);
+            }
+            std::fs::write(&p, &bytes).map_err(|e| Error::io(&p, e))?;
+            left -= n;
+            k += 1;
+        }
+        sources.push(d);
+    }
+    let t0 = Instant::now();
+    let results: Vec<Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = sources
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let dst = PathBuf::from(format!("{url}/ceiling-{tag}-{writers}-{i}"));
+                s.spawn(move || upload(d, &dst, |_, _| {}).map(|_| ()))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Invalid("a ceiling upload panicked".into())))
+            })
+            .collect()
+    });
+    let secs = t0.elapsed().as_secs_f64();
+    for r in results {
+        r?;
+    }
+    remove_dir(&src)?;
+    Ok((per * writers as u64) as f64 / secs)
+}
+
 pub fn run(a: PartsBenchArgs) -> Result<()> {
     std::fs::create_dir_all(&a.dir).map_err(|e| Error::io(&a.dir, e))?;
-    const EXAMPLE_BYTES: u64 = 2 * 257 * 1024 * 4;
+    let store = a
+        .url
+        .as_deref()
+        .map(|u| u.trim_end_matches('/').to_string());
+    if let Some(u) = &store {
+        if !u.starts_with("s3://") {
+            return Err(Error::Invalid(format!(
+                "bench parts --url {u}: not an s3:// URL (s3://bucket/prefix)"
+            )));
+        }
+    }
     let examples = ((a.size_mib << 20) / EXAMPLE_BYTES).max(1);
     let shard_examples = ((a.shard_mib << 20) / EXAMPLE_BYTES).max(1);
     let mut writers: Vec<usize> = if a.writers.is_empty() {
@@ -342,8 +437,13 @@ pub fn run(a: PartsBenchArgs) -> Result<()> {
     let max_of = |a: &mut f64, x: f64| *a = a.max(x);
     for round in 0..a.rounds.max(1) {
         for (i, &w) in writers.iter().enumerate() {
-            let root = a.dir.join(format!("w{w}"));
-            remove_dir(&root)?;
+            let root = match &store {
+                Some(url) => PathBuf::from(format!("{url}/w{w}-r{round}")),
+                None => a.dir.join(format!("w{w}")),
+            };
+            if store.is_none() {
+                remove_dir(&root)?;
+            }
             flush_page_cache();
             let (reports, wall) =
                 run_ranks(&root, w as u64, "vit-l", examples, shard_examples, false)?;
@@ -364,14 +464,33 @@ pub fn run(a: PartsBenchArgs) -> Result<()> {
             let commit_s = last - durable;
             let bytes: u64 = reports.iter().map(|r| r.bytes).sum();
             let md = metadata(&root, "vit-l", examples, shard_examples)?;
-            let sha = tree_sha256(&root.join(md.dir_name()))?;
-            remove_dir(&root)?;
             let b = &mut best[i];
             // Alternating with the runs, so drift hits both.
-            let (cw, c1) = (
-                parallel_ceiling(&a.dir, bytes, w)?,
-                parallel_ceiling(&a.dir, bytes, 1)?,
-            );
+            let (sha, cw, c1) = match &store {
+                None => {
+                    let sha = tree_sha256(&root.join(md.dir_name()))?;
+                    remove_dir(&root)?;
+                    (
+                        sha,
+                        parallel_ceiling(&a.dir, bytes, w)?,
+                        parallel_ceiling(&a.dir, bytes, 1)?,
+                    )
+                }
+                Some(url) => {
+                    let copy = a.dir.join("downloaded");
+                    remove_dir(&copy)?;
+                    download(&root.join(md.dir_name()), &copy, |_, _| {})?;
+                    let sha = tree_sha256(&copy)?;
+                    remove_dir(&copy)?;
+                    let object = shard_examples * EXAMPLE_BYTES;
+                    let tag = format!("w{w}-r{round}");
+                    (
+                        sha,
+                        put_ceiling(&a.dir, url, &tag, bytes, object, w)?,
+                        put_ceiling(&a.dir, url, &tag, bytes, object, 1)?,
+                    )
+                }
+            };
             max_of(&mut b.ceiling_w, cw);
             max_of(&mut b.ceiling_1, c1);
             let seconds = last - first;
@@ -412,7 +531,7 @@ pub fn run(a: PartsBenchArgs) -> Result<()> {
             (
                 "ratio".into(),
                 num(ratio(
-                    &format!("{w} part writers vs the disk"),
+                    &format!("{w} part writers vs the {}", target_name(&store)),
                     rate,
                     ceiling,
                 )?),
@@ -435,6 +554,10 @@ pub fn run(a: PartsBenchArgs) -> Result<()> {
     let report = Value::Object(vec![
         ("bench".into(), Value::String("parts".into())),
         ("dir".into(), Value::String(a.dir.display().to_string())),
+        (
+            "target".into(),
+            Value::String(store.clone().unwrap_or_else(|| "local disk".into())),
+        ),
         (
             "cores".into(),
             Value::int(std::thread::available_parallelism().map_or(1, |n| n.get()) as u64),
@@ -459,11 +582,16 @@ pub fn run(a: PartsBenchArgs) -> Result<()> {
         ),
         (
             "ratio_uses".into(),
-            Value::String(
-                "ceiling_gb_per_s: the higher of the 1-writer and the same-writer-count \
-                 sequential write ceilings (plain files, 8 MiB writes, fsync at the end)"
+            Value::String(match store {
+                None => "ceiling_gb_per_s: the higher of the 1-writer and the same-writer-count \
+                         sequential write ceilings (plain files, 8 MiB writes, fsync at the end)"
                     .into(),
-            ),
+                Some(_) => "ceiling_gb_per_s: the higher of the 1-upload and the \
+                            same-writer-count PUT ceilings (the same bytes as shard-sized \
+                            objects, uploaded from page cache with shardkit::upload); target \
+                            ratio 0.8"
+                    .into(),
+            }),
         ),
         ("runs".into(), Value::Array(runs)),
         ("byte_identical".into(), Value::Bool(all_identical)),
