@@ -4,6 +4,8 @@
 //! two configurations or two writers of one part. (Multi-process runs, with SIGKILL, are in the
 //! Python tests: crates/shardkit-py/tests/test_flat_tokens_parts.py.)
 
+#![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
