@@ -164,6 +164,13 @@ fn a_rank_dropped_mid_unit_then_a_restart_with_another_world_size_commits_the_sa
         msg.contains("units 2..14") && msg.contains("in parts"),
         "{msg}"
     );
+    let report = flat_tokens::validate(&root);
+    assert!(!report.is_valid());
+    let errors: Vec<String> = report.errors().map(|e| e.to_string()).collect();
+    assert!(
+        errors.len() == 1 && errors[0].contains("units 2..14"),
+        "{errors:?}"
+    );
     // A restart with 3 ranks: each writes only its missing units (units 0..10, 10..19, 19..28).
     let st = flat_tokens::status(&root, "train").unwrap();
     assert_eq!(st.resume_plan(3), vec![vec![2..10], vec![10..14], vec![]]);

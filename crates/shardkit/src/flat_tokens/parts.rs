@@ -869,6 +869,9 @@ pub fn commit_parts(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> 
 /// the units missing; `None` when it is not one.
 pub(crate) fn unfinished(root: &Path, split: &str) -> Option<Error> {
     let (setup, parts) = setup_of(root, split).ok()??;
+    if committed(root, split, setup.total).unwrap_or(false) {
+        return None; // committed; what is left is its cleanup, which the next rank finishes
+    }
     let st = status_of(&setup, Some(&parts), false).ok()?;
     let present: u64 = st
         .done
