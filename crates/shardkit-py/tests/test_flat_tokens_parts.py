@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shardkit import IncompleteDatasetError, flat_tokens
-from shardkit.errors import LockedError
+from shardkit.errors import AlreadyExistsError, LockedError
 
 from _cli import shardkit_cli
 
@@ -154,6 +154,11 @@ def test_a_rank_killed_mid_part_then_a_restart_with_2_ranks_writes_the_same_byte
     with pytest.raises(LockedError, match="rank 0 of 2"):
         flat_tokens.PartWriter(root, "train", N, "v3", sequences_per_unit=PER_UNIT, rank=1, world_size=3)
     holder.abort()
+    # A rank started with another configuration is refused, naming the key, before writing.
+    with pytest.raises(AlreadyExistsError, match="sequences_per_unit"):
+        flat_tokens.PartWriter(root, "train", N, "v3", sequences_per_unit=PER_UNIT + 1, rank=1, world_size=2)
+    with pytest.raises(AlreadyExistsError, match="total_sequences"):
+        flat_tokens.PartWriter(root, "train", N + 1, "v3", sequences_per_unit=PER_UNIT, rank=1, world_size=2)
     # The restart with 2 ranks finishes the split.
     finals = [rank(root, r, 2)[1][-1] for r in range(2)]
     assert finals[-1] == "status True", finals
