@@ -273,7 +273,14 @@ fn a_commit_cut_short_is_finished_by_commit_parts_byte_for_byte_and_a_late_rank_
             e.to_string().contains("killed while committing"),
             "{layout:?}: {e}"
         );
-        let st = flat_tokens::commit_parts(&root, "train").unwrap();
+        let st = if layout == Layout::V2 {
+            flat_tokens::commit_parts(&root, "train").unwrap()
+        } else {
+            // Or any rank started again (with any world size): nothing pending, it commits.
+            let w = PartWriter::create(&root, "train", TOTAL, options(layout), rank(0, 1)).unwrap();
+            assert!(w.pending().is_empty());
+            w.finish().unwrap()
+        };
         assert!(st.committed, "{st:?}");
         let want = tree(&reference);
         assert_eq!(names(&tree(&root)), names(&want), "{layout:?}");
@@ -320,4 +327,40 @@ fn token_ids_above_the_encodings_limit_are_refused_before_anything_is_written() 
     w.append(&seqs(0..10)).unwrap();
     assert!(w.finish().unwrap().committed);
     assert_eq!(Split::open(&root, "train").unwrap().ids(3).unwrap(), seq(3));
+}
+
+#[test]
+fn both_splits_written_in_parts_at_once_make_the_dataset_one_writer_makes() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = dir.path().join("one.zarr");
+    single(&reference, small_v3());
+    let opts = WriterOptions {
+        layout: Some(small_v3()),
+        ..WriterOptions::default()
+    };
+    let mut w = Writer::create(&reference, "validation", opts).unwrap();
+    w.append(&seqs(5000..5100)).unwrap();
+    w.finish().unwrap();
+    let root = dir.path().join("parts.zarr");
+    // Two ranks a split, all four at once: the splits' commits take turns on the root.
+    std::thread::scope(|s| {
+        for (split, first, total) in [("train", 0u64, TOTAL), ("validation", 5000, 100)] {
+            for r in 0..2 {
+                let root = root.clone();
+                s.spawn(move || {
+                    let mut w =
+                        PartWriter::create(&root, split, total, options(small_v3()), rank(r, 2))
+                            .unwrap();
+                    for p in w.pending().to_vec() {
+                        w.append(&seqs(first + p.start..first + p.end)).unwrap();
+                    }
+                    w.finish().unwrap()
+                });
+            }
+        }
+    });
+    assert!(!root.join(".shardkit-parts").exists());
+    let want = tree(&reference);
+    assert_eq!(names(&tree(&root)), names(&want));
+    assert!(tree(&root) == want, "bytes differ");
 }
