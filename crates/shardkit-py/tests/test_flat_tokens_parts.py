@@ -166,3 +166,30 @@ def test_a_rank_killed_mid_part_then_a_restart_with_2_ranks_writes_the_same_byte
     assert flat_tokens.commit_parts(root, "train")["committed"]
     out = run_cli("flat-tokens", "status", str(root), "--json")
     assert json.loads(out.stdout)["committed"] is True
+
+
+@pytest.mark.parametrize(
+    "abort_after",
+    [
+        8,  # rank 2 of 3 (units 9..13: a piece and a record each) dies with every unit durable
+        9,  # ... dies in the commit, right after the checksum sidecar, before the cleanup
+    ],
+)
+def test_the_last_rank_dying_at_its_commit_is_finished_by_a_restart(tmp_path, single, abort_after):
+    root = tmp_path / "ds.zarr"
+    for r in (0, 1):
+        assert rank(root, r, 3)[1][-1] == "status False"
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, str(root), "2", "3"],
+        env=env(SHARDKIT_TEST_ABORT_AFTER_RENAMES=abort_after), capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert p.returncode == -signal.SIGABRT, p.stderr
+    assert (root / ".shardkit-parts").is_dir()
+    st = flat_tokens.status(root, "train")
+    assert st["missing"] == [] and st["committed"] is (abort_after == 9), st
+    if abort_after == 8:
+        with pytest.raises(IncompleteDatasetError, match="killed while committing"):
+            flat_tokens.Split(root, "train")
+    finals = [rank(root, r, 2)[1][-1] for r in range(2)]
+    assert finals == ["status True", "status True"], finals
+    assert snapshot(root) == single
