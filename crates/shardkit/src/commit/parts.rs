@@ -197,6 +197,7 @@ impl Parts {
     /// The parts state kept in `dir` itself (created when absent): for a format that writes
     /// several things in parts under one directory, one state each (flat-tokens' splits, in
     /// `.shardkit-parts/<split>`).
+    #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
     pub(crate) fn open_in(dir: &Path) -> Result<Parts> {
         for d in [dir.join("claims"), dir.join("done")] {
             fs::create_dir_all(&d).at(&d)?;
@@ -207,6 +208,7 @@ impl Parts {
     }
 
     /// [`Parts::open_in`]'s state, when there is one.
+    #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
     pub(crate) fn existing_in(dir: &Path) -> Option<Parts> {
         dir.is_dir().then(|| Parts {
             dir: dir.to_path_buf(),
