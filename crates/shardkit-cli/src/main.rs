@@ -25,7 +25,7 @@ enum Cmd {
     #[command(subcommand)]
     Saev(saev_cmd::SaevCmd),
     /// flat-tokens (seqax) zarr datasets.
-    #[command(subcommand)]
+    #[command(subcommand, visible_alias = "flat-tokens")]
     Tokens(tokens_cmd::TokensCmd),
     /// EAGLE-3 offline caches (NeMo Automodel): manifest + safetensors shards.
     #[command(subcommand)]

@@ -24,6 +24,53 @@ fn closed() -> PyErr {
     crate::py_error("InvalidArgumentError", "the writer is closed")
 }
 
+/// The layout asked for: "v2", "v3" or None, with the v3 shard and chunk sizes when given.
+fn layout_of(
+    layout: Option<&str>,
+    tokens_per_shard: Option<u64>,
+    tokens_per_chunk: Option<u64>,
+) -> PyResult<Option<Layout>> {
+    let mut layout = layout
+        .map(str::parse::<Layout>)
+        .transpose()
+        .map_err(to_py)?;
+    if tokens_per_shard.is_some() || tokens_per_chunk.is_some() {
+        let mut s = Sharded::default();
+        s.tokens_per_shard = tokens_per_shard.unwrap_or(s.tokens_per_shard);
+        s.tokens_per_chunk = tokens_per_chunk.unwrap_or(s.tokens_per_chunk);
+        layout = match layout {
+            None | Some(Layout::V3(_)) => Some(Layout::V3(s)),
+            Some(Layout::V2) => {
+                return Err(to_py(shardkit::Error::Invalid(
+                    "tokens_per_shard / tokens_per_chunk apply to the v3 layout only".into(),
+                )))
+            }
+        };
+    }
+    Ok(layout)
+}
+
+/// `tokens` (uint32) cut into sequences of `lengths`, checked to add up.
+fn sequences_of<'a>(tokens: &'a [u32], lengths: &[u64]) -> shardkit::Result<Vec<&'a [u32]>> {
+    lengths
+        .iter()
+        .try_fold(0u64, |a, &n| a.checked_add(n))
+        .filter(|&n| n == tokens.len() as u64)
+        .ok_or_else(|| {
+            shardkit::Error::Invalid(format!(
+                "the lengths add up to something other than the {} tokens given",
+                tokens.len()
+            ))
+        })?;
+    let mut seqs = Vec::with_capacity(lengths.len());
+    let mut at = 0usize;
+    for &n in lengths {
+        seqs.push(&tokens[at..at + n as usize]);
+        at += n as usize;
+    }
+    Ok(seqs)
+}
+
 /// Appends sequences to one split, crash-safely.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct TokensWriter {
@@ -56,23 +103,7 @@ impl TokensWriter {
         tokens_per_shard: Option<u64>,
         tokens_per_chunk: Option<u64>,
     ) -> PyResult<Self> {
-        let mut layout = layout
-            .map(str::parse::<Layout>)
-            .transpose()
-            .map_err(to_py)?;
-        if tokens_per_shard.is_some() || tokens_per_chunk.is_some() {
-            let mut s = Sharded::default();
-            s.tokens_per_shard = tokens_per_shard.unwrap_or(s.tokens_per_shard);
-            s.tokens_per_chunk = tokens_per_chunk.unwrap_or(s.tokens_per_chunk);
-            layout = match layout {
-                None | Some(Layout::V3(_)) => Some(Layout::V3(s)),
-                Some(Layout::V2) => {
-                    return Err(to_py(shardkit::Error::Invalid(
-                        "tokens_per_shard / tokens_per_chunk apply to the v3 layout only".into(),
-                    )))
-                }
-            };
-        }
+        let layout = layout_of(layout, tokens_per_shard, tokens_per_chunk)?;
         let options = WriterOptions {
             layout,
             resume,
@@ -131,24 +162,7 @@ impl TokensWriter {
         // SAFETY: `t` and `l` (the exporters' views) outlive the closure.
         py.allow_threads(|| unsafe {
             let (tokens, lengths) = (ts.get(), ls.get());
-            let total = lengths
-                .iter()
-                .try_fold(0u64, |a, &n| a.checked_add(n))
-                .filter(|&n| n == tokens.len() as u64)
-                .ok_or_else(|| {
-                    shardkit::Error::Invalid(format!(
-                        "the lengths add up to something other than the {} tokens given",
-                        tokens.len()
-                    ))
-                })?;
-            let mut seqs = Vec::with_capacity(lengths.len());
-            let mut at = 0usize;
-            for &n in lengths {
-                seqs.push(&tokens[at..at + n as usize]);
-                at += n as usize;
-            }
-            debug_assert_eq!(at as u64, total);
-            w.append(&seqs)
+            w.append(&sequences_of(tokens, lengths)?)
         })
         .map_err(to_py)
     }
@@ -185,6 +199,134 @@ impl TokensWriter {
             });
         }
     }
+}
+
+/// Writes one rank's part of a split that several processes write together.
+#[pyclass(module = "shardkit._shardkit")]
+pub struct TokensPartWriter {
+    inner: Option<flat_tokens::PartWriter>,
+    rank: shardkit::Rank,
+    sequences: (u64, u64),
+}
+
+impl Drop for TokensPartWriter {
+    fn drop(&mut self) {
+        if let Some(w) = self.inner.take() {
+            crate::drop_without_gil(w);
+        }
+    }
+}
+
+#[pymethods]
+impl TokensPartWriter {
+    #[new]
+    #[pyo3(signature = (path, split, total_sequences, layout=None, sequences_per_unit=65_536,
+        rank=None, world_size=None, tokens_per_shard=None, tokens_per_chunk=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        split: &str,
+        total_sequences: u64,
+        layout: Option<&str>,
+        sequences_per_unit: u64,
+        rank: Option<u64>,
+        world_size: Option<u64>,
+        tokens_per_shard: Option<u64>,
+        tokens_per_chunk: Option<u64>,
+    ) -> PyResult<Self> {
+        let options = flat_tokens::PartOptions {
+            layout: layout_of(layout, tokens_per_shard, tokens_per_chunk)?,
+            sequences_per_unit,
+        };
+        let rank = crate::saev::rank_of(rank, world_size)?;
+        let w = py
+            .allow_threads(|| {
+                flat_tokens::PartWriter::create(path, split, total_sequences, options, rank)
+            })
+            .map_err(to_py)?;
+        let r = w.sequences();
+        Ok(TokensPartWriter {
+            rank,
+            sequences: (r.start, r.end),
+            inner: Some(w),
+        })
+    }
+
+    /// (rank, world_size).
+    #[getter]
+    fn rank(&self) -> (u64, u64) {
+        (self.rank.rank, self.rank.world_size)
+    }
+    /// (first, end) of the sequences this part covers.
+    #[getter]
+    fn sequences(&self) -> (u64, u64) {
+        self.sequences
+    }
+    /// The (first, end) ranges of sequences still to write, in order.
+    #[getter]
+    fn pending(&self) -> Vec<(u64, u64)> {
+        self.inner.as_ref().map_or_else(Vec::new, |w| {
+            w.pending().iter().map(|r| (r.start, r.end)).collect()
+        })
+    }
+    /// The sequence the next append begins at (None once the part is written).
+    #[getter]
+    fn next_sequence(&self) -> Option<u64> {
+        self.inner.as_ref().and_then(|w| w.next_sequence())
+    }
+
+    /// Appends sequences given flat: `tokens` uint32 and `lengths` uint64 (one per sequence).
+    fn append_flat(
+        &mut self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let t = contiguous::<u32>(tokens, "tokens (uint32)")?;
+        let l = contiguous::<u64>(lengths, "lengths (uint64)")?;
+        let ts = SendSlice(t.buf_ptr() as *const u32, t.item_count());
+        let ls = SendSlice(l.buf_ptr() as *const u64, l.item_count());
+        let w = self.inner.as_mut().ok_or_else(closed)?;
+        // SAFETY: `t` and `l` (the exporters' views) outlive the closure.
+        py.allow_threads(|| unsafe {
+            let (tokens, lengths) = (ts.get(), ls.get());
+            w.append(&sequences_of(tokens, lengths)?)
+        })
+        .map_err(to_py)
+    }
+
+    /// Ends the part and commits the split when every unit is durable; returns the status as
+    /// JSON.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
+        let w = self.inner.take().ok_or_else(closed)?;
+        py.allow_threads(|| w.finish())
+            .map(|st| crate::saev::status_json(&st))
+            .map_err(to_py)
+    }
+
+    /// Drops the writer without finishing: the units written are durable, the rest is left
+    /// to a restart.
+    fn abort(&mut self, py: Python<'_>) {
+        let w = self.inner.take();
+        py.allow_threads(move || drop(w));
+    }
+}
+
+/// The status of a split written in parts, as JSON.
+#[pyfunction]
+pub fn tokens_parts_status(py: Python<'_>, path: PathBuf, split: &str) -> PyResult<String> {
+    py.allow_threads(|| flat_tokens::status(&path, split))
+        .map(|st| crate::saev::status_json(&st))
+        .map_err(to_py)
+}
+
+/// Commits a split written in parts whose every unit is durable; its status as JSON.
+#[pyfunction]
+pub fn tokens_commit_parts(py: Python<'_>, path: PathBuf, split: &str) -> PyResult<String> {
+    py.allow_threads(|| flat_tokens::commit_parts(&path, split))
+        .map(|st| crate::saev::status_json(&st))
+        .map_err(to_py)
 }
 
 /// One split opened for reading.
@@ -583,6 +725,9 @@ pub fn tokens_convert<'py>(
 /// Registers the classes and functions.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TokensWriter>()?;
+    m.add_class::<TokensPartWriter>()?;
+    m.add_function(wrap_pyfunction!(tokens_parts_status, m)?)?;
+    m.add_function(wrap_pyfunction!(tokens_commit_parts, m)?)?;
     m.add_class::<TokensSplit>()?;
     m.add_class::<TokensLoader>()?;
     // The pass of every loader is one class (see `crate::loader`); the old name stays.

@@ -30,3 +30,11 @@ pub mod fault {
 pub mod trace {
     pub use crate::fsutil::trace::{start, take, Event};
 }
+
+/// Stops the next commit of a flat-tokens split written in parts after it has replayed `units`
+/// units, as if it were killed there (its writer checkpointed, the split left unfinished).
+#[cfg(all(feature = "fault-injection", feature = "zarr"))]
+pub fn stop_flat_tokens_commit_after(units: u64) {
+    crate::flat_tokens::parts::STOP_COMMIT_AFTER_UNITS
+        .store(units, std::sync::atomic::Ordering::SeqCst);
+}

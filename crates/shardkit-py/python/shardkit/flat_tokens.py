@@ -34,6 +34,9 @@ Batch = TokensBatch  # the old name
 
 __all__ = [
     "Writer",
+    "PartWriter",
+    "status",
+    "commit_parts",
     "Dataset",
     "Split",
     "Loader",
@@ -243,6 +246,134 @@ class Writer:
             f"flat_tokens.Writer({self.path!r}, split={self.split!r}, format={self.format!r}, "
             f"seq_count={self.seq_count}, token_count={self.token_count}, {state})"
         )
+
+
+class PartWriter:
+    """Writes this process's part of one split that several processes write together.
+
+    The split's ``total_sequences`` sequences (documents) are cut into units of
+    ``sequences_per_unit``; rank ``rank`` of ``world_size`` writes the units
+    ``shardkit.part_of(n_units, rank)``, i.e. the contiguous sequences ``sequences[0]`` to
+    ``sequences[1]``, in order. Each unit is durable as soon as it is full (a private piece
+    under ``.shardkit-parts``); the rank that completes the set commits the split, which is
+    then byte for byte what one ``Writer`` writes from the same sequences and layout. Without
+    ``rank`` and ``world_size`` they come from the launcher (torchrun, Slurm, MPI variables).
+
+    After a kill, start the job again with the same or another world size: ``pending`` lists
+    the sequences this rank still owes, and ``append`` takes them in that order. Use as a
+    context manager: a clean exit finishes the part (and commits if it was the last); an
+    exception leaves it to a restart. ``close()`` returns the split's ``status()``.
+    """
+
+    def __init__(
+        self,
+        path: PathLike,
+        split: str,
+        total_sequences: int,
+        layout: Optional[str] = None,
+        *,
+        sequences_per_unit: int = 65536,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        tokens_per_shard: Optional[int] = None,
+        tokens_per_chunk: Optional[int] = None,
+    ) -> None:
+        path = _args.path("path", path)
+        split = _args.choice("split", split, _SPLITS)
+        self._w = _core.TokensPartWriter(
+            path,
+            split,
+            _args.count("total_sequences", total_sequences),
+            _args.optional_choice("layout", layout, _LAYOUTS),
+            _args.count("sequences_per_unit", sequences_per_unit, lo=1),
+            None if rank is None else _args.count("rank", rank),
+            None if world_size is None else _args.count("world_size", world_size),
+            _args.optional_count("tokens_per_shard", tokens_per_shard, lo=1),
+            _args.optional_count("tokens_per_chunk", tokens_per_chunk, lo=1),
+        )
+        self.path = path
+        self.split = split
+        self._closed = False
+        self._status: Optional[Dict[str, Any]] = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return int(self._w.rank[0])
+
+    @property
+    def world_size(self) -> int:
+        """How many processes write the split."""
+        return int(self._w.rank[1])
+
+    @property
+    def sequences(self) -> "tuple[int, int]":
+        """(first, end) of the sequences this rank's part covers."""
+        first, end = self._w.sequences
+        return (int(first), int(end))
+
+    def pending(self) -> "List[tuple[int, int]]":
+        """(first, end) ranges of the sequences still to write, in the order to write them."""
+        return [(int(b), int(e)) for b, e in self._w.pending]
+
+    @property
+    def next_sequence(self) -> Optional[int]:
+        """The sequence the next ``append`` begins at (None once the part is written)."""
+        return self._w.next_sequence
+
+    def append(self, sequences: Iterable[Any]) -> None:
+        """Appends the next pending sequences (what ``Writer.append`` takes); each unit
+        completed is durable."""
+        tokens, lengths = _flatten(sequences, f"{self.path}/{self.split}")
+        self._w.append_flat(tokens, lengths)
+
+    def close(self) -> Dict[str, Any]:
+        """Finishes the part (fails, leaving it to a restart, if pending sequences remain) and
+        commits the split when every unit is durable. Returns ``status()``."""
+        if not self._closed:
+            self._closed = True
+            self._status = json.loads(self._w.finish())
+        assert self._status is not None
+        return self._status
+
+    finish = close
+
+    def abort(self) -> None:
+        """Stops without finishing: the units written are durable; a restart writes the rest."""
+        if not self._closed:
+            self._closed = True
+            self._w.abort()
+
+    def __enter__(self) -> "PartWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        first, end = self.sequences
+        return (f"flat_tokens.PartWriter({self.path!r}, split={self.split!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, sequences={first}..{end}, {state})")
+
+
+def status(path: PathLike, split: str = "train") -> Dict[str, Any]:
+    """Where a split written in parts stands: ``{"committed", "units", "done", "missing"
+    ([first, end] unit ranges), "claimed" ([{"units", "by"}] of live ranks)}``."""
+    split = _args.choice("split", split, _SPLITS)
+    st: Dict[str, Any] = json.loads(_core.tokens_parts_status(_args.path("path", path), split))
+    return st
+
+
+def commit_parts(path: PathLike, split: str = "train") -> Dict[str, Any]:
+    """Commits a split written in parts whose every unit is durable (its last rank was killed
+    while committing); returns ``status()``. A committed split is left as it is."""
+    split = _args.choice("split", split, _SPLITS)
+    st: Dict[str, Any] = json.loads(_core.tokens_commit_parts(_args.path("path", path), split))
+    return st
 
 
 class Split:

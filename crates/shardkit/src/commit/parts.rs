@@ -194,6 +194,27 @@ impl Parts {
         dir.is_dir().then_some(Parts { dir })
     }
 
+    /// The parts state kept in `dir` itself (created when absent): for a format that writes
+    /// several things in parts under one directory, one state each (flat-tokens' splits, in
+    /// `.shardkit-parts/<split>`).
+    #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
+    pub(crate) fn open_in(dir: &Path) -> Result<Parts> {
+        for d in [dir.join("claims"), dir.join("done")] {
+            fs::create_dir_all(&d).at(&d)?;
+        }
+        Ok(Parts {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// [`Parts::open_in`]'s state, when there is one.
+    #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
+    pub(crate) fn existing_in(dir: &Path) -> Option<Parts> {
+        dir.is_dir().then(|| Parts {
+            dir: dir.to_path_buf(),
+        })
+    }
+
     /// Waits for and takes the lock the ranks of a dataset set it up under, one at a time
     /// (its configuration file written by the first, compared by the others).
     pub(crate) fn setup_lock(&self) -> Result<WriteLock> {

@@ -20,6 +20,9 @@
 //!   split across hosts, and optionally over several epochs.
 //! * [`build`] fills a split from JSONL (plain, zstd, gzip) or Parquet corpora,
 //!   tokenizing text with a Hugging Face tokenizer on every core, with the writer's resume.
+//! * [`PartWriter`] writes one split from many processes (each its block of sequences), the
+//!   committed split byte-identical to one [`Writer`]'s; [`status`] and [`commit_parts`] say
+//!   where it stands and finish a commit cut short (docs/parallel.md).
 //! * [`convert`] rewrites a dataset in the other layout (seqax's v2 chunks must be decoded
 //!   whole for any row, so v3 serves random rows far faster; v2 is what seqax reads).
 //!
@@ -67,6 +70,8 @@ mod layout;
 #[cfg(feature = "zarr")]
 mod loader;
 #[cfg(feature = "zarr")]
+pub(crate) mod parts;
+#[cfg(feature = "zarr")]
 mod report;
 #[cfg(feature = "zarr")]
 mod resume;
@@ -92,6 +97,8 @@ pub use convert::convert;
 pub use layout::{Layout, Sharded};
 #[cfg(feature = "zarr")]
 pub use loader::{Batches, LoaderInfo, LoaderOptions, Packing, TokenLoader, TokenOptions};
+#[cfg(feature = "zarr")]
+pub use parts::{commit_parts, status, PartOptions, PartWriter};
 #[cfg(feature = "zarr")]
 pub use report::{inspect, splits, validate, Validation};
 #[cfg(feature = "zarr")]

@@ -195,15 +195,27 @@ fn summary(s: &Split) -> Result<Value> {
 pub fn validate(root: impl AsRef<Path>) -> Validation {
     let root = &io::local_path(root.as_ref());
     let mut v = Validation::new(root);
+    // A split being written in parts is not a split yet: named, with the units it lacks.
+    let in_parts: Vec<Error> = SPLITS
+        .iter()
+        .filter_map(|s| super::parts::unfinished(root, s))
+        .collect();
+    for e in &in_parts {
+        v.error_from(e);
+    }
     let splits = match present(root) {
         Ok(s) => s,
+        // A dataset whose first split is still in parts has no root group yet.
+        Err(_) if !in_parts.is_empty() => return v,
         Err(e) => {
             v.error_from(&e);
             return v;
         }
     };
     if splits.is_empty() {
-        v.error_from(&no_splits(root));
+        if in_parts.is_empty() {
+            v.error_from(&no_splits(root));
+        }
         return v;
     }
     for name in SPLITS {

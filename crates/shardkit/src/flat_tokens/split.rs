@@ -151,9 +151,13 @@ impl Split {
     /// (seqax's) opens only if it passes [`Split::validate`] in full, which reads every token —
     /// `shardkit tokens validate --mark` does that once and marks it.
     pub fn open(root: impl AsRef<Path>, split: &str) -> Result<Split> {
-        let s = Self::open_unvalidated(root, split)?;
-        s.check_servable()?;
-        Ok(s)
+        let root = root.as_ref();
+        let opened = Self::open_unvalidated(root, split).and_then(|s| {
+            s.check_servable()?;
+            Ok(s)
+        });
+        // A split being written in parts is named as such, with the units it still lacks.
+        opened.map_err(|e| super::parts::unfinished(root, split).unwrap_or(e))
     }
 
     /// Opens `split` from any zarrs store (`root` labels paths in messages); the same rules as

@@ -32,6 +32,7 @@ use zarrs::storage::{ListableStorageTraits, StorePrefix, WritableStorageTraits};
 use super::layout::{self, Layout};
 use super::store::{self, get_json, put_zarr2_json, zarrs_error, Completion, ZarrFormat, MARKER};
 use crate::checksum::FileSums;
+use crate::commit::parts::PARTS_DIR;
 use crate::commit::{Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
@@ -586,6 +587,9 @@ fn only_leftovers(dir: &Path) -> Result<bool> {
     for e in std::fs::read_dir(dir).at(dir)? {
         let e = e.at(dir)?;
         let name = e.file_name().to_string_lossy().into_owned();
+        if name == PARTS_DIR && e.file_type().at(e.path())?.is_dir() {
+            continue; // the state of splits being written in parts (`flat_tokens::PartWriter`)
+        }
         if !e.file_type().at(e.path())?.is_file() {
             return Ok(false);
         }
@@ -626,8 +630,33 @@ impl Writer {
             Target::Store(target) => return Self::create_remote(target, split, options),
             Target::Local(root) => root,
         };
+        let parts = root.join(PARTS_DIR).join(split);
+        if parts.is_dir() {
+            // Its sequences are in the ranks' pieces until their commit writes the split; a
+            // whole-split writer would write it beside them.
+            return Err(Error::Exists {
+                path: parts,
+                why: format!(
+                    "split {split:?} is being written in parts (flat_tokens.PartWriter; this \
+                     directory holds its state): continue it with part writers (any world \
+                     size), commit it with `shardkit flat-tokens status --commit`, or write the \
+                     split elsewhere"
+                ),
+            });
+        }
+        Self::create_local(&root, split, options, None)
+    }
+
+    /// [`Writer::create`] of a local `root`; `lock` is the lock on `root` the writer holds
+    /// (a part writer's commit passes its shared one: the ranks' shared locks exclude every
+    /// whole-dataset writer), `None` to take it exclusively.
+    pub(crate) fn create_local(
+        root: &Path,
+        split: &str,
+        options: WriterOptions,
+        lock: Option<WriteLock>,
+    ) -> Result<Writer> {
         super::delta::register();
-        let root = root.as_path();
         let existing = existing_format(root)?;
         let split_exists = ZarrFormat::of_group(&root.join(split)).is_some();
         if split_exists && !options.resume {
@@ -660,7 +689,10 @@ impl Writer {
             (None, l) => format_of(&l.unwrap_or_default()),
         };
         std::fs::create_dir_all(root).at(root)?;
-        let lock = WriteLock::dir(root)?;
+        let lock = match lock {
+            Some(l) => l,
+            None => WriteLock::dir(root)?,
+        };
         let ds = Dataset::new(root, format)?;
         // Nothing on disk has changed before this point.
         let cleaned =
