@@ -93,7 +93,7 @@ CHILD = textwrap.dedent(
     w = flat_tokens.PartWriter(sys.argv[1], "train", %d, "v3", sequences_per_unit=%d, rank=rank,
                                world_size=world)
     print("open", flush=True)
-    for first, end in w.pending():
+    for first, end in w.pending:
         for i in range(first, end):
             w.append([document(i)])
             print("wrote", i + 1, flush=True)
@@ -150,7 +150,7 @@ def test_a_rank_killed_mid_part_then_a_restart_with_2_ranks_writes_the_same_byte
     assert json.loads(out.stdout)["resume_plan"] == [[[6, 7]], [[7, 9]]], out.stdout
     # A live rank's claim is named to an overlapping one.
     holder = flat_tokens.PartWriter(root, "train", N, "v3", sequences_per_unit=PER_UNIT, rank=0, world_size=2)
-    assert holder.pending() == [(240, 280)]
+    assert holder.pending == [(240, 280)]
     with pytest.raises(LockedError, match="rank 0 of 2"):
         flat_tokens.PartWriter(root, "train", N, "v3", sequences_per_unit=PER_UNIT, rank=1, world_size=3)
     holder.abort()

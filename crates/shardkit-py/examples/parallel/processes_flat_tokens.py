@@ -40,7 +40,7 @@ def write_part(a: argparse.Namespace) -> None:
     with flat_tokens.PartWriter(
         a.root, a.split, a.n_docs, a.layout, sequences_per_unit=a.sequences_per_unit
     ) as w:
-        for first, end in w.pending():
+        for first, end in w.pending:
             for at in range(first, end, a.batch):
                 w.append([document(i) for i in range(at, min(at + a.batch, end))])
     print(json.dumps(w.close()))

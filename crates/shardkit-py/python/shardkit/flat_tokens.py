@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _args, _inputs
 from . import _shardkit as _core
-from ._progress import Progress
+from ._progress import Closing, Progress
 from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError, NotFoundError, OutOfRangeError
 from .types import LoaderState, TokensBatch, Validation, check_state
 
@@ -248,7 +248,7 @@ class Writer:
         )
 
 
-class PartWriter:
+class PartWriter(Closing[Dict[str, Any]]):
     """Writes this process's part of one split that several processes write together.
 
     The split's ``total_sequences`` sequences (documents) are cut into units of
@@ -263,7 +263,11 @@ class PartWriter:
     the sequences this rank still owes, and ``append`` takes them in that order. Use as a
     context manager: a clean exit finishes the part (and commits if it was the last); an
     exception leaves it to a restart. ``close()`` returns the split's ``status()``.
+    ``progress`` is None (a bar on a terminal if tqdm is installed), a bool, or a callable
+    called after each ``append`` with (sequences written of the part, sequences of the part).
     """
+
+    _w: _core.TokensPartWriter
 
     def __init__(
         self,
@@ -277,6 +281,7 @@ class PartWriter:
         world_size: Optional[int] = None,
         tokens_per_shard: Optional[int] = None,
         tokens_per_chunk: Optional[int] = None,
+        progress: Any = None,
     ) -> None:
         path = _args.path("path", path)
         split = _args.choice("split", split, _SPLITS)
@@ -293,8 +298,12 @@ class PartWriter:
         )
         self.path = path
         self.split = split
-        self._closed = False
-        self._status: Optional[Dict[str, Any]] = None
+        first, end = self.sequences
+        self._progress = Progress(_args.callback("progress", progress), unit="seq", total=end - first,
+                                  initial=end - first - self._owed(), desc=f"writing {split}")
+
+    def _owed(self) -> int:
+        return sum(e - b for b, e in self.pending)
 
     @property
     def rank(self) -> int:
@@ -312,6 +321,7 @@ class PartWriter:
         first, end = self._w.sequences
         return (int(first), int(end))
 
+    @property
     def pending(self) -> "List[tuple[int, int]]":
         """(first, end) ranges of the sequences still to write, in the order to write them."""
         return [(int(b), int(e)) for b, e in self._w.pending]
@@ -326,32 +336,15 @@ class PartWriter:
         completed is durable."""
         tokens, lengths = _flatten(sequences, f"{self.path}/{self.split}")
         self._w.append_flat(tokens, lengths)
+        first, end = self.sequences
+        self._progress.advance(len(lengths), end - first - self._owed(), end - first)
 
     def close(self) -> Dict[str, Any]:
         """Finishes the part (fails, leaving it to a restart, if pending sequences remain) and
         commits the split when every unit is durable. Returns ``status()``."""
-        if not self._closed:
-            self._closed = True
-            self._status = json.loads(self._w.finish())
-        assert self._status is not None
-        return self._status
+        return self._close_once(lambda: json.loads(self._w.finish()))
 
     finish = close
-
-    def abort(self) -> None:
-        """Stops without finishing: the units written are durable; a restart writes the rest."""
-        if not self._closed:
-            self._closed = True
-            self._w.abort()
-
-    def __enter__(self) -> "PartWriter":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
