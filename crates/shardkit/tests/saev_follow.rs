@@ -60,19 +60,26 @@ fn options(follow: bool, order: Order) -> LoaderOptions {
     o
 }
 
-/// One batch as compared: its rows' examples and tokens, and its values.
-type Rows = (Vec<i64>, Vec<i64>, Vec<f32>);
+/// One batch as compared: its rows' examples and tokens, values and labels.
+type Rows = (Vec<i64>, Vec<i64>, Vec<f32>, Option<Vec<i64>>);
+
+fn rows_of(b: shardkit::saev::Batch) -> Rows {
+    (
+        b.example_idx.clone(),
+        b.token_idx.clone(),
+        b.act.as_f32()[..b.n * b.d_model].to_vec(),
+        b.token_label.clone(),
+    )
+}
+
+/// The label of example `e`'s content token `c`, as written.
+fn label(e: u64, c: u64) -> u8 {
+    (e * 7 + c) as u8
+}
 
 fn take(it: &mut shardkit::saev::Batches, n: usize) -> Vec<Rows> {
     (0..n)
-        .map(|_| {
-            let b = it.next().expect("a batch").unwrap();
-            (
-                b.example_idx.clone(),
-                b.token_idx.clone(),
-                b.act.as_f32()[..b.n * b.d_model].to_vec(),
-            )
-        })
+        .map(|_| rows_of(it.next().expect("a batch").unwrap()))
         .collect()
 }
 
@@ -80,22 +87,21 @@ fn drain(loader: &Loader) -> Vec<Rows> {
     loader
         .iter()
         .unwrap()
-        .map(|b| {
-            let b = b.unwrap();
-            (
-                b.example_idx.clone(),
-                b.token_idx.clone(),
-                b.act.as_f32()[..b.n * b.d_model].to_vec(),
-            )
-        })
+        .map(|b| rows_of(b.unwrap()))
         .collect()
 }
 
 /// Checks every row against the data written and counts each (example, token).
 fn count_rows(batches: &[Rows]) -> BTreeMap<(i64, i64), u32> {
     let mut seen = BTreeMap::new();
-    for (ex, tok, act) in batches {
+    for (ex, tok, act, labels) in batches {
+        let labels = labels.as_ref().expect("every batch has the labels written");
         for (i, (&e, &c)) in ex.iter().zip(tok).enumerate() {
+            assert_eq!(
+                labels[i],
+                i64::from(label(e as u64, c as u64)),
+                "label of e={e} c={c}"
+            );
             assert_eq!(
                 act[i * 4..i * 4 + 4],
                 expected_row(e, c)[..],
@@ -118,7 +124,11 @@ fn assert_each_row_once(batches: &[Rows]) {
 /// Writes shard `s` (its examples) through `w`, whose next example it must be.
 fn write_shard(w: &mut PartWriter, s: u64) {
     assert_eq!(w.next_example(), Some(s * EPS));
-    w.write(&acts(s * EPS..(s + 1) * EPS), None).unwrap();
+    let labels: Vec<u8> = (s * EPS..(s + 1) * EPS)
+        .flat_map(|e| (0..3).map(move |c| label(e, c)))
+        .collect();
+    w.write(&acts(s * EPS..(s + 1) * EPS), Some(&labels))
+        .unwrap();
 }
 
 fn rounds_of(st: &LoaderState) -> usize {
@@ -222,14 +232,7 @@ fn a_state_saved_mid_round_or_across_rounds_resumes_exactly() {
     // Every shard is durable: the first to finish commits.
     assert!(a.finish().unwrap().committed);
     assert!(b.finish().unwrap().committed);
-    seen.extend(it.map(|b| {
-        let b = b.unwrap();
-        (
-            b.example_idx.clone(),
-            b.token_idx.clone(),
-            b.act.as_f32()[..b.n * b.d_model].to_vec(),
-        )
-    }));
+    seen.extend(it.map(|b| rows_of(b.unwrap())));
     assert_each_row_once(&seen);
 
     // Across rounds: the rounds recorded are replayed and the last one is the rest, as it was.

@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use super::loader::{Batch, Batches, Inner, Loader, PassParts};
 use super::options::LoaderOptions;
 use super::validate::shard_index;
+use super::writer::label_piece;
 use super::Dataset;
 use crate::commit::parts::Parts;
 use crate::engine::exec;
@@ -381,8 +382,69 @@ impl FollowPass {
         }
     }
 
+    /// Reads the labels of the shards of `round` (their pieces, or labels.bin once the
+    /// dataset is committed) into the loader's, when the dataset has labels.
+    fn load_labels(&self, round: &[Range<u64>]) -> Result<()> {
+        let src = &self.parts.src;
+        let layout = self.layout();
+        let p = layout.content_tokens;
+        let all = (layout.n_examples * p) as usize;
+        if src.dataset().has_labels() {
+            return Ok(()); // labels.bin was there when the loader opened: every label is known
+        }
+        let mut labels = src.labels();
+        let from_file = |labels: &mut Option<Arc<Vec<u8>>>| -> Result<bool> {
+            // The commit publishes labels.bin whole before it removes the pieces.
+            let path = self.dir.join("labels.bin");
+            match std::fs::read(&path) {
+                Ok(b) if b.len() == all => {
+                    *labels = Some(Arc::new(b));
+                    Ok(true)
+                }
+                Ok(_) => Ok(false),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+                Err(e) => Err(Error::io(&path, e)),
+            }
+        };
+        for s in round.iter().flat_map(|r| r.clone()) {
+            let piece = self.dir.join(label_piece(s));
+            let bytes = match std::fs::read(&piece) {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    if from_file(&mut labels)? {
+                        break;
+                    }
+                    if labels.is_some() {
+                        return Err(Error::format(
+                            &piece,
+                            "missing: the dataset's other durable shards have labels, this one \
+                             has none (every rank must write labels, or none)",
+                        ));
+                    }
+                    continue; // no labels in this dataset
+                }
+                Err(e) => return Err(Error::io(&piece, e)),
+            };
+            let at = (s * layout.examples_per_shard * p) as usize;
+            let want = (layout.shard_count(s) * p) as usize;
+            if bytes.len() != want {
+                return Err(Error::format(
+                    &piece,
+                    format!("holds {} bytes of labels, expected {want}", bytes.len()),
+                ));
+            }
+            let l = labels.get_or_insert_with(|| Arc::new(vec![0; all]));
+            Arc::make_mut(l)[at..at + want].copy_from_slice(&bytes);
+        }
+        if let Some(l) = labels {
+            src.set_labels(l);
+        }
+        Ok(())
+    }
+
     /// Starts round `round`, which begins at epoch row `offset`, from the cursor.
     fn start(&self, round: &[Range<u64>], offset: u64) -> Result<exec::Stream<Batch>> {
+        self.load_labels(round)?;
         let mut keep = vec![false; self.layout().n_shards as usize];
         mark(&mut keep, round);
         let order =

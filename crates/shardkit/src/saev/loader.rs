@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use crate::checksum::{self, Verifier};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
@@ -63,7 +63,9 @@ pub(crate) struct SaevSource {
     per_example: u64,
     /// With ignore_labels: kept selected-token indices of all examples, and per-example prefix.
     kept: Option<(Vec<u32>, Vec<u64>)>,
-    labels: Option<Vec<u8>>,
+    /// labels.bin, when the dataset has it (a follow-mode loader fills it from the shards'
+    /// label pieces round by round, before the commit writes labels.bin).
+    labels: RwLock<Option<Arc<Vec<u8>>>>,
     /// Each shard mapped once, on first use, for the loader's life: rows already in the page
     /// cache are copied straight from there, and the page tables built on the first pass serve
     /// every later one.
@@ -157,6 +159,17 @@ impl SaevSource {
     /// The dataset read.
     pub(super) fn dataset(&self) -> &Dataset {
         &self.ds
+    }
+    /// The labels (`N·P` bytes), when known.
+    pub(super) fn labels(&self) -> Option<Arc<Vec<u8>>> {
+        self.labels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+    /// Replaces the labels (a follow-mode round read more of them).
+    pub(super) fn set_labels(&self, labels: Arc<Vec<u8>>) {
+        *self.labels.write().unwrap_or_else(|e| e.into_inner()) = Some(labels);
     }
     fn n_blocks(&self) -> usize {
         self.ds.layout().n_examples as usize
@@ -331,7 +344,7 @@ impl Loader {
             mode: opts.tokens,
             per_example,
             kept,
-            labels,
+            labels: RwLock::new(labels.map(Arc::new)),
             maps: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
         };
         if src.n_blocks() == 0 {
@@ -1048,7 +1061,8 @@ impl Job for SaevJob {
         let mut example_idx = Vec::with_capacity(n);
         let mut token_idx = Vec::with_capacity(n);
         let mut layer = (src.slots.len() > 1).then(|| Vec::with_capacity(n));
-        let mut token_label = src.labels.as_ref().map(|_| Vec::with_capacity(n));
+        let labels = src.labels();
+        let mut token_label = labels.as_ref().map(|_| Vec::with_capacity(n));
         for &(b, j) in rows {
             let (li, sel) = src.split_row(b as u64, j as u64);
             let (_, c) = src.mode.token_of(layout, sel);
@@ -1057,7 +1071,7 @@ impl Job for SaevJob {
             if let Some(l) = &mut layer {
                 l.push(layers[src.slots[li]]);
             }
-            if let (Some(out), Some(labels)) = (&mut token_label, &src.labels) {
+            if let (Some(out), Some(labels)) = (&mut token_label, &labels) {
                 out.push(if c < 0 {
                     -1
                 } else {

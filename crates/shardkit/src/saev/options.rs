@@ -126,8 +126,13 @@ impl Loader {
             .with("window_blocks", StateValue::UInt(self.effective_window()))
             .with("rows", StateValue::UInt(self.order.len()));
         match &self.follow {
-            // Follow mode: the epoch's rounds, which the cursor counts through.
-            Some(f) => st.with(follow::ROUNDS_KEY, follow::state_value(f)),
+            // Follow mode: the epoch's rounds, which the cursor counts through; each round
+            // ends with its own partial batch, so `batch` counts the batches served.
+            Some(f) => {
+                let mut st = st.with(follow::ROUNDS_KEY, follow::state_value(f));
+                st.batch = self.follow_batches(&f.rounds(), cursor);
+                st
+            }
             None => st,
         }
     }
@@ -261,6 +266,18 @@ impl Loader {
 }
 
 impl Loader {
+    /// Batches a follow-mode loader has served at `cursor` of an epoch of `rounds`.
+    fn follow_batches(&self, rounds: &[Vec<Range<u64>>], cursor: u64) -> u64 {
+        let bs = self.opts.batch_size.max(1);
+        let (mut offset, mut batches) = (0, 0);
+        for r in rounds {
+            let rows = self.src.rows_in_shards(r);
+            batches += cursor.saturating_sub(offset).min(rows).div_ceil(bs);
+            offset += rows;
+        }
+        batches
+    }
+
     /// The rounds a follow-mode loader resumes `st` with (`None` for a loader that is not in
     /// follow mode, given a state of one epoch in one round: read as without follow). A state
     /// of several rounds needs follow mode; a cursor must be at a batch of its round.
