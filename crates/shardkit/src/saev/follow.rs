@@ -525,3 +525,28 @@ impl FollowPass {
 pub(super) fn state_value(f: &Follow) -> StateValue {
     StateValue::List(encode(&f.rounds()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // rounds of one range
+    fn rounds_round_trip_and_a_bad_list_is_refused_naming_the_key() {
+        let rounds = vec![vec![0..2, 5..6], vec![2..5], vec![6..9]];
+        let flat = encode(&rounds);
+        assert_eq!(flat, [2, 0, 2, 5, 6, 1, 2, 5, 1, 6, 9]);
+        assert_eq!(decode(&flat, 9).unwrap(), rounds);
+        assert!(decode(&[], 9).unwrap().is_empty());
+        for (flat, why) in [
+            (vec![2, 0, 2], "ends inside a round"),
+            (vec![1, 0, 10], "not a range of this dataset's 9 shards"),
+            (vec![1, 3, 3], "shards 3..3"),
+            (vec![1, 0, 2, 1, 1, 3], "serves shard 1 twice"),
+        ] {
+            let e = decode(&flat, 9).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("follow_rounds"), "{e}");
+        }
+        assert_eq!(ranges_of(&[true, true, false, true]), [0..2, 3..4]);
+    }
+}

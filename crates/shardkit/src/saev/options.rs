@@ -43,7 +43,8 @@ pub struct SaevOptions {
     /// verified through the page cache).
     pub direct_io: bool,
     /// Read the dataset while it is written (see [`super::FollowOptions`]): `None` (the
-    /// default) reads only a committed dataset.
+    /// default) reads only a committed dataset. Applied by [`Loader::new`] (a loader made with
+    /// [`Loader::with_dataset`] reads the dataset given, as without follow).
     pub follow: Option<super::FollowOptions>,
 }
 
