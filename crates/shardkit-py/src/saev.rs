@@ -344,6 +344,18 @@ fn index(i: i64, what: &str) -> PyResult<u64> {
         .map_err(|_| py_error("OutOfRangeError", format!("{what} index {i} is negative")))
 }
 
+/// Whether Python has a signal to handle (Ctrl-C) while a follow-mode loader waits for shards:
+/// the exception it raises is left set, and the pass raises it (see `loader::Pass::next`).
+fn ctrl_c() -> bool {
+    Python::with_gil(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(e) => {
+            e.restore(py);
+            true
+        }
+    })
+}
+
 /// Ordered or shuffled batches of a saev directory.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct Loader {
@@ -409,7 +421,10 @@ impl Loader {
         o.threads = threads;
         o.verify = verify;
         if follow {
-            let mut f = saev::FollowOptions::default();
+            let mut f = saev::FollowOptions {
+                interrupted: Some(saev::WaitCheck(ctrl_c)),
+                ..Default::default()
+            };
             if let Some(t) = follow_timeout {
                 f.timeout = std::time::Duration::try_from_secs_f64(t).map_err(|_| {
                     to_py(shardkit::Error::Invalid(format!(

@@ -4,6 +4,7 @@ part way resumes exactly in a fresh process, and the epochs after the commit are
 dataset's."""
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -152,3 +153,23 @@ def test_a_follow_loader_names_the_missing_shards_when_they_do_not_come(tmp_path
         loader(path, follow=True, rank=0, world_size=2)
     with pytest.raises(InvalidArgumentError, match="follow_timeout applies with follow=True only"):
         loader(path, follow_timeout=3)
+
+
+def test_ctrl_c_interrupts_a_follow_loader_waiting_for_shards(tmp_path):
+    procs, path = start_writers(tmp_path, 2, 0.0, ranks=[0])
+    finish(procs)
+    reader = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys
+            from shardkit import saev
+            l = saev.Loader(sys.argv[1], layer=6, batch_size=7, memory_budget=4096, follow=True)
+            print("reading", flush=True)
+            for _ in l:
+                pass
+        """), path],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert reader.stdout.readline().strip() == "reading"
+    time.sleep(1.0)  # past rank 0's shards: waiting for rank 1's (an hour by default)
+    reader.send_signal(signal.SIGINT)
+    _, err = reader.communicate(timeout=20)
+    assert reader.returncode != 0 and "KeyboardInterrupt" in err, err

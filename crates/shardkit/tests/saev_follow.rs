@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use shardkit::engine::Order;
 use shardkit::saev::{
-    FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, PartWriter,
+    FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, PartWriter, WaitCheck,
 };
 use shardkit::{Error, Rank};
 
@@ -55,6 +55,7 @@ fn options(follow: bool, order: Order) -> LoaderOptions {
         o.follow = Some(FollowOptions {
             timeout: Duration::from_secs(20),
             poll: Duration::from_millis(5),
+            interrupted: None,
         });
     }
     o
@@ -267,6 +268,7 @@ fn a_follow_loader_waiting_too_long_names_the_missing_shards_and_their_holders()
     o.follow = Some(FollowOptions {
         timeout: Duration::from_millis(200),
         poll: Duration::from_millis(20),
+        interrupted: None,
     });
     let loader = Loader::new(&dir, o).unwrap();
     let out: Vec<_> = loader.iter().unwrap().collect();
@@ -289,6 +291,22 @@ fn a_follow_loader_waiting_too_long_names_the_missing_shards_and_their_holders()
     assert!(
         msg.contains(&format!("shards 1..10 (claimed by {holder}"))
             && msg.contains("shards 10..20 (claimed by no live writer)"),
+        "{msg}"
+    );
+    // A wait whose check says stop ends at once, saying why.
+    let mut o = options(true, Order::Block);
+    o.follow = Some(FollowOptions {
+        interrupted: Some(WaitCheck(|| true)),
+        ..FollowOptions::default()
+    });
+    let loader = Loader::new(&dir, o).unwrap();
+    let t0 = std::time::Instant::now();
+    let e = loader.iter().unwrap().last().unwrap().unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("stopped waiting for shards: it was interrupted")
+            && msg.contains("shards 1..10"),
         "{msg}"
     );
     drop(a);

@@ -55,6 +55,28 @@ pub struct FollowOptions {
     pub timeout: Duration,
     /// How often it looks for new shards meanwhile. Default 100 ms.
     pub poll: Duration,
+    /// Called at every poll while waiting: `true` stops the wait with an error (Python's
+    /// binding checks for Ctrl-C here, so a loader waiting for shards can be interrupted).
+    pub interrupted: Option<WaitCheck>,
+}
+
+/// A function a waiting follow-mode loader calls at every poll (see
+/// [`FollowOptions::interrupted`]).
+#[derive(Clone, Copy)]
+pub struct WaitCheck(pub fn() -> bool);
+
+impl PartialEq for WaitCheck {
+    fn eq(&self, other: &WaitCheck) -> bool {
+        std::ptr::fn_addr_eq(self.0, other.0)
+    }
+}
+
+impl Eq for WaitCheck {}
+
+impl std::fmt::Debug for WaitCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WaitCheck")
+    }
 }
 
 impl Default for FollowOptions {
@@ -62,6 +84,7 @@ impl Default for FollowOptions {
         FollowOptions {
             timeout: Duration::from_secs(3600),
             poll: Duration::from_millis(100),
+            interrupted: None,
         }
     }
 }
@@ -376,7 +399,12 @@ impl FollowPass {
                 return self.start(&round, offset).map(Some);
             }
             if since.elapsed() >= self.follow.timeout {
-                return Err(self.timed_out(&durable, &layout));
+                return Err(self.stopped(&durable, &layout, None));
+            }
+            if let Some(WaitCheck(interrupted)) = self.follow.interrupted {
+                if interrupted() {
+                    return Err(self.stopped(&durable, &layout, Some("it was interrupted")));
+                }
             }
             std::thread::sleep(self.follow.poll.min(self.follow.timeout));
         }
@@ -460,8 +488,8 @@ impl FollowPass {
         Ok(self.parts.stream(Arc::new(order), plans))
     }
 
-    /// The error of a loader that waited `timeout` for shards that did not come.
-    fn timed_out(&self, durable: &[bool], layout: &Layout) -> Error {
+    /// The error of a loader that stopped waiting for shards: `why`, or the timeout passed.
+    fn stopped(&self, durable: &[bool], layout: &Layout, why: Option<&str>) -> Error {
         let missing: Vec<bool> = durable.iter().map(|&d| !d).collect();
         let missing = ranges_of(&missing);
         let claims = Parts::existing(&self.dir)
@@ -511,12 +539,17 @@ impl FollowPass {
             path: self.dir.clone(),
             present,
             total: layout.n_examples,
-            detail: format!(
-                "follow mode waited {:.1} s for a shard to become durable and none did; \
-                 missing: {words} (see `shardkit saev status`; raise follow_timeout for a \
-                 slower writer)",
-                self.follow.timeout.as_secs_f64()
-            ),
+            detail: match why {
+                None => format!(
+                    "follow mode waited {:.1} s for a shard to become durable and none did; \
+                     missing: {words} (see `shardkit saev status`; raise follow_timeout for a \
+                     slower writer)",
+                    self.follow.timeout.as_secs_f64()
+                ),
+                Some(why) => {
+                    format!("follow mode stopped waiting for shards: {why}; missing: {words}")
+                }
+            },
         }
     }
 }
