@@ -107,7 +107,8 @@ def test_a_follow_loader_reading_two_writer_processes_serves_each_row_once_and_r
             np.testing.assert_array_equal(a, expected(int(e), int(c)))
         seen.append(rows(b))
         states.append(follow.state_dict())
-    status = json.loads(finish(procs).strip().splitlines()[-1])
+    finish(procs)
+    status = saev.status(path)  # the rank finishing last commits
     assert status["committed"], status
     served = sorted((e, c) for ex, tok, _ in seen for e, c in zip(ex, tok))
     assert served == [(e, c) for e in range(N) for c in range(T - 1)]
@@ -173,3 +174,17 @@ def test_ctrl_c_interrupts_a_follow_loader_waiting_for_shards(tmp_path):
     reader.send_signal(signal.SIGINT)
     _, err = reader.communicate(timeout=20)
     assert reader.returncode != 0 and "KeyboardInterrupt" in err, err
+
+
+def test_the_torch_dataset_passes_follow_through(tmp_path):
+    torch = pytest.importorskip("torch")
+    from shardkit.torch import SaevDataset
+
+    procs, path = start_writers(tmp_path, 2, 0.02)
+    ds = SaevDataset(path, layer=6, batch_size=7, seed=3, memory_budget=4096, follow=True, follow_timeout=TIMEOUT)
+    served = []
+    for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0):
+        served += zip(b["example_idx"].tolist(), b["token_idx"].tolist())
+    finish(procs)
+    assert sorted(served) == [(e, c) for e in range(N) for c in range(T - 1)]
+    assert n_rounds(ds.state_dict()["follow_rounds"]) > 1
