@@ -343,4 +343,16 @@ fn follow_mode_refuses_what_it_cannot_keep_exact_and_without_it_an_unfinished_da
         assert_eq!(drain(&f), drain(&Loader::new(&dir, p).unwrap()));
         assert!(f.state().get("follow_rounds").is_none());
     }
+    // Committed but broken is an error naming the file, not a wait for it.
+    let shard = dir.join("acts000003.bin");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    f.set_len(10).unwrap();
+    let e = Loader::new(&dir, options(true, Order::Block)).unwrap_err();
+    assert!(
+        matches!(e, Error::Format { .. }) && e.to_string().contains("acts000003.bin"),
+        "{e:?}"
+    );
 }

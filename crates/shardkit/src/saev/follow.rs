@@ -117,7 +117,7 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     };
     let ds = Dataset::open_unfinished(local)?;
     let layout = *ds.layout();
-    let finished = committed(local, &layout);
+    let finished = committed(local, &layout)?;
     let (_, world) = opts.rank_and_world()?;
     if !finished {
         let refuse = |what: &str| {
@@ -158,22 +158,26 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     Ok(loader)
 }
 
-/// Whether the dataset in `dir` is committed.
-fn committed(dir: &Path, layout: &Layout) -> bool {
+/// Whether the dataset in `dir` is committed. shards.json is written last, whole: a dataset
+/// that has it and is not complete is broken (the error names what), not unfinished.
+fn committed(dir: &Path, layout: &Layout) -> Result<bool> {
     // shards.json first: checking completeness without it looks at every shard file.
-    dir.join("shards.json").is_file() && super::dataset::check_complete(dir, layout).is_ok()
+    if !dir.join("shards.json").is_file() {
+        return Ok(false);
+    }
+    super::dataset::check_complete(dir, layout).map(|()| true)
 }
 
 /// The shards durable now, one flag a shard.
 fn durable_now(dir: &Path, layout: &Layout) -> Result<Vec<bool>> {
     let n = layout.n_shards as usize;
-    if committed(dir, layout) {
+    if committed(dir, layout)? {
         return Ok(vec![true; n]);
     }
     let mut out = vec![false; n];
     let Some(parts) = Parts::existing(dir) else {
         // Not written in parts, or committed since the look above (its records removed).
-        return Ok(vec![committed(dir, layout); n]);
+        return Ok(vec![committed(dir, layout)?; n]);
     };
     match parts.durable_units() {
         Ok(names) => {
@@ -185,7 +189,7 @@ fn durable_now(dir: &Path, layout: &Layout) -> Result<Vec<bool>> {
             Ok(out)
         }
         // The commit removes the records: committed meanwhile.
-        Err(_) if committed(dir, layout) => Ok(vec![true; n]),
+        Err(_) if committed(dir, layout)? => Ok(vec![true; n]),
         Err(e) => Err(e),
     }
 }
