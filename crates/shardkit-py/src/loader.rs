@@ -45,7 +45,10 @@ impl<T: Send, I: Iterator<Item = shardkit::Result<T>> + Send> Pass<I> {
             }
             item
         });
-        next.transpose().map_err(to_py)
+        // An exception a wait inside the pass left set (Ctrl-C while a follow-mode loader
+        // waited for shards) is the one raised.
+        next.transpose()
+            .map_err(|e| PyErr::take(py).unwrap_or_else(|| to_py(e)))
     }
 
     /// Stops the threads now (also done when the Python object is garbage collected).

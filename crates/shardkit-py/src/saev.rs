@@ -344,6 +344,18 @@ fn index(i: i64, what: &str) -> PyResult<u64> {
         .map_err(|_| py_error("OutOfRangeError", format!("{what} index {i} is negative")))
 }
 
+/// Whether Python has a signal to handle (Ctrl-C) while a follow-mode loader waits for shards:
+/// the exception it raises is left set, and the pass raises it (see `loader::Pass::next`).
+fn ctrl_c() -> bool {
+    Python::with_gil(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(e) => {
+            e.restore(py);
+            true
+        }
+    })
+}
+
 /// Ordered or shuffled batches of a saev directory.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct Loader {
@@ -355,7 +367,8 @@ impl Loader {
     #[new]
     #[pyo3(signature = (path, layer, tokens="content", batch_size=16384, order=None,
         seed=0, epoch=0, rank=None, world_size=None, drop_last=false, memory_budget=None,
-        ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0, verify=false))]
+        ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0, verify=false,
+        follow=false, follow_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -375,6 +388,8 @@ impl Loader {
         direct_io: bool,
         threads: usize,
         verify: bool,
+        follow: bool,
+        follow_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let layer = if let Ok(s) = layer.extract::<String>() {
             s.parse::<saev::LayerSel>().map_err(to_py)?
@@ -405,6 +420,20 @@ impl Loader {
         o.direct_io = direct_io;
         o.threads = threads;
         o.verify = verify;
+        if follow {
+            let mut f = saev::FollowOptions {
+                interrupted: Some(saev::WaitCheck(ctrl_c)),
+                ..Default::default()
+            };
+            if let Some(t) = follow_timeout {
+                f.timeout = std::time::Duration::try_from_secs_f64(t).map_err(|_| {
+                    to_py(shardkit::Error::Invalid(format!(
+                        "follow_timeout must be a number of seconds >= 0, got {t}"
+                    )))
+                })?;
+            }
+            o.follow = Some(f);
+        }
         let inner = py
             .allow_threads(|| saev::Loader::new(path, o))
             .map_err(to_py)?;

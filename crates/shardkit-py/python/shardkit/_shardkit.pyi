@@ -110,6 +110,8 @@ class Loader:
         direct_io: bool = ...,
         threads: int = ...,
         verify: bool = ...,
+        follow: bool = ...,
+        follow_timeout: Optional[float] = ...,
     ) -> None: ...
     def __len__(self) -> int: ...
     @property

@@ -272,13 +272,15 @@ class SaevDataset(_LoaderDataset):
         ignore_labels: Sequence[int] = (),
         io_threads: int = 16,
         direct_io: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
     ) -> None:
         super().__init__(path, rank, world_size, epoch)
         self._kw: Dict[str, Any] = dict(
             layer=layer, tokens=tokens, batch_size=batch_size, shuffle=shuffle, order=order, seed=seed,
             drop_last=drop_last, num_threads=num_threads, verify=verify, memory_budget=memory_budget,
             ignore_labels=tuple(ignore_labels) if isinstance(ignore_labels, (list, tuple)) else ignore_labels,
-            io_threads=io_threads, direct_io=direct_io,
+            io_threads=io_threads, direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
         )
         checked = self._check()
         self._kw["order"] = checked.order
@@ -676,6 +678,8 @@ class SaevLoader(_DeviceLoader):
         ignore_labels: Sequence[int] = (),
         io_threads: int = 16,
         direct_io: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
         device: Device = None,
         num_buffers: int = 4,
         host_buffers: Optional[str] = None,
@@ -685,7 +689,7 @@ class SaevLoader(_DeviceLoader):
             path, layer=layer, tokens=tokens, batch_size=batch_size, shuffle=shuffle, order=order, seed=seed,
             epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
             verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
-            direct_io=direct_io,
+            direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
         )
         super().__init__(host, host._l, d, n, hb)
 

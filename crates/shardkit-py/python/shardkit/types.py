@@ -98,6 +98,9 @@ class LoaderState(TypedDict, total=False):
     """saev: the blocks per window the memory budget gives (what decides the block order)."""
     rows: int
     """saev: selected rows per epoch (the dataset, layer, tokens and ignored labels)."""
+    follow_rounds: List[int]
+    """saev with ``follow=True``: the epoch's rounds so far, each as its count of shard
+    ranges then their (first, end) shards; ``cursor`` counts the rows of the rounds in order."""
     # flat-tokens (seqax)
     step: int
     """flat-tokens: seqax's global step."""

@@ -333,6 +333,22 @@ impl Parts {
         Ok(out)
     }
 
+    /// The names of the units recorded durable, read only (a reader following the write:
+    /// nothing is created, no record is parsed). A record is renamed into place whole after
+    /// the unit's files are published, so a name listed is a unit whose files are final.
+    pub(crate) fn durable_units(&self) -> Result<Vec<String>> {
+        let dir = self.dir.join("done");
+        let mut out = Vec::new();
+        for e in fs::read_dir(&dir).at(&dir)? {
+            let name = e.at(&dir)?.file_name().to_string_lossy().into_owned();
+            if let (Some(unit), false) = (name.strip_suffix(".json"), fsutil::is_temp_name(&name)) {
+                out.push(unit.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
     /// Forgets unit `unit` (its files are being written again).
     pub(crate) fn forget(&self, unit: &str) -> Result<()> {
         let path = self.dir.join("done").join(format!("{unit}.json"));

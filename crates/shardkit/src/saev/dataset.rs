@@ -283,12 +283,21 @@ impl Dataset {
     }
 
     fn open_local(dir: PathBuf) -> Result<Dataset> {
+        let ds = Self::open_unfinished(&dir)?;
+        check_complete(&dir, &ds.layout)?;
+        Ok(ds)
+    }
+
+    /// Opens the local dataset `dir` whether or not it is committed (a follow-mode loader
+    /// reading while it is written): the metadata is read and checked, nothing else. Shards
+    /// are opened on first use, so only durable ones may be touched; labels.bin is used when
+    /// present (the dataset committed).
+    pub(crate) fn open_unfinished(dir: &Path) -> Result<Dataset> {
         if !dir.is_dir() {
-            return Err(super::metadata::missing_metadata(&dir, true, &[]));
+            return Err(super::metadata::missing_metadata(dir, true, &[]));
         }
-        let (md, warnings) = Metadata::read(&dir)?;
+        let (md, warnings) = Metadata::read(dir)?;
         let layout = Layout::new(&md, &dir.join("metadata.json"))?;
-        check_complete(&dir, &layout)?;
         fsutil::raise_open_file_limit();
         let labels_path = dir.join("labels.bin");
         let labels = match fsutil::regular_file_len(&labels_path) {
@@ -300,7 +309,7 @@ impl Dataset {
         Ok(Dataset {
             shards: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
             direct: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
-            dir,
+            dir: dir.to_path_buf(),
             md,
             layout,
             warnings,

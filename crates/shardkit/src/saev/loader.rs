@@ -19,7 +19,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use crate::checksum::{self, Verifier};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
@@ -63,7 +63,9 @@ pub(crate) struct SaevSource {
     per_example: u64,
     /// With ignore_labels: kept selected-token indices of all examples, and per-example prefix.
     kept: Option<(Vec<u32>, Vec<u64>)>,
-    labels: Option<Vec<u8>>,
+    /// labels.bin, when the dataset has it (a follow-mode loader fills it from the shards'
+    /// label pieces round by round, before the commit writes labels.bin).
+    labels: RwLock<Option<Arc<Vec<u8>>>>,
     /// Each shard mapped once, on first use, for the loader's life: rows already in the page
     /// cache are copied straight from there, and the page tables built on the first pass serve
     /// every later one.
@@ -144,6 +146,31 @@ impl Files for SaevSource {
 }
 
 impl SaevSource {
+    /// Selected rows of the blocks of shards `shards`.
+    pub(super) fn rows_in_shards(&self, shards: &[std::ops::Range<u64>]) -> u64 {
+        let l = self.ds.layout();
+        let eps = l.examples_per_shard;
+        shards
+            .iter()
+            .flat_map(|r| (r.start * eps).min(l.n_examples)..(r.end * eps).min(l.n_examples))
+            .map(|b| self.rows(b as u32))
+            .sum()
+    }
+    /// The dataset read.
+    pub(super) fn dataset(&self) -> &Dataset {
+        &self.ds
+    }
+    /// The labels (`N·P` bytes), when known.
+    pub(super) fn labels(&self) -> Option<Arc<Vec<u8>>> {
+        self.labels
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+    /// Replaces the labels (a follow-mode round read more of them).
+    pub(super) fn set_labels(&self, labels: Arc<Vec<u8>>) {
+        *self.labels.write().unwrap_or_else(|e| e.into_inner()) = Some(labels);
+    }
     fn n_blocks(&self) -> usize {
         self.ds.layout().n_examples as usize
     }
@@ -234,6 +261,8 @@ pub struct Loader {
     /// A state was loaded and no pass has started since: `set_epoch` of the state's epoch keeps
     /// the position, and a state at the end of its epoch yields no batch (not the epoch again).
     pub(super) resumed: AtomicBool,
+    /// Follow mode (reading while the dataset is written), when on: the epoch's rounds.
+    pub(super) follow: Option<super::follow::Follow>,
 }
 
 impl std::fmt::Debug for Loader {
@@ -249,7 +278,12 @@ impl std::fmt::Debug for Loader {
 
 impl Loader {
     /// Opens `dir` (which must be a complete dataset) for loading with `opts`.
+    /// With `opts.follow`, `dir` may be a dataset still being written in parts (see
+    /// [`super::FollowOptions`]).
     pub fn new(dir: impl AsRef<std::path::Path>, opts: LoaderOptions) -> Result<Loader> {
+        if opts.follow.is_some() {
+            return super::follow::open(dir.as_ref(), opts);
+        }
         Loader::with_dataset(Dataset::open(dir)?, opts)
     }
 
@@ -310,7 +344,7 @@ impl Loader {
             mode: opts.tokens,
             per_example,
             kept,
-            labels,
+            labels: RwLock::new(labels.map(Arc::new)),
             maps: (0..layout.n_shards).map(|_| OnceLock::new()).collect(),
         };
         if src.n_blocks() == 0 {
@@ -369,6 +403,7 @@ impl Loader {
             gather: GatherCell::default(),
             verifier,
             resumed: AtomicBool::new(false),
+            follow: None,
         })
     }
 
@@ -388,7 +423,26 @@ impl Loader {
         opts: &LoaderOptions,
         window_blocks: u64,
     ) -> Result<EpochOrder> {
-        let rows: Vec<u64> = (0..src.n_blocks() as u32).map(|b| src.rows(b)).collect();
+        Self::plan_over(src, opts, window_blocks, None)
+    }
+
+    /// The epoch's order restricted to the blocks of the shards `keep` marks (all when
+    /// `None`): the other blocks count no rows, so the block and sequential orders are the
+    /// whole epoch's with those blocks left out, and the exact order a keyed permutation of
+    /// the rows kept (the whole epoch's when every shard is kept).
+    pub(super) fn plan_over(
+        src: &SaevSource,
+        opts: &LoaderOptions,
+        window_blocks: u64,
+        keep: Option<&[bool]>,
+    ) -> Result<EpochOrder> {
+        let eps = src.ds.layout().examples_per_shard.max(1);
+        let rows: Vec<u64> = (0..src.n_blocks() as u32)
+            .map(|b| match keep {
+                Some(k) if !k.get((b as u64 / eps) as usize).copied().unwrap_or(false) => 0,
+                _ => src.rows(b),
+            })
+            .collect();
         EpochOrder::new(opts.order, opts.seed, opts.epoch, &rows, window_blocks)
     }
 
@@ -445,6 +499,9 @@ impl Loader {
             self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
         }
         self.cursor.store(0, Ordering::Relaxed);
+        if let Some(f) = &self.follow {
+            f.restart();
+        }
         Ok(())
     }
 
@@ -454,6 +511,9 @@ impl Loader {
     /// [`Loader::set_epoch`] changes it. A thread that cannot be started is reported by the
     /// first `next`.
     pub fn iter(&self) -> Result<Batches> {
+        if let Some(f) = &self.follow {
+            return f.iter(self);
+        }
         let total = self.order.len();
         let global = self.opts.batch_size * self.world;
         let end = if self.opts.drop_last {
@@ -479,45 +539,81 @@ impl Loader {
         .filter(|&(s, _)| s >= cursor - cursor % global && cursor < end)
         .map(|(s, e)| (s, e, (((s / global) + 1) * global).min(total)))
         .collect();
-        let stream = match self.gather_pool() {
+        let stream = match self.pass_parts() {
             Err(e) => exec::Stream::failed(e),
-            Ok(pool) => {
-                let windowed = self.opts.order != Order::Exact;
-                let needed = if windowed {
-                    windows_needed(&self.order, &plans)
-                } else {
-                    Vec::new()
-                };
-                let job = SaevJob {
-                    verify: self.verifier.clone().map(|v| (v, pool.clone())),
-                    src: self.src.clone(),
-                    order: self.order.clone(),
-                    batches: self.batches.clone(),
-                    windows: self.windows.clone(),
-                    // Reads from an object store always go into window buffers.
-                    direct: self.opts.direct_io || self.src.ds.remote().is_some(),
-                    io_threads: self.opts.io_threads.max(1),
-                    piece_rows: (PIECE_BYTES / self.src.row_bytes()).max(1) as usize,
-                    resident: Mutex::new(Resident {
-                        needed,
-                        next: 0,
-                        windows: VecDeque::new(),
-                        pending: None,
-                        loaded: Vec::new(),
-                    }),
-                };
-                exec::start(
-                    Arc::new(job),
-                    plans.into_iter(),
-                    pool,
-                    StreamOptions { ahead: 2 },
-                )
-            }
+            Ok(parts) => parts.stream(self.order.clone(), plans),
         };
         Ok(Batches {
-            stream,
+            inner: Inner::One(stream),
             cursor: self.cursor.clone(),
         })
+    }
+
+    /// What a pass needs of the loader, held apart from it (a follow-mode pass starts one
+    /// stream a round).
+    pub(super) fn pass_parts(&self) -> Result<PassParts> {
+        Ok(PassParts {
+            src: self.src.clone(),
+            pool: self.gather_pool()?,
+            verifier: self.verifier.clone(),
+            batches: self.batches.clone(),
+            windows: self.windows.clone(),
+            order: self.opts.order,
+            direct_io: self.opts.direct_io,
+            io_threads: self.opts.io_threads,
+        })
+    }
+}
+
+/// What a pass needs of its loader (see [`Loader::pass_parts`]).
+pub(super) struct PassParts {
+    pub(super) src: Arc<SaevSource>,
+    pool: Arc<GatherPool>,
+    verifier: Option<Arc<Verifier>>,
+    batches: BufferPool,
+    windows: BufferPool,
+    order: Order,
+    direct_io: bool,
+    io_threads: usize,
+}
+
+impl PassParts {
+    /// Streams the batches `plans` (stream start, end, cursor after it) of `order`.
+    pub(super) fn stream(
+        &self,
+        order: Arc<EpochOrder>,
+        plans: Vec<(u64, u64, u64)>,
+    ) -> exec::Stream<Batch> {
+        let windowed = self.order != Order::Exact;
+        let needed = if windowed {
+            windows_needed(&order, &plans)
+        } else {
+            Vec::new()
+        };
+        let job = SaevJob {
+            verify: self.verifier.clone().map(|v| (v, self.pool.clone())),
+            src: self.src.clone(),
+            order,
+            batches: self.batches.clone(),
+            windows: self.windows.clone(),
+            // Reads from an object store always go into window buffers.
+            direct: self.direct_io || self.src.ds.remote().is_some(),
+            io_threads: self.io_threads.max(1),
+            piece_rows: (PIECE_BYTES / self.src.row_bytes()).max(1) as usize,
+            resident: Mutex::new(Resident {
+                needed,
+                next: 0,
+                windows: VecDeque::new(),
+                pending: None,
+                loaded: Vec::new(),
+            }),
+        };
+        exec::start(
+            Arc::new(job),
+            plans.into_iter(),
+            self.pool.clone(),
+            StreamOptions { ahead: 2 },
+        )
     }
 }
 
@@ -965,7 +1061,8 @@ impl Job for SaevJob {
         let mut example_idx = Vec::with_capacity(n);
         let mut token_idx = Vec::with_capacity(n);
         let mut layer = (src.slots.len() > 1).then(|| Vec::with_capacity(n));
-        let mut token_label = src.labels.as_ref().map(|_| Vec::with_capacity(n));
+        let labels = src.labels();
+        let mut token_label = labels.as_ref().map(|_| Vec::with_capacity(n));
         for &(b, j) in rows {
             let (li, sel) = src.split_row(b as u64, j as u64);
             let (_, c) = src.mode.token_of(layout, sel);
@@ -974,7 +1071,7 @@ impl Job for SaevJob {
             if let Some(l) = &mut layer {
                 l.push(layers[src.slots[li]]);
             }
-            if let (Some(out), Some(labels)) = (&mut token_label, &src.labels) {
+            if let (Some(out), Some(labels)) = (&mut token_label, &labels) {
                 out.push(if c < 0 {
                     -1
                 } else {
@@ -1025,14 +1122,23 @@ fn read_row(src: &SaevSource, file: u32, offset: u64, dst: &mut [u8]) -> Result<
 
 /// The batches of one pass (see [`Loader::iter`]).
 pub struct Batches {
-    stream: exec::Stream<Batch>,
-    cursor: Arc<AtomicU64>,
+    pub(super) inner: Inner,
+    pub(super) cursor: Arc<AtomicU64>,
+}
+
+/// A pass over one planned order, or a follow-mode pass over rounds.
+pub(super) enum Inner {
+    One(exec::Stream<Batch>),
+    Follow(Box<super::follow::FollowPass>),
 }
 
 impl Iterator for Batches {
     type Item = Result<Batch>;
     fn next(&mut self) -> Option<Result<Batch>> {
-        let b = self.stream.next()?;
+        let b = match &mut self.inner {
+            Inner::One(s) => s.next()?,
+            Inner::Follow(f) => f.next()?,
+        };
         if let Ok(b) = &b {
             self.cursor.store(b.cursor, Ordering::Relaxed);
         }

@@ -47,6 +47,7 @@
 
 mod compat;
 mod dataset;
+mod follow;
 mod layout;
 mod loader;
 mod metadata;
@@ -60,6 +61,7 @@ mod writer;
 pub use crate::engine::LoaderState;
 pub use compat::fake_dataset_data;
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
+pub use follow::{FollowOptions, WaitCheck};
 pub use layout::Layout;
 pub use loader::{Batch, Batches, LayerSel, Loader};
 pub use metadata::Metadata;

@@ -3,9 +3,11 @@
 //! tokens, memory budget, ignored labels, O_DIRECT) beside the common ones, and its state's
 //! own keys (`cursor`, `global_batch_size` and the parameters that decide the order).
 
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::follow;
 use super::loader::{LayerSel, Loader};
 use crate::engine::dist::{differ, refuse};
 use crate::engine::order::Order;
@@ -40,6 +42,10 @@ pub struct SaevOptions {
     /// cache and cached data is gathered straight from it. Not with `verify` (blocks are
     /// verified through the page cache).
     pub direct_io: bool,
+    /// Read the dataset while it is written (see [`super::FollowOptions`]): `None` (the
+    /// default) reads only a committed dataset. Applied by [`Loader::new`] (a loader made with
+    /// [`Loader::with_dataset`] reads the dataset given, as without follow).
+    pub follow: Option<super::FollowOptions>,
 }
 
 /// Options of a [`Loader`]: the common knobs (`batch_size` is rows per batch on each rank)
@@ -59,6 +65,7 @@ impl crate::engine::LoaderOptions<SaevOptions> {
                 ignore_labels: Vec::new(),
                 io_threads: 16,
                 direct_io: false,
+                follow: None,
             },
         )
     }
@@ -103,7 +110,7 @@ impl Loader {
             LayerSel::Value(v) => StateValue::Int(v),
             LayerSel::All => StateValue::Str("all".into()),
         };
-        state_at(self.opts.seed, self.opts.epoch, cursor, global)
+        let st = state_at(self.opts.seed, self.opts.epoch, cursor, global)
             .with_world(self.opts.batch_size, self.world)
             .with("order", StateValue::Str(self.opts.order.name().into()))
             .with("layer", layer)
@@ -118,7 +125,17 @@ impl Loader {
                 StateValue::UInt(self.opts.memory_budget.unwrap_or(DEFAULT_MEMORY_BUDGET)),
             )
             .with("window_blocks", StateValue::UInt(self.effective_window()))
-            .with("rows", StateValue::UInt(self.order.len()))
+            .with("rows", StateValue::UInt(self.order.len()));
+        match &self.follow {
+            // Follow mode: the epoch's rounds, which the cursor counts through; each round
+            // ends with its own partial batch, so `batch` counts the batches served.
+            Some(f) => {
+                let mut st = st.with(follow::ROUNDS_KEY, follow::state_value(f));
+                st.batch = self.follow_batches(&f.rounds(), cursor);
+                st
+            }
+            None => st,
+        }
     }
 
     /// Blocks per window as the order uses them (a budget larger than the dataset gives one
@@ -222,6 +239,15 @@ impl Loader {
             self.order = Arc::new(Self::plan_epoch(&self.src, &self.opts, self.window_blocks)?);
         }
         let cursor = theirs.cursor;
+        if let Some(rounds) = self.follow_rounds(&st, cursor)? {
+            let f = self.follow.as_ref().ok_or_else(|| {
+                Error::Internal("internal: follow rounds without follow mode".into())
+            })?;
+            f.set_rounds(rounds);
+            self.cursor.store(cursor, Ordering::Relaxed);
+            *self.resumed.get_mut() = true;
+            return Ok(());
+        }
         if cursor > self.order.len() {
             return Err(Error::Invalid(format!(
                 "cursor {} is past the end of the epoch ({} rows)",
@@ -237,6 +263,68 @@ impl Loader {
         self.cursor.store(cursor, Ordering::Relaxed);
         *self.resumed.get_mut() = true;
         Ok(())
+    }
+}
+
+impl Loader {
+    /// Batches a follow-mode loader has served at `cursor` of an epoch of `rounds`.
+    fn follow_batches(&self, rounds: &[Vec<Range<u64>>], cursor: u64) -> u64 {
+        let bs = self.opts.batch_size.max(1);
+        let (mut offset, mut batches) = (0, 0);
+        for r in rounds {
+            let rows = self.src.rows_in_shards(r);
+            batches += cursor.saturating_sub(offset).min(rows).div_ceil(bs);
+            offset += rows;
+        }
+        batches
+    }
+
+    /// The rounds a follow-mode loader resumes `st` with (`None` for a loader that is not in
+    /// follow mode, given a state of one epoch in one round: read as without follow). A state
+    /// of several rounds needs follow mode; a cursor must be at a batch of its round.
+    fn follow_rounds(&self, st: &LoaderState, cursor: u64) -> Result<Option<Vec<Vec<Range<u64>>>>> {
+        let n = self.dataset().layout().n_shards;
+        #[allow(clippy::single_range_in_vec_init)] // one round of one range: every shard
+        let whole = vec![0..n];
+        let rounds = match st.get(follow::ROUNDS_KEY) {
+            None => None,
+            Some(StateValue::List(flat)) => Some(follow::decode(flat, n)?),
+            Some(v) => {
+                return Err(Error::Invalid(format!(
+                    "state key {:?} is {v}, not a list of counts",
+                    follow::ROUNDS_KEY
+                )))
+            }
+        };
+        if self.follow.is_none() {
+            return match rounds {
+                Some(r) if !(r.is_empty() || r == [whole]) => Err(Error::Invalid(format!(
+                    "the state was taken by a follow-mode loader part way through an epoch read                      while the dataset was written ({} rounds): resume it with follow mode                      (follow=True, world_size 1, drop_last off)",
+                    r.len()
+                ))),
+                _ => Ok(None),
+            };
+        }
+        // A state of a loader without follow: its epoch was one round of every shard.
+        let rounds = rounds.unwrap_or_else(|| if cursor > 0 { vec![whole] } else { Vec::new() });
+        let bs = self.opts.batch_size;
+        let mut offset = 0;
+        for r in &rounds {
+            let rows = self.src.rows_in_shards(r);
+            if (offset..offset + rows).contains(&cursor) && !(cursor - offset).is_multiple_of(bs) {
+                return Err(Error::Invalid(format!(
+                    "cursor {cursor} is not at a batch of its round (rows {offset}..{} of the                      epoch, batches of {bs})",
+                    offset + rows
+                )));
+            }
+            offset += rows;
+        }
+        if cursor > offset {
+            return Err(Error::Invalid(format!(
+                "cursor {cursor} is past the end of the state's rounds ({offset} rows)"
+            )));
+        }
+        Ok(Some(rounds))
     }
 }
 

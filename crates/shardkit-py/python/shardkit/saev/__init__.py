@@ -378,6 +378,15 @@ class Loader(EngineLoader):
     (``shardkit.checksum(path)`` adds one to data written by other tools); a damaged block
     raises CorruptDataError naming the shard and the byte range.
 
+    ``follow=True`` reads a dataset while :class:`PartWriter` ranks write it: each epoch is
+    served in rounds of the shards durable when the round starts (the planned order restricted
+    to them), new shards are picked up as they land, every row is served once per epoch, and
+    ``state_dict`` resumes exactly; a loader that has served every durable shard waits up to
+    ``follow_timeout`` seconds (default 3600) for another, then raises IncompleteDatasetError
+    naming the missing shards and who claims them. On a dataset still being written it reads
+    with ``world_size`` 1, without ``drop_last``, ``ignore_labels`` or ``verify``; on a committed
+    one it changes nothing. See docs/saev.md, "Reading while it is written".
+
     Yields :class:`shardkit.types.SaevBatch` dicts of numpy arrays.
     """
 
@@ -401,6 +410,8 @@ class Loader(EngineLoader):
         ignore_labels: Sequence[int] = (),
         io_threads: int = 16,
         direct_io: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
     ) -> None:
         path = _args.path("path", path)
         if not (isinstance(layer, str) and layer == "all"):
@@ -427,6 +438,15 @@ class Loader(EngineLoader):
         ignore_labels = [_args.integer("ignore_labels", x, lo=0, hi=255) for x in ignore_labels]
         io_threads = _args.integer("io_threads", io_threads, lo=1, hi=1 << 16)
         direct_io = _args.boolean("direct_io", direct_io)
+        follow = _args.boolean("follow", follow)
+        if follow_timeout is not None:
+            if isinstance(follow_timeout, bool) or not isinstance(follow_timeout, (int, float)):
+                raise _args.InvalidArgumentTypeError(
+                    f"follow_timeout must be a number of seconds, got {follow_timeout!r} ({type(follow_timeout).__name__})")
+            if not 0 <= follow_timeout < float("inf"):
+                raise InvalidArgumentError(f"follow_timeout must be a number of seconds >= 0, got {follow_timeout!r}")
+            if not follow:
+                raise InvalidArgumentError("follow_timeout applies with follow=True only")
         if order is None:
             # Shuffled: the core's default order (the loader contract writes it once).
             order = None if shuffle is None or shuffle else "sequential"
@@ -448,6 +468,8 @@ class Loader(EngineLoader):
             io_threads=io_threads,
             threads=num_threads or 0,
             direct_io=direct_io,
+            follow=follow,
+            follow_timeout=None if follow_timeout is None else float(follow_timeout),
         )
         if order != "sequential":
             kw.update(seed=seed, epoch=epoch, ignore_labels=[int(x) for x in ignore_labels])
@@ -549,11 +571,14 @@ class OrderedLoader(Loader):
         memory_budget: Optional[int] = None,
         io_threads: int = 16,
         direct_io: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
     ) -> None:
         super().__init__(
             path, shuffle=False, layer=layer, tokens=tokens, batch_size=batch_size, rank=rank,
             world_size=world_size, drop_last=drop_last, num_threads=num_threads, verify=verify,
-            memory_budget=memory_budget, io_threads=io_threads, direct_io=direct_io,
+            memory_budget=memory_budget, io_threads=io_threads, direct_io=direct_io, follow=follow,
+            follow_timeout=follow_timeout,
         )
 
 
@@ -580,12 +605,14 @@ class ShuffledLoader(Loader):
         ignore_labels: Sequence[int] = (),
         io_threads: int = 16,
         direct_io: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
     ) -> None:
         super().__init__(
             path, shuffle=True, layer=layer, tokens=tokens, batch_size=batch_size, order=order, seed=seed,
             epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
             verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
-            direct_io=direct_io,
+            direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
         )
 
 

@@ -1,0 +1,358 @@
+//! Reading a saev dataset while its ranks write it (follow mode): every row served exactly
+//! once in the epoch that reads during the write, never a torn row, later epochs equal to a
+//! loader's on the finished dataset, states that resume exactly, and an error naming the
+//! missing shards when they do not come. (Writer processes: crates/shardkit-py/tests/
+//! test_follow.py.)
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use shardkit::engine::Order;
+use shardkit::saev::{
+    FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, PartWriter, WaitCheck,
+};
+use shardkit::{Error, Rank};
+
+/// 40 examples, 2 layers, CLS + 3 content tokens, d_model 4; 2 examples per shard: 20 shards.
+fn metadata() -> Metadata {
+    let md = r#"{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
+        "cls_token": true, "d_model": 4, "n_examples": 40, "max_tokens_per_shard": 16,
+        "data": "d", "dataset": "t", "protocol": "2.1"}"#;
+    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
+}
+
+const N: u64 = 40;
+const EPS: u64 = 2;
+const SHARDS: u64 = 20;
+const EV: usize = 2 * 4 * 4; // values of one example: L x T x D
+
+fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
+    examples
+        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
+        .collect()
+}
+
+/// Row of example `e`, layer 3 (slot 0), content token `c` (slot c + 1), as written.
+fn expected_row(e: i64, c: i64) -> Vec<f32> {
+    (0..4)
+        .map(|d| (e * 1000 + (c + 1) * 4 + d) as f32)
+        .collect()
+}
+
+fn rank(r: u64, w: u64) -> Rank {
+    Rank::new(r, w).unwrap()
+}
+
+fn options(follow: bool, order: Order) -> LoaderOptions {
+    let mut o = LoaderOptions::new(LayerSel::Value(3));
+    o.batch_size = 4;
+    o.order = order;
+    o.seed = 7;
+    // Windows of 4 blocks (a block: 4 tokens x 4 values x 4 bytes).
+    o.memory_budget = Some(1024);
+    o.threads = 1;
+    if follow {
+        o.follow = Some(FollowOptions {
+            timeout: Duration::from_secs(20),
+            poll: Duration::from_millis(5),
+            interrupted: None,
+        });
+    }
+    o
+}
+
+/// One batch as compared: its rows' examples and tokens, values and labels.
+type Rows = (Vec<i64>, Vec<i64>, Vec<f32>, Option<Vec<i64>>);
+
+fn rows_of(b: shardkit::saev::Batch) -> Rows {
+    (
+        b.example_idx.clone(),
+        b.token_idx.clone(),
+        b.act.as_f32()[..b.n * b.d_model].to_vec(),
+        b.token_label.clone(),
+    )
+}
+
+/// The label of example `e`'s content token `c`, as written.
+fn label(e: u64, c: u64) -> u8 {
+    (e * 7 + c) as u8
+}
+
+fn take(it: &mut shardkit::saev::Batches, n: usize) -> Vec<Rows> {
+    (0..n)
+        .map(|_| rows_of(it.next().expect("a batch").unwrap()))
+        .collect()
+}
+
+fn drain(loader: &Loader) -> Vec<Rows> {
+    loader
+        .iter()
+        .unwrap()
+        .map(|b| rows_of(b.unwrap()))
+        .collect()
+}
+
+/// Checks every row against the data written and counts each (example, token).
+fn count_rows(batches: &[Rows]) -> BTreeMap<(i64, i64), u32> {
+    let mut seen = BTreeMap::new();
+    for (ex, tok, act, labels) in batches {
+        let labels = labels.as_ref().expect("every batch has the labels written");
+        for (i, (&e, &c)) in ex.iter().zip(tok).enumerate() {
+            assert_eq!(
+                labels[i],
+                i64::from(label(e as u64, c as u64)),
+                "label of e={e} c={c}"
+            );
+            assert_eq!(
+                act[i * 4..i * 4 + 4],
+                expected_row(e, c)[..],
+                "row e={e} c={c} is torn"
+            );
+            *seen.entry((e, c)).or_insert(0) += 1;
+        }
+    }
+    seen
+}
+
+fn assert_each_row_once(batches: &[Rows]) {
+    let seen = count_rows(batches);
+    let want: BTreeMap<(i64, i64), u32> = (0..N as i64)
+        .flat_map(|e| (0..3).map(move |c| ((e, c), 1)))
+        .collect();
+    assert_eq!(seen, want);
+}
+
+/// Writes shard `s` (its examples) through `w`, whose next example it must be.
+fn write_shard(w: &mut PartWriter, s: u64) {
+    assert_eq!(w.next_example(), Some(s * EPS));
+    let labels: Vec<u8> = (s * EPS..(s + 1) * EPS)
+        .flat_map(|e| (0..3).map(move |c| label(e, c)))
+        .collect();
+    w.write(&acts(s * EPS..(s + 1) * EPS), Some(&labels))
+        .unwrap();
+}
+
+fn rounds_of(st: &LoaderState) -> usize {
+    let Some(shardkit::engine::StateValue::List(flat)) = st.get("follow_rounds") else {
+        panic!("no follow_rounds in {st:?}");
+    };
+    let (mut i, mut n) = (0, 0);
+    while i < flat.len() {
+        i += 1 + 2 * flat[i] as usize;
+        n += 1;
+    }
+    n
+}
+
+#[test]
+fn a_follow_loader_reading_during_the_write_serves_every_row_once_and_later_epochs_as_finished() {
+    for order in [Order::Block, Order::Exact, Order::Sequential] {
+        let tmp = tempfile::tempdir().unwrap();
+        // Both ranks open (metadata.json exists), then write a shard every few milliseconds.
+        let writers: Vec<PartWriter> = (0..2)
+            .map(|r| PartWriter::create(tmp.path(), metadata(), rank(r, 2)).unwrap())
+            .collect();
+        let dir = writers[0].path().to_path_buf();
+        let mut loader = Loader::new(&dir, options(true, order)).unwrap();
+        let threads: Vec<_> = writers
+            .into_iter()
+            .map(|mut w| {
+                std::thread::spawn(move || {
+                    let shards = w.examples().start / EPS..w.examples().end / EPS;
+                    for s in shards {
+                        std::thread::sleep(Duration::from_millis(10));
+                        write_shard(&mut w, s);
+                    }
+                    w.finish().unwrap()
+                })
+            })
+            .collect();
+        let epoch0 = drain(&loader);
+        let rounds = rounds_of(&loader.state());
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_each_row_once(&epoch0);
+        assert!(
+            rounds >= 2,
+            "{order:?}: the write was read in {rounds} round(s)"
+        );
+        assert_eq!(loader.state().uint("cursor").unwrap(), Some(N * 3));
+        // Committed: epoch 1 (and epoch 0 read again) are a finished dataset's, batch for batch.
+        for epoch in [1, 0] {
+            loader.set_epoch(epoch).unwrap();
+            let mut plain_opts = options(false, order);
+            plain_opts.epoch = epoch;
+            let plain = Loader::new(&dir, plain_opts).unwrap();
+            assert_eq!(drain(&loader), drain(&plain), "{order:?} epoch {epoch}");
+        }
+        // Opened on the committed dataset, follow mode changes nothing.
+        let late = Loader::new(&dir, options(true, order)).unwrap();
+        let plain = Loader::new(&dir, options(false, order)).unwrap();
+        assert_eq!(drain(&late), drain(&plain));
+        assert_eq!(late.state().uint("cursor").unwrap(), Some(N * 3));
+    }
+}
+
+#[test]
+fn a_state_saved_mid_round_or_across_rounds_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
+    let mut b = PartWriter::create(tmp.path(), metadata(), rank(1, 2)).unwrap();
+    let dir = a.path().to_path_buf();
+    // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 7 batches of 4 and one of 2).
+    for s in [0, 1, 2] {
+        write_shard(&mut a, s);
+    }
+    for s in [10, 11] {
+        write_shard(&mut b, s);
+    }
+    let loader = Loader::new(&dir, options(true, Order::Block)).unwrap();
+    let mut it = loader.iter().unwrap();
+    let mut seen = take(&mut it, 3);
+    let mid_round = loader.state();
+    assert_eq!(mid_round.uint("cursor").unwrap(), Some(12));
+    seen.extend(take(&mut it, 5));
+    assert_eq!(loader.state().uint("cursor").unwrap(), Some(30));
+    // Round 2: shards 3, 4 and 12 (18 rows).
+    for s in [3, 4] {
+        write_shard(&mut a, s);
+    }
+    write_shard(&mut b, 12);
+    seen.extend(take(&mut it, 2));
+    let across = loader.state();
+    assert_eq!(across.uint("cursor").unwrap(), Some(38));
+    assert_eq!(rounds_of(&across), 2);
+    // The rest lands and commits; the pass reads it as one more round.
+    for s in 5..10 {
+        write_shard(&mut a, s);
+    }
+    for s in 13..20 {
+        write_shard(&mut b, s);
+    }
+    // Every shard is durable: the first to finish commits.
+    assert!(a.finish().unwrap().committed);
+    assert!(b.finish().unwrap().committed);
+    seen.extend(it.map(|b| rows_of(b.unwrap())));
+    assert_each_row_once(&seen);
+
+    // Across rounds: the rounds recorded are replayed and the last one is the rest, as it was.
+    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
+    resumed.load_state(across.clone()).unwrap();
+    resumed.set_epoch(0).unwrap(); // the training loop's call keeps the loaded position
+    assert_eq!(drain(&resumed), seen[10..]);
+    // Mid-round: the round's remaining batches exactly; then the rest, each row once.
+    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
+    resumed.load_state(mid_round.clone()).unwrap();
+    let rest = drain(&resumed);
+    assert_eq!(rest[..5], seen[3..8]);
+    let mut all = seen[..3].to_vec();
+    all.extend(rest);
+    assert_each_row_once(&all);
+    // A loader without follow mode cannot continue a state of several rounds.
+    let mut plain = Loader::new(&dir, options(false, Order::Block)).unwrap();
+    let e = plain.load_state(across).unwrap_err();
+    assert!(
+        matches!(e, Error::Invalid(_)) && e.to_string().contains("follow-mode loader"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_follow_loader_waiting_too_long_names_the_missing_shards_and_their_holders() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
+    let dir = a.path().to_path_buf();
+    write_shard(&mut a, 0);
+    let mut o = options(true, Order::Block);
+    o.follow = Some(FollowOptions {
+        timeout: Duration::from_millis(200),
+        poll: Duration::from_millis(20),
+        interrupted: None,
+    });
+    let loader = Loader::new(&dir, o).unwrap();
+    let out: Vec<_> = loader.iter().unwrap().collect();
+    // Shard 0's 6 rows, then the error.
+    assert_eq!(out.len(), 3);
+    let e = out.into_iter().last().unwrap().unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(
+            e,
+            Error::Incomplete {
+                present: 2,
+                total: 40,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let holder = format!("rank 0 of 2, pid {}", std::process::id());
+    assert!(
+        msg.contains(&format!("shards 1..10 (claimed by {holder}"))
+            && msg.contains("shards 10..20 (claimed by no live writer)"),
+        "{msg}"
+    );
+    // A wait whose check says stop ends at once, saying why.
+    let mut o = options(true, Order::Block);
+    o.follow = Some(FollowOptions {
+        interrupted: Some(WaitCheck(|| true)),
+        ..FollowOptions::default()
+    });
+    let loader = Loader::new(&dir, o).unwrap();
+    let t0 = std::time::Instant::now();
+    let e = loader.iter().unwrap().last().unwrap().unwrap_err();
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    let msg = e.to_string();
+    assert!(
+        msg.contains("stopped waiting for shards: it was interrupted")
+            && msg.contains("shards 1..10"),
+        "{msg}"
+    );
+    drop(a);
+}
+
+#[test]
+fn follow_mode_refuses_what_it_cannot_keep_exact_and_without_it_an_unfinished_dataset_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 1)).unwrap();
+    let dir = a.path().to_path_buf();
+    write_shard(&mut a, 0);
+    let e = Loader::new(&dir, options(false, Order::Block)).unwrap_err();
+    assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
+    let mut o = options(true, Order::Block);
+    o.world_size = Some(2);
+    o.rank = Some(0);
+    let e = Loader::new(&dir, o).unwrap_err().to_string();
+    assert!(e.contains("world_size 1 only (got 2)"), "{e}");
+    let mut o = options(true, Order::Block);
+    o.drop_last = true;
+    let e = Loader::new(&dir, o).unwrap_err().to_string();
+    assert!(e.contains("cannot drop_last"), "{e}");
+    // Committed, follow mode with two ranks reads as without it.
+    for s in 1..SHARDS {
+        write_shard(&mut a, s);
+    }
+    assert!(a.finish().unwrap().committed);
+    for r in 0..2 {
+        let mut o = options(true, Order::Exact);
+        (o.rank, o.world_size) = (Some(r), Some(2));
+        let mut p = options(false, Order::Exact);
+        (p.rank, p.world_size) = (Some(r), Some(2));
+        let f = Loader::new(&dir, o).unwrap();
+        assert_eq!(drain(&f), drain(&Loader::new(&dir, p).unwrap()));
+        assert!(f.state().get("follow_rounds").is_none());
+    }
+    // Committed but broken is an error naming the file, not a wait for it.
+    let shard = dir.join("acts000003.bin");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    f.set_len(10).unwrap();
+    let e = Loader::new(&dir, options(true, Order::Block)).unwrap_err();
+    assert!(
+        matches!(e, Error::Format { .. }) && e.to_string().contains("acts000003.bin"),
+        "{e:?}"
+    );
+}
