@@ -71,6 +71,26 @@ fn sequences_of<'a>(tokens: &'a [u32], lengths: &[u64]) -> shardkit::Result<Vec<
     Ok(seqs)
 }
 
+/// Calls `append` without the GIL on the sequences `tokens` (uint32) and `lengths` (uint64, one
+/// per sequence) hold, for both writers' `append_flat`.
+fn append_without_gil(
+    py: Python<'_>,
+    tokens: &Bound<'_, PyAny>,
+    lengths: &Bound<'_, PyAny>,
+    append: impl FnOnce(&[&[u32]]) -> shardkit::Result<()> + Send,
+) -> PyResult<()> {
+    let t = contiguous::<u32>(tokens, "tokens (uint32)")?;
+    let l = contiguous::<u64>(lengths, "lengths (uint64)")?;
+    let ts = SendSlice(t.buf_ptr() as *const u32, t.item_count());
+    let ls = SendSlice(l.buf_ptr() as *const u64, l.item_count());
+    // SAFETY: `t` and `l` (the exporters' views) outlive the closure.
+    py.allow_threads(|| unsafe {
+        let (tokens, lengths) = (ts.get(), ls.get());
+        append(&sequences_of(tokens, lengths)?)
+    })
+    .map_err(to_py)
+}
+
 /// Appends sequences to one split, crash-safely.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct TokensWriter {
@@ -154,17 +174,8 @@ impl TokensWriter {
         tokens: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let t = contiguous::<u32>(tokens, "tokens (uint32)")?;
-        let l = contiguous::<u64>(lengths, "lengths (uint64)")?;
-        let ts = SendSlice(t.buf_ptr() as *const u32, t.item_count());
-        let ls = SendSlice(l.buf_ptr() as *const u64, l.item_count());
         let w = self.inner.as_mut().ok_or_else(closed)?;
-        // SAFETY: `t` and `l` (the exporters' views) outlive the closure.
-        py.allow_threads(|| unsafe {
-            let (tokens, lengths) = (ts.get(), ls.get());
-            w.append(&sequences_of(tokens, lengths)?)
-        })
-        .map_err(to_py)
+        append_without_gil(py, tokens, lengths, |seqs| w.append(seqs))
     }
 
     /// Commits everything appended so far.
@@ -283,17 +294,8 @@ impl TokensPartWriter {
         tokens: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let t = contiguous::<u32>(tokens, "tokens (uint32)")?;
-        let l = contiguous::<u64>(lengths, "lengths (uint64)")?;
-        let ts = SendSlice(t.buf_ptr() as *const u32, t.item_count());
-        let ls = SendSlice(l.buf_ptr() as *const u64, l.item_count());
         let w = self.inner.as_mut().ok_or_else(closed)?;
-        // SAFETY: `t` and `l` (the exporters' views) outlive the closure.
-        py.allow_threads(|| unsafe {
-            let (tokens, lengths) = (ts.get(), ls.get());
-            w.append(&sequences_of(tokens, lengths)?)
-        })
-        .map_err(to_py)
+        append_without_gil(py, tokens, lengths, |seqs| w.append(seqs))
     }
 
     /// Ends the part and commits the split when every unit is durable; returns the status as

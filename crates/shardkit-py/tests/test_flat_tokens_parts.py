@@ -17,6 +17,7 @@ from shardkit import IncompleteDatasetError, flat_tokens
 from shardkit.errors import AlreadyExistsError, LockedError
 
 from _cli import shardkit_cli
+from _procs import child_env, run_child, snapshot
 
 RECIPES = Path(__file__).resolve().parents[1] / "examples" / "parallel"
 RECIPE = RECIPES / "processes_flat_tokens.py"
@@ -25,22 +26,9 @@ N = 500  # documents; 40 a unit: 13 units, of 3 ranks units 0..5, 5..9, 9..13
 PER_UNIT = 40
 
 
-def snapshot(root):
-    """Every file under `root` (relative path -> bytes), hidden ones included."""
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(dirpath, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
-
 
 def env(**extra):
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_", "LOCAL_RANK"))}
-    e["PYTHONPATH"] = os.pathsep.join([str(RECIPES)] + [p for p in sys.path if p])
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
+    return child_env(path_first=[RECIPES], **extra)
 
 
 def run_cli(*args):
@@ -107,26 +95,7 @@ CHILD = textwrap.dedent(
 def rank(root, r, world, kill_at=None):
     """Runs rank `r` of `world`; with `kill_at` (a line), SIGKILLs it once it printed that line.
     Returns (killed, output lines)."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), str(r), str(world)],
-        env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    lines = []
-    killed = False
-    assert p.stdout is not None and p.stderr is not None
-    for line in p.stdout:
-        lines.append(line.strip())
-        if kill_at is not None and line.strip() == kill_at:
-            p.send_signal(signal.SIGKILL)
-            killed = True
-            break
-    p.wait(timeout=TIMEOUT)
-    err = p.stderr.read()
-    p.stdout.close()
-    p.stderr.close()
-    if not killed:
-        assert p.returncode == 0, err
-    return killed, lines
+    return run_child([sys.executable, "-c", CHILD, str(root), str(r), str(world)], kill_at, [RECIPES])
 
 
 def test_a_rank_killed_mid_part_then_a_restart_with_2_ranks_writes_the_same_bytes(tmp_path, single):

@@ -6,6 +6,10 @@
 
 #![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
 
+mod common;
+
+use common::tree;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -44,24 +48,6 @@ fn options(layout: Layout) -> PartOptions {
         layout: Some(layout),
         sequences_per_unit: PER_UNIT,
     }
-}
-
-/// Every file below `dir` (names relative to it) with its bytes.
-fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                let name = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
-                out.insert(name, std::fs::read(&p).unwrap());
-            }
-        }
-    }
-    out
 }
 
 fn single(root: &Path, layout: Layout) {
