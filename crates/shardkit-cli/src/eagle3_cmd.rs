@@ -51,16 +51,8 @@ pub enum Eagle3Cmd {
     Status {
         /// The cache directory.
         dir: PathBuf,
-        /// Also show what each rank of a restart with this many ranks would write.
-        #[arg(long)]
-        world_size: Option<u64>,
-        /// Commit the cache when every part is durable (its last rank was killed while
-        /// committing).
-        #[arg(long)]
-        commit: bool,
-        /// Print the status as JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        show: crate::parts_cmd::StatusArgs,
     },
     /// Write a cache from safetensors batch files holding the stored tensors, [b, ...] each.
     Write(WriteArgs),
@@ -158,20 +150,12 @@ pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
             );
             Ok(true)
         }
-        Eagle3Cmd::Status {
-            dir,
-            world_size,
-            commit,
-            json,
-        } => {
-            let st = if commit {
-                eagle3::commit_parts(&dir)?
-            } else {
-                eagle3::status(&dir)?
-            };
-            crate::parts_cmd::print_status(&dir, &st, "shard", json, world_size);
-            Ok(st.committed || !commit)
-        }
+        Eagle3Cmd::Status { dir, show } => show.run(
+            &dir,
+            "shard",
+            || eagle3::status(&dir),
+            || eagle3::commit_parts(&dir),
+        ),
         Eagle3Cmd::Write(a) => write(a),
         Eagle3Cmd::Synth(a) => synth_cache(&a).map(|p| {
             println!("{}", p.display());

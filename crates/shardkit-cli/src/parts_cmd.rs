@@ -4,7 +4,37 @@
 use std::path::Path;
 
 use shardkit::json::{self, Escape, Value};
-use shardkit::PartsStatus;
+use shardkit::{PartsStatus, Result};
+
+/// The options of every `<format> status` command.
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    /// Also show what each rank of a restart with this many ranks would write.
+    #[arg(long)]
+    world_size: Option<u64>,
+    /// Commit when every unit is durable (its last rank was killed while committing).
+    #[arg(long)]
+    commit: bool,
+    /// Print the status as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+impl StatusArgs {
+    /// Prints where the dataset shown as `shown` stands (`status`), or commits it first with
+    /// `--commit` (`commit`); false when a commit was asked for and could not be made.
+    pub fn run(
+        &self,
+        shown: &Path,
+        unit: &str,
+        status: impl FnOnce() -> Result<PartsStatus>,
+        commit: impl FnOnce() -> Result<PartsStatus>,
+    ) -> Result<bool> {
+        let st = if self.commit { commit()? } else { status()? };
+        print_status(shown, &st, unit, self.json, self.world_size);
+        Ok(st.committed || !self.commit)
+    }
+}
 
 /// `a..b` as the CLI prints unit ranges (`3` for one unit, `3..6` for several).
 fn range(r: &std::ops::Range<u64>) -> String {
@@ -24,13 +54,7 @@ fn ranges(rs: &[std::ops::Range<u64>]) -> String {
 
 /// Prints `status` of the dataset at `dir`, whose units are `unit`s (e.g. "shard"): with `json`
 /// one object (with `resume_plan` for `world_size` ranks when given), otherwise lines.
-pub fn print_status(
-    dir: &Path,
-    status: &PartsStatus,
-    unit: &str,
-    json: bool,
-    world_size: Option<u64>,
-) {
+fn print_status(dir: &Path, status: &PartsStatus, unit: &str, json: bool, world_size: Option<u64>) {
     if json {
         let mut v = status.to_json();
         if let (Some(w), Value::Object(members)) = (world_size, &mut v) {

@@ -105,16 +105,8 @@ pub enum SaevCmd {
     Status {
         /// The dataset directory.
         dir: PathBuf,
-        /// Also show what each rank of a restart with this many ranks would write.
-        #[arg(long)]
-        world_size: Option<u64>,
-        /// Commit the dataset when every shard is durable (its last rank was killed while
-        /// committing).
-        #[arg(long)]
-        commit: bool,
-        /// Print the status as JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        show: crate::parts_cmd::StatusArgs,
     },
     /// Measure shuffle quality of a loader's epoch (MosaicML entropy, distinct examples/batch).
     Quality {
@@ -320,20 +312,12 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
         )
         .map(|_| true),
         SaevCmd::Quality { dir, loader } => quality_cmd(&dir, &loader).map(|_| true),
-        SaevCmd::Status {
-            dir,
-            world_size,
-            commit,
-            json,
-        } => {
-            let st = if commit {
-                shardkit::saev::commit_parts(&dir)?
-            } else {
-                shardkit::saev::status(&dir)?
-            };
-            crate::parts_cmd::print_status(&dir, &st, "shard", json, world_size);
-            Ok(st.committed || !commit)
-        }
+        SaevCmd::Status { dir, show } => show.run(
+            &dir,
+            "shard",
+            || shardkit::saev::status(&dir),
+            || shardkit::saev::commit_parts(&dir),
+        ),
         SaevCmd::Synth(args) => synth(&args).map(|p| {
             println!("{}", p.display());
             true

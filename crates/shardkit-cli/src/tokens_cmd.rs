@@ -37,16 +37,8 @@ pub enum TokensCmd {
         /// The split.
         #[arg(long, default_value = "train")]
         split: String,
-        /// Also show what each rank of a restart with this many ranks would write.
-        #[arg(long)]
-        world_size: Option<u64>,
-        /// Commit the split when every unit is durable (its last rank was killed while
-        /// committing).
-        #[arg(long)]
-        commit: bool,
-        /// Print the status as JSON.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        show: crate::parts_cmd::StatusArgs,
     },
     /// Check every invariant of both splits and list every violation; exit 0 only when valid.
     Validate {
@@ -191,22 +183,12 @@ pub fn run(cmd: TokensCmd) -> Result<bool> {
             deep,
             json,
         } => validate(&dir, mark, deep, json),
-        TokensCmd::Status {
-            dir,
-            split,
-            world_size,
-            commit,
-            json,
-        } => {
-            let st = if commit {
-                flat_tokens::commit_parts(&dir, &split)?
-            } else {
-                flat_tokens::status(&dir, &split)?
-            };
-            let shown = dir.join(&split);
-            crate::parts_cmd::print_status(&shown, &st, "unit", json, world_size);
-            Ok(st.committed || !commit)
-        }
+        TokensCmd::Status { dir, split, show } => show.run(
+            &dir.join(&split),
+            "unit",
+            || flat_tokens::status(&dir, &split),
+            || flat_tokens::commit_parts(&dir, &split),
+        ),
         TokensCmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
         TokensCmd::Batch(args) => batch(args),
         TokensCmd::Convert { src, dst, layout } => {
