@@ -3,8 +3,9 @@ tqdm is installed), a bool, or a callable that is called instead of drawing a ba
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 
 class Progress:
@@ -92,3 +93,32 @@ class Closing(Generic[_R]):
 
     def close(self) -> _R:
         raise NotImplementedError
+
+
+class Parting(Closing[Dict[str, Any]]):
+    """What every part writer (saev, EAGLE-3, flat-tokens) shares: its rank, the ranges it
+    still owes, and ``close()`` returning the dataset's status."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return int(self._w.rank[0])
+
+    @property
+    def world_size(self) -> int:
+        """How many processes write the dataset."""
+        return int(self._w.rank[1])
+
+    @property
+    def pending(self) -> List[Tuple[int, int]]:
+        """(first, end) ranges still to write, in the order to write them (the part's, less
+        what is durable already)."""
+        return [(int(b), int(e)) for b, e in self._w.pending]
+
+    def _owed(self) -> int:
+        return sum(e - b for b, e in self.pending)
+
+    def close(self) -> Dict[str, Any]:
+        """Finishes the part (fails, leaving it to a restart, if pending items remain) and
+        commits the dataset when every part is durable. Returns ``status()``."""
+        return self._close_once(lambda: json.loads(self._w.finish()))

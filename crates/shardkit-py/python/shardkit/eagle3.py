@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _args, _inputs
 from . import _shardkit as _core
-from ._progress import Closing, Progress
+from ._progress import Closing, Parting, Progress
 from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError
 from .types import EngineLoader, Eagle3Batch, LoaderState, Validation, check_state
 
@@ -274,7 +274,7 @@ class Writer(Closing[str]):
         )
 
 
-class PartWriter(Closing[Dict[str, Any]]):
+class PartWriter(Parting):
     """Writes this process's part of one cache that several processes write together, as
     NeMo's distributed producer does: ``total_samples`` is known up front, and rank ``rank`` of
     ``world_size`` writes the shards ``shardkit.part_of(ceil(total_samples / shard_size), rank)``
@@ -335,19 +335,6 @@ class PartWriter(Closing[Dict[str, Any]]):
                                   initial=end - first - self._owed())
         self._closed = False
 
-    def _owed(self) -> int:
-        return sum(int(e) - int(b) for b, e in self._w.pending)
-
-    @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return int(self._w.rank[0])
-
-    @property
-    def world_size(self) -> int:
-        """How many processes write the cache."""
-        return int(self._w.rank[1])
-
     @property
     def fields(self) -> Dict[str, Tuple[Any, ...]]:
         """Stored tensor name -> (safetensors dtype code, shape of one sample's row)."""
@@ -358,11 +345,6 @@ class PartWriter(Closing[Dict[str, Any]]):
         """(first, end) of the samples this rank's part covers."""
         first, end = self._w.samples
         return (int(first), int(end))
-
-    @property
-    def pending(self) -> List[Tuple[int, int]]:
-        """(first, end) ranges of the samples still to write, in the order to add them."""
-        return [(int(b), int(e)) for b, e in self._w.pending]
 
     @property
     def next_sample(self) -> Optional[int]:
@@ -388,11 +370,6 @@ class PartWriter(Closing[Dict[str, Any]]):
         the cache; only with ``target_embeddings=True``."""
         _write_embeddings(self._w, self.path, array)
 
-    def close(self) -> Dict[str, Any]:
-        """Finishes the part (raises IncompleteDatasetError, leaving it to a restart, if
-        pending samples remain) and commits the cache when every part is durable. Returns
-        ``status()``."""
-        return self._close_once(lambda: json.loads(self._w.finish()))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _args, _inputs
 from . import _shardkit as _core
-from ._progress import Closing, Progress
+from ._progress import Closing, Parting, Progress
 from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError, NotFoundError, OutOfRangeError
 from .types import LoaderState, TokensBatch, Validation, check_state
 
@@ -248,7 +248,7 @@ class Writer:
         )
 
 
-class PartWriter(Closing[Dict[str, Any]]):
+class PartWriter(Parting):
     """Writes this process's part of one split that several processes write together.
 
     The split's ``total_sequences`` sequences (documents) are cut into units of
@@ -302,29 +302,11 @@ class PartWriter(Closing[Dict[str, Any]]):
         self._progress = Progress(_args.callback("progress", progress), unit="seq", total=end - first,
                                   initial=end - first - self._owed(), desc=f"writing {split}")
 
-    def _owed(self) -> int:
-        return sum(e - b for b, e in self.pending)
-
-    @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return int(self._w.rank[0])
-
-    @property
-    def world_size(self) -> int:
-        """How many processes write the split."""
-        return int(self._w.rank[1])
-
     @property
     def sequences(self) -> "tuple[int, int]":
         """(first, end) of the sequences this rank's part covers."""
         first, end = self._w.sequences
         return (int(first), int(end))
-
-    @property
-    def pending(self) -> "List[tuple[int, int]]":
-        """(first, end) ranges of the sequences still to write, in the order to write them."""
-        return [(int(b), int(e)) for b, e in self._w.pending]
 
     @property
     def next_sequence(self) -> Optional[int]:
@@ -339,12 +321,8 @@ class PartWriter(Closing[Dict[str, Any]]):
         first, end = self.sequences
         self._progress.advance(len(lengths), end - first - self._owed(), end - first)
 
-    def close(self) -> Dict[str, Any]:
-        """Finishes the part (fails, leaving it to a restart, if pending sequences remain) and
-        commits the split when every unit is durable. Returns ``status()``."""
-        return self._close_once(lambda: json.loads(self._w.finish()))
 
-    finish = close
+    finish = Parting.close
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import _args, _inputs
 from .. import _shardkit as _core
-from .._progress import Closing, Progress
+from .._progress import Closing, Parting, Progress
 from ..errors import IncompleteDatasetError, InvalidArgumentError
 from ..types import EngineLoader, LoaderState, SaevBatch, Validation, check_state
 
@@ -152,7 +152,7 @@ class Writer(Closing[str]):
         return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}, {state})"
 
 
-class PartWriter(Closing[Dict[str, Any]]):
+class PartWriter(Parting):
     """Writes this process's part of one saev dataset that several processes write together.
 
     Rank ``rank`` of ``world_size`` writes the shards ``shardkit.part_of(n_shards, rank)``
@@ -190,9 +190,8 @@ class PartWriter(Closing[Dict[str, Any]]):
         world_size = None if world_size is None else _args.count("world_size", world_size)
         self._w = _core.PartWriter(root, json.dumps(metadata), rank, world_size)
         first, end = self._w.examples
-        owed = sum(e - b for b, e in self._w.pending)
         self._progress = Progress(_args.callback("progress", progress), unit="ex", total=end - first,
-                                  initial=end - first - owed)
+                                  initial=end - first - self._owed())
         self._path: str = self._w.path
         self._closed = False
 
@@ -202,25 +201,10 @@ class PartWriter(Closing[Dict[str, Any]]):
         return self._path
 
     @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return int(self._w.rank[0])
-
-    @property
-    def world_size(self) -> int:
-        """How many processes write the dataset."""
-        return int(self._w.rank[1])
-
-    @property
     def examples(self) -> Tuple[int, int]:
         """(first, end) of the examples this rank's part covers."""
         first, end = self._w.examples
         return (int(first), int(end))
-
-    @property
-    def pending(self) -> List[Tuple[int, int]]:
-        """(first, end) ranges of the examples still to write, in the order to write them."""
-        return [(int(b), int(e)) for b, e in self._w.pending]
 
     @property
     def next_example(self) -> Optional[int]:
@@ -238,13 +222,8 @@ class PartWriter(Closing[Dict[str, Any]]):
         a, lab = _checked_examples(self._w, self._path, acts, labels)
         self._w.write(a, lab)
         first, end = self._w.examples
-        owed = sum(e - b for b, e in self._w.pending)
-        self._progress.advance(int(a.shape[0]), end - first - owed, end - first)
+        self._progress.advance(int(a.shape[0]), end - first - self._owed(), end - first)
 
-    def close(self) -> Dict[str, Any]:
-        """Finishes the part (fails, leaving it to a restart, if pending examples remain) and
-        commits the dataset when every shard is durable. Returns ``status()``."""
-        return self._close_once(lambda: json.loads(self._w.finish()))
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
