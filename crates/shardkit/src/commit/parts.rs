@@ -232,18 +232,13 @@ impl Parts {
             }
         }
         let path = self.dir.join("claims").join(claim_name(&units));
-        let file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .at(&path)?;
-        drop(file);
-        let lock = WriteLock::try_file(&path)?.ok_or_else(|| Error::Locked {
+        // One descriptor creates and locks it: a claim file is never unlocked while named.
+        let lock = WriteLock::create_try(&path)?.ok_or_else(|| Error::Locked {
             path: path.clone(),
             pid: None,
         })?;
         let mut f = lock.file();
+        f.set_len(0).at(&path)?;
         f.write_all(holder_text(rank).as_bytes()).at(&path)?;
         Ok(Claim { path, _lock: lock })
     }

@@ -62,20 +62,23 @@ impl std::fmt::Debug for PartWriter {
     }
 }
 
-/// The first top-level key whose value differs between two metadata objects, for a refusal.
-fn differing_key(ours: &Value, theirs: &Value) -> String {
-    let (Value::Object(a), Value::Object(b)) = (ours, theirs) else {
-        return "(the whole document)".into();
-    };
-    for (k, v) in a {
-        if theirs.get(k) != Some(v) {
-            return k.clone();
+/// The metadata keys in which `theirs` (a metadata.json's bytes) differs from `ours`, for a
+/// refusal.
+fn differing_text(ours: &Value, theirs: &[u8]) -> String {
+    match crate::json::parse(theirs) {
+        Err(_) => "(not JSON)".into(),
+        Ok(t) => {
+            let keys = crate::json::differing_keys(ours, &t);
+            if keys.is_empty() {
+                "(key order or formatting)".into()
+            } else {
+                keys.iter()
+                    .map(|k| format!("{k:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
         }
     }
-    b.iter()
-        .find(|(k, _)| ours.get(k).is_none())
-        .map(|(k, _)| k.clone())
-        .unwrap_or_else(|| "(key order or formatting)".into())
 }
 
 impl PartWriter {
@@ -132,13 +135,11 @@ impl PartWriter {
         match fsutil::read_json_file(&md_path) {
             Ok(theirs) if theirs == ours => {}
             Ok(theirs) => {
-                let key = crate::json::parse(&theirs)
-                    .map(|t| differing_key(md.raw(), &t))
-                    .unwrap_or_else(|_| "(not JSON)".into());
+                let key = differing_text(md.raw(), &theirs);
                 return Err(Error::Exists {
                     path: md_path,
                     why: format!(
-                        "holds a different dataset: metadata key {key:?} differs from this \
+                        "holds a different dataset: metadata key(s) {key} differ from this \
                          rank's; every rank must write the same metadata (refusing to write)"
                     ),
                 });
