@@ -30,3 +30,9 @@ pub mod fault {
 pub mod trace {
     pub use crate::fsutil::trace::{start, take, Event};
 }
+
+/// Object stores put in place of buckets, for the tests of writes to `s3://`.
+#[cfg(feature = "fault-injection")]
+pub mod stores {
+    pub use crate::io::store::use_store;
+}

@@ -290,7 +290,7 @@ impl PartWriter {
             // manifest.json is the last thing a commit in parts writes: committed, and killed
             // while cleaning up.
             if let Some(_committing) = parts.commit_lock()? {
-                clean_after_commit(&self.dir, parts)?;
+                clean_after_commit(parts)?;
             }
             return Ok(true);
         }
@@ -322,7 +322,7 @@ impl PartWriter {
         for s in self.shards.clone() {
             let name = shard_name(s);
             if let Some(files) = done.get(&name) {
-                if intact(&self.dir, &name, files) {
+                if parts.intact(&name, files)? {
                     continue;
                 }
                 parts.forget(&name)?;
@@ -513,7 +513,7 @@ impl PartWriter {
         let written = (|| {
             let _writing = WriteLock::waiting(&self.dir.join(PARTS_DIR).join("embeddings.lock"))?;
             if let Some(files) = parts.done()?.get(EMBEDDINGS) {
-                if intact(&self.dir, EMBEDDINGS, files) {
+                if parts.intact(EMBEDDINGS, files)? {
                     return same();
                 }
                 parts.forget(EMBEDDINGS)?;
@@ -584,15 +584,6 @@ fn holds_table(path: &Path, data: &[u8], rows: u64, cols: u64) -> Result<bool> {
         }))
 }
 
-/// Whether `name`, recorded with `files`, is on disk as recorded (sizes checked; the checksums
-/// are the sidecar's to check).
-fn intact(dir: &Path, name: &str, files: &UnitFiles) -> bool {
-    files.contains_key(name)
-        && files
-            .iter()
-            .all(|(n, sums)| fsutil::regular_file_len(&dir.join(n)) == Some(sums.bytes))
-}
-
 /// Commits the cache in `dir` if every shard (and the embeddings when `emb`) is durable and
 /// nobody has; true when it is committed (now or before).
 fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
@@ -602,7 +593,7 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     };
     if dir.join(MANIFEST).is_file() {
         // Committed by another rank (or by a run killed while cleaning up after it).
-        clean_after_commit(dir, parts.clone())?;
+        clean_after_commit(parts.clone())?;
         return Ok(true);
     }
     let done = parts.done()?;
@@ -615,7 +606,7 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     }
     let mut files = Files::default();
     for name in &names {
-        if !intact(dir, name, &done[name]) {
+        if !parts.intact(name, &done[name])? {
             return Err(Error::format(
                 dir.join(name),
                 "recorded durable but missing or of another size (delete its record under \
@@ -634,13 +625,12 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     files.write_sidecar(dir)?;
     fsutil::atomic_write(&dir.join(MANIFEST), &bytes)?;
     // Committed: the rest is cleaning up, which a later open, status or commit finishes.
-    clean_after_commit(dir, parts.clone())?;
+    clean_after_commit(parts.clone())?;
     Ok(true)
 }
 
-fn clean_after_commit(dir: &Path, parts: Parts) -> Result<()> {
-    parts.remove()?;
-    fsutil::fsync_dir(dir)
+fn clean_after_commit(parts: Parts) -> Result<()> {
+    parts.clean_after_commit(&[], &[])
 }
 
 fn status_of(
@@ -650,24 +640,17 @@ fn status_of(
     committed: bool,
 ) -> Result<PartsStatus> {
     let units = m.num_shards();
-    let mut st = PartsStatus::new(committed, units);
     match parts.filter(|_| !committed) {
         Some(p) => {
-            let done = p.done()?;
-            st.done = done
-                .keys()
-                .filter_map(|n| shard_index(n))
-                .filter(|&s| s < units)
-                .collect();
-            st.claimed = p.live_claims()?;
+            let (mut st, done) = p.status(units, shard_index)?;
             if emb && !done.contains_key(EMBEDDINGS) {
                 st.missing_files.push(EMBEDDINGS.to_string());
             }
+            Ok(st)
         }
-        None if committed => st.done = (0..units).collect(),
-        None => {}
+        None if committed => Ok(PartsStatus::committed(units)),
+        None => Ok(PartsStatus::new(false, units)),
     }
-    Ok(st)
 }
 
 /// The configuration of the write in parts in `dir`, when there is one.
@@ -718,7 +701,7 @@ pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
         if let Some(parts) = Parts::existing(dir).filter(|_| dir.join(MANIFEST).is_file()) {
             let _lock = WriteLock::dir_shared(dir)?;
             if let Some(_committing) = parts.commit_lock()? {
-                clean_after_commit(dir, parts)?;
+                clean_after_commit(parts)?;
             }
         }
         return status(dir);
