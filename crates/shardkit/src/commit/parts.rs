@@ -415,6 +415,15 @@ impl Parts {
         }
     }
 
+    /// Waits for and takes the lock `name` of the state (one rank at a time does what it
+    /// guards: EAGLE-3's embeddings).
+    pub(crate) fn lock_named(&self, name: &str) -> Result<Held> {
+        match &self.place {
+            Place::Store(p) => p.lock_named(name).map(Held::Store),
+            Place::Dir(d) => WriteLock::waiting(&d.join(name)).map(Held::Local),
+        }
+    }
+
     /// Waits for and takes the commit lock.
     /// `None` when the parts state is gone: a rank that committed meanwhile removed it (the
     /// caller then looks at the commit record).

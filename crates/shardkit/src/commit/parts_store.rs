@@ -183,7 +183,12 @@ impl StoreParts {
 
     /// Waits for and takes the commit lock.
     pub(crate) fn commit_lock(&self) -> Result<StoreLock> {
-        StoreLock::acquire_waiting(&self.state(), "commit.lock", None)
+        self.lock_named("commit.lock")
+    }
+
+    /// Waits for and takes the lock object `name` of the state.
+    pub(crate) fn lock_named(&self, name: &str) -> Result<StoreLock> {
+        StoreLock::acquire_waiting(&self.state(), name, None)
     }
 
     /// Deletes the objects under `prefix` of the dataset, [`DELETERS`] at a time; those named
