@@ -161,6 +161,7 @@ fn a_rank_killed_mid_part_in_a_store_is_resumed_with_another_world_size() {
         .committed
     );
     let mut w = PartWriter::create(ROOT, metadata(11), rank(1, 3)).unwrap();
+    assert_eq!(w.path(), url(&dir));
     assert_eq!(w.pending(), [4..8]);
     w.write(&acts(4..7), Some(&labels(4..7))).unwrap();
     drop(w); // a kill: its claim goes (its process's), the half shard was never uploaded

@@ -68,7 +68,10 @@ impl Default for PartOptions {
 
 /// Writes rank `rank`'s part of an EAGLE-3 cache; see the module documentation.
 pub struct PartWriter {
+    /// Where shards are written: the dataset directory, or for a store the local staging.
     dir: PathBuf,
+    /// The dataset's location: its directory, or its `s3://` URL.
+    location: PathBuf,
     manifest: Manifest,
     specs: Vec<FieldSpec>,
     options: PartOptions,
@@ -95,7 +98,7 @@ const PARTS_STAGING: &str = ".shardkit-parts";
 impl std::fmt::Debug for PartWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PartWriter")
-            .field("dir", &self.dir)
+            .field("location", &self.location)
             .field("rank", &self.rank)
             .field("shards", &self.shards)
             .field("pending", &self.pending)
@@ -205,6 +208,7 @@ impl PartWriter {
         let mut w = PartWriter {
             specs: field_specs(&m),
             bufs: Vec::new(),
+            location: dir.clone(),
             dir,
             manifest: m,
             options,
@@ -247,6 +251,7 @@ impl PartWriter {
         let mut w = PartWriter {
             specs: field_specs(&m),
             bufs: Vec::new(),
+            location: PathBuf::from(target.url()),
             dir: staged,
             manifest: m,
             options,
@@ -425,9 +430,9 @@ impl PartWriter {
         Ok(())
     }
 
-    /// The cache directory.
+    /// The cache directory, or its `s3://` URL.
     pub fn path(&self) -> &Path {
-        &self.dir
+        &self.location
     }
     /// This rank and world size.
     pub fn rank(&self) -> Rank {
@@ -468,7 +473,7 @@ impl PartWriter {
             return Err(Error::Invalid(if self.parts.is_none() {
                 format!(
                     "{}: the cache is already committed; nothing is left to write",
-                    self.dir.display()
+                    self.location.display()
                 )
             } else {
                 format!(
@@ -640,7 +645,7 @@ impl PartWriter {
             let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
             let part = self.samples();
             return Err(Error::Incomplete {
-                path: self.dir.clone(),
+                path: self.location.clone(),
                 present: part.end - part.start - left,
                 total: part.end - part.start,
                 detail: format!(

@@ -38,7 +38,10 @@ use crate::saev::Metadata;
 
 /// Writes rank `rank`'s part of a saev dataset; see the module documentation.
 pub struct PartWriter {
+    /// Where shards are written: the dataset directory, or for a store the local staging.
     dir: PathBuf,
+    /// The dataset's location: its directory, or its `s3://` URL.
+    location: PathBuf,
     md: Metadata,
     layout: Layout,
     rank: Rank,
@@ -65,7 +68,7 @@ pub struct PartWriter {
 impl std::fmt::Debug for PartWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PartWriter")
-            .field("dir", &self.dir)
+            .field("location", &self.location)
             .field("rank", &self.rank)
             .field("shards", &self.shards)
             .field("next", &self.next)
@@ -112,6 +115,7 @@ impl PartWriter {
             && check_complete(&dir, &layout).is_ok();
         let mut w = PartWriter {
             shards: part_of(layout.n_shards, rank),
+            location: dir.clone(),
             dir,
             md,
             layout,
@@ -165,6 +169,7 @@ impl PartWriter {
         fs::create_dir_all(&staged).at(&staged)?;
         let mut w = PartWriter {
             shards: part_of(layout.n_shards, rank),
+            location: PathBuf::from(target.url()),
             dir: staged,
             md,
             layout,
@@ -253,7 +258,7 @@ impl PartWriter {
             Some(l) if l != has => Err(Error::Invalid(format!(
                 "{}: the dataset's shards disagree on whether it has labels; every rank must \
                  write labels, or none",
-                self.dir.display()
+                self.location.display()
             ))),
             _ => {
                 self.labels = Some(has);
@@ -262,9 +267,9 @@ impl PartWriter {
         }
     }
 
-    /// The dataset directory (for a store, the local directory this rank stages shards in).
+    /// The dataset directory, or its `s3://` URL.
     pub fn path(&self) -> &Path {
-        &self.dir
+        &self.location
     }
 
     /// This rank and world size.
@@ -307,7 +312,7 @@ impl PartWriter {
         if self.parts.is_none() {
             return Err(Error::Invalid(format!(
                 "{}: the dataset is already committed; nothing is left to write",
-                self.dir.display()
+                self.location.display()
             )));
         }
         let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
@@ -419,7 +424,7 @@ impl PartWriter {
         if let Some(next) = self.next {
             let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
             return Err(Error::Incomplete {
-                path: self.dir.clone(),
+                path: self.location.clone(),
                 present: self.examples().end - self.examples().start - left,
                 total: self.examples().end - self.examples().start,
                 detail: format!(
