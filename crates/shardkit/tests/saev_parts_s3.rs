@@ -292,3 +292,17 @@ fn the_commit_lock_in_a_store_is_one_ranks_and_a_dead_holders_is_taken_over() {
     assert!(started.elapsed() >= std::time::Duration::from_secs(1));
     assert_eq!(objects(&mem, &dir), want);
 }
+
+#[test]
+fn parts_in_a_store_are_refused_when_conditional_writes_are_turned_off() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mem = store(&tmp.path().join("staging"));
+    std::env::set_var("SHARDKIT_S3_LOCK", "0");
+    let e = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+    assert!(
+        e.to_string().contains("SHARDKIT_S3_LOCK=0 turns them off"),
+        "{e}"
+    );
+    assert!(objects(&mem, &metadata(11).dir_name()).is_empty());
+}
