@@ -242,7 +242,8 @@ impl Parts {
     pub(crate) fn open_store(dataset: &Remote) -> Result<Parts> {
         if !crate::config::s3_lock()? {
             return Err(Error::Invalid(format!(
-                "{}: a write in parts coordinates its ranks through conditional writes, which                  SHARDKIT_S3_LOCK=0 turns off; unset it (or write with one process)",
+                "{}: a write in parts coordinates its ranks through conditional writes, which \
+                 SHARDKIT_S3_LOCK=0 turns off; unset it (or write with one process)",
                 dataset.url()
             )));
         }
