@@ -301,7 +301,7 @@ fn parts_in_a_store_are_refused_when_conditional_writes_are_turned_off() {
     let e = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap_err();
     assert!(matches!(e, Error::Invalid(_)), "{e:?}");
     assert!(
-        e.to_string().contains("SHARDKIT_S3_LOCK=0 turns them off"),
+        e.to_string().contains("SHARDKIT_S3_LOCK=0 turns off"),
         "{e}"
     );
     assert!(objects(&mem, &metadata(11).dir_name()).is_empty());
