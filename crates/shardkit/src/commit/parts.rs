@@ -176,13 +176,15 @@ pub(crate) enum Held {
     Local(WriteLock),
     /// A lock object with its lease.
     Store(StoreLock),
+    /// Nothing: the claim of a rank with no units (several such ranks would share its name).
+    Nothing,
 }
 
 impl Held {
     /// Renews a store's lock now, failing if it was taken over (before a commit record).
     pub(crate) fn confirm(&self) -> Result<()> {
         match self {
-            Held::Local(_) => Ok(()),
+            Held::Local(_) | Held::Nothing => Ok(()),
             Held::Store(l) => l.confirm(),
         }
     }
@@ -289,6 +291,14 @@ impl Parts {
     /// Claims `units` for `rank`. Refused, naming the holder, when a live claim overlaps them;
     /// the claims of dead holders are taken over.
     pub(crate) fn claim(&self, units: Range<u64>, rank: Rank) -> Result<Claim> {
+        if units.is_empty() {
+            // A rank past the units writes nothing, so overlaps nothing; ranks past the units
+            // (world size above the unit count) would otherwise contend for one claim name.
+            return Ok(Claim {
+                path: None,
+                _lock: Held::Nothing,
+            });
+        }
         if let Place::Store(p) = &self.place {
             return Ok(Claim {
                 path: None,
@@ -793,6 +803,12 @@ mod tests {
         assert_eq!(parts.live_claims().unwrap().len(), 2);
         drop((b, c));
         assert!(parts.live_claims().unwrap().is_empty());
+        // Ranks past the units (units 8, world 12) claim nothing, so never contend.
+        let past = (0..2)
+            .map(|r| parts.claim(8..8, rank(10 + r, 12)).unwrap())
+            .collect::<Vec<_>>();
+        assert!(parts.live_claims().unwrap().is_empty());
+        drop(past);
     }
 
     #[test]
