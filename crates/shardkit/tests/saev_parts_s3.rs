@@ -306,3 +306,43 @@ fn parts_in_a_store_are_refused_when_conditional_writes_are_turned_off() {
     );
     assert!(objects(&mem, &metadata(11).dir_name()).is_empty());
 }
+
+#[test]
+fn another_machines_claim_in_a_store_is_refused_while_its_lease_runs_and_taken_over_after() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // A claim on shards 0..3 by rank 0 of 2 on another machine, renewed `ago` seconds ago.
+    let plant = |ago: u64| {
+        let body = format!(
+            "{{\"shardkit_lock\": 1, \"host\": \"node9\", \"boot_id\": \"b\", \"pid\": 7, \
+             \"token\": \"t\", \"renewed_unix\": {}, \"lease_s\": 120, \
+             \"who\": \"rank 0 of 2, pid 7 on node9\"}}",
+            now - ago
+        );
+        let key = ObjectPath::from(format!(
+            "data/{dir}/.shardkit-parts/claims/000000000-000000003"
+        ));
+        futures::executor::block_on(mem.put(&key, PutPayload::from(body.into_bytes()))).unwrap();
+    };
+    plant(5);
+    let e = PartWriter::create(ROOT, metadata(11), rank(0, 3)).unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    assert!(
+        e.to_string()
+            .contains("rank 0 of 2, pid 7 on node9, node9 pid 7"),
+        "{e}"
+    );
+    let st = saev::status(url(&dir)).unwrap();
+    assert_eq!(st.claimed.len(), 1, "{st:?}");
+    assert_eq!(st.claimed[0].0, 0..3);
+    // Its lease ran out: taken over.
+    plant(500);
+    assert!(saev::status(url(&dir)).unwrap().claimed.is_empty());
+    let w = PartWriter::create(ROOT, metadata(11), rank(0, 3)).unwrap();
+    assert_eq!(w.pending(), [0..4]);
+}
