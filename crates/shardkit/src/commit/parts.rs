@@ -144,7 +144,7 @@ pub fn part_of(units: u64, rank: Rank) -> Range<u64> {
 }
 
 /// Who holds a claim: written into the claim file, shown when another claim is refused.
-pub(super) fn holder_text(rank: Rank) -> String {
+fn holder_text(rank: Rank) -> String {
     let host = fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "?".into());

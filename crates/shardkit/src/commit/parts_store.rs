@@ -19,8 +19,8 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 
+use super::parts::PARTS_DIR;
 use super::parts::{claim_name, parse_claim_name, parse_record, record_bytes, Rank, UnitFiles};
-use super::parts::{holder_text, PARTS_DIR};
 use super::store_lock::{self, StoreLock};
 use crate::error::{Error, Result};
 use crate::io::Remote;
@@ -116,7 +116,8 @@ impl StoreParts {
         StoreLock::acquire_named(
             &state,
             &format!("claims/{}", claim_name(&units)),
-            Some(holder_text(rank)),
+            // The lock object names the host and pid itself.
+            Some(rank.to_string()),
         )
     }
 
