@@ -469,6 +469,32 @@ impl Parts {
         }
     }
 
+    /// The units of `done` whose files are all in the dataset at their recorded sizes (see
+    /// [`Parts::intact`]); a store is listed once for all of them.
+    pub(crate) fn intact_units(
+        &self,
+        done: &BTreeMap<String, UnitFiles>,
+    ) -> Result<std::collections::BTreeSet<String>> {
+        let sizes: Option<BTreeMap<String, u64>> = match &self.place {
+            Place::Store(p) => Some(p.dataset().list()?.into_iter().collect()),
+            Place::Dir(_) => None,
+        };
+        let mut out = std::collections::BTreeSet::new();
+        for (unit, files) in done {
+            let whole = files.contains_key(unit)
+                && match &sizes {
+                    Some(sizes) => files
+                        .iter()
+                        .all(|(name, sums)| sizes.get(name) == Some(&sums.bytes)),
+                    None => self.intact(unit, files)?,
+                };
+            if whole {
+                out.insert(unit.clone());
+            }
+        }
+        Ok(out)
+    }
+
     /// Where a write in parts of `units` units, not committed, stands: the units recorded
     /// durable (`unit_index` tells a unit's index from its name) and the live claims; with
     /// the records, for a format's extras.

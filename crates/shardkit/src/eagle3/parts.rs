@@ -407,13 +407,14 @@ impl PartWriter {
             return Ok(());
         };
         let done = parts.done()?;
+        let intact = parts.intact_units(&done)?;
         let (s_size, n) = (self.manifest.shard_size, self.manifest.num_samples);
         for s in self.shards.clone() {
             let name = shard_name(s);
-            if let Some(files) = done.get(&name) {
-                if parts.intact(&name, files)? {
-                    continue;
-                }
+            if intact.contains(&name) {
+                continue;
+            }
+            if done.contains_key(&name) {
                 parts.forget(&name)?;
             }
             let p = self.dir.join(&name);

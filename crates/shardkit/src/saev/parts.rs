@@ -227,12 +227,13 @@ impl PartWriter {
         }
         let eps = self.layout.examples_per_shard;
         let n = self.layout.n_examples;
+        let intact = parts.intact_units(&done)?;
         for s in self.shards.clone() {
             let name = Layout::shard_name(s);
-            if let Some(files) = done.get(&name) {
-                if parts.intact(&name, files)? {
-                    continue;
-                }
+            if intact.contains(&name) {
+                continue;
+            }
+            if done.contains_key(&name) {
                 parts.forget(&name)?;
             }
             for p in [self.dir.join(&name), self.dir.join(label_piece(s))] {
@@ -502,22 +503,44 @@ fn build_labels(
     path: &Path,
     layout: &Layout,
     done: &std::collections::BTreeMap<String, UnitFiles>,
-    piece: impl Fn(u64) -> Result<(Vec<u8>, PathBuf)>,
+    piece: impl Fn(u64) -> Result<(Vec<u8>, PathBuf)> + Sync,
 ) -> Result<()> {
+    // Several pieces at a time (each a GET in a store), each written at its own offset.
+    const FETCHERS: u64 = 8;
     let p = layout.content_tokens;
     let tmp = fsutil::temp_sibling(path);
     let f = fsutil::create_sized(&tmp, layout.n_examples * p)?;
-    for s in 0..layout.n_shards {
-        let (bytes, at) = piece(s)?;
-        if FileSums::of_bytes(&bytes) != done[&Layout::shard_name(s)][&label_piece(s)] {
-            return Err(Error::format(
-                &at,
-                "does not match its record (the labels of a durable shard were changed)",
-            ));
+    let n = layout.n_shards;
+    let fetch = |first: u64| -> Result<()> {
+        for s in (first..n).step_by(FETCHERS as usize) {
+            let (bytes, at) = piece(s)?;
+            if FileSums::of_bytes(&bytes) != done[&Layout::shard_name(s)][&label_piece(s)] {
+                return Err(Error::format(
+                    &at,
+                    "does not match its record (the labels of a durable shard were changed)",
+                ));
+            }
+            f.write_all_at(&bytes, s * layout.examples_per_shard * p)
+                .at(&tmp)?;
         }
-        f.write_all_at(&bytes, s * layout.examples_per_shard * p)
-            .at(&tmp)?;
-    }
+        Ok(())
+    };
+    std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..FETCHERS.min(n))
+            .map(|t| {
+                let fetch = &fetch;
+                sc.spawn(move || fetch(t))
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| {
+            w.join().unwrap_or_else(|_| {
+                Err(Error::Internal(format!(
+                    "{}: a thread fetching labels' pieces panicked",
+                    tmp.display()
+                )))
+            })
+        })
+    })?;
     fsutil::sync_file(&f, &tmp)?;
     drop(f);
     fsutil::publish(&tmp, path)
