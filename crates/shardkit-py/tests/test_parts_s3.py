@@ -228,6 +228,10 @@ def test_eagle3_ranks_killed_in_a_store_then_restarted_write_what_one_process_wr
     assert killed, lines
     st = eagle3.status(url)
     assert not st["committed"] and st["done"] == 3 and st["claimed"] == [], st
+    out = subprocess.run([shardkit_cli(), "eagle3", "status", url, "--json"],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["missing"] == [[3, 5]], out.stdout
     finals = [run(EAGLE3_RANK, [url, str(r), "2"])[1][-1] for r in range(2)]
     assert finals[-1] == "status True", finals
     assert under(s3, bucket, "cache/") == want
