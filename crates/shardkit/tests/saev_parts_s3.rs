@@ -346,3 +346,27 @@ fn another_machines_claim_in_a_store_is_refused_while_its_lease_runs_and_taken_o
     let w = PartWriter::create(ROOT, metadata(11), rank(0, 3)).unwrap();
     assert_eq!(w.pending(), [0..4]);
 }
+
+#[test]
+fn a_rank_whose_claim_was_taken_over_uploads_and_records_nothing_more() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::env::set_var("SHARDKIT_S3_LOCK_LEASE_S", "2");
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    let mut w = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap();
+    // Another rank took the claim over (as after this one stalled past its lease); this one's
+    // next renewal (every quarter lease) finds it so.
+    let body = "{\"shardkit_lock\": 1, \"host\": \"node9\", \"boot_id\": \"b\", \"pid\": 7, \
+                \"token\": \"t\", \"renewed_unix\": 0, \"lease_s\": 2, \"who\": \"rank 0 of 2\"}";
+    let key = ObjectPath::from(format!(
+        "data/{dir}/.shardkit-parts/claims/000000000-000000003"
+    ));
+    futures::executor::block_on(mem.put(&key, PutPayload::from(body.as_bytes().to_vec()))).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let e = w.write(&acts(0..2), None).unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    assert!(e.to_string().contains("taken over"), "{e}");
+    let names: Vec<String> = objects(&mem, &dir).into_keys().collect();
+    assert!(!names.iter().any(|n| n.starts_with("acts")), "{names:?}");
+    assert!(saev::status(url(&dir)).unwrap().done.is_empty());
+}

@@ -159,6 +159,17 @@ pub(crate) struct Claim {
     _lock: Held,
 }
 
+impl Claim {
+    /// Fails if this claim was taken over (a store's, whose renewals stopped for longer than
+    /// its lease): the rank then writes nothing more. No request; a local claim never is.
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self._lock {
+            Held::Store(l) => l.check(),
+            Held::Local(_) | Held::Nothing => Ok(()),
+        }
+    }
+}
+
 impl Drop for Claim {
     fn drop(&mut self) {
         // Removed while still locked: no other claimer can hold this inode.

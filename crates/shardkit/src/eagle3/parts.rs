@@ -544,13 +544,19 @@ impl PartWriter {
         files.insert(name.clone(), FileSums::of_file(&path)?);
         if let Some(store) = &self.store {
             // Uploaded under its final name (a PUT is atomic); the staged copy then goes.
+            if let Some((_, claim)) = &self.parts {
+                claim.check()?;
+            }
             store.put_file(&name, &path)?;
             fs::remove_file(&path).at(&path)?;
         }
-        let (parts, _) = self
-            .parts
-            .as_ref()
-            .expect("a shard is written only when unfinished");
+        let Some((parts, claim)) = self.parts.as_ref() else {
+            return Err(Error::Internal(
+                "internal: a shard published by a writer of a committed dataset".into(),
+            ));
+        };
+        // Not recorded by a rank whose claim another took over (it may be writing this shard).
+        claim.check()?;
         parts.record_done(&name, &files)?;
         for b in &mut self.bufs {
             b.clear();

@@ -386,6 +386,9 @@ impl PartWriter {
         if let Some(store) = &self.store {
             // Uploaded under its final name (a PUT is atomic), its labels' piece first; the
             // staged copy goes once the upload is done (no fsync: the store holds it then).
+            if let Some((_, claim)) = &self.parts {
+                claim.check()?;
+            }
             if self.labels == Some(true) {
                 let piece = label_piece(s);
                 files.insert(piece.clone(), FileSums::of_bytes(&labels));
@@ -410,10 +413,13 @@ impl PartWriter {
             fsutil::publish(&tmp, &self.dir.join(&name))?;
             files.insert(name.clone(), FileSums::of_file(&self.dir.join(&name))?);
         }
-        let (parts, _) = self
-            .parts
-            .as_ref()
-            .expect("a shard is written only when unfinished");
+        let Some((parts, claim)) = self.parts.as_ref() else {
+            return Err(Error::Internal(
+                "internal: a shard published by a writer of a committed dataset".into(),
+            ));
+        };
+        // Not recorded by a rank whose claim another took over (it may be writing this shard).
+        claim.check()?;
         parts.record_done(&name, &files)
     }
 
