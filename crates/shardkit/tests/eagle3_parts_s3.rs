@@ -189,6 +189,14 @@ fn a_rank_killed_in_a_store_is_resumed_with_another_world_size_and_commit_parts_
     let st = eagle3::status(URL).unwrap();
     assert!(!st.committed && st.claimed.is_empty(), "{st:?}");
     assert_eq!((st.done.clone(), st.missing()), (vec![0, 1, 2], vec![3..6]));
+    let v = eagle3::validate(URL, false);
+    assert!(
+        v.errors().any(|e| e.message.contains("written in parts")
+            && e.message
+                .contains("shard-000003.safetensors to shard-000005.safetensors")),
+        "{:?}",
+        v.errors().collect::<Vec<_>>()
+    );
     // Restarted with world 2; its last rank is killed before committing.
     let w0 = open(0, 2, 1, true).unwrap();
     assert!(w0.pending().is_empty());

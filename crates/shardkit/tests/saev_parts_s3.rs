@@ -171,6 +171,15 @@ fn a_rank_killed_mid_part_in_a_store_is_resumed_with_another_world_size() {
     assert!(st.claimed.is_empty(), "{:?}", st.claimed);
     assert_eq!(st.resume_plan(2), [vec![], vec![3..6]]);
     assert!(Dataset::open(url(&dir)).is_err());
+    // validate names what is missing, as for a directory.
+    let report = saev::validate(url(&dir));
+    assert!(
+        report.errors().any(|f| f.message.contains(
+            "written in parts and not committed: 3 of 6 shards durable; missing shards 3..6"
+        )),
+        "{:?}",
+        report.findings
+    );
     let w0 = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap();
     assert!(w0.pending().is_empty());
     let w1 = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();

@@ -953,10 +953,20 @@ pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
 /// The error for reading `dir` while it is an unfinished write in parts (no manifest.json
 /// yet), naming what is missing; `None` when it is not one.
 pub(crate) fn unfinished(dir: &Path) -> Option<Error> {
-    if dir.join(MANIFEST).is_file() {
-        return None;
-    }
-    let (m, emb, parts) = setup_of(dir).ok()??;
+    let (m, emb, parts) = match Target::parse(dir).ok()? {
+        Target::Store(target) => {
+            if target.get_opt(MANIFEST).ok()?.is_some() {
+                return None;
+            }
+            setup_of_store(&target).ok()??
+        }
+        Target::Local(_) => {
+            if dir.join(MANIFEST).is_file() {
+                return None;
+            }
+            setup_of(dir).ok()??
+        }
+    };
     let st = status_of(&m, emb, Some(&parts), false).ok()?;
     let present: u64 = st.done.iter().map(|&s| m.rows_in_shard(s)).sum();
     let mut missing: Vec<String> = st

@@ -715,6 +715,16 @@ pub fn status(dir: impl AsRef<Path>) -> Result<PartsStatus> {
     }
 }
 
+/// The status of the dataset at `dir` (a directory or an `s3://` URL) when a write in parts
+/// of it is under way (its state exists), for `validate`.
+pub(crate) fn unfinished_status(dir: &Path) -> Option<PartsStatus> {
+    let exists = match Target::parse(dir).ok()? {
+        Target::Local(d) => Parts::existing(&d).is_some(),
+        Target::Store(target) => Parts::existing_store(&target).ok()?.is_some(),
+    };
+    exists.then(|| status(dir).ok()).flatten()
+}
+
 /// Where a dataset written in parts is.
 enum Opened {
     Local(PathBuf),
