@@ -111,8 +111,8 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     };
     let location = Location::parse(dir)?;
     let Some(local) = location.local_path() else {
-        // Parts are written to local (shared) file systems only: a store's dataset is read
-        // when committed, as without follow.
+        // Follow mode reads local (shared) file systems only for now: a store's dataset
+        // (written in parts or not) is read when committed, as without follow.
         return Loader::with_dataset(Dataset::open(dir)?, opts);
     };
     let ds = Dataset::open_unfinished(local)?;
