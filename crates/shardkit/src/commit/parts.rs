@@ -51,6 +51,37 @@ use crate::json::{self, Value};
 /// The private directory of a write in parts.
 pub(crate) const PARTS_DIR: &str = ".shardkit-parts";
 
+/// Runs `attempt`, a commit in a store, again while it fails because its commit lock was taken
+/// over, and takes any failure of it for success when `committed` finds the dataset committed.
+///
+/// A committer loses its lock when it stalls past the lease, or when a store whose conditional
+/// create is not atomic (some S3 emulators check, then write) let two ranks take it at once; the
+/// loser notices before uploading the commit record (`Held::confirm`) and stops. The other rank
+/// commits, and cleans up (which may fail the loser's attempt midway, reading a piece already
+/// removed): the loser then waits for the commit lock again and finds the dataset committed.
+pub(crate) fn commit_surviving_takeover(
+    attempt: impl Fn() -> Result<bool>,
+    committed: impl Fn() -> Result<bool>,
+) -> Result<bool> {
+    const TRIES: usize = 3;
+    let mut tries = 0;
+    loop {
+        let e = match attempt() {
+            Ok(done) => return Ok(done),
+            Err(e) => e,
+        };
+        if committed()? {
+            return Ok(true);
+        }
+        let lock = Path::new(PARTS_DIR).join("commit.lock");
+        let lost = matches!(&e, Error::LockedRemote { path, .. } if path.ends_with(&lock));
+        tries += 1;
+        if !lost || tries >= TRIES {
+            return Err(e);
+        }
+    }
+}
+
 /// Which process of how many: a rank of a `torchrun` job, a task of a Slurm job or array, a
 /// process of an MPI job, or one given by hand.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -883,6 +914,61 @@ mod tests {
             .collect::<Vec<_>>();
         assert!(parts.live_claims().unwrap().is_empty());
         drop(past);
+    }
+
+    #[test]
+    fn a_commit_whose_lock_was_taken_over_waits_its_turn_and_finds_the_dataset_committed() {
+        use std::cell::Cell;
+        let lost = || Error::LockedRemote {
+            path: PathBuf::from("s3://b/ds/.shardkit-parts/commit.lock"),
+            why: "taken over".into(),
+        };
+        // Lost twice, then the attempt finds the other rank's commit done.
+        let tries = Cell::new(0);
+        let done = commit_surviving_takeover(
+            || {
+                tries.set(tries.get() + 1);
+                if tries.get() < 3 {
+                    Err(lost())
+                } else {
+                    Ok(true)
+                }
+            },
+            || Ok(false),
+        );
+        assert!(done.unwrap());
+        assert_eq!(tries.get(), 3);
+        // Lost every time: the third loss is the caller's error.
+        let tries = Cell::new(0);
+        let e = commit_surviving_takeover(
+            || {
+                tries.set(tries.get() + 1);
+                Err::<bool, _>(lost())
+            },
+            || Ok(false),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::LockedRemote { .. }), "{e}");
+        assert_eq!(tries.get(), 3);
+        // Any failure with the dataset committed meanwhile (a piece removed by the other
+        // rank's cleanup) is the other rank's success.
+        let gone = || Error::NotFound {
+            path: PathBuf::from("s3://b/ds/.shardkit-labels/shard_00001"),
+            what: "removed".into(),
+        };
+        assert!(commit_surviving_takeover(|| Err(gone()), || Ok(true)).unwrap());
+        // Not committed and not a lost lock: the error, at once.
+        let tries = Cell::new(0);
+        let e = commit_surviving_takeover(
+            || {
+                tries.set(tries.get() + 1);
+                Err::<bool, _>(gone())
+            },
+            || Ok(false),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::NotFound { .. }), "{e}");
+        assert_eq!(tries.get(), 1);
     }
 
     #[test]

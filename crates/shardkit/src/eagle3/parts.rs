@@ -36,7 +36,9 @@ use super::rules;
 use super::shard::{self, field_specs, shard_index, shard_name, FieldSpec, Tensor};
 use super::writer::{check_embeddings, EMBEDDINGS};
 use crate::checksum::FileSums;
-use crate::commit::parts::{part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, PARTS_DIR};
+use crate::commit::parts::{
+    commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, PARTS_DIR,
+};
 use crate::commit::{staging_dir, Files, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
@@ -759,6 +761,14 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
 /// [`commit`] in the store prefix `target`: the sidecar is built in a local directory of the
 /// committer's and uploaded, then, the commit lock renewed, manifest.json.
 fn commit_store(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
+    commit_surviving_takeover(
+        || commit_store_once(target, m, emb, parts),
+        || Ok(target.get_opt(MANIFEST)?.is_some()),
+    )
+}
+
+/// One attempt of [`commit_store`].
+fn commit_store_once(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     let Some(committing) = parts.commit_lock()? else {
         return Ok(target.get_opt(MANIFEST)?.is_some());
     };

@@ -24,7 +24,9 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::checksum::FileSums;
-use crate::commit::parts::{part_of, Claim, Parts, PartsStatus, Rank, UnitFiles};
+use crate::commit::parts::{
+    commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles,
+};
 use crate::commit::{staging_dir, Files, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
@@ -604,6 +606,19 @@ fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<b
 /// and the sidecar are built in a local directory of the committer's and uploaded, then,
 /// the commit lock renewed, shards.json.
 fn commit_store(target: &Remote, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<bool> {
+    commit_surviving_takeover(
+        || commit_store_once(target, md, layout, parts),
+        || store_committed(target, md),
+    )
+}
+
+/// One attempt of [`commit_store`].
+fn commit_store_once(
+    target: &Remote,
+    md: &Metadata,
+    layout: &Layout,
+    parts: &Parts,
+) -> Result<bool> {
     let Some(committing) = parts.commit_lock()? else {
         return store_committed(target, md);
     };
