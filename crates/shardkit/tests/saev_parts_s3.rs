@@ -379,3 +379,122 @@ fn a_rank_whose_claim_was_taken_over_uploads_and_records_nothing_more() {
     assert!(!names.iter().any(|n| n.starts_with("acts")), "{names:?}");
     assert!(saev::status(url(&dir)).unwrap().done.is_empty());
 }
+
+/// A store that refuses every write of an object whose name contains `refuse`, as a store
+/// answering 500 to it would.
+#[derive(Debug)]
+struct RefusingPuts {
+    inner: InMemory,
+    refuse: &'static str,
+}
+
+impl std::fmt::Display for RefusingPuts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RefusingPuts({})", self.inner)
+    }
+}
+
+impl RefusingPuts {
+    fn check(&self, location: &ObjectPath) -> object_store::Result<()> {
+        if location.as_ref().contains(self.refuse) {
+            return Err(object_store::Error::Generic {
+                store: "RefusingPuts",
+                source: "Server returned non-2xx status code: 500 Internal Server Error".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for RefusingPuts {
+    async fn put_opts(
+        &self,
+        location: &ObjectPath,
+        payload: PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        self.check(location)?;
+        self.inner.put_opts(location, payload, opts).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &ObjectPath,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        self.check(location)?;
+        self.inner.put_multipart_opts(location, opts).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &ObjectPath,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<'static, object_store::Result<ObjectPath>>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<ObjectPath>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&ObjectPath>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&ObjectPath>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &ObjectPath,
+        to: &ObjectPath,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+#[test]
+fn a_shard_whose_upload_fails_behind_the_writer_is_its_error_and_is_never_recorded() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::env::set_var("SHARDKIT_STAGING_DIR", tmp.path());
+    let mem = Arc::new(RefusingPuts {
+        inner: InMemory::new(),
+        refuse: "acts000002.bin",
+    });
+    shardkit::internals::stores::use_store("bucket", mem);
+    let dir = metadata(11).dir_name();
+    let mut w = PartWriter::create(ROOT, metadata(11), rank(0, 1)).unwrap();
+    // Shards go up behind the writer: the failure is the error of a later write or of finish.
+    let mut failed = None;
+    for at in (0..11u64).step_by(3) {
+        if let Err(e) = w.write(&acts(at..(at + 3).min(11)), None) {
+            failed = Some(e);
+            break;
+        }
+    }
+    let e = match failed {
+        Some(e) => e,
+        None => w.finish().unwrap_err(),
+    };
+    assert!(
+        matches!(&e, Error::Remote { object, .. } if object.contains("acts000002.bin")),
+        "{e}"
+    );
+    // Shards 0 and 1 are durable; 2 was never recorded, so a restart writes it (and the rest).
+    let st = saev::status(url(&dir)).unwrap();
+    assert!(!st.committed, "{st:?}");
+    assert_eq!(st.missing(), vec![2..6], "{st:?}");
+}

@@ -40,7 +40,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use super::parts_store::StoreParts;
-use super::store_lock::StoreLock;
+use super::store_lock::{LockWatch, StoreLock};
 use crate::checksum::FileSums;
 use crate::commit::WriteLock;
 use crate::error::{Error, IoContext, Result};
@@ -50,6 +50,66 @@ use crate::json::{self, Value};
 
 /// The private directory of a write in parts.
 pub(crate) const PARTS_DIR: &str = ".shardkit-parts";
+
+/// One unit's upload and record, run by [`Uploads`]' worker.
+pub(crate) type UploadJob = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// A rank's units going up to a store in the background, one at a time, while the writer fills
+/// the next: the writer hands over a unit (its bytes in memory, its upload and record as one
+/// job) and goes on; a failed job is the error of the next hand-over or of [`Uploads::wait`].
+/// The hand-over waits while a unit is still going up, so a rank holds at most two units in
+/// memory (the one filling, the one going up) and a killed rank loses at most those two.
+#[derive(Debug, Default)]
+pub(crate) struct Uploads {
+    /// Hands jobs over; dropped to tell the worker no more come.
+    jobs: Option<std::sync::mpsc::SyncSender<UploadJob>>,
+    worker: Option<std::thread::JoinHandle<Result<()>>>,
+}
+
+impl Uploads {
+    /// Hands `job` (a unit's upload and record) over, starting the worker on first use.
+    pub(crate) fn push(&mut self, job: UploadJob) -> Result<()> {
+        if self.jobs.is_none() {
+            // A rendezvous: the hand-over waits for the worker to take the job.
+            let (tx, rx) = std::sync::mpsc::sync_channel::<UploadJob>(0);
+            let worker = std::thread::Builder::new()
+                .name("shardkit-part-upload".into())
+                .spawn(move || rx.iter().try_for_each(|job| job()))
+                .map_err(|e| Error::Thread {
+                    what: "the part upload thread shardkit-part-upload".into(),
+                    source: e,
+                })?;
+            self.jobs = Some(tx);
+            self.worker = Some(worker);
+        }
+        let sent = self.jobs.as_ref().map(|tx| tx.send(job));
+        match sent {
+            Some(Ok(())) => Ok(()),
+            // The worker stopped at a failed job: its error.
+            _ => self.wait(),
+        }
+    }
+
+    /// Waits for every unit handed over to be up and recorded; the first failure.
+    pub(crate) fn wait(&mut self) -> Result<()> {
+        self.jobs = None;
+        match self.worker.take() {
+            None => Ok(()),
+            Some(w) => w.join().unwrap_or_else(|_| {
+                Err(Error::Internal(
+                    "internal: the part upload thread panicked".into(),
+                ))
+            }),
+        }
+    }
+}
+
+impl Drop for Uploads {
+    /// A writer dropped unfinished still makes what it handed over durable.
+    fn drop(&mut self) {
+        let _ = self.wait();
+    }
+}
 
 /// Runs `attempt`, a commit in a store, again while it fails because its commit lock was taken
 /// over, and takes any failure of it for success when `committed` finds the dataset committed.
@@ -197,6 +257,16 @@ impl Claim {
         match &self._lock {
             Held::Store(l) => l.check(),
             Held::Local(_) | Held::Nothing => Ok(()),
+        }
+    }
+}
+
+impl Claim {
+    /// A handle that tells, from another thread, whether this claim was taken over.
+    pub(crate) fn watch(&self) -> LockWatch {
+        match &self._lock {
+            Held::Store(l) => l.watch(),
+            Held::Local(_) | Held::Nothing => LockWatch::default(),
         }
     }
 }

@@ -604,6 +604,39 @@ impl Remote {
         Ok(())
     }
 
+    /// Uploads `bytes` as object `name`: one PUT when small, else a multipart upload of
+    /// [`PART_SIZE`] parts cut from `bytes` without copying (as [`Remote::put_file`] does from a
+    /// file), so an object of any size goes up, its parts several at once.
+    pub(crate) fn put_owned(&self, name: &str, bytes: Vec<u8>) -> Result<()> {
+        if bytes.len() <= PART_SIZE {
+            return self.put(name, bytes);
+        }
+        let len = bytes.len() as u64;
+        let bytes = bytes::Bytes::from(bytes);
+        let key = self.key(name);
+        let store = self.store()?;
+        block_on(async {
+            let upload = store
+                .put_multipart(&key)
+                .await
+                .map_err(|e| self.error(name, None, e))?;
+            let mut w = WriteMultipart::new_with_chunk_size(upload, PART_SIZE);
+            for at in (0..bytes.len()).step_by(PART_SIZE) {
+                if let Err(e) = w.wait_for_capacity(8).await {
+                    return Err(self.error(name, None, e));
+                }
+                w.put(bytes.slice(at..(at + PART_SIZE).min(bytes.len())));
+            }
+            w.finish().await.map_err(|e| self.error(name, None, e))?;
+            Ok(())
+        })??;
+        PUTS.fetch_add(1, Ordering::Relaxed);
+        PUT_BYTES.fetch_add(len, Ordering::Relaxed);
+        #[cfg(feature = "fault-injection")]
+        crate::fsutil::trace::abort_after_put();
+        Ok(())
+    }
+
     /// Uploads local file `path` as object `name`: one PUT when small, else a multipart
     /// upload, whose parts are retried and which the store publishes only when complete (an
     /// interrupted upload is aborted, or expires, and leaves no object).

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use crate::checksum::FileSums;
 use crate::commit::parts::{
-    commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles,
+    commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, Uploads,
 };
 use crate::commit::{staging_dir, Files, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
@@ -53,10 +53,13 @@ pub struct PartWriter {
     pending: Vec<Range<u64>>,
     /// The next example a write goes to (`None` once the part is written).
     next: Option<u64>,
-    /// The shard being filled: (index, file, temporary path, rows written, its labels).
-    shard: Option<(u64, File, PathBuf, u64, Vec<u8>)>,
+    /// The shard being filled: (index, where, rows written, its labels).
+    shard: Option<(u64, Sink, u64, Vec<u8>)>,
     /// Whether the dataset has labels, once the first write (or a durable shard) says.
     labels: Option<bool>,
+    /// Full shards going up to the store behind the writer. Declared before the claim: a
+    /// writer dropped unfinished waits for them (making them durable) while it still holds it.
+    uploads: Uploads,
     /// The parts state and this rank's claim on its shards; `None` when the dataset was
     /// already committed (nothing is written then).
     parts: Option<(Parts, Claim)>,
@@ -65,6 +68,14 @@ pub struct PartWriter {
     /// Held shared by every part writer of a local dataset (a whole-dataset writer holds it
     /// exclusively); in a store the claims and the dataset lock exclude each other.
     _lock: Option<WriteLock>,
+}
+
+/// Where a shard is filled: a temporary file beside its final name, or for a store memory,
+/// uploaded whole once full (no local copy to write and read back; a killed rank loses its
+/// unfinished shard either way).
+enum Sink {
+    File(File, PathBuf),
+    Memory(Vec<u8>),
 }
 
 impl std::fmt::Debug for PartWriter {
@@ -125,6 +136,7 @@ impl PartWriter {
             pending: Vec::new(),
             next: None,
             shard: None,
+            uploads: Uploads::default(),
             labels: None,
             parts: None,
             store: None,
@@ -179,6 +191,7 @@ impl PartWriter {
             pending: Vec::new(),
             next: None,
             shard: None,
+            uploads: Uploads::default(),
             labels: None,
             parts: None,
             store: Some(target.clone()),
@@ -340,16 +353,26 @@ impl PartWriter {
             let next = self.next.expect("examples are left, checked above");
             let s = next / eps;
             if self.shard.is_none() {
-                let tmp = fsutil::temp_sibling(&self.dir.join(Layout::shard_name(s)));
-                let file = fsutil::create_sized(&tmp, self.layout.shard_bytes())?;
-                self.shard = Some((s, file, tmp, 0, Vec::new()));
+                let sink = if self.store.is_some() {
+                    Sink::Memory(Vec::with_capacity(self.layout.shard_bytes() as usize))
+                } else {
+                    let tmp = fsutil::temp_sibling(&self.dir.join(Layout::shard_name(s)));
+                    let file = fsutil::create_sized(&tmp, self.layout.shard_bytes())?;
+                    Sink::File(file, tmp)
+                };
+                self.shard = Some((s, sink, 0, Vec::new()));
             }
             let count = self.layout.shard_count(s);
-            let (_, file, tmp, rows, shard_labels) = self.shard.as_mut().expect("opened");
+            let (_, sink, rows, shard_labels) = self.shard.as_mut().expect("opened");
             let n = (count - *rows).min(b - done);
             let chunk = &bytes[done as usize * eb..(done + n) as usize * eb];
-            write_le(file, chunk).at(&*tmp)?;
-            fsutil::start_writeback(file, *rows * eb as u64, chunk.len() as u64);
+            match sink {
+                Sink::File(file, tmp) => {
+                    write_le(file, chunk).at(&*tmp)?;
+                    fsutil::start_writeback(file, *rows * eb as u64, chunk.len() as u64);
+                }
+                Sink::Memory(buf) => write_le(buf, chunk).at(&self.location)?,
+            }
             if let Some(l) = labels {
                 shard_labels.extend_from_slice(&l[(done * p) as usize..((done + n) * p) as usize]);
             }
@@ -378,50 +401,60 @@ impl PartWriter {
     }
 
     /// Makes the full shard durable: its labels' piece, the shard under its final name, then
-    /// its record.
+    /// its record (for a store, handed to the uploads behind the writer).
     fn publish_shard(&mut self) -> Result<()> {
-        let Some((s, file, tmp, _, labels)) = self.shard.take() else {
+        let Some((s, sink, _, labels)) = self.shard.take() else {
             return Ok(());
         };
-        let name = Layout::shard_name(s);
-        let mut files = UnitFiles::new();
-        if let Some(store) = &self.store {
-            // Uploaded under its final name (a PUT is atomic), its labels' piece first; the
-            // staged copy goes once the upload is done (no fsync: the store holds it then).
-            if let Some((_, claim)) = &self.parts {
-                claim.check()?;
-            }
-            if self.labels == Some(true) {
-                let piece = label_piece(s);
-                files.insert(piece.clone(), FileSums::of_bytes(&labels));
-                store.put(&piece, labels)?;
-            }
-            drop(file);
-            let sums = FileSums::of_file(&tmp)?;
-            store.put_file(&name, &tmp)?;
-            fs::remove_file(&tmp).at(&tmp)?;
-            files.insert(name.clone(), sums);
-        } else {
-            if self.labels == Some(true) {
-                let piece = label_piece(s);
-                let path = self.dir.join(&piece);
-                let dir = fsutil::parent_of(&path);
-                fs::create_dir_all(dir).at(dir)?;
-                fsutil::atomic_write(&path, &labels)?;
-                files.insert(piece, FileSums::of_bytes(&labels));
-            }
-            fsutil::sync_data(&file, &tmp)?;
-            drop(file);
-            fsutil::publish(&tmp, &self.dir.join(&name))?;
-            files.insert(name.clone(), FileSums::of_file(&self.dir.join(&name))?);
-        }
         let Some((parts, claim)) = self.parts.as_ref() else {
             return Err(Error::Internal(
                 "internal: a shard published by a writer of a committed dataset".into(),
             ));
         };
-        // Not recorded by a rank whose claim another took over (it may be writing this shard).
+        // Nothing more from a rank whose claim another took over (it may be writing this
+        // shard).
         claim.check()?;
+        let name = Layout::shard_name(s);
+        let with_labels = self.labels == Some(true);
+        let (file, tmp) = match sink {
+            Sink::File(file, tmp) => (file, tmp),
+            Sink::Memory(mut bytes) => {
+                // Every shard file has the full shard's size, a short last one zero-padded,
+                // as a file sized up front is.
+                bytes.resize(self.layout.shard_bytes() as usize, 0);
+                let (store, parts, claim) = (self.store.clone(), parts.clone(), claim.watch());
+                // Uploaded under its final name (a PUT is atomic), its labels' piece first,
+                // then recorded, while the writer fills the next shard.
+                return self.uploads.push(Box::new(move || {
+                    let store = store.ok_or_else(|| {
+                        Error::Internal("internal: a shard in memory without a store".into())
+                    })?;
+                    let mut files = UnitFiles::new();
+                    if with_labels {
+                        let piece = label_piece(s);
+                        files.insert(piece.clone(), FileSums::of_bytes(&labels));
+                        store.put(&piece, labels)?;
+                    }
+                    files.insert(name.clone(), FileSums::of_bytes(&bytes));
+                    store.put_owned(&name, bytes)?;
+                    claim.check()?;
+                    parts.record_done(&name, &files)
+                }));
+            }
+        };
+        let mut files = UnitFiles::new();
+        if with_labels {
+            let piece = label_piece(s);
+            let path = self.dir.join(&piece);
+            let dir = fsutil::parent_of(&path);
+            fs::create_dir_all(dir).at(dir)?;
+            fsutil::atomic_write(&path, &labels)?;
+            files.insert(piece, FileSums::of_bytes(&labels));
+        }
+        fsutil::sync_data(&file, &tmp)?;
+        drop(file);
+        fsutil::publish(&tmp, &self.dir.join(&name))?;
+        files.insert(name.clone(), FileSums::of_file(&self.dir.join(&name))?);
         parts.record_done(&name, &files)
     }
 
@@ -429,7 +462,7 @@ impl PartWriter {
     /// rank committing meanwhile). Refused, leaving the part resumable, when examples of the
     /// part are still pending. Returns where the dataset stands: committed, or the shards
     /// other ranks still owe.
-    pub fn finish(self) -> Result<PartsStatus> {
+    pub fn finish(mut self) -> Result<PartsStatus> {
         if let Some(next) = self.next {
             let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
             return Err(Error::Incomplete {
@@ -443,6 +476,8 @@ impl PartWriter {
                 ),
             });
         }
+        // Every shard of the part up and recorded before the commit looks for them.
+        self.uploads.wait()?;
         let Some((parts, _)) = &self.parts else {
             return Ok(PartsStatus::committed(self.layout.n_shards));
         };

@@ -767,7 +767,7 @@ pub(super) fn examples_in(layout: &Layout, acts: &[f32], labels: Option<&[u8]>) 
 }
 
 /// Writes native float32 bytes as little-endian.
-pub(super) fn write_le(f: &mut File, bytes: &[u8]) -> std::io::Result<()> {
+pub(super) fn write_le(f: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
     if cfg!(target_endian = "little") {
         return f.write_all(bytes);
     }
