@@ -38,3 +38,9 @@ pub fn stop_flat_tokens_commit_after(units: u64) {
     crate::flat_tokens::parts::STOP_COMMIT_AFTER_UNITS
         .store(units, std::sync::atomic::Ordering::SeqCst);
 }
+
+/// Object stores put in place of buckets, for the tests of writes to `s3://`.
+#[cfg(feature = "fault-injection")]
+pub mod stores {
+    pub use crate::io::store::use_store;
+}

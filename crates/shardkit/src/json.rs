@@ -521,6 +521,47 @@ fn flat(out: &mut String, v: &Value, sort: bool, esc: Escape, sep: (&str, &str))
     }
 }
 
+/// The top-level keys of two objects whose values differ (a key in one only counts), sorted:
+/// what a refusal to mix two configurations names. Numbers compare by value (`1` equals `1.0`),
+/// as in Python. Empty when both are equal by value, or when either is not an object.
+pub(crate) fn differing_keys(ours: &Value, theirs: &Value) -> Vec<String> {
+    let (Value::Object(a), Value::Object(b)) = (ours, theirs) else {
+        return Vec::new();
+    };
+    let mut keys: Vec<&String> = a.iter().chain(b.iter()).map(|(k, _)| k).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| match (ours.get(k), theirs.get(k)) {
+            (Some(x), Some(y)) => !same_value(x, y),
+            _ => true,
+        })
+        .cloned()
+        .collect()
+}
+
+/// JSON equality with numbers compared by value.
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => {
+            x == y
+                || match (x.parse::<i128>(), y.parse::<i128>()) {
+                    (Ok(p), Ok(q)) => p == q,
+                    _ => matches!((x.parse::<f64>(), y.parse::<f64>()), (Ok(p), Ok(q)) if p == q),
+                }
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same_value(p, q))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| b.get(k).is_some_and(|w| same_value(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
 /// Lowercase hex SHA-256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);

@@ -344,21 +344,6 @@ fn another_configuration_an_overlapping_rank_and_a_whole_cache_writer_are_refuse
         e.to_string().contains("did not finish (0 of 6 shards)"),
         "{e}"
     );
-    // An object store is refused plainly.
-    let e = PartWriter::create(
-        "s3://bucket/c",
-        &config(true),
-        options(1, false),
-        N,
-        rank(0, 1),
-    )
-    .unwrap_err();
-    assert!(
-        e.to_string().contains(
-            "s3://bucket/c: writing a cache in parts to an object store is not supported"
-        ),
-        "{e}"
-    );
     // Undeclared embeddings, writing past the part, and finishing early are refused.
     let w0 = PartWriter::create(&dir, &config(true), options(1, true), N, rank(0, 2)).unwrap();
     let plain = tmp.path().join("plain");

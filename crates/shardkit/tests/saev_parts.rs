@@ -227,14 +227,6 @@ fn ranks_that_disagree_on_labels_are_refused() {
 }
 
 #[test]
-fn parts_to_an_object_store_are_refused_saying_so() {
-    let e =
-        PartWriter::create("s3://bucket/acts", metadata(11), Rank::new(0, 2).unwrap()).unwrap_err();
-    assert!(matches!(e, Error::Invalid(_)), "{e:?}");
-    assert!(e.to_string().contains("not supported yet"), "{e}");
-}
-
-#[test]
 fn a_rank_finishing_after_another_committed_and_cleaned_up_finds_the_dataset_committed() {
     // Both ranks' shards durable; rank 1 finishes first, commits and removes the parts state;
     // rank 0, which had not reached its commit lock yet (seen with 4 rank processes on 2

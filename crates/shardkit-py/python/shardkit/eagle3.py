@@ -283,7 +283,8 @@ class PartWriter(Closing[Dict[str, Any]]):
     ``manifest.json`` last), exactly as one ``Writer`` would have written it, byte for byte.
     Without ``rank`` and ``world_size`` they come from the launcher: ``RANK``/``WORLD_SIZE``
     (torchrun), Slurm or MPI variables. No collective is needed: the ranks coordinate through
-    the directory (a shared file system across nodes; ``s3://`` is refused).
+    the directory (a shared file system across nodes), or through the store itself for an
+    ``s3://`` URL (conditional writes and leases; see docs/parallel.md).
 
     ``manifest`` is the run configuration (as ``Writer`` takes it; ``num_samples`` may be left
     out, it is ``total_samples``); every rank must give the same, and the same

@@ -67,6 +67,23 @@ impl WriteLock {
         }
     }
 
+    /// Creates (or opens) the file at `path` and locks it exclusively without waiting, through
+    /// the one descriptor: `None` when another process holds it.
+    pub(crate) fn create_try(path: &Path) -> Result<Option<WriteLock>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .at(path)?;
+        match flock(&file, libc::LOCK_EX | libc::LOCK_NB, path) {
+            Ok(()) => Ok(Some(WriteLock { file, remove: None })),
+            Err(Error::Locked { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The locked file (a part's claim writes who holds it there).
     pub(crate) fn file(&self) -> &File {
         &self.file

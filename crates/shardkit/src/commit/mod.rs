@@ -16,6 +16,7 @@
 
 pub(crate) mod lock;
 pub(crate) mod parts;
+pub(crate) mod parts_store;
 pub(crate) mod staged;
 pub(crate) mod store_lock;
 pub(crate) mod transfer;
@@ -68,6 +69,8 @@ impl StoreWrite {
     /// Takes the writer's lock on `target`, then reads what an interrupted write left there.
     pub(crate) fn begin(target: Remote) -> Result<StoreWrite> {
         let lock = StoreLock::acquire(&target)?;
+        // Lock first, then look: a rank claims, then looks for this lock (see parts_store).
+        parts_store::refuse_whole_writer(&target)?;
         let found = Streaming::left_in(&target)?;
         Ok(StoreWrite {
             target,

@@ -20,6 +20,10 @@
 //! .shardkit-parts/commit.lock        held by the process committing
 //! ```
 //!
+//! In an object store the same state is objects under the same names ([`super::parts_store`]):
+//! claims and the commit lock are lock objects with leases (`commit::store_lock`), records
+//! plain PUTs.
+//!
 //! Every part writer holds the dataset directory's lock shared (a whole-dataset writer holds it
 //! exclusively, so neither starts while the other writes). A claim that overlaps a live one is
 //! refused naming its holder; a dead holder's claim (its lock gone with its process) is taken
@@ -35,10 +39,13 @@ use std::io::Write;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use super::parts_store::StoreParts;
+use super::store_lock::StoreLock;
 use crate::checksum::FileSums;
 use crate::commit::WriteLock;
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::Remote;
 use crate::json::{self, Value};
 
 /// The private directory of a write in parts.
@@ -147,32 +154,76 @@ fn holder_text(rank: Rank) -> String {
 /// A rank's claim on its units, held until dropped (or its process dies).
 #[derive(Debug)]
 pub(crate) struct Claim {
-    path: PathBuf,
-    _lock: WriteLock,
+    /// The claim file (locally; a store's claim object is deleted by its lock's drop).
+    path: Option<PathBuf>,
+    _lock: Held,
+}
+
+impl Claim {
+    /// Fails if this claim was taken over (a store's, whose renewals stopped for longer than
+    /// its lease): the rank then writes nothing more. No request; a local claim never is.
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self._lock {
+            Held::Store(l) => l.check(),
+            Held::Local(_) | Held::Nothing => Ok(()),
+        }
+    }
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
         // Removed while still locked: no other claimer can hold this inode.
-        let _ = fs::remove_file(&self.path);
+        if let Some(p) = &self.path {
+            let _ = fs::remove_file(p);
+        }
+    }
+}
+
+/// A lock held on the parts state: a locked file, or a lock object in a store.
+#[derive(Debug)]
+pub(crate) enum Held {
+    /// A locked file (held only to be dropped: the kernel releases it).
+    #[allow(dead_code)]
+    Local(WriteLock),
+    /// A lock object with its lease.
+    Store(StoreLock),
+    /// Nothing: the claim of a rank with no units (several such ranks would share its name).
+    Nothing,
+}
+
+impl Held {
+    /// Renews a store's lock now, failing if it was taken over (before a commit record).
+    pub(crate) fn confirm(&self) -> Result<()> {
+        match self {
+            Held::Local(_) | Held::Nothing => Ok(()),
+            Held::Store(l) => l.confirm(),
+        }
     }
 }
 
 /// A unit's durable record: the checksums of its files, by name.
 pub(crate) type UnitFiles = BTreeMap<String, FileSums>;
 
-/// The private state of a dataset written in parts, in its directory.
+/// The private state of a dataset written in parts: in its directory, or in its store prefix.
 #[derive(Debug, Clone)]
 pub(crate) struct Parts {
-    dir: PathBuf,
+    place: Place,
+}
+
+#[derive(Debug, Clone)]
+enum Place {
+    /// `.shardkit-parts` in the dataset directory.
+    Dir(PathBuf),
+    /// `.shardkit-parts/` under the dataset's prefix.
+    Store(StoreParts),
 }
 
 /// A claim file's name: `FIRST-END` of its units.
-fn claim_name(units: &Range<u64>) -> String {
+pub(super) fn claim_name(units: &Range<u64>) -> String {
     format!("{:09}-{:09}", units.start, units.end)
 }
 
-fn parse_claim_name(name: &str) -> Option<Range<u64>> {
+pub(super) fn parse_claim_name(name: &str) -> Option<Range<u64>> {
     let (a, b) = name.split_once('-')?;
     let (a, b) = (a.parse().ok()?, b.parse().ok()?);
     (a <= b).then_some(a..b)
@@ -185,13 +236,60 @@ impl Parts {
         for d in [dir.join("claims"), dir.join("done")] {
             fs::create_dir_all(&d).at(&d)?;
         }
-        Ok(Parts { dir })
+        Ok(Parts {
+            place: Place::Dir(dir),
+        })
     }
 
     /// The parts state of `dataset`, when a write in parts left one.
     pub(crate) fn existing(dataset: &Path) -> Option<Parts> {
         let dir = dataset.join(PARTS_DIR);
-        dir.is_dir().then_some(Parts { dir })
+        dir.is_dir().then_some(Parts {
+            place: Place::Dir(dir),
+        })
+    }
+
+    /// The parts state of the dataset at the store prefix `dataset` (objects appear as ranks
+    /// write them). Refused with `SHARDKIT_S3_LOCK=0`: the ranks coordinate through the
+    /// conditional writes that setting turns off.
+    pub(crate) fn open_store(dataset: &Remote) -> Result<Parts> {
+        if !crate::config::s3_lock()? {
+            return Err(Error::Invalid(format!(
+                "{}: a write in parts coordinates its ranks through conditional writes, which \
+                 SHARDKIT_S3_LOCK=0 turns off; unset it (or write with one process)",
+                dataset.url()
+            )));
+        }
+        Ok(Parts {
+            place: Place::Store(StoreParts::new(dataset.clone())),
+        })
+    }
+
+    /// The parts state at the store prefix `dataset`, when a write in parts left objects there.
+    pub(crate) fn existing_store(dataset: &Remote) -> Result<Option<Parts>> {
+        let p = StoreParts::new(dataset.clone());
+        Ok(p.exists()?.then_some(Parts {
+            place: Place::Store(p),
+        }))
+    }
+
+    /// The store's side of the state, when it is in a store.
+    pub(crate) fn store(&self) -> Option<&StoreParts> {
+        match &self.place {
+            Place::Store(p) => Some(p),
+            Place::Dir(_) => None,
+        }
+    }
+
+    /// The local state directory; for a store an internal error (callers tell them apart).
+    fn dir(&self) -> Result<&Path> {
+        match &self.place {
+            Place::Dir(d) => Ok(d),
+            Place::Store(p) => Err(Error::Internal(format!(
+                "internal: {}: a local operation on a write in parts in a store",
+                p.dataset().url()
+            ))),
+        }
     }
 
     /// The parts state kept in `dir` itself (created when absent): for a format that writes
@@ -216,15 +314,31 @@ impl Parts {
     }
 
     /// Waits for and takes the lock the ranks of a dataset set it up under, one at a time
-    /// (its configuration file written by the first, compared by the others).
+    /// (its configuration file written by the first, compared by the others). Local only: in
+    /// a store the configuration is created conditionally ([`StoreParts::create_setup`]).
     pub(crate) fn setup_lock(&self) -> Result<WriteLock> {
-        WriteLock::waiting(&self.dir.join("setup.lock"))
+        WriteLock::waiting(&self.dir()?.join("setup.lock"))
     }
 
     /// Claims `units` for `rank`. Refused, naming the holder, when a live claim overlaps them;
     /// the claims of dead holders are taken over.
     pub(crate) fn claim(&self, units: Range<u64>, rank: Rank) -> Result<Claim> {
-        let _claiming = WriteLock::waiting(&self.dir.join("claims.lock"))?;
+        if units.is_empty() {
+            // A rank past the units writes nothing, so overlaps nothing; ranks past the units
+            // (world size above the unit count) would otherwise contend for one claim name.
+            return Ok(Claim {
+                path: None,
+                _lock: Held::Nothing,
+            });
+        }
+        if let Place::Store(p) = &self.place {
+            return Ok(Claim {
+                path: None,
+                _lock: Held::Store(p.claim(units, rank)?),
+            });
+        }
+        let dir = self.dir()?;
+        let _claiming = WriteLock::waiting(&dir.join("claims.lock"))?;
         for (other, path) in self.claim_files()? {
             if other.start >= units.end || units.start >= other.end || other.is_empty() {
                 continue;
@@ -252,26 +366,24 @@ impl Parts {
                 }
             }
         }
-        let path = self.dir.join("claims").join(claim_name(&units));
-        let file = fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .at(&path)?;
-        drop(file);
-        let lock = WriteLock::try_file(&path)?.ok_or_else(|| Error::Locked {
+        let path = dir.join("claims").join(claim_name(&units));
+        // One descriptor creates and locks it: a claim file is never unlocked while named.
+        let lock = WriteLock::create_try(&path)?.ok_or_else(|| Error::Locked {
             path: path.clone(),
             pid: None,
         })?;
         let mut f = lock.file();
+        f.set_len(0).at(&path)?;
         f.write_all(holder_text(rank).as_bytes()).at(&path)?;
-        Ok(Claim { path, _lock: lock })
+        Ok(Claim {
+            path: Some(path),
+            _lock: Held::Local(lock),
+        })
     }
 
     /// Every claim file: (its units, its path).
     fn claim_files(&self) -> Result<Vec<(Range<u64>, PathBuf)>> {
-        let dir = self.dir.join("claims");
+        let dir = self.dir()?.join("claims");
         let mut out = Vec::new();
         for e in fs::read_dir(&dir).at(&dir)? {
             let e = e.at(&dir)?;
@@ -286,6 +398,9 @@ impl Parts {
 
     /// The live claims: (units, who holds them). A claim whose holder is gone is not listed.
     pub(crate) fn live_claims(&self) -> Result<Vec<(Range<u64>, String)>> {
+        if let Place::Store(p) = &self.place {
+            return p.live_claims();
+        }
         let mut out = Vec::new();
         for (units, path) in self.claim_files()? {
             // A claim removed meanwhile (its writer ended) is simply not live.
@@ -300,22 +415,20 @@ impl Parts {
     /// Records unit `unit` durable, with the checksums of its files (already published and
     /// fsynced). Written through a temporary, fsynced and renamed: a record present is whole.
     pub(crate) fn record_done(&self, unit: &str, files: &UnitFiles) -> Result<()> {
-        let sums = files
-            .iter()
-            .map(|(name, s)| (name.clone(), s.to_json()))
-            .collect();
-        let v = Value::Object(vec![("files".into(), Value::Object(sums))]);
-        let path = self.dir.join("done").join(format!("{unit}.json"));
-        fsutil::atomic_write(
-            &path,
-            json::to_compact(&v, true, json::Escape::Ascii).as_bytes(),
-        )
+        if let Place::Store(p) = &self.place {
+            return p.record_done(unit, files);
+        }
+        let path = self.dir()?.join("done").join(format!("{unit}.json"));
+        fsutil::atomic_write(&path, &record_bytes(files))
     }
 
     /// The units recorded durable: unit name to the checksums of its files. A record that
     /// does not parse is an error naming it (records are written whole, so it was damaged).
     pub(crate) fn done(&self) -> Result<BTreeMap<String, UnitFiles>> {
-        let dir = self.dir.join("done");
+        if let Place::Store(p) = &self.place {
+            return p.done();
+        }
+        let dir = self.dir()?.join("done");
         let mut out = BTreeMap::new();
         for e in fs::read_dir(&dir).at(&dir)? {
             let e = e.at(&dir)?;
@@ -351,39 +464,153 @@ impl Parts {
 
     /// Forgets unit `unit` (its files are being written again).
     pub(crate) fn forget(&self, unit: &str) -> Result<()> {
-        let path = self.dir.join("done").join(format!("{unit}.json"));
+        if let Place::Store(p) = &self.place {
+            return p.forget(unit);
+        }
+        let path = self.dir()?.join("done").join(format!("{unit}.json"));
         match fs::remove_file(&path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(Error::io(&path, e)),
             _ => Ok(()),
         }
     }
 
+    /// Waits for and takes the lock `name` of the state (one rank at a time does what it
+    /// guards: EAGLE-3's embeddings).
+    pub(crate) fn lock_named(&self, name: &str) -> Result<Held> {
+        match &self.place {
+            Place::Store(p) => p.lock_named(name).map(Held::Store),
+            Place::Dir(d) => WriteLock::waiting(&d.join(name)).map(Held::Local),
+        }
+    }
+
     /// Waits for and takes the commit lock.
     /// `None` when the parts state is gone: a rank that committed meanwhile removed it (the
     /// caller then looks at the commit record).
-    pub(crate) fn commit_lock(&self) -> Result<Option<WriteLock>> {
-        match WriteLock::waiting(&self.dir.join("commit.lock")) {
-            Ok(l) => Ok(Some(l)),
-            Err(_) if !self.dir.is_dir() => Ok(None),
+    pub(crate) fn commit_lock(&self) -> Result<Option<Held>> {
+        if let Place::Store(p) = &self.place {
+            // No state to lose in a store: the lock object is made again if removed.
+            return p.commit_lock().map(|l| Some(Held::Store(l)));
+        }
+        let dir = self.dir()?;
+        match WriteLock::waiting(&dir.join("commit.lock")) {
+            Ok(l) => Ok(Some(Held::Local(l))),
+            Err(_) if !dir.is_dir() => Ok(None),
             Err(e) => Err(e),
         }
+    }
+
+    /// Whether unit `unit`'s files, recorded with `files`, are in the dataset at their
+    /// recorded sizes, the unit's own file among them (the checksums are the sidecar's to
+    /// check).
+    pub(crate) fn intact(&self, unit: &str, files: &UnitFiles) -> Result<bool> {
+        if !files.contains_key(unit) {
+            return Ok(false);
+        }
+        match &self.place {
+            Place::Store(p) => p.intact(files),
+            Place::Dir(d) => {
+                let dataset = fsutil::parent_of(d);
+                Ok(files.iter().all(|(name, sums)| {
+                    fsutil::regular_file_len(&dataset.join(name)) == Some(sums.bytes)
+                }))
+            }
+        }
+    }
+
+    /// The units of `done` whose files are all in the dataset at their recorded sizes (see
+    /// [`Parts::intact`]); a store is listed once for all of them.
+    pub(crate) fn intact_units(
+        &self,
+        done: &BTreeMap<String, UnitFiles>,
+    ) -> Result<std::collections::BTreeSet<String>> {
+        let sizes: Option<BTreeMap<String, u64>> = match &self.place {
+            Place::Store(p) => Some(p.dataset().list()?.into_iter().collect()),
+            Place::Dir(_) => None,
+        };
+        let mut out = std::collections::BTreeSet::new();
+        for (unit, files) in done {
+            let whole = files.contains_key(unit)
+                && match &sizes {
+                    Some(sizes) => files
+                        .iter()
+                        .all(|(name, sums)| sizes.get(name) == Some(&sums.bytes)),
+                    None => self.intact(unit, files)?,
+                };
+            if whole {
+                out.insert(unit.clone());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Where a write in parts of `units` units, not committed, stands: the units recorded
+    /// durable (`unit_index` tells a unit's index from its name) and the live claims; with
+    /// the records, for a format's extras.
+    pub(crate) fn status(
+        &self,
+        units: u64,
+        unit_index: impl Fn(&str) -> Option<u64>,
+    ) -> Result<(PartsStatus, BTreeMap<String, UnitFiles>)> {
+        let done = self.done()?;
+        let mut st = PartsStatus::new(false, units);
+        st.done = done
+            .keys()
+            .filter_map(|n| unit_index(n))
+            .filter(|&u| u < units)
+            .collect();
+        st.done.sort_unstable();
+        st.claimed = self.live_claims()?;
+        Ok((st, done))
+    }
+
+    /// Cleans up after the commit (its record is durable): the format's private `dirs` and
+    /// `files` (relative to the dataset), then the state itself. A later open, status or
+    /// commit finishes what a kill cuts short.
+    pub(crate) fn clean_after_commit(self, dirs: &[&str], files: &[&str]) -> Result<()> {
+        if let Place::Store(p) = &self.place {
+            for d in dirs {
+                p.delete_under(d, &[])?;
+            }
+            for f in files {
+                p.dataset().delete(f)?;
+            }
+            return p.remove();
+        }
+        let dataset = fsutil::parent_of(self.dir()?).to_path_buf();
+        for d in dirs {
+            // One piece a unit: removed several at a time, as the records are.
+            fsutil::remove_dir_files_parallel(&dataset.join(d))?;
+        }
+        for f in files {
+            let p = dataset.join(f);
+            match fs::remove_file(&p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&p, e)),
+                _ => {}
+            }
+        }
+        self.remove()?;
+        fsutil::fsync_dir(&dataset)
     }
 
     /// Removes the parts state (after the commit record is durable): the unit records, one
     /// file per unit, several at a time (see `fsutil::remove_dir_files_parallel`).
     pub(crate) fn remove(self) -> Result<()> {
-        fsutil::remove_dir_files_parallel(&self.dir.join("done"))?;
+        if let Place::Store(p) = &self.place {
+            return p.remove();
+        }
+        let dir = self.dir()?;
+        fsutil::remove_dir_files_parallel(&dir.join("done"))?;
         // A rank reaching its commit while this runs can create commit.lock again after it was
         // removed (the directory is then not empty): removed on the next try; that rank finds
         // the dataset committed.
         let mut tries = 0;
         loop {
-            match fs::remove_dir_all(&self.dir) {
+            match fs::remove_dir_all(dir) {
                 Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty && tries < 3 => {
                     tries += 1;
                 }
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(Error::io(&self.dir, e))
+                    return Err(Error::io(dir, e))
                 }
                 _ => return Ok(()),
             }
@@ -391,7 +618,17 @@ impl Parts {
     }
 }
 
-fn parse_record(bytes: &[u8], path: &Path) -> Result<UnitFiles> {
+/// A unit's record: the checksums of its files.
+pub(super) fn record_bytes(files: &UnitFiles) -> Vec<u8> {
+    let sums = files
+        .iter()
+        .map(|(name, s)| (name.clone(), s.to_json()))
+        .collect();
+    let v = Value::Object(vec![("files".into(), Value::Object(sums))]);
+    json::to_compact(&v, true, json::Escape::Ascii).into_bytes()
+}
+
+pub(super) fn parse_record(bytes: &[u8], path: &Path) -> Result<UnitFiles> {
     let bad = |why: &str| {
         Error::format(
             path,
@@ -436,6 +673,13 @@ impl PartsStatus {
             claimed: Vec::new(),
             missing_files: Vec::new(),
         }
+    }
+
+    /// A committed dataset of `units` units: every one durable.
+    pub(crate) fn committed(units: u64) -> PartsStatus {
+        let mut st = PartsStatus::new(true, units);
+        st.done = (0..units).collect();
+        st
     }
 
     /// The units not durable yet, as ranges.
@@ -633,6 +877,12 @@ mod tests {
         assert_eq!(parts.live_claims().unwrap().len(), 2);
         drop((b, c));
         assert!(parts.live_claims().unwrap().is_empty());
+        // Ranks past the units (units 8, world 12) claim nothing, so never contend.
+        let past = (0..2)
+            .map(|r| parts.claim(8..8, rank(10 + r, 12)).unwrap())
+            .collect::<Vec<_>>();
+        assert!(parts.live_claims().unwrap().is_empty());
+        drop(past);
     }
 
     #[test]

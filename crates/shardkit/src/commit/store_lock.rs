@@ -63,6 +63,8 @@ struct Holder {
     token: String,
     renewed: u64,
     lease: u64,
+    /// What the holder is, beyond its process (a part's claim: its rank), when it says.
+    who: Option<String>,
 }
 
 impl Holder {
@@ -83,6 +85,7 @@ impl Holder {
             ),
             renewed: now_unix(),
             lease: crate::config::s3_lock_lease_s(),
+            who: None,
         }
     }
 
@@ -96,6 +99,11 @@ impl Holder {
             ("renewed_unix".into(), Value::int(self.renewed)),
             ("lease_s".into(), Value::int(self.lease)),
         ]);
+        let mut v = v;
+        if let Some(who) = &self.who {
+            // Only a part's claim says it: the dataset lock's object stays as it was.
+            v.set("who", Value::String(who.clone()));
+        }
         let mut text = json::to_pretty(&v, 1, json::Escape::Utf8);
         text.push('\n');
         text.into_bytes()
@@ -113,6 +121,7 @@ impl Holder {
             token: v.get("token")?.as_str()?.to_string(),
             renewed: v.get("renewed_unix")?.as_u64()?,
             lease: v.get("lease_s")?.as_u64()?,
+            who: v.get("who").and_then(Value::as_str).map(str::to_string),
         })
     }
 
@@ -138,8 +147,13 @@ impl Holder {
     }
 
     fn describe(&self, now: u64) -> String {
+        let who = self
+            .who
+            .as_ref()
+            .map(|w| format!("{w}, "))
+            .unwrap_or_default();
         format!(
-            "{} pid {}, lock renewed {} s ago, lease {} s",
+            "{who}{} pid {}, lock renewed {} s ago, lease {} s",
             self.host,
             self.pid,
             now.saturating_sub(self.renewed),
@@ -184,6 +198,8 @@ fn pid_alive(pid: u32) -> bool {
 #[derive(Debug)]
 struct Shared {
     target: Remote,
+    /// The lock object's name under `target`.
+    name: String,
     holder: Mutex<(Holder, String)>,
     /// Set once a renewal found the lock taken over.
     lost: AtomicBool,
@@ -200,7 +216,7 @@ impl Shared {
         holder.renewed = now_unix();
         match self
             .target
-            .put_if(NAME, holder.to_bytes(), Some(etag.as_str()))?
+            .put_if(&self.name, holder.to_bytes(), Some(etag.as_str()))?
         {
             Some(e) => {
                 *etag = e;
@@ -215,7 +231,7 @@ impl Shared {
 
     fn lost_error(&self) -> Error {
         Error::LockedRemote {
-            path: self.target.url_of(NAME),
+            path: self.target.url_of(&self.name),
             why: "this writer's lock was taken over by another writer (its renewals stopped \
                   for longer than the lease); nothing more is written, resume the write once \
                   the other writer is stopped"
@@ -237,6 +253,16 @@ impl StoreLock {
     /// Takes the lock of the dataset at `target`, or fails with [`Error::LockedRemote`]
     /// naming its holder.
     pub(crate) fn acquire(target: &Remote) -> Result<StoreLock> {
+        StoreLock::acquire_named(target, NAME, None)
+    }
+
+    /// Takes the lock object `name` under `target` (a write in parts' claims and commit lock),
+    /// saying `who` holds it when given, as [`StoreLock::acquire`] takes the dataset's.
+    pub(crate) fn acquire_named(
+        target: &Remote,
+        name: &str,
+        who: Option<String>,
+    ) -> Result<StoreLock> {
         if !crate::config::s3_lock()? {
             return Ok(StoreLock {
                 shared: None,
@@ -244,8 +270,11 @@ impl StoreLock {
                 renewer: None,
             });
         }
-        let me = Holder::me();
-        let url = target.url_of(NAME);
+        let me = Holder {
+            who,
+            ..Holder::me()
+        };
+        let url = target.url_of(name);
         let unsupported = |e: Error| match e {
             Error::Remote {
                 object,
@@ -264,12 +293,12 @@ impl StoreLock {
         };
         for _ in 0..4 {
             if let Some(etag) = target
-                .put_if(NAME, me.to_bytes(), None)
+                .put_if(name, me.to_bytes(), None)
                 .map_err(unsupported)?
             {
-                return Self::start(target, me, etag);
+                return Self::start(target, name, me, etag);
             }
-            let Some((bytes, etag)) = target.get_tagged(NAME)? else {
+            let Some((bytes, etag)) = target.get_tagged(name)? else {
                 continue; // released meanwhile
             };
             let theirs = Holder::parse(&bytes).ok_or_else(|| {
@@ -298,8 +327,8 @@ impl StoreLock {
                     message: "the store gave no ETag for the lock object".into(),
                 });
             };
-            if let Some(etag) = target.put_if(NAME, me.to_bytes(), Some(&etag))? {
-                return Self::start(target, me, etag);
+            if let Some(etag) = target.put_if(name, me.to_bytes(), Some(&etag))? {
+                return Self::start(target, name, me, etag);
             }
             // Another writer took it over first: look again.
         }
@@ -309,7 +338,45 @@ impl StoreLock {
         })
     }
 
-    fn start(target: &Remote, me: Holder, etag: String) -> Result<StoreLock> {
+    /// Takes the lock object `name` under `target`, waiting while a live holder has it (the
+    /// commit of a write in parts is one process's at a time; a dead holder's lock is taken
+    /// over once its lease runs out, or at once on its machine).
+    pub(crate) fn acquire_waiting(
+        target: &Remote,
+        name: &str,
+        who: Option<String>,
+    ) -> Result<StoreLock> {
+        let mut pause = Duration::from_millis(20);
+        loop {
+            match StoreLock::acquire_named(target, name, who.clone()) {
+                Err(Error::LockedRemote { .. }) => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// Who holds the lock object `name` under `target`, when a live holder does: `None` when
+    /// it is absent or its holder is gone (then it is taken over by the next
+    /// [`StoreLock::acquire_named`]). An object that is no lock is named as such.
+    pub(crate) fn live_holder(target: &Remote, name: &str) -> Result<Option<String>> {
+        let Some((bytes, _)) = target.get_tagged(name)? else {
+            return Ok(None);
+        };
+        let now = now_unix();
+        Ok(match Holder::parse(&bytes) {
+            None => Some(format!(
+                "{} is not a shardkit lock; delete it if no writer is writing",
+                target.url_of(name).display()
+            )),
+            Some(h) if h.is_gone(&Holder::me(), now, pid_alive, held_here) => None,
+            Some(h) => Some(h.describe(now)),
+        })
+    }
+
+    fn start(target: &Remote, name: &str, me: Holder, etag: String) -> Result<StoreLock> {
         held(|h| {
             h.insert(me.token.clone());
         });
@@ -317,6 +384,7 @@ impl StoreLock {
         let period = Duration::from_millis(me.lease.saturating_mul(1000) / 4);
         let shared = Arc::new(Shared {
             target: target.clone(),
+            name: name.to_string(),
             holder: Mutex::new((me, etag)),
             lost: AtomicBool::new(false),
         });
@@ -367,7 +435,7 @@ impl StoreLock {
     /// The lock object's URL, when a lock is held.
     #[cfg(test)]
     fn url(&self) -> Option<std::path::PathBuf> {
-        self.shared.as_ref().map(|s| s.target.url_of(NAME))
+        self.shared.as_ref().map(|s| s.target.url_of(&s.name))
     }
 }
 
@@ -398,7 +466,7 @@ impl Drop for StoreLock {
             };
             // Never delete a lock another writer took over.
             if !s.lost.load(Ordering::Relaxed) {
-                let _ = s.target.delete(NAME);
+                let _ = s.target.delete(&s.name);
             }
             held(|h| {
                 h.remove(&token);
@@ -419,13 +487,24 @@ mod tests {
             token: token.into(),
             renewed,
             lease: 120,
+            who: None,
         }
     }
 
     #[test]
     fn the_lock_object_round_trips() {
         let h = holder("node-7", "b00t", 4242, "t-1", 1_700_000_000);
-        assert_eq!(Holder::parse(&h.to_bytes()), Some(h));
+        assert_eq!(Holder::parse(&h.to_bytes()), Some(h.clone()));
+        // A part's claim says which rank holds it; the dataset's lock says nothing more.
+        assert!(!String::from_utf8_lossy(&h.to_bytes()).contains("who"));
+        let claim = Holder {
+            who: Some("rank 1 of 3".into()),
+            ..h
+        };
+        assert_eq!(Holder::parse(&claim.to_bytes()), Some(claim.clone()));
+        assert!(claim
+            .describe(claim.renewed)
+            .starts_with("rank 1 of 3, node-7 pid 4242"));
         assert_eq!(Holder::parse(b"{\"shardkit_lock\": 2}"), None);
         assert_eq!(Holder::parse(b"not json"), None);
     }

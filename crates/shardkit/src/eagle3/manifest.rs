@@ -308,19 +308,7 @@ impl Manifest {
     /// The keys (other than `format_version`) whose values differ from `other`'s: what a
     /// resume refuses, listed. Numbers compare by value (`1` equals `1.0`), as in Python.
     pub(crate) fn differing_keys(&self, other: &Manifest) -> Vec<String> {
-        let (Value::Object(a), Value::Object(b)) = (&self.raw, &other.raw) else {
-            return Vec::new();
-        };
-        let mut keys: Vec<&String> = a.iter().chain(b.iter()).map(|(k, _)| k).collect();
-        keys.sort();
-        keys.dedup();
-        keys.into_iter()
-            .filter(|k| match (self.raw.get(k), other.raw.get(k)) {
-                (Some(x), Some(y)) => !same(x, y),
-                _ => true,
-            })
-            .cloned()
-            .collect()
+        json::differing_keys(&self.raw, &other.raw)
     }
 
     /// The run configuration as given (without `format_version`).
@@ -353,26 +341,6 @@ impl Manifest {
             }
         }
         Self::from_object(obj, version, Path::new(MANIFEST))
-    }
-}
-
-/// JSON equality with numbers compared by value.
-fn same(a: &Value, b: &Value) -> bool {
-    match (a, b) {
-        (Value::Number(x), Value::Number(y)) => {
-            x == y
-                || match (x.parse::<i128>(), y.parse::<i128>()) {
-                    (Ok(p), Ok(q)) => p == q,
-                    _ => matches!((x.parse::<f64>(), y.parse::<f64>()), (Ok(p), Ok(q)) if p == q),
-                }
-        }
-        (Value::Array(x), Value::Array(y)) => {
-            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| same(p, q))
-        }
-        (Value::Object(x), Value::Object(y)) => {
-            x.len() == y.len() && x.iter().all(|(k, v)| b.get(k).is_some_and(|w| same(v, w)))
-        }
-        _ => a == b,
     }
 }
 

@@ -19,6 +19,11 @@
 //! Each shard is durable on its own: written through a temporary, fsynced, renamed, then its
 //! record (`commit::parts`). A killed rank loses at most the shard it was filling; a restart,
 //! with any world size, writes only the shards not recorded.
+//!
+//! `dir` may be an `s3://` URL: each rank then writes its shards in a local staging directory
+//! (`commit::staging_dir` of the URL), uploads each under its final name, then its record;
+//! the ranks coordinate through the store alone (`commit::parts_store`), the setup record is
+//! created there conditionally, and the commit uploads the sidecar, then manifest.json last.
 
 use std::fs;
 use std::ops::Range;
@@ -32,9 +37,10 @@ use super::shard::{self, field_specs, shard_index, shard_name, FieldSpec, Tensor
 use super::writer::{check_embeddings, EMBEDDINGS};
 use crate::checksum::FileSums;
 use crate::commit::parts::{part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, PARTS_DIR};
-use crate::commit::{Files, Target, WriteLock};
+use crate::commit::{staging_dir, Files, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::Remote;
 use crate::json::{self, Value};
 
 /// The configuration of a write in parts, written by the first rank, checked by the others.
@@ -62,7 +68,10 @@ impl Default for PartOptions {
 
 /// Writes rank `rank`'s part of an EAGLE-3 cache; see the module documentation.
 pub struct PartWriter {
+    /// Where shards are written: the dataset directory, or for a store the local staging.
     dir: PathBuf,
+    /// The dataset's location: its directory, or its `s3://` URL.
+    location: PathBuf,
     manifest: Manifest,
     specs: Vec<FieldSpec>,
     options: PartOptions,
@@ -76,14 +85,20 @@ pub struct PartWriter {
     rows_buffered: u64,
     /// The parts state and this rank's claim; `None` when the cache was already committed.
     parts: Option<(Parts, Claim)>,
-    /// Held shared by every part writer (a whole-cache writer holds it exclusively).
-    _lock: WriteLock,
+    /// The cache's prefix when writing to a store (`dir` is then where shards are staged).
+    store: Option<Remote>,
+    /// Held shared by every part writer of a local cache (a whole-cache writer holds it
+    /// exclusively); in a store the claims and the cache's lock exclude each other.
+    _lock: Option<WriteLock>,
 }
+
+/// Where a rank writing to a store stages its shards, under the cache's staging directory.
+const PARTS_STAGING: &str = ".shardkit-parts";
 
 impl std::fmt::Debug for PartWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PartWriter")
-            .field("dir", &self.dir)
+            .field("location", &self.location)
             .field("rank", &self.rank)
             .field("shards", &self.shards)
             .field("pending", &self.pending)
@@ -176,18 +191,11 @@ impl PartWriter {
         total_samples: u64,
         rank: Rank,
     ) -> Result<PartWriter> {
+        let m = manifest_for(config, options.version, total_samples)?;
         let dir = match Target::parse(dir.as_ref())? {
             Target::Local(dir) => dir,
-            Target::Store(store) => {
-                return Err(Error::Invalid(format!(
-                    "{}: writing a cache in parts to an object store is not supported yet; \
-                     write the parts to a shared file system (or one process with \
-                     eagle3.Writer to the store)",
-                    store.url()
-                )))
-            }
+            Target::Store(store) => return Self::create_store(store, m, options, rank),
         };
-        let m = manifest_for(config, options.version, total_samples)?;
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Exists {
                 path: dir,
@@ -200,6 +208,7 @@ impl PartWriter {
         let mut w = PartWriter {
             specs: field_specs(&m),
             bufs: Vec::new(),
+            location: dir.clone(),
             dir,
             manifest: m,
             options,
@@ -208,7 +217,8 @@ impl PartWriter {
             pending: Vec::new(),
             rows_buffered: 0,
             parts: None,
-            _lock: lock,
+            store: None,
+            _lock: Some(lock),
         };
         w.bufs = w.specs.iter().map(|_| Vec::new()).collect();
         if w.committed_before()? {
@@ -228,6 +238,102 @@ impl PartWriter {
         }
     }
 
+    /// [`PartWriter::create`] of the cache at the store prefix `target`.
+    fn create_store(
+        target: Remote,
+        m: Manifest,
+        options: PartOptions,
+        rank: Rank,
+    ) -> Result<PartWriter> {
+        let staged = staging_dir(&PathBuf::from(target.url())).join(PARTS_STAGING);
+        fs::create_dir_all(&staged).at(&staged)?;
+        let shards = part_of(m.num_shards(), rank);
+        let mut w = PartWriter {
+            specs: field_specs(&m),
+            bufs: Vec::new(),
+            location: PathBuf::from(target.url()),
+            dir: staged,
+            manifest: m,
+            options,
+            rank,
+            shards,
+            pending: Vec::new(),
+            rows_buffered: 0,
+            parts: None,
+            store: Some(target.clone()),
+            _lock: None,
+        };
+        w.bufs = w.specs.iter().map(|_| Vec::new()).collect();
+        if w.committed_before_store(&target)? {
+            return Ok(w);
+        }
+        let parts = Parts::open_store(&target)?;
+        let Some(store) = parts.store() else {
+            return Err(Error::Internal("internal: a store's parts state".into()));
+        };
+        // Refused before anything is written: a whole-cache writer, another configuration.
+        store.refuse_single_writer()?;
+        let setup = format!("{PARTS_DIR}/{SETUP}");
+        if let Some(bytes) = store.create_setup(&setup, &setup_bytes(&w.manifest, &w.options))? {
+            w.check_setup(&bytes, target.url_of(&setup))?;
+        }
+        let claim = parts.claim(w.shards.clone(), rank)?;
+        // Looked at again once the claim is made (see saev's part writer).
+        store.refuse_single_writer()?;
+        w.parts = Some((parts, claim));
+        w.plan()?;
+        Ok(w)
+    }
+
+    /// Whether the cache at `target` was committed before this rank started (checked against
+    /// this rank's configuration); finishes the cleanup of a commit cut short.
+    fn committed_before_store(&self, target: &Remote) -> Result<bool> {
+        let Some(bytes) = target.get_opt(MANIFEST)? else {
+            return Ok(false);
+        };
+        let path = target.url_of(MANIFEST);
+        let theirs = Manifest::parse(&bytes, &path)?;
+        let keys = differing(&self.manifest, &theirs);
+        if !keys.is_empty() {
+            return Err(mismatch(path, &keys));
+        }
+        if let Some(parts) = Parts::existing_store(target)? {
+            if let Some(_committing) = parts.commit_lock()? {
+                clean_after_commit(parts)?;
+            }
+            return Ok(true);
+        }
+        if target.get_opt(crate::checksum::SIDECAR)?.is_some() {
+            return Ok(true);
+        }
+        Err(Error::Exists {
+            path: PathBuf::from(target.url()),
+            why: "holds a cache a single eagle3 Writer started and did not finish; resume it \
+                  with that Writer (resume), or write the parts elsewhere"
+                .into(),
+        })
+    }
+
+    /// Refuses a setup record (at `path`) of another configuration than this rank's.
+    fn check_setup(&self, bytes: &[u8], path: PathBuf) -> Result<()> {
+        let (theirs, emb) = parse_setup(bytes, &path)?;
+        let keys = differing(&self.manifest, &theirs);
+        if !keys.is_empty() {
+            return Err(mismatch(path, &keys));
+        }
+        if emb != self.options.target_embeddings {
+            return Err(Error::Exists {
+                path,
+                why: format!(
+                    "the cache's ranks were started with target_embeddings {emb}, this one \
+                     with {}; every rank must give the same options (nothing was written)",
+                    self.options.target_embeddings
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Joins the write in parts: the setup record written or checked, this rank's shards
     /// claimed, and the pending samples planned.
     fn join(&mut self) -> Result<()> {
@@ -236,24 +342,7 @@ impl PartWriter {
         let setting_up = parts.setup_lock()?;
         let setup = self.dir.join(PARTS_DIR).join(SETUP);
         match fsutil::read_json_file(&setup) {
-            Ok(bytes) => {
-                let (theirs, emb) = parse_setup(&bytes, &setup)?;
-                let keys = differing(&self.manifest, &theirs);
-                if !keys.is_empty() {
-                    return Err(mismatch(setup, &keys));
-                }
-                if emb != self.options.target_embeddings {
-                    return Err(Error::Exists {
-                        path: setup,
-                        why: format!(
-                            "the cache's ranks were started with target_embeddings {emb}, this \
-                         one with {}; every rank must give the same options (nothing was \
-                         written)",
-                            self.options.target_embeddings
-                        ),
-                    });
-                }
-            }
+            Ok(bytes) => self.check_setup(&bytes, setup)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 if !shard::shard_set(&self.dir)?.is_empty() {
                     return Err(Error::Exists {
@@ -290,7 +379,7 @@ impl PartWriter {
             // manifest.json is the last thing a commit in parts writes: committed, and killed
             // while cleaning up.
             if let Some(_committing) = parts.commit_lock()? {
-                clean_after_commit(&self.dir, parts)?;
+                clean_after_commit(parts)?;
             }
             return Ok(true);
         }
@@ -318,13 +407,14 @@ impl PartWriter {
             return Ok(());
         };
         let done = parts.done()?;
+        let intact = parts.intact_units(&done)?;
         let (s_size, n) = (self.manifest.shard_size, self.manifest.num_samples);
         for s in self.shards.clone() {
             let name = shard_name(s);
-            if let Some(files) = done.get(&name) {
-                if intact(&self.dir, &name, files) {
-                    continue;
-                }
+            if intact.contains(&name) {
+                continue;
+            }
+            if done.contains_key(&name) {
                 parts.forget(&name)?;
             }
             let p = self.dir.join(&name);
@@ -341,9 +431,9 @@ impl PartWriter {
         Ok(())
     }
 
-    /// The cache directory.
+    /// The cache directory, or its `s3://` URL.
     pub fn path(&self) -> &Path {
-        &self.dir
+        &self.location
     }
     /// This rank and world size.
     pub fn rank(&self) -> Rank {
@@ -384,7 +474,7 @@ impl PartWriter {
             return Err(Error::Invalid(if self.parts.is_none() {
                 format!(
                     "{}: the cache is already committed; nothing is left to write",
-                    self.dir.display()
+                    self.location.display()
                 )
             } else {
                 format!(
@@ -452,10 +542,21 @@ impl PartWriter {
         shard::write_safetensors(&path, tensors)?;
         let mut files = UnitFiles::new();
         files.insert(name.clone(), FileSums::of_file(&path)?);
-        let (parts, _) = self
-            .parts
-            .as_ref()
-            .expect("a shard is written only when unfinished");
+        if let Some(store) = &self.store {
+            // Uploaded under its final name (a PUT is atomic); the staged copy then goes.
+            if let Some((_, claim)) = &self.parts {
+                claim.check()?;
+            }
+            store.put_file(&name, &path)?;
+            fs::remove_file(&path).at(&path)?;
+        }
+        let Some((parts, claim)) = self.parts.as_ref() else {
+            return Err(Error::Internal(
+                "internal: a shard published by a writer of a committed dataset".into(),
+            ));
+        };
+        // Not recorded by a rank whose claim another took over (it may be writing this shard).
+        claim.check()?;
         parts.record_done(&name, &files)?;
         for b in &mut self.bufs {
             b.clear();
@@ -502,18 +603,26 @@ impl PartWriter {
                   same target embeddings"
                 .into(),
         };
-        let same = || match holds_table(&path, data, rows, cols)? {
-            true => Ok(()),
-            false => Err(differs()),
+        let same = || {
+            let holds = match &self.store {
+                Some(store) => store
+                    .get_opt(EMBEDDINGS)?
+                    .is_some_and(|b| holds_table_bytes(&b, data, rows, cols)),
+                None => holds_table(&path, data, rows, cols)?,
+            };
+            match holds {
+                true => Ok(()),
+                false => Err(differs()),
+            }
         };
         let Some((parts, _)) = &self.parts else {
             // Committed: the table the cache holds must be this one.
             return same();
         };
         let written = (|| {
-            let _writing = WriteLock::waiting(&self.dir.join(PARTS_DIR).join("embeddings.lock"))?;
+            let _writing = parts.lock_named("embeddings.lock")?;
             if let Some(files) = parts.done()?.get(EMBEDDINGS) {
-                if intact(&self.dir, EMBEDDINGS, files) {
+                if parts.intact(EMBEDDINGS, files)? {
                     return same();
                 }
                 parts.forget(EMBEDDINGS)?;
@@ -521,11 +630,15 @@ impl PartWriter {
             shard::write_safetensors(&path, tensors)?;
             let mut files = UnitFiles::new();
             files.insert(EMBEDDINGS.to_string(), FileSums::of_file(&path)?);
+            if let Some(store) = &self.store {
+                store.put_file(EMBEDDINGS, &path)?;
+                fs::remove_file(&path).at(&path)?;
+            }
             parts.record_done(EMBEDDINGS, &files)
         })();
         match written {
             // Committed meanwhile (the table was recorded, and the parts' state is gone).
-            Err(_) if self.dir.join(MANIFEST).is_file() => same(),
+            Err(_) if self.committed_now()? => same(),
             r => r,
         }
     }
@@ -539,7 +652,7 @@ impl PartWriter {
             let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
             let part = self.samples();
             return Err(Error::Incomplete {
-                path: self.dir.clone(),
+                path: self.location.clone(),
                 present: part.end - part.start - left,
                 total: part.end - part.start,
                 detail: format!(
@@ -554,13 +667,22 @@ impl PartWriter {
             return status_of(&self.manifest, false, None, true);
         };
         let emb = self.options.target_embeddings;
-        let committed = commit(&self.dir, &self.manifest, emb, parts)?;
+        let committed = match &self.store {
+            Some(store) => commit_store(store, &self.manifest, emb, parts)?,
+            None => commit(&self.dir, &self.manifest, emb, parts)?,
+        };
         match status_of(&self.manifest, emb, Some(parts), committed) {
             // Committed by another rank since (the parts' state read is gone).
-            Err(_) if self.dir.join(MANIFEST).is_file() => {
-                status_of(&self.manifest, emb, None, true)
-            }
+            Err(_) if self.committed_now()? => status_of(&self.manifest, emb, None, true),
             st => st,
+        }
+    }
+
+    /// Whether manifest.json, the commit record, is there now.
+    fn committed_now(&self) -> Result<bool> {
+        match &self.store {
+            Some(store) => Ok(store.get_opt(MANIFEST)?.is_some()),
+            None => Ok(self.dir.join(MANIFEST).is_file()),
         }
     }
 }
@@ -573,24 +695,20 @@ fn holds_table(path: &Path, data: &[u8], rows: u64, cols: u64) -> Result<bool> {
     };
     // SAFETY: a finished file, replaced only by rename (never written in place).
     let map = unsafe { memmap2::Mmap::map(&file) }.at(path)?;
-    let Ok(st) = safetensors::SafeTensors::deserialize(&map) else {
-        return Ok(false);
+    Ok(holds_table_bytes(&map, data, rows, cols))
+}
+
+/// [`holds_table`] of a file's bytes.
+fn holds_table_bytes(bytes: &[u8], data: &[u8], rows: u64, cols: u64) -> bool {
+    let Ok(st) = safetensors::SafeTensors::deserialize(bytes) else {
+        return false;
     };
-    Ok(st.names().len() == 1
+    st.names().len() == 1
         && st.tensor("weight").is_ok_and(|t| {
             t.dtype() == Dtype::F32
                 && t.shape() == [rows as usize, cols as usize]
                 && t.data() == data
-        }))
-}
-
-/// Whether `name`, recorded with `files`, is on disk as recorded (sizes checked; the checksums
-/// are the sidecar's to check).
-fn intact(dir: &Path, name: &str, files: &UnitFiles) -> bool {
-    files.contains_key(name)
-        && files
-            .iter()
-            .all(|(n, sums)| fsutil::regular_file_len(&dir.join(n)) == Some(sums.bytes))
+        })
 }
 
 /// Commits the cache in `dir` if every shard (and the embeddings when `emb`) is durable and
@@ -602,7 +720,7 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     };
     if dir.join(MANIFEST).is_file() {
         // Committed by another rank (or by a run killed while cleaning up after it).
-        clean_after_commit(dir, parts.clone())?;
+        clean_after_commit(parts.clone())?;
         return Ok(true);
     }
     let done = parts.done()?;
@@ -615,7 +733,7 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     }
     let mut files = Files::default();
     for name in &names {
-        if !intact(dir, name, &done[name]) {
+        if !parts.intact(name, &done[name])? {
             return Err(Error::format(
                 dir.join(name),
                 "recorded durable but missing or of another size (delete its record under \
@@ -634,13 +752,66 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     files.write_sidecar(dir)?;
     fsutil::atomic_write(&dir.join(MANIFEST), &bytes)?;
     // Committed: the rest is cleaning up, which a later open, status or commit finishes.
-    clean_after_commit(dir, parts.clone())?;
+    clean_after_commit(parts.clone())?;
     Ok(true)
 }
 
-fn clean_after_commit(dir: &Path, parts: Parts) -> Result<()> {
-    parts.remove()?;
-    fsutil::fsync_dir(dir)
+/// [`commit`] in the store prefix `target`: the sidecar is built in a local directory of the
+/// committer's and uploaded, then, the commit lock renewed, manifest.json.
+fn commit_store(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
+    let Some(committing) = parts.commit_lock()? else {
+        return Ok(target.get_opt(MANIFEST)?.is_some());
+    };
+    if target.get_opt(MANIFEST)?.is_some() {
+        clean_after_commit(parts.clone())?;
+        return Ok(true);
+    }
+    let done = parts.done()?;
+    let mut names: Vec<String> = (0..m.num_shards()).map(shard_name).collect();
+    if emb {
+        names.push(EMBEDDINGS.to_string());
+    }
+    if names.iter().any(|n| !done.contains_key(n)) {
+        return Ok(false);
+    }
+    let sizes: std::collections::BTreeMap<String, u64> = target.list()?.into_iter().collect();
+    let mut files = Files::default();
+    for name in &names {
+        let sums = &done[name][name];
+        if sizes.get(name) != Some(&sums.bytes) {
+            return Err(Error::format(
+                target.url_of(name),
+                "recorded durable but missing or of another size (delete its record under \
+                 .shardkit-parts/done/ and write it again)",
+            ));
+        }
+        files.insert(name, sums.clone());
+    }
+    let url = PathBuf::from(target.url());
+    // The committer's own directory (another rank of this machine may stage shards beside).
+    let dir = staging_dir(&url).join(format!(".shardkit-commit-{}", std::process::id()));
+    match fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&dir, e)),
+        _ => {}
+    }
+    fs::create_dir_all(&dir).at(&dir)?;
+    let uploaded = (|| -> Result<()> {
+        let bytes = m.to_bytes();
+        files.record_bytes(MANIFEST, &bytes);
+        let sidecar = files.write_sidecar(&dir)?;
+        target.put_file(crate::checksum::SIDECAR, &sidecar)?;
+        // Still this rank's commit (a committer stalled past its lease has lost it).
+        committing.confirm()?;
+        target.put(MANIFEST, bytes)
+    })();
+    let _ = fs::remove_dir_all(&dir);
+    uploaded?;
+    clean_after_commit(parts.clone())?;
+    Ok(true)
+}
+
+fn clean_after_commit(parts: Parts) -> Result<()> {
+    parts.clean_after_commit(&[], &[])
 }
 
 fn status_of(
@@ -650,24 +821,17 @@ fn status_of(
     committed: bool,
 ) -> Result<PartsStatus> {
     let units = m.num_shards();
-    let mut st = PartsStatus::new(committed, units);
     match parts.filter(|_| !committed) {
         Some(p) => {
-            let done = p.done()?;
-            st.done = done
-                .keys()
-                .filter_map(|n| shard_index(n))
-                .filter(|&s| s < units)
-                .collect();
-            st.claimed = p.live_claims()?;
+            let (mut st, done) = p.status(units, shard_index)?;
             if emb && !done.contains_key(EMBEDDINGS) {
                 st.missing_files.push(EMBEDDINGS.to_string());
             }
+            Ok(st)
         }
-        None if committed => st.done = (0..units).collect(),
-        None => {}
+        None if committed => Ok(PartsStatus::committed(units)),
+        None => Ok(PartsStatus::new(false, units)),
     }
-    Ok(st)
 }
 
 /// The configuration of the write in parts in `dir`, when there is one.
@@ -690,9 +854,13 @@ fn setup_of(dir: &Path) -> Result<Option<(Manifest, bool, Parts)>> {
 /// Where the cache at `dir` stands: committed, or which shards are durable, which are claimed
 /// by live ranks (and by whom), whether the declared embeddings are still owed, and what a
 /// restart would write. A cache whose every part is durable but not committed (its last rank
-/// killed mid-commit) is committed by [`commit_parts`].
+/// killed mid-commit) is committed by [`commit_parts`]. `dir` may be an `s3://` URL.
 pub fn status(dir: impl AsRef<Path>) -> Result<PartsStatus> {
-    let dir = dir.as_ref();
+    let dir = match Target::parse(dir.as_ref())? {
+        Target::Local(dir) => dir,
+        Target::Store(target) => return status_store(&target),
+    };
+    let dir = dir.as_path();
     if dir.join(MANIFEST).is_file() {
         let m = manifest::read(dir)?;
         let complete = shard::shard_set_problem(&shard::shard_set(dir)?, m.num_shards()).is_none();
@@ -710,15 +878,69 @@ pub fn status(dir: impl AsRef<Path>) -> Result<PartsStatus> {
     }
 }
 
+/// The configuration of the write in parts at the store prefix `target`, when there is one.
+fn setup_of_store(target: &Remote) -> Result<Option<(Manifest, bool, Parts)>> {
+    let Some(parts) = Parts::existing_store(target)? else {
+        return Ok(None);
+    };
+    let name = format!("{PARTS_DIR}/{SETUP}");
+    match target.get_opt(&name)? {
+        Some(bytes) => {
+            let (m, emb) = parse_setup(&bytes, &target.url_of(&name))?;
+            Ok(Some((m, emb, parts)))
+        }
+        None => Ok(None),
+    }
+}
+
+/// [`status`] of the cache at the store prefix `target`.
+fn status_store(target: &Remote) -> Result<PartsStatus> {
+    if let Some(bytes) = target.get_opt(MANIFEST)? {
+        let m = Manifest::parse(&bytes, &target.url_of(MANIFEST))?;
+        let present: std::collections::BTreeSet<u64> = target
+            .list()?
+            .iter()
+            .filter_map(|(n, _)| shard_index(n))
+            .collect();
+        let complete = shard::shard_set_problem(&present, m.num_shards()).is_none();
+        return status_of(&m, false, None, complete);
+    }
+    match setup_of_store(target)? {
+        Some((m, emb, parts)) => status_of(&m, emb, Some(&parts), false),
+        None => Err(Error::NotFound {
+            path: target.url_of(MANIFEST),
+            what: "no EAGLE-3 cache (no manifest.json) nor a write of one in parts".into(),
+        }),
+    }
+}
+
 /// Commits the cache at `dir` written in parts when every part is durable (the ranks
-/// finished, the last was killed while committing). Returns its status.
+/// finished, the last was killed while committing). Returns its status. `dir` may be an
+/// `s3://` URL.
 pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
-    let dir = dir.as_ref();
+    let dir = match Target::parse(dir.as_ref())? {
+        Target::Local(dir) => dir,
+        Target::Store(target) => {
+            let Some((m, emb, parts)) = setup_of_store(&target)? else {
+                if let Some(parts) = Parts::existing_store(&target)? {
+                    if target.get_opt(MANIFEST)?.is_some() {
+                        if let Some(_committing) = parts.commit_lock()? {
+                            clean_after_commit(parts)?;
+                        }
+                    }
+                }
+                return status_store(&target);
+            };
+            let committed = commit_store(&target, &m, emb, &parts)?;
+            return status_of(&m, emb, Some(&parts), committed);
+        }
+    };
+    let dir = dir.as_path();
     let Some((m, emb, parts)) = setup_of(dir)? else {
         if let Some(parts) = Parts::existing(dir).filter(|_| dir.join(MANIFEST).is_file()) {
             let _lock = WriteLock::dir_shared(dir)?;
             if let Some(_committing) = parts.commit_lock()? {
-                clean_after_commit(dir, parts)?;
+                clean_after_commit(parts)?;
             }
         }
         return status(dir);
@@ -731,10 +953,20 @@ pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
 /// The error for reading `dir` while it is an unfinished write in parts (no manifest.json
 /// yet), naming what is missing; `None` when it is not one.
 pub(crate) fn unfinished(dir: &Path) -> Option<Error> {
-    if dir.join(MANIFEST).is_file() {
-        return None;
-    }
-    let (m, emb, parts) = setup_of(dir).ok()??;
+    let (m, emb, parts) = match Target::parse(dir).ok()? {
+        Target::Store(target) => {
+            if target.get_opt(MANIFEST).ok()?.is_some() {
+                return None;
+            }
+            setup_of_store(&target).ok()??
+        }
+        Target::Local(_) => {
+            if dir.join(MANIFEST).is_file() {
+                return None;
+            }
+            setup_of(dir).ok()??
+        }
+    };
     let st = status_of(&m, emb, Some(&parts), false).ok()?;
     let present: u64 = st.done.iter().map(|&s| m.rows_in_shard(s)).sum();
     let mut missing: Vec<String> = st

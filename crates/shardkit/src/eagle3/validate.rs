@@ -95,6 +95,11 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
 /// values read every byte of the shards, so they are made on a local copy only.
 fn validate_remote(url: &Path, location: Result<Location>, deep: bool) -> Validation {
     let mut v = Validation::new(url);
+    // A cache being written in parts has no manifest.json until its commit: say so.
+    if let Some(e) = super::parts::unfinished(url) {
+        v.error_from(&e);
+        return v;
+    }
     let listed = location
         .and_then(|l| io::open_uncached(&l))
         .and_then(|r| Ok((r.list()?, r)));

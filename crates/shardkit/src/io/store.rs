@@ -43,14 +43,38 @@ impl std::fmt::Debug for Remote {
     }
 }
 
+/// Stores the tests put in place of buckets (`internals::use_store`).
+#[cfg(feature = "fault-injection")]
+static TEST_STORES: Mutex<Vec<(String, Arc<dyn ObjectStore>)>> = Mutex::new(Vec::new());
+
+/// Makes every `s3://bucket/...` of this process go to `store` (an in-memory one in tests),
+/// writes included.
+#[cfg(feature = "fault-injection")]
+pub fn use_store(bucket: &str, store: Arc<dyn ObjectStore>) {
+    let mut stores = TEST_STORES.lock().unwrap_or_else(|e| e.into_inner());
+    stores.retain(|(b, _)| b != bucket);
+    stores.push((bucket.to_string(), store));
+}
+
 /// The process's client of `bucket` (see the `s3` module).
-#[cfg(feature = "s3")]
 fn client_for(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+    #[cfg(feature = "fault-injection")]
+    {
+        let stores = TEST_STORES.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, s)) = stores.iter().find(|(b, _)| b == bucket) {
+            return Ok(s.clone());
+        }
+    }
+    client_of(bucket)
+}
+
+#[cfg(feature = "s3")]
+fn client_of(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     Ok(super::s3::store_for(bucket)?)
 }
 
 #[cfg(not(feature = "s3"))]
-fn client_for(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
+fn client_of(bucket: &str) -> Result<Arc<dyn ObjectStore>> {
     Err(Error::Invalid(format!(
         "s3://{bucket}: this build of shardkit has no S3 support (cargo feature `s3`)"
     )))

@@ -9,6 +9,14 @@
 //! as a private piece (`.shardkit-labels/<shard>`, fsynced), then the shard is published under
 //! its final name, then its record (`commit::parts`). A killed rank loses at most the shard it
 //! was filling; a restart, with any world size, writes only the shards not recorded.
+//!
+//! `root` may be an `s3://` prefix: each rank then fills its shards in a local staging
+//! directory (`commit::staging_dir` of the dataset's URL), uploads each full shard under its
+//! final name (its labels' piece first, as an object `.shardkit-labels/<shard>`), then its
+//! record; the ranks coordinate through the store alone (`commit::parts_store`). The commit
+//! fetches the pieces in order to build labels.bin, uploads it and the checksum sidecar, and
+//! uploads shards.json last: the committed objects are those one [`Writer`](super::Writer)
+//! uploads.
 
 use std::fs::{self, File};
 use std::ops::Range;
@@ -17,9 +25,10 @@ use std::path::{Path, PathBuf};
 
 use crate::checksum::FileSums;
 use crate::commit::parts::{part_of, Claim, Parts, PartsStatus, Rank, UnitFiles};
-use crate::commit::{Files, Target, WriteLock};
+use crate::commit::{staging_dir, Files, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::Remote;
 use crate::json::Value;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{shards_json_bytes, Layout};
@@ -29,7 +38,10 @@ use crate::saev::Metadata;
 
 /// Writes rank `rank`'s part of a saev dataset; see the module documentation.
 pub struct PartWriter {
+    /// Where shards are written: the dataset directory, or for a store the local staging.
     dir: PathBuf,
+    /// The dataset's location: its directory, or its `s3://` URL.
+    location: PathBuf,
     md: Metadata,
     layout: Layout,
     rank: Rank,
@@ -46,15 +58,17 @@ pub struct PartWriter {
     /// The parts state and this rank's claim on its shards; `None` when the dataset was
     /// already committed (nothing is written then).
     parts: Option<(Parts, Claim)>,
-    /// Held shared by every part writer of the dataset (a whole-dataset writer holds it
-    /// exclusively).
-    _lock: WriteLock,
+    /// The dataset's prefix when writing to a store (`dir` is then where shards are staged).
+    store: Option<Remote>,
+    /// Held shared by every part writer of a local dataset (a whole-dataset writer holds it
+    /// exclusively); in a store the claims and the dataset lock exclude each other.
+    _lock: Option<WriteLock>,
 }
 
 impl std::fmt::Debug for PartWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PartWriter")
-            .field("dir", &self.dir)
+            .field("location", &self.location)
             .field("rank", &self.rank)
             .field("shards", &self.shards)
             .field("next", &self.next)
@@ -62,20 +76,23 @@ impl std::fmt::Debug for PartWriter {
     }
 }
 
-/// The first top-level key whose value differs between two metadata objects, for a refusal.
-fn differing_key(ours: &Value, theirs: &Value) -> String {
-    let (Value::Object(a), Value::Object(b)) = (ours, theirs) else {
-        return "(the whole document)".into();
-    };
-    for (k, v) in a {
-        if theirs.get(k) != Some(v) {
-            return k.clone();
+/// The metadata keys in which `theirs` (a metadata.json's bytes) differs from `ours`, for a
+/// refusal.
+fn differing_text(ours: &Value, theirs: &[u8]) -> String {
+    match crate::json::parse(theirs) {
+        Err(_) => "(not JSON)".into(),
+        Ok(t) => {
+            let keys = crate::json::differing_keys(ours, &t);
+            if keys.is_empty() {
+                "(key order or formatting)".into()
+            } else {
+                keys.iter()
+                    .map(|k| format!("{k:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
         }
     }
-    b.iter()
-        .find(|(k, _)| ours.get(k).is_none())
-        .map(|(k, _)| k.clone())
-        .unwrap_or_else(|| "(key order or formatting)".into())
 }
 
 impl PartWriter {
@@ -87,14 +104,7 @@ impl PartWriter {
     pub fn create(root: impl AsRef<Path>, md: Metadata, rank: Rank) -> Result<PartWriter> {
         let root = match Target::parse(root.as_ref())? {
             Target::Local(root) => root,
-            Target::Store(store) => {
-                return Err(Error::Invalid(format!(
-                    "{}: writing a dataset in parts to an object store is not supported yet; \
-                     write the parts to a shared file system (or one process with \
-                     saev.Writer to the store)",
-                    store.url()
-                )))
-            }
+            Target::Store(store) => return Self::create_store(&store, md, rank),
         };
         let layout = Layout::new(&md, Path::new("metadata.json"))?;
         let dir = root.join(md.dir_name());
@@ -103,68 +113,101 @@ impl PartWriter {
         let md_path = dir.join("metadata.json");
         let committed = fsutil::read_json_file(&md_path).is_ok_and(|b| b == md.file_bytes())
             && check_complete(&dir, &layout).is_ok();
+        let mut w = PartWriter {
+            shards: part_of(layout.n_shards, rank),
+            location: dir.clone(),
+            dir,
+            md,
+            layout,
+            rank,
+            pending: Vec::new(),
+            next: None,
+            shard: None,
+            labels: None,
+            parts: None,
+            store: None,
+            _lock: Some(lock),
+        };
         if committed {
             // Done before (a rank started again after the commit): nothing to write. What a
             // committer killed while cleaning up left is removed; nothing else is touched.
-            if let Some(parts) = Parts::existing(&dir) {
+            if let Some(parts) = Parts::existing(&w.dir) {
                 if let Some(_committing) = parts.commit_lock()? {
-                    clean_after_commit(&dir, &dir.join(LABEL_PIECES), parts)?;
+                    clean_after_commit(parts)?;
                 }
             }
-            return Ok(PartWriter {
-                shards: part_of(layout.n_shards, rank),
-                dir,
-                md,
-                layout,
-                rank,
-                pending: Vec::new(),
-                next: None,
-                shard: None,
-                labels: None,
-                parts: None,
-                _lock: lock,
-            });
+            return Ok(w);
         }
-        let parts = Parts::open(&dir)?;
+        let parts = Parts::open(&w.dir)?;
         // Ranks start together: one at a time checks (or writes) metadata.json.
         let setting_up = parts.setup_lock()?;
-        let ours = md.file_bytes();
+        let ours = w.md.file_bytes();
         match fsutil::read_json_file(&md_path) {
             Ok(theirs) if theirs == ours => {}
-            Ok(theirs) => {
-                let key = crate::json::parse(&theirs)
-                    .map(|t| differing_key(md.raw(), &t))
-                    .unwrap_or_else(|_| "(not JSON)".into());
-                return Err(Error::Exists {
-                    path: md_path,
-                    why: format!(
-                        "holds a different dataset: metadata key {key:?} differs from this \
-                         rank's; every rank must write the same metadata (refusing to write)"
-                    ),
-                });
-            }
+            Ok(theirs) => return Err(mismatch(md_path, w.md.raw(), &theirs)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                fsutil::atomic_write(&dir.join(MARKER), b"")?;
+                fsutil::atomic_write(&w.dir.join(MARKER), b"")?;
                 fsutil::atomic_write(&md_path, &ours)?;
             }
             Err(e) => return Err(Error::io(&md_path, e)),
         }
         drop(setting_up);
-        let shards = part_of(layout.n_shards, rank);
-        let claim = parts.claim(shards.clone(), rank)?;
+        let claim = parts.claim(w.shards.clone(), rank)?;
+        w.parts = Some((parts, claim));
+        w.plan()?;
+        Ok(w)
+    }
+
+    /// [`PartWriter::create`] under the store prefix `root`.
+    fn create_store(root: &Remote, md: Metadata, rank: Rank) -> Result<PartWriter> {
+        let layout = Layout::new(&md, Path::new("metadata.json"))?;
+        let target = root.join(&md.dir_name());
+        let url = PathBuf::from(target.url());
+        // Each rank stages its shards under the dataset's staging directory (shard names are
+        // the ranks' own; the commit builds in its own directory).
+        let staged = staging_dir(&url).join(PARTS_STAGING);
+        fs::create_dir_all(&staged).at(&staged)?;
         let mut w = PartWriter {
-            dir,
+            shards: part_of(layout.n_shards, rank),
+            location: PathBuf::from(target.url()),
+            dir: staged,
             md,
             layout,
             rank,
-            shards,
             pending: Vec::new(),
             next: None,
             shard: None,
             labels: None,
-            parts: Some((parts, claim)),
-            _lock: lock,
+            parts: None,
+            store: Some(target.clone()),
+            _lock: None,
         };
+        if store_committed(&target, &w.md)? {
+            if let Some(parts) = Parts::existing_store(&target)? {
+                if let Some(_committing) = parts.commit_lock()? {
+                    clean_after_commit(parts)?;
+                }
+            }
+            return Ok(w);
+        }
+        let parts = Parts::open_store(&target)?;
+        let Some(store) = parts.store() else {
+            return Err(Error::Internal("internal: a store's parts state".into()));
+        };
+        // Refused before anything is written: a whole-dataset writer, another dataset.
+        store.refuse_single_writer()?;
+        if let Some(theirs) = store.create_setup("metadata.json", &w.md.file_bytes())? {
+            return Err(mismatch(
+                target.url_of("metadata.json"),
+                w.md.raw(),
+                &theirs,
+            ));
+        }
+        let claim = parts.claim(w.shards.clone(), rank)?;
+        // Looked at again once the claim is made: a whole-dataset writer takes its lock, then
+        // looks for claims, so of a writer and a rank starting together one sees the other.
+        store.refuse_single_writer()?;
+        w.parts = Some((parts, claim));
         w.plan()?;
         Ok(w)
     }
@@ -184,12 +227,13 @@ impl PartWriter {
         }
         let eps = self.layout.examples_per_shard;
         let n = self.layout.n_examples;
+        let intact = parts.intact_units(&done)?;
         for s in self.shards.clone() {
             let name = Layout::shard_name(s);
-            if let Some(files) = done.get(&name) {
-                if self.intact(s, files) {
-                    continue;
-                }
+            if intact.contains(&name) {
+                continue;
+            }
+            if done.contains_key(&name) {
                 parts.forget(&name)?;
             }
             for p in [self.dir.join(&name), self.dir.join(label_piece(s))] {
@@ -210,21 +254,12 @@ impl PartWriter {
         Ok(())
     }
 
-    /// Whether shard `s`, recorded with `files`, is on disk as recorded (sizes checked; the
-    /// checksums are the sidecar's to check).
-    fn intact(&self, s: u64, files: &UnitFiles) -> bool {
-        files
-            .iter()
-            .all(|(name, sums)| fsutil::regular_file_len(&self.dir.join(name)) == Some(sums.bytes))
-            && files.contains_key(&Layout::shard_name(s))
-    }
-
     fn note_labels(&mut self, has: bool) -> Result<()> {
         match self.labels {
             Some(l) if l != has => Err(Error::Invalid(format!(
                 "{}: the dataset's shards disagree on whether it has labels; every rank must \
                  write labels, or none",
-                self.dir.display()
+                self.location.display()
             ))),
             _ => {
                 self.labels = Some(has);
@@ -233,9 +268,9 @@ impl PartWriter {
         }
     }
 
-    /// The dataset directory.
+    /// The dataset directory, or its `s3://` URL.
     pub fn path(&self) -> &Path {
-        &self.dir
+        &self.location
     }
 
     /// This rank and world size.
@@ -278,7 +313,7 @@ impl PartWriter {
         if self.parts.is_none() {
             return Err(Error::Invalid(format!(
                 "{}: the dataset is already committed; nothing is left to write",
-                self.dir.display()
+                self.location.display()
             )));
         }
         let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
@@ -348,22 +383,43 @@ impl PartWriter {
         };
         let name = Layout::shard_name(s);
         let mut files = UnitFiles::new();
-        if self.labels == Some(true) {
-            let piece = label_piece(s);
-            let path = self.dir.join(&piece);
-            let dir = fsutil::parent_of(&path);
-            fs::create_dir_all(dir).at(dir)?;
-            fsutil::atomic_write(&path, &labels)?;
-            files.insert(piece, FileSums::of_bytes(&labels));
+        if let Some(store) = &self.store {
+            // Uploaded under its final name (a PUT is atomic), its labels' piece first; the
+            // staged copy goes once the upload is done (no fsync: the store holds it then).
+            if let Some((_, claim)) = &self.parts {
+                claim.check()?;
+            }
+            if self.labels == Some(true) {
+                let piece = label_piece(s);
+                files.insert(piece.clone(), FileSums::of_bytes(&labels));
+                store.put(&piece, labels)?;
+            }
+            drop(file);
+            let sums = FileSums::of_file(&tmp)?;
+            store.put_file(&name, &tmp)?;
+            fs::remove_file(&tmp).at(&tmp)?;
+            files.insert(name.clone(), sums);
+        } else {
+            if self.labels == Some(true) {
+                let piece = label_piece(s);
+                let path = self.dir.join(&piece);
+                let dir = fsutil::parent_of(&path);
+                fs::create_dir_all(dir).at(dir)?;
+                fsutil::atomic_write(&path, &labels)?;
+                files.insert(piece, FileSums::of_bytes(&labels));
+            }
+            fsutil::sync_data(&file, &tmp)?;
+            drop(file);
+            fsutil::publish(&tmp, &self.dir.join(&name))?;
+            files.insert(name.clone(), FileSums::of_file(&self.dir.join(&name))?);
         }
-        fsutil::sync_data(&file, &tmp)?;
-        drop(file);
-        fsutil::publish(&tmp, &self.dir.join(&name))?;
-        files.insert(name.clone(), FileSums::of_file(&self.dir.join(&name))?);
-        let (parts, _) = self
-            .parts
-            .as_ref()
-            .expect("a shard is written only when unfinished");
+        let Some((parts, claim)) = self.parts.as_ref() else {
+            return Err(Error::Internal(
+                "internal: a shard published by a writer of a committed dataset".into(),
+            ));
+        };
+        // Not recorded by a rank whose claim another took over (it may be writing this shard).
+        claim.check()?;
         parts.record_done(&name, &files)
     }
 
@@ -375,7 +431,7 @@ impl PartWriter {
         if let Some(next) = self.next {
             let left: u64 = self.pending.iter().map(|r| r.end - r.start).sum();
             return Err(Error::Incomplete {
-                path: self.dir.clone(),
+                path: self.location.clone(),
                 present: self.examples().end - self.examples().start - left,
                 total: self.examples().end - self.examples().start,
                 detail: format!(
@@ -386,11 +442,114 @@ impl PartWriter {
             });
         }
         let Some((parts, _)) = &self.parts else {
-            return status_of(&self.layout, None, true);
+            return Ok(PartsStatus::committed(self.layout.n_shards));
         };
-        let committed = commit(&self.dir, &self.md, &self.layout, parts)?;
-        status_of(&self.layout, Some(parts), committed)
+        let committed = match &self.store {
+            Some(store) => commit_store(store, &self.md, &self.layout, parts)?,
+            None => commit(&self.dir, &self.md, &self.layout, parts)?,
+        };
+        status_of(&self.layout, parts, committed)
     }
+}
+
+/// Where a rank writing to a store stages its shards, under the dataset's staging directory.
+const PARTS_STAGING: &str = ".shardkit-parts";
+
+/// The refusal of a rank whose metadata differs from the dataset's (`theirs`, at `path`).
+fn mismatch(path: PathBuf, ours: &Value, theirs: &[u8]) -> Error {
+    let key = differing_text(ours, theirs);
+    Error::Exists {
+        path,
+        why: format!(
+            "holds a different dataset: metadata key(s) {key} differ from this rank's; every \
+             rank must write the same metadata (refusing to write)"
+        ),
+    }
+}
+
+/// Whether the store prefix `target` holds the committed dataset `md` (its metadata.json,
+/// and shards.json with every shard: it opens).
+fn store_committed(target: &Remote, md: &Metadata) -> Result<bool> {
+    if target.get_opt("metadata.json")?.as_deref() != Some(&md.file_bytes()[..]) {
+        return Ok(false);
+    }
+    Ok(target.get_opt("shards.json")?.is_some()
+        && crate::saev::Dataset::open(PathBuf::from(target.url())).is_ok())
+}
+
+/// Whether every shard is recorded durable; then whether they carry labels (all, or none:
+/// a mix is refused, naming the counts). `None` while shards are missing.
+fn all_recorded(
+    at: &Path,
+    layout: &Layout,
+    done: &std::collections::BTreeMap<String, UnitFiles>,
+) -> Result<Option<bool>> {
+    let n = layout.n_shards;
+    if (0..n).any(|s| !done.contains_key(&Layout::shard_name(s))) {
+        return Ok(None);
+    }
+    let with_labels = (0..n)
+        .filter(|&s| done[&Layout::shard_name(s)].contains_key(&label_piece(s)))
+        .count() as u64;
+    if with_labels != 0 && with_labels != n {
+        return Err(Error::format(
+            at,
+            format!(
+                "{with_labels} of {n} shards were written with labels: every rank must write \
+                 labels, or none (rewrite the shards of the ranks that differed)"
+            ),
+        ));
+    }
+    Ok(Some(with_labels == n))
+}
+
+/// Builds labels.bin at `path` from the pieces in shard order (`piece(s)` gives shard `s`'s
+/// bytes), each checked against its record; built beside and published whole.
+fn build_labels(
+    path: &Path,
+    layout: &Layout,
+    done: &std::collections::BTreeMap<String, UnitFiles>,
+    piece: impl Fn(u64) -> Result<(Vec<u8>, PathBuf)> + Sync,
+) -> Result<()> {
+    // Several pieces at a time (each a GET in a store), each written at its own offset.
+    const FETCHERS: u64 = 8;
+    let p = layout.content_tokens;
+    let tmp = fsutil::temp_sibling(path);
+    let f = fsutil::create_sized(&tmp, layout.n_examples * p)?;
+    let n = layout.n_shards;
+    let fetch = |first: u64| -> Result<()> {
+        for s in (first..n).step_by(FETCHERS as usize) {
+            let (bytes, at) = piece(s)?;
+            if FileSums::of_bytes(&bytes) != done[&Layout::shard_name(s)][&label_piece(s)] {
+                return Err(Error::format(
+                    &at,
+                    "does not match its record (the labels of a durable shard were changed)",
+                ));
+            }
+            f.write_all_at(&bytes, s * layout.examples_per_shard * p)
+                .at(&tmp)?;
+        }
+        Ok(())
+    };
+    std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..FETCHERS.min(n))
+            .map(|t| {
+                let fetch = &fetch;
+                sc.spawn(move || fetch(t))
+            })
+            .collect();
+        workers.into_iter().try_for_each(|w| {
+            w.join().unwrap_or_else(|_| {
+                Err(Error::Internal(format!(
+                    "{}: a thread fetching labels' pieces panicked",
+                    tmp.display()
+                )))
+            })
+        })
+    })?;
+    fsutil::sync_file(&f, &tmp)?;
+    drop(f);
+    fsutil::publish(&tmp, path)
 }
 
 /// Commits the dataset in `dir` if every shard is durable and nobody has; true when it is
@@ -402,26 +561,14 @@ fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<b
     };
     if check_complete(dir, layout).is_ok() {
         // Committed by another rank (or by a run killed while cleaning up after it).
-        clean_after_commit(dir, &dir.join(LABEL_PIECES), parts.clone())?;
+        clean_after_commit(parts.clone())?;
         return Ok(true);
     }
     let done = parts.done()?;
-    let n = layout.n_shards;
-    if (0..n).any(|s| !done.contains_key(&Layout::shard_name(s))) {
+    let Some(with_labels) = all_recorded(dir, layout, &done)? else {
         return Ok(false);
-    }
-    let with_labels = (0..n)
-        .filter(|&s| done[&Layout::shard_name(s)].contains_key(&label_piece(s)))
-        .count() as u64;
-    if with_labels != 0 && with_labels != n {
-        return Err(Error::format(
-            dir,
-            format!(
-                "{with_labels} of {n} shards were written with labels: every rank must write \
-                 labels, or none (rewrite the shards of the ranks that differed)"
-            ),
-        ));
-    }
+    };
+    let n = layout.n_shards;
     let mut files = Files::default();
     for (s, unit) in (0..n).map(|s| (s, &done[&Layout::shard_name(s)])) {
         let name = Layout::shard_name(s);
@@ -435,102 +582,193 @@ fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<b
         }
         files.insert(&name, sums.clone());
     }
-    if with_labels == n {
-        // labels.bin is the pieces in shard order, built beside and published whole.
-        let p = layout.content_tokens;
-        let labels = dir.join("labels.bin");
-        let tmp = fsutil::temp_sibling(&labels);
-        let f = fsutil::create_sized(&tmp, layout.n_examples * p)?;
-        for s in 0..n {
+    if with_labels {
+        build_labels(&dir.join("labels.bin"), layout, &done, |s| {
             let piece = dir.join(label_piece(s));
-            let bytes = fs::read(&piece).at(&piece)?;
-            if FileSums::of_bytes(&bytes) != done[&Layout::shard_name(s)][&label_piece(s)] {
-                return Err(Error::format(
-                    &piece,
-                    "does not match its record (the labels of a durable shard were changed)",
-                ));
-            }
-            f.write_all_at(&bytes, s * layout.examples_per_shard * p)
-                .at(&tmp)?;
-        }
-        fsutil::sync_file(&f, &tmp)?;
-        drop(f);
-        fsutil::publish(&tmp, &labels)?;
+            Ok((fs::read(&piece).at(&piece)?, piece))
+        })?;
     }
     let counts: Vec<u64> = (0..n).map(|s| layout.shard_count(s)).collect();
     let shards_json = shards_json_bytes(&counts, md.count_key());
     files.record_bytes("shards.json", &shards_json);
     // The sidecar lists the dataset's files (private names, the pieces and records among
     // them, are not the dataset's), as a single writer's does.
-    let pieces = dir.join(LABEL_PIECES);
     files.write_sidecar(dir)?;
     fsutil::atomic_write(&dir.join("shards.json"), &shards_json)?;
     // Committed: the rest is cleaning up, which a later open or status finishes if cut short.
-    clean_after_commit(dir, &pieces, parts.clone())?;
+    clean_after_commit(parts.clone())?;
     Ok(true)
 }
 
-fn clean_after_commit(dir: &Path, pieces: &Path, parts: Parts) -> Result<()> {
-    // One labels piece a shard: removed several at a time, as the records are.
-    fsutil::remove_dir_files_parallel(pieces)?;
-    match fs::remove_file(dir.join(MARKER)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(Error::io(dir.join(MARKER), e))
+/// [`commit`] in the store prefix `target`: labels.bin (from the pieces, fetched in order)
+/// and the sidecar are built in a local directory of the committer's and uploaded, then,
+/// the commit lock renewed, shards.json.
+fn commit_store(target: &Remote, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<bool> {
+    let Some(committing) = parts.commit_lock()? else {
+        return store_committed(target, md);
+    };
+    if store_committed(target, md)? {
+        clean_after_commit(parts.clone())?;
+        return Ok(true);
+    }
+    let url = PathBuf::from(target.url());
+    let done = parts.done()?;
+    let Some(with_labels) = all_recorded(&url, layout, &done)? else {
+        return Ok(false);
+    };
+    let n = layout.n_shards;
+    let mut files = Files::default();
+    let sizes: std::collections::BTreeMap<String, u64> = target.list()?.into_iter().collect();
+    for s in 0..n {
+        let name = Layout::shard_name(s);
+        let sums = &done[&name][&name];
+        if sizes.get(&name) != Some(&sums.bytes) {
+            return Err(Error::format(
+                target.url_of(&name),
+                "recorded durable but missing or of another size (delete its record under \
+                 .shardkit-parts/done/ and write that shard again)",
+            ));
         }
+        files.insert(&name, sums.clone());
+    }
+    // The committer's own directory (another rank of this machine may stage shards beside).
+    let dir = staging_dir(&url).join(format!(".shardkit-commit-{}", std::process::id()));
+    match fs::remove_dir_all(&dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&dir, e)),
         _ => {}
     }
-    parts.remove()?;
-    fsutil::fsync_dir(dir)
+    fs::create_dir_all(&dir).at(&dir)?;
+    let built = (|| -> Result<()> {
+        fsutil::atomic_write(&dir.join("metadata.json"), &md.file_bytes())?;
+        if with_labels {
+            build_labels(&dir.join("labels.bin"), layout, &done, |s| {
+                let piece = label_piece(s);
+                Ok((target.get(&piece)?, target.url_of(&piece)))
+            })?;
+        }
+        let counts: Vec<u64> = (0..n).map(|s| layout.shard_count(s)).collect();
+        let shards_json = shards_json_bytes(&counts, md.count_key());
+        files.record_bytes("shards.json", &shards_json);
+        let sidecar = files.write_sidecar(&dir)?;
+        if with_labels {
+            target.put_file("labels.bin", &dir.join("labels.bin"))?;
+        }
+        let sidecar_name = crate::checksum::SIDECAR;
+        target.put_file(sidecar_name, &sidecar)?;
+        // Still this rank's commit (a committer stalled past its lease has lost it).
+        committing.confirm()?;
+        target.put("shards.json", shards_json)
+    })();
+    let _ = fs::remove_dir_all(&dir);
+    built?;
+    clean_after_commit(parts.clone())?;
+    Ok(true)
 }
 
-fn status_of(layout: &Layout, parts: Option<&Parts>, committed: bool) -> Result<PartsStatus> {
-    let (done, claimed) = match parts.filter(|_| !committed) {
-        Some(p) => (
-            p.done()?
-                .keys()
-                .filter_map(|n| shard_index(n))
-                .filter(|&s| s < layout.n_shards)
-                .collect(),
-            p.live_claims()?,
-        ),
-        None if committed => ((0..layout.n_shards).collect(), Vec::new()),
-        None => (Vec::new(), Vec::new()),
+/// Removes what a write in parts keeps beside the committed dataset.
+fn clean_after_commit(parts: Parts) -> Result<()> {
+    // The marker exists only in a local directory; deleting an absent object is no error.
+    let marker: &[&str] = if parts.store().is_some() {
+        &[]
+    } else {
+        &[MARKER]
     };
-    let mut st = PartsStatus::new(committed, layout.n_shards);
-    (st.done, st.claimed) = (done, claimed);
-    Ok(st)
+    parts.clean_after_commit(&[LABEL_PIECES], marker)
 }
 
-/// Where the dataset at `dir` (a saev dataset directory) stands: committed, or which shards
-/// are durable, which are claimed by live ranks, and what a restart would write. A dataset
-/// whose every shard is durable but not committed (its last rank killed mid-commit) is
-/// committed by [`commit_parts`].
+fn status_of(layout: &Layout, parts: &Parts, committed: bool) -> Result<PartsStatus> {
+    if committed {
+        return Ok(PartsStatus::committed(layout.n_shards));
+    }
+    Ok(parts.status(layout.n_shards, shard_index)?.0)
+}
+
+/// Where the dataset at `dir` (a saev dataset directory, or its `s3://` URL) stands:
+/// committed, or which shards are durable, which are claimed by live ranks, and what a
+/// restart would write. A dataset whose every shard is durable but not committed (its last
+/// rank killed mid-commit) is committed by [`commit_parts`].
 pub fn status(dir: impl AsRef<Path>) -> Result<PartsStatus> {
-    let dir = dir.as_ref();
-    let (md, _) = Metadata::parse(
-        &fsutil::read_json_file(&dir.join("metadata.json"))
-            .map_err(|e| Error::io(dir.join("metadata.json"), e))?,
-        &dir.join("metadata.json"),
-    )?;
-    let layout = Layout::new(&md, &dir.join("metadata.json"))?;
-    let committed = check_complete(dir, &layout).is_ok();
-    status_of(&layout, Parts::existing(dir).as_ref(), committed)
+    let (md, layout, place) = open_parts(dir.as_ref())?;
+    match place {
+        Opened::Local(dir) => {
+            let committed = check_complete(&dir, &layout).is_ok();
+            match Parts::existing(&dir) {
+                Some(p) => status_of(&layout, &p, committed),
+                None => Ok(if committed {
+                    PartsStatus::committed(layout.n_shards)
+                } else {
+                    PartsStatus::new(false, layout.n_shards)
+                }),
+            }
+        }
+        Opened::Store(target) => {
+            let committed = store_committed(&target, &md)?;
+            match Parts::existing_store(&target)? {
+                Some(p) => status_of(&layout, &p, committed),
+                None => Ok(if committed {
+                    PartsStatus::committed(layout.n_shards)
+                } else {
+                    PartsStatus::new(false, layout.n_shards)
+                }),
+            }
+        }
+    }
 }
 
-/// Commits the dataset at `dir` written in parts, when every shard is durable (a restart of
-/// nothing: the ranks finished, the last was killed while committing). Returns its status.
-pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
-    let dir = dir.as_ref();
-    let md_path = dir.join("metadata.json");
-    let (md, _) = Metadata::parse(
-        &fsutil::read_json_file(&md_path).map_err(|e| Error::io(&md_path, e))?,
-        &md_path,
-    )?;
-    let layout = Layout::new(&md, &md_path)?;
-    let Some(parts) = Parts::existing(dir) else {
-        return status(dir);
+/// The status of the dataset at `dir` (a directory or an `s3://` URL) when a write in parts
+/// of it is under way (its state exists), for `validate`.
+pub(crate) fn unfinished_status(dir: &Path) -> Option<PartsStatus> {
+    let exists = match Target::parse(dir).ok()? {
+        Target::Local(d) => Parts::existing(&d).is_some(),
+        Target::Store(target) => Parts::existing_store(&target).ok()?.is_some(),
     };
-    let _lock = WriteLock::dir_shared(dir)?;
-    let committed = commit(dir, &md, &layout, &parts)?;
-    status_of(&layout, Some(&parts), committed)
+    exists.then(|| status(dir).ok()).flatten()
+}
+
+/// Where a dataset written in parts is.
+enum Opened {
+    Local(PathBuf),
+    Store(Remote),
+}
+
+/// The metadata and layout of the dataset at `dir` (a directory or an `s3://` URL).
+fn open_parts(dir: &Path) -> Result<(Metadata, Layout, Opened)> {
+    let (bytes, md_path, place) = match Target::parse(dir)? {
+        Target::Local(dir) => {
+            let md_path = dir.join("metadata.json");
+            let bytes = fsutil::read_json_file(&md_path).map_err(|e| Error::io(&md_path, e))?;
+            (bytes, md_path, Opened::Local(dir))
+        }
+        Target::Store(target) => {
+            let md_path = target.url_of("metadata.json");
+            (target.get("metadata.json")?, md_path, Opened::Store(target))
+        }
+    };
+    let (md, _) = Metadata::parse(&bytes, &md_path)?;
+    let layout = Layout::new(&md, &md_path)?;
+    Ok((md, layout, place))
+}
+
+/// Commits the dataset at `dir` (a directory, or an `s3://` URL) written in parts, when every
+/// shard is durable (a restart of nothing: the ranks finished, the last was killed while
+/// committing). Returns its status.
+pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
+    let (md, layout, place) = open_parts(dir.as_ref())?;
+    match place {
+        Opened::Local(dir) => {
+            let Some(parts) = Parts::existing(&dir) else {
+                return status(&dir);
+            };
+            let _lock = WriteLock::dir_shared(&dir)?;
+            let committed = commit(&dir, &md, &layout, &parts)?;
+            status_of(&layout, &parts, committed)
+        }
+        Opened::Store(target) => {
+            let Some(parts) = Parts::existing_store(&target)? else {
+                return status(dir);
+            };
+            let committed = commit_store(&target, &md, &layout, &parts)?;
+            status_of(&layout, &parts, committed)
+        }
+    }
 }

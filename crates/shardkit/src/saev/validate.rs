@@ -143,9 +143,7 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
                     layout.n_examples
                 ),
             );
-            if let Some(st) = crate::commit::parts::Parts::existing(&dir)
-                .and_then(|_| super::parts::status(&dir).ok())
-            {
+            if let Some(st) = super::parts::unfinished_status(&dir) {
                 push(Severity::Error, &dir, parts_finding(&st));
             }
         }

@@ -162,7 +162,8 @@ class PartWriter(Closing[Dict[str, Any]]):
     ``world_size`` they come from the launcher: ``RANK``/``WORLD_SIZE`` (torchrun), Slurm
     (``SLURM_ARRAY_TASK_ID``/``SLURM_ARRAY_TASK_COUNT``, ``SLURM_PROCID``/``SLURM_NTASKS``) or MPI.
     No collective is needed: the ranks coordinate through the directory (a shared file system
-    across nodes).
+    across nodes), or through the store itself for an ``s3://`` root (conditional writes and
+    leases; see docs/parallel.md).
 
     Each shard is durable as soon as it is full. After a kill, start the job again, with the
     same or another world size: ``pending`` lists the examples this rank still owes (shards

@@ -1,0 +1,381 @@
+//! One saev dataset written by several writers to an object store (an in-memory one put in
+//! place of the bucket; threads as ranks): every committed object byte-identical to the
+//! file one writer writes locally, resumable after a kill with another world size, and
+//! refusing what would mix two datasets or two writers of one part. The ranks coordinate
+//! through the store alone. (Processes against a real S3 server, with SIGKILL, are in
+//! crates/shardkit-py/tests/test_parts_s3.py.) Each test is its own process under nextest,
+//! so the environment variables each sets are its own.
+#![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures::TryStreamExt;
+use object_store::memory::InMemory;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use shardkit::saev::{self, Dataset, Metadata, PartWriter, Writer, WriterOptions};
+use shardkit::{Error, Rank};
+
+const ROOT: &str = "s3://bucket/data";
+
+fn metadata(n_examples: u64) -> Metadata {
+    let md = format!(
+        r#"{{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
+        "cls_token": true, "d_model": 4, "n_examples": {n_examples}, "max_tokens_per_shard": 16,
+        "data": "d", "dataset": "t", "protocol": "2.1"}}"#
+    );
+    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
+}
+
+const EV: usize = 2 * 4 * 4;
+
+fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
+    examples
+        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
+        .collect()
+}
+
+fn labels(examples: std::ops::Range<u64>) -> Vec<u8> {
+    examples
+        .flat_map(|e| (0..3).map(move |t| (e * 7 + t) as u8))
+        .collect()
+}
+
+/// A fresh in-memory store in place of `s3://bucket`, staging under `staging`.
+fn store(staging: &Path) -> Arc<InMemory> {
+    std::env::set_var("SHARDKIT_STAGING_DIR", staging);
+    let mem = Arc::new(InMemory::new());
+    shardkit::internals::stores::use_store("bucket", mem.clone());
+    mem
+}
+
+/// Every object under `data/<dir>/` with its bytes, names relative to it.
+fn objects(mem: &InMemory, dir: &str) -> BTreeMap<String, Vec<u8>> {
+    let prefix = format!("data/{dir}");
+    futures::executor::block_on(async {
+        let metas: Vec<_> = mem
+            .list(Some(&ObjectPath::from(prefix.as_str())))
+            .try_collect()
+            .await
+            .unwrap();
+        let mut out = BTreeMap::new();
+        for m in metas {
+            let bytes = mem.get(&m.location).await.unwrap().bytes().await.unwrap();
+            let name = m.location.as_ref()[prefix.len() + 1..].to_string();
+            out.insert(name, bytes.to_vec());
+        }
+        out
+    })
+}
+
+/// Every file below `dir`, as [`objects`].
+fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        out.insert(name, std::fs::read(&p).unwrap());
+    }
+    out
+}
+
+fn single_local(root: &Path, n: u64, with_labels: bool) -> BTreeMap<String, Vec<u8>> {
+    let mut w = Writer::create(root, metadata(n), WriterOptions::default()).unwrap();
+    let l = labels(0..n);
+    w.write(&acts(0..n), with_labels.then_some(&l[..])).unwrap();
+    tree(&w.finish().unwrap())
+}
+
+fn write_all(mut w: PartWriter, with_labels: bool) -> shardkit::PartsStatus {
+    for r in w.pending().to_vec() {
+        let mut at = r.start;
+        while at < r.end {
+            let end = (at + 3).min(r.end);
+            let l = labels(at..end);
+            w.write(&acts(at..end), with_labels.then_some(&l[..]))
+                .unwrap();
+            at = end;
+        }
+    }
+    w.finish().unwrap()
+}
+
+fn url(dir: &str) -> PathBuf {
+    PathBuf::from(format!("{ROOT}/{dir}"))
+}
+
+fn rank(r: u64, w: u64) -> Rank {
+    Rank::new(r, w).unwrap()
+}
+
+#[test]
+fn one_to_four_ranks_in_a_store_commit_the_objects_one_local_writer_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = metadata(11).dir_name();
+    for with_labels in [true, false] {
+        let want = single_local(
+            &tmp.path().join(format!("one-{with_labels}")),
+            11,
+            with_labels,
+        );
+        for world in [1u64, 2, 3, 4] {
+            let mem = store(&tmp.path().join(format!("staging-{world}-{with_labels}")));
+            let writers: Vec<PartWriter> = (0..world)
+                .map(|r| PartWriter::create(ROOT, metadata(11), rank(r, world)).unwrap())
+                .collect();
+            // The ranks write and finish at once; whichever completes the set commits.
+            let statuses: Vec<shardkit::PartsStatus> = std::thread::scope(|s| {
+                let ts: Vec<_> = writers
+                    .into_iter()
+                    .map(|w| s.spawn(move || write_all(w, with_labels)))
+                    .collect();
+                ts.into_iter().map(|t| t.join().unwrap()).collect()
+            });
+            assert!(statuses.iter().any(|s| s.committed), "{statuses:?}");
+            assert_eq!(
+                objects(&mem, &dir),
+                want,
+                "world {world}, labels {with_labels}"
+            );
+            Dataset::open(url(&dir)).unwrap();
+            assert!(saev::status(url(&dir)).unwrap().committed);
+        }
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_part_in_a_store_is_resumed_with_another_world_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = single_local(&tmp.path().join("one"), 11, true);
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    // World 3: shards 0..2, 2..4, 4..6. Rank 0 finishes; rank 1 dies after one shard and a
+    // half; rank 2 never starts.
+    assert!(
+        !write_all(
+            PartWriter::create(ROOT, metadata(11), rank(0, 3)).unwrap(),
+            true
+        )
+        .committed
+    );
+    let mut w = PartWriter::create(ROOT, metadata(11), rank(1, 3)).unwrap();
+    assert_eq!(w.path(), url(&dir));
+    assert_eq!(w.pending(), [4..8]);
+    w.write(&acts(4..7), Some(&labels(4..7))).unwrap();
+    drop(w); // a kill: its claim goes (its process's), the half shard was never uploaded
+    let st = saev::status(url(&dir)).unwrap();
+    assert!(!st.committed);
+    assert_eq!(st.done, [0, 1, 2]);
+    assert!(st.claimed.is_empty(), "{:?}", st.claimed);
+    assert_eq!(st.resume_plan(2), [vec![], vec![3..6]]);
+    assert!(Dataset::open(url(&dir)).is_err());
+    // validate names what is missing, as for a directory.
+    let report = saev::validate(url(&dir));
+    assert!(
+        report.errors().any(|f| f.message.contains(
+            "written in parts and not committed: 3 of 6 shards durable; missing shards 3..6"
+        )),
+        "{:?}",
+        report.findings
+    );
+    let w0 = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap();
+    assert!(w0.pending().is_empty());
+    let w1 = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
+    assert_eq!(w1.pending(), [6..11]);
+    assert!(!w0.finish().unwrap().committed);
+    assert!(write_all(w1, true).committed);
+    assert_eq!(objects(&mem, &dir), want);
+    // A rank started after the commit writes nothing.
+    let w = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
+    assert!(w.pending().is_empty());
+    assert!(w.finish().unwrap().committed);
+    assert_eq!(objects(&mem, &dir), want);
+}
+
+#[test]
+fn every_shard_durable_in_a_store_is_committed_by_commit_parts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = single_local(&tmp.path().join("one"), 11, false);
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    write_all(
+        PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap(),
+        false,
+    );
+    let mut w = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
+    w.write(&acts(6..11), None).unwrap();
+    drop(w); // killed before its commit
+    let st = saev::status(url(&dir)).unwrap();
+    assert!(!st.committed && st.missing().is_empty(), "{st:?}");
+    assert!(saev::commit_parts(url(&dir)).unwrap().committed);
+    assert_eq!(objects(&mem, &dir), want);
+    assert!(saev::commit_parts(url(&dir)).unwrap().committed);
+}
+
+#[test]
+fn in_a_store_an_overlapping_live_rank_another_dataset_and_a_whole_writer_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    let a = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap();
+    let e = PartWriter::create(ROOT, metadata(11), rank(0, 3)).unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("rank 0 of 2")
+            && msg.contains(&format!("pid {}", std::process::id()))
+            && msg.contains("units 0..3")
+            && msg.contains("claims/000000000-000000003"),
+        "{msg}"
+    );
+    // A whole-dataset writer does not start beside the parts, naming the claim.
+    let e = Writer::create(ROOT, metadata(11), WriterOptions { resume: true }).unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    assert!(e.to_string().contains("write in parts is under way"), "{e}");
+    assert!(e.to_string().contains("rank 0 of 2"), "{e}");
+    drop(a);
+    // Nor does it once a unit is durable and no rank runs.
+    let mut b = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
+    b.write(&acts(6..8), None).unwrap();
+    drop(b);
+    let e = Writer::create(ROOT, metadata(11), WriterOptions { resume: true }).unwrap_err();
+    assert!(e.to_string().contains("1 unit(s) durable"), "{e}");
+    // A part writer does not start while a whole-dataset writer holds the lock.
+    let other = metadata(12);
+    let whole = Writer::create(ROOT, other.clone(), WriterOptions::default()).unwrap();
+    let e = PartWriter::create(ROOT, other.clone(), rank(0, 2)).unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    assert!(e.to_string().contains("whole-dataset writer"), "{e}");
+    drop(whole);
+    // metadata.json of other bytes under this dataset's prefix: refused naming the key,
+    // before any object is written.
+    let key = ObjectPath::from(format!("data/{dir}/metadata.json"));
+    let md = String::from_utf8(objects(&mem, &dir)["metadata.json"].clone()).unwrap();
+    futures::executor::block_on(
+        mem.put(
+            &key,
+            PutPayload::from(
+                md.replace("\"ckpt\": \"x\"", "\"ckpt\": \"y\"")
+                    .into_bytes(),
+            ),
+        ),
+    )
+    .unwrap();
+    let before = objects(&mem, &dir);
+    let e = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap_err();
+    assert!(matches!(e, Error::Exists { .. }), "{e:?}");
+    assert!(
+        e.to_string().contains("\"ckpt\"") && e.to_string().contains("metadata.json"),
+        "{e}"
+    );
+    assert_eq!(objects(&mem, &dir), before);
+}
+
+#[test]
+fn the_commit_lock_in_a_store_is_one_ranks_and_a_dead_holders_is_taken_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = single_local(&tmp.path().join("one"), 11, true);
+    std::env::set_var("SHARDKIT_S3_LOCK_LEASE_S", "2");
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    let w0 = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap();
+    let w1 = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
+    assert!(!write_all(w0, true).committed);
+    // Another machine's committer holds the commit lock (renewed just now).
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let held = format!(
+        "{{\"shardkit_lock\": 1, \"host\": \"elsewhere\", \"boot_id\": \"b\", \"pid\": 7, \
+         \"token\": \"t\", \"renewed_unix\": {now}, \"lease_s\": 2}}"
+    );
+    let key = ObjectPath::from(format!("data/{dir}/.shardkit-parts/commit.lock"));
+    futures::executor::block_on(mem.put(&key, PutPayload::from(held.into_bytes()))).unwrap();
+    // The last rank waits for the holder, whose lease runs out (it stopped renewing): then
+    // it commits.
+    let started = std::time::Instant::now();
+    assert!(write_all(w1, true).committed);
+    assert!(started.elapsed() >= std::time::Duration::from_secs(1));
+    assert_eq!(objects(&mem, &dir), want);
+}
+
+#[test]
+fn parts_in_a_store_are_refused_when_conditional_writes_are_turned_off() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mem = store(&tmp.path().join("staging"));
+    std::env::set_var("SHARDKIT_S3_LOCK", "0");
+    let e = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+    assert!(
+        e.to_string().contains("SHARDKIT_S3_LOCK=0 turns off"),
+        "{e}"
+    );
+    assert!(objects(&mem, &metadata(11).dir_name()).is_empty());
+}
+
+#[test]
+fn another_machines_claim_in_a_store_is_refused_while_its_lease_runs_and_taken_over_after() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // A claim on shards 0..3 by rank 0 of 2 on another machine, renewed `ago` seconds ago.
+    let plant = |ago: u64| {
+        let body = format!(
+            "{{\"shardkit_lock\": 1, \"host\": \"node9\", \"boot_id\": \"b\", \"pid\": 7, \
+             \"token\": \"t\", \"renewed_unix\": {}, \"lease_s\": 120, \
+             \"who\": \"rank 0 of 2\"}}",
+            now - ago
+        );
+        let key = ObjectPath::from(format!(
+            "data/{dir}/.shardkit-parts/claims/000000000-000000003"
+        ));
+        futures::executor::block_on(mem.put(&key, PutPayload::from(body.into_bytes()))).unwrap();
+    };
+    plant(5);
+    let e = PartWriter::create(ROOT, metadata(11), rank(0, 3)).unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    assert!(
+        e.to_string()
+            .contains("(rank 0 of 2, node9 pid 7, lock renewed"),
+        "{e}"
+    );
+    let st = saev::status(url(&dir)).unwrap();
+    assert_eq!(st.claimed.len(), 1, "{st:?}");
+    assert_eq!(st.claimed[0].0, 0..3);
+    // Its lease ran out: taken over.
+    plant(500);
+    assert!(saev::status(url(&dir)).unwrap().claimed.is_empty());
+    let w = PartWriter::create(ROOT, metadata(11), rank(0, 3)).unwrap();
+    assert_eq!(w.pending(), [0..4]);
+}
+
+#[test]
+fn a_rank_whose_claim_was_taken_over_uploads_and_records_nothing_more() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::env::set_var("SHARDKIT_S3_LOCK_LEASE_S", "2");
+    let mem = store(&tmp.path().join("staging"));
+    let dir = metadata(11).dir_name();
+    let mut w = PartWriter::create(ROOT, metadata(11), rank(0, 2)).unwrap();
+    // Another rank took the claim over (as after this one stalled past its lease); this one's
+    // next renewal (every quarter lease) finds it so.
+    let body = "{\"shardkit_lock\": 1, \"host\": \"node9\", \"boot_id\": \"b\", \"pid\": 7, \
+                \"token\": \"t\", \"renewed_unix\": 0, \"lease_s\": 2, \"who\": \"rank 0 of 2\"}";
+    let key = ObjectPath::from(format!(
+        "data/{dir}/.shardkit-parts/claims/000000000-000000003"
+    ));
+    futures::executor::block_on(mem.put(&key, PutPayload::from(body.as_bytes().to_vec()))).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let e = w.write(&acts(0..2), None).unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    assert!(e.to_string().contains("taken over"), "{e}");
+    let names: Vec<String> = objects(&mem, &dir).into_keys().collect();
+    assert!(!names.iter().any(|n| n.starts_with("acts")), "{names:?}");
+    assert!(saev::status(url(&dir)).unwrap().done.is_empty());
+}
