@@ -301,7 +301,7 @@ impl Parts {
             fs::create_dir_all(&d).at(&d)?;
         }
         Ok(Parts {
-            dir: dir.to_path_buf(),
+            place: Place::Dir(dir.to_path_buf()),
         })
     }
 
@@ -309,7 +309,7 @@ impl Parts {
     #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
     pub(crate) fn existing_in(dir: &Path) -> Option<Parts> {
         dir.is_dir().then(|| Parts {
-            dir: dir.to_path_buf(),
+            place: Place::Dir(dir.to_path_buf()),
         })
     }
 
@@ -450,7 +450,7 @@ impl Parts {
     /// nothing is created, no record is parsed). A record is renamed into place whole after
     /// the unit's files are published, so a name listed is a unit whose files are final.
     pub(crate) fn durable_units(&self) -> Result<Vec<String>> {
-        let dir = self.dir.join("done");
+        let dir = self.dir()?.join("done");
         let mut out = Vec::new();
         for e in fs::read_dir(&dir).at(&dir)? {
             let name = e.at(&dir)?.file_name().to_string_lossy().into_owned();
