@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::{Writer, WriterOptions};
 use crate::checksum::{FileSums, Journal};
+use crate::commit::store_lock::StoreLock;
 use crate::commit::{self, StoreWrite, Streaming};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
@@ -46,8 +47,13 @@ impl Writer {
         target: Remote,
         split: &str,
         options: WriterOptions,
+        held: Option<StoreLock>,
     ) -> Result<Writer> {
-        let store = StoreWrite::begin(target)?;
+        let store = match held {
+            // A write in parts' commit, under its commit lock (see StoreWrite::begin_held).
+            Some(lock) => StoreWrite::begin_held(target, lock)?,
+            None => StoreWrite::begin(target)?,
+        };
         let (target, url, staged) = (store.target(), store.url(), store.staging());
         let was = store.found();
         let checkpoint = was.fact(CHECKPOINT);
