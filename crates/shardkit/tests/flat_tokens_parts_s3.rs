@@ -18,7 +18,7 @@ use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 use shardkit::flat_tokens::{
-    self, Layout, PartOptions, PartWriter, Sharded, Writer, WriterOptions,
+    self, Layout, PartOptions, PartWriter, Sharded, Split, Writer, WriterOptions,
 };
 use shardkit::{Error, Rank};
 
@@ -195,6 +195,10 @@ fn a_rank_dropped_mid_unit_and_a_commit_cut_short_in_a_store_end_in_the_same_obj
         );
         let st = flat_tokens::status(&url, "train").unwrap();
         assert_eq!(st.resume_plan(3), vec![vec![2..10], vec![10..14], vec![]]);
+        // Readers see no split, and are told why.
+        let e = Split::open(&url, "train").unwrap_err();
+        assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
+        assert!(e.to_string().contains("units 2..14"), "{e}");
         // A restart with 3 ranks; rank 1 completes the set and commits, killed after replaying
         // 20 units.
         shardkit::internals::stop_flat_tokens_commit_after(20);

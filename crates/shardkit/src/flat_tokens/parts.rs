@@ -950,8 +950,19 @@ pub fn commit_parts(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> 
 /// The error for reading `split` of `root` while it is an unfinished write in parts, naming
 /// the units missing; `None` when it is not one.
 pub(crate) fn unfinished(root: &Path, split: &str) -> Option<Error> {
-    let (setup, parts) = setup_of(root, split).ok()??;
-    if committed(root, split, setup.total).unwrap_or(false) {
+    let (setup, parts, done) = match Target::parse(root).ok()? {
+        Target::Store(target) => {
+            let (setup, parts) = store::setup_of(&target, split).ok()??;
+            let done = store::committed(&target, split, setup.total);
+            (setup, parts, done)
+        }
+        Target::Local(_) => {
+            let (setup, parts) = setup_of(root, split).ok()??;
+            let done = committed(root, split, setup.total);
+            (setup, parts, done)
+        }
+    };
+    if done.unwrap_or(false) {
         return None; // committed; what is left is its cleanup, which the next rank finishes
     }
     let st = status_of(&setup, Some(&parts), false).ok()?;

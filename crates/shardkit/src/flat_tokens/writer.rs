@@ -629,21 +629,7 @@ impl Writer {
             )));
         }
         let root = match Target::parse(root.as_ref())? {
-            Target::Store(target) => {
-                let state = target.join(PARTS_DIR);
-                if !state.list()?.is_empty() {
-                    // A split in parts: the commit writes the dataset (a store's holds one split).
-                    return Err(Error::Exists {
-                        path: state.url().into(),
-                        why: "a split is being written in parts here (flat_tokens.PartWriter; \
-                              these objects hold its state): continue it with part writers \
-                              (any world size), commit it with `shardkit tokens status \
-                              --commit`, or write elsewhere"
-                            .into(),
-                    });
-                }
-                return Self::create_remote(target, split, options, None);
-            }
+            Target::Store(target) => return Self::create_remote(target, split, options, None),
             Target::Local(root) => root,
         };
         let parts = root.join(PARTS_DIR).join(split);

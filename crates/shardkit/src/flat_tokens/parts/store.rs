@@ -110,7 +110,7 @@ fn root_complete(target: &Remote) -> Result<bool> {
 
 /// Whether `split` is committed in `target` with `total` sequences: the root complete (the
 /// writer's finish uploads it last), the split whole, the sidecar there.
-fn committed(target: &Remote, split: &str, total: u64) -> Result<bool> {
+pub(super) fn committed(target: &Remote, split: &str, total: u64) -> Result<bool> {
     Ok(root_complete(target)?
         && split_seqs(target, split)? == Some(total)
         && target.len(SIDECAR).is_ok())
@@ -350,7 +350,7 @@ fn clean_after_commit(target: &Remote, split: &str, parts: Parts) -> Result<()> 
 }
 
 /// The configuration of the write in parts of `split` in `target`, when there is one.
-fn setup_of(target: &Remote, split: &str) -> Result<Option<(Setup, Parts)>> {
+pub(super) fn setup_of(target: &Remote, split: &str) -> Result<Option<(Setup, Parts)>> {
     let Some(parts) = Parts::existing_store_in(target, &state_rel(split))? else {
         return Ok(None);
     };
