@@ -284,6 +284,19 @@ fn in_a_store_another_configuration_an_overlapping_rank_and_a_whole_writer_are_r
         assert!(matches!(e, Error::Exists { .. }), "{e:?}");
         assert!(e.to_string().contains("being written in parts"), "{e}");
     }
+    // A rank is refused while a whole-split writer holds another prefix, naming it.
+    let whole = Writer::create("s3://bucket/whole", "train", WriterOptions::default()).unwrap();
+    let e = PartWriter::create(
+        "s3://bucket/whole",
+        "train",
+        10,
+        options(small_v3()),
+        rank(0, 1),
+    )
+    .unwrap_err();
+    assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
+    assert!(e.to_string().contains("whole-dataset writer"), "{e}");
+    drop(whole);
     // So is the other split in parts: a store's dataset holds one.
     let e = PartWriter::create(url, "validation", 10, options(small_v3()), rank(0, 1)).unwrap_err();
     assert!(e.to_string().contains("another split"), "{e}");
