@@ -32,7 +32,7 @@ pub enum TokensCmd {
     /// Where a split written in parts (flat_tokens.PartWriter) stands: units durable, missing,
     /// claimed by live ranks (and by whom), and what a restart would write.
     Status {
-        /// The dataset (a zarr group, or the directory its ranks are filling).
+        /// The dataset (a zarr group, the directory its ranks are filling, or its s3:// URL).
         dir: PathBuf,
         /// The split.
         #[arg(long, default_value = "train")]

@@ -1,7 +1,7 @@
 """Datasets written in parts to s3:// (moto on loopback), the ranks plain processes that
 coordinate through the store alone: the committed objects must equal, byte for byte, the files
 one process writes locally, after a SIGKILL mid-part and a restart with another world size, and
-after a kill mid-commit finished by ``commit_parts``. EAGLE-3 likewise.
+after a kill mid-commit finished by ``commit_parts``. EAGLE-3 and flat-tokens likewise.
 """
 
 from __future__ import annotations
@@ -236,3 +236,94 @@ def test_eagle3_ranks_killed_in_a_store_then_restarted_write_what_one_process_wr
     assert finals[-1] == "status True", finals
     assert under(s3, bucket, "cache/") == want
     assert eagle3.status(url)["committed"]
+
+
+# A flat-tokens rank (test_flat_tokens_parts' split: 500 documents, 40 a unit, 13 units; of 3
+# ranks units 0..5, 5..9, 9..13), appending its pending documents one at a time.
+RECIPES = HERE.parent / "examples" / "parallel"
+TOKENS_N, TOKENS_PER_UNIT = 500, 40
+TOKENS_RANK = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, %r)
+    from processes_flat_tokens import document
+    from shardkit import flat_tokens
+    rank, world = int(sys.argv[2]), int(sys.argv[3])
+    w = flat_tokens.PartWriter(sys.argv[1], "train", %d, "v3", sequences_per_unit=%d, rank=rank,
+                               world_size=world, progress=False)
+    print("open", flush=True)
+    for first, end in w.pending:
+        for i in range(first, end):
+            w.append([document(i)])
+            print("wrote", i + 1, flush=True)
+            time.sleep(0.002)
+    print("status", w.close()["committed"], flush=True)
+    """
+) % (str(RECIPES), TOKENS_N, TOKENS_PER_UNIT)
+
+
+@pytest.fixture(scope="module")
+def tokens_local(tmp_path_factory: Any) -> Dict[str, bytes]:
+    """The split one process writes (locally: the same bytes it writes to a store, object by
+    object, as tests/flat_tokens_parts_s3.rs checks)."""
+    from shardkit import flat_tokens
+
+    sys.path.insert(0, str(RECIPES))
+    try:
+        from processes_flat_tokens import document
+    finally:
+        sys.path.remove(str(RECIPES))
+    root = tmp_path_factory.mktemp("tokens") / "ds.zarr"
+    with flat_tokens.Writer(root, "train", "v3", progress=False) as w:
+        for at in range(0, TOKENS_N, 100):
+            w.append([document(i) for i in range(at, min(at + 100, TOKENS_N))])
+    return tree(root)
+
+
+def test_three_flat_tokens_ranks_write_to_a_store_what_one_process_writes(
+    s3: S3, env: Dict[str, str], tokens_local: Dict[str, bytes]
+) -> None:
+    from shardkit import flat_tokens
+
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ds.zarr"
+    procs = [subprocess.Popen([sys.executable, "-c", TOKENS_RANK, url, str(r), "3"], env=child_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (2, 0, 1)]
+    finals = []
+    for p in procs:
+        out, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == 0, err[-4000:]
+        finals.append(out.strip().splitlines()[-1])
+    assert "status True" in finals, finals
+    assert under(s3, bucket, "ds.zarr/") == tokens_local
+    assert flat_tokens.status(url, "train")["committed"]
+
+
+def test_a_flat_tokens_rank_killed_in_a_store_then_a_restart_with_2_ranks_writes_the_same(
+    s3: S3, env: Dict[str, str], tokens_local: Dict[str, bytes]
+) -> None:
+    from shardkit import flat_tokens
+
+    bucket = s3.bucket()
+    url = f"s3://{bucket}/ds.zarr"
+    # Rank 1 of 3 (documents 200..360, units 5..9) is killed in unit 6 (documents 240..280).
+    killed, lines = run(TOKENS_RANK, [url, "1", "3"], kill_at="wrote 250")
+    assert killed, lines
+    for r in (0, 2):
+        assert run(TOKENS_RANK, [url, str(r), "3"])[1][-1] == "status False"
+    st = flat_tokens.status(url, "train")
+    assert st == {"committed": False, "units": 13, "done": 10, "missing": [[6, 9]], "claimed": []}, st
+    # Only the parts state is in the store so far.
+    assert all(k.startswith(".shardkit-parts/train/") for k in under(s3, bucket, "ds.zarr/"))
+    # The CLI reads the store too.
+    out = subprocess.run([shardkit_cli(), "tokens", "status", url, "--world-size", "2"],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert "10 of 13 units durable" in out.stdout and "rank 1: units 7..9" in out.stdout, out.stdout
+    finals = [run(TOKENS_RANK, [url, str(r), "2"])[1][-1] for r in range(2)]
+    assert finals[-1] == "status True", finals
+    assert under(s3, bucket, "ds.zarr/") == tokens_local
+    out = subprocess.run([shardkit_cli(), "tokens", "status", url, "--json"],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["committed"] is True

@@ -208,16 +208,7 @@ fn ranks_with_another_configuration_are_refused_naming_the_key_before_writing() 
     drop(_w0);
     let e = Writer::create(&root, "train", WriterOptions::default()).unwrap_err();
     assert!(e.to_string().contains("being written in parts"), "{e}");
-    // An object store is not supported yet.
-    let e = PartWriter::create(
-        "s3://bucket/ds.zarr",
-        "train",
-        TOTAL,
-        PartOptions::default(),
-        rank(0, 1),
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("not supported yet"), "{e}");
+    // (In an object store: tests/flat_tokens_parts_s3.rs.)
 }
 
 #[test]

@@ -265,6 +265,12 @@ class PartWriter(Parting):
     exception leaves it to a restart. ``close()`` returns the split's ``status()``.
     ``progress`` is None (a bar on a terminal if tqdm is installed), a bool, or a callable
     called after each ``append`` with (sequences written of the part, sequences of the part).
+
+    ``path`` may be an ``s3://bucket/prefix`` URL naming a new prefix (its dataset then holds
+    this one split): the ranks coordinate through the store alone (conditional writes, lock
+    objects with leases), each unit's piece is staged locally and uploaded once full, and the
+    commit streams the split to the store as ``Writer`` does (a commit killed midway resumes
+    from its last checkpoint, on any machine).
     """
 
     _w: _core.TokensPartWriter

@@ -79,6 +79,20 @@ impl StoreWrite {
         })
     }
 
+    /// [`StoreWrite::begin`] for the commit of a write in parts: `lock` (its commit lock on the
+    /// parts state) is held instead of the dataset's. The ranks' claims and unit records keep
+    /// whole-dataset writers out meanwhile, and the dataset's lock would turn away ranks
+    /// restarting during the commit.
+    #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
+    pub(crate) fn begin_held(target: Remote, lock: StoreLock) -> Result<StoreWrite> {
+        let found = Streaming::left_in(&target)?;
+        Ok(StoreWrite {
+            target,
+            lock,
+            found,
+        })
+    }
+
     /// The store prefix written.
     pub(crate) fn target(&self) -> &Remote {
         &self.target

@@ -366,6 +366,25 @@ impl Parts {
         })
     }
 
+    /// [`Parts::open_store`]'s state kept under `state` (relative to `dataset`): for a format
+    /// that writes several things in parts under one prefix (flat-tokens' splits, in
+    /// `.shardkit-parts/<split>`), as [`Parts::open_in`] locally.
+    #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
+    pub(crate) fn open_store_in(dataset: &Remote, state: &str) -> Result<Parts> {
+        let mut p = Parts::open_store(dataset)?;
+        p.place = Place::Store(StoreParts::new_in(dataset.clone(), state));
+        Ok(p)
+    }
+
+    /// [`Parts::open_store_in`]'s state, when objects of it are there.
+    #[cfg_attr(not(feature = "zarr"), allow(dead_code))] // flat-tokens' only
+    pub(crate) fn existing_store_in(dataset: &Remote, state: &str) -> Result<Option<Parts>> {
+        let p = StoreParts::new_in(dataset.clone(), state);
+        Ok(p.exists()?.then_some(Parts {
+            place: Place::Store(p),
+        }))
+    }
+
     /// The parts state at the store prefix `dataset`, when a write in parts left objects there.
     pub(crate) fn existing_store(dataset: &Remote) -> Result<Option<Parts>> {
         let p = StoreParts::new(dataset.clone());

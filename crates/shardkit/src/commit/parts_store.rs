@@ -33,11 +33,22 @@ const DELETERS: usize = 8;
 pub(crate) struct StoreParts {
     /// The dataset's prefix.
     dataset: Remote,
+    /// The state's prefix under it: `.shardkit-parts`, or one of its own under it (a format
+    /// writing several things in parts, e.g. flat-tokens' splits).
+    state: String,
 }
 
 impl StoreParts {
     pub(crate) fn new(dataset: Remote) -> StoreParts {
-        StoreParts { dataset }
+        StoreParts::new_in(dataset, PARTS_DIR)
+    }
+
+    /// The state kept under `state` (relative to the dataset's prefix).
+    pub(crate) fn new_in(dataset: Remote, state: &str) -> StoreParts {
+        StoreParts {
+            dataset,
+            state: state.to_string(),
+        }
     }
 
     /// The dataset's prefix.
@@ -46,7 +57,7 @@ impl StoreParts {
     }
 
     fn state(&self) -> Remote {
-        self.dataset.join(PARTS_DIR)
+        self.dataset.join(&self.state)
     }
 
     /// Whether any object of a write in parts is there.
@@ -228,7 +239,7 @@ impl StoreParts {
     /// Removes the state (after the commit record is uploaded): every object under
     /// `.shardkit-parts/` but the commit lock, which its holder deletes as it lets go.
     pub(crate) fn remove(&self) -> Result<()> {
-        self.delete_under(PARTS_DIR, &["commit.lock"])
+        self.delete_under(&self.state, &["commit.lock"])
     }
 }
 

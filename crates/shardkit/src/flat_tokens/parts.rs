@@ -27,6 +27,13 @@
 //!
 //! A piece is little-endian: the 8 bytes `SKFTPART`, u32 version 1, u32 0, u64 sequences,
 //! u64 tokens, the token ids (u32 each), then the sequence lengths (u64 each).
+//!
+//! The root may be an `s3://bucket/prefix` URL (a new prefix; its dataset holds the one split):
+//! the same state is kept as objects under `.shardkit-parts/<split>/` (see [`store`]), each piece
+//! staged locally then uploaded, and the commit fetches the pieces in unit order and replays
+//! them through the [`Writer`] streaming to the store.
+
+mod store;
 
 use std::fs::{self, File};
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
@@ -46,6 +53,7 @@ use crate::commit::parts::{part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, 
 use crate::commit::{Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::Remote;
 use crate::json::{self, Value};
 
 /// The configuration record of a split's write in parts.
@@ -198,9 +206,14 @@ pub struct PartWriter {
     piece: Option<OpenPiece>,
     /// `None` when the split was committed before this rank started (nothing is written).
     parts: Option<(Parts, Claim)>,
-    /// Held shared by every part writer of the dataset (a whole-dataset writer holds it
-    /// exclusively).
-    _lock: WriteLock,
+    /// The dataset's prefix when writing to a store (`root` is then its URL).
+    store: Option<Remote>,
+    /// Where pieces are made: the split's parts directory, or for a store a local staging one
+    /// (both with `pieces/` under it).
+    stage: PathBuf,
+    /// Held shared by every part writer of a local dataset (a whole-dataset writer holds it
+    /// exclusively); in a store the claims and the dataset lock exclude each other.
+    _lock: Option<WriteLock>,
 }
 
 impl std::fmt::Debug for PartWriter {
@@ -271,23 +284,24 @@ impl PartWriter {
         options: PartOptions,
         rank: Rank,
     ) -> Result<PartWriter> {
-        let root = match Target::parse(root.as_ref())? {
-            Target::Local(root) => root,
-            Target::Store(store) => {
-                return Err(Error::Invalid(format!(
-                    "{}: writing a split in parts to an object store is not supported yet; \
-                     write the parts to a shared file system (or one process with \
-                     flat_tokens.Writer to the store)",
-                    store.url()
-                )))
-            }
-        };
         check_split(split)?;
         if options.sequences_per_unit == 0 {
             return Err(Error::Invalid(
                 "sequences_per_unit must be at least 1".into(),
             ));
         }
+        let root = match Target::parse(root.as_ref())? {
+            Target::Local(root) => root,
+            Target::Store(target) => {
+                let setup = Setup {
+                    total: total_sequences,
+                    per_unit: options.sequences_per_unit,
+                    // A new prefix: no existing format to continue.
+                    layout: options.layout.unwrap_or_default(),
+                };
+                return store::create(target, split, setup, rank);
+            }
+        };
         let layout = resolve_layout(&root, options.layout)?;
         let setup = Setup {
             total: total_sequences,
@@ -298,6 +312,7 @@ impl PartWriter {
         let lock = WriteLock::dir_shared(&root)?;
         let mut w = PartWriter {
             units: part_of(setup.units(), rank),
+            stage: parts_dir(&root, split),
             root,
             split: split.to_string(),
             setup,
@@ -306,7 +321,8 @@ impl PartWriter {
             next: None,
             piece: None,
             parts: None,
-            _lock: lock,
+            store: None,
+            _lock: Some(lock),
         };
         let dir = parts_dir(&w.root, split);
         if !dir.is_dir() {
@@ -330,18 +346,8 @@ impl PartWriter {
         let ours = setup.to_json();
         match fsutil::read_json_file(&path) {
             Ok(bytes) => {
-                let theirs = json::parse(&bytes).unwrap_or(Value::Null);
-                if let Some(key) = differing_key(&ours, &theirs) {
-                    return Err(Error::Exists {
-                        path,
-                        why: format!(
-                            "the split's other ranks were started with another {key:?} ({}; \
-                             this rank: {}); every rank must give the same total_sequences \
-                             and options (nothing was written)",
-                            theirs.get(&key).map(json_text).unwrap_or("absent".into()),
-                            ours.get(&key).map(json_text).unwrap_or("absent".into()),
-                        ),
-                    });
+                if let Some(e) = mismatch(path, &ours, &bytes) {
+                    return Err(e);
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -373,15 +379,22 @@ impl PartWriter {
             return Ok(());
         };
         let done = parts.done()?;
-        let dir = parts_dir(&self.root, &self.split);
+        let dir = self.stage.clone();
         fs::create_dir_all(dir.join("pieces")).at(dir.join("pieces"))?;
+        // In a store, the pieces there (one listing), by name relative to the state.
+        let uploaded = match &self.store {
+            Some(target) => Some(store::piece_sizes(target, &self.split)?),
+            None => None,
+        };
         for u in self.units.clone() {
             let rel = piece_rel(u);
             let path = dir.join(&rel);
             if let Some(files) = done.get(&unit_name(u)) {
-                let intact = files
-                    .get(&rel)
-                    .is_some_and(|s| fsutil::regular_file_len(&path) == Some(s.bytes));
+                let len = match &uploaded {
+                    Some(sizes) => sizes.get(&rel).copied(),
+                    None => fsutil::regular_file_len(&path),
+                };
+                let intact = files.get(&rel).is_some_and(|s| len == Some(s.bytes));
                 if intact {
                     continue;
                 }
@@ -475,8 +488,7 @@ impl PartWriter {
             let next = self.next.expect("sequences are left, checked above");
             let unit = next / self.setup.per_unit;
             if self.piece.is_none() {
-                let dir = parts_dir(&self.root, &self.split);
-                let tmp = fsutil::temp_sibling(&dir.join(piece_rel(unit)));
+                let tmp = fsutil::temp_sibling(&self.stage.join(piece_rel(unit)));
                 let mut file = BufWriter::with_capacity(1 << 20, File::create(&tmp).at(&tmp)?);
                 file.write_all(&[0u8; HEADER as usize]).at(&tmp)?;
                 self.piece = Some(OpenPiece {
@@ -541,17 +553,30 @@ impl PartWriter {
         header.extend_from_slice(&(lengths.len() as u64).to_le_bytes());
         header.extend_from_slice(&tokens.to_le_bytes());
         file.write_all_at(&header, 0).at(&tmp)?;
-        fsutil::sync_data(&file, &tmp)?;
-        drop(file);
-        let dir = parts_dir(&self.root, &self.split);
         let rel = piece_rel(unit);
-        fsutil::publish(&tmp, &dir.join(&rel))?;
+        let Some((parts, claim)) = self.parts.as_ref() else {
+            return Err(Error::Internal(
+                "internal: a piece made by a writer of a committed split".into(),
+            ));
+        };
         let mut files = UnitFiles::new();
-        files.insert(rel.clone(), FileSums::of_file(&dir.join(&rel))?);
-        let (parts, _) = self
-            .parts
-            .as_ref()
-            .expect("a unit is written only when unfinished");
+        if let Some(target) = &self.store {
+            // Uploaded under its final name (a PUT is atomic), not by a rank whose claim was
+            // taken over (another may be writing this unit); the staged copy then goes (no
+            // fsync: the store holds it).
+            drop(file);
+            claim.check()?;
+            files.insert(rel.clone(), FileSums::of_file(&tmp)?);
+            target.put_file(&store::object(&self.split, &rel), &tmp)?;
+            fs::remove_file(&tmp).at(&tmp)?;
+            claim.check()?;
+        } else {
+            fsutil::sync_data(&file, &tmp)?;
+            drop(file);
+            let path = self.stage.join(&rel);
+            fsutil::publish(&tmp, &path)?;
+            files.insert(rel.clone(), FileSums::of_file(&path)?);
+        }
         parts.record_done(&unit_name(unit), &files)
     }
 
@@ -577,13 +602,32 @@ impl PartWriter {
         let Some((parts, _claim)) = &self.parts else {
             return status_of(&self.setup, None, true);
         };
-        let done = commit(&self.root, &self.split, &self.setup, parts)?;
+        let done = match &self.store {
+            Some(target) => store::commit(target, &self.split, &self.setup, parts)?,
+            None => commit(&self.root, &self.split, &self.setup, parts)?,
+        };
         status_of(&self.setup, Some(parts), done)
     }
 }
 
 fn json_text(v: &Value) -> String {
     json::to_compact(v, false, json::Escape::Utf8)
+}
+
+/// The refusal of a rank whose configuration `ours` differs from the recorded one (`theirs`,
+/// at `path`), naming the first key that does; `None` when they agree.
+fn mismatch(path: PathBuf, ours: &Value, theirs: &[u8]) -> Option<Error> {
+    let theirs = json::parse(theirs).unwrap_or(Value::Null);
+    let key = differing_key(ours, &theirs)?;
+    Some(Error::Exists {
+        path,
+        why: format!(
+            "the split's other ranks were started with another {key:?} ({}; this rank: {}); \
+             every rank must give the same total_sequences and options (nothing was written)",
+            theirs.get(&key).map(json_text).unwrap_or("absent".into()),
+            ours.get(&key).map(json_text).unwrap_or("absent".into()),
+        ),
+    })
 }
 
 /// The layout the split gets: as [`Writer::create`] decides it, checked against an existing
@@ -703,29 +747,36 @@ fn commit(root: &Path, split: &str, setup: &Setup, parts: &Parts) -> Result<bool
     Ok(true)
 }
 
-/// Appends to `w` the sequences of the piece at `path` (unit sequences `seqs`, `bytes` long as
-/// recorded) from sequence `skip` on: one sequential read.
-fn replay(w: &mut Writer, path: &Path, seqs: Range<u64>, skip: u64, bytes: u64) -> Result<()> {
-    let bad = |why: String| {
-        Error::format(
-            path,
-            format!("a unit's piece that {why} (delete its record under .shardkit-parts/<split>/done and write that unit again)"),
-        )
-    };
-    let f = File::open(path).at(path)?;
-    let len = f.metadata().at(path)?.len();
-    let mut head = [0u8; HEADER as usize];
-    f.read_exact_at(&mut head, 0).at(path)?;
+/// The error for a damaged piece at `path`.
+fn bad_piece(path: &Path, why: String) -> Error {
+    Error::format(
+        path,
+        format!("a unit's piece that {why} (delete its record under .shardkit-parts/<split>/done and write that unit again)"),
+    )
+}
+
+/// Checks the header `head` of the piece at `path` (`len` bytes, `bytes` as recorded) of a
+/// unit of sequences `seqs`: its (sequences, tokens).
+fn piece_header(
+    head: &[u8; HEADER as usize],
+    len: u64,
+    path: &Path,
+    seqs: &Range<u64>,
+    bytes: u64,
+) -> Result<(u64, u64)> {
     let word = |i: usize| u64::from_le_bytes(head[i..i + 8].try_into().expect("8 bytes"));
     let (n_seqs, n_tokens) = (word(16), word(24));
     if &head[..8] != MAGIC || head[8..12] != 1u32.to_le_bytes() {
-        return Err(bad("is not a version 1 piece".into()));
+        return Err(bad_piece(path, "is not a version 1 piece".into()));
     }
     if n_seqs != seqs.end - seqs.start {
-        return Err(bad(format!(
-            "holds {n_seqs} sequences, not its unit's {}",
-            seqs.end - seqs.start
-        )));
+        return Err(bad_piece(
+            path,
+            format!(
+                "holds {n_seqs} sequences, not its unit's {}",
+                seqs.end - seqs.start
+            ),
+        ));
     }
     if len != bytes
         || Some(len)
@@ -733,29 +784,36 @@ fn replay(w: &mut Writer, path: &Path, seqs: Range<u64>, skip: u64, bytes: u64) 
                 .checked_mul(4)
                 .and_then(|t| (HEADER + t).checked_add(8 * n_seqs))
     {
-        return Err(bad(format!(
-            "is {len} bytes, its record says {bytes} and its header {n_seqs} sequences of {n_tokens} tokens"
-        )));
+        return Err(bad_piece(
+            path,
+            format!("is {len} bytes, its record says {bytes} and its header {n_seqs} sequences of {n_tokens} tokens"),
+        ));
     }
-    let mut tail = vec![0u8; 8 * n_seqs as usize];
-    f.read_exact_at(&mut tail, HEADER + 4 * n_tokens).at(path)?;
+    Ok((n_seqs, n_tokens))
+}
+
+/// The sequence lengths of a piece (its `tail`), checked to add up to its `n_tokens`.
+fn piece_lengths(tail: &[u8], n_tokens: u64, path: &Path) -> Result<Vec<u64>> {
     let lengths: Vec<u64> = tail
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
         .collect();
     if lengths.iter().sum::<u64>() != n_tokens {
-        return Err(bad(
-            "has sequence lengths that do not add up to its tokens".into()
+        return Err(bad_piece(
+            path,
+            "has sequence lengths that do not add up to its tokens".into(),
         ));
     }
-    let first = skip.saturating_sub(seqs.start) as usize;
-    let skipped: u64 = lengths[..first].iter().sum();
-    let mut r = BufReader::with_capacity(1 << 20, f);
-    r.seek(SeekFrom::Start(HEADER + 4 * skipped)).at(path)?;
+    Ok(lengths)
+}
+
+/// Appends to `w` the sequences of `lengths` read from `r` (the piece at `path`), in batches
+/// of about [`REPLAY_TOKENS`].
+fn replay_from(w: &mut Writer, r: &mut impl Read, lengths: &[u64], path: &Path) -> Result<()> {
     let mut batch: Vec<Vec<u32>> = Vec::new();
     let mut in_batch = 0u64;
     let mut buf = Vec::new();
-    for &l in &lengths[first..] {
+    for &l in lengths {
         buf.resize(4 * l as usize, 0);
         r.read_exact(&mut buf).at(path)?;
         batch.push(
@@ -771,6 +829,24 @@ fn replay(w: &mut Writer, path: &Path, seqs: Range<u64>, skip: u64, bytes: u64) 
         }
     }
     w.append(&batch)
+}
+
+/// Appends to `w` the sequences of the piece at `path` (unit sequences `seqs`, `bytes` long as
+/// recorded) from sequence `skip` on: one sequential read.
+fn replay(w: &mut Writer, path: &Path, seqs: Range<u64>, skip: u64, bytes: u64) -> Result<()> {
+    let f = File::open(path).at(path)?;
+    let len = f.metadata().at(path)?.len();
+    let mut head = [0u8; HEADER as usize];
+    f.read_exact_at(&mut head, 0).at(path)?;
+    let (n_seqs, n_tokens) = piece_header(&head, len, path, &seqs, bytes)?;
+    let mut tail = vec![0u8; 8 * n_seqs as usize];
+    f.read_exact_at(&mut tail, HEADER + 4 * n_tokens).at(path)?;
+    let lengths = piece_lengths(&tail, n_tokens, path)?;
+    let first = skip.saturating_sub(seqs.start) as usize;
+    let skipped: u64 = lengths[..first].iter().sum();
+    let mut r = BufReader::with_capacity(1 << 20, f);
+    r.seek(SeekFrom::Start(HEADER + 4 * skipped)).at(path)?;
+    replay_from(w, &mut r, &lengths[first..], path)
 }
 
 fn clean_after_commit(root: &Path, split: &str, parts: Parts) -> Result<()> {
@@ -833,6 +909,9 @@ fn setup_of(root: &Path, split: &str) -> Result<Option<(Setup, Parts)>> {
 pub fn status(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> {
     let root = root.as_ref();
     check_split(split)?;
+    if let Target::Store(target) = Target::parse(root)? {
+        return store::status(&target, split);
+    }
     if let Some((setup, parts)) = setup_of(root, split)? {
         let done = committed(root, split, setup.total)?;
         return status_of(&setup, Some(&parts), done);
@@ -857,6 +936,9 @@ pub fn status(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> {
 pub fn commit_parts(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> {
     let root = root.as_ref();
     check_split(split)?;
+    if let Target::Store(target) = Target::parse(root)? {
+        return store::commit_parts(&target, split);
+    }
     let Some((setup, parts)) = setup_of(root, split)? else {
         return status(root, split);
     };
@@ -868,8 +950,19 @@ pub fn commit_parts(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> 
 /// The error for reading `split` of `root` while it is an unfinished write in parts, naming
 /// the units missing; `None` when it is not one.
 pub(crate) fn unfinished(root: &Path, split: &str) -> Option<Error> {
-    let (setup, parts) = setup_of(root, split).ok()??;
-    if committed(root, split, setup.total).unwrap_or(false) {
+    let (setup, parts, done) = match Target::parse(root).ok()? {
+        Target::Store(target) => {
+            let (setup, parts) = store::setup_of(&target, split).ok()??;
+            let done = store::committed(&target, split, setup.total);
+            (setup, parts, done)
+        }
+        Target::Local(_) => {
+            let (setup, parts) = setup_of(root, split).ok()??;
+            let done = committed(root, split, setup.total);
+            (setup, parts, done)
+        }
+    };
+    if done.unwrap_or(false) {
         return None; // committed; what is left is its cleanup, which the next rank finishes
     }
     let st = status_of(&setup, Some(&parts), false).ok()?;

@@ -33,9 +33,11 @@ use super::layout::{self, Layout};
 use super::store::{self, get_json, put_zarr2_json, zarrs_error, Completion, ZarrFormat, MARKER};
 use crate::checksum::FileSums;
 use crate::commit::parts::PARTS_DIR;
+use crate::commit::store_lock::StoreLock;
 use crate::commit::{Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::Remote;
 use crate::json::{self, Value};
 
 /// The largest token id the encoding can hold (`2*id + 1` must fit in uint32).
@@ -627,7 +629,7 @@ impl Writer {
             )));
         }
         let root = match Target::parse(root.as_ref())? {
-            Target::Store(target) => return Self::create_remote(target, split, options),
+            Target::Store(target) => return Self::create_remote(target, split, options, None),
             Target::Local(root) => root,
         };
         let parts = root.join(PARTS_DIR).join(split);
@@ -645,6 +647,18 @@ impl Writer {
             });
         }
         Self::create_local(&root, split, options, None)
+    }
+
+    /// [`Writer::create`] of the store prefix `target` by the commit of a split written in
+    /// parts, holding its commit lock `lock` instead of the dataset's (as
+    /// [`Writer::create_local`] takes the part writers' shared lock).
+    pub(crate) fn create_store_held(
+        target: Remote,
+        split: &str,
+        options: WriterOptions,
+        lock: StoreLock,
+    ) -> Result<Writer> {
+        Self::create_remote(target, split, options, Some(lock))
     }
 
     /// [`Writer::create`] of a local `root`; `lock` is the lock on `root` the writer holds

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use super::{Writer, WriterOptions};
 use crate::checksum::{FileSums, Journal};
+use crate::commit::parts::PARTS_DIR;
+use crate::commit::store_lock::StoreLock;
 use crate::commit::{self, StoreWrite, Streaming};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
@@ -46,8 +48,30 @@ impl Writer {
         target: Remote,
         split: &str,
         options: WriterOptions,
+        held: Option<StoreLock>,
     ) -> Result<Writer> {
-        let store = StoreWrite::begin(target)?;
+        let store = match held {
+            // A write in parts' commit, under its commit lock (see StoreWrite::begin_held).
+            Some(lock) => StoreWrite::begin_held(target, lock)?,
+            None => {
+                let store = StoreWrite::begin(target)?;
+                // Looked for under the lock: a rank starting in parts makes its claim, then
+                // looks for this lock, so of the two one sees the other.
+                let state = store.target().join(PARTS_DIR);
+                if !state.list()?.is_empty() {
+                    // A split in parts: its commit writes the dataset (a store's holds one split).
+                    return Err(Error::Exists {
+                        path: state.url().into(),
+                        why: "a split is being written in parts here (flat_tokens.PartWriter; \
+                              these objects hold its state): continue it with part writers \
+                              (any world size), commit it with `shardkit tokens status \
+                              --commit`, or write elsewhere"
+                            .into(),
+                    });
+                }
+                store
+            }
+        };
         let (target, url, staged) = (store.target(), store.url(), store.staging());
         let was = store.found();
         let checkpoint = was.fact(CHECKPOINT);
