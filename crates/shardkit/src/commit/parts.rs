@@ -111,6 +111,19 @@ impl Drop for Uploads {
     }
 }
 
+/// Whether every unit `units` names is recorded durable, from one listing of the records and
+/// without the commit lock: a rank that finds one missing leaves the commit to the rank that
+/// records it. Safe because a rank lists only after recording its own units, and a store lists
+/// what was written before (S3 and its kind are strongly consistent): of two ranks recording
+/// their last units at once, the later to record sees the other's record.
+pub(crate) fn every_unit_listed(
+    parts: &Parts,
+    units: impl Iterator<Item = String>,
+) -> Result<bool> {
+    let listed: std::collections::HashSet<String> = parts.durable_units()?.into_iter().collect();
+    Ok(units.into_iter().all(|u| listed.contains(&u)))
+}
+
 /// Runs `attempt`, a commit in a store, again while it fails because its commit lock was taken
 /// over, and takes any failure of it for success when `committed` finds the dataset committed.
 ///
@@ -570,6 +583,9 @@ impl Parts {
     /// nothing is created, no record is parsed). A record is renamed into place whole after
     /// the unit's files are published, so a name listed is a unit whose files are final.
     pub(crate) fn durable_units(&self) -> Result<Vec<String>> {
+        if let Place::Store(p) = &self.place {
+            return p.durable_units();
+        }
         let dir = self.dir()?.join("done");
         let mut out = Vec::new();
         for e in fs::read_dir(&dir).at(&dir)? {

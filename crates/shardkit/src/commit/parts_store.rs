@@ -25,7 +25,7 @@ use super::store_lock::{self, StoreLock};
 use crate::error::{Error, Result};
 use crate::io::Remote;
 
-/// Objects deleted at once when the state is removed.
+/// Objects deleted (or records read) at once.
 const DELETERS: usize = 8;
 
 /// The parts state of the dataset at a store prefix.
@@ -166,17 +166,66 @@ impl StoreParts {
     /// The units recorded durable.
     pub(crate) fn done(&self) -> Result<BTreeMap<String, UnitFiles>> {
         let done = self.state().join("done");
-        let mut out = BTreeMap::new();
-        for (name, _) in done.list()? {
-            let Some(unit) = name.strip_suffix(".json") else {
-                continue;
-            };
-            // Removed meanwhile (a commit cleaning up): not durable any more, the dataset is.
-            let Some(bytes) = done.get_opt(&name)? else {
-                continue;
-            };
-            out.insert(unit.to_string(), parse_record(&bytes, &done.url_of(&name))?);
+        let names: Vec<String> = done
+            .list()?
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| n.ends_with(".json"))
+            .collect();
+        if names.is_empty() {
+            return Ok(BTreeMap::new());
         }
+        // The records read several at once: a commit reads one per unit.
+        let per = names.len().div_ceil(DELETERS);
+        let read: Vec<Result<Vec<(String, UnitFiles)>>> = std::thread::scope(|s| {
+            let workers: Vec<_> = names
+                .chunks(per)
+                .map(|chunk| {
+                    let done = &done;
+                    s.spawn(move || {
+                        let mut out = Vec::new();
+                        for name in chunk {
+                            // Removed meanwhile (a commit cleaning up): not durable any more,
+                            // the dataset is.
+                            let Some(bytes) = done.get_opt(name)? else {
+                                continue;
+                            };
+                            let unit = name.trim_end_matches(".json").to_string();
+                            out.push((unit, parse_record(&bytes, &done.url_of(name))?));
+                        }
+                        Ok(out)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| {
+                    w.join().unwrap_or_else(|_| {
+                        Err(Error::Internal(format!(
+                            "{}: a thread reading the unit records panicked",
+                            done.url()
+                        )))
+                    })
+                })
+                .collect()
+        });
+        let mut out = BTreeMap::new();
+        for chunk in read {
+            out.extend(chunk?);
+        }
+        Ok(out)
+    }
+
+    /// The names of the units recorded durable, from one listing (no record is read).
+    pub(crate) fn durable_units(&self) -> Result<Vec<String>> {
+        let mut out: Vec<String> = self
+            .state()
+            .join("done")
+            .list()?
+            .into_iter()
+            .filter_map(|(name, _)| name.strip_suffix(".json").map(str::to_string))
+            .collect();
+        out.sort();
         Ok(out)
     }
 

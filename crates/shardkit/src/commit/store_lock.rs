@@ -351,7 +351,9 @@ impl StoreLock {
             match StoreLock::acquire_named(target, name, who.clone()) {
                 Err(Error::LockedRemote { .. }) => {
                     std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(500));
+                    // Capped low: the holder is usually a rank checking for a moment whether
+                    // every unit is durable, and the next rank's commit waits on this.
+                    pause = (pause * 2).min(Duration::from_millis(100));
                 }
                 other => return other,
             }

@@ -36,6 +36,7 @@ use super::rules;
 use super::shard::{self, field_specs, shard_index, shard_name, FieldSpec, Tensor};
 use super::writer::{check_embeddings, EMBEDDINGS};
 use crate::checksum::FileSums;
+use crate::commit::parts::every_unit_listed;
 use crate::commit::parts::{
     commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, PARTS_DIR,
 };
@@ -769,6 +770,14 @@ fn commit_store(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Resu
 
 /// One attempt of [`commit_store`].
 fn commit_store_once(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
+    if !every_unit_listed(parts, (0..m.num_shards()).map(shard_name))? {
+        // Or committed by another rank (its records removed, or being removed: finished here).
+        if target.get_opt(MANIFEST)?.is_some() {
+            clean_after_commit(parts.clone())?;
+            return Ok(true);
+        }
+        return Ok(false);
+    }
     let Some(committing) = parts.commit_lock()? else {
         return Ok(target.get_opt(MANIFEST)?.is_some());
     };

@@ -24,6 +24,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::checksum::FileSums;
+use crate::commit::parts::every_unit_listed;
 use crate::commit::parts::{
     commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, Uploads,
 };
@@ -654,6 +655,14 @@ fn commit_store_once(
     layout: &Layout,
     parts: &Parts,
 ) -> Result<bool> {
+    if !every_unit_listed(parts, (0..layout.n_shards).map(Layout::shard_name))? {
+        // Or committed by another rank (its records removed, or being removed: finished here).
+        if store_committed(target, md)? {
+            clean_after_commit(parts.clone())?;
+            return Ok(true);
+        }
+        return Ok(false);
+    }
     let Some(committing) = parts.commit_lock()? else {
         return store_committed(target, md);
     };
