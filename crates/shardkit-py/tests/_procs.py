@@ -33,8 +33,8 @@ def child_env(path_first=(), **extra):
 
 def run_child(argv, kill_at=None, path_first=(), **extra):
     """Runs `argv` with `child_env(path_first, **extra)`; with `kill_at` (a line prefix), SIGKILLs it once it
-    printed that line. A child neither killed nor aborted by a SHARDKIT_TEST_ABORT_AFTER_RENAMES
-    fault point must succeed. Returns (killed or failed, its output lines)."""
+    printed that line. A child neither killed nor aborted by a SHARDKIT_TEST_ABORT_AFTER_*
+    fault point (after so many renames or PUTs) must succeed. Returns (killed or failed, its output lines)."""
     p = subprocess.Popen(argv, env=child_env(path_first, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     lines = []
@@ -49,6 +49,6 @@ def run_child(argv, kill_at=None, path_first=(), **extra):
     err = p.stderr.read()
     p.stdout.close()
     p.stderr.close()
-    if not killed and "SHARDKIT_TEST_ABORT_AFTER_RENAMES" not in extra:
+    if not killed and not any(k.startswith("SHARDKIT_TEST_ABORT_AFTER_") for k in extra):
         assert p.returncode == 0, err
     return killed or p.returncode != 0, lines

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import pytest
 from shardkit import eagle3, saev
 
 from _cli import shardkit_cli
+from _procs import child_env, run_child, snapshot
 from _s3 import S3, environment
 
 HERE = Path(__file__).resolve().parent
@@ -42,15 +42,6 @@ def env(s3: S3, tmp_path: Path) -> Iterator[Dict[str, str]]:
         yield e
 
 
-def child_env(**extra: Any) -> Dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM_", "SHARDKIT_TEST_"))}
-    e["PYTHONPATH"] = os.pathsep.join([str(HERE)] + [p for p in sys.path if p])
-    e.update({k: str(v) for k, v in extra.items()})
-    return e
-
-
-def tree(d: Path) -> Dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 def under(s3: S3, bucket: str, prefix: str) -> Dict[str, bytes]:
@@ -60,23 +51,8 @@ def under(s3: S3, bucket: str, prefix: str) -> Dict[str, bytes]:
 def run(script: str, args: List[str], kill_at: str | None = None, **extra: Any) -> Tuple[bool, List[str]]:
     """Runs `script` with `args` in a child; with `kill_at` (a line prefix) SIGKILLs it once it
     printed that line. Returns (killed or failed, output lines)."""
-    p = subprocess.Popen([sys.executable, "-c", script, *args], env=child_env(**extra),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout is not None and p.stderr is not None
-    lines, killed = [], False
-    for line in p.stdout:
-        lines.append(line.strip())
-        if kill_at is not None and line.startswith(kill_at):
-            p.send_signal(signal.SIGKILL)
-            killed = True
-            break
-    p.wait(timeout=TIMEOUT)
-    err = p.stderr.read()
-    p.stdout.close()
-    p.stderr.close()
-    if not killed and "SHARDKIT_TEST_ABORT_AFTER_PUTS" not in extra:
-        assert p.returncode == 0, err[-4000:]
-    return killed or p.returncode != 0, lines
+    killed, lines = run_child([sys.executable, "-c", script, *args], kill_at, [HERE], **extra)
+    return killed, lines
 
 
 # A saev rank (test_s3's dataset: 40 examples, 9 a shard, 5 shards; of 3 ranks, shards 0..2,
@@ -105,7 +81,7 @@ def saev_local(tmp_path: Path) -> Tuple[str, Dict[str, bytes]]:
     from test_s3 import write_saev
 
     local = Path(write_saev(tmp_path / "local"))
-    return local.name, tree(local)
+    return local.name, snapshot(local)
 
 
 def test_three_saev_ranks_write_to_a_store_what_one_process_writes(
@@ -114,7 +90,7 @@ def test_three_saev_ranks_write_to_a_store_what_one_process_writes(
     name, want = saev_local
     bucket = s3.bucket()
     root = f"s3://{bucket}/root"
-    procs = [subprocess.Popen([sys.executable, "-c", SAEV_RANK, root, str(r), "3"], env=child_env(),
+    procs = [subprocess.Popen([sys.executable, "-c", SAEV_RANK, root, str(r), "3"], env=child_env([HERE]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (2, 0, 1)]
     finals = []
     for p in procs:
@@ -223,7 +199,7 @@ def test_eagle3_ranks_killed_in_a_store_then_restarted_write_what_one_process_wr
 ) -> None:
     local = tmp_path / "single"
     assert not run(EAGLE3_SINGLE, [str(local)])[0]
-    want = tree(local)
+    want = snapshot(local)
     bucket = s3.bucket()
     url = f"s3://{bucket}/cache"
     # 14 samples, 3 a shard: of 3 ranks, shards 0..2, 2..4, 4..5. Rank 1 is killed mid-part.
@@ -281,7 +257,7 @@ def tokens_local(tmp_path_factory: Any) -> Dict[str, bytes]:
     with flat_tokens.Writer(root, "train", "v3", progress=False) as w:
         for at in range(0, TOKENS_N, 100):
             w.append([document(i) for i in range(at, min(at + 100, TOKENS_N))])
-    return tree(root)
+    return snapshot(root)
 
 
 def test_three_flat_tokens_ranks_write_to_a_store_what_one_process_writes(
@@ -291,7 +267,7 @@ def test_three_flat_tokens_ranks_write_to_a_store_what_one_process_writes(
 
     bucket = s3.bucket()
     url = f"s3://{bucket}/ds.zarr"
-    procs = [subprocess.Popen([sys.executable, "-c", TOKENS_RANK, url, str(r), "3"], env=child_env(),
+    procs = [subprocess.Popen([sys.executable, "-c", TOKENS_RANK, url, str(r), "3"], env=child_env([HERE]),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (2, 0, 1)]
     finals = []
     for p in procs:

@@ -111,6 +111,16 @@ impl Drop for Uploads {
     }
 }
 
+/// What [`Parts::begin_commit`] found.
+pub(crate) enum CommitStart {
+    /// The dataset is committed (now clean).
+    Committed,
+    /// A unit is not durable yet.
+    Missing,
+    /// The commit is this rank's: its lock (held until dropped) and every unit's record.
+    Ready(Held, BTreeMap<String, UnitFiles>),
+}
+
 /// Whether every unit `units` names is recorded durable, from one listing of the records and
 /// without the commit lock: a rank that finds one missing leaves the commit to the rank that
 /// records it. Safe because a rank lists only after recording its own units, and a store lists
@@ -596,6 +606,36 @@ impl Parts {
         }
         out.sort();
         Ok(out)
+    }
+
+    /// How a commit starts, the same for every format and place: waits for and takes the
+    /// commit lock; then the dataset is committed already (`committed`; what a killed
+    /// committer left is removed by `clean`), or a unit of `units` has no record yet (the rank
+    /// that records it commits), or the commit is this rank's, with its lock and the records.
+    pub(crate) fn begin_commit(
+        &self,
+        units: impl IntoIterator<Item = String>,
+        committed: impl Fn() -> Result<bool>,
+        clean: impl FnOnce() -> Result<()>,
+    ) -> Result<CommitStart> {
+        let Some(lock) = self.commit_lock()? else {
+            // Another rank committed and removed the state while this one waited.
+            return Ok(if committed()? {
+                CommitStart::Committed
+            } else {
+                CommitStart::Missing
+            });
+        };
+        if committed()? {
+            // Committed by another rank (or by a run killed while cleaning up after it).
+            clean()?;
+            return Ok(CommitStart::Committed);
+        }
+        let done = self.done()?;
+        if units.into_iter().any(|u| !done.contains_key(&u)) {
+            return Ok(CommitStart::Missing);
+        }
+        Ok(CommitStart::Ready(lock, done))
     }
 
     /// Forgets unit `unit` (its files are being written again).

@@ -37,6 +37,7 @@ use super::shard::{self, field_specs, shard_index, shard_name, FieldSpec, Tensor
 use super::writer::{check_embeddings, EMBEDDINGS};
 use crate::checksum::FileSums;
 use crate::commit::parts::every_unit_listed;
+use crate::commit::parts::CommitStart;
 use crate::commit::parts::{
     commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, PARTS_DIR,
 };
@@ -717,23 +718,19 @@ fn holds_table_bytes(bytes: &[u8], data: &[u8], rows: u64, cols: u64) -> bool {
 /// Commits the cache in `dir` if every shard (and the embeddings when `emb`) is durable and
 /// nobody has; true when it is committed (now or before).
 fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
-    let Some(_committing) = parts.commit_lock()? else {
-        // Committed by another rank, which removed the parts' state, lock file included.
-        return Ok(dir.join(MANIFEST).is_file());
-    };
-    if dir.join(MANIFEST).is_file() {
-        // Committed by another rank (or by a run killed while cleaning up after it).
-        clean_after_commit(parts.clone())?;
-        return Ok(true);
-    }
-    let done = parts.done()?;
     let mut names: Vec<String> = (0..m.num_shards()).map(shard_name).collect();
     if emb {
         names.push(EMBEDDINGS.to_string());
     }
-    if names.iter().any(|n| !done.contains_key(n)) {
-        return Ok(false);
-    }
+    let (_committing, done) = match parts.begin_commit(
+        names.iter().cloned(),
+        || Ok(dir.join(MANIFEST).is_file()),
+        || clean_after_commit(parts.clone()),
+    )? {
+        CommitStart::Committed => return Ok(true),
+        CommitStart::Missing => return Ok(false),
+        CommitStart::Ready(lock, done) => (lock, done),
+    };
     let mut files = Files::default();
     for name in &names {
         if !parts.intact(name, &done[name])? {
@@ -778,21 +775,19 @@ fn commit_store_once(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) ->
         }
         return Ok(false);
     }
-    let Some(committing) = parts.commit_lock()? else {
-        return Ok(target.get_opt(MANIFEST)?.is_some());
-    };
-    if target.get_opt(MANIFEST)?.is_some() {
-        clean_after_commit(parts.clone())?;
-        return Ok(true);
-    }
-    let done = parts.done()?;
     let mut names: Vec<String> = (0..m.num_shards()).map(shard_name).collect();
     if emb {
         names.push(EMBEDDINGS.to_string());
     }
-    if names.iter().any(|n| !done.contains_key(n)) {
-        return Ok(false);
-    }
+    let (committing, done) = match parts.begin_commit(
+        names.iter().cloned(),
+        || Ok(target.get_opt(MANIFEST)?.is_some()),
+        || clean_after_commit(parts.clone()),
+    )? {
+        CommitStart::Committed => return Ok(true),
+        CommitStart::Missing => return Ok(false),
+        CommitStart::Ready(lock, done) => (lock, done),
+    };
     let sizes: std::collections::BTreeMap<String, u64> = target.list()?.into_iter().collect();
     let mut files = Files::default();
     for name in &names {

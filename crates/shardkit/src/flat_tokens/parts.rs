@@ -49,6 +49,7 @@ use super::layout::{Layout, Sharded};
 use super::store::{Completion, ZarrFormat};
 use super::writer::{Writer, WriterOptions, MAX_TOKEN_ID};
 use crate::checksum::{FileSums, SIDECAR};
+use crate::commit::parts::CommitStart;
 use crate::commit::parts::{part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, PARTS_DIR};
 use crate::commit::{Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
@@ -680,19 +681,16 @@ pub(crate) static STOP_COMMIT_AFTER_UNITS: std::sync::atomic::AtomicU64 =
 /// Commits `split` if every unit is durable and nobody has; true when it is committed (now or
 /// before).
 fn commit(root: &Path, split: &str, setup: &Setup, parts: &Parts) -> Result<bool> {
-    let Some(_committing) = parts.commit_lock()? else {
-        // Another rank committed and cleaned up while this one waited.
-        return committed(root, split, setup.total);
-    };
-    if committed(root, split, setup.total)? {
-        clean_after_commit(root, split, parts.clone())?;
-        return Ok(true);
-    }
-    let done = parts.done()?;
     let n = setup.units();
-    if (0..n).any(|u| !done.contains_key(&unit_name(u))) {
-        return Ok(false);
-    }
+    let (_committing, done) = match parts.begin_commit(
+        (0..n).map(unit_name),
+        || committed(root, split, setup.total),
+        || clean_after_commit(root, split, parts.clone()),
+    )? {
+        CommitStart::Committed => return Ok(true),
+        CommitStart::Missing => return Ok(false),
+        CommitStart::Ready(lock, done) => (lock, done),
+    };
     let splits = root_commit_lock(root)?;
     let options = WriterOptions {
         layout: Some(setup.layout),

@@ -139,6 +139,15 @@ pub(crate) fn not_a_store(url: &Path) -> Error {
     ))
 }
 
+/// Counts a PUT of `len` bytes done (and, with fault injection, may end the process after
+/// it, as a kill there would).
+fn put_done(len: u64) {
+    PUTS.fetch_add(1, Ordering::Relaxed);
+    PUT_BYTES.fetch_add(len, Ordering::Relaxed);
+    #[cfg(feature = "fault-injection")]
+    crate::fsutil::trace::abort_after_put();
+}
+
 impl Remote {
     /// Parses `s3://bucket/prefix` (a trailing slash is ignored).
     pub(crate) fn parse(url: &Path) -> Result<Remote> {
@@ -597,10 +606,7 @@ impl Remote {
         let store = self.store()?;
         block_on(store.put(&key, PutPayload::from(bytes)))?
             .map_err(|e| self.error(name, None, e))?;
-        PUTS.fetch_add(1, Ordering::Relaxed);
-        PUT_BYTES.fetch_add(n, Ordering::Relaxed);
-        #[cfg(feature = "fault-injection")]
-        crate::fsutil::trace::abort_after_put();
+        put_done(n);
         Ok(())
     }
 
@@ -630,10 +636,7 @@ impl Remote {
             w.finish().await.map_err(|e| self.error(name, None, e))?;
             Ok(())
         })??;
-        PUTS.fetch_add(1, Ordering::Relaxed);
-        PUT_BYTES.fetch_add(len, Ordering::Relaxed);
-        #[cfg(feature = "fault-injection")]
-        crate::fsutil::trace::abort_after_put();
+        put_done(len);
         Ok(())
     }
 
@@ -675,10 +678,7 @@ impl Remote {
             w.finish().await.map_err(|e| self.error(name, None, e))?;
             Ok(())
         })??;
-        PUTS.fetch_add(1, Ordering::Relaxed);
-        PUT_BYTES.fetch_add(len, Ordering::Relaxed);
-        #[cfg(feature = "fault-injection")]
-        crate::fsutil::trace::abort_after_put();
+        put_done(len);
         Ok(())
     }
 

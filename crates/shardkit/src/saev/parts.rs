@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 
 use crate::checksum::FileSums;
 use crate::commit::parts::every_unit_listed;
+use crate::commit::parts::CommitStart;
 use crate::commit::parts::{
     commit_surviving_takeover, part_of, Claim, Parts, PartsStatus, Rank, UnitFiles, Uploads,
 };
@@ -593,16 +594,15 @@ fn build_labels(
 /// Commits the dataset in `dir` if every shard is durable and nobody has; true when it is
 /// committed (now or before).
 fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<bool> {
-    let Some(_committing) = parts.commit_lock()? else {
-        // Another rank committed and cleaned up while this one waited.
-        return Ok(check_complete(dir, layout).is_ok());
+    let (_committing, done) = match parts.begin_commit(
+        (0..layout.n_shards).map(Layout::shard_name),
+        || Ok(check_complete(dir, layout).is_ok()),
+        || clean_after_commit(parts.clone()),
+    )? {
+        CommitStart::Committed => return Ok(true),
+        CommitStart::Missing => return Ok(false),
+        CommitStart::Ready(lock, done) => (lock, done),
     };
-    if check_complete(dir, layout).is_ok() {
-        // Committed by another rank (or by a run killed while cleaning up after it).
-        clean_after_commit(parts.clone())?;
-        return Ok(true);
-    }
-    let done = parts.done()?;
     let Some(with_labels) = all_recorded(dir, layout, &done)? else {
         return Ok(false);
     };
@@ -663,15 +663,16 @@ fn commit_store_once(
         }
         return Ok(false);
     }
-    let Some(committing) = parts.commit_lock()? else {
-        return store_committed(target, md);
+    let (committing, done) = match parts.begin_commit(
+        (0..layout.n_shards).map(Layout::shard_name),
+        || store_committed(target, md),
+        || clean_after_commit(parts.clone()),
+    )? {
+        CommitStart::Committed => return Ok(true),
+        CommitStart::Missing => return Ok(false),
+        CommitStart::Ready(lock, done) => (lock, done),
     };
-    if store_committed(target, md)? {
-        clean_after_commit(parts.clone())?;
-        return Ok(true);
-    }
     let url = PathBuf::from(target.url());
-    let done = parts.done()?;
     let Some(with_labels) = all_recorded(&url, layout, &done)? else {
         return Ok(false);
     };

@@ -19,6 +19,7 @@ use super::{
     PartWriter, Setup, HEADER, SETUP,
 };
 use crate::checksum::SIDECAR;
+use crate::commit::parts::CommitStart;
 use crate::commit::parts::{part_of, Held, Parts, PartsStatus, Rank, PARTS_DIR};
 use crate::commit::{is_private, staging_dir};
 use crate::error::{Error, Result};
@@ -221,18 +222,16 @@ fn stop_after(w: &mut Writer, u: u64, target: &Remote) -> Result<()> {
 /// Commits `split` in `target` if every unit is durable and nobody has; true when it is
 /// committed (now or before).
 pub(super) fn commit(target: &Remote, split: &str, setup: &Setup, parts: &Parts) -> Result<bool> {
-    let Some(committing) = parts.commit_lock()? else {
-        return committed(target, split, setup.total);
-    };
-    if committed(target, split, setup.total)? {
-        clean_after_commit(target, split, parts.clone())?;
-        return Ok(true);
-    }
-    let done = parts.done()?;
     let n = setup.units();
-    if (0..n).any(|u| !done.contains_key(&unit_name(u))) {
-        return Ok(false);
-    }
+    let (committing, done) = match parts.begin_commit(
+        (0..n).map(unit_name),
+        || committed(target, split, setup.total),
+        || clean_after_commit(target, split, parts.clone()),
+    )? {
+        CommitStart::Committed => return Ok(true),
+        CommitStart::Missing => return Ok(false),
+        CommitStart::Ready(lock, done) => (lock, done),
+    };
     let Held::Store(lock) = committing else {
         return Err(Error::Internal(
             "internal: a store's commit lock is a lock object".into(),
