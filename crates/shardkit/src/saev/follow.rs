@@ -418,13 +418,24 @@ impl FollowPass {
     /// dataset is committed) into the loader's, when the dataset has labels.
     fn load_labels(&self, round: &[Range<u64>]) -> Result<()> {
         let src = &self.parts.src;
-        let layout = self.layout();
-        let p = layout.content_tokens;
-        let all = (layout.n_examples * p) as usize;
         if src.dataset().has_labels() {
             return Ok(()); // labels.bin was there when the loader opened: every label is known
         }
-        let mut labels = src.labels();
+        // Taken out while the round's pieces are added, so that they are written in place (no
+        // batch holds the array between rounds), and put back whatever happens.
+        let mut labels = src.take_labels();
+        let added = self.add_labels(round, &mut labels);
+        if let Some(l) = labels {
+            src.set_labels(l);
+        }
+        added
+    }
+
+    /// Adds the labels of `round`'s shards to `labels` (see [`FollowPass::load_labels`]).
+    fn add_labels(&self, round: &[Range<u64>], labels: &mut Option<Arc<Vec<u8>>>) -> Result<()> {
+        let layout = self.layout();
+        let p = layout.content_tokens;
+        let all = (layout.n_examples * p) as usize;
         let from_file = |labels: &mut Option<Arc<Vec<u8>>>| -> Result<bool> {
             // The commit publishes labels.bin whole before it removes the pieces.
             let path = self.dir.join("labels.bin");
@@ -443,7 +454,7 @@ impl FollowPass {
             let bytes = match std::fs::read(&piece) {
                 Ok(b) => b,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    if from_file(&mut labels)? {
+                    if from_file(labels)? {
                         break;
                     }
                     if labels.is_some() {
@@ -467,9 +478,6 @@ impl FollowPass {
             }
             let l = labels.get_or_insert_with(|| Arc::new(vec![0; all]));
             Arc::make_mut(l)[at..at + want].copy_from_slice(&bytes);
-        }
-        if let Some(l) = labels {
-            src.set_labels(l);
         }
         Ok(())
     }

@@ -167,6 +167,13 @@ impl SaevSource {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+    /// Takes the labels out (a follow-mode round adds to them in place, then puts them back).
+    pub(super) fn take_labels(&self) -> Option<Arc<Vec<u8>>> {
+        self.labels
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
     /// Replaces the labels (a follow-mode round read more of them).
     pub(super) fn set_labels(&self, labels: Arc<Vec<u8>>) {
         *self.labels.write().unwrap_or_else(|e| e.into_inner()) = Some(labels);
