@@ -155,6 +155,18 @@ impl Follow {
         Ok((rounds, batches))
     }
 
+    /// Whether batch `at` is the end of an epoch whose rounds served every shard.
+    pub(super) fn finished(&self, m: &super::Manifest, bs: u64, at: u64) -> bool {
+        let rounds = locked(&self.rounds);
+        let mut served = vec![false; m.num_shards() as usize];
+        let mut batches = 0;
+        for r in rounds.iter() {
+            mark(&mut served, r);
+            batches += samples_in(m, r).div_ceil(bs);
+        }
+        served.iter().all(|&s| s) && at >= batches
+    }
+
     /// Replaces the rounds (a state loaded).
     pub(super) fn set_rounds(&self, rounds: Vec<Vec<Range<u64>>>) {
         *locked(&self.rounds) = rounds;

@@ -479,11 +479,29 @@ impl Loader {
     /// Sets the position to batch `batch` of the epoch (see [`Batches::cursor`]).
     pub fn advance_to(&mut self, batch: u64) {
         *self.resumed.get_mut() = false;
-        // Follow mode: rounds may end with partial batches, so an epoch may have more.
-        self.cursor = match self.follow {
+        // Follow mode: rounds may end with partial batches, so an epoch may have more; back at
+        // its start, the epoch's rounds are formed again from what is durable then.
+        self.cursor = match &self.follow {
+            Some(f) if batch == 0 => {
+                f.restart();
+                0
+            }
             Some(_) => batch,
             None => batch.min(self.len()),
         };
+    }
+
+    /// Whether the position is at the end of the epoch: every batch served (in follow mode,
+    /// every shard served in the epoch's rounds).
+    pub fn epoch_finished(&self) -> bool {
+        match &self.follow {
+            Some(f) => f.finished(
+                self.inner.cache.manifest(),
+                self.opts.batch_size,
+                self.cursor,
+            ),
+            None => self.cursor >= self.len(),
+        }
     }
 
     /// Reads the samples `indices` as one batch, now.
