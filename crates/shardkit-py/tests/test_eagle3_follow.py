@@ -51,13 +51,17 @@ WRITER = textwrap.dedent("""
     print(json.dumps(w.close()["committed"]), flush=True)
 """)
 
-# A fresh process resuming a state and printing the samples of each batch of the rest.
+# A fresh process resuming each state of a JSON list and printing the samples of each batch of
+# the rest.
 RESUME = textwrap.dedent("""
     import json, sys
     from shardkit import eagle3
-    l = eagle3.Loader(sys.argv[1], batch_size=4, seed=3, follow=True)
-    l.load_state_dict(json.loads(open(sys.argv[2]).read()))
-    print(json.dumps([(b["aux_hidden_states"][:, 0, 0] // 100).astype(int).tolist() for b in l]))
+    out = []
+    for st in json.loads(open(sys.argv[2]).read()):
+        l = eagle3.Loader(sys.argv[1], batch_size=4, seed=3, follow=True)
+        l.load_state_dict(st)
+        out.append([(b["aux_hidden_states"][:, 0, 0] // 100).astype(int).tolist() for b in l])
+    print(json.dumps(out))
 """)
 
 
@@ -113,13 +117,21 @@ def test_a_follow_loader_reading_writer_processes_serves_each_sample_once_and_re
     assert sorted(i for b in seen for i in b) == list(range(N))
     assert n_rounds(states[-1]["follow_rounds"]) > 1, f"the write was read in one round: {states[-1]}"
 
-    # A fresh process resuming after the first batch serves exactly the rest of the epoch.
-    state_file = tmp_path / "state.json"
-    state_file.write_text(json.dumps(states[0]))
+    # Fresh processes resume: a state taken in the last round continues batch for batch; one
+    # taken in the first round continues its round exactly (later rounds are formed from what is
+    # durable then), then serves every sample left once.
+    final = states[-1]["follow_rounds"]
+    last_round_start = max(i for i, st in enumerate(states) if st["follow_rounds"] != final) + 1
+    first_round_end = next(i for i, st in enumerate(states) if st["follow_rounds"] != states[0]["follow_rounds"])
+    state_file = tmp_path / "states.json"
+    state_file.write_text(json.dumps([states[last_round_start], states[0]]))
     out = subprocess.run([sys.executable, "-c", RESUME, str(path), str(state_file)],
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == seen[1:]
+    late, early = json.loads(out.stdout)
+    assert late == seen[last_round_start + 1:]
+    assert early[:first_round_end - 1] == seen[1:first_round_end]
+    assert sorted(i for b in seen[:1] + early for i in b) == list(range(N))
 
     # Committed: the next epoch is a plain loader's, batch for batch.
     follow.set_epoch(1)
