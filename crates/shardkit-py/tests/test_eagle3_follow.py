@@ -152,3 +152,18 @@ def test_a_follow_loader_names_the_missing_shards_and_refuses_world_size_two(tmp
         loader(path, follow=True, rank=0, world_size=2)
     with pytest.raises(InvalidArgumentError, match="follow_timeout applies with follow=True only"):
         loader(path, follow_timeout=3)
+
+
+def test_the_torch_dataset_passes_follow_through(tmp_path):
+    torch = pytest.importorskip("torch")
+    from shardkit.torch import Eagle3Dataset
+
+    path = tmp_path / "cache"
+    procs = start_writers(path, 2, 0.05)
+    ds = Eagle3Dataset(path, batch_size=4, seed=3, follow=True, follow_timeout=TIMEOUT)
+    served = []
+    for b in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0):
+        served += (b["aux_hidden_states"][:, 0, 0] // 100).long().tolist()
+    finish(procs)
+    assert sorted(served) == list(range(N))
+    assert n_rounds(ds.state_dict()["follow_rounds"]) > 1
