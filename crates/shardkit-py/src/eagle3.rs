@@ -440,7 +440,8 @@ pub struct Eagle3Loader {
 impl Eagle3Loader {
     #[new]
     #[pyo3(signature = (cache_dir, batch_size, shuffle=true, seed=0, epoch=0, rank=None,
-        world_size=None, drop_last=false, threads=0, prefetch=2, verify=false))]
+        world_size=None, drop_last=false, threads=0, prefetch=2, verify=false, follow=false,
+        follow_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -455,6 +456,8 @@ impl Eagle3Loader {
         threads: usize,
         prefetch: usize,
         verify: bool,
+        follow: bool,
+        follow_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(batch_size);
         o.set_shuffle(shuffle);
@@ -466,8 +469,9 @@ impl Eagle3Loader {
         o.threads = threads;
         o.prefetch = prefetch;
         o.verify = verify;
+        o.follow = crate::saev::follow_options(follow, follow_timeout)?;
         let inner = py
-            .allow_threads(|| Loader::new(Arc::new(Cache::open(cache_dir)?), o))
+            .allow_threads(|| Loader::open(cache_dir, o))
             .map_err(to_py)?;
         Ok(Eagle3Loader { inner })
     }
@@ -497,6 +501,11 @@ impl Eagle3Loader {
     /// Sets the position to batch `batch` of the epoch.
     fn advance_to(&mut self, batch: u64) {
         self.inner.advance_to(batch);
+    }
+    /// Whether the position is at the end of the epoch (in follow mode, every shard served).
+    #[getter]
+    fn epoch_finished(&self) -> bool {
+        self.inner.epoch_finished()
     }
     /// {"seed", "epoch", "batch", "batch_size", "world_size"}.
     /// Bytes of the buffer of a full batch (every field).

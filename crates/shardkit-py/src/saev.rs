@@ -344,6 +344,28 @@ fn index(i: i64, what: &str) -> PyResult<u64> {
         .map_err(|_| py_error("OutOfRangeError", format!("{what} index {i} is negative")))
 }
 
+/// A follow-mode loader's options (`None` without `follow`): Ctrl-C interrupts its waits.
+pub(crate) fn follow_options(
+    follow: bool,
+    follow_timeout: Option<f64>,
+) -> PyResult<Option<saev::FollowOptions>> {
+    if !follow {
+        return Ok(None);
+    }
+    let mut f = saev::FollowOptions {
+        interrupted: Some(saev::WaitCheck(ctrl_c)),
+        ..Default::default()
+    };
+    if let Some(t) = follow_timeout {
+        f.timeout = std::time::Duration::try_from_secs_f64(t).map_err(|_| {
+            to_py(shardkit::Error::Invalid(format!(
+                "follow_timeout must be a number of seconds >= 0, got {t}"
+            )))
+        })?;
+    }
+    Ok(Some(f))
+}
+
 /// Whether Python has a signal to handle (Ctrl-C) while a follow-mode loader waits for shards:
 /// the exception it raises is left set, and the pass raises it (see `loader::Pass::next`).
 fn ctrl_c() -> bool {
@@ -420,20 +442,7 @@ impl Loader {
         o.direct_io = direct_io;
         o.threads = threads;
         o.verify = verify;
-        if follow {
-            let mut f = saev::FollowOptions {
-                interrupted: Some(saev::WaitCheck(ctrl_c)),
-                ..Default::default()
-            };
-            if let Some(t) = follow_timeout {
-                f.timeout = std::time::Duration::try_from_secs_f64(t).map_err(|_| {
-                    to_py(shardkit::Error::Invalid(format!(
-                        "follow_timeout must be a number of seconds >= 0, got {t}"
-                    )))
-                })?;
-            }
-            o.follow = Some(f);
-        }
+        o.follow = follow_options(follow, follow_timeout)?;
         let inner = py
             .allow_threads(|| saev::Loader::new(path, o))
             .map_err(to_py)?;

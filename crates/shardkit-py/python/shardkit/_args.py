@@ -97,6 +97,20 @@ def boolean(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def follow_timeout(follow: bool, value: Any) -> Optional[float]:
+    """A follow-mode loader's ``follow_timeout``: seconds >= 0, with ``follow=True`` only."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentTypeError(
+            f"follow_timeout must be a number of seconds, got {value!r} ({type(value).__name__})")
+    if not 0 <= value < float("inf"):
+        raise InvalidArgumentError(f"follow_timeout must be a number of seconds >= 0, got {value!r}")
+    if not follow:
+        raise InvalidArgumentError("follow_timeout applies with follow=True only")
+    return float(value)
+
+
 def optional_boolean(name: str, value: Any) -> Optional[bool]:
     return None if value is None else boolean(name, value)
 

@@ -493,6 +493,17 @@ class Loader(EngineLoader):
     ``rank`` and ``world_size`` default to ``$RANK`` and ``$WORLD_SIZE``. Iterating continues
     from the loader's position (``state_dict()`` saves it); a finished epoch starts over;
     ``set_epoch`` switches to another order.
+
+    ``follow=True`` reads a cache while :class:`PartWriter` ranks write it (local directories;
+    a cache in a store is read once committed): each epoch is served in rounds of the shards
+    durable when the round starts (the planned order restricted to their samples, the last
+    batch of a round partial), new shards are picked up as they land, every sample is served
+    once per epoch, and ``state_dict`` resumes exactly; a loader that has served every durable
+    shard waits up to ``follow_timeout`` seconds (default 3600) for another, then raises
+    IncompleteDatasetError naming the missing shards and who claims them. On a cache still
+    being written it reads with ``world_size`` 1, without ``drop_last`` or ``verify``; once
+    committed, an epoch is the plain loader's. See docs/eagle3.md, "Reading while it is
+    written".
     """
 
     def __init__(
@@ -510,6 +521,8 @@ class Loader(EngineLoader):
         prefetch: int = 2,
         io_threads: Optional[int] = None,
         verify: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
     ) -> None:
         if args:
             # The old signature took (batch_size, shuffle, seed, rank, world_size, drop_last)
@@ -543,6 +556,8 @@ class Loader(EngineLoader):
         num_threads = _args.threads("num_threads", num_threads)
         prefetch = _args.count("prefetch", prefetch, lo=1)
         verify = _args.boolean("verify", verify)
+        follow = _args.boolean("follow", follow)
+        follow_timeout = _args.follow_timeout(follow, follow_timeout)
         if io_threads is not None:
             warnings.warn(
                 "io_threads is now num_threads (threads that read rows into batches; the reads "
@@ -554,7 +569,7 @@ class Loader(EngineLoader):
         self.path = cache_dir
         self._l = _core.Eagle3Loader(
             self.path, batch_size, shuffle, seed, epoch, rank, world_size,
-            drop_last, num_threads or 0, prefetch, verify,
+            drop_last, num_threads or 0, prefetch, verify, follow, follow_timeout,
         )
         self._opts: Dict[str, Any] = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
@@ -589,7 +604,7 @@ class Loader(EngineLoader):
         self._l.load_state_dict(dict(state))
 
     def __iter__(self) -> Iterator[Eagle3Batch]:
-        if self._l.state_dict()["batch"] >= len(self) and not self._l.resumed:
+        if self._l.epoch_finished and not self._l.resumed:
             # A finished epoch starts over, as PyTorch's samplers do (but a state saved at the
             # end of its epoch resumes to the end: the rest of that epoch is empty).
             self._l.advance_to(0)

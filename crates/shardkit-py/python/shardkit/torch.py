@@ -391,10 +391,13 @@ class Eagle3Dataset(_LoaderDataset):
         num_threads: Optional[int] = None,
         prefetch: int = 2,
         verify: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
     ) -> None:
         super().__init__(cache_dir, rank, world_size, epoch)
         self._kw = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                        num_threads=num_threads, prefetch=prefetch, verify=verify)
+                        num_threads=num_threads, prefetch=prefetch, verify=verify, follow=follow,
+                        follow_timeout=follow_timeout)
         self._check()
 
     def _build(self, rank: int, world_size: int, epoch: int) -> eagle3.Loader:
@@ -775,6 +778,8 @@ class Eagle3Loader(_DeviceLoader):
         num_threads: Optional[int] = None,
         prefetch: int = 2,
         verify: bool = False,
+        follow: bool = False,
+        follow_timeout: Optional[float] = None,
         device: Device = None,
         num_buffers: int = 4,
         host_buffers: Optional[str] = None,
@@ -783,6 +788,7 @@ class Eagle3Loader(_DeviceLoader):
         host = eagle3.Loader(
             cache_dir, batch_size=batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last, epoch=epoch, num_threads=num_threads, prefetch=prefetch, verify=verify,
+            follow=follow, follow_timeout=follow_timeout,
         )
         super().__init__(host, host._l, d, n, hb)
 

@@ -99,8 +99,9 @@ class LoaderState(TypedDict, total=False):
     rows: int
     """saev: selected rows per epoch (the dataset, layer, tokens and ignored labels)."""
     follow_rounds: List[int]
-    """saev with ``follow=True``: the epoch's rounds so far, each as its count of shard
-    ranges then their (first, end) shards; ``cursor`` counts the rows of the rounds in order."""
+    """saev and EAGLE-3 with ``follow=True``: the epoch's rounds so far, each as its count of
+    shard ranges then their (first, end) shards; saev's ``cursor`` counts the rows of the rounds
+    in order, EAGLE-3's ``batch`` their batches (each round's last one may be short)."""
     # flat-tokens (seqax)
     step: int
     """flat-tokens: seqax's global step."""

@@ -148,6 +148,23 @@ impl Cache {
         Self::checked(dir, m, &present, max_open, None)
     }
 
+    /// The cache at `dir` while it is written in parts (follow mode): the manifest its part
+    /// writers share, its shards mapped only when read (the follow loader reads durable shards
+    /// only); `None` when `dir` holds no unfinished write in parts.
+    pub(crate) fn open_unfinished(dir: &Path) -> Result<Option<Cache>> {
+        let Some(m) = super::parts::setup_manifest(dir)? else {
+            return Ok(None);
+        };
+        Ok(Some(Cache {
+            specs: field_specs(&m),
+            dir: dir.to_path_buf(),
+            manifest: m,
+            open: Mutex::default(),
+            max_open: DEFAULT_OPEN_SHARDS,
+            remote: None,
+        }))
+    }
+
     /// The cache once its shard set is checked against its manifest.
     fn checked(
         dir: PathBuf,

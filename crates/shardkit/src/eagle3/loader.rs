@@ -9,16 +9,18 @@
 //! expanded to the full-width `target_probs`.
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
 use super::cache::{scatter, Cache, ITEM_FIELDS};
+use super::follow::Follow;
 use super::shard::shard_name;
 use crate::checksum::{self, Verifier};
 use crate::engine::exec::{self, Context, GatherCell, GatherPool, Job, Prepared, StreamOptions};
+use crate::engine::follow::FollowOptions;
 use crate::engine::order::{derive_key, shuffled};
 use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
@@ -32,6 +34,10 @@ pub struct Eagle3Options {
     /// Batches prepared ahead of the caller. From an object store, at least as many as keep
     /// `SHARDKIT_S3_INFLIGHT` × the request size of GETs in flight (at most 256).
     pub prefetch: usize,
+    /// Read the cache while it is written in parts (follow mode, with [`Loader::open`]):
+    /// `None` (the default) reads a committed cache only. See docs/eagle3.md "Reading while
+    /// it is written".
+    pub follow: Option<FollowOptions>,
 }
 
 /// Options of [`Loader::new`]: the common knobs and [`Eagle3Options`]. `batch_size` is
@@ -49,7 +55,13 @@ impl crate::engine::LoaderOptions<Eagle3Options> {
     /// Batches of `batch_size` in the default (shuffled) order, seed 0, epoch 0, ranks from
     /// the environment, 2 batches prepared ahead.
     pub fn new(batch_size: u64) -> LoaderOptions {
-        LoaderOptions::with_format(batch_size, Eagle3Options { prefetch: 2 })
+        LoaderOptions::with_format(
+            batch_size,
+            Eagle3Options {
+                prefetch: 2,
+                follow: None,
+            },
+        )
     }
 }
 
@@ -145,9 +157,17 @@ pub struct Loader {
     /// A state was loaded and no pass has started since: `set_epoch` of the state's epoch keeps
     /// the position.
     resumed: AtomicBool,
+    /// Follow mode's rounds (see eagle3/follow.rs).
+    pub(super) follow: Option<Follow>,
 }
 
 impl Loader {
+    /// A loader over the cache at `dir` (a path or an `s3://` URL); with `opts.follow`, one
+    /// that reads a local cache while it is written in parts (see [`Eagle3Options::follow`]).
+    pub fn open(dir: impl AsRef<Path>, opts: LoaderOptions) -> Result<Loader> {
+        super::follow::open(dir.as_ref(), opts)
+    }
+
     /// A loader over `cache`.
     pub fn new(cache: Arc<Cache>, mut opts: LoaderOptions) -> Result<Loader> {
         let (rank, world) = opts.rank_and_world()?;
@@ -193,6 +213,7 @@ impl Loader {
             cursor: 0,
             gather: GatherCell::default(),
             resumed: AtomicBool::new(false),
+            follow: None,
         })
     }
 
@@ -279,6 +300,9 @@ impl Loader {
         *self.resumed.get_mut() = false;
         self.opts.epoch = epoch;
         self.cursor = 0;
+        if let Some(f) = &self.follow {
+            f.restart();
+        }
     }
 
     /// Whether a state was loaded and no pass has started since (a state at the end of its
@@ -290,7 +314,7 @@ impl Loader {
     /// The position to save with a checkpoint: the common position (`batch`: batches of this
     /// epoch consumed on this rank), then EAGLE-3's `shuffle`, `drop_last` and `samples`.
     pub fn state(&self) -> LoaderState {
-        LoaderState::new(
+        let st = LoaderState::new(
             FORMAT,
             self.opts.seed,
             self.opts.epoch,
@@ -300,7 +324,11 @@ impl Loader {
         )
         .with("shuffle", StateValue::Bool(self.opts.shuffled()))
         .with("drop_last", StateValue::Bool(self.opts.drop_last))
-        .with("samples", StateValue::UInt(self.inner.cache.len()))
+        .with("samples", StateValue::UInt(self.inner.cache.len()));
+        match &self.follow {
+            Some(f) => f.save(st),
+            None => st,
+        }
     }
 
     /// Continues from a saved position. A state taken by a loader that would serve other
@@ -353,7 +381,17 @@ impl Loader {
             show,
         );
         refuse(diff)?;
-        if s.batch > self.len() {
+        if let Some(f) = &self.follow {
+            let m = self.inner.cache.manifest();
+            let (rounds, batches) = Follow::rounds_of(&s, m, self.opts.batch_size)?;
+            if s.batch > batches {
+                return Err(Error::Invalid(format!(
+                    "the state's batch {} is past its follow_rounds' {batches} batches",
+                    s.batch
+                )));
+            }
+            f.set_rounds(rounds);
+        } else if s.batch > self.len() {
             return Err(Error::Invalid(format!(
                 "the state's batch {} is past the epoch's {} batches",
                 s.batch,
@@ -371,6 +409,9 @@ impl Loader {
     /// [`Loader::advance_to`]`(batches.cursor())` so `state()` saves it.
     pub fn iter(&self) -> Batches {
         self.resumed.store(false, Ordering::Relaxed);
+        if let Some(f) = &self.follow {
+            return self.follow_iter(f);
+        }
         let indices = self.indices();
         let bs = self.opts.batch_size as usize;
         let mut batches: Vec<Vec<u64>> = indices.chunks(bs).map(<[u64]>::to_vec).collect();
@@ -397,6 +438,30 @@ impl Loader {
             stream,
             start: self.cursor,
             delivered: 0,
+            follow: None,
+        }
+    }
+
+    /// Follow mode's pass: the rounds' batches one after the other, waiting for shards between
+    /// (see eagle3/follow.rs).
+    fn follow_iter(&self, f: &Follow) -> Batches {
+        let pass = self.gather_pool().map(|pool| FollowPass {
+            follow: f.clone(),
+            inner: self.inner.clone(),
+            pool,
+            order: self.indices(),
+            bs: self.opts.batch_size,
+            ahead: depth(&self.inner.cache, &self.opts),
+        });
+        let (stream, follow) = match pass {
+            Ok(p) => (exec::Stream::empty(), Some(Box::new(p))),
+            Err(e) => (exec::Stream::failed(e), None),
+        };
+        Batches {
+            stream,
+            start: self.cursor,
+            delivered: 0,
+            follow,
         }
     }
 
@@ -414,7 +479,29 @@ impl Loader {
     /// Sets the position to batch `batch` of the epoch (see [`Batches::cursor`]).
     pub fn advance_to(&mut self, batch: u64) {
         *self.resumed.get_mut() = false;
-        self.cursor = batch.min(self.len());
+        // Follow mode: rounds may end with partial batches, so an epoch may have more; back at
+        // its start, the epoch's rounds are formed again from what is durable then.
+        self.cursor = match &self.follow {
+            Some(f) if batch == 0 => {
+                f.restart();
+                0
+            }
+            Some(_) => batch,
+            None => batch.min(self.len()),
+        };
+    }
+
+    /// Whether the position is at the end of the epoch: every batch served (in follow mode,
+    /// every shard served in the epoch's rounds).
+    pub fn epoch_finished(&self) -> bool {
+        match &self.follow {
+            Some(f) => f.finished(
+                self.inner.cache.manifest(),
+                self.opts.batch_size,
+                self.cursor,
+            ),
+            None => self.cursor >= self.len(),
+        }
     }
 
     /// Reads the samples `indices` as one batch, now.
@@ -725,6 +812,19 @@ pub struct Batches {
     stream: exec::Stream<Batch>,
     start: u64,
     delivered: u64,
+    /// Follow mode: the next rounds' batches, started when the current stream ends.
+    follow: Option<Box<FollowPass>>,
+}
+
+/// What a follow-mode pass needs to start its rounds.
+struct FollowPass {
+    follow: Follow,
+    inner: Arc<Inner>,
+    pool: Arc<GatherPool>,
+    /// The epoch's planned order.
+    order: Vec<u64>,
+    bs: u64,
+    ahead: usize,
 }
 
 impl Batches {
@@ -738,10 +838,38 @@ impl Batches {
 impl Iterator for Batches {
     type Item = Result<Batch>;
     fn next(&mut self) -> Option<Result<Batch>> {
-        let b = self.stream.next()?;
-        if b.is_ok() {
-            self.delivered += 1;
+        loop {
+            match self.stream.next() {
+                Some(Ok(b)) => {
+                    self.delivered += 1;
+                    return Some(Ok(b));
+                }
+                Some(Err(e)) => {
+                    self.follow = None; // a failed pass ends
+                    return Some(Err(e));
+                }
+                None => {}
+            }
+            let p = self.follow.as_ref()?;
+            let at = self.start + self.delivered;
+            match p.follow.next_round(&p.inner.cache, &p.order, p.bs, at) {
+                Ok(Some(batches)) => {
+                    let job = Arc::new(Eagle3Job {
+                        inner: p.inner.clone(),
+                        pool: p.pool.clone(),
+                    });
+                    let opts = StreamOptions { ahead: p.ahead };
+                    self.stream = exec::start(job, batches.into_iter(), p.pool.clone(), opts);
+                }
+                Ok(None) => {
+                    self.follow = None;
+                    return None;
+                }
+                Err(e) => {
+                    self.follow = None;
+                    return Some(Err(e));
+                }
+            }
         }
-        Some(b)
     }
 }

@@ -865,6 +865,15 @@ fn setup_of(dir: &Path) -> Result<Option<(Manifest, bool, Parts)>> {
     }
 }
 
+/// The manifest of the unfinished write in parts in `dir` (no manifest.json yet), as its part
+/// writers share it; `None` when `dir` holds none (committed, or not written in parts).
+pub(super) fn setup_manifest(dir: &Path) -> Result<Option<Manifest>> {
+    if dir.join(MANIFEST).is_file() {
+        return Ok(None);
+    }
+    Ok(setup_of(dir)?.map(|(m, _, _)| m))
+}
+
 /// Where the cache at `dir` stands: committed, or which shards are durable, which are claimed
 /// by live ranks (and by whom), whether the declared embeddings are still owed, and what a
 /// restart would write. A cache whose every part is durable but not committed (its last rank

@@ -421,6 +421,14 @@ fn lane_loop<J: Job>(
 }
 
 impl<T> Stream<T> {
+    /// A stream that ends at once (a follow-mode pass before its first round).
+    pub(crate) fn empty() -> Stream<T> {
+        let mut s = Stream::failed(Error::Internal(String::new()));
+        s.pending = None;
+        s.done = true;
+        s
+    }
+
     /// A stream that reports `e` at its first `next` (a loader that could not start).
     pub(crate) fn failed(e: Error) -> Stream<T> {
         Stream {

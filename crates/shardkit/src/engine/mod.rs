@@ -31,10 +31,12 @@
 mod contract;
 pub(crate) mod dist;
 pub(crate) mod exec;
+pub(crate) mod follow;
 pub(crate) mod order;
 pub(crate) mod quality;
 
 pub use crate::io::buffer::{Buffer, BufferPool, Field};
 pub use contract::{LoaderOptions, LoaderState, StateValue, DEFAULT_ORDER};
+pub use follow::{FollowOptions, WaitCheck};
 pub use order::Order;
 pub use quality::{shuffle_quality, ShuffleQuality};

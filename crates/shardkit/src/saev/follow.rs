@@ -31,7 +31,6 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
 
 use super::loader::{Batch, Batches, Inner, Loader, PassParts};
 use super::options::LoaderOptions;
@@ -40,57 +39,17 @@ use super::writer::label_piece;
 use super::Dataset;
 use crate::commit::parts::Parts;
 use crate::engine::exec;
+pub(super) use crate::engine::follow::decode;
+use crate::engine::follow::{encode, mark, missing_words, wait_new, Waited};
+pub use crate::engine::follow::{FollowOptions, WaitCheck};
 use crate::engine::order::rank_batches;
 use crate::engine::StateValue;
 use crate::error::{Error, Result};
 use crate::io::Location;
 use crate::saev::Layout;
 
-/// How a follow-mode loader waits for shards (the `follow` field of
-/// [`super::SaevOptions`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FollowOptions {
-    /// How long a loader that has served every durable shard waits for another before failing
-    /// (naming the missing shards and who holds their claims). Default one hour.
-    pub timeout: Duration,
-    /// How often it looks for new shards meanwhile. Default 100 ms.
-    pub poll: Duration,
-    /// Called at every poll while waiting: `true` stops the wait with an error (Python's
-    /// binding checks for Ctrl-C here, so a loader waiting for shards can be interrupted).
-    pub interrupted: Option<WaitCheck>,
-}
-
-/// A function a waiting follow-mode loader calls at every poll (see
-/// [`FollowOptions::interrupted`]).
-#[derive(Clone, Copy)]
-pub struct WaitCheck(pub fn() -> bool);
-
-impl PartialEq for WaitCheck {
-    fn eq(&self, other: &WaitCheck) -> bool {
-        std::ptr::fn_addr_eq(self.0, other.0)
-    }
-}
-
-impl Eq for WaitCheck {}
-
-impl std::fmt::Debug for WaitCheck {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("WaitCheck")
-    }
-}
-
-impl Default for FollowOptions {
-    fn default() -> FollowOptions {
-        FollowOptions {
-            timeout: Duration::from_secs(3600),
-            poll: Duration::from_millis(100),
-            interrupted: None,
-        }
-    }
-}
-
 /// The state key holding the rounds.
-pub(super) const ROUNDS_KEY: &str = "follow_rounds";
+pub(super) const ROUNDS_KEY: &str = crate::engine::follow::ROUNDS_KEY;
 
 /// A follow-mode loader's rounds of the current epoch, shared with its pass.
 #[derive(Debug)]
@@ -192,76 +151,6 @@ fn durable_now(dir: &Path, layout: &Layout) -> Result<Vec<bool>> {
         Err(_) if committed(dir, layout)? => Ok(vec![true; n]),
         Err(e) => Err(e),
     }
-}
-
-/// The shards `flags` marks, as ranges.
-fn ranges_of(flags: &[bool]) -> Vec<Range<u64>> {
-    let mut out: Vec<Range<u64>> = Vec::new();
-    for (s, _) in flags.iter().enumerate().filter(|(_, &f)| f) {
-        let s = s as u64;
-        match out.last_mut() {
-            Some(r) if r.end == s => r.end = s + 1,
-            _ => out.push(s..s + 1),
-        }
-    }
-    out
-}
-
-fn mark(flags: &mut [bool], shards: &[Range<u64>]) {
-    for s in shards.iter().flat_map(|r| r.clone()) {
-        if let Some(f) = flags.get_mut(s as usize) {
-            *f = true;
-        }
-    }
-}
-
-/// Rounds as a flat list: each round's range count, then its ranges' ends.
-pub(super) fn encode(rounds: &[Vec<Range<u64>>]) -> Vec<u64> {
-    let mut out = Vec::new();
-    for r in rounds {
-        out.push(r.len() as u64);
-        for x in r {
-            out.extend([x.start, x.end]);
-        }
-    }
-    out
-}
-
-/// [`encode`]'s rounds back, checked against `n_shards` (disjoint, in range).
-pub(super) fn decode(flat: &[u64], n_shards: u64) -> Result<Vec<Vec<Range<u64>>>> {
-    let bad = |why: &str| {
-        Err(Error::Invalid(format!(
-            "state key {ROUNDS_KEY:?} {why} (it lists each round's range count, then the \
-             ranges' first and end shards)"
-        )))
-    };
-    let mut rounds = Vec::new();
-    let mut seen = vec![false; n_shards as usize];
-    let mut i = 0;
-    while i < flat.len() {
-        let k = flat[i] as usize;
-        let Some(pairs) = flat.get(i + 1..i + 1 + 2 * k) else {
-            return bad("ends inside a round");
-        };
-        let mut round = Vec::with_capacity(k);
-        for p in pairs.chunks_exact(2) {
-            if p[0] >= p[1] || p[1] > n_shards {
-                return bad(&format!(
-                    "has shards {}..{}, not a range of this dataset's {n_shards} shards",
-                    p[0], p[1]
-                ));
-            }
-            for s in p[0]..p[1] {
-                if std::mem::replace(&mut seen[s as usize], true) {
-                    return bad(&format!("serves shard {s} twice"));
-                }
-            }
-            round.push(p[0]..p[1]);
-        }
-        rounds.push(round);
-        i += 1 + 2 * k;
-    }
-    Ok(rounds)
 }
 
 impl Follow {
@@ -389,28 +278,13 @@ impl FollowPass {
         if served.iter().all(|&s| s) {
             return Ok(None);
         }
-        let since = Instant::now();
-        loop {
-            let durable = durable_now(&self.dir, &layout)?;
-            let new: Vec<bool> = durable
-                .iter()
-                .zip(&served)
-                .map(|(&d, &s)| d && !s)
-                .collect();
-            if new.iter().any(|&n| n) {
-                let round = ranges_of(&new);
+        let dir = self.dir.clone();
+        match wait_new(&self.follow, &served, || durable_now(&dir, &layout))? {
+            Waited::New(round) => {
                 locked(&self.rounds).push(round.clone());
-                return self.start(&round, offset).map(Some);
+                self.start(&round, offset).map(Some)
             }
-            if since.elapsed() >= self.follow.timeout {
-                return Err(self.stopped(&durable, &layout, None));
-            }
-            if let Some(WaitCheck(interrupted)) = self.follow.interrupted {
-                if interrupted() {
-                    return Err(self.stopped(&durable, &layout, Some("it was interrupted")));
-                }
-            }
-            std::thread::sleep(self.follow.poll.min(self.follow.timeout));
+            Waited::Stopped(durable, why) => Err(self.stopped(&durable, &layout, why)),
         }
     }
 
@@ -502,44 +376,10 @@ impl FollowPass {
 
     /// The error of a loader that stopped waiting for shards: `why`, or the timeout passed.
     fn stopped(&self, durable: &[bool], layout: &Layout, why: Option<&str>) -> Error {
-        let missing: Vec<bool> = durable.iter().map(|&d| !d).collect();
-        let missing = ranges_of(&missing);
         let claims = Parts::existing(&self.dir)
             .and_then(|p| p.live_claims().ok())
             .unwrap_or_default();
-        // Each missing range cut where a claim starts or ends, so each piece has one story.
-        let mut pieces = Vec::new();
-        for r in &missing {
-            let mut cuts: Vec<u64> = claims
-                .iter()
-                .flat_map(|(c, _)| [c.start, c.end])
-                .filter(|&x| r.start < x && x < r.end)
-                .collect();
-            cuts.sort_unstable();
-            cuts.dedup();
-            let mut at = r.start;
-            for x in cuts.into_iter().chain([r.end]) {
-                pieces.push(at..x);
-                at = x;
-            }
-        }
-        let words = pieces
-            .iter()
-            .map(|r| {
-                let by: Vec<&str> = claims
-                    .iter()
-                    .filter(|(c, _)| c.start < r.end && r.start < c.end)
-                    .map(|(_, who)| who.as_str())
-                    .collect();
-                let who = if by.is_empty() {
-                    "claimed by no live writer".to_string()
-                } else {
-                    format!("claimed by {}", by.join("; "))
-                };
-                format!("shards {}..{} ({who})", r.start, r.end)
-            })
-            .collect::<Vec<_>>()
-            .join(", ");
+        let words = missing_words(durable, &claims);
         let eps = layout.examples_per_shard;
         let present = durable
             .iter()
@@ -569,29 +409,4 @@ impl FollowPass {
 /// The state keys of a follow-mode loader.
 pub(super) fn state_value(f: &Follow) -> StateValue {
     StateValue::List(encode(&f.rounds()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    #[allow(clippy::single_range_in_vec_init)] // rounds of one range
-    fn rounds_round_trip_and_a_bad_list_is_refused_naming_the_key() {
-        let rounds = vec![vec![0..2, 5..6], vec![2..5], vec![6..9]];
-        let flat = encode(&rounds);
-        assert_eq!(flat, [2, 0, 2, 5, 6, 1, 2, 5, 1, 6, 9]);
-        assert_eq!(decode(&flat, 9).unwrap(), rounds);
-        assert!(decode(&[], 9).unwrap().is_empty());
-        for (flat, why) in [
-            (vec![2, 0, 2], "ends inside a round"),
-            (vec![1, 0, 10], "not a range of this dataset's 9 shards"),
-            (vec![1, 3, 3], "shards 3..3"),
-            (vec![1, 0, 2, 1, 1, 3], "serves shard 1 twice"),
-        ] {
-            let e = decode(&flat, 9).unwrap_err().to_string();
-            assert!(e.contains(why) && e.contains("follow_rounds"), "{e}");
-        }
-        assert_eq!(ranges_of(&[true, true, false, true]), [0..2, 3..4]);
-    }
 }

@@ -419,14 +419,7 @@ class Loader(EngineLoader):
         io_threads = _args.integer("io_threads", io_threads, lo=1, hi=1 << 16)
         direct_io = _args.boolean("direct_io", direct_io)
         follow = _args.boolean("follow", follow)
-        if follow_timeout is not None:
-            if isinstance(follow_timeout, bool) or not isinstance(follow_timeout, (int, float)):
-                raise _args.InvalidArgumentTypeError(
-                    f"follow_timeout must be a number of seconds, got {follow_timeout!r} ({type(follow_timeout).__name__})")
-            if not 0 <= follow_timeout < float("inf"):
-                raise InvalidArgumentError(f"follow_timeout must be a number of seconds >= 0, got {follow_timeout!r}")
-            if not follow:
-                raise InvalidArgumentError("follow_timeout applies with follow=True only")
+        follow_timeout = _args.follow_timeout(follow, follow_timeout)
         if order is None:
             # Shuffled: the core's default order (the loader contract writes it once).
             order = None if shuffle is None or shuffle else "sequential"
@@ -449,7 +442,7 @@ class Loader(EngineLoader):
             threads=num_threads or 0,
             direct_io=direct_io,
             follow=follow,
-            follow_timeout=None if follow_timeout is None else float(follow_timeout),
+            follow_timeout=follow_timeout,
         )
         if order != "sequential":
             kw.update(seed=seed, epoch=epoch, ignore_labels=[int(x) for x in ignore_labels])

@@ -1,0 +1,278 @@
+//! Reading an EAGLE-3 cache while it is written in parts (follow mode): the semantics of
+//! saev's (saev/follow.rs, docs/saev.md "Reading while it is written"), on shards.
+//!
+//! Until the commit a cache written in parts has no manifest.json; its manifest is the one
+//! its part writers share (`.shardkit-parts/eagle3.json`, see `parts::setup_manifest`), so the
+//! whole layout (samples, shards, fields) is known from the start. A shard is durable once its
+//! record `.shardkit-parts/done/<shard>.json` exists (the record is written after the shard
+//! file is published whole, so a durable shard is never torn), or once the cache is committed.
+//!
+//! An epoch is a sequence of rounds: round `k` serves the epoch's planned order (the plain
+//! loader's, same seed, epoch and shuffle) restricted to the samples of the shards durable when
+//! it starts and not served by an earlier round, in batches of `batch_size`, the last one
+//! partial. The state's `follow_rounds` records each round's shards and `batch` counts batches
+//! over the rounds in order, so a state resumes exactly. An epoch that starts with every shard
+//! durable is one round: the plain loader's epoch. Rounds depend on when the loader looked,
+//! so on an unfinished cache it reads with world size 1 only, without `drop_last` (it would
+//! drop each round's last partial batch) and without `verify` (the checksum sidecar is
+//! written by the commit).
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::cache::Cache;
+use super::loader::{Loader, LoaderOptions};
+
+use super::shard::shard_index;
+use crate::commit::parts::Parts;
+use crate::engine::follow::{
+    decode, encode, mark, missing_words, wait_new, FollowOptions, Waited, ROUNDS_KEY,
+};
+use crate::engine::{LoaderState, StateValue};
+use crate::error::{Error, Result};
+use crate::io::Location;
+
+/// A follow-mode loader's rounds of the current epoch, shared with its passes.
+#[derive(Debug, Clone)]
+pub(super) struct Follow {
+    pub(super) opts: FollowOptions,
+    dir: PathBuf,
+    rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
+}
+
+fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Opens a loader over the cache at `dir`, following it while it is written when
+/// `opts.follow` is set (see the module documentation).
+pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
+    let Some(fo) = opts.follow else {
+        return Loader::new(Arc::new(Cache::open(dir)?), opts);
+    };
+    let location = Location::parse(dir)?;
+    let Some(local) = location.local_path() else {
+        // Local (shared) file systems only for now: a cache in a store is read once committed.
+        return Loader::new(Arc::new(Cache::open(dir)?), opts);
+    };
+    let (cache, finished) = match Cache::open_unfinished(local)? {
+        Some(c) => (c, false),
+        None => (Cache::open(local)?, true),
+    };
+    let (_, world) = opts.rank_and_world()?;
+    if !finished {
+        let refuse = |what: &str| {
+            Err(Error::Invalid(format!(
+                "{}: follow mode on a cache still being written {what}",
+                local.display()
+            )))
+        };
+        if world > 1 {
+            return refuse(&format!(
+                "reads with world_size 1 only (got {world}): its rounds depend on when the \
+                 loader looks, so ranks reading apart would split different samples; read with \
+                 one process, or wait for the commit"
+            ));
+        }
+        if opts.drop_last {
+            return refuse(
+                "cannot drop_last: every round ends with a partial batch, which would be dropped",
+            );
+        }
+        if opts.verify {
+            return refuse("cannot verify: the checksum sidecar is written by the commit");
+        }
+    }
+    // On a committed cache, a split over ranks or drop_last reads as without follow.
+    let rounds = world == 1 && !opts.drop_last;
+    let mut loader = Loader::new(Arc::new(cache), opts)?;
+    if rounds {
+        loader.follow = Some(Follow {
+            opts: fo,
+            dir: local.to_path_buf(),
+            rounds: Arc::default(),
+        });
+    }
+    Ok(loader)
+}
+
+/// The shards durable now in `dir`, one flag a shard (every one once committed).
+fn durable_now(dir: &Path, n: u64) -> Result<Vec<bool>> {
+    let committed = || dir.join(super::manifest::MANIFEST).is_file();
+    if committed() {
+        return Ok(vec![true; n as usize]);
+    }
+    let Some(parts) = Parts::existing(dir) else {
+        return Ok(vec![committed(); n as usize]);
+    };
+    match parts.durable_units() {
+        Ok(names) => {
+            let mut out = vec![false; n as usize];
+            for s in names.iter().filter_map(|u| shard_index(u)) {
+                if let Some(d) = out.get_mut(s as usize) {
+                    *d = true;
+                }
+            }
+            Ok(out)
+        }
+        // The commit removes the records: committed meanwhile.
+        Err(_) if committed() => Ok(vec![true; n as usize]),
+        Err(e) => Err(e),
+    }
+}
+
+impl Follow {
+    /// A new epoch (or the same from its start): no round yet.
+    pub(super) fn restart(&self) {
+        locked(&self.rounds).clear();
+    }
+
+    /// `st` with the rounds.
+    pub(super) fn save(&self, st: LoaderState) -> LoaderState {
+        st.with(ROUNDS_KEY, StateValue::List(encode(&locked(&self.rounds))))
+    }
+
+    /// The rounds of `st`, checked against the cache, and the batches they hold. A state
+    /// without them (a plain loader's) read as one round of the whole cache when it is past
+    /// the epoch's start.
+    pub(super) fn rounds_of(
+        st: &LoaderState,
+        m: &super::Manifest,
+        bs: u64,
+    ) -> Result<(Vec<Vec<Range<u64>>>, u64)> {
+        let rounds = match st.get(ROUNDS_KEY) {
+            None if st.batch == 0 => Vec::new(),
+            None => vec![vec![0..m.num_shards()]],
+            Some(StateValue::List(flat)) => decode(flat, m.num_shards())?,
+            Some(_) => {
+                return Err(Error::Invalid(format!(
+                    "state key {ROUNDS_KEY:?} is not a list of numbers"
+                )))
+            }
+        };
+        let batches = rounds.iter().map(|r| samples_in(m, r).div_ceil(bs)).sum();
+        Ok((rounds, batches))
+    }
+
+    /// Whether batch `at` is the end of an epoch whose rounds served every shard.
+    pub(super) fn finished(&self, m: &super::Manifest, bs: u64, at: u64) -> bool {
+        let rounds = locked(&self.rounds);
+        let mut served = vec![false; m.num_shards() as usize];
+        let mut batches = 0;
+        for r in rounds.iter() {
+            mark(&mut served, r);
+            batches += samples_in(m, r).div_ceil(bs);
+        }
+        served.iter().all(|&s| s) && at >= batches
+    }
+
+    /// Replaces the rounds (a state loaded).
+    pub(super) fn set_rounds(&self, rounds: Vec<Vec<Range<u64>>>) {
+        *locked(&self.rounds) = rounds;
+    }
+
+    /// The batches (sample indices) of the round holding epoch batch `at`: a recorded round, or
+    /// a new one of the shards durable since, waiting for shards when none is new; `None` once
+    /// every shard was served. `order` is the epoch's planned order.
+    pub(super) fn next_round(
+        &self,
+        cache: &Cache,
+        order: &[u64],
+        bs: u64,
+        at: u64,
+    ) -> Result<Option<Vec<Vec<u64>>>> {
+        let m = cache.manifest();
+        let n = m.num_shards();
+        let mut served = vec![false; n as usize];
+        let mut offset = 0;
+        let recorded = locked(&self.rounds).clone();
+        for round in recorded {
+            let batches = samples_in(m, &round).div_ceil(bs);
+            if at < offset + batches {
+                return Ok(Some(batches_of(cache, order, &round, bs, at - offset)));
+            }
+            offset += batches;
+            mark(&mut served, &round);
+        }
+        if at != offset {
+            return Err(Error::Internal(format!(
+                "internal: follow cursor {at} is past the rounds' {offset} batches"
+            )));
+        }
+        if served.iter().all(|&s| s) {
+            return Ok(None);
+        }
+        match wait_new(&self.opts, &served, || durable_now(&self.dir, n))? {
+            Waited::New(round) => {
+                locked(&self.rounds).push(round.clone());
+                Ok(Some(batches_of(cache, order, &round, bs, 0)))
+            }
+            Waited::Stopped(durable, why) => Err(self.stopped(cache, &durable, why)),
+        }
+    }
+
+    /// The error of a loader that stopped waiting for shards: `why`, or the timeout passed.
+    fn stopped(&self, cache: &Cache, durable: &[bool], why: Option<&str>) -> Error {
+        let m = cache.manifest();
+        let claims = Parts::existing(&self.dir)
+            .and_then(|p| p.live_claims().ok())
+            .unwrap_or_default();
+        let words = missing_words(durable, &claims);
+        let present = durable
+            .iter()
+            .enumerate()
+            .filter(|(_, &d)| d)
+            .map(|(s, _)| m.rows_in_shard(s as u64))
+            .sum();
+        Error::Incomplete {
+            path: self.dir.clone(),
+            present,
+            total: m.num_samples,
+            detail: match why {
+                None => format!(
+                    "follow mode waited {:.1} s for a shard to become durable and none did; \
+                     missing: {words} (see `shardkit eagle3 status`; raise follow_timeout for a \
+                     slower writer)",
+                    self.opts.timeout.as_secs_f64()
+                ),
+                Some(why) => {
+                    format!("follow mode stopped waiting for shards: {why}; missing: {words}")
+                }
+            },
+        }
+    }
+}
+
+/// Samples in the shards `round` lists.
+fn samples_in(m: &super::Manifest, round: &[Range<u64>]) -> u64 {
+    round
+        .iter()
+        .flat_map(|r| r.clone())
+        .map(|s| m.rows_in_shard(s))
+        .sum()
+}
+
+/// `order` restricted to the samples of `round`'s shards, in batches of `bs` from batch
+/// `from`.
+fn batches_of(
+    cache: &Cache,
+    order: &[u64],
+    round: &[Range<u64>],
+    bs: u64,
+    from: u64,
+) -> Vec<Vec<u64>> {
+    let m = cache.manifest();
+    let mut keep = vec![false; m.num_shards() as usize];
+    mark(&mut keep, round);
+    let s = m.shard_size;
+    let mine: Vec<u64> = order
+        .iter()
+        .copied()
+        .filter(|&i| keep.get((i / s) as usize).copied().unwrap_or(false))
+        .collect();
+    mine.chunks(bs as usize)
+        .skip(from as usize)
+        .map(<[u64]>::to_vec)
+        .collect()
+}

@@ -1,0 +1,202 @@
+//! Follow mode of the EAGLE-3 loader: a loader reading a cache while `eagle3::PartWriter`
+//! ranks write it serves every sample once an epoch, whole (never a torn sample), resumes a
+//! saved state exactly, names the missing shards and their claimants when it stops waiting,
+//! reads like a plain loader once the cache is committed, and refuses world_size > 1 on an
+//! unfinished cache.
+
+use std::path::Path;
+use std::time::Duration;
+
+use shardkit::eagle3::{
+    synthetic_sample, Batch, Cache, FollowOptions, Loader, LoaderOptions, Manifest, PartOptions,
+    PartWriter,
+};
+use shardkit::json::Value;
+use shardkit::Rank;
+
+/// 23 samples in shards of 2 (12 shards, the last one short), seq 4, hidden 2 (aux 6).
+const N: u64 = 23;
+
+fn config() -> Value {
+    shardkit::json::parse(
+        br#"{"target_model": "demo", "target_vocab_size": 8, "draft_vocab_size": 8,
+        "seq_length": 4, "dtype": "bf16", "shard_size": 2, "aux_hidden_dim": 6,
+        "aux_layer_ids": [1, 2, 3], "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
+        "input_data": "demo", "split": null, "shuffle_seed": 1}"#,
+    )
+    .unwrap()
+}
+
+fn writer(dir: &Path, r: u64, w: u64) -> PartWriter {
+    let o = PartOptions {
+        version: 2,
+        target_embeddings: false,
+    };
+    PartWriter::create(dir, &config(), o, N, Rank::new(r, w).unwrap()).unwrap()
+}
+
+/// Writes `w`'s samples one shard at a time, `pause` between, then finishes it.
+fn write_all(mut w: PartWriter, pause: Duration) {
+    for r in w.pending().to_vec() {
+        let mut at = r.start;
+        while at < r.end {
+            let end = (at + 2).min(r.end);
+            let mut fields: Vec<(&'static str, Vec<u8>)> = Vec::new();
+            for i in at..end {
+                for (f, (name, bytes)) in synthetic_sample(w.manifest(), i).into_iter().enumerate()
+                {
+                    match fields.get_mut(f) {
+                        Some((_, b)) => b.extend(bytes),
+                        None => fields.push((name, bytes)),
+                    }
+                }
+            }
+            let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, v)| (*n, &v[..])).collect();
+            w.add(end - at, &refs).unwrap();
+            at = end;
+            std::thread::sleep(pause);
+        }
+    }
+    w.finish().unwrap();
+}
+
+fn follow_opts(timeout_ms: u64) -> LoaderOptions {
+    let mut o = LoaderOptions::new(3);
+    (o.rank, o.world_size, o.seed) = (Some(0), Some(1), 7);
+    o.follow = Some(FollowOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        poll: Duration::from_millis(5),
+        interrupted: None,
+    });
+    o
+}
+
+/// Checks every row of `b` against what was written for its sample.
+fn check_whole(m: &Manifest, b: &Batch) {
+    for (row, &i) in b.indices.iter().enumerate() {
+        for (name, want) in synthetic_sample(m, i) {
+            let Some(f) = b.layout.iter().find(|f| f.name == name) else {
+                continue;
+            };
+            let bytes = b.data.field(f);
+            let rb = bytes.len() / b.indices.len();
+            assert_eq!(&bytes[row * rb..(row + 1) * rb], &want[..], "{name} of {i}");
+        }
+    }
+}
+
+/// The samples of a pass until it ends or fails (the error's text, if it failed).
+fn drain(it: &mut shardkit::eagle3::Batches, m: &Manifest) -> (Vec<Vec<u64>>, Option<String>) {
+    let mut out = Vec::new();
+    for b in it {
+        match b {
+            Ok(b) => {
+                check_whole(m, &b);
+                out.push(b.indices.clone());
+            }
+            Err(e) => return (out, Some(e.to_string())),
+        }
+    }
+    (out, None)
+}
+
+#[test]
+fn a_follow_loader_serves_every_sample_once_while_ranks_write_then_reads_as_a_plain_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let ws: Vec<PartWriter> = (0..3).map(|r| writer(&dir, r, 3)).collect();
+    let m = ws[0].manifest().clone();
+    let mut loader = Loader::open(&dir, follow_opts(20_000)).unwrap();
+    let threads: Vec<_> = ws
+        .into_iter()
+        .map(|w| std::thread::spawn(move || write_all(w, Duration::from_millis(30))))
+        .collect();
+    let (batches, err) = drain(&mut loader.iter(), &m);
+    assert_eq!(err, None);
+    let mut seen: Vec<u64> = batches.concat();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
+    // It read while they wrote: several rounds (each a range count, then its ranges).
+    let Some(shardkit::engine::StateValue::List(flat)) =
+        loader.state().get("follow_rounds").cloned()
+    else {
+        panic!("no follow_rounds in {:?}", loader.state())
+    };
+    assert!(flat.len() > 3, "one round only: {flat:?}");
+    for t in threads {
+        t.join().unwrap();
+    }
+    // Committed now: epoch 1 is the plain loader's.
+    loader.set_epoch(1);
+    let (follow1, err) = drain(&mut loader.iter(), &m);
+    assert_eq!(err, None);
+    let mut o = follow_opts(0);
+    o.follow = None;
+    o.epoch = 1;
+    let plain = Loader::new(std::sync::Arc::new(Cache::open(&dir).unwrap()), o).unwrap();
+    let (plain1, _) = drain(&mut plain.iter(), &m);
+    assert_eq!(follow1, plain1);
+}
+
+#[test]
+fn a_state_saved_mid_epoch_resumes_exactly_and_the_timeout_names_the_missing_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let w0 = writer(&dir, 0, 2);
+    let w1 = writer(&dir, 1, 2); // claims shards 6..12, writes later
+    let m = w0.manifest().clone();
+    write_all(w0, Duration::ZERO);
+    let mut a = Loader::open(&dir, follow_opts(300)).unwrap();
+    let mut it = a.iter();
+    let first = it.next().unwrap().unwrap();
+    check_whole(&m, &first);
+    let saved = {
+        let mut s = a.state();
+        s.batch = it.cursor();
+        s
+    };
+    let (rest_a, err) = drain(&mut it, &m);
+    let err = err.expect("the wait times out");
+    assert!(
+        err.contains("missing: shards 6..12 (claimed by") && err.contains("follow mode waited"),
+        "{err}"
+    );
+    let at = it.cursor();
+    drop(it);
+    a.advance_to(at);
+    // Another loader from the saved state serves the rest of the round, then waits likewise.
+    let mut b = Loader::open(&dir, follow_opts(300)).unwrap();
+    b.load_state(saved).unwrap();
+    let mut it_b = b.iter();
+    let (rest_b, err_b) = drain(&mut it_b, &m);
+    assert_eq!(rest_b, rest_a);
+    assert!(err_b.unwrap().contains("shards 6..12"));
+    let at_b = it_b.cursor();
+    drop(it_b);
+    b.advance_to(at_b);
+    write_all(w1, Duration::ZERO); // the last rank commits
+    let (last_a, err) = drain(&mut a.iter(), &m);
+    let (last_b, err_b) = drain(&mut b.iter(), &m);
+    assert_eq!((err, err_b), (None, None));
+    assert_eq!(last_a, last_b);
+    let mut seen: Vec<u64> = [vec![first.indices.clone()], rest_a, last_a]
+        .concat()
+        .concat();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
+}
+
+#[test]
+fn world_size_above_one_is_refused_on_an_unfinished_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let _w = writer(&dir, 0, 2);
+    let mut o = follow_opts(100);
+    o.world_size = Some(2);
+    let e = Loader::open(&dir, o).err().unwrap().to_string();
+    assert!(e.contains("world_size 1 only (got 2)"), "{e}");
+    let mut o = follow_opts(100);
+    o.drop_last = true;
+    let e = Loader::open(&dir, o).err().unwrap().to_string();
+    assert!(e.contains("cannot drop_last"), "{e}");
+}
