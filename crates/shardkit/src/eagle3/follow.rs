@@ -19,7 +19,7 @@
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use super::cache::Cache;
 use super::loader::{Loader, LoaderOptions};
@@ -27,7 +27,8 @@ use super::loader::{Loader, LoaderOptions};
 use super::shard::shard_index;
 use crate::commit::parts::Parts;
 use crate::engine::follow::{
-    decode, encode, mark, missing_words, wait_new, FollowOptions, Waited, ROUNDS_KEY,
+    decode, encode, locked, mark, refuse_while_written, stopped_error, wait_new, FollowOptions,
+    Stopped, Waited, ROUNDS_KEY,
 };
 use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
@@ -39,10 +40,6 @@ pub(super) struct Follow {
     pub(super) opts: FollowOptions,
     dir: PathBuf,
     rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
-}
-
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Opens a loader over the cache at `dir`, following it while it is written when
@@ -62,27 +59,7 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     };
     let (_, world) = opts.rank_and_world()?;
     if !finished {
-        let refuse = |what: &str| {
-            Err(Error::Invalid(format!(
-                "{}: follow mode on a cache still being written {what}",
-                local.display()
-            )))
-        };
-        if world > 1 {
-            return refuse(&format!(
-                "reads with world_size 1 only (got {world}): its rounds depend on when the \
-                 loader looks, so ranks reading apart would split different samples; read with \
-                 one process, or wait for the commit"
-            ));
-        }
-        if opts.drop_last {
-            return refuse(
-                "cannot drop_last: every round ends with a partial batch, which would be dropped",
-            );
-        }
-        if opts.verify {
-            return refuse("cannot verify: the checksum sidecar is written by the commit");
-        }
+        refuse_while_written(local, "cache", world, opts.drop_last, opts.verify)?;
     }
     // On a committed cache, a split over ranks or drop_last reads as without follow.
     let rounds = world == 1 && !opts.drop_last;
@@ -218,29 +195,15 @@ impl Follow {
         let claims = Parts::existing(&self.dir)
             .and_then(|p| p.live_claims().ok())
             .unwrap_or_default();
-        let words = missing_words(durable, &claims);
-        let present = durable
-            .iter()
-            .enumerate()
-            .filter(|(_, &d)| d)
-            .map(|(s, _)| m.rows_in_shard(s as u64))
-            .sum();
-        Error::Incomplete {
-            path: self.dir.clone(),
-            present,
-            total: m.num_samples,
-            detail: match why {
-                None => format!(
-                    "follow mode waited {:.1} s for a shard to become durable and none did; \
-                     missing: {words} (see `shardkit eagle3 status`; raise follow_timeout for a \
-                     slower writer)",
-                    self.opts.timeout.as_secs_f64()
-                ),
-                Some(why) => {
-                    format!("follow mode stopped waiting for shards: {why}; missing: {words}")
-                }
-            },
-        }
+        stopped_error(
+            &self.dir,
+            durable,
+            |s| m.rows_in_shard(s),
+            m.num_samples,
+            &claims,
+            "shardkit eagle3 status",
+            why.map_or(Stopped::TimedOut(self.opts.timeout), Stopped::Because),
+        )
     }
 }
 

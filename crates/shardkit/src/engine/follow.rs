@@ -4,9 +4,96 @@
 //! and not served before).
 
 use std::ops::Range;
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+
+/// Refuses what a follow-mode loader cannot do on a `what` ("dataset", "cache") at `path` still
+/// being written: read with several ranks (its rounds depend on when the loader looks, so ranks
+/// reading apart would split different rows), drop each round's last partial batch, or verify
+/// against a checksum sidecar that the commit writes.
+pub(crate) fn refuse_while_written(
+    path: &Path,
+    what: &str,
+    world: u64,
+    drop_last: bool,
+    verify: bool,
+) -> Result<()> {
+    let refuse = |why: String| {
+        Err(Error::Invalid(format!(
+            "{}: follow mode on a {what} still being written {why}",
+            path.display()
+        )))
+    };
+    if world > 1 {
+        return refuse(format!(
+            "reads with world_size 1 only (got {world}): its rounds depend on when the loader \
+             looks, so ranks reading apart would split different rows; read with one process, \
+             or wait for the commit"
+        ));
+    }
+    if drop_last {
+        return refuse(
+            "cannot drop_last: every round ends with a partial batch, which would be dropped"
+                .into(),
+        );
+    }
+    if verify {
+        return refuse("cannot verify: the checksum sidecar is written by the commit".into());
+    }
+    Ok(())
+}
+
+/// Why a follow-mode loader stopped waiting.
+pub(crate) enum Stopped<'a> {
+    /// Its timeout passed with no new shard.
+    TimedOut(Duration),
+    /// Something else (an interrupt).
+    Because(&'a str),
+}
+
+/// The error of a loader over the dataset at `dir` that stopped waiting for shards (`why`). `durable` flags the shards durable, `rows_in(s)` counts shard `s`'s
+/// rows of the `total`, `claims` are the live claims (units, holder) and `status` the command
+/// that shows where the write stands.
+pub(crate) fn stopped_error(
+    dir: &Path,
+    durable: &[bool],
+    rows_in: impl Fn(u64) -> u64,
+    total: u64,
+    claims: &[(Range<u64>, String)],
+    status: &str,
+    why: Stopped<'_>,
+) -> Error {
+    let words = missing_words(durable, claims);
+    let present = durable
+        .iter()
+        .enumerate()
+        .filter(|(_, &d)| d)
+        .map(|(s, _)| rows_in(s as u64))
+        .sum();
+    Error::Incomplete {
+        path: dir.to_path_buf(),
+        present,
+        total,
+        detail: match why {
+            Stopped::TimedOut(timeout) => format!(
+                "follow mode waited {:.1} s for a shard to become durable and none did; \
+                 missing: {words} (see `{status}`; raise follow_timeout for a slower writer)",
+                timeout.as_secs_f64()
+            ),
+            Stopped::Because(why) => {
+                format!("follow mode stopped waiting for shards: {why}; missing: {words}")
+            }
+        },
+    }
+}
+
+/// The rounds' lock, taken whether or not a panicking holder poisoned it (they are plain data).
+pub(crate) fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The state key holding the rounds.
 pub(crate) const ROUNDS_KEY: &str = "follow_rounds";

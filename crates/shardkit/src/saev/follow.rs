@@ -30,7 +30,7 @@
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use super::loader::{Batch, Batches, Inner, Loader, PassParts};
 use super::options::LoaderOptions;
@@ -40,7 +40,7 @@ use super::Dataset;
 use crate::commit::parts::Parts;
 use crate::engine::exec;
 pub(super) use crate::engine::follow::decode;
-use crate::engine::follow::{encode, mark, missing_words, wait_new, Waited};
+use crate::engine::follow::{self, encode, locked, mark, wait_new, Stopped, Waited};
 pub use crate::engine::follow::{FollowOptions, WaitCheck};
 use crate::engine::order::rank_batches;
 use crate::engine::StateValue;
@@ -59,10 +59,6 @@ pub(crate) struct Follow {
     rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
 }
 
-fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Opens a follow-mode loader over `dir` (see the module documentation).
 pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     let Some(fo) = opts.follow else {
@@ -79,29 +75,13 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     let finished = committed(local, &layout)?;
     let (_, world) = opts.rank_and_world()?;
     if !finished {
-        let refuse = |what: &str| {
-            Err(Error::Invalid(format!(
-                "{}: follow mode on a dataset still being written {what}",
-                local.display()
-            )))
-        };
-        if world > 1 {
-            return refuse(&format!(
-                "reads with world_size 1 only (got {world}): its rounds depend on when the \
-                 loader looks, so ranks reading apart would split different rows; read with one \
-                 process, or wait for the commit"
-            ));
-        }
-        if opts.drop_last {
-            return refuse(
-                "cannot drop_last: every round ends with a partial batch, which would be dropped",
-            );
-        }
+        follow::refuse_while_written(local, "dataset", world, opts.drop_last, opts.verify)?;
         if !opts.ignore_labels.is_empty() {
-            return refuse("cannot ignore_labels: labels.bin is written by the commit");
-        }
-        if opts.verify {
-            return refuse("cannot verify: the checksum sidecar is written by the commit");
+            return Err(Error::Invalid(format!(
+                "{}: follow mode on a dataset still being written cannot ignore_labels: \
+                 labels.bin is written by the commit",
+                local.display()
+            )));
         }
     }
     // On a committed dataset, a split over ranks or drop_last reads as without follow.
@@ -379,30 +359,16 @@ impl FollowPass {
         let claims = Parts::existing(&self.dir)
             .and_then(|p| p.live_claims().ok())
             .unwrap_or_default();
-        let words = missing_words(durable, &claims);
         let eps = layout.examples_per_shard;
-        let present = durable
-            .iter()
-            .enumerate()
-            .filter(|(_, &d)| d)
-            .map(|(s, _)| layout.shard_count(s as u64).min(eps))
-            .sum();
-        Error::Incomplete {
-            path: self.dir.clone(),
-            present,
-            total: layout.n_examples,
-            detail: match why {
-                None => format!(
-                    "follow mode waited {:.1} s for a shard to become durable and none did; \
-                     missing: {words} (see `shardkit saev status`; raise follow_timeout for a \
-                     slower writer)",
-                    self.follow.timeout.as_secs_f64()
-                ),
-                Some(why) => {
-                    format!("follow mode stopped waiting for shards: {why}; missing: {words}")
-                }
-            },
-        }
+        follow::stopped_error(
+            &self.dir,
+            durable,
+            |s| layout.shard_count(s).min(eps),
+            layout.n_examples,
+            &claims,
+            "shardkit saev status",
+            why.map_or(Stopped::TimedOut(self.follow.timeout), Stopped::Because),
+        )
     }
 }
 
