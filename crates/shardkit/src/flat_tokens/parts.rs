@@ -678,6 +678,38 @@ fn root_commit_lock(root: &Path) -> Result<WriteLock> {
 pub(crate) static STOP_COMMIT_AFTER_UNITS: std::sync::atomic::AtomicU64 =
     std::sync::atomic::AtomicU64::new(u64::MAX);
 
+/// With fault injection, stops a commit after unit `u` as a kill there would (the writer
+/// checkpointed, the split at `at` left unfinished).
+#[cfg(feature = "fault-injection")]
+fn stop_after(w: &mut Writer, u: u64, at: &Path) -> Result<()> {
+    use std::sync::atomic::Ordering;
+    if STOP_COMMIT_AFTER_UNITS.load(Ordering::SeqCst) == u + 1 {
+        STOP_COMMIT_AFTER_UNITS.store(u64::MAX, Ordering::SeqCst);
+        w.flush()?;
+        return Err(Error::Internal(format!(
+            "injected fault: the commit of {} stopped after unit {u}",
+            at.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Finishes the commit's writer once every unit is replayed, checking that the split at `at`
+/// holds the `total` sequences the ranks were given.
+fn finish_replayed(w: Writer, total: u64, at: &Path) -> Result<()> {
+    if w.seq_count() != total {
+        return Err(Error::format(
+            at,
+            format!(
+                "holds {} sequences after the commit replayed every unit, not {total}; the \
+                 split is not committed",
+                w.seq_count()
+            ),
+        ));
+    }
+    w.finish().map(|_| ())
+}
+
 /// Commits `split` if every unit is durable and nobody has; true when it is committed (now or
 /// before).
 fn commit(root: &Path, split: &str, setup: &Setup, parts: &Parts) -> Result<bool> {
@@ -715,32 +747,12 @@ fn commit(root: &Path, split: &str, setup: &Setup, parts: &Parts) -> Result<bool
         })?;
         replay(&mut w, &dir.join(&rel), seqs, skip, sums.bytes)?;
         #[cfg(feature = "fault-injection")]
-        {
-            use std::sync::atomic::Ordering;
-            if STOP_COMMIT_AFTER_UNITS.load(Ordering::SeqCst) == u + 1 {
-                STOP_COMMIT_AFTER_UNITS.store(u64::MAX, Ordering::SeqCst);
-                w.flush()?;
-                return Err(Error::Internal(format!(
-                    "injected fault: the commit of {} stopped after unit {u}",
-                    root.join(split).display()
-                )));
-            }
-        }
+        stop_after(&mut w, u, &root.join(split))?;
     }
-    if w.seq_count() != setup.total {
-        return Err(Error::format(
-            root.join(split),
-            format!(
-                "holds {} sequences after the commit replayed every unit, not {}; the split \
-                 is not committed",
-                w.seq_count(),
-                setup.total
-            ),
-        ));
-    }
-    w.finish()?;
-    drop(splits); // the cleanup takes it again
-                  // Committed: the rest is cleaning up, which a later open, status or commit finishes.
+    finish_replayed(w, setup.total, &root.join(split))?;
+    // The cleanup takes the root's commit lock again.
+    drop(splits);
+    // Committed: the rest is cleaning up, which a later open, status or commit finishes.
     clean_after_commit(root, split, parts.clone())?;
     Ok(true)
 }

@@ -15,8 +15,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 
 use super::{
-    mismatch, piece_header, piece_lengths, piece_rel, replay_from, status_of, unit_name,
-    PartWriter, Setup, HEADER, SETUP,
+    finish_replayed, mismatch, piece_header, piece_lengths, piece_rel, replay_from, status_of,
+    unit_name, PartWriter, Setup, HEADER, SETUP,
 };
 use crate::checksum::SIDECAR;
 use crate::commit::parts::CommitStart;
@@ -204,21 +204,6 @@ pub(super) fn create(target: Remote, split: &str, setup: Setup, rank: Rank) -> R
     Ok(w)
 }
 
-/// Test hook: see [`super::STOP_COMMIT_AFTER_UNITS`].
-#[cfg(feature = "fault-injection")]
-fn stop_after(w: &mut Writer, u: u64, target: &Remote) -> Result<()> {
-    use std::sync::atomic::Ordering;
-    if super::STOP_COMMIT_AFTER_UNITS.load(Ordering::SeqCst) == u + 1 {
-        super::STOP_COMMIT_AFTER_UNITS.store(u64::MAX, Ordering::SeqCst);
-        w.flush()?;
-        return Err(Error::Internal(format!(
-            "injected fault: the commit of {} stopped after unit {u}",
-            target.url()
-        )));
-    }
-    Ok(())
-}
-
 /// Commits `split` in `target` if every unit is durable and nobody has; true when it is
 /// committed (now or before).
 pub(super) fn commit(target: &Remote, split: &str, setup: &Setup, parts: &Parts) -> Result<bool> {
@@ -289,22 +274,11 @@ pub(super) fn commit(target: &Remote, split: &str, setup: &Setup, parts: &Parts)
                 sums[u as usize],
             )?;
             #[cfg(feature = "fault-injection")]
-            stop_after(&mut w, u, target)?;
+            super::stop_after(&mut w, u, &target.url_of(split))?;
         }
         Ok(())
     })?;
-    if w.seq_count() != setup.total {
-        return Err(Error::format(
-            target.url_of(split),
-            format!(
-                "holds {} sequences after the commit replayed every unit, not {}; the split \
-                 is not committed",
-                w.seq_count(),
-                setup.total
-            ),
-        ));
-    }
-    w.finish()?;
+    finish_replayed(w, setup.total, &target.url_of(split))?;
     // Committed: the rest is cleaning up, which a later open, status or commit finishes.
     clean_after_commit(target, split, parts.clone())?;
     Ok(true)
