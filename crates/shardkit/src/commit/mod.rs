@@ -31,6 +31,8 @@ use store_lock::StoreLock;
 pub(crate) use lock::WriteLock;
 pub(crate) use staged::staging_dir;
 pub(crate) use staged::Streaming;
+// Used by the flat-tokens writer only (behind the `zarr` feature).
+#[cfg(feature = "zarr")]
 pub(crate) use transfer::{is_private, staged_files};
 
 /// Where a write goes: a local directory, or a prefix in an object store (written through a

@@ -524,26 +524,9 @@ impl PartWriter {
     /// moves on past its samples.
     fn publish_shard(&mut self, s: u64) -> Result<()> {
         let rows = self.rows_buffered as usize;
-        let tensors: Vec<(&str, Tensor<'_>)> = self
-            .specs
-            .iter()
-            .zip(&self.bufs)
-            .map(|(spec, buf)| {
-                let mut shape = vec![rows];
-                shape.extend(&spec.row);
-                (
-                    spec.name,
-                    Tensor {
-                        dtype: spec.dtype,
-                        shape,
-                        data: buf,
-                    },
-                )
-            })
-            .collect();
         let name = shard_name(s);
         let path = self.dir.join(&name);
-        shard::write_safetensors(&path, tensors)?;
+        shard::write_shard_rows(&path, &self.specs, &self.bufs, rows)?;
         let mut files = UnitFiles::new();
         files.insert(name.clone(), FileSums::of_file(&path)?);
         if let Some(store) = &self.store {

@@ -528,6 +528,34 @@ pub(crate) fn write_safetensors(path: &Path, tensors: Vec<(&str, Tensor<'_>)>) -
     write_safetensors_then(path, tensors, |tmp| fsutil::publish(tmp, path))
 }
 
+/// Writes a shard of `rows` samples at `path`: one tensor a field of `specs`, its rows' bytes
+/// in `bufs` (same order), shaped `[rows, ..spec.row]` (the single and the part writers').
+pub(crate) fn write_shard_rows(
+    path: &Path,
+    specs: &[FieldSpec],
+    bufs: &[Vec<u8>],
+    rows: usize,
+) -> Result<()> {
+    let tensors = specs
+        .iter()
+        .zip(bufs)
+        .map(|(spec, buf)| {
+            let mut shape = vec![rows];
+            shape.extend(&spec.row);
+            let data = buf.as_slice();
+            (
+                spec.name,
+                Tensor {
+                    dtype: spec.dtype,
+                    shape,
+                    data,
+                },
+            )
+        })
+        .collect();
+    write_safetensors(path, tensors)
+}
+
 /// [`write_safetensors`] with `publish(tmp)` renaming the finished, fsynced temporary into
 /// place (and doing what must come just before or after that rename).
 pub(crate) fn write_safetensors_then(

@@ -390,25 +390,8 @@ impl Writer {
 
     fn write_shard(&mut self) -> Result<()> {
         let rows = self.rows_buffered as usize;
-        let tensors: Vec<(&str, Tensor<'_>)> = self
-            .specs
-            .iter()
-            .zip(&self.bufs)
-            .map(|(spec, buf)| {
-                let mut shape = vec![rows];
-                shape.extend(&spec.row);
-                (
-                    spec.name,
-                    Tensor {
-                        dtype: spec.dtype,
-                        shape,
-                        data: buf,
-                    },
-                )
-            })
-            .collect();
         let name = shard_name(self.shard);
-        shard::write_safetensors(&self.dir.join(&name), tensors)?;
+        shard::write_shard_rows(&self.dir.join(&name), &self.specs, &self.bufs, rows)?;
         self.files.send(&self.dir, &name)?;
         for b in &mut self.bufs {
             b.clear();

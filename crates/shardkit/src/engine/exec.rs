@@ -100,6 +100,8 @@ impl Context<'_> {
     }
 }
 
+// Used by the flat-tokens loader only (behind the `zarr` feature).
+#[cfg(feature = "zarr")]
 pub(crate) use crate::io::stop::{stopped_error, STOP_POLL};
 
 /// How a stream runs.
