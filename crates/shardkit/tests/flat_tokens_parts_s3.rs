@@ -301,3 +301,34 @@ fn in_a_store_another_configuration_an_overlapping_rank_and_a_whole_writer_are_r
     let e = PartWriter::create(url, "validation", 10, options(small_v3()), rank(0, 1)).unwrap_err();
     assert!(e.to_string().contains("another split"), "{e}");
 }
+
+#[test]
+fn a_rank_finishing_while_a_unit_is_missing_does_not_queue_on_a_live_commit_lock() {
+    std::env::set_var("SHARDKIT_S3_LOCK_LEASE_S", "30");
+    let dir = tempfile::tempdir().unwrap();
+    let mem = store(&dir.path().join("staging"));
+    let url = "s3://bucket/ds";
+    let w0 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(0, 2)).unwrap();
+    let w1 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(1, 2)).unwrap();
+    // Another machine's committer holds the split's commit lock (renewed just now, 30 s lease).
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let held = format!(
+        "{{\"shardkit_lock\": 1, \"host\": \"elsewhere\", \"boot_id\": \"b\", \"pid\": 7, \
+         \"token\": \"t\", \"renewed_unix\": {now}, \"lease_s\": 30}}"
+    );
+    let key = ObjectPath::from("ds/.shardkit-parts/train/commit.lock");
+    futures::executor::block_on(mem.put(&key, held.into_bytes().into())).unwrap();
+    // Rank 0 finishes with rank 1's units missing: it sees so from the records alone and
+    // returns at once, instead of waiting out the holder's lease to find the same.
+    let started = std::time::Instant::now();
+    let st = write_all(w0).unwrap();
+    assert!(!st.committed, "{st:?}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "rank 0 queued on the commit lock"
+    );
+    drop(w1);
+}

@@ -156,8 +156,11 @@ pub(crate) fn commit_surviving_takeover(
         if committed()? {
             return Ok(true);
         }
-        let lock = Path::new(PARTS_DIR).join("commit.lock");
-        let lost = matches!(&e, Error::LockedRemote { path, .. } if path.ends_with(&lock));
+        // The commit lock of a dataset's parts (`.shardkit-parts/commit.lock`), or of a
+        // flat-tokens split's (`.shardkit-parts/<split>/commit.lock`).
+        let lost = matches!(&e, Error::LockedRemote { path, .. }
+            if path.file_name().is_some_and(|n| n == "commit.lock")
+                && path.components().any(|c| c.as_os_str() == PARTS_DIR));
         tries += 1;
         if !lost || tries >= TRIES {
             return Err(e);
@@ -1114,6 +1117,25 @@ mod tests {
         .unwrap_err();
         assert!(matches!(e, Error::NotFound { .. }), "{e}");
         assert_eq!(tries.get(), 1);
+        // A flat-tokens split's commit lock is one too; another lock object is not.
+        for (lock, tried) in [(".shardkit-parts/train/commit.lock", 2), ("claims/0-1", 1)] {
+            let tries = Cell::new(0);
+            let done = commit_surviving_takeover(
+                || {
+                    tries.set(tries.get() + 1);
+                    match tries.get() {
+                        1 => Err(Error::LockedRemote {
+                            path: PathBuf::from(format!("s3://b/ds/{lock}")),
+                            why: "taken over".into(),
+                        }),
+                        _ => Ok(true),
+                    }
+                },
+                || Ok(false),
+            );
+            assert_eq!(done.is_ok(), tried == 2, "{lock}");
+            assert_eq!(tries.get(), tried, "{lock}");
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use super::{
     unit_name, PartWriter, Setup, HEADER, SETUP,
 };
 use crate::checksum::SIDECAR;
-use crate::commit::parts::CommitStart;
+use crate::commit::parts::{commit_surviving_takeover, every_unit_listed, CommitStart};
 use crate::commit::parts::{part_of, Held, Parts, PartsStatus, Rank, PARTS_DIR};
 use crate::commit::{is_private, staging_dir};
 use crate::error::{Error, Result};
@@ -205,9 +205,28 @@ pub(super) fn create(target: Remote, split: &str, setup: Setup, rank: Rank) -> R
 }
 
 /// Commits `split` in `target` if every unit is durable and nobody has; true when it is
-/// committed (now or before).
+/// committed (now or before). A committer whose commit lock was taken over meanwhile tries
+/// again, and finds the split committed by the other (`commit_surviving_takeover`).
 pub(super) fn commit(target: &Remote, split: &str, setup: &Setup, parts: &Parts) -> Result<bool> {
+    commit_surviving_takeover(
+        || commit_once(target, split, setup, parts),
+        || committed(target, split, setup.total),
+    )
+}
+
+/// One attempt of [`commit`].
+fn commit_once(target: &Remote, split: &str, setup: &Setup, parts: &Parts) -> Result<bool> {
     let n = setup.units();
+    // Without the commit lock first: a rank that finds a unit missing leaves the commit to the
+    // rank that records it, rather than queueing on the lock to find the same.
+    if !every_unit_listed(parts, (0..n).map(unit_name))? {
+        // Or committed by another rank (its records removed, or being removed: finished here).
+        if committed(target, split, setup.total)? {
+            clean_after_commit(target, split, parts.clone())?;
+            return Ok(true);
+        }
+        return Ok(false);
+    }
     let (committing, done) = match parts.begin_commit(
         (0..n).map(unit_name),
         || committed(target, split, setup.total),
