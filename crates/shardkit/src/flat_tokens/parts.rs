@@ -922,13 +922,32 @@ pub fn status(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> {
     if let Target::Store(target) = Target::parse(root)? {
         return store::status(&target, split);
     }
-    if let Some((setup, parts)) = setup_of(root, split)? {
-        let done = committed(root, split, setup.total)?;
+    status_given(
+        setup_of(root, split)?,
+        || split_seqs(root, split),
+        |total| committed(root, split, total),
+        root.join(split),
+        split,
+    )
+}
+
+/// [`status`] of a split, local or in a store: from its write in parts (`found`, with
+/// `committed(total)` saying whether the commit is done), else from the committed split's
+/// sequence count (`seqs`), else not found (`at`).
+fn status_given(
+    found: Option<(Setup, Parts)>,
+    seqs: impl FnOnce() -> Result<Option<u64>>,
+    committed: impl Fn(u64) -> Result<bool>,
+    at: PathBuf,
+    split: &str,
+) -> Result<PartsStatus> {
+    if let Some((setup, parts)) = found {
+        let done = committed(setup.total)?;
         return status_of(&setup, Some(&parts), done);
     }
-    let Some(n) = split_seqs(root, split)? else {
+    let Some(n) = seqs()? else {
         return Err(Error::NotFound {
-            path: root.join(split),
+            path: at,
             what: format!("split {split:?}: neither the split nor a write of it in parts"),
         });
     };
@@ -937,7 +956,7 @@ pub fn status(root: impl AsRef<Path>, split: &str) -> Result<PartsStatus> {
         per_unit: PartOptions::default().sequences_per_unit,
         layout: Layout::default(),
     };
-    status_of(&setup, None, committed(root, split, n)?)
+    status_of(&setup, None, committed(n)?)
 }
 
 /// Commits `split` of the dataset at `root` written in parts, when every unit is durable (a

@@ -23,7 +23,6 @@ use crate::commit::parts::{commit_surviving_takeover, every_unit_listed, CommitS
 use crate::commit::parts::{part_of, Held, Parts, PartsStatus, Rank, PARTS_DIR};
 use crate::commit::{is_private, staging_dir};
 use crate::error::{Error, Result};
-use crate::flat_tokens::layout::Layout;
 use crate::flat_tokens::store::MARKER;
 use crate::flat_tokens::writer::{Writer, WriterOptions};
 use crate::io::Remote;
@@ -356,22 +355,13 @@ pub(super) fn setup_of(target: &Remote, split: &str) -> Result<Option<(Setup, Pa
 
 /// [`super::status`] of a store's split.
 pub(super) fn status(target: &Remote, split: &str) -> Result<PartsStatus> {
-    if let Some((setup, parts)) = setup_of(target, split)? {
-        let done = committed(target, split, setup.total)?;
-        return status_of(&setup, Some(&parts), done);
-    }
-    let Some(n) = split_seqs(target, split)? else {
-        return Err(Error::NotFound {
-            path: target.url_of(split),
-            what: format!("split {split:?}: neither the split nor a write of it in parts"),
-        });
-    };
-    let setup = Setup {
-        total: n,
-        per_unit: super::PartOptions::default().sequences_per_unit,
-        layout: Layout::default(),
-    };
-    status_of(&setup, None, committed(target, split, n)?)
+    super::status_given(
+        setup_of(target, split)?,
+        || split_seqs(target, split),
+        |total| committed(target, split, total),
+        target.url_of(split),
+        split,
+    )
 }
 
 /// [`super::commit_parts`] of a store's split.
