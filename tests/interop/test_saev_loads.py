@@ -110,3 +110,31 @@ def test_validate_says_saev_will_not_load_a_foreign_directory(tmp_path):
     assert saev.inspect(w.path)["saev_loads"] is False
     # shardkit still reads it.
     assert saev.open(w.path).get(0, -1, 0).shape == (4,)
+
+
+def test_activations_recorded_from_a_vision_model_load_in_saev(tmp_path):
+    """A dataset shardkit.record made from a tiny seeded Hugging Face ViT: saev's metadata rules
+    accept it, and saev's indexed addressing finds each block's output (CLS and content tokens)
+    at the layer labels given, whatever order the blocks ran in."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from shardkit.record import ActivationRecorder
+
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                 intermediate_size=32, image_size=16, patch_size=8)
+    model = transformers.ViTModel(cfg).eval()
+    x = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    md = {"family": "clip", "ckpt": "tiny-vit", "data": "seeded", "dataset": "mem", "max_tokens_per_shard": 50}
+    with ActivationRecorder(model, tmp_path / "shards", layers=[2, 0], n_examples=5, metadata=md) as rec:
+        for first, end in rec.batches(5):
+            rec(x[first:end])
+    with torch.no_grad():
+        hidden = [h.numpy() for h in model(x, output_hidden_states=True).hidden_states]
+    loaded = saev_ref.load_metadata(rec.path)
+    assert loaded["layers"] == [2, 0] and loaded["cls_token"] is True
+    for e in range(5):
+        for block in (2, 0):
+            for slot, token in ((0, 0), (4, 4)):  # CLS; the last content token
+                v = saev_ref.vector(rec.path, loaded, e, block, slot)
+                assert np.array_equal(v, hidden[block + 1][e, token]), (e, block, slot)

@@ -1,0 +1,456 @@
+"""Record the activations of a PyTorch model into a saev dataset (the producer saev's
+``RecordedTransformer`` and ``worker_fn`` are, on every GPU and never blocked by the disk).
+
+Forward hooks on the recorded modules copy each one's output (or input), the saev tokens only
+(CLS, then the content tokens: registers left out), into a float32 staging tensor on the
+model's device, shaped like a saev shard's rows ``(batch, layers, tokens, d_model)``. After the
+forward, one copy moves the batch to pinned host memory on a side CUDA stream, and a writer
+thread hands it to a :class:`shardkit.saev.PartWriter` once the copy is done. The model's
+stream never waits for the disk: it waits only when every staging slot (``buffers``, 4 by
+default) is still being written, which bounds memory and makes a slow disk slow the producer
+down instead of filling RAM.
+
+Every process of a job (``torchrun``, a Slurm array, plain processes) records its part of one
+dataset (rank and world size from the launcher's variables, or given): the part writer's
+``pending`` ranges say which examples this rank still owes, after a kill too, and the rank that
+completes the set commits the dataset, byte-identical to one process's.
+
+    from shardkit.record import ActivationRecorder
+
+    with ActivationRecorder(model, "acts", layers=[-2, -1], n_examples=len(images),
+                            metadata={"family": "clip", "ckpt": "openai/clip-vit-b-16",
+                                      "data": "imagenet-1k train", "dataset": "/data/in1k"}) as rec:
+        for first, end in rec.batches(256):   # this rank's examples still owed, shard-aligned
+            rec(images[first:end])            # the model's forward, recorded; returns its output
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import queue
+import threading
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from . import _args, saev
+from .errors import InvalidArgumentError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+__all__ = ["ActivationRecorder", "find_blocks"]
+
+# Where the residual blocks of the usual model classes live: Hugging Face CLIP, SigLIP, ViT,
+# DINOv2 (bare or inside a task model), Llama-style and GPT-2 language models, timm, open_clip
+# and TransformerLens.
+_BLOCK_LISTS = (
+    "vision_model.encoder.layers",
+    "encoder.layers",
+    "encoder.layer",
+    "vit.encoder.layer",
+    "dinov2.encoder.layer",
+    "model.layers",
+    "model.language_model.layers",
+    "layers",
+    "transformer.h",
+    "h",
+    "blocks",
+    "visual.transformer.resblocks",
+    "transformer.resblocks",
+    "visual.trunk.blocks",
+)
+
+
+def find_blocks(model: torch.nn.Module) -> Tuple[str, torch.nn.ModuleList]:
+    """The path and the list of the residual blocks of ``model`` (the modules saev's layer
+    numbers index), found at the usual places of Hugging Face, timm, open_clip and
+    TransformerLens models; InvalidArgumentError naming the places looked at otherwise (give
+    ``modules=`` then)."""
+    for path in _BLOCK_LISTS:
+        try:
+            m = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 0:
+            return path, m
+    raise InvalidArgumentError(
+        f"{type(model).__name__}: no list of residual blocks at any of {', '.join(_BLOCK_LISTS)}; "
+        "name the modules to record with modules=[...] (module paths, or TransformerLens hook "
+        "names)")
+
+
+def _module(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``model``'s submodule ``name`` (a dotted path, or a TransformerLens hook name, which is
+    one), or the error naming the closest names."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        names = [n for n, _ in model.named_modules() if n]
+        close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+        hint = f"; the closest: {', '.join(close)}" if close else ""
+        raise InvalidArgumentError(
+            f"{type(model).__name__} has no module {name!r}{hint}") from None
+
+
+def _config_int(model: torch.nn.Module, *keys: str) -> Optional[int]:
+    """The first of ``keys`` found in the model's Hugging Face config (or its vision config)."""
+    config = getattr(model, "config", None)
+    for c in (getattr(config, "vision_config", None), config):
+        for k in keys:
+            v = getattr(c, k, None) if c is not None else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def _tokens_from_config(model: torch.nn.Module) -> Tuple[Optional[int], Optional[int], int]:
+    """(content tokens, d_model, register tokens) a Hugging Face vision config implies."""
+    image, patch = _config_int(model, "image_size"), _config_int(model, "patch_size")
+    content = (image // patch) ** 2 if image and patch else None
+    d_model = _config_int(model, "hidden_size", "d_model", "n_embd")
+    registers = _config_int(model, "num_register_tokens") or 0
+    return content, d_model, registers
+
+
+class _Slot:
+    """One batch in flight: its staging tensor on the model's device and, on an accelerator,
+    the pinned host buffer it is copied into (and the event that copy records)."""
+
+    def __init__(self) -> None:
+        self.stage: Optional[torch.Tensor] = None
+        self.host: Optional[torch.Tensor] = None
+        self.event: Optional[Any] = None
+        self.rows = 0
+        self.filled: List[bool] = []
+        self.labels: Optional[np.ndarray] = None
+
+    def ensure(self, rows: int, shape: Tuple[int, int, int], device: torch.device) -> None:
+        if self.stage is not None and self.stage.shape[0] >= rows and self.stage.device == device:
+            return
+        self.stage = torch.empty((rows, *shape), dtype=torch.float32, device=device)
+        if device.type == "cuda":
+            self.host = torch.empty((rows, *shape), dtype=torch.float32, pin_memory=True)
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        else:
+            self.host, self.event = None, None
+
+
+class ActivationRecorder:
+    """Records modules of ``model`` into the saev dataset under ``root`` (see the module
+    documentation).
+
+    - ``layers``: saev's layer labels (metadata ``layers``), in the order of the dataset's layer
+      slots. Without ``modules``, label ``i`` records block ``i`` of the model's block list
+      (:func:`find_blocks`; negative counts from the end), each block's output: the residual
+      stream after it. With ``modules`` (module paths or TransformerLens hook names, one per
+      label), those modules. Slot ``l`` always holds ``layers[l]``'s module, whatever order the
+      blocks run in (saev's own writer fills slots in execution order).
+    - ``capture``: ``"output"`` (default) or ``"input"`` (the module's first positional input).
+    - Tokens: a module emits ``(batch, tokens, d_model)``. ``cls_token`` records token 0 (the
+      CLS token) in slot 0; the content tokens are the ``content_tokens`` tokens after the first
+      ``prefix_tokens`` (CLS and registers). By default, from a Hugging Face vision config:
+      content ``(image_size / patch_size)²``, prefix ``1 + num_register_tokens``; a model without
+      a CLS token (SigLIP) needs ``cls_token=False, prefix_tokens=0``.
+    - ``metadata``: the rest of metadata.json (``family``, ``ckpt``, ``data``, ``dataset``,
+      ``max_tokens_per_shard``, ``pixel_agg``, ...); the recorder sets ``layers``,
+      ``content_tokens_per_example``, ``cls_token``, ``d_model`` (from the config, or given
+      here) and ``n_examples``.
+    - ``rank``/``world_size``: this process's part (default: the launcher's variables); see
+      :class:`shardkit.saev.PartWriter`.
+    - ``buffers``: batches in flight between the model and the disk (memory: this many
+      staging tensors on the device and as many pinned host buffers).
+    - ``progress``: as every writer's.
+
+    Call it as the model (``rec(x)``, or ``rec.forward(x, labels=...)`` with per-patch labels
+    ``(batch, content_tokens)``): the batch's examples are the next pending ones, in order;
+    cut them with :meth:`batches` for a dataset byte-identical across world sizes.
+    Use as a context manager: a clean exit waits for the last writes, finishes the part and
+    commits when it completes the set (``close()`` returns the dataset's status); an exception
+    stops the writer thread and leaves the part to a restart. Hooks are removed either way.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        root: PathLike,
+        *,
+        layers: Sequence[int],
+        n_examples: int,
+        metadata: Mapping[str, Any],
+        modules: Optional[Sequence[str]] = None,
+        capture: str = "output",
+        cls_token: Optional[bool] = None,
+        content_tokens: Optional[int] = None,
+        prefix_tokens: Optional[int] = None,
+        d_model: Optional[int] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        buffers: int = 4,
+        progress: Any = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise _args.InvalidArgumentTypeError(
+                f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if capture not in ("output", "input"):
+            raise InvalidArgumentError(f"capture must be 'output' or 'input', got {capture!r}")
+        labels = [int(x) for x in layers]
+        if not labels:
+            raise InvalidArgumentError("layers is empty: give at least one layer to record")
+        if len(set(labels)) != len(labels):
+            raise InvalidArgumentError(f"layers {labels} repeats a label; saev finds a layer's slot by its label")
+        self._model = model
+        self._recorded = self._resolve(model, labels, modules)
+        cfg_content, cfg_d, registers = _tokens_from_config(model)
+        md: Dict[str, Any] = dict(metadata)
+        self._cls = bool(md.get("cls_token", True) if cls_token is None else cls_token)
+        content = content_tokens if content_tokens is not None else md.get("content_tokens_per_example", cfg_content)
+        d = d_model if d_model is not None else md.get("d_model", cfg_d)
+        if content is None or d is None:
+            raise InvalidArgumentError(
+                f"{type(model).__name__}: cannot tell the content tokens per example and d_model from "
+                "its config; give content_tokens= and d_model=")
+        self._content: int = _args.count("content_tokens", content, lo=1)
+        self._d: int = _args.count("d_model", d, lo=1)
+        prefix = prefix_tokens if prefix_tokens is not None else (1 + registers if self._cls else 0)
+        self._prefix: int = _args.count("prefix_tokens", prefix)
+        self._tokens = self._content + (1 if self._cls else 0)
+        md.update(layers=labels, content_tokens_per_example=self._content, cls_token=self._cls,
+                  d_model=self._d, n_examples=_args.count("n_examples", n_examples))
+        md.setdefault("max_tokens_per_shard", 2_400_000)
+        md.setdefault("data", "")
+        md.setdefault("dataset", "")
+        md.setdefault("protocol", "2.1")
+        self._capture = capture
+        self._writer = saev.PartWriter(root, md, rank=rank, world_size=world_size, progress=progress)
+        # Read once: the writer thread holds the core writer while it writes.
+        self._pending = self._writer.pending
+        self._rank, self._world = self._writer.rank, self._writer.world_size
+        self._path = self._writer.path
+        self._per_shard = int(md["max_tokens_per_shard"]) // (self._tokens * len(labels))
+        self._n_buffers = _args.count("buffers", buffers, lo=1)
+        if self._n_buffers < 1:
+            raise InvalidArgumentError("buffers must be at least 1")
+        self._free: "queue.Queue[_Slot]" = queue.Queue()
+        for _ in range(self._n_buffers):
+            self._free.put(_Slot())
+        self._todo: "queue.Queue[Optional[_Slot]]" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._aborting = False
+        self._current: Optional[_Slot] = None
+        self._side: Optional[Any] = None
+        self._closed = False
+        self._handles = [self._hook(m, slot) for slot, (_, m) in enumerate(self._recorded)]
+        self._thread = threading.Thread(target=self._write_loop, name="shardkit-record", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _resolve(model: torch.nn.Module, labels: List[int],
+                 modules: Optional[Sequence[str]]) -> List[Tuple[str, torch.nn.Module]]:
+        if modules is not None:
+            names = [str(n) for n in modules]
+            if len(names) != len(labels):
+                raise InvalidArgumentError(
+                    f"modules names {len(names)} modules for {len(labels)} layers; give one per layer label")
+            return [(n, _module(model, n)) for n in names]
+        path, blocks = find_blocks(model)
+        out = []
+        for label in labels:
+            if not -len(blocks) <= label < len(blocks):
+                raise InvalidArgumentError(
+                    f"layer {label} is not a block of {type(model).__name__} ({len(blocks)} blocks at {path})")
+            i = label % len(blocks)
+            out.append((f"{path}.{i}", blocks[i]))
+        return out
+
+    # -- the pipeline -----------------------------------------------------------------------
+
+    def _hook(self, module: torch.nn.Module, slot: int) -> Any:
+        def take(x: Any) -> None:
+            s = self._current
+            if s is None:
+                return  # the model run outside the recorder: nothing to record
+            t = x[0] if isinstance(x, (tuple, list)) else x
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise InvalidArgumentError(
+                    f"{self._recorded[slot][0]}: its {self._capture} is not one (batch, tokens, d_model) "
+                    f"tensor (got {type(t).__name__}{tuple(t.shape) if isinstance(t, torch.Tensor) else ''})")
+            b, n, d = t.shape
+            if d != self._d or n < self._prefix + self._content:
+                raise InvalidArgumentError(
+                    f"{self._recorded[slot][0]}: emits {n} tokens of {d} dimensions; the dataset records "
+                    f"{self._prefix} prefix + {self._content} content tokens of d_model {self._d}")
+            if s.rows == 0:
+                s.rows = b
+                s.ensure(b, (len(self._recorded), self._tokens, self._d), t.device)
+            elif b != s.rows:
+                raise InvalidArgumentError(
+                    f"{self._recorded[slot][0]}: batch of {b}, while other recorded modules saw {s.rows}")
+            assert s.stage is not None
+            rows = s.stage[:b, slot]
+            with torch.no_grad():
+                at = 0
+                if self._cls:
+                    rows[:, 0].copy_(t[:, 0])
+                    at = 1
+                rows[:, at:].copy_(t[:, self._prefix:self._prefix + self._content])
+            s.filled[slot] = True
+
+        if self._capture == "output":
+            return module.register_forward_hook(lambda _m, _args, out: take(out))
+        return module.register_forward_pre_hook(lambda _m, args: take(args))
+
+    def _write_loop(self) -> None:
+        while True:
+            s = self._todo.get()
+            if s is None:
+                return
+            try:
+                if self._error is None and not self._aborting:
+                    if s.event is not None:
+                        s.event.synchronize()
+                    src = s.host if s.host is not None else s.stage
+                    assert src is not None
+                    self._writer.write(src[:s.rows].numpy(), s.labels)
+            except BaseException as e:  # the caller's next call raises it
+                self._error = e
+            finally:
+                s.rows, s.labels = 0, None
+                self._free.put(s)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def forward(self, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
+        """Runs ``model(*args, **kwargs)`` without gradients, recording its batch (the next
+        pending examples); ``labels`` are the batch's per-patch labels (batch, content tokens),
+        for a dataset with labels.bin. Returns the model's output."""
+        if self._closed:
+            raise InvalidArgumentError("the recorder is closed")
+        self._raise_if_failed()
+        s = self._free.get()  # waits while every slot is being written: backpressure
+        s.rows, s.filled = 0, [False] * len(self._recorded)
+        self._current = s
+        try:
+            with torch.no_grad():
+                out = self._model(*args, **kwargs)
+        except BaseException:
+            self._current = None
+            self._free.put(s)
+            raise
+        self._current = None
+        missing = [self._recorded[i][0] for i, f in enumerate(s.filled) if not f]
+        if missing:
+            self._free.put(s)
+            raise InvalidArgumentError(
+                f"the forward did not run the recorded module(s) {', '.join(missing)}; nothing was recorded")
+        if labels is not None:
+            lab = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
+            s.labels = lab
+        assert s.stage is not None
+        if s.host is not None:
+            self._copy_to_host(s)
+        self._todo.put(s)
+        return out
+
+    __call__ = forward
+
+    def _copy_to_host(self, s: _Slot) -> None:
+        assert s.stage is not None and s.host is not None and s.event is not None
+        device = s.stage.device
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._side):
+            s.host[:s.rows].copy_(s.stage[:s.rows], non_blocking=True)
+            s.event.record(self._side)
+
+    # -- the writer's face ------------------------------------------------------------------
+
+    @property
+    def pending(self) -> List[Tuple[int, int]]:
+        """(first, end) example ranges this rank still owes, in the order to record them."""
+        return list(self._pending)
+
+    def batches(self, batch_size: int) -> List[Tuple[int, int]]:
+        """The pending examples cut into batches of at most ``batch_size``: (first, end) ranges
+        that start at each shard's first example and never cross a shard. Every run, whatever
+        its world size and wherever it resumed, cuts a shard into the same batches, and a
+        model's output can depend on the rest of its batch (kernels are chosen by batch size):
+        recording in these batches is what makes the dataset byte-identical across world
+        sizes and restarts (with deterministic kernels on an accelerator:
+        ``torch.use_deterministic_algorithms(True)``)."""
+        size = _args.count("batch_size", batch_size, lo=1)
+        if size < 1:
+            raise InvalidArgumentError("batch_size must be at least 1")
+        out = []
+        for first, end in self._pending:
+            at = first
+            while at < end:
+                shard_end = (at // self._per_shard + 1) * self._per_shard
+                stop = min(end, shard_end, at + size)
+                out.append((at, stop))
+                at = stop
+        return out
+
+    @property
+    def path(self) -> str:
+        """The dataset directory (``root/<hash>``)."""
+        return self._path
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """How many processes record the dataset."""
+        return self._world
+
+    @property
+    def modules(self) -> List[str]:
+        """The recorded modules' names, one per layer slot."""
+        return [n for n, _ in self._recorded]
+
+    def _drain(self) -> None:
+        self._todo.put(None)
+        self._thread.join()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def close(self) -> Dict[str, Any]:
+        """Waits for the batches in flight, finishes this rank's part (committing the dataset
+        when it completes the set) and returns the dataset's status; the error of any write
+        that failed in the background is raised here (or at the next ``forward``)."""
+        if not self._closed:
+            self._closed = True
+            self._drain()
+            if self._error is not None:
+                self._writer.abort()
+                raise self._error
+        return self._writer.close()
+
+    def abort(self) -> None:
+        """Stops without finishing: what is durable stays, and a restart continues."""
+        if not self._closed:
+            self._closed = True
+            self._aborting = True
+            self._drain()
+            self._writer.abort()
+
+    def __enter__(self) -> "ActivationRecorder":
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __repr__(self) -> str:
+        return (f"ActivationRecorder({self.path!r}, modules={self.modules}, rank={self.rank}, "
+                f"world_size={self.world_size})")

@@ -1,0 +1,201 @@
+"""The activation recorder (shardkit.record): recorded rows equal the recorded modules' outputs
+computed directly (tiny random models built from configs, fixed seeds: Hugging Face ViT, CLIP
+vision, DINOv2 with registers, SigLIP vision), in the dataset's layer-slot order; several
+processes give the bytes one process gives; a killed recording resumes with another world size;
+bad module names, wrong token counts and background write failures are clear errors."""
+
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from shardkit import saev  # noqa: E402
+from shardkit.errors import InvalidArgumentError  # noqa: E402
+from shardkit.record import ActivationRecorder, find_blocks  # noqa: E402
+
+from _procs import run_child, snapshot  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _record_child as child  # noqa: E402
+
+TINY = dict(hidden_size=16, num_hidden_layers=3, num_attention_heads=2, intermediate_size=32,
+            image_size=16, patch_size=4)  # 16 patches
+
+
+def built(kind):
+    torch.manual_seed(0)
+    t = transformers
+    if kind == "vit":
+        return t.ViTModel(t.ViTConfig(**TINY)).eval()
+    if kind == "clip":
+        return t.CLIPVisionModel(t.CLIPVisionConfig(**TINY)).eval()
+    if kind == "dinov2-registers":
+        return t.Dinov2WithRegistersModel(t.Dinov2WithRegistersConfig(num_register_tokens=4, **TINY)).eval()
+    if kind == "siglip":
+        return t.SiglipVisionModel(t.SiglipVisionConfig(**TINY)).eval()
+    raise ValueError(kind)
+
+
+def acts(path):
+    """The dataset's activations as one (n, L, T, D) array, from its shard files."""
+    ds = saev.open(path)
+    md = ds.metadata
+    shape = (len(md["layers"]), ds.tokens_per_example, md["d_model"])
+    files = sorted(f for f in os.listdir(path) if f.startswith("acts"))
+    out = np.concatenate([np.fromfile(os.path.join(path, f), dtype=np.float32).reshape(-1, *shape) for f in files])
+    return out[: md["n_examples"]]
+
+
+def record(model, root, x, batch=3, **kw):
+    with ActivationRecorder(model, root, n_examples=len(x), metadata={"family": "clip", "ckpt": "tiny"}, **kw) as rec:
+        for first, end in rec.pending:
+            for at in range(first, end, batch):
+                rec(x[at:min(at + batch, end)])
+    return rec
+
+
+@pytest.mark.parametrize("kind, cls, prefix", [
+    ("vit", True, 1), ("clip", True, 1), ("dinov2-registers", True, 5), ("siglip", False, 0),
+])
+def test_recorded_rows_are_the_blocks_outputs_in_the_labels_slots(tmp_path, kind, cls, prefix):
+    model = built(kind)
+    x = torch.randn(7, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    kw = {} if cls else {"cls_token": False}
+    rec = record(model, str(tmp_path), x, layers=[2, -3], **kw)  # slot 0: the last block, run last
+    got = acts(rec.path)
+    # [i + 1]: block i's output; computed in the recorder's batches (kernels differ by batch size).
+    with torch.no_grad():
+        runs = [model(x[at:at + 3], output_hidden_states=True).hidden_states for at in range(0, 7, 3)]
+    hidden = [torch.cat(h) for h in zip(*runs)]
+    assert got.shape == (7, 2, 16 + int(cls), 16)
+    for slot, block in enumerate([2, 0]):
+        h = hidden[block + 1].detach().numpy()
+        content = h[:, prefix:prefix + 16]
+        if cls:
+            np.testing.assert_array_equal(got[:, slot, 0], h[:, 0])  # CLS
+        np.testing.assert_array_equal(got[:, slot, int(cls):], content)  # registers left out
+    md = saev.open(rec.path).metadata
+    assert md["layers"] == [2, -3] and md["cls_token"] == cls and md["content_tokens_per_example"] == 16
+
+
+def test_inputs_and_named_modules_are_recorded(tmp_path):
+    model = built("vit")
+    x = torch.randn(5, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    path, blocks = find_blocks(model)
+    # Block 1's input is block 0's output.
+    rec = record(model, str(tmp_path / "in"), x, layers=[1], capture="input")
+    out0 = record(model, str(tmp_path / "out"), x, layers=[7], modules=[f"{path}.0"])
+    np.testing.assert_array_equal(acts(rec.path), acts(out0.path))
+    assert out0.modules == [f"{path}.0"] and len(blocks) == 3
+
+
+def test_a_module_name_that_does_not_exist_names_the_closest(tmp_path):
+    model = built("vit")
+    with pytest.raises(InvalidArgumentError, match=r"no module 'layers\.9\.atention'.*closest: layers\.[0-2]\.attention"):
+        ActivationRecorder(model, str(tmp_path), layers=[0], modules=["layers.9.atention"], n_examples=1,
+                           metadata={"family": "clip", "ckpt": "x"})
+    with pytest.raises(InvalidArgumentError, match=r"layer 5 is not a block of ViTModel \(3 blocks at layers\)"):
+        ActivationRecorder(model, str(tmp_path), layers=[5], n_examples=1, metadata={"family": "clip", "ckpt": "x"})
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_a_wrong_token_count_or_a_module_that_did_not_run_is_an_error_and_nothing_is_recorded(tmp_path):
+    model = built("vit")
+    x = torch.randn(2, 3, 16, 16)
+    with pytest.raises(InvalidArgumentError, match=r"emits 17 tokens of 16 dimensions; the dataset records 1 prefix \+ 20"):
+        a = ActivationRecorder(model, str(tmp_path / "a"), layers=[0], n_examples=2, content_tokens=20,
+                               metadata={"family": "clip", "ckpt": "x"})
+        with a:
+            a(x)
+    # A module the forward never runs.
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vit, self.unused = model, torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.vit(x)
+
+    with pytest.raises(InvalidArgumentError, match=r"did not run the recorded module\(s\) unused; nothing"):
+        with ActivationRecorder(WithUnused(), str(tmp_path / "b"), layers=[0, 1], modules=["vit.layers.0", "unused"],
+                                n_examples=2, content_tokens=16, d_model=16, metadata={"family": "clip", "ckpt": "x"}) as rec:
+            rec(x)
+    st = saev.status(a.path)
+    assert st["done"] == 0 and not st["committed"]
+
+
+def test_a_failed_background_write_is_raised_and_the_part_stays_resumable(tmp_path):
+    model = built("vit")
+    x = torch.randn(4, 3, 16, 16)
+    rec = ActivationRecorder(model, str(tmp_path), layers=[0], n_examples=4, metadata={"family": "clip", "ckpt": "x"})
+    rec(x[:2], labels=np.zeros((2, 3), np.uint8))  # labels of the wrong width: refused by the writer thread
+    with pytest.raises(InvalidArgumentError, match=r"labels.*\(batch, content tokens\)"):
+        rec.close()
+    assert saev.status(rec.path)["committed"] is False
+
+
+def test_the_model_waits_when_every_buffer_is_being_written(tmp_path, monkeypatch):
+    model = built("vit")
+    x = torch.randn(3, 3, 16, 16)
+    rec = ActivationRecorder(model, str(tmp_path), layers=[0], n_examples=3, buffers=1,
+                             metadata={"family": "clip", "ckpt": "x"})
+    release, writing = threading.Event(), threading.Event()
+    real = rec._writer.write
+
+    def slow(a, labels=None):
+        writing.set()
+        release.wait(30)
+        real(a, labels)
+
+    monkeypatch.setattr(rec._writer, "write", slow)
+    rec(x[:1])
+    assert writing.wait(30)
+    second = threading.Thread(target=rec, args=(x[1:2],))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # one buffer, being written: the second forward waits for it
+    release.set()
+    second.join(30)
+    assert not second.is_alive()
+    rec(x[2:])
+    assert rec.close()["committed"]
+
+
+def test_ranks_record_the_bytes_one_process_records_and_a_killed_run_resumes_with_another_world_size(tmp_path):
+    script = os.path.join(HERE, "_record_child.py")
+    one = str(tmp_path / "one")
+    run_child([sys.executable, script, one])
+    want = snapshot(one)
+    assert any(k.endswith("shards.json") for k in want)
+    # Three ranks.
+    three = str(tmp_path / "three")
+    procs = [run_child([sys.executable, script, three], RANK=r, WORLD_SIZE=3) for r in range(3)]
+    assert any('"committed": true' in " ".join(lines) for _, lines in procs)
+    assert snapshot(three) == want
+    # One process killed after its fifth batch, then two ranks finish.
+    again = str(tmp_path / "again")
+    killed, _ = run_child([sys.executable, script, again], kill_at="batch 5")
+    assert killed
+    for r in range(2):
+        run_child([sys.executable, script, again], RANK=r, WORLD_SIZE=2)
+    assert snapshot(again) == want
+
+
+def test_batches_start_at_shard_starts_and_never_cross_a_shard(tmp_path):
+    model = built("vit")  # 17 tokens x 2 layers: 34 per example
+    md = {"family": "clip", "ckpt": "x", "max_tokens_per_shard": 34 * 5}  # 5 examples a shard
+    rec = ActivationRecorder(model, str(tmp_path), layers=[0, 1], n_examples=12, metadata=md, rank=1, world_size=2)
+    assert rec.pending == [(10, 12)]  # 3 shards: rank 1 of 2 has the last
+    rec.abort()
+    rec = ActivationRecorder(model, str(tmp_path / "one"), layers=[0, 1], n_examples=12, metadata=md)
+    assert rec.batches(2) == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10), (10, 12)]
+    assert rec.batches(100) == [(0, 5), (5, 10), (10, 12)]
+    with pytest.raises(InvalidArgumentError, match="batch_size"):
+        rec.batches(0)
+    rec.abort()
