@@ -491,6 +491,28 @@ fn cache_info(py: Python<'_>, dir: Option<std::path::PathBuf>) -> PyResult<Bound
     Ok(d)
 }
 
+/// Records `record` (JSON text, an object) as the provenance of the dataset at `path`, or
+/// refuses it naming the keys that differ from the one recorded.
+#[pyfunction]
+fn provenance_record(py: Python<'_>, path: std::path::PathBuf, record: String) -> PyResult<()> {
+    let v = shardkit::json::parse(record.as_bytes()).map_err(|e| {
+        py_error(
+            "InvalidArgumentError",
+            format!("provenance is not JSON: {e}"),
+        )
+    })?;
+    py.allow_threads(|| shardkit::provenance::record(&path, &v))
+        .map_err(to_py)
+}
+
+/// The provenance recorded for the dataset at `path` (JSON text), or None.
+#[pyfunction]
+fn provenance_read(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Option<String>> {
+    py.allow_threads(|| shardkit::provenance::read(&path))
+        .map(|v| v.map(|v| shardkit::json::to_compact(&v, false, shardkit::json::Escape::Utf8)))
+        .map_err(to_py)
+}
+
 /// Removes the cached objects at or below `url` (every one with None): {"files", "bytes"}.
 #[pyfunction]
 #[pyo3(signature = (url=None, dir=None))]
@@ -591,6 +613,8 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wait_for_cache, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(clear_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(provenance_record, m)?)?;
+    m.add_function(wrap_pyfunction!(provenance_read, m)?)?;
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;

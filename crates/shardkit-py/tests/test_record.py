@@ -4,6 +4,7 @@ vision, DINOv2 with registers, SigLIP vision), in the dataset's layer-slot order
 processes give the bytes one process gives; a killed recording resumes with another world size;
 bad module names, wrong token counts and background write failures are clear errors."""
 
+import json
 import os
 import sys
 import threading
@@ -199,3 +200,46 @@ def test_batches_start_at_shard_starts_and_never_cross_a_shard(tmp_path):
     with pytest.raises(InvalidArgumentError, match="batch_size"):
         rec.batches(0)
     rec.abort()
+
+
+def test_a_restart_with_another_model_processor_or_input_order_is_refused_naming_what_changed(tmp_path):
+    from shardkit import provenance
+    from shardkit.errors import AlreadyExistsError
+
+    model = built("vit")
+    x = torch.randn(4, 3, 16, 16)
+    md = {"family": "clip", "ckpt": "tiny"}
+    class Processor:  # an image processor's face (transformers' needs torchvision and PIL)
+        def __init__(self, **config):
+            self.config = config
+
+        def to_json_string(self):
+            return json.dumps(self.config, sort_keys=True)
+
+    processor = Processor(size=16, do_normalize=True)
+    kw = dict(layers=[0], n_examples=4, metadata=md, processor=processor, inputs=["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    with ActivationRecorder(model, str(tmp_path), **kw) as rec:
+        rec(x[:2])
+        rec.abort()  # killed halfway: two examples durable at most
+    first = provenance.read(rec.path)
+    assert first["model"]["parameters"] == sum(t.numel() for t in model.state_dict().values())
+    assert first["processor"]["kind"] == "Processor" and first["inputs"]["count"] == 4
+    assert first["recorder"]["modules"] == ["layers.0"]
+    before = snapshot(rec.path)
+    # The checkpoint changed under the same name: refused before anything is written.
+    changed = built("vit")
+    with torch.no_grad():
+        next(changed.layers[1].parameters()).add_(1e-3)
+    with pytest.raises(AlreadyExistsError, match=r"provenance model\.sha256 differs"):
+        ActivationRecorder(changed, str(tmp_path), **kw)
+    other = dict(kw, inputs=["b.jpg", "a.jpg", "c.jpg", "d.jpg"],
+                 processor=Processor(size=16, do_normalize=False))
+    with pytest.raises(AlreadyExistsError, match=r"provenance inputs\.sha256, processor\.sha256 differ"):
+        ActivationRecorder(model, str(tmp_path), **other)
+    assert {k: v for k, v in snapshot(rec.path).items() if ".shardkit-parts" not in k} == \
+        {k: v for k, v in before.items() if ".shardkit-parts" not in k}
+    # The same source resumes, finishes, and inspect shows the record.
+    with ActivationRecorder(model, str(tmp_path), **kw) as rec:
+        for first_, end in rec.batches(4):
+            rec(x[first_:end])
+    assert saev.inspect(rec.path)["provenance"] == first

@@ -63,6 +63,7 @@ pub mod saev;
 pub mod sdnb;
 
 pub use commit::parts::{part_of, PartsStatus, Rank};
+pub use commit::provenance;
 pub use commit::transfer::{download, upload, Transfer};
 pub use error::{Error, Result};
 

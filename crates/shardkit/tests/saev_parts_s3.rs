@@ -498,3 +498,28 @@ fn a_shard_whose_upload_fails_behind_the_writer_is_its_error_and_is_never_record
     assert!(!st.committed, "{st:?}");
     assert_eq!(st.missing(), vec![2..6], "{st:?}");
 }
+
+#[test]
+fn a_provenance_record_in_a_store_is_created_once_and_a_different_one_refused() {
+    use shardkit::json::{parse, Value};
+    let tmp = tempfile::tempdir().unwrap();
+    let mem = store(&tmp.path().join("staging"));
+    let dir = url("prov");
+    let ours: Value = parse(br#"{"model": {"sha256": "aa"}, "inputs": {"sha256": "bb"}}"#).unwrap();
+    assert!(shardkit::provenance::read(&dir).unwrap().is_none());
+    shardkit::provenance::record(&dir, &ours).unwrap();
+    shardkit::provenance::record(&dir, &ours).unwrap();
+    let theirs: Value =
+        parse(br#"{"model": {"sha256": "ab"}, "inputs": {"sha256": "bb"}}"#).unwrap();
+    let e = shardkit::provenance::record(&dir, &theirs).unwrap_err();
+    assert!(matches!(e, Error::Exists { .. }), "{e:?}");
+    assert!(
+        e.to_string().contains("provenance model.sha256 differs"),
+        "{e}"
+    );
+    assert_eq!(shardkit::provenance::read(&dir).unwrap().unwrap(), ours);
+    assert_eq!(
+        objects(&mem, "prov").keys().collect::<Vec<_>>(),
+        ["shardkit.provenance.json"]
+    );
+}

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from . import _args, saev
+from . import _args, provenance, saev
 from .errors import InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -188,6 +188,8 @@ class ActivationRecorder:
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         buffers: int = 4,
+        processor: Any = None,
+        inputs: Any = None,
         progress: Any = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
@@ -223,15 +225,19 @@ class ActivationRecorder:
         md.setdefault("dataset", "")
         md.setdefault("protocol", "2.1")
         self._capture = capture
+        self._n_buffers = _args.count("buffers", buffers, lo=1)
+        record = self._provenance(model, processor, inputs, labels)
         self._writer = saev.PartWriter(root, md, rank=rank, world_size=world_size, progress=progress)
+        try:
+            provenance.record(self._writer.path, record)
+        except BaseException:
+            self._writer.abort()
+            raise
         # Read once: the writer thread holds the core writer while it writes.
         self._pending = self._writer.pending
         self._rank, self._world = self._writer.rank, self._writer.world_size
         self._path = self._writer.path
         self._per_shard = int(md["max_tokens_per_shard"]) // (self._tokens * len(labels))
-        self._n_buffers = _args.count("buffers", buffers, lo=1)
-        if self._n_buffers < 1:
-            raise InvalidArgumentError("buffers must be at least 1")
         self._free: "queue.Queue[_Slot]" = queue.Queue()
         for _ in range(self._n_buffers):
             self._free.put(_Slot())
@@ -244,6 +250,19 @@ class ActivationRecorder:
         self._handles = [self._hook(m, slot) for slot, (_, m) in enumerate(self._recorded)]
         self._thread = threading.Thread(target=self._write_loop, name="shardkit-record", daemon=True)
         self._thread.start()
+
+    def _provenance(self, model: torch.nn.Module, processor: Any, inputs: Any, labels: List[int]) -> Dict[str, Any]:
+        """What decides the dataset's bytes beyond its metadata (see shardkit.provenance)."""
+        out: Dict[str, Any] = {
+            "model": provenance.model_digest(model),
+            "recorder": {"modules": [n for n, _ in self._recorded], "layers": labels, "capture": self._capture,
+                         "prefix_tokens": self._prefix},
+        }
+        if processor is not None:
+            out["processor"] = provenance.processor_digest(processor)
+        if inputs is not None:
+            out["inputs"] = provenance.inputs_digest(inputs)
+        return out
 
     @staticmethod
     def _resolve(model: torch.nn.Module, labels: List[int],
@@ -426,6 +445,9 @@ class ActivationRecorder:
         """Waits for the batches in flight, finishes this rank's part (committing the dataset
         when it completes the set) and returns the dataset's status; the error of any write
         that failed in the background is raised here (or at the next ``forward``)."""
+        if self._aborting:
+            raise InvalidArgumentError(
+                "the recorder was aborted: what is durable stays, and a restart continues the part")
         if not self._closed:
             self._closed = True
             self._drain()
@@ -446,7 +468,7 @@ class ActivationRecorder:
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
+        if exc_type is None and not self._aborting:
             self.close()
         else:
             self.abort()

@@ -17,6 +17,7 @@
 pub(crate) mod lock;
 pub(crate) mod parts;
 pub(crate) mod parts_store;
+pub mod provenance;
 pub(crate) mod staged;
 pub(crate) mod store_lock;
 pub(crate) mod transfer;

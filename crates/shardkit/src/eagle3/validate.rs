@@ -8,6 +8,7 @@ use super::shard::{
     self, field_specs, is_temporary, shard_name, shard_set, shard_set_problem, ShardFile,
 };
 use super::writer::EMBEDDINGS;
+use crate::commit::provenance;
 use crate::error::{Error, Result};
 use crate::io::{self, Location};
 use crate::json::Value;
@@ -285,6 +286,11 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
         ("bytes_per_sample".into(), Value::int(sample_bytes)),
         ("bytes_on_disk".into(), Value::int(on_disk)),
         ("target_embeddings".into(), Value::Bool(embeddings)),
+        // What a producer recorded about the model and inputs (null when none did).
+        (
+            "provenance".into(),
+            provenance::read(dir)?.unwrap_or(Value::Null),
+        ),
     ]))
 }
 

@@ -3,6 +3,7 @@
 use std::fs::File;
 use std::path::Path;
 
+use crate::commit::provenance;
 use crate::error::Error;
 use crate::error::IoContext;
 use crate::fsutil;
@@ -486,6 +487,11 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
         (
             "warnings".into(),
             Value::Array(warnings.into_iter().map(Value::String).collect()),
+        ),
+        // What a producer recorded about the model and inputs (null when none did).
+        (
+            "provenance".into(),
+            provenance::read(dir)?.unwrap_or(Value::Null),
         ),
     ]))
 }
