@@ -243,3 +243,40 @@ def test_a_restart_with_another_model_processor_or_input_order_is_refused_naming
         for first_, end in rec.batches(4):
             rec(x[first_:end])
     assert saev.inspect(rec.path)["provenance"] == first
+
+
+def test_the_entry_point_records_a_folder_of_images_and_a_pixels_file(tmp_path):
+    from PIL import Image
+
+    model = built("vit")
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "preprocessor_config.json").write_text(json.dumps(
+        {"size": {"height": 16, "width": 16}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25, 0.25, 0.25]}))
+    rng = np.random.default_rng(5)
+    (tmp_path / "images" / "b").mkdir(parents=True)
+    for i in range(5):
+        px = rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)
+        Image.fromarray(px).save(tmp_path / "images" / ("b" if i % 2 else "") / f"{i}.png")
+    args = ["--model", str(tmp_path / "model"), "--layers", "0", "2", "--family", "clip", "--ckpt", "tiny",
+            "--batch-size", "2", "--device", "cpu"]
+    r = run_child([sys.executable, "-m", "shardkit.record", *args, "--images", str(tmp_path / "images"),
+                   "--out", str(tmp_path / "from-images")])
+    status = json.loads(r[1][-1])
+    assert status["committed"] is True
+    # The same pixels, preprocessed here (16 px already: no resize, no crop), as a .npy.
+    files = sorted(["0.png", "2.png", "4.png", "b/1.png", "b/3.png"])
+    px = np.stack([np.asarray(Image.open(tmp_path / "images" / f).convert("RGB"), np.float32).transpose(2, 0, 1)
+                   for f in files]) / 255.0
+    px = ((px - 0.5) / 0.25).astype(np.float32)
+    np.save(tmp_path / "px.npy", px)
+    r = run_child([sys.executable, "-m", "shardkit.record", *args, "--pixels", str(tmp_path / "px.npy"),
+                   "--out", str(tmp_path / "from-pixels")])
+    other = json.loads(r[1][-1])
+    a, b = acts(status["path"]), acts(other["path"])
+    np.testing.assert_array_equal(a, b)
+    with torch.no_grad():
+        runs = [model(torch.from_numpy(px[i:i + 2]), output_hidden_states=True).hidden_states for i in range(0, 5, 2)]
+    hidden = [torch.cat(h) for h in zip(*runs)]
+    np.testing.assert_array_equal(a[:, 1], hidden[3].numpy())
+    from shardkit import provenance
+    assert provenance.read(status["path"])["inputs"]["count"] == 5

@@ -27,6 +27,7 @@ completes the set commits the dataset, byte-identical to one process's.
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import queue
 import threading
@@ -476,3 +477,153 @@ class ActivationRecorder:
     def __repr__(self) -> str:
         return (f"ActivationRecorder({self.path!r}, modules={self.modules}, rank={self.rank}, "
                 f"world_size={self.world_size})")
+
+
+# -- python -m shardkit.record ---------------------------------------------------------------
+
+
+def _images(directory: str, config: Dict[str, Any], side: int) -> Tuple[List[str], Any]:
+    """The image files under ``directory`` (sorted relative paths) and a function loading
+    examples ``first:end`` as float32 (n, 3, side, side): resized (shortest edge), center
+    cropped and normalized as the model's preprocessor_config.json says, with Pillow."""
+    try:
+        Image: Any = importlib.import_module("PIL.Image")
+    except ImportError:
+        raise InvalidArgumentError("--images needs Pillow (pip install pillow); or give --pixels FILE.npy") from None
+    exts = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+    files = sorted(os.path.relpath(os.path.join(d, f), directory)
+                   for d, _, fs in os.walk(directory) for f in fs if f.lower().endswith(exts))
+    if not files:
+        raise InvalidArgumentError(f"{directory}: no image files ({', '.join(exts)})")
+    size = config.get("size", {})
+    edge = int(size.get("shortest_edge") or size.get("height") or side) if isinstance(size, dict) else int(size)
+    crop = config.get("crop_size", side)
+    crop = int(crop.get("height", side)) if isinstance(crop, dict) else int(crop)
+    mean = np.array(config.get("image_mean", [0.5, 0.5, 0.5]), np.float32).reshape(3, 1, 1)
+    std = np.array(config.get("image_std", [0.5, 0.5, 0.5]), np.float32).reshape(3, 1, 1)
+
+    def load(first: int, end: int) -> "torch.Tensor":
+        out = np.empty((end - first, 3, crop, crop), np.float32)
+        for i, name in enumerate(files[first:end]):
+            with Image.open(os.path.join(directory, name)) as im:
+                im = im.convert("RGB")
+                w, h = im.size
+                s = edge / min(w, h)
+                im = im.resize((max(crop, round(w * s)), max(crop, round(h * s))), Image.Resampling.BICUBIC)
+                w, h = im.size
+                left, top = (w - crop) // 2, (h - crop) // 2
+                im = im.crop((left, top, left + crop, top + crop))
+                a = np.asarray(im, np.float32).transpose(2, 0, 1) / 255.0
+            out[i] = (a - mean) / std
+        return torch.from_numpy(out)
+
+    return files, load
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """``python -m shardkit.record``: records a vision model's blocks over a folder of images
+    (or preprocessed pixels in a .npy file) into a saev dataset, this process's part of it
+    (rank and world size from the launcher). Prints and returns the dataset's status."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m shardkit.record", description=main.__doc__)
+    ap.add_argument("--model", required=True, help="a local Hugging Face model directory (from_pretrained)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--images", help="a folder of images (sorted by path; needs Pillow)")
+    src.add_argument("--pixels", help="a .npy of float32 (n, 3, H, W), already preprocessed")
+    ap.add_argument("--out", required=True, help="the dataset root (a directory or s3:// URL)")
+    ap.add_argument("--layers", required=True, type=int, nargs="+", help="block indices (saev layer labels)")
+    ap.add_argument("--family", required=True, help="saev's family: clip, siglip, dinov2, ...")
+    ap.add_argument("--ckpt", help="the checkpoint's name in metadata.json (default: --model)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                    help="the model's compute dtype (activations are stored as float32)")
+    ap.add_argument("--max-tokens-per-shard", type=int, default=2_400_000)
+    ap.add_argument("--no-cls", action="store_true", help="the model has no CLS token (SigLIP)")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModel
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = AutoModel.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype))
+    model = getattr(model, "vision_model", model).eval().to(device)  # CLIP/SigLIP: the vision tower
+    config_path = os.path.join(args.model, "preprocessor_config.json")
+    processor: Dict[str, Any] = {}
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            processor = json.load(f)
+    side = _config_int(model, "image_size") or 224
+    if args.images:
+        names, load = _images(args.images, processor, side)
+        inputs: Any = names
+        n = len(names)
+    else:
+        pixels = np.load(args.pixels, mmap_mode="r")
+        if pixels.ndim != 4 or pixels.dtype != np.float32:
+            raise InvalidArgumentError(f"{args.pixels}: expected float32 (n, 3, H, W), got {pixels.dtype} {pixels.shape}")
+        n = int(pixels.shape[0])
+        inputs = os.path.abspath(args.pixels)
+
+        def load(first: int, end: int) -> "torch.Tensor":
+            return torch.from_numpy(np.ascontiguousarray(pixels[first:end]))
+
+    md = {"family": args.family, "ckpt": args.ckpt or args.model, "data": args.images or args.pixels,
+          "dataset": os.path.abspath(args.images or args.pixels), "max_tokens_per_shard": args.max_tokens_per_shard}
+    bar = _Bar()
+    rec = ActivationRecorder(model, args.out, layers=args.layers, n_examples=n, metadata=md,
+                             cls_token=not args.no_cls, processor=json.dumps(processor, sort_keys=True),
+                             inputs=inputs, progress=bar.update)
+    bar.start(rec)
+    with rec:
+        for first, end in rec.batches(args.batch_size):
+            rec(load(first, end).to(device=device, dtype=getattr(torch, args.dtype)))
+    bar.close()
+    status = rec.close()
+    print(json.dumps({"path": rec.path, **status}))
+    return status
+
+
+class _Bar:
+    """A tqdm bar of this rank's examples with examples/s, GB/s written and the ETA (none
+    when tqdm is missing or stderr is not a terminal)."""
+
+    def __init__(self) -> None:
+        self._bar: Any = None
+        self._row_bytes = 0
+        self._t0 = 0.0
+        self._done0 = 0
+
+    def start(self, rec: ActivationRecorder) -> None:
+        import sys
+        import time
+
+        try:
+            from tqdm.auto import tqdm  # type: ignore
+        except ImportError:
+            return
+        total = sum(e - f for f, e in rec.pending)
+        first, end = rec._writer.examples  # before any write: the writer thread is idle
+        self._done0 = end - first - total
+        self._row_bytes = len(rec.modules) * rec._tokens * rec._d * 4
+        self._t0 = time.perf_counter()
+        if sys.stderr.isatty():
+            self._bar = tqdm(total=total, unit="ex", desc=f"recording (rank {rec.rank} of {rec.world_size})")
+
+    def update(self, done: int, total: int) -> None:
+        import time
+
+        if self._bar is None:
+            return
+        self._bar.update(done - self._done0 - self._bar.n)
+        dt = max(time.perf_counter() - self._t0, 1e-9)
+        self._bar.set_postfix_str(f"{self._bar.n * self._row_bytes / dt / 1e9:.2f} GB/s", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+if __name__ == "__main__":
+    main()
