@@ -16,6 +16,14 @@
 
 use crate::json::Value;
 
+/// The metadata key naming a shardkit dialect of protocol 2.1: `"text"` marks token
+/// activations of a language model (docs/record.md "Language models"). saev's `Metadata`
+/// refuses such a file (its `family` list is of vision models, and it declares no such key);
+/// shardkit reads and writes it, and validation says so in a note instead of an error.
+pub(crate) const DIALECT_KEY: &str = "shardkit_dialect";
+/// The one dialect: token activations of a language model.
+pub(crate) const TEXT_DIALECT: &str = "text";
+
 /// The rules of one protocol version's `Metadata` class.
 struct Rules {
     /// The key holding the model family.
@@ -159,6 +167,15 @@ pub(crate) struct Findings {
     pub errors: Vec<String>,
     /// Things saev loads but cannot use fully.
     pub warnings: Vec<String>,
+    /// A shardkit dialect (`text`): saev does not load it, by design.
+    pub dialect: Option<&'static str>,
+}
+
+impl Findings {
+    /// Whether saev's own code loads the file.
+    pub(crate) fn saev_loads(&self) -> bool {
+        self.errors.is_empty() && self.dialect.is_none()
+    }
 }
 
 fn quoted(items: &[&str]) -> String {
@@ -189,7 +206,26 @@ pub(crate) fn check(md: &Value, protocol: &str, writing: bool) -> Findings {
         return f;
     };
     let who = format!("saev's protocol {protocol} Metadata");
+    match md.get(DIALECT_KEY) {
+        None => {}
+        Some(Value::String(d)) if d == TEXT_DIALECT && protocol == "2.1" => {
+            f.dialect = Some(TEXT_DIALECT);
+            f.warnings.push(format!(
+                "shardkit's text dialect ({DIALECT_KEY}: \"text\", token activations of a \
+                 language model): saev does not load it ({who} knows vision families only); \
+                 shardkit's readers do"
+            ));
+        }
+        Some(v) => f.errors.push(format!(
+            "`{DIALECT_KEY}` must be \"text\" (shardkit's dialect of protocol 2.1 for language \
+             models), found {} in protocol {protocol}",
+            shown(v)
+        )),
+    }
     for (k, _) in members {
+        if f.dialect.is_some() && k == DIALECT_KEY {
+            continue;
+        }
         if !r.keys.contains(&k.as_str()) {
             f.errors.push(format!(
                 "{who} has no `{k}` field and refuses a file that holds one"
@@ -197,7 +233,9 @@ pub(crate) fn check(md: &Value, protocol: &str, writing: bool) -> Findings {
         }
     }
     if let (Some(families), Some(v)) = (r.families, md.get(r.family_key)) {
-        if !v.as_str().is_some_and(|s| families.contains(&s)) {
+        // The text dialect names a language model's family.
+        let free = f.dialect.is_some() && v.as_str().is_some_and(|s| !s.is_empty());
+        if !free && !v.as_str().is_some_and(|s| families.contains(&s)) {
             f.errors.push(format!(
                 "`{}` must be one of {} ({who} checks it against that list), found {}",
                 r.family_key,

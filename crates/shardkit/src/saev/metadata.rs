@@ -394,6 +394,7 @@ impl Metadata {
         // Every key must be known; unknown ones are reported, never silently dropped.
         for (k, _) in members {
             let known = SHARED_KEYS.contains(&k.as_str())
+                || k == super::compat::DIALECT_KEY
                 || RENAMED
                     .iter()
                     .any(|f| f.v1.contains(&k.as_str()) || f.v2.contains(&k.as_str()));
@@ -646,7 +647,7 @@ impl Metadata {
             Value::String("float32".into()),
             Value::String(version.protocol().into()),
         ];
-        let raw = match version {
+        let mut raw: Vec<(String, Value)> = match version {
             // 1.0.0 has neither dataset nor pixel_agg.
             WriteVersion::V1_0_0 => {
                 let mut v: Vec<Value> = values.into();
@@ -665,6 +666,10 @@ impl Metadata {
                 .zip(values)
                 .collect(),
         };
+        // A dialect goes last, as given (checked with the rest below).
+        if let Some(d) = user.get(super::compat::DIALECT_KEY) {
+            raw.push((super::compat::DIALECT_KEY.into(), d.clone()));
+        }
         md.raw = Value::Object(raw);
         md.protocol = version.protocol().into();
         md.major = if version == WriteVersion::V1_0_0 {
@@ -681,6 +686,14 @@ impl Metadata {
             )));
         }
         Ok(md)
+    }
+
+    /// The shardkit dialect of the file (`"text"`: token activations of a language model),
+    /// if any.
+    pub fn dialect(&self) -> Option<&str> {
+        self.raw
+            .get(super::compat::DIALECT_KEY)
+            .and_then(Value::as_str)
     }
 
     /// What saev's own `Metadata` class for this protocol makes of the file: reasons it refuses

@@ -425,6 +425,11 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
         ("path".into(), Value::String(dir.display().to_string())),
         ("protocol".into(), Value::String(md.protocol().into())),
         ("family".into(), Value::String(md.family().into())),
+        (
+            "dialect".into(),
+            md.dialect()
+                .map_or(Value::Null, |d| Value::String(d.into())),
+        ),
         ("ckpt".into(), Value::String(md.ckpt().into())),
         ("dataset".into(), opt_str(md.dataset())),
         ("pixel_agg".into(), opt_str(md.pixel_agg())),
@@ -473,7 +478,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
         ),
         (
             "saev_loads".into(),
-            Value::Bool(md.saev_findings().errors.is_empty()),
+            Value::Bool(md.saev_findings().saev_loads()),
         ),
         (
             "hash_recipe".into(),
