@@ -67,6 +67,7 @@ fn follow_opts(timeout_ms: u64) -> LoaderOptions {
         timeout: Duration::from_millis(timeout_ms),
         poll: Duration::from_millis(5),
         interrupted: None,
+        broadcast: None,
     });
     o
 }
@@ -194,7 +195,11 @@ fn world_size_above_one_is_refused_on_an_unfinished_cache() {
     let mut o = follow_opts(100);
     o.world_size = Some(2);
     let e = Loader::open(&dir, o).err().unwrap().to_string();
-    assert!(e.contains("world_size 1 only (got 2)"), "{e}");
+    assert!(
+        e.contains("reads with world_size 2 only when the ranks agree on its rounds")
+            && e.contains("follow_broadcast="),
+        "{e}"
+    );
     let mut o = follow_opts(100);
     o.drop_last = true;
     let e = Loader::open(&dir, o).err().unwrap().to_string();
