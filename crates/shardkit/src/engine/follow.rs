@@ -503,4 +503,62 @@ mod tests {
         }
         assert_eq!(ranges_of(&[true, true, false, true]), [0..2, 3..4]);
     }
+
+    /// Rank 0's outcomes as the other ranks read them: a round, a stop and why, its error's
+    /// text; a rank out of step (another round or epoch) fails instead of serving other rows.
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // a round of one range
+    fn a_round_broadcast_carries_rank_0s_outcome_and_catches_ranks_out_of_step() {
+        let sent: Arc<Mutex<Vec<u64>>> = Arc::default();
+        let keep = sent.clone();
+        let fo = FollowOptions {
+            broadcast: Some(RoundBroadcast::new(move |v| match v {
+                Some(v) => {
+                    *locked(&keep) = v.clone();
+                    Ok(v)
+                }
+                None => Ok(locked(&keep).clone()),
+            })),
+            ..FollowOptions::default()
+        };
+        let at = |rank, round| RoundAt {
+            rank,
+            world: 2,
+            epoch: 3,
+            round,
+            units: 4,
+        };
+        let outcomes: [Result<Waited>; 3] = [
+            Ok(Waited::New(vec![1..3])),
+            Ok(Waited::Stopped(
+                vec![true, false, true, false],
+                Some(UNEVEN),
+            )),
+            Err(Error::Invalid("disk gone".into())),
+        ];
+        for found in outcomes {
+            let want = format!("{found:?}");
+            let mine = agree(&fo, at(0, 1), || found);
+            assert_eq!(format!("{mine:?}"), want);
+            let theirs = agree(&fo, at(1, 1), || unreachable!("only rank 0 looks"));
+            match theirs {
+                Err(e) => assert!(
+                    e.to_string()
+                        .contains("rank 0 failed to look for new shards")
+                        && e.to_string().contains("disk gone"),
+                    "{e}"
+                ),
+                Ok(w) => assert_eq!(format!("{:?}", Ok::<_, Error>(w)), want),
+            }
+        }
+        agree(&fo, at(0, 1), || Ok(Waited::New(vec![0..1]))).unwrap();
+        let e = agree(&fo, at(1, 2), || unreachable!())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("out of step: rank 0 formed round 1 of epoch 3")
+                && e.contains("rank 1 of 2 needs round 2 of epoch 3"),
+            "{e}"
+        );
+    }
 }
