@@ -12,10 +12,17 @@
 //! it starts and not served by an earlier round, in batches of `batch_size`, the last one
 //! partial. The state's `follow_rounds` records each round's shards and `batch` counts batches
 //! over the rounds in order, so a state resumes exactly. An epoch that starts with every shard
-//! durable is one round: the plain loader's epoch. Rounds depend on when the loader looked,
-//! so on an unfinished cache it reads with world size 1 only, without `drop_last` (it would
-//! drop each round's last partial batch) and without `verify` (the checksum sidecar is
-//! written by the commit).
+//! durable is one round: the plain loader's epoch. Rounds depend on when the loader looked:
+//! with world size > 1, rank 0 alone looks and broadcasts them (saev's design, see
+//! saev/follow.rs; refused without a broadcast on an unfinished cache). Each round is split as
+//! the plain loader splits its epoch: rank `r` takes every `world`-th sample of the round's
+//! order from the `r`-th; the epoch's last round is padded first to a multiple of `world` by
+//! wrapping around (the plain loader's DistributedSampler padding, so one round of every shard
+//! is the plain epoch on every rank); the others are not padded (each sample once) and must
+//! give every rank as many batches, else they wait for more shards. `batch` counts this rank's
+//! batches, as many on every rank. Also refused on an unfinished cache: `drop_last` (it would
+//! drop each round's last partial batch) and `verify` (the checksum sidecar is written by the
+//! commit).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,12 @@
-//! What the follow-mode loaders (saev's, EAGLE-3's) share: how they wait for parts, and their
+//! What the follow-mode loaders (saev's, EAGLE-3's) share: how they wait for parts, their
 //! rounds as the state key `follow_rounds` (see saev/follow.rs for the design: an epoch is a
 //! sequence of rounds, each the planned order restricted to the units durable when it starts
-//! and not served before).
+//! and not served before), and how several ranks agree on the rounds: rank 0 alone looks
+//! ([`wait_new`]) and a [`RoundBroadcast`] carries its outcome to the others ([`agree`]), as a
+//! flat list of numbers: a kind (0 a new round, 1 stopped, 2 failed), the epoch, the round's
+//! index and the dataset's units (checked by the receivers: ranks out of step fail rather than
+//! split different rows), then the round ([`encode`]d), or why it stopped (0 the timeout, else
+//! 1 + an index in the reasons) and the durable flags, or its error's text, a byte a number.
 
 use std::ops::Range;
 use std::path::Path;

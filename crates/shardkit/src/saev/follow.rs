@@ -22,10 +22,21 @@
 //! formed from what is durable then.
 //!
 //! Rounds depend on timing (when the loader looked), so ranks reading apart could not agree on
-//! them: on an unfinished dataset follow mode reads with world size 1 only (and without
-//! `drop_last`, which would drop each round's last partial batch, `ignore_labels` and `verify`,
-//! which need labels.bin and the checksum sidecar that the commit writes). On a committed
-//! dataset follow mode changes nothing.
+//! them by themselves: with world size > 1 rank 0 alone looks and broadcasts each round (or why
+//! it stopped) through [`FollowOptions::broadcast`], once per round on every rank
+//! (`engine::follow::agree`); without a broadcast an unfinished dataset is refused for world
+//! size > 1. Each round is split over the ranks as the plain loader splits its epoch
+//! (`rank_batches`: global batches of `batch_size` rows per rank, the last one partial and
+//! shared evenly; `cursor` counts global rows), so the ranks' rows are disjoint, their union is
+//! every row once per epoch, each rank's state resumes that rank, and one round of every shard
+//! is the plain loader's epoch on every rank. A round other than the epoch's last must give
+//! every rank as many batches (so that every rank needs the next round, and calls the
+//! broadcast, at the same batch): one whose last global batch has fewer rows than ranks waits
+//! for more shards. Also refused on an unfinished dataset: `drop_last`, which would drop each
+//! round's last partial batch, `ignore_labels` and `verify`, which need labels.bin and the
+//! checksum sidecar that the commit writes. On a committed dataset follow mode changes nothing
+//! (with a broadcast, the rounds are still broadcast: a rank that opened before the commit
+//! needs the others).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
