@@ -17,6 +17,7 @@ from shardkit import IncompleteDatasetError, saev
 from shardkit.errors import InvalidArgumentError, InvalidArgumentTypeError
 
 from _procs import TIMEOUT, child_env
+import test_eagle3_follow as e3
 from test_follow import METADATA, N, T, WRITER, finish, loader, n_rounds, start_writers
 
 ALL_ROWS = [(e, c) for e in range(N) for c in range(T - 1)]
@@ -44,18 +45,21 @@ def channel(world):
     return [for_rank(r) for r in range(world)], calls
 
 
-def read_as_ranks(path, world, **kw):
-    """Each rank's served (example, token) pairs and last state, the ranks on threads; an
-    exception a rank raised is returned in its place."""
+def read_as_ranks(path, world, make=None, rows=None, **kw):
+    """Each rank's served rows ((example, token) pairs of a saev `loader`, or what `rows` makes
+    of a batch of `make(path, **options)`) and last state, the ranks on threads; an exception a
+    rank raised is returned in its place."""
+    make = make or loader
+    rows = rows or (lambda b: list(zip(b["example_idx"].tolist(), b["token_idx"].tolist())))
     bcs, calls = channel(world)
     out = [None] * world
 
     def rank(r):
         try:
-            l = loader(path, follow=True, rank=r, world_size=world, follow_broadcast=bcs[r], **kw)
+            l = make(path, follow=True, rank=r, world_size=world, follow_broadcast=bcs[r], **kw)
             served = []
             for b in l:
-                served += zip(b["example_idx"].tolist(), b["token_idx"].tolist())
+                served += rows(b)
             out[r] = (served, l.state_dict())
         except Exception as e:  # noqa: BLE001 - handed to the test
             out[r] = e
@@ -111,6 +115,22 @@ def test_a_stop_on_rank_0_reaches_the_other_rank_and_a_callbacks_exception_is_th
         loader(path, follow=True, rank=0, world_size=2, follow_broadcast=3)
     with pytest.raises(InvalidArgumentError, match="follow_broadcast applies with follow=True only"):
         loader(path, follow_broadcast=fails)
+
+
+def test_eagle3_ranks_sharing_a_broadcast_serve_every_sample_once_but_the_last_rounds_padding(tmp_path):
+    path = tmp_path / "cache"
+    procs = e3.start_writers(path, 2, 0.03)
+    out, calls = read_as_ranks(str(path), 2, make=e3.loader, rows=e3.samples, follow_timeout=60)
+    e3.finish(procs)
+    for r in out:
+        assert not isinstance(r, Exception), r
+    (s0, st0), (s1, st1) = out
+    assert st0["follow_rounds"] == st1["follow_rounds"] and n_rounds(st0["follow_rounds"]) > 1, st0
+    assert st0["batch"] == st1["batch"]  # as many batches on each rank
+    # Every sample, once but for at most one (of 2 ranks) padding the last round.
+    assert sorted(set(s0 + s1)) == list(range(e3.N))
+    assert len(s0 + s1) - e3.N <= 1
+    assert calls == [n_rounds(st0["follow_rounds"])] * 2
 
 
 # One torchrun rank: SaevLoader(follow=True) on torch.distributed (gloo, CPU), writing the rows
