@@ -377,3 +377,64 @@ fn a_round_that_would_split_unevenly_over_the_ranks_waits_for_more_shards() {
     // The later rounds (of shards 4..11, 2 samples each) split evenly: no padding.
     assert_eq!(seen, (0..N).collect::<Vec<_>>());
 }
+
+#[test]
+fn ranks_reading_together_resume_mid_round_each_from_its_own_state() {
+    const W: u64 = 2;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let w0 = writer(&dir, 0, 2);
+    let w1 = writer(&dir, 1, 2);
+    let m = w0.manifest().clone();
+    // Round 1: shards 0..6, 12 samples: 6 a rank, 2 batches each.
+    write_all(w0, Duration::ZERO);
+    let (bcs, _) = common::broadcast::channel(W as usize);
+    let (round1, written) = (
+        Arc::new(Barrier::new(W as usize + 1)),
+        Arc::new(Barrier::new(W as usize + 1)),
+    );
+    let readers: Vec<_> = (0..W)
+        .map(|r| {
+            let (dir, bc, m) = (dir.clone(), bcs[r as usize].clone(), m.clone());
+            let (round1, written) = (round1.clone(), written.clone());
+            std::thread::spawn(move || {
+                let l = Loader::open(&dir, ranked(r, W, &bc, 20_000)).unwrap();
+                let mut it = l.iter();
+                let first = it.next().unwrap().unwrap();
+                let mut st = l.state();
+                st.batch = it.cursor();
+                let second = it.next().unwrap().unwrap();
+                round1.wait();
+                written.wait(); // round 2 is the rest, 11 samples: padded to 12, 2 batches each
+                let (rest, err) = drain(&mut it, &m);
+                assert_eq!(err, None);
+                let all = [vec![first.indices.clone(), second.indices.clone()], rest].concat();
+                (all, st)
+            })
+        })
+        .collect();
+    round1.wait();
+    write_all(w1, Duration::ZERO);
+    written.wait();
+    let out: Vec<_> = readers.into_iter().map(|t| t.join().unwrap()).collect();
+    for (all, _) in &out {
+        assert_eq!(all.len(), 4, "2 batches a round on each rank");
+    }
+    let (bcs, _) = common::broadcast::channel(W as usize);
+    let resumed: Vec<_> = (0..W)
+        .map(|r| {
+            let (dir, bc, m) = (dir.clone(), bcs[r as usize].clone(), m.clone());
+            let st = out[r as usize].1.clone();
+            std::thread::spawn(move || {
+                let mut l = Loader::open(&dir, ranked(r, W, &bc, 20_000)).unwrap();
+                l.load_state(st).unwrap();
+                drain(&mut l.iter(), &m)
+            })
+        })
+        .collect();
+    for (r, t) in resumed.into_iter().enumerate() {
+        let (rest, err) = t.join().unwrap();
+        assert_eq!(err, None);
+        assert_eq!(rest, out[r].0[1..], "rank {r} resumes batch for batch");
+    }
+}
