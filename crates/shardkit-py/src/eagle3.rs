@@ -441,7 +441,7 @@ impl Eagle3Loader {
     #[new]
     #[pyo3(signature = (cache_dir, batch_size, shuffle=true, seed=0, epoch=0, rank=None,
         world_size=None, drop_last=false, threads=0, prefetch=2, verify=false, follow=false,
-        follow_timeout=None))]
+        follow_timeout=None, follow_broadcast=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -458,6 +458,7 @@ impl Eagle3Loader {
         verify: bool,
         follow: bool,
         follow_timeout: Option<f64>,
+        follow_broadcast: Option<PyObject>,
     ) -> PyResult<Self> {
         let mut o = LoaderOptions::new(batch_size);
         o.set_shuffle(shuffle);
@@ -469,7 +470,7 @@ impl Eagle3Loader {
         o.threads = threads;
         o.prefetch = prefetch;
         o.verify = verify;
-        o.follow = crate::saev::follow_options(follow, follow_timeout)?;
+        o.follow = crate::saev::follow_options(follow, follow_timeout, follow_broadcast)?;
         let inner = py
             .allow_threads(|| Loader::open(cache_dir, o))
             .map_err(to_py)?;

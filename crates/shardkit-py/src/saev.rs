@@ -344,16 +344,20 @@ fn index(i: i64, what: &str) -> PyResult<u64> {
         .map_err(|_| py_error("OutOfRangeError", format!("{what} index {i} is negative")))
 }
 
-/// A follow-mode loader's options (`None` without `follow`): Ctrl-C interrupts its waits.
+/// A follow-mode loader's options (`None` without `follow`): Ctrl-C interrupts its waits;
+/// `broadcast`, a Python callable `fn(value: Optional[list[int]]) -> list[int]`, is the round
+/// broadcast of ranks reading together (see [`round_broadcast`]).
 pub(crate) fn follow_options(
     follow: bool,
     follow_timeout: Option<f64>,
+    broadcast: Option<PyObject>,
 ) -> PyResult<Option<saev::FollowOptions>> {
     if !follow {
         return Ok(None);
     }
     let mut f = saev::FollowOptions {
         interrupted: Some(saev::WaitCheck(ctrl_c)),
+        broadcast: broadcast.map(round_broadcast),
         ..Default::default()
     };
     if let Some(t) = follow_timeout {
@@ -364,6 +368,24 @@ pub(crate) fn follow_options(
         })?;
     }
     Ok(Some(f))
+}
+
+/// The Python callable `f` as a round broadcast. The loader calls it from the iterating thread
+/// with the GIL released, so it takes the GIL; an exception it raises is left set, and the
+/// pass raises it (see `loader::Pass::next`), as the loader's error.
+fn round_broadcast(f: PyObject) -> saev::RoundBroadcast {
+    saev::RoundBroadcast::new(move |value: Option<Vec<u64>>| {
+        Python::with_gil(|py| {
+            let out = f
+                .call1(py, (value,))
+                .and_then(|v| v.extract::<Vec<u64>>(py));
+            out.map_err(|e| {
+                let msg = format!("follow_broadcast failed: {e}");
+                e.restore(py);
+                shardkit::Error::Invalid(msg)
+            })
+        })
+    })
 }
 
 /// Whether Python has a signal to handle (Ctrl-C) while a follow-mode loader waits for shards:
@@ -390,7 +412,7 @@ impl Loader {
     #[pyo3(signature = (path, layer, tokens="content", batch_size=16384, order=None,
         seed=0, epoch=0, rank=None, world_size=None, drop_last=false, memory_budget=None,
         ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0, verify=false,
-        follow=false, follow_timeout=None))]
+        follow=false, follow_timeout=None, follow_broadcast=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -412,6 +434,7 @@ impl Loader {
         verify: bool,
         follow: bool,
         follow_timeout: Option<f64>,
+        follow_broadcast: Option<PyObject>,
     ) -> PyResult<Self> {
         let layer = if let Ok(s) = layer.extract::<String>() {
             s.parse::<saev::LayerSel>().map_err(to_py)?
@@ -442,7 +465,7 @@ impl Loader {
         o.direct_io = direct_io;
         o.threads = threads;
         o.verify = verify;
-        o.follow = follow_options(follow, follow_timeout)?;
+        o.follow = follow_options(follow, follow_timeout, follow_broadcast)?;
         let inner = py
             .allow_threads(|| saev::Loader::new(path, o))
             .map_err(to_py)?;

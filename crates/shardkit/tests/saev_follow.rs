@@ -4,12 +4,16 @@
 //! missing shards when they do not come. (Writer processes: crates/shardkit-py/tests/
 //! test_follow.py.)
 
+mod common;
+
 use std::collections::BTreeMap;
+use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use shardkit::engine::Order;
 use shardkit::saev::{
-    FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, PartWriter, WaitCheck,
+    FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, PartWriter,
+    RoundBroadcast, WaitCheck,
 };
 use shardkit::{Error, Rank};
 
@@ -56,6 +60,7 @@ fn options(follow: bool, order: Order) -> LoaderOptions {
             timeout: Duration::from_secs(20),
             poll: Duration::from_millis(5),
             interrupted: None,
+            broadcast: None,
         });
     }
     o
@@ -269,6 +274,7 @@ fn a_follow_loader_waiting_too_long_names_the_missing_shards_and_their_holders()
         timeout: Duration::from_millis(200),
         poll: Duration::from_millis(20),
         interrupted: None,
+        broadcast: None,
     });
     let loader = Loader::new(&dir, o).unwrap();
     let out: Vec<_> = loader.iter().unwrap().collect();
@@ -324,7 +330,11 @@ fn follow_mode_refuses_what_it_cannot_keep_exact_and_without_it_an_unfinished_da
     o.world_size = Some(2);
     o.rank = Some(0);
     let e = Loader::new(&dir, o).unwrap_err().to_string();
-    assert!(e.contains("world_size 1 only (got 2)"), "{e}");
+    assert!(
+        e.contains("reads with world_size 2 only when the ranks agree on its rounds")
+            && e.contains("follow_broadcast="),
+        "{e}"
+    );
     let mut o = options(true, Order::Block);
     o.drop_last = true;
     let e = Loader::new(&dir, o).unwrap_err().to_string();
@@ -355,4 +365,214 @@ fn follow_mode_refuses_what_it_cannot_keep_exact_and_without_it_an_unfinished_da
         matches!(e, Error::Format { .. }) && e.to_string().contains("acts000003.bin"),
         "{e:?}"
     );
+}
+
+/// Rank `r` of `w` reading in follow mode with broadcast `bc` and timeout `timeout_ms`.
+fn ranked(order: Order, r: u64, w: u64, bc: &RoundBroadcast, timeout_ms: u64) -> LoaderOptions {
+    let mut o = options(true, order);
+    (o.rank, o.world_size) = (Some(r), Some(w));
+    o.follow = Some(FollowOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        poll: Duration::from_millis(5),
+        broadcast: Some(bc.clone()),
+        ..FollowOptions::default()
+    });
+    o
+}
+
+/// Two writer ranks, each writing its shards every few milliseconds on a thread.
+fn write_meanwhile(writers: Vec<PartWriter>) -> Vec<std::thread::JoinHandle<()>> {
+    writers
+        .into_iter()
+        .map(|mut w| {
+            std::thread::spawn(move || {
+                let shards = w.examples().start / EPS..w.examples().end / EPS;
+                for s in shards {
+                    std::thread::sleep(Duration::from_millis(10));
+                    write_shard(&mut w, s);
+                }
+                w.finish().unwrap();
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_reading_together_serve_every_row_once_and_after_the_commit_as_the_plain_loader() {
+    const W: u64 = 3;
+    for order in [Order::Block, Order::Exact] {
+        let tmp = tempfile::tempdir().unwrap();
+        let writers: Vec<PartWriter> = (0..2)
+            .map(|r| PartWriter::create(tmp.path(), metadata(), rank(r, 2)).unwrap())
+            .collect();
+        let dir = writers[0].path().to_path_buf();
+        let (bcs, calls) = common::broadcast::channel(W as usize);
+        // The readers open before the first shard, read epoch 0 while the writers write, then
+        // (once the main thread has seen the commit) epoch 1.
+        let committed = Arc::new(Barrier::new(W as usize + 1));
+        let readers: Vec<_> = (0..W)
+            .map(|r| {
+                let (dir, bc, committed) =
+                    (dir.clone(), bcs[r as usize].clone(), committed.clone());
+                let mut loader = Loader::new(&dir, ranked(order, r, W, &bc, 20_000)).unwrap();
+                std::thread::spawn(move || {
+                    let epoch0 = drain(&loader);
+                    let st = loader.state();
+                    committed.wait();
+                    loader.set_epoch(1).unwrap();
+                    let epoch1 = drain(&loader);
+                    let mut p = options(false, order);
+                    (p.rank, p.world_size, p.epoch) = (Some(r), Some(W), 1);
+                    let plain = drain(&Loader::new(&dir, p).unwrap());
+                    (epoch0, st, epoch1, plain)
+                })
+            })
+            .collect();
+        for t in write_meanwhile(writers) {
+            t.join().unwrap();
+        }
+        committed.wait();
+        let out: Vec<_> = readers.into_iter().map(|t| t.join().unwrap()).collect();
+        let all: Vec<Rows> = out.iter().flat_map(|o| o.0.clone()).collect();
+        assert_each_row_once(&all); // so the ranks' rows are disjoint too
+        let rounds = rounds_of(&out[0].1);
+        assert!(
+            rounds >= 2,
+            "{order:?}: the write was read in {rounds} round(s)"
+        );
+        for (r, (epoch0, st, epoch1, plain)) in out.iter().enumerate() {
+            // The same rounds on every rank, each formed by one broadcast.
+            assert_eq!(
+                st.get("follow_rounds"),
+                out[0].1.get("follow_rounds"),
+                "rank {r}"
+            );
+            assert_eq!(
+                calls[r].load(std::sync::atomic::Ordering::Relaxed),
+                rounds as u64 + 1
+            );
+            // Every round but the last gives every rank as many batches: the rows here come
+            // in shards of 6, so each rank had a batch of every global batch.
+            assert_eq!(epoch0.len(), out[0].0.len(), "rank {r}");
+            assert_eq!(st.uint("cursor").unwrap(), Some(N * 3));
+            assert!(epoch0.iter().all(|b| b.0.len() <= 4));
+            assert_eq!(epoch1, plain, "{order:?}: rank {r}'s epoch 1");
+        }
+    }
+}
+
+#[test]
+fn ranks_reading_together_resume_mid_round_each_from_its_own_state() {
+    const W: u64 = 2;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
+    let mut b = PartWriter::create(tmp.path(), metadata(), rank(1, 2)).unwrap();
+    let dir = a.path().to_path_buf();
+    // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 3 global batches of 2 x 4, then 3 rows each).
+    for s in [0, 1, 2] {
+        write_shard(&mut a, s);
+    }
+    for s in [10, 11] {
+        write_shard(&mut b, s);
+    }
+    let (bcs, _) = common::broadcast::channel(W as usize);
+    let halfway = Arc::new(Barrier::new(W as usize + 1));
+    let readers: Vec<_> = (0..W)
+        .map(|r| {
+            let (dir, bc, halfway) = (dir.clone(), bcs[r as usize].clone(), halfway.clone());
+            std::thread::spawn(move || {
+                let loader = Loader::new(&dir, ranked(Order::Block, r, W, &bc, 20_000)).unwrap();
+                let mut it = loader.iter().unwrap();
+                let mut seen = take(&mut it, 2);
+                let mid = loader.state();
+                assert_eq!(mid.uint("cursor").unwrap(), Some(16));
+                assert_eq!(mid.batch, 2, "global batches served");
+                seen.extend(take(&mut it, 2));
+                assert_eq!(loader.state().uint("cursor").unwrap(), Some(30));
+                halfway.wait();
+                seen.extend(it.map(|b| rows_of(b.unwrap())));
+                (seen, mid)
+            })
+        })
+        .collect();
+    halfway.wait();
+    for s in 3..10 {
+        write_shard(&mut a, s);
+    }
+    for s in 12..20 {
+        write_shard(&mut b, s);
+    }
+    assert!(a.finish().unwrap().committed || b.finish().unwrap().committed);
+    let out: Vec<_> = readers.into_iter().map(|t| t.join().unwrap()).collect();
+    let all: Vec<Rows> = out.iter().flat_map(|o| o.0.clone()).collect();
+    assert_each_row_once(&all);
+    // Each rank from its own state: the rest of its round exactly, then the rest once.
+    let (bcs, _) = common::broadcast::channel(W as usize);
+    let resumed: Vec<_> = (0..W)
+        .map(|r| {
+            let (dir, bc, mid) = (
+                dir.clone(),
+                bcs[r as usize].clone(),
+                out[r as usize].1.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut l = Loader::new(&dir, ranked(Order::Block, r, W, &bc, 20_000)).unwrap();
+                l.load_state(mid).unwrap();
+                l.set_epoch(0).unwrap();
+                drain(&l)
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for (r, t) in resumed.into_iter().enumerate() {
+        let rest = t.join().unwrap();
+        assert_eq!(rest[..2], out[r].0[2..4], "rank {r}: the rest of its round");
+        all.extend(out[r].0[..2].iter().cloned());
+        all.extend(rest);
+    }
+    assert_each_row_once(&all);
+}
+
+#[test]
+fn a_stop_on_rank_0_reaches_every_rank_as_the_same_incomplete_error() {
+    const W: u64 = 2;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
+    let dir = a.path().to_path_buf();
+    write_shard(&mut a, 0);
+    let (bcs, _) = common::broadcast::channel(W as usize);
+    let readers: Vec<_> = (0..W)
+        .map(|r| {
+            let (dir, bc) = (dir.clone(), bcs[r as usize].clone());
+            // Rank 1 alone would wait an hour: it stops when rank 0 does.
+            let timeout = if r == 0 { 200 } else { 3_600_000 };
+            std::thread::spawn(move || {
+                let l = Loader::new(&dir, ranked(Order::Block, r, W, &bc, timeout)).unwrap();
+                let out: Vec<_> = l.iter().unwrap().collect();
+                let n = out.len();
+                (n, out.into_iter().last().unwrap().unwrap_err())
+            })
+        })
+        .collect();
+    for (r, t) in readers.into_iter().enumerate() {
+        let (n, e) = t.join().unwrap();
+        // Shard 0's 6 rows: one global batch of 4 + 2, so one batch a rank, then the error.
+        assert_eq!(n, 2, "rank {r}");
+        assert!(
+            matches!(
+                e,
+                Error::Incomplete {
+                    present: 2,
+                    total: 40,
+                    ..
+                }
+            ),
+            "rank {r}: {e:?}"
+        );
+        assert!(
+            e.to_string().contains("shards 1..10 (claimed by"),
+            "rank {r}: {e}"
+        );
+    }
+    drop(a);
 }

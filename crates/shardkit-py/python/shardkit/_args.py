@@ -111,6 +111,19 @@ def follow_timeout(follow: bool, value: Any) -> Optional[float]:
     return float(value)
 
 
+def follow_broadcast(follow: bool, value: Any) -> Any:
+    """A follow-mode loader's ``follow_broadcast``: a callable, with ``follow=True`` only."""
+    if value is None:
+        return None
+    if not callable(value):
+        raise InvalidArgumentTypeError(
+            f"follow_broadcast must be a callable fn(value: Optional[list[int]]) -> list[int], got {_show(value)} "
+            f"({_kind(value)})")
+    if not follow:
+        raise InvalidArgumentError("follow_broadcast applies with follow=True only")
+    return value
+
+
 def optional_boolean(name: str, value: Any) -> Optional[bool]:
     return None if value is None else boolean(name, value)
 

@@ -112,6 +112,7 @@ class Loader:
         verify: bool = ...,
         follow: bool = ...,
         follow_timeout: Optional[float] = ...,
+        follow_broadcast: Optional[Callable[[Optional[List[int]]], List[int]]] = ...,
     ) -> None: ...
     def __len__(self) -> int: ...
     @property
@@ -403,6 +404,7 @@ class Eagle3Loader:
         verify: bool = ...,
         follow: bool = ...,
         follow_timeout: Optional[float] = ...,
+        follow_broadcast: Optional[Callable[[Optional[List[int]]], List[int]]] = ...,
     ) -> None: ...
     def __len__(self) -> int: ...
     @property

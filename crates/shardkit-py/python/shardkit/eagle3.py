@@ -27,7 +27,7 @@ from . import _args, _inputs
 from . import _shardkit as _core
 from ._progress import Closing, Parting, Progress
 from .errors import IncompleteDatasetError, InvalidArgumentError, InvalidArgumentTypeError
-from .types import EngineLoader, Eagle3Batch, LoaderState, Validation, check_state
+from .types import EngineLoader, Eagle3Batch, FollowBroadcast, LoaderState, Validation, check_state
 
 try:  # bf16 as a real numpy dtype when available
     import ml_dtypes as _ml_dtypes
@@ -501,9 +501,12 @@ class Loader(EngineLoader):
     once per epoch, and ``state_dict`` resumes exactly; a loader that has served every durable
     shard waits up to ``follow_timeout`` seconds (default 3600) for another, then raises
     IncompleteDatasetError naming the missing shards and who claims them. On a cache still
-    being written it reads with ``world_size`` 1, without ``drop_last`` or ``verify``; once
-    committed, an epoch is the plain loader's. See docs/eagle3.md, "Reading while it is
-    written".
+    being written it reads without ``drop_last`` or ``verify``, and with ``world_size`` > 1
+    only given ``follow_broadcast`` (:data:`shardkit.types.FollowBroadcast`; shardkit.torch's
+    loaders build it over torch.distributed): rank 0 alone looks for shards and broadcasts each
+    round, which the ranks split as the epoch is split (the epoch's last round padded as the
+    epoch is). Once committed, an epoch is the plain loader's. See docs/eagle3.md, "Reading
+    while it is written".
     """
 
     def __init__(
@@ -523,6 +526,7 @@ class Loader(EngineLoader):
         verify: bool = False,
         follow: bool = False,
         follow_timeout: Optional[float] = None,
+        follow_broadcast: Optional[FollowBroadcast] = None,
     ) -> None:
         if args:
             # The old signature took (batch_size, shuffle, seed, rank, world_size, drop_last)
@@ -558,6 +562,7 @@ class Loader(EngineLoader):
         verify = _args.boolean("verify", verify)
         follow = _args.boolean("follow", follow)
         follow_timeout = _args.follow_timeout(follow, follow_timeout)
+        follow_broadcast = _args.follow_broadcast(follow, follow_broadcast)
         if io_threads is not None:
             warnings.warn(
                 "io_threads is now num_threads (threads that read rows into batches; the reads "
@@ -569,7 +574,7 @@ class Loader(EngineLoader):
         self.path = cache_dir
         self._l = _core.Eagle3Loader(
             self.path, batch_size, shuffle, seed, epoch, rank, world_size,
-            drop_last, num_threads or 0, prefetch, verify, follow, follow_timeout,
+            drop_last, num_threads or 0, prefetch, verify, follow, follow_timeout, follow_broadcast,
         )
         self._opts: Dict[str, Any] = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
 

@@ -18,12 +18,19 @@ and every row of an epoch is served once. Batches are already formed: use
 and restores; resume with the same world size and number of workers (or the same global batch).
 With ``num_workers=0``, ``ds.state_dict()`` is the position; with workers, the dataset in the main
 process has none, and its ``state_dict()`` raises InvalidArgumentError saying so.
+
+``follow=True`` (reading data while it is written) on several ranks of an initialised
+torch.distributed: the loaders (and the Dataset classes iterated with ``num_workers=0``) make
+the ranks agree on each round themselves, rank 0 broadcasting it over a gloo group of their own
+(see :func:`_round_broadcast`); DataLoader workers cannot take part in that collective, so a
+Dataset with ``follow=True`` iterated by several workers (or ranks and workers) is refused.
 """
 
 from __future__ import annotations
 
 import os
 from collections import deque
+from datetime import timedelta
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -32,6 +39,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from . import _args, eagle3, flat_tokens, saev
 from .errors import InvalidArgumentError
+from .types import FollowBroadcast
 
 PathLike = Union[str, "os.PathLike[str]"]
 Device = Union[str, "torch.device", int, None]
@@ -107,6 +115,31 @@ def _rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, in
     return int(rank), int(world_size)
 
 
+def _round_broadcast(follow: bool, rank: Optional[int], world_size: Optional[int],
+                     follow_timeout: Optional[float]) -> Optional[FollowBroadcast]:
+    """The ``follow_broadcast`` of a follow-mode loader on one of several ranks of an
+    initialised torch.distributed (None otherwise): rank 0's ``broadcast_object_list`` over a
+    gloo group of its own, made here, once (every rank constructs its loader, so every rank
+    joins), so that it never interleaves with the training's collectives (NCCL or other) and
+    its timeout outlasts rank 0's wait for shards (``follow_timeout``, default 3600 s)."""
+    if not follow or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    r, w = _rank_world(rank, world_size)
+    if w <= 1 or (r, w) != (torch.distributed.get_rank(), torch.distributed.get_world_size()):
+        return None  # not torch.distributed's ranks: the caller agrees on rounds otherwise
+    wait = 3600.0 if follow_timeout is None else float(follow_timeout)
+    group = torch.distributed.new_group(backend="gloo", timeout=timedelta(seconds=wait + 60))
+    if not isinstance(group, torch.distributed.ProcessGroup):  # every rank is a member
+        raise InvalidArgumentError(f"rank {r} is not in the gloo group of its {w} ranks")
+
+    def broadcast(value: Optional[List[int]]) -> List[int]:
+        box: List[Any] = [value]
+        torch.distributed.broadcast_object_list(box, src=0, group=group)
+        return [int(x) for x in box[0]]
+
+    return broadcast
+
+
 def _to_tensors(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """numpy arrays (bf16 included) as tensors sharing their memory."""
     return {k: _host_tensor(np.asarray(v)) for k, v in batch.items()}
@@ -167,6 +200,7 @@ class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
 
     _SHOWN: Tuple[str, ...] = ()
     _kw: Dict[str, Any]
+    _broadcast: Optional[FollowBroadcast] = None
 
     def __repr__(self) -> str:
         return (
@@ -192,6 +226,13 @@ class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
 
     def _make(self) -> Any:
         rank, world = self._split()
+        info = get_worker_info()
+        if info is not None and world > 1 and self._kw.get("follow"):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}(follow=True) iterated by DataLoader workers (num_workers="
+                f"{info.num_workers}, world_size={self._world}): readers of data being written agree "
+                "on its rounds through a torch.distributed collective, which DataLoader workers cannot "
+                "take part in; iterate with num_workers=0 (the engine already reads on every core)")
         loader = self._build(rank, world, self._epoch)
         if self._pending is not None:
             loader.load_state_dict(self._pending)
@@ -282,6 +323,7 @@ class SaevDataset(_LoaderDataset):
             ignore_labels=tuple(ignore_labels) if isinstance(ignore_labels, (list, tuple)) else ignore_labels,
             io_threads=io_threads, direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
         )
+        self._broadcast = _round_broadcast(follow, self._rank, self._world, follow_timeout)
         checked = self._check()
         self._kw["order"] = checked.order
         self._kw["layer"] = checked.layer
@@ -290,8 +332,10 @@ class SaevDataset(_LoaderDataset):
         kw = dict(self._kw)
         if kw["order"] == "sequential":
             kw.pop("shuffle")
+        # This process's broadcast: not a DataLoader worker's (refused in _make).
+        bc = self._broadcast if world_size == self._world else None
         return saev.Loader(self._path, rank=rank, world_size=world_size,
-                           epoch=epoch if kw["order"] != "sequential" else 0, **kw)
+                           epoch=epoch if kw["order"] != "sequential" else 0, follow_broadcast=bc, **kw)
 
     @property
     def layer(self) -> Union[int, str]:
@@ -398,10 +442,14 @@ class Eagle3Dataset(_LoaderDataset):
         self._kw = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
                         num_threads=num_threads, prefetch=prefetch, verify=verify, follow=follow,
                         follow_timeout=follow_timeout)
+        self._broadcast = _round_broadcast(follow, self._rank, self._world, follow_timeout)
         self._check()
 
     def _build(self, rank: int, world_size: int, epoch: int) -> eagle3.Loader:
-        return eagle3.Loader(self._path, rank=rank, world_size=world_size, epoch=epoch, **self._kw)
+        # This process's broadcast: not a DataLoader worker's (refused in _make).
+        bc = self._broadcast if world_size == self._world else None
+        return eagle3.Loader(self._path, rank=rank, world_size=world_size, epoch=epoch,
+                             follow_broadcast=bc, **self._kw)
 
     @property
     def shuffle(self) -> bool:
@@ -693,6 +741,7 @@ class SaevLoader(_DeviceLoader):
             epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
             verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
             direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
+            follow_broadcast=_round_broadcast(follow, rank, world_size, follow_timeout),
         )
         super().__init__(host, host._l, d, n, hb)
 
@@ -789,6 +838,7 @@ class Eagle3Loader(_DeviceLoader):
             cache_dir, batch_size=batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last, epoch=epoch, num_threads=num_threads, prefetch=prefetch, verify=verify,
             follow=follow, follow_timeout=follow_timeout,
+            follow_broadcast=_round_broadcast(follow, rank, world_size, follow_timeout),
         )
         super().__init__(host, host._l, d, n, hb)
 

@@ -7,7 +7,7 @@ and ``state_dict()`` / ``load_state_dict()`` with the shape :class:`LoaderState`
 """
 
 import sys
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -16,8 +16,16 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.8-3.10
     from typing_extensions import NotRequired, TypedDict
 
-__all__ = ["SaevBatch", "TokensBatch", "Eagle3Batch", "LoaderState", "Validation", "Finding"]  # and EngineLoader (internal)
+__all__ = [
+    "SaevBatch", "TokensBatch", "Eagle3Batch", "LoaderState", "Validation", "Finding", "FollowBroadcast",
+]  # and EngineLoader (internal)
 
+
+FollowBroadcast = Callable[[Optional[List[int]]], List[int]]
+"""A follow-mode loader's round broadcast (``follow_broadcast=``): called on every rank reading
+together, once per round, in the same order: on rank 0 with what it found (a list of ints),
+which it returns; on the others with ``None``, returning rank 0's list (for example
+``torch.distributed.broadcast_object_list([value], src=0)``)."""
 
 class SaevBatch(TypedDict):
     """A batch of activation rows (numpy arrays over the loader's buffers)."""

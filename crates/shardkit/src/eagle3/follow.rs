@@ -12,10 +12,17 @@
 //! it starts and not served by an earlier round, in batches of `batch_size`, the last one
 //! partial. The state's `follow_rounds` records each round's shards and `batch` counts batches
 //! over the rounds in order, so a state resumes exactly. An epoch that starts with every shard
-//! durable is one round: the plain loader's epoch. Rounds depend on when the loader looked,
-//! so on an unfinished cache it reads with world size 1 only, without `drop_last` (it would
-//! drop each round's last partial batch) and without `verify` (the checksum sidecar is
-//! written by the commit).
+//! durable is one round: the plain loader's epoch. Rounds depend on when the loader looked:
+//! with world size > 1, rank 0 alone looks and broadcasts them (saev's design, see
+//! saev/follow.rs; refused without a broadcast on an unfinished cache). Each round is split as
+//! the plain loader splits its epoch: rank `r` takes every `world`-th sample of the round's
+//! order from the `r`-th; the epoch's last round is padded first to a multiple of `world` by
+//! wrapping around (the plain loader's DistributedSampler padding, so one round of every shard
+//! is the plain epoch on every rank); the others are not padded (each sample once) and must
+//! give every rank as many batches, else they wait for more shards. `batch` counts this rank's
+//! batches, as many on every rank. Also refused on an unfinished cache: `drop_last` (it would
+//! drop each round's last partial batch) and `verify` (the checksum sidecar is written by the
+//! commit).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -27,8 +34,8 @@ use super::loader::{Loader, LoaderOptions};
 use super::shard::shard_index;
 use crate::commit::parts::Parts;
 use crate::engine::follow::{
-    decode, encode, locked, mark, refuse_while_written, stopped_error, wait_new, FollowOptions,
-    Stopped, Waited, ROUNDS_KEY,
+    agree, decode, encode, locked, mark, refuse_while_written, stopped_error, wait_new,
+    FollowOptions, RoundAt, Stopped, Waited, ROUNDS_KEY,
 };
 use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
@@ -38,6 +45,9 @@ use crate::io::Location;
 #[derive(Debug, Clone)]
 pub(super) struct Follow {
     pub(super) opts: FollowOptions,
+    /// This rank and the world size: each round is split over the ranks as the plain loader
+    /// splits its epoch.
+    rank_world: (u64, u64),
     dir: PathBuf,
     rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
 }
@@ -45,7 +55,7 @@ pub(super) struct Follow {
 /// Opens a loader over the cache at `dir`, following it while it is written when
 /// `opts.follow` is set (see the module documentation).
 pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
-    let Some(fo) = opts.follow else {
+    let Some(fo) = opts.follow.clone() else {
         return Loader::new(Arc::new(Cache::open(dir)?), opts);
     };
     let location = Location::parse(dir)?;
@@ -57,16 +67,21 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
         Some(c) => (c, false),
         None => (Cache::open(local)?, true),
     };
-    let (_, world) = opts.rank_and_world()?;
+    let rank_world = opts.rank_and_world()?;
+    let world = rank_world.1;
     if !finished {
-        refuse_while_written(local, "cache", world, opts.drop_last, opts.verify)?;
+        let agree = fo.broadcast.is_some();
+        refuse_while_written(local, "cache", world, agree, opts.drop_last, opts.verify)?;
     }
-    // On a committed cache, a split over ranks or drop_last reads as without follow.
-    let rounds = world == 1 && !opts.drop_last;
+    // On a committed cache, drop_last, or a split over ranks that do not agree on rounds,
+    // reads as without follow. Ranks with a broadcast use it whether or not the cache was
+    // committed when they opened: one that opened before the commit needs the others.
+    let rounds = !opts.drop_last && (world == 1 || fo.broadcast.is_some());
     let mut loader = Loader::new(Arc::new(cache), opts)?;
     if rounds {
         loader.follow = Some(Follow {
             opts: fo,
+            rank_world,
             dir: local.to_path_buf(),
             rounds: Arc::default(),
         });
@@ -110,10 +125,11 @@ impl Follow {
         st.with(ROUNDS_KEY, StateValue::List(encode(&locked(&self.rounds))))
     }
 
-    /// The rounds of `st`, checked against the cache, and the batches they hold. A state
-    /// without them (a plain loader's) read as one round of the whole cache when it is past
-    /// the epoch's start.
+    /// The rounds of `st`, checked against the cache, and the batches they hold on this rank.
+    /// A state without them (a plain loader's) read as one round of the whole cache when it
+    /// is past the epoch's start.
     pub(super) fn rounds_of(
+        &self,
         st: &LoaderState,
         m: &super::Manifest,
         bs: u64,
@@ -128,20 +144,27 @@ impl Follow {
                 )))
             }
         };
-        let batches = rounds.iter().map(|r| samples_in(m, r).div_ceil(bs)).sum();
+        let batches = self.batches_in(m, &rounds, bs);
         Ok((rounds, batches))
+    }
+
+    /// Batches of `rounds` on each rank (as many on every rank: see [`Follow::next_round`]).
+    fn batches_in(&self, m: &super::Manifest, rounds: &[Vec<Range<u64>>], bs: u64) -> u64 {
+        let world = self.rank_world.1;
+        rounds
+            .iter()
+            .map(|r| samples_in(m, r).div_ceil(world).div_ceil(bs))
+            .sum()
     }
 
     /// Whether batch `at` is the end of an epoch whose rounds served every shard.
     pub(super) fn finished(&self, m: &super::Manifest, bs: u64, at: u64) -> bool {
-        let rounds = locked(&self.rounds);
+        let rounds = locked(&self.rounds).clone();
         let mut served = vec![false; m.num_shards() as usize];
-        let mut batches = 0;
-        for r in rounds.iter() {
+        for r in &rounds {
             mark(&mut served, r);
-            batches += samples_in(m, r).div_ceil(bs);
         }
-        served.iter().all(|&s| s) && at >= batches
+        served.iter().all(|&s| s) && at >= self.batches_in(m, &rounds, bs)
     }
 
     /// Replaces the rounds (a state loaded).
@@ -149,14 +172,18 @@ impl Follow {
         *locked(&self.rounds) = rounds;
     }
 
-    /// The batches (sample indices) of the round holding epoch batch `at`: a recorded round, or
-    /// a new one of the shards durable since, waiting for shards when none is new; `None` once
-    /// every shard was served. `order` is the epoch's planned order.
+    /// This rank's batches (sample indices) of the round holding epoch batch `at`: a recorded
+    /// round, or a new one of the shards durable since, waiting for shards when none is new;
+    /// `None` once every shard was served. `order` is the epoch's planned order (all ranks').
+    /// With several ranks, rank 0 alone looks and broadcasts the round (see
+    /// [`crate::engine::follow::agree`]); a round other than the epoch's last must give every
+    /// rank as many batches, so that they all need the next round at the same batch.
     pub(super) fn next_round(
         &self,
         cache: &Cache,
         order: &[u64],
         bs: u64,
+        epoch: u64,
         at: u64,
     ) -> Result<Option<Vec<Vec<u64>>>> {
         let m = cache.manifest();
@@ -164,13 +191,21 @@ impl Follow {
         let mut served = vec![false; n as usize];
         let mut offset = 0;
         let recorded = locked(&self.rounds).clone();
-        for round in recorded {
-            let batches = samples_in(m, &round).div_ceil(bs);
+        for round in &recorded {
+            let batches = self.batches_in(m, std::slice::from_ref(round), bs);
+            mark(&mut served, round);
             if at < offset + batches {
-                return Ok(Some(batches_of(cache, order, &round, bs, at - offset)));
+                let last = served.iter().all(|&s| s);
+                return Ok(Some(self.batches_of(
+                    cache,
+                    order,
+                    round,
+                    last,
+                    bs,
+                    at - offset,
+                )));
             }
             offset += batches;
-            mark(&mut served, &round);
         }
         if at != offset {
             return Err(Error::Internal(format!(
@@ -180,13 +215,72 @@ impl Follow {
         if served.iter().all(|&s| s) {
             return Ok(None);
         }
-        match wait_new(&self.opts, &served, || durable_now(&self.dir, n))? {
+        let (rank, world) = self.rank_world;
+        // Unpadded, a rank gets floor or ceil(samples / world) of them: as many batches either
+        // way, or the round waits for more shards.
+        let even = |round: &[Range<u64>]| {
+            let k = samples_in(m, round);
+            (k / world).div_ceil(bs) == k.div_ceil(world).div_ceil(bs)
+        };
+        let at = RoundAt {
+            rank,
+            world,
+            epoch,
+            round: recorded.len() as u64,
+            units: n,
+        };
+        let look = || wait_new(&self.opts, &served, || durable_now(&self.dir, n), even);
+        match agree(&self.opts, at, look)? {
             Waited::New(round) => {
                 locked(&self.rounds).push(round.clone());
-                Ok(Some(batches_of(cache, order, &round, bs, 0)))
+                mark(&mut served, &round);
+                let last = served.iter().all(|&s| s);
+                Ok(Some(self.batches_of(cache, order, &round, last, bs, 0)))
             }
             Waited::Stopped(durable, why) => Err(self.stopped(cache, &durable, why)),
         }
+    }
+
+    /// `order` restricted to the samples of `round`'s shards, this rank's share of them (every
+    /// `world`-th from `rank`; the epoch's `last` round padded first, by wrapping around to
+    /// its start, to a multiple of `world` as the plain loader pads its epoch), in batches of
+    /// `bs` from batch `from`.
+    fn batches_of(
+        &self,
+        cache: &Cache,
+        order: &[u64],
+        round: &[Range<u64>],
+        last: bool,
+        bs: u64,
+        from: u64,
+    ) -> Vec<Vec<u64>> {
+        let (rank, world) = self.rank_world;
+        let m = cache.manifest();
+        let mut keep = vec![false; m.num_shards() as usize];
+        mark(&mut keep, round);
+        let s = m.shard_size;
+        let mut mine: Vec<u64> = order
+            .iter()
+            .copied()
+            .filter(|&i| keep.get((i / s) as usize).copied().unwrap_or(false))
+            .collect();
+        if last && !mine.is_empty() {
+            let padded = mine.len().div_ceil(world as usize) * world as usize;
+            let mut i = 0;
+            while mine.len() < padded {
+                mine.push(mine[i]);
+                i += 1;
+            }
+        }
+        let mine: Vec<u64> = mine
+            .into_iter()
+            .skip(rank as usize)
+            .step_by(world as usize)
+            .collect();
+        mine.chunks(bs as usize)
+            .skip(from as usize)
+            .map(<[u64]>::to_vec)
+            .collect()
     }
 
     /// The error of a loader that stopped waiting for shards: `why`, or the timeout passed.
@@ -214,28 +308,4 @@ fn samples_in(m: &super::Manifest, round: &[Range<u64>]) -> u64 {
         .flat_map(|r| r.clone())
         .map(|s| m.rows_in_shard(s))
         .sum()
-}
-
-/// `order` restricted to the samples of `round`'s shards, in batches of `bs` from batch
-/// `from`.
-fn batches_of(
-    cache: &Cache,
-    order: &[u64],
-    round: &[Range<u64>],
-    bs: u64,
-    from: u64,
-) -> Vec<Vec<u64>> {
-    let m = cache.manifest();
-    let mut keep = vec![false; m.num_shards() as usize];
-    mark(&mut keep, round);
-    let s = m.shard_size;
-    let mine: Vec<u64> = order
-        .iter()
-        .copied()
-        .filter(|&i| keep.get((i / s) as usize).copied().unwrap_or(false))
-        .collect();
-    mine.chunks(bs as usize)
-        .skip(from as usize)
-        .map(<[u64]>::to_vec)
-        .collect()
 }

@@ -233,10 +233,10 @@ impl Loader {
         self.gather.get(threads)
     }
 
-    /// The sample indices this rank reads in the current epoch, in order.
-    pub fn indices(&self) -> Vec<u64> {
+    /// The epoch's planned order of every sample, before it is split over the ranks.
+    fn epoch_order(&self) -> Vec<u64> {
         let n = self.inner.cache.len();
-        let order: Vec<u64> = if self.opts.shuffled() {
+        if self.opts.shuffled() {
             let key = derive_key(self.opts.seed, self.opts.epoch, 0xea61e3);
             shuffled(n as usize, key)
                 .into_iter()
@@ -244,7 +244,13 @@ impl Loader {
                 .collect()
         } else {
             (0..n).collect()
-        };
+        }
+    }
+
+    /// The sample indices this rank reads in the current epoch, in order.
+    pub fn indices(&self) -> Vec<u64> {
+        let n = self.inner.cache.len();
+        let order = self.epoch_order();
         let w = self.world;
         let total = if self.opts.drop_last {
             (n / w) * w
@@ -383,7 +389,7 @@ impl Loader {
         refuse(diff)?;
         if let Some(f) = &self.follow {
             let m = self.inner.cache.manifest();
-            let (rounds, batches) = Follow::rounds_of(&s, m, self.opts.batch_size)?;
+            let (rounds, batches) = f.rounds_of(&s, m, self.opts.batch_size)?;
             if s.batch > batches {
                 return Err(Error::Invalid(format!(
                     "the state's batch {} is past its follow_rounds' {batches} batches",
@@ -449,8 +455,9 @@ impl Loader {
             follow: f.clone(),
             inner: self.inner.clone(),
             pool,
-            order: self.indices(),
+            order: self.epoch_order(),
             bs: self.opts.batch_size,
+            epoch: self.opts.epoch,
             ahead: depth(&self.inner.cache, &self.opts),
         });
         let (stream, follow) = match pass {
@@ -821,9 +828,10 @@ struct FollowPass {
     follow: Follow,
     inner: Arc<Inner>,
     pool: Arc<GatherPool>,
-    /// The epoch's planned order.
+    /// The epoch's planned order (every rank's).
     order: Vec<u64>,
     bs: u64,
+    epoch: u64,
     ahead: usize,
 }
 
@@ -852,7 +860,10 @@ impl Iterator for Batches {
             }
             let p = self.follow.as_ref()?;
             let at = self.start + self.delivered;
-            match p.follow.next_round(&p.inner.cache, &p.order, p.bs, at) {
+            match p
+                .follow
+                .next_round(&p.inner.cache, &p.order, p.bs, p.epoch, at)
+            {
                 Ok(Some(batches)) => {
                     let job = Arc::new(Eagle3Job {
                         inner: p.inner.clone(),

@@ -79,7 +79,7 @@ mod tests;
 mod validate;
 mod writer;
 
-pub use crate::engine::follow::{FollowOptions, WaitCheck};
+pub use crate::engine::follow::{FollowOptions, RoundBroadcast, WaitCheck};
 pub use crate::engine::LoaderState;
 pub use cache::{Cache, Embeddings, Field, Item, DEFAULT_OPEN_SHARDS};
 pub use loader::{Batch, BatchField, Batches, Eagle3Options, Loader, LoaderOptions};

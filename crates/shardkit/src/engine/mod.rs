@@ -37,6 +37,6 @@ pub(crate) mod quality;
 
 pub use crate::io::buffer::{Buffer, BufferPool, Field};
 pub use contract::{LoaderOptions, LoaderState, StateValue, DEFAULT_ORDER};
-pub use follow::{FollowOptions, WaitCheck};
+pub use follow::{BroadcastFn, FollowOptions, RoundBroadcast, WaitCheck};
 pub use order::Order;
 pub use quality::{shuffle_quality, ShuffleQuality};

@@ -22,14 +22,25 @@
 //! formed from what is durable then.
 //!
 //! Rounds depend on timing (when the loader looked), so ranks reading apart could not agree on
-//! them: on an unfinished dataset follow mode reads with world size 1 only (and without
-//! `drop_last`, which would drop each round's last partial batch, `ignore_labels` and `verify`,
-//! which need labels.bin and the checksum sidecar that the commit writes). On a committed
-//! dataset follow mode changes nothing.
+//! them by themselves: with world size > 1 rank 0 alone looks and broadcasts each round (or why
+//! it stopped) through [`FollowOptions::broadcast`], once per round on every rank
+//! (`engine::follow::agree`); without a broadcast an unfinished dataset is refused for world
+//! size > 1. Each round is split over the ranks as the plain loader splits its epoch
+//! (`rank_batches`: global batches of `batch_size` rows per rank, the last one partial and
+//! shared evenly; `cursor` counts global rows), so the ranks' rows are disjoint, their union is
+//! every row once per epoch, each rank's state resumes that rank, and one round of every shard
+//! is the plain loader's epoch on every rank. A round other than the epoch's last must give
+//! every rank as many batches (so that every rank needs the next round, and calls the
+//! broadcast, at the same batch): one whose last global batch has fewer rows than ranks waits
+//! for more shards. Also refused on an unfinished dataset: `drop_last`, which would drop each
+//! round's last partial batch, `ignore_labels` and `verify`, which need labels.bin and the
+//! checksum sidecar that the commit writes. On a committed dataset follow mode changes nothing
+//! (with a broadcast, the rounds are still broadcast: a rank that opened before the commit
+//! needs the others).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::loader::{Batch, Batches, Inner, Loader, PassParts};
@@ -41,7 +52,7 @@ use crate::commit::parts::Parts;
 use crate::engine::exec;
 pub(super) use crate::engine::follow::decode;
 use crate::engine::follow::{self, encode, locked, mark, wait_new, Stopped, Waited};
-pub use crate::engine::follow::{FollowOptions, WaitCheck};
+pub use crate::engine::follow::{FollowOptions, RoundBroadcast, WaitCheck};
 use crate::engine::order::rank_batches;
 use crate::engine::StateValue;
 use crate::error::{Error, Result};
@@ -61,7 +72,7 @@ pub(crate) struct Follow {
 
 /// Opens a follow-mode loader over `dir` (see the module documentation).
 pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
-    let Some(fo) = opts.follow else {
+    let Some(fo) = opts.follow.clone() else {
         return Loader::with_dataset(Dataset::open(dir)?, opts);
     };
     let location = Location::parse(dir)?;
@@ -75,7 +86,8 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     let finished = committed(local, &layout)?;
     let (_, world) = opts.rank_and_world()?;
     if !finished {
-        follow::refuse_while_written(local, "dataset", world, opts.drop_last, opts.verify)?;
+        let agree = fo.broadcast.is_some();
+        follow::refuse_while_written(local, "dataset", world, agree, opts.drop_last, opts.verify)?;
         if !opts.ignore_labels.is_empty() {
             return Err(Error::Invalid(format!(
                 "{}: follow mode on a dataset still being written cannot ignore_labels: \
@@ -84,8 +96,10 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
             )));
         }
     }
-    // On a committed dataset, a split over ranks or drop_last reads as without follow.
-    let rounds = world == 1 && !opts.drop_last;
+    // On a committed dataset, drop_last, or a split over ranks that do not agree on rounds,
+    // reads as without follow. Ranks with a broadcast use it whether or not the dataset was
+    // committed when they opened: one that opened before the commit needs the others.
+    let rounds = !opts.drop_last && (world == 1 || fo.broadcast.is_some());
     let mut loader = Loader::with_dataset(ds, opts)?;
     if rounds {
         loader.follow = Some(Follow {
@@ -164,11 +178,14 @@ impl Follow {
             Ok(parts) => Inner::Follow(Box::new(FollowPass {
                 parts,
                 opts: loader.opts.clone(),
+                rank_world: loader.rank_and_world(),
                 window_blocks: loader.window_blocks,
-                follow: self.opts,
+                follow: self.opts.clone(),
                 dir: self.dir.clone(),
                 rounds: self.rounds.clone(),
                 at,
+                round_end: at,
+                cursor: loader.cursor.clone(),
                 current: None,
                 ended: false,
             })),
@@ -184,12 +201,20 @@ impl Follow {
 pub(crate) struct FollowPass {
     parts: PassParts,
     opts: LoaderOptions,
+    /// This rank and the world size: each round is split over the ranks as the plain
+    /// loader splits its epoch.
+    rank_world: (u64, u64),
     window_blocks: u64,
     follow: FollowOptions,
     dir: PathBuf,
     rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
     /// Rows of the epoch served (the cursor), rounds counted in order.
     at: u64,
+    /// Where the current round ends (the cursor once its stream ends: with several ranks, a
+    /// rank's last batch of the epoch's last round may end before it).
+    round_end: u64,
+    /// The loader's cursor, moved to the round's end with `at`.
+    cursor: Arc<AtomicU64>,
     current: Option<exec::Stream<Batch>>,
     ended: bool,
 }
@@ -209,7 +234,11 @@ impl Iterator for FollowPass {
                         self.current = None;
                         return Some(Err(e));
                     }
-                    None => self.current = None,
+                    None => {
+                        self.current = None;
+                        self.at = self.round_end;
+                        self.cursor.store(self.at, Ordering::Relaxed);
+                    }
                 }
             }
             if self.ended {
@@ -237,17 +266,21 @@ impl FollowPass {
 
     /// The stream of the round the cursor is in (a recorded round, or a new one of the shards
     /// durable since), waiting for shards when none is new; `None` once every shard is served.
+    /// With several ranks, rank 0 alone looks and broadcasts the round (see
+    /// [`follow::agree`]); a round other than the epoch's last must give every rank as many
+    /// batches, so that they all need the next round at the same batch.
     fn next_round(&mut self) -> Result<Option<exec::Stream<Batch>>> {
         let layout = self.layout();
         let mut served = vec![false; layout.n_shards as usize];
         let mut offset = 0;
-        for round in locked(&self.rounds).clone() {
-            let rows = self.parts.src.rows_in_shards(&round);
+        let recorded = locked(&self.rounds).clone();
+        for round in &recorded {
+            let rows = self.parts.src.rows_in_shards(round);
             if self.at < offset + rows {
-                return self.start(&round, offset).map(Some);
+                return self.start(round, offset).map(Some);
             }
             offset += rows;
-            mark(&mut served, &round);
+            mark(&mut served, round);
         }
         if self.at != offset {
             return Err(Error::Internal(format!(
@@ -259,7 +292,24 @@ impl FollowPass {
             return Ok(None);
         }
         let dir = self.dir.clone();
-        match wait_new(&self.follow, &served, || durable_now(&dir, &layout))? {
+        let (rank, world) = self.rank_world;
+        let global = self.opts.batch_size * world;
+        let src = self.parts.src.clone();
+        // Every rank gets a batch of the round's last global batch when it holds a row for
+        // each (see `rank_batches`).
+        let even = |round: &[Range<u64>]| {
+            let tail = src.rows_in_shards(round) % global;
+            tail == 0 || tail >= world
+        };
+        let at = follow::RoundAt {
+            rank,
+            world,
+            epoch: self.opts.epoch,
+            round: recorded.len() as u64,
+            units: layout.n_shards,
+        };
+        let look = || wait_new(&self.follow, &served, || durable_now(&dir, &layout), even);
+        match follow::agree(&self.follow, at, look)? {
             Waited::New(round) => {
                 locked(&self.rounds).push(round.clone());
                 self.start(&round, offset).map(Some)
@@ -337,19 +387,24 @@ impl FollowPass {
     }
 
     /// Starts round `round`, which begins at epoch row `offset`, from the cursor.
-    fn start(&self, round: &[Range<u64>], offset: u64) -> Result<exec::Stream<Batch>> {
+    fn start(&mut self, round: &[Range<u64>], offset: u64) -> Result<exec::Stream<Batch>> {
         self.load_labels(round)?;
         let mut keep = vec![false; self.layout().n_shards as usize];
         mark(&mut keep, round);
         let order =
             Loader::plan_over(&self.parts.src, &self.opts, self.window_blocks, Some(&keep))?;
         let total = order.len();
+        self.round_end = offset + total;
         let local = self.at - offset;
+        let (rank, world) = self.rank_world;
         let bs = self.opts.batch_size;
-        // World size 1: the round's batches from its start, the last one partial.
-        let plans = rank_batches(total, bs, 0, 1, false)
-            .filter(|&(s, _)| s >= local - local % bs)
-            .map(|(s, e)| (s, e, offset + e))
+        let global = bs * world;
+        // The round split over the ranks as the plain loader splits its epoch: global batches
+        // of batch_size rows per rank, the last one partial and shared evenly; the cursor after
+        // a batch is the end of its global batch.
+        let plans = rank_batches(total, bs, rank, world, false)
+            .filter(|&(s, _)| s >= local - local % global)
+            .map(|(s, e)| (s, e, offset + ((s / global + 1) * global).min(total)))
             .collect();
         Ok(self.parts.stream(Arc::new(order), plans))
     }

@@ -61,7 +61,7 @@ mod writer;
 pub use crate::engine::LoaderState;
 pub use compat::fake_dataset_data;
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
-pub use follow::{FollowOptions, WaitCheck};
+pub use follow::{FollowOptions, RoundBroadcast, WaitCheck};
 pub use layout::Layout;
 pub use loader::{Batch, Batches, LayerSel, Loader};
 pub use metadata::Metadata;

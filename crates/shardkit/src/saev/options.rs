@@ -267,9 +267,9 @@ impl Loader {
 }
 
 impl Loader {
-    /// Batches a follow-mode loader has served at `cursor` of an epoch of `rounds`.
+    /// Global batches a follow-mode loader has served at `cursor` of an epoch of `rounds`.
     fn follow_batches(&self, rounds: &[Vec<Range<u64>>], cursor: u64) -> u64 {
-        let bs = self.opts.batch_size.max(1);
+        let bs = (self.opts.batch_size * self.world).max(1);
         let (mut offset, mut batches) = (0, 0);
         for r in rounds {
             let rows = self.src.rows_in_shards(r);
@@ -299,7 +299,9 @@ impl Loader {
         if self.follow.is_none() {
             return match rounds {
                 Some(r) if !(r.is_empty() || r == [whole]) => Err(Error::Invalid(format!(
-                    "the state was taken by a follow-mode loader part way through an epoch read                      while the dataset was written ({} rounds): resume it with follow mode                      (follow=True, world_size 1, drop_last off)",
+                    "the state was taken by a follow-mode loader part way through an epoch read \
+                     while the dataset was written ({} rounds): resume it with follow mode \
+                     (follow=True, drop_last off, and with world_size > 1 a round broadcast)",
                     r.len()
                 ))),
                 _ => Ok(None),
@@ -307,13 +309,14 @@ impl Loader {
         }
         // A state of a loader without follow: its epoch was one round of every shard.
         let rounds = rounds.unwrap_or_else(|| if cursor > 0 { vec![whole] } else { Vec::new() });
-        let bs = self.opts.batch_size;
+        let bs = self.opts.batch_size * self.world;
         let mut offset = 0;
         for r in &rounds {
             let rows = self.src.rows_in_shards(r);
             if (offset..offset + rows).contains(&cursor) && !(cursor - offset).is_multiple_of(bs) {
                 return Err(Error::Invalid(format!(
-                    "cursor {cursor} is not at a batch of its round (rows {offset}..{} of the                      epoch, batches of {bs})",
+                    "cursor {cursor} is not at a batch of its round (rows {offset}..{} of the \
+                     epoch, global batches of {bs})",
                     offset + rows
                 )));
             }

@@ -81,3 +81,4 @@ pub fn assert_same_tree(a: &Path, b: &Path, what: &str) {
     let differ: Vec<&&String> = keys.iter().filter(|k| ta.get(**k) != tb.get(**k)).collect();
     assert!(differ.is_empty(), "{what}: files differ: {differ:?}");
 }
+pub mod broadcast;

@@ -18,7 +18,7 @@ from .. import _args, _inputs
 from .. import _shardkit as _core
 from .._progress import Closing, Parting, Progress
 from ..errors import IncompleteDatasetError, InvalidArgumentError
-from ..types import EngineLoader, LoaderState, SaevBatch, Validation, check_state
+from ..types import EngineLoader, FollowBroadcast, LoaderState, SaevBatch, Validation, check_state
 
 PathLike = Union[str, "os.PathLike[str]"]
 Batch = SaevBatch  # the old name
@@ -364,8 +364,11 @@ class Loader(EngineLoader):
     ``state_dict`` resumes exactly; a loader that has served every durable shard waits up to
     ``follow_timeout`` seconds (default 3600) for another, then raises IncompleteDatasetError
     naming the missing shards and who claims them. On a dataset still being written it reads
-    with ``world_size`` 1, without ``drop_last``, ``ignore_labels`` or ``verify``; on a committed
-    one it changes nothing. See docs/saev.md, "Reading while it is written".
+    without ``drop_last``, ``ignore_labels`` or ``verify``, and with ``world_size`` > 1 only
+    given ``follow_broadcast`` (:data:`shardkit.types.FollowBroadcast`; shardkit.torch's
+    loaders build it over torch.distributed): rank 0 alone looks for shards and broadcasts each
+    round to the others, which split it as the epoch is split. On a committed dataset without
+    it, it changes nothing. See docs/saev.md, "Reading while it is written".
 
     Yields :class:`shardkit.types.SaevBatch` dicts of numpy arrays.
     """
@@ -392,6 +395,7 @@ class Loader(EngineLoader):
         direct_io: bool = False,
         follow: bool = False,
         follow_timeout: Optional[float] = None,
+        follow_broadcast: Optional[FollowBroadcast] = None,
     ) -> None:
         path = _args.path("path", path)
         if not (isinstance(layer, str) and layer == "all"):
@@ -420,6 +424,7 @@ class Loader(EngineLoader):
         direct_io = _args.boolean("direct_io", direct_io)
         follow = _args.boolean("follow", follow)
         follow_timeout = _args.follow_timeout(follow, follow_timeout)
+        follow_broadcast = _args.follow_broadcast(follow, follow_broadcast)
         if order is None:
             # Shuffled: the core's default order (the loader contract writes it once).
             order = None if shuffle is None or shuffle else "sequential"
@@ -443,6 +448,7 @@ class Loader(EngineLoader):
             direct_io=direct_io,
             follow=follow,
             follow_timeout=follow_timeout,
+            follow_broadcast=follow_broadcast,
         )
         if order != "sequential":
             kw.update(seed=seed, epoch=epoch, ignore_labels=[int(x) for x in ignore_labels])
@@ -546,12 +552,13 @@ class OrderedLoader(Loader):
         direct_io: bool = False,
         follow: bool = False,
         follow_timeout: Optional[float] = None,
+        follow_broadcast: Optional[FollowBroadcast] = None,
     ) -> None:
         super().__init__(
             path, shuffle=False, layer=layer, tokens=tokens, batch_size=batch_size, rank=rank,
             world_size=world_size, drop_last=drop_last, num_threads=num_threads, verify=verify,
             memory_budget=memory_budget, io_threads=io_threads, direct_io=direct_io, follow=follow,
-            follow_timeout=follow_timeout,
+            follow_timeout=follow_timeout, follow_broadcast=follow_broadcast,
         )
 
 
@@ -580,12 +587,14 @@ class ShuffledLoader(Loader):
         direct_io: bool = False,
         follow: bool = False,
         follow_timeout: Optional[float] = None,
+        follow_broadcast: Optional[FollowBroadcast] = None,
     ) -> None:
         super().__init__(
             path, shuffle=True, layer=layer, tokens=tokens, batch_size=batch_size, order=order, seed=seed,
             epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
             verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
             direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
+            follow_broadcast=follow_broadcast,
         )
 
 
