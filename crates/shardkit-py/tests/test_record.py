@@ -280,3 +280,81 @@ def test_the_entry_point_records_a_folder_of_images_and_a_pixels_file(tmp_path):
     np.testing.assert_array_equal(a[:, 1], hidden[3].numpy())
     from shardkit import provenance
     assert provenance.read(status["path"])["inputs"]["count"] == 5
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                   num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_a_language_models_windows_are_recorded_with_their_token_ids_beside(tmp_path):
+    from shardkit.record import TextRecorder, token_ids
+
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (7, 8), generator=torch.Generator().manual_seed(1))
+    md = {"max_tokens_per_shard": 16 * 3, "ckpt": "tiny-llama", "data": "windows", "dataset": "seeded"}
+    with TextRecorder(model, str(tmp_path), layers=[1, 0], n_examples=7, context=8, metadata=md) as rec:
+        for first, end in rec.batches(2):
+            rec(ids[first:end])
+    status = rec.close()
+    assert status["committed"] and status["token_ids"]["committed"]
+    loaded = saev.open(rec.path).metadata
+    assert loaded["family"] == "llama" and loaded["shardkit_dialect"] == "text" and loaded["cls_token"] is False
+    got = acts(rec.path)
+    with torch.no_grad():  # hidden_states[i + 1] is block i's output for every block but the last
+        runs = [model(ids[f:e], output_hidden_states=True).hidden_states for f, e in rec.batches(2)]
+    hidden = [torch.cat(h) for h in zip(*runs)]
+    for slot, block in enumerate([1, 0]):
+        np.testing.assert_array_equal(got[:, slot], hidden[block + 1].numpy())
+    split = token_ids(rec.path)
+    assert len(split) == 7 and all(list(split[e]) == ids[e].tolist() for e in range(7))
+    report = saev.validate(rec.path)
+    assert report["valid"] and any("text dialect" in n["message"] for n in report["notes"])
+    assert saev.inspect(rec.path)["dialect"] == "text" and saev.inspect(rec.path)["saev_loads"] is False
+    # shardkit's loaders read it as any saev dataset: one row a token.
+    rows = sum(len(b["example_idx"]) for b in saev.Loader(rec.path, layer=0, batch_size=16, seed=3))
+    assert rows == 7 * 8
+
+
+def test_text_windows_must_be_full_and_in_order(tmp_path):
+    from shardkit.record import TextRecorder
+
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (4, 8))
+    rec = TextRecorder(model, str(tmp_path), layers=[0], n_examples=4, context=8)
+    with pytest.raises(InvalidArgumentError, match=r"input_ids must be \(batch, 8\) windows"):
+        rec(ids[:, :5])
+    with pytest.raises(InvalidArgumentError, match="attention_mask has zeros"):
+        rec(ids[:2], attention_mask=torch.tensor([[1] * 8, [1] * 6 + [0] * 2]))
+    with pytest.raises(InvalidArgumentError, match="runs past this rank's pending windows"):
+        rec(torch.randint(0, 64, (5, 8)))
+    rec(ids[:2], attention_mask=torch.ones(2, 8, dtype=torch.long))
+    rec(ids[2:])
+    assert rec.close()["committed"]
+
+
+def test_a_killed_text_recording_resumes_its_ids_and_activations(tmp_path):
+    from shardkit.record import TextRecorder, token_ids
+
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (9, 8), generator=torch.Generator().manual_seed(2))
+    md = {"max_tokens_per_shard": 8 * 3, "ckpt": "tiny-llama", "data": "w", "dataset": "s"}  # 3 windows a shard
+
+    def run(root, stop=None, **kw):
+        rec = TextRecorder(model, root, layers=[0], n_examples=9, context=8, metadata=md, **kw)
+        for i, (first, end) in enumerate(rec.batches(3)):
+            if i == stop:
+                rec.abort()
+                return rec
+            rec(ids[first:end])
+        rec.close()
+        return rec
+
+    one = run(str(tmp_path / "one"))
+    cut = run(str(tmp_path / "cut"), stop=2)  # shards 0 and 1 durable, then killed
+    for r in range(2):
+        run(str(tmp_path / "cut"), rank=r, world_size=2)
+    assert snapshot(one.path) == snapshot(cut.path)
+    assert list(token_ids(cut.path)[8]) == ids[8].tolist()

@@ -41,7 +41,7 @@ from .errors import InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["ActivationRecorder", "find_blocks"]
+__all__ = ["ActivationRecorder", "TextRecorder", "find_blocks", "token_ids"]
 
 # Where the residual blocks of the usual model classes live: Hugging Face CLIP, SigLIP, ViT,
 # DINOv2 (bare or inside a task model), Llama-style and GPT-2 language models, timm, open_clip
@@ -478,6 +478,8 @@ class ActivationRecorder:
         return (f"ActivationRecorder({self.path!r}, modules={self.modules}, rank={self.rank}, "
                 f"world_size={self.world_size})")
 
+
+from ._record_text import TextRecorder, token_ids  # noqa: E402  (it builds on ActivationRecorder)
 
 # -- python -m shardkit.record ---------------------------------------------------------------
 
