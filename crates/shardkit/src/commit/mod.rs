@@ -16,6 +16,7 @@
 
 pub(crate) mod lock;
 pub(crate) mod parts;
+pub(crate) mod parts_read;
 pub(crate) mod parts_store;
 pub(crate) mod staged;
 pub(crate) mod store_lock;

@@ -165,6 +165,29 @@ impl Cache {
         }))
     }
 
+    /// [`Cache::open_unfinished`] of the cache at the store prefix `location`, read through
+    /// `source` (the committed reader's store path): the objects are listed once, for the
+    /// sizes of the shards durable now; a shard durable since has its size asked for when it
+    /// is first read.
+    pub(crate) fn open_unfinished_store(
+        location: &Location,
+        source: Arc<dyn Source>,
+    ) -> Result<Option<Cache>> {
+        let target = io::Remote::from_location(location)?;
+        let Some(m) = super::parts::setup_manifest_store(&target)? else {
+            return Ok(None);
+        };
+        let sizes: HashMap<String, u64> = source.list()?.into_iter().collect();
+        Ok(Some(Cache {
+            specs: field_specs(&m),
+            dir: source.location().to_path(),
+            manifest: m,
+            open: Mutex::default(),
+            max_open: DEFAULT_OPEN_SHARDS,
+            remote: Some((source, sizes)),
+        }))
+    }
+
     /// The cache once its shard set is checked against its manifest.
     fn checked(
         dir: PathBuf,
@@ -187,6 +210,17 @@ impl Cache {
     fn open_remote(remote: Arc<dyn Source>, max_open: usize) -> Result<Cache> {
         let dir = remote.location().to_path();
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
+        // A write in parts has no manifest.json until its commit: say so, naming what is
+        // missing, rather than "no manifest" (only where its state is there: no request more
+        // for a prefix that holds no cache at all).
+        let private = format!("{}/", crate::commit::parts::PARTS_DIR);
+        if !objects.contains_key(manifest::MANIFEST)
+            && objects.keys().any(|n| n.starts_with(&private))
+        {
+            if let Some(e) = super::parts::unfinished(&dir) {
+                return Err(e);
+            }
+        }
         let m = remote_manifest(&*remote, &objects)?;
         let present: BTreeSet<u64> = objects.keys().filter_map(|n| shard_index(n)).collect();
         Self::checked(dir, m, &present, max_open, Some((remote, objects)))
@@ -264,8 +298,20 @@ impl Cache {
             Some((remote, sizes)) => {
                 let shards: Vec<_> = missing
                     .iter()
-                    .map(|&k| remote_shard(&self.manifest, sizes, k))
-                    .collect();
+                    .map(|&k| {
+                        let (name, size, rows) = remote_shard(&self.manifest, sizes, k);
+                        match sizes.contains_key(&name) {
+                            true => Ok((name, size, rows)),
+                            // A cache followed while it is written lists only the shards
+                            // durable when it opened: one durable since costs one HEAD, once
+                            // (the shard stays open).
+                            false => {
+                                let size = remote.len(&name)?;
+                                Ok((name, size, rows))
+                            }
+                        }
+                    })
+                    .collect::<Result<_>>()?;
                 ShardFile::open_remote_many(&**remote, &shards, &self.specs, stop)?
             }
         };
