@@ -6,6 +6,9 @@
 //! whole layout (samples, shards, fields) is known from the start. A shard is durable once its
 //! record `.shardkit-parts/done/<shard>.json` exists (the record is written after the shard
 //! file is published whole, so a durable shard is never torn), or once the cache is committed.
+//! In an object store (`s3://`) likewise: the setup record is an object, a shard object is
+//! uploaded whole before its record, each look for records is one LIST
+//! (`commit::parts_read`), and the loader writes nothing.
 //!
 //! An epoch is a sequence of rounds: round `k` serves the epoch's planned order (the plain
 //! loader's, same seed, epoch and shuffle) restricted to the samples of the shards durable when

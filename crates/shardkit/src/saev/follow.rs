@@ -5,6 +5,9 @@
 //! each shard becomes durable on its own: the shard file is published, then its record
 //! `.shardkit-parts/done/<shard>.json` (see `commit::parts`). A shard is *durable* when its
 //! record exists, or when the dataset is committed (shards.json; the records are gone then).
+//! The same holds in an object store (`s3://`): a shard object is uploaded whole before its
+//! record, each look for records is one LIST (`commit::parts_read`), and the loader reads the
+//! shards through the committed loader's store path and writes nothing.
 //!
 //! A follow-mode epoch is a sequence of *rounds*. Round `k` serves the epoch's planned order
 //! (same seed, epoch and order as on the finished dataset) restricted to the shards durable
