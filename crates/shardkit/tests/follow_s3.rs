@@ -591,7 +591,7 @@ mod eagle3 {
     #[test]
     fn a_follow_loader_on_a_store_serves_every_sample_once_while_ranks_write_then_as_committed() {
         let tmp = tempfile::tempdir().unwrap();
-        let _store = store(tmp.path());
+        let store = store(tmp.path());
         let dir = PathBuf::from(format!("{ROOT}/cache"));
         let ws: Vec<PartWriter> = (0..3).map(|r| writer(&dir, r, 3)).collect();
         let m = ws[0].manifest().clone();
@@ -629,6 +629,15 @@ mod eagle3 {
         for t in threads {
             t.join().unwrap();
         }
+        // A shard durable after the loader opened had its size asked for once.
+        let mut heads: BTreeMap<String, u32> = BTreeMap::new();
+        for (_, p) in store.since(0).iter().filter(|(op, _)| *op == "head") {
+            *heads.entry(p.clone()).or_insert(0) += 1;
+        }
+        assert!(
+            !heads.is_empty() && heads.values().all(|&n| n == 1),
+            "{heads:?}"
+        );
         // Committed now: epoch 1 is the committed loader's.
         loader.set_epoch(1);
         let (follow1, err) = drain(&mut loader.iter(), &m);

@@ -296,22 +296,19 @@ impl Cache {
                 })
                 .collect::<Result<_>>()?,
             Some((remote, sizes)) => {
-                let shards: Vec<_> = missing
+                let mut shards: Vec<_> = missing
                     .iter()
-                    .map(|&k| {
-                        let (name, size, rows) = remote_shard(&self.manifest, sizes, k);
-                        match sizes.contains_key(&name) {
-                            true => Ok((name, size, rows)),
-                            // A cache followed while it is written lists only the shards
-                            // durable when it opened: one durable since costs one HEAD, once
-                            // (the shard stays open).
-                            false => {
-                                let size = remote.len(&name)?;
-                                Ok((name, size, rows))
-                            }
-                        }
-                    })
-                    .collect::<Result<_>>()?;
+                    .map(|&k| remote_shard(&self.manifest, sizes, k))
+                    .collect();
+                // A cache followed while it is written listed only the shards durable when it
+                // opened: those durable since have their sizes asked for (one HEAD each, all
+                // at once, and once: the shard stays open).
+                let unknown: Vec<usize> = (0..shards.len())
+                    .filter(|&i| !sizes.contains_key(&shards[i].0))
+                    .collect();
+                for (i, size) in unknown.iter().zip(sizes_of(&**remote, &shards, &unknown)?) {
+                    shards[*i].1 = size;
+                }
                 ShardFile::open_remote_many(&**remote, &shards, &self.specs, stop)?
             }
         };
@@ -491,6 +488,41 @@ pub(crate) fn remote_manifest(
     }
     Manifest::parse(&remote.get(manifest::MANIFEST)?, &path)
 }
+
+/// The sizes of the objects `shards[i].0` for each `i` of `which`, asked for together (one HEAD
+/// each, up to [`HEADS`] in flight).
+fn sizes_of(
+    remote: &dyn Source,
+    shards: &[(String, u64, u64)],
+    which: &[usize],
+) -> Result<Vec<u64>> {
+    let head = |i: &usize| remote.len(&shards[*i].0);
+    if which.len() < 2 {
+        return which.iter().map(head).collect();
+    }
+    let per = which.len().div_ceil(HEADS);
+    let got: Result<Vec<Vec<u64>>> = std::thread::scope(|s| {
+        let head = &head;
+        let workers: Vec<_> = which
+            .chunks(per)
+            .map(|chunk| s.spawn(move || chunk.iter().map(head).collect::<Result<Vec<_>>>()))
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(Error::Internal(
+                        "internal: a thread asking for shard sizes panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    Ok(got?.concat())
+}
+
+/// The most HEADs [`sizes_of`] keeps in flight.
+const HEADS: usize = 16;
 
 /// Shard `k` of a cache in a store, as [`ShardFile::open_remote_many`] takes it: (object name,
 /// size from the listing `sizes`, rows).
