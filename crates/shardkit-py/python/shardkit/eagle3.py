@@ -494,8 +494,8 @@ class Loader(EngineLoader):
     from the loader's position (``state_dict()`` saves it); a finished epoch starts over;
     ``set_epoch`` switches to another order.
 
-    ``follow=True`` reads a cache while :class:`PartWriter` ranks write it (local directories;
-    a cache in a store is read once committed): each epoch is served in rounds of the shards
+    ``follow=True`` reads a cache while :class:`PartWriter` ranks write it (in a directory or
+    an ``s3://`` prefix, which the loader only reads): each epoch is served in rounds of the shards
     durable when the round starts (the planned order restricted to their samples, the last
     batch of a round partial), new shards are picked up as they land, every sample is served
     once per epoch, and ``state_dict`` resumes exactly; a loader that has served every durable

@@ -16,6 +16,7 @@
 
 pub(crate) mod lock;
 pub(crate) mod parts;
+pub(crate) mod parts_read;
 pub(crate) mod parts_store;
 pub mod provenance;
 pub(crate) mod staged;

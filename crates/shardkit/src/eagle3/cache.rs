@@ -165,6 +165,29 @@ impl Cache {
         }))
     }
 
+    /// [`Cache::open_unfinished`] of the cache at the store prefix `location`, read through
+    /// `source` (the committed reader's store path): the objects are listed once, for the
+    /// sizes of the shards durable now; a shard durable since has its size asked for when it
+    /// is first read.
+    pub(crate) fn open_unfinished_store(
+        location: &Location,
+        source: Arc<dyn Source>,
+    ) -> Result<Option<Cache>> {
+        let target = io::Remote::from_location(location)?;
+        let Some(m) = super::parts::setup_manifest_store(&target)? else {
+            return Ok(None);
+        };
+        let sizes: HashMap<String, u64> = source.list()?.into_iter().collect();
+        Ok(Some(Cache {
+            specs: field_specs(&m),
+            dir: source.location().to_path(),
+            manifest: m,
+            open: Mutex::default(),
+            max_open: DEFAULT_OPEN_SHARDS,
+            remote: Some((source, sizes)),
+        }))
+    }
+
     /// The cache once its shard set is checked against its manifest.
     fn checked(
         dir: PathBuf,
@@ -187,6 +210,17 @@ impl Cache {
     fn open_remote(remote: Arc<dyn Source>, max_open: usize) -> Result<Cache> {
         let dir = remote.location().to_path();
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
+        // A write in parts has no manifest.json until its commit: say so, naming what is
+        // missing, rather than "no manifest" (only where its state is there: no request more
+        // for a prefix that holds no cache at all).
+        let private = format!("{}/", crate::commit::parts::PARTS_DIR);
+        if !objects.contains_key(manifest::MANIFEST)
+            && objects.keys().any(|n| n.starts_with(&private))
+        {
+            if let Some(e) = super::parts::unfinished(&dir) {
+                return Err(e);
+            }
+        }
         let m = remote_manifest(&*remote, &objects)?;
         let present: BTreeSet<u64> = objects.keys().filter_map(|n| shard_index(n)).collect();
         Self::checked(dir, m, &present, max_open, Some((remote, objects)))
@@ -262,10 +296,19 @@ impl Cache {
                 })
                 .collect::<Result<_>>()?,
             Some((remote, sizes)) => {
-                let shards: Vec<_> = missing
+                let mut shards: Vec<_> = missing
                     .iter()
                     .map(|&k| remote_shard(&self.manifest, sizes, k))
                     .collect();
+                // A cache followed while it is written listed only the shards durable when it
+                // opened: those durable since have their sizes asked for (one HEAD each, all
+                // at once, and once: the shard stays open).
+                let unknown: Vec<usize> = (0..shards.len())
+                    .filter(|&i| !sizes.contains_key(&shards[i].0))
+                    .collect();
+                for (i, size) in unknown.iter().zip(sizes_of(&**remote, &shards, &unknown)?) {
+                    shards[*i].1 = size;
+                }
                 ShardFile::open_remote_many(&**remote, &shards, &self.specs, stop)?
             }
         };
@@ -445,6 +488,41 @@ pub(crate) fn remote_manifest(
     }
     Manifest::parse(&remote.get(manifest::MANIFEST)?, &path)
 }
+
+/// The sizes of the objects `shards[i].0` for each `i` of `which`, asked for together (one HEAD
+/// each, up to [`HEADS`] in flight).
+fn sizes_of(
+    remote: &dyn Source,
+    shards: &[(String, u64, u64)],
+    which: &[usize],
+) -> Result<Vec<u64>> {
+    let head = |i: &usize| remote.len(&shards[*i].0);
+    if which.len() < 2 {
+        return which.iter().map(head).collect();
+    }
+    let per = which.len().div_ceil(HEADS);
+    let got: Result<Vec<Vec<u64>>> = std::thread::scope(|s| {
+        let head = &head;
+        let workers: Vec<_> = which
+            .chunks(per)
+            .map(|chunk| s.spawn(move || chunk.iter().map(head).collect::<Result<Vec<_>>>()))
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(Error::Internal(
+                        "internal: a thread asking for shard sizes panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    Ok(got?.concat())
+}
+
+/// The most HEADs [`sizes_of`] keeps in flight.
+const HEADS: usize = 16;
 
 /// Shard `k` of a cache in a store, as [`ShardFile::open_remote_many`] takes it: (object name,
 /// size from the listing `sizes`, rows).

@@ -6,6 +6,9 @@
 //! whole layout (samples, shards, fields) is known from the start. A shard is durable once its
 //! record `.shardkit-parts/done/<shard>.json` exists (the record is written after the shard
 //! file is published whole, so a durable shard is never torn), or once the cache is committed.
+//! In an object store (`s3://`) likewise: the setup record is an object, a shard object is
+//! uploaded whole before its record, each look for records is one LIST
+//! (`commit::parts_read`), and the loader writes nothing.
 //!
 //! An epoch is a sequence of rounds: round `k` serves the epoch's planned order (the plain
 //! loader's, same seed, epoch and shuffle) restricted to the samples of the shards durable when
@@ -25,21 +28,21 @@
 //! commit).
 
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use super::cache::Cache;
+use super::cache::{Cache, DEFAULT_OPEN_SHARDS};
 use super::loader::{Loader, LoaderOptions};
 
 use super::shard::shard_index;
-use crate::commit::parts::Parts;
+use crate::commit::parts_read::PartsReader;
 use crate::engine::follow::{
     agree, decode, encode, locked, mark, refuse_while_written, stopped_error, wait_new,
     FollowOptions, RoundAt, Stopped, Waited, ROUNDS_KEY,
 };
 use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
-use crate::io::Location;
+use crate::io::{self, Location};
 
 /// A follow-mode loader's rounds of the current epoch, shared with its passes.
 #[derive(Debug, Clone)]
@@ -48,30 +51,45 @@ pub(super) struct Follow {
     /// This rank and the world size: each round is split over the ranks as the plain loader
     /// splits its epoch.
     rank_world: (u64, u64),
-    dir: PathBuf,
+    /// The cache (a directory, or a store prefix).
+    dir: PartsReader,
     rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
 }
 
-/// Opens a loader over the cache at `dir`, following it while it is written when
-/// `opts.follow` is set (see the module documentation).
+/// Opens a loader over the cache at `dir` (a directory or an `s3://` prefix), following it
+/// while it is written when `opts.follow` is set (see the module documentation).
 pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     let Some(fo) = opts.follow.clone() else {
         return Loader::new(Arc::new(Cache::open(dir)?), opts);
     };
     let location = Location::parse(dir)?;
-    let Some(local) = location.local_path() else {
-        // Local (shared) file systems only for now: a cache in a store is read once committed.
-        return Loader::new(Arc::new(Cache::open(dir)?), opts);
-    };
-    let (cache, finished) = match Cache::open_unfinished(local)? {
-        Some(c) => (c, false),
-        None => (Cache::open(local)?, true),
+    let (cache, finished) = match location.local_path() {
+        Some(local) => match Cache::open_unfinished(local)? {
+            Some(c) => (c, false),
+            None => (Cache::open(local)?, true),
+        },
+        None => {
+            // Read through the committed reader's store path (a durable shard's object is
+            // final, so the local cache of objects may keep it).
+            let source = io::open(&location)?;
+            match Cache::open_unfinished_store(&location, source.clone())? {
+                Some(c) => (c, false),
+                None => (Cache::open_source(source, DEFAULT_OPEN_SHARDS)?, true),
+            }
+        }
     };
     let rank_world = opts.rank_and_world()?;
     let world = rank_world.1;
     if !finished {
         let agree = fo.broadcast.is_some();
-        refuse_while_written(local, "cache", world, agree, opts.drop_last, opts.verify)?;
+        refuse_while_written(
+            cache.dir(),
+            "cache",
+            world,
+            agree,
+            opts.drop_last,
+            opts.verify,
+        )?;
     }
     // On a committed cache, drop_last, or a split over ranks that do not agree on rounds,
     // reads as without follow. Ranks with a broadcast use it whether or not the cache was
@@ -82,36 +100,22 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
         loader.follow = Some(Follow {
             opts: fo,
             rank_world,
-            dir: local.to_path_buf(),
+            dir: PartsReader::new(&location)?,
             rounds: Arc::default(),
         });
     }
     Ok(loader)
 }
 
-/// The shards durable now in `dir`, one flag a shard (every one once committed).
-fn durable_now(dir: &Path, n: u64) -> Result<Vec<bool>> {
-    let committed = || dir.join(super::manifest::MANIFEST).is_file();
-    if committed() {
-        return Ok(vec![true; n as usize]);
-    }
-    let Some(parts) = Parts::existing(dir) else {
-        return Ok(vec![committed(); n as usize]);
+/// The shards durable now in the cache, one flag a shard (every one once committed): one
+/// look at the records (one LIST in a store), and while shards are missing one at
+/// manifest.json, the commit record (a file check locally, a GET in a store).
+fn durable_now(dir: &PartsReader, n: u64) -> Result<Vec<bool>> {
+    let committed = || match dir.local() {
+        Some(local) => Ok(local.join(super::manifest::MANIFEST).is_file()),
+        None => Ok(dir.get_opt(super::manifest::MANIFEST)?.is_some()),
     };
-    match parts.durable_units() {
-        Ok(names) => {
-            let mut out = vec![false; n as usize];
-            for s in names.iter().filter_map(|u| shard_index(u)) {
-                if let Some(d) = out.get_mut(s as usize) {
-                    *d = true;
-                }
-            }
-            Ok(out)
-        }
-        // The commit removes the records: committed meanwhile.
-        Err(_) if committed() => Ok(vec![true; n as usize]),
-        Err(e) => Err(e),
-    }
+    dir.durable_now(n, shard_index, committed)
 }
 
 impl Follow {
@@ -286,11 +290,9 @@ impl Follow {
     /// The error of a loader that stopped waiting for shards: `why`, or the timeout passed.
     fn stopped(&self, cache: &Cache, durable: &[bool], why: Option<&str>) -> Error {
         let m = cache.manifest();
-        let claims = Parts::existing(&self.dir)
-            .and_then(|p| p.live_claims().ok())
-            .unwrap_or_default();
+        let claims = self.dir.live_claims();
         stopped_error(
-            &self.dir,
+            &self.dir.path(),
             durable,
             |s| m.rows_in_shard(s),
             m.num_samples,

@@ -857,6 +857,14 @@ pub(super) fn setup_manifest(dir: &Path) -> Result<Option<Manifest>> {
     Ok(setup_of(dir)?.map(|(m, _, _)| m))
 }
 
+/// [`setup_manifest`] of the cache at the store prefix `target`.
+pub(super) fn setup_manifest_store(target: &Remote) -> Result<Option<Manifest>> {
+    if target.get_opt(MANIFEST)?.is_some() {
+        return Ok(None);
+    }
+    Ok(setup_of_store(target)?.map(|(m, _, _)| m))
+}
+
 /// Where the cache at `dir` stands: committed, or which shards are durable, which are claimed
 /// by live ranks (and by whom), whether the declared embeddings are still owed, and what a
 /// restart would write. A cache whose every part is durable but not committed (its last rank

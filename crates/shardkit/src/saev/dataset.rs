@@ -319,6 +319,20 @@ impl Dataset {
     }
 
     fn open_remote(remote: Arc<dyn Source>) -> Result<Dataset> {
+        Self::open_remote_as(remote, false).map(|(ds, _)| ds)
+    }
+
+    /// Opens the dataset in the store `remote` whether or not it is committed (a follow-mode
+    /// loader reading while it is written in parts), as [`Dataset::open_unfinished`] does a
+    /// directory: metadata.json is read and the objects listed once; with shards.json it must
+    /// be complete (else it is broken, and the error names what). Returns whether it is
+    /// committed. Only shards known durable may be read.
+    pub(crate) fn open_unfinished_remote(remote: Arc<dyn Source>) -> Result<(Dataset, bool)> {
+        Self::open_remote_as(remote, true)
+    }
+
+    /// [`Dataset::open_remote`], or with `unfinished` [`Dataset::open_unfinished_remote`].
+    fn open_remote_as(remote: Arc<dyn Source>, unfinished: bool) -> Result<(Dataset, bool)> {
         let dir = remote.location().to_path();
         let objects: std::collections::HashMap<String, u64> = remote.list()?.into_iter().collect();
         let md_path = remote.path_of("metadata.json");
@@ -332,19 +346,22 @@ impl Dataset {
             true => Some(remote.get("shards.json")?),
             false => None,
         };
-        check_complete_with(&dir, &layout, shards_json, |name| {
-            objects
-                .get(name)
-                .copied()
-                .ok_or("listed in shards.json but missing")
-        })?;
+        let committed = shards_json.is_some();
+        if committed || !unfinished {
+            check_complete_with(&dir, &layout, shards_json, |name| {
+                objects
+                    .get(name)
+                    .copied()
+                    .ok_or("listed in shards.json but missing")
+            })?;
+        }
         let mut names: Vec<String> = (0..layout.n_shards).map(Layout::shard_name).collect();
         let has_labels =
             objects.get("labels.bin") == Some(&(layout.n_examples * layout.content_tokens));
         if has_labels {
             names.push("labels.bin".into());
         }
-        Ok(Dataset {
+        let ds = Dataset {
             shards: Vec::new(),
             direct: Vec::new(),
             dir,
@@ -353,7 +370,8 @@ impl Dataset {
             warnings,
             labels: None,
             remote: Some((remote, names)),
-        })
+        };
+        Ok((ds, committed))
     }
 
     /// The object store holding the dataset and the names of its shards (then labels.bin),

@@ -5,6 +5,9 @@
 //! each shard becomes durable on its own: the shard file is published, then its record
 //! `.shardkit-parts/done/<shard>.json` (see `commit::parts`). A shard is *durable* when its
 //! record exists, or when the dataset is committed (shards.json; the records are gone then).
+//! The same holds in an object store (`s3://`): a shard object is uploaded whole before its
+//! record, each look for records is one LIST (`commit::parts_read`), and the loader reads the
+//! shards through the committed loader's store path and writes nothing.
 //!
 //! A follow-mode epoch is a sequence of *rounds*. Round `k` serves the epoch's planned order
 //! (same seed, epoch and order as on the finished dataset) restricted to the shards durable
@@ -39,7 +42,7 @@
 //! needs the others).
 
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -48,7 +51,7 @@ use super::options::LoaderOptions;
 use super::validate::shard_index;
 use super::writer::label_piece;
 use super::Dataset;
-use crate::commit::parts::Parts;
+use crate::commit::parts_read::PartsReader;
 use crate::engine::exec;
 pub(super) use crate::engine::follow::decode;
 use crate::engine::follow::{self, encode, locked, mark, wait_new, Stopped, Waited};
@@ -56,7 +59,7 @@ pub use crate::engine::follow::{FollowOptions, RoundBroadcast, WaitCheck};
 use crate::engine::order::rank_batches;
 use crate::engine::StateValue;
 use crate::error::{Error, Result};
-use crate::io::Location;
+use crate::io::{self, Location};
 use crate::saev::Layout;
 
 /// The state key holding the rounds.
@@ -66,33 +69,38 @@ pub(super) const ROUNDS_KEY: &str = crate::engine::follow::ROUNDS_KEY;
 #[derive(Debug)]
 pub(crate) struct Follow {
     opts: FollowOptions,
-    dir: PathBuf,
+    /// The dataset (a directory, or a store prefix).
+    dir: PartsReader,
     rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
 }
 
-/// Opens a follow-mode loader over `dir` (see the module documentation).
+/// Opens a follow-mode loader over `dir`, a directory or an `s3://` prefix (see the module
+/// documentation).
 pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     let Some(fo) = opts.follow.clone() else {
         return Loader::with_dataset(Dataset::open(dir)?, opts);
     };
     let location = Location::parse(dir)?;
-    let Some(local) = location.local_path() else {
-        // Follow mode reads local (shared) file systems only for now: a store's dataset
-        // (written in parts or not) is read when committed, as without follow.
-        return Loader::with_dataset(Dataset::open(dir)?, opts);
+    let (ds, finished) = match location.local_path() {
+        Some(local) => {
+            let ds = Dataset::open_unfinished(local)?;
+            let finished = committed(local, ds.layout())?;
+            (ds, finished)
+        }
+        // Read through the committed loader's store path: the same requests, the same local
+        // cache of the objects (a durable shard's object is final, so caching it is safe).
+        None => Dataset::open_unfinished_remote(io::open(&location)?)?,
     };
-    let ds = Dataset::open_unfinished(local)?;
-    let layout = *ds.layout();
-    let finished = committed(local, &layout)?;
     let (_, world) = opts.rank_and_world()?;
     if !finished {
         let agree = fo.broadcast.is_some();
-        follow::refuse_while_written(local, "dataset", world, agree, opts.drop_last, opts.verify)?;
+        let path = ds.path();
+        follow::refuse_while_written(path, "dataset", world, agree, opts.drop_last, opts.verify)?;
         if !opts.ignore_labels.is_empty() {
             return Err(Error::Invalid(format!(
                 "{}: follow mode on a dataset still being written cannot ignore_labels: \
                  labels.bin is written by the commit",
-                local.display()
+                path.display()
             )));
         }
     }
@@ -104,7 +112,7 @@ pub(super) fn open(dir: &Path, opts: LoaderOptions) -> Result<Loader> {
     if rounds {
         loader.follow = Some(Follow {
             opts: fo,
-            dir: local.to_path_buf(),
+            dir: PartsReader::new(&location)?,
             rounds: Arc::default(),
         });
     }
@@ -121,30 +129,26 @@ fn committed(dir: &Path, layout: &Layout) -> Result<bool> {
     super::dataset::check_complete(dir, layout).map(|()| true)
 }
 
-/// The shards durable now, one flag a shard.
-fn durable_now(dir: &Path, layout: &Layout) -> Result<Vec<bool>> {
-    let n = layout.n_shards as usize;
-    if committed(dir, layout)? {
-        return Ok(vec![true; n]);
+/// Whether the dataset is committed, in a directory ([`committed`]) or a store: there one GET
+/// of shards.json, its entries checked against the layout. The shards' sizes are not listed
+/// again (a second LIST each look): the commit checked every recorded shard's size before it
+/// uploaded shards.json, and a shard read short is an error naming it.
+fn committed_now(dir: &PartsReader, layout: &Layout) -> Result<bool> {
+    if let Some(local) = dir.local() {
+        return committed(local, layout);
     }
-    let mut out = vec![false; n];
-    let Some(parts) = Parts::existing(dir) else {
-        // Not written in parts, or committed since the look above (its records removed).
-        return Ok(vec![committed(dir, layout)?; n]);
+    let Some(bytes) = dir.get_opt("shards.json")? else {
+        return Ok(false);
     };
-    match parts.durable_units() {
-        Ok(names) => {
-            for s in names.iter().filter_map(|u| shard_index(u)) {
-                if let Some(d) = out.get_mut(s as usize) {
-                    *d = true;
-                }
-            }
-            Ok(out)
-        }
-        // The commit removes the records: committed meanwhile.
-        Err(_) if committed(dir, layout)? => Ok(vec![true; n]),
-        Err(e) => Err(e),
-    }
+    let sj = dir.path().join("shards.json");
+    let entries = super::layout::parse_shards_json(&bytes, &sj)?;
+    super::dataset::check_entries(&entries, &sj, layout).map(|()| true)
+}
+
+/// The shards durable now, one flag a shard (every one once committed): one look at the
+/// records (one LIST in a store), and while shards are missing one at the commit record.
+fn durable_now(dir: &PartsReader, layout: &Layout) -> Result<Vec<bool>> {
+    dir.durable_now(layout.n_shards, shard_index, || committed_now(dir, layout))
 }
 
 impl Follow {
@@ -206,7 +210,7 @@ pub(crate) struct FollowPass {
     rank_world: (u64, u64),
     window_blocks: u64,
     follow: FollowOptions,
-    dir: PathBuf,
+    dir: PartsReader,
     rounds: Arc<Mutex<Vec<Vec<Range<u64>>>>>,
     /// Rows of the epoch served (the cursor), rounds counted in order.
     at: u64,
@@ -341,36 +345,31 @@ impl FollowPass {
         let p = layout.content_tokens;
         let all = (layout.n_examples * p) as usize;
         let from_file = |labels: &mut Option<Arc<Vec<u8>>>| -> Result<bool> {
-            // The commit publishes labels.bin whole before it removes the pieces.
-            let path = self.dir.join("labels.bin");
-            match std::fs::read(&path) {
-                Ok(b) if b.len() == all => {
+            // The commit publishes labels.bin whole (a rename, or a PUT) before it removes
+            // the pieces.
+            match self.dir.get_opt("labels.bin")? {
+                Some(b) if b.len() == all => {
                     *labels = Some(Arc::new(b));
                     Ok(true)
                 }
-                Ok(_) => Ok(false),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-                Err(e) => Err(Error::io(&path, e)),
+                _ => Ok(false),
             }
         };
-        for s in round.iter().flat_map(|r| r.clone()) {
-            let piece = self.dir.join(label_piece(s));
-            let bytes = match std::fs::read(&piece) {
-                Ok(b) => b,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    if from_file(labels)? {
-                        break;
-                    }
-                    if labels.is_some() {
-                        return Err(Error::format(
-                            &piece,
-                            "missing: the dataset's other durable shards have labels, this one \
-                             has none (every rank must write labels, or none)",
-                        ));
-                    }
-                    continue; // no labels in this dataset
+        let shards: Vec<u64> = round.iter().flat_map(|r| r.clone()).collect();
+        for (s, bytes) in shards.iter().copied().zip(pieces(&self.dir, &shards)?) {
+            let piece = self.dir.path().join(label_piece(s));
+            let Some(bytes) = bytes else {
+                if from_file(labels)? {
+                    break;
                 }
-                Err(e) => return Err(Error::io(&piece, e)),
+                if labels.is_some() {
+                    return Err(Error::format(
+                        &piece,
+                        "missing: the dataset's other durable shards have labels, this one \
+                         has none (every rank must write labels, or none)",
+                    ));
+                }
+                continue; // no labels in this dataset
             };
             let at = (s * layout.examples_per_shard * p) as usize;
             let want = (layout.shard_count(s) * p) as usize;
@@ -411,12 +410,10 @@ impl FollowPass {
 
     /// The error of a loader that stopped waiting for shards: `why`, or the timeout passed.
     fn stopped(&self, durable: &[bool], layout: &Layout, why: Option<&str>) -> Error {
-        let claims = Parts::existing(&self.dir)
-            .and_then(|p| p.live_claims().ok())
-            .unwrap_or_default();
+        let claims = self.dir.live_claims();
         let eps = layout.examples_per_shard;
         follow::stopped_error(
-            &self.dir,
+            &self.dir.path(),
             durable,
             |s| layout.shard_count(s).min(eps),
             layout.n_examples,
@@ -426,6 +423,41 @@ impl FollowPass {
         )
     }
 }
+
+/// The label pieces of `shards` (`None` where absent), in order. From a store they are
+/// fetched several at once: one after the other, a round of many shards would wait a round
+/// trip for each.
+fn pieces(dir: &PartsReader, shards: &[u64]) -> Result<Vec<Option<Vec<u8>>>> {
+    let get = |s: &u64| dir.get_opt(&label_piece(*s));
+    if dir.local().is_some() || shards.len() < 2 {
+        return shards.iter().map(get).collect();
+    }
+    let per = shards
+        .len()
+        .div_ceil(crate::config::inflight().clamp(1, PIECE_READERS));
+    let got: Result<Vec<Vec<Option<Vec<u8>>>>> = std::thread::scope(|sc| {
+        let get = &get;
+        let workers: Vec<_> = shards
+            .chunks(per)
+            .map(|chunk| sc.spawn(move || chunk.iter().map(get).collect::<Result<Vec<_>>>()))
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(Error::Internal(format!(
+                        "{}: a thread reading label pieces panicked",
+                        dir.path().display()
+                    )))
+                })
+            })
+            .collect()
+    });
+    Ok(got?.concat())
+}
+
+/// The most label pieces read at once from a store.
+const PIECE_READERS: usize = 16;
 
 /// The state keys of a follow-mode loader.
 pub(super) fn state_value(f: &Follow) -> StateValue {
