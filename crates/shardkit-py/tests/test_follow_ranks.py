@@ -73,7 +73,7 @@ def read_as_ranks(path, world, make=None, rows=None, **kw):
 
 
 def test_ranks_on_threads_sharing_a_broadcast_serve_every_row_once_across_them(tmp_path):
-    procs, path = start_writers(tmp_path, 2, 0.03)
+    procs, path = start_writers(tmp_path, 2, 0.1)  # slow enough for several rounds under load
     out, calls = read_as_ranks(path, 2, follow_timeout=60)
     finish(procs)
     for r in out:
@@ -119,7 +119,7 @@ def test_a_stop_on_rank_0_reaches_the_other_rank_and_a_callbacks_exception_is_th
 
 def test_eagle3_ranks_sharing_a_broadcast_serve_every_sample_once_but_the_last_rounds_padding(tmp_path):
     path = tmp_path / "cache"
-    procs = e3.start_writers(path, 2, 0.03)
+    procs = e3.start_writers(path, 2, 0.1)
     out, calls = read_as_ranks(str(path), 2, make=e3.loader, rows=e3.samples, follow_timeout=60)
     e3.finish(procs)
     for r in out:
