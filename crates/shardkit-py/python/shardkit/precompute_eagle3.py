@@ -31,6 +31,7 @@ import random
 import re
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import numpy as np
@@ -555,9 +556,17 @@ def precompute(
         pending = writer.pending
         owed = sum(e - b for b, e in pending)
         run.progress = _Progress(progress, owed)
-        for first, end in pending:
-            for at in range(first, end, batch_size):
-                run.batch(at, min(at + batch_size, end))
+        batches = [(at, min(at + batch_size, end)) for first, end in pending for at in range(first, end, batch_size)]
+        # The next batch is tokenized on a thread while this one runs (chat templates are
+        # Python); only that thread uses the tokenizer meanwhile (a fast tokenizer is not safe
+        # to share between threads).
+        with ThreadPoolExecutor(1, thread_name_prefix="shardkit-tokenize") as pool:
+            ahead = pool.submit(run.rows, *batches[0]) if batches else None
+            for k, (first, end) in enumerate(batches):
+                assert ahead is not None
+                rows = ahead.result()
+                ahead = pool.submit(run.rows, *batches[k + 1]) if k + 1 < len(batches) else None
+                run.batch(rows)
     except BaseException:
         run.abort()
         writer.abort()
@@ -609,9 +618,11 @@ class _Run:
         self.writer.add_batch(batch)
         self.progress.advance(int(meta), sum(a.nbytes for a in batch.values()))
 
-    def batch(self, first: int, end: int) -> None:
-        rows = [tokenize(self.samples[i], self.tokenizer, self.seq) for i in range(first, end)]
-        b = end - first
+    def rows(self, first: int, end: int) -> List[Dict[str, List[int]]]:
+        return [tokenize(self.samples[i], self.tokenizer, self.seq) for i in range(first, end)]
+
+    def batch(self, rows: List[Dict[str, List[int]]]) -> None:
+        b = len(rows)
         s = self.pipe.take()  # waits while every slot is being written: backpressure
         self.captured = [False] * 3
         self.current = s
