@@ -506,6 +506,8 @@ def precompute(
     format_version = _args.integer("format_version", format_version, lo=1, hi=2, rule="1 or 2")
     shuffle_seed = _args.integer("shuffle_seed", shuffle_seed)
     n_buffers = _args.count("buffers", buffers, lo=1)
+    if format_version == 1 and topk:
+        raise InvalidArgumentError("target_probs_topk needs format_version 2 (version 1 caches are lossless)")
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     hidden = getattr(config, "hidden_size", None)
@@ -524,8 +526,6 @@ def precompute(
         sel = draft_vocab(samples, tokenizer, target_vocab_size=vocab, draft_vocab_size=draft_vocab_size,
                           seq_length=seq_length)
     compressed = 0 < topk < len(sel)
-    if format_version == 1 and topk:
-        raise InvalidArgumentError("target_probs_topk needs format_version 2 (version 1 caches are lossless)")
     if target_model is None:
         target_model = str(getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", "") or "")
     manifest: Dict[str, Any] = {
@@ -546,8 +546,12 @@ def precompute(
         manifest["target_probs_topk"] = topk
     writer = eagle3.PartWriter(out, manifest, len(samples), rank=rank, world_size=world_size,
                                format_version=format_version, target_embeddings=True, progress=False)
-    run = _Run(model, tokenizer, samples, writer, layers, aux, sel, vocab, hidden, seq_length, DTYPES[dtype],
-               topk if compressed else 0, n_buffers)
+    try:
+        run = _Run(model, tokenizer, samples, writer, layers, aux, sel, vocab, hidden, seq_length, DTYPES[dtype],
+                   topk if compressed else 0, n_buffers)
+    except BaseException:
+        writer.abort()
+        raise
     try:
         if writer.rank == 0:
             # The draft seeds its embeddings from the target's; NeMo stores them beside the cache.
