@@ -277,7 +277,9 @@ def test_the_entry_point_records_a_folder_of_images_and_a_pixels_file(tmp_path):
     with torch.no_grad():
         runs = [model(torch.from_numpy(px[i:i + 2]), output_hidden_states=True).hidden_states for i in range(0, 5, 2)]
     hidden = [torch.cat(h) for h in zip(*runs)]
-    np.testing.assert_array_equal(a[:, 1], hidden[3].numpy())
+    # Computed in this process, whose torch may use another thread count than the child's
+    # (kernels then sum in another order): equal to float32 rounding.
+    np.testing.assert_allclose(a[:, 1], hidden[3].numpy(), rtol=1e-5, atol=1e-6)
     from shardkit import provenance
     assert provenance.read(status["path"])["inputs"]["count"] == 5
 

@@ -29,14 +29,13 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
-import queue
-import threading
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from . import _args, provenance, saev
+from ._pipeline import Pipeline, Slot
 from .errors import InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -113,29 +112,6 @@ def _tokens_from_config(model: torch.nn.Module) -> Tuple[Optional[int], Optional
     d_model = _config_int(model, "hidden_size", "d_model", "n_embd")
     registers = _config_int(model, "num_register_tokens") or 0
     return content, d_model, registers
-
-
-class _Slot:
-    """One batch in flight: its staging tensor on the model's device and, on an accelerator,
-    the pinned host buffer it is copied into (and the event that copy records)."""
-
-    def __init__(self) -> None:
-        self.stage: Optional[torch.Tensor] = None
-        self.host: Optional[torch.Tensor] = None
-        self.event: Optional[Any] = None
-        self.rows = 0
-        self.filled: List[bool] = []
-        self.labels: Optional[np.ndarray] = None
-
-    def ensure(self, rows: int, shape: Tuple[int, int, int], device: torch.device) -> None:
-        if self.stage is not None and self.stage.shape[0] >= rows and self.stage.device == device:
-            return
-        self.stage = torch.empty((rows, *shape), dtype=torch.float32, device=device)
-        if device.type == "cuda":
-            self.host = torch.empty((rows, *shape), dtype=torch.float32, pin_memory=True)
-            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        else:
-            self.host, self.event = None, None
 
 
 class ActivationRecorder:
@@ -226,7 +202,7 @@ class ActivationRecorder:
         md.setdefault("dataset", "")
         md.setdefault("protocol", "2.1")
         self._capture = capture
-        self._n_buffers = _args.count("buffers", buffers, lo=1)
+        n_buffers = _args.count("buffers", buffers, lo=1)
         record = self._provenance(model, processor, inputs, labels)
         self._writer = saev.PartWriter(root, md, rank=rank, world_size=world_size, progress=progress)
         try:
@@ -239,18 +215,14 @@ class ActivationRecorder:
         self._rank, self._world = self._writer.rank, self._writer.world_size
         self._path = self._writer.path
         self._per_shard = int(md["max_tokens_per_shard"]) // (self._tokens * len(labels))
-        self._free: "queue.Queue[_Slot]" = queue.Queue()
-        for _ in range(self._n_buffers):
-            self._free.put(_Slot())
-        self._todo: "queue.Queue[Optional[_Slot]]" = queue.Queue()
-        self._error: Optional[BaseException] = None
-        self._aborting = False
-        self._current: Optional[_Slot] = None
-        self._side: Optional[Any] = None
+        self._current: Optional[Slot] = None
+        self._filled: List[bool] = []
         self._closed = False
+        self._aborted = False
         self._handles = [self._hook(m, slot) for slot, (_, m) in enumerate(self._recorded)]
-        self._thread = threading.Thread(target=self._write_loop, name="shardkit-record", daemon=True)
-        self._thread.start()
+        # Looked up at each write (not bound now), so the writer can be swapped in tests.
+        self._pipe = Pipeline(lambda t, labels: self._writer.write(t["acts"].numpy(), labels),
+                              buffers=n_buffers, name="shardkit-record")
 
     def _provenance(self, model: torch.nn.Module, processor: Any, inputs: Any, labels: List[int]) -> Dict[str, Any]:
         """What decides the dataset's bytes beyond its metadata (see shardkit.provenance)."""
@@ -303,45 +275,23 @@ class ActivationRecorder:
                     f"{self._prefix} prefix + {self._content} content tokens of d_model {self._d}")
             if s.rows == 0:
                 s.rows = b
-                s.ensure(b, (len(self._recorded), self._tokens, self._d), t.device)
             elif b != s.rows:
                 raise InvalidArgumentError(
                     f"{self._recorded[slot][0]}: batch of {b}, while other recorded modules saw {s.rows}")
-            assert s.stage is not None
-            rows = s.stage[:b, slot]
+            # The batch's rows as a shard stores them: (batch, layers, tokens, d_model).
+            stage = s.tensor("acts", (b, len(self._recorded), self._tokens, self._d), torch.float32, t.device)
+            rows = stage[:, slot]
             with torch.no_grad():
                 at = 0
                 if self._cls:
                     rows[:, 0].copy_(t[:, 0])
                     at = 1
                 rows[:, at:].copy_(t[:, self._prefix:self._prefix + self._content])
-            s.filled[slot] = True
+            self._filled[slot] = True
 
         if self._capture == "output":
             return module.register_forward_hook(lambda _m, _args, out: take(out))
         return module.register_forward_pre_hook(lambda _m, args: take(args))
-
-    def _write_loop(self) -> None:
-        while True:
-            s = self._todo.get()
-            if s is None:
-                return
-            try:
-                if self._error is None and not self._aborting:
-                    if s.event is not None:
-                        s.event.synchronize()
-                    src = s.host if s.host is not None else s.stage
-                    assert src is not None
-                    self._writer.write(src[:s.rows].numpy(), s.labels)
-            except BaseException as e:  # the caller's next call raises it
-                self._error = e
-            finally:
-                s.rows, s.labels = 0, None
-                self._free.put(s)
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
 
     def forward(self, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
         """Runs ``model(*args, **kwargs)`` without gradients, recording its batch (the next
@@ -349,43 +299,29 @@ class ActivationRecorder:
         for a dataset with labels.bin. Returns the model's output."""
         if self._closed:
             raise InvalidArgumentError("the recorder is closed")
-        self._raise_if_failed()
-        s = self._free.get()  # waits while every slot is being written: backpressure
-        s.rows, s.filled = 0, [False] * len(self._recorded)
+        s = self._pipe.take()  # waits while every slot is being written: backpressure
+        self._filled = [False] * len(self._recorded)
         self._current = s
         try:
             with torch.no_grad():
                 out = self._model(*args, **kwargs)
         except BaseException:
             self._current = None
-            self._free.put(s)
+            self._pipe.give_back(s)
             raise
         self._current = None
-        missing = [self._recorded[i][0] for i, f in enumerate(s.filled) if not f]
+        missing = [self._recorded[i][0] for i, f in enumerate(self._filled) if not f]
         if missing:
-            self._free.put(s)
+            self._pipe.give_back(s)
             raise InvalidArgumentError(
                 f"the forward did not run the recorded module(s) {', '.join(missing)}; nothing was recorded")
+        lab = None
         if labels is not None:
             lab = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
-            s.labels = lab
-        assert s.stage is not None
-        if s.host is not None:
-            self._copy_to_host(s)
-        self._todo.put(s)
+        self._pipe.submit(s, s.rows, lab)
         return out
 
     __call__ = forward
-
-    def _copy_to_host(self, s: _Slot) -> None:
-        assert s.stage is not None and s.host is not None and s.event is not None
-        device = s.stage.device
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self._side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self._side):
-            s.host[:s.rows].copy_(s.stage[:s.rows], non_blocking=True)
-            s.event.record(self._side)
 
     # -- the writer's face ------------------------------------------------------------------
 
@@ -435,9 +371,7 @@ class ActivationRecorder:
         """The recorded modules' names, one per layer slot."""
         return [n for n, _ in self._recorded]
 
-    def _drain(self) -> None:
-        self._todo.put(None)
-        self._thread.join()
+    def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -446,30 +380,32 @@ class ActivationRecorder:
         """Waits for the batches in flight, finishes this rank's part (committing the dataset
         when it completes the set) and returns the dataset's status; the error of any write
         that failed in the background is raised here (or at the next ``forward``)."""
-        if self._aborting:
+        if self._aborted:
             raise InvalidArgumentError(
                 "the recorder was aborted: what is durable stays, and a restart continues the part")
         if not self._closed:
             self._closed = True
-            self._drain()
-            if self._error is not None:
+            error = self._pipe.drain()
+            self._remove_hooks()
+            if error is not None:
                 self._writer.abort()
-                raise self._error
+                raise error
         return self._writer.close()
 
     def abort(self) -> None:
         """Stops without finishing: what is durable stays, and a restart continues."""
+        self._aborted = True
         if not self._closed:
             self._closed = True
-            self._aborting = True
-            self._drain()
+            self._pipe.abort()
+            self._remove_hooks()
             self._writer.abort()
 
     def __enter__(self) -> "ActivationRecorder":
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None and not self._aborting:
+        if exc_type is None and not self._aborted:
             self.close()
         else:
             self.abort()
