@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from shardkit import eagle3  # noqa: E402
-from shardkit.errors import InvalidArgumentError, InvalidArgumentTypeError  # noqa: E402
+from shardkit import eagle3, provenance  # noqa: E402
+from shardkit.errors import AlreadyExistsError, InvalidArgumentError, InvalidArgumentTypeError  # noqa: E402
 from shardkit.precompute_eagle3 import default_aux_layer_ids, load_data, precompute, tokenize  # noqa: E402
 
 from _procs import TIMEOUT, child_env, run_child, snapshot  # noqa: E402
@@ -131,7 +131,16 @@ def test_templates_with_and_without_generation_marks_and_pre_tokenized_samples_g
     short = [{"input_ids": r["input_ids"][:sum(r["attention_mask"])], "loss_mask": r["loss_mask"][:sum(r["attention_mask"])]}
              for r in rows]
     precompute(model, tok, short, pre, progress=False, **child.KW)
-    assert snapshot(plain) == snapshot(marked) == snapshot(pre)
+
+    def cache(path):  # the provenance record differs (another template, other samples), and
+        # so does the checksum sidecar, which covers it
+        return {k: v for k, v in snapshot(path).items() if k not in (provenance.FILE, "shardkit.checksums.json")}
+
+    assert cache(plain) == cache(marked) == cache(pre)
+    recs = [provenance.read(p) for p in (plain, marked, pre)]
+    assert recs[0]["model"] == recs[1]["model"] == recs[2]["model"]
+    assert recs[0]["processor"] != recs[1]["processor"] and recs[0]["inputs"] == recs[1]["inputs"]
+    assert recs[2]["inputs"] != recs[0]["inputs"]
 
 
 def test_a_pad_id_of_0_is_the_eos_id_for_the_attention_mask_as_in_nemo(tmp_path):
@@ -200,6 +209,14 @@ def test_a_failed_write_is_raised_and_a_resume_with_another_configuration_is_ref
     assert not st["committed"] and st["done"] >= 1
     with pytest.raises(Exception, match="seq_length"):
         precompute(child.model(), child.tokenizer(), child.samples(), out, progress=False, **{**child.KW, "seq_length": 20})
+    # Another model under the same name, or another sample list: refused naming what changed.
+    other = child.model()
+    with torch.no_grad():
+        next(other.parameters()).add_(1e-3)
+    with pytest.raises(AlreadyExistsError, match=r"provenance model\.sha256 differs"):
+        precompute(other, child.tokenizer(), child.samples(), out, progress=False, **child.KW)
+    with pytest.raises(AlreadyExistsError, match=r"provenance inputs\.sha256 differs"):
+        precompute(child.model(), child.tokenizer(), child.samples()[::-1], out, progress=False, **child.KW)
     precompute(child.model(), child.tokenizer(), child.samples(), out, progress=False, **child.KW)
     one = str(tmp_path / "one")
     child.produce(one)

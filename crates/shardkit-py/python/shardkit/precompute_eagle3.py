@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import _args, eagle3
+from . import _args, eagle3, provenance
 from ._pipeline import Pipeline, Slot
 from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
@@ -547,6 +547,12 @@ def precompute(
     writer = eagle3.PartWriter(out, manifest, len(samples), rank=rank, world_size=world_size,
                                format_version=format_version, target_embeddings=True, progress=False)
     try:
+        # What decides the bytes beyond the manifest: a restart from another model, tokenizer
+        # or sample list is refused naming it (the manifest holds only the model's name).
+        record: Dict[str, Any] = {"model": provenance.model_digest(model), "inputs": provenance.inputs_digest(samples)}
+        if tokenizer is not None:
+            record["processor"] = provenance.processor_digest(tokenizer)
+        provenance.record(writer.path, record)
         run = _Run(model, tokenizer, samples, writer, layers, aux, sel, vocab, hidden, seq_length, DTYPES[dtype],
                    topk if compressed else 0, n_buffers)
     except BaseException:

@@ -94,13 +94,20 @@ def processor_digest(processor: Any) -> Dict[str, Any]:
 def inputs_digest(inputs: Any) -> Dict[str, Any]:
     """``{"sha256", "count"?}`` of the input order: anything JSON can write (the list of image
     paths, sample ids, or a string naming the dataset, its split and its order)."""
+    def plain(o: Any) -> Any:  # arrays and tensors as their values
+        if hasattr(o, "tolist"):
+            return o.tolist()
+        raise TypeError(f"{type(o).__name__} is not JSON-writable")
+
+    h = hashlib.sha256()
     try:
-        text = json.dumps(inputs, sort_keys=True)
-    except TypeError as e:
+        for chunk in json.JSONEncoder(sort_keys=True, default=plain).iterencode(inputs):
+            h.update(chunk.encode())
+    except (TypeError, ValueError) as e:
         raise InvalidArgumentError(
             f"inputs: give what identifies the inputs in order as JSON-writable values "
-            f"(paths, ids, a name): {e}") from None
-    out: Dict[str, Any] = {"sha256": hashlib.sha256(text.encode()).hexdigest()}
+            f"(paths, ids, a name, arrays): {e}") from None
+    out: Dict[str, Any] = {"sha256": h.hexdigest()}
     if isinstance(inputs, (list, tuple)):
         out["count"] = len(inputs)
     return out
