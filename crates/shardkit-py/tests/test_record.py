@@ -360,3 +360,39 @@ def test_a_killed_text_recording_resumes_its_ids_and_activations(tmp_path):
         run(str(tmp_path / "cut"), rank=r, world_size=2)
     assert snapshot(one.path) == snapshot(cut.path)
     assert list(token_ids(cut.path)[8]) == ids[8].tolist()
+
+
+def test_transformer_lens_style_hook_points_are_recorded_by_name(tmp_path):
+    """TransformerLens names its hook points as modules (`blocks.1.hook_resid_post`, identity
+    modules the residual stream runs through): a tiny model built the same way."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Linear(8, 8)
+            self.hook_resid_post = torch.nn.Identity()
+
+        def forward(self, x):
+            return self.hook_resid_post(x + self.mlp(x))
+
+    class Lens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Linear(3, 8)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            h = self.embed(x)
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+    torch.manual_seed(0)
+    model = Lens().eval()
+    assert find_blocks(model)[0] == "blocks"
+    x = torch.randn(4, 5, 3)  # 4 examples of 5 tokens
+    rec = record(model, str(tmp_path), x, layers=[1], modules=["blocks.1.hook_resid_post"], cls_token=False,
+                 content_tokens=5, d_model=8, batch=4)
+    with torch.no_grad():
+        want = model.blocks[1](model.blocks[0](model.embed(x)))
+    np.testing.assert_array_equal(acts(rec.path)[:, 0], want.numpy())
