@@ -1,10 +1,10 @@
-"""Recording overhead of shardkit.record: the model's forward alone against forward + recording +
-writing, on the same inputs in the same run, with 1 and several ranks (processes started
+"""Producer overhead (shardkit.record, or shardkit.precompute_eagle3 with --producer eagle3): the
+model's forward alone against forward + recording + writing, on the same inputs in the same run, with 1 and several ranks (processes started
 together, each recording its part of one saev dataset), and the write rate against the disk's
 sequential write ceiling measured in the same run. Prints JSON.
 
-    .venv/bin/python scripts/bench_record.py [--ranks 1,2] [--batches 12] [--batch 8]
-                                             [--device cpu|cuda] [--dir DIR]
+    .venv/bin/python scripts/bench_record.py [--producer saev|eagle3] [--ranks 1,2] [--batches 12]
+                                             [--batch 8] [--device cpu|cuda] [--dir DIR]
 
 The model is a random ViT-S/16 built from a config (224 px, 197 tokens, 384 wide, 12 blocks),
 whose forward dominates on a CPU; the recorder keeps the CLS and 196 content tokens of 2 blocks.
@@ -41,7 +41,52 @@ def ceiling(dir_: str, mib: int = 512) -> float:
     return mib * (1 << 20) / dt / 1e9
 
 
+def child_eagle3(args: argparse.Namespace) -> None:
+    """One rank of the EAGLE-3 producer: a random Llama (12 layers, 512 wide, vocabulary 8,192,
+    sequences of 256) over pre-tokenized samples, draft vocabulary 2,048, bf16 cache."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardkit.precompute_eagle3 import precompute
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
+                      num_key_value_heads=8, intermediate_size=1408, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval().to(args.device)
+    seq, n = 256, args.batches * args.batch * args.world
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 8192, (n, seq), generator=gen)
+    samples = [{"input_ids": ids[i].tolist(), "loss_mask": [1] * seq} for i in range(n)]
+    x = ids[: args.batch].to(args.device)
+
+    def sync() -> None:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        for _ in range(2):
+            model(input_ids=x)
+        sync()
+        t = time.perf_counter()
+        for _ in range(args.batches):
+            model(input_ids=x)
+        sync()
+        forward = time.perf_counter() - t
+    written = [0]
+    t = time.perf_counter()
+    precompute(model, None, samples, args.out, seq_length=seq, selected_token_ids=list(range(2048)),
+               dtype="bf16", shard_size=args.batch * 4, batch_size=args.batch, target_model="random-llama",
+               rank=args.rank, world_size=args.world, progress=lambda d, tot, b: written.__setitem__(0, b))
+    sync()
+    recorded = time.perf_counter() - t
+    print(json.dumps({"rank": args.rank, "forward_s": forward, "recorded_s": recorded, "bytes": written[0]}),
+          flush=True)
+
+
 def child(args: argparse.Namespace) -> None:
+    if args.producer == "eagle3":
+        return child_eagle3(args)
     import torch
     from transformers import ViTConfig, ViTModel
 
@@ -90,6 +135,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=12, help="batches per rank")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--producer", default="saev", choices=["saev", "eagle3"],
+                    help="saev: shardkit.record over a ViT-S/16; eagle3: precompute_eagle3 over a Llama")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -100,13 +147,14 @@ def main() -> None:
         child(args)
         return
     base = tempfile.mkdtemp(prefix="bench-record-", dir=args.dir)
-    out = {"cores": os.cpu_count(), "device": args.device, "batch": args.batch,
+    out = {"producer": args.producer, "cores": os.cpu_count(), "device": args.device, "batch": args.batch,
            "ceiling_write_GBps": ceiling(base), "runs": []}
     for world in [int(r) for r in args.ranks.split(",")]:
         root = os.path.join(base, f"w{world}")
         procs = [subprocess.Popen([sys.executable, __file__, "--child", "--rank", str(r), "--world", str(world),
                                    "--out", root, "--batches", str(args.batches), "--batch", str(args.batch),
-                                   "--device", args.device], stdout=subprocess.PIPE, text=True)
+                                   "--device", args.device, "--producer", args.producer],
+                                  stdout=subprocess.PIPE, text=True)
                  for r in range(world)]
         results = []
         for p in procs:
