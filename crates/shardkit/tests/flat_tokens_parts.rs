@@ -8,80 +8,13 @@
 
 mod common;
 
-use common::tree;
+use common::flat_tokens::{names, options, seq, seqs, single, small_v3, write_all, TOTAL};
+use common::{rank, tree};
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use shardkit::flat_tokens::{
-    self, Layout, PartOptions, PartWriter, Sharded, Split, Writer, WriterOptions,
-};
-use shardkit::{Error, Rank};
-
-const TOTAL: u64 = 1000;
-const PER_UNIT: u64 = 37; // 28 units, the last one short
-
-/// Sequence `i`: 0 to 40 tokens (some empty), ids from `i`.
-fn seq(i: u64) -> Vec<u32> {
-    let len = (i * 7919 % 41) as u32;
-    (0..len)
-        .map(|t| (i as u32 * 31 + t * 17) % 50_000 + 1)
-        .collect()
-}
-
-fn seqs(r: std::ops::Range<u64>) -> Vec<Vec<u32>> {
-    r.map(seq).collect()
-}
-
-fn small_v3() -> Layout {
-    Layout::V3(Sharded {
-        tokens_per_shard: 4096,
-        tokens_per_chunk: 512,
-        starts_per_shard: 256,
-        starts_per_chunk: 64,
-        zstd_level: 3,
-    })
-}
-
-fn options(layout: Layout) -> PartOptions {
-    PartOptions {
-        layout: Some(layout),
-        sequences_per_unit: PER_UNIT,
-    }
-}
-
-fn single(root: &Path, layout: Layout) {
-    let opts = WriterOptions {
-        layout: Some(layout),
-        ..WriterOptions::default()
-    };
-    let mut w = Writer::create(root, "train", opts).unwrap();
-    for c in (0..TOTAL).step_by(100) {
-        w.append(&seqs(c..(c + 100).min(TOTAL))).unwrap();
-    }
-    w.finish().unwrap();
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
-}
-
-/// Writes `w`'s pending sequences in batches of 7, finishing it.
-fn write_all(mut w: PartWriter) -> shardkit::Result<shardkit::PartsStatus> {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 7).min(r.end);
-            w.append(&seqs(at..end))?;
-            at = end;
-        }
-    }
-    w.finish()
-}
-
-fn names(t: &BTreeMap<String, Vec<u8>>) -> Vec<&String> {
-    t.keys().collect()
-}
+use shardkit::flat_tokens::{self, Layout, PartOptions, PartWriter, Split, Writer, WriterOptions};
+use shardkit::Error;
 
 #[test]
 fn one_to_four_writers_commit_the_split_one_writer_writes_byte_for_byte() {

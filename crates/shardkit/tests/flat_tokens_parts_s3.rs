@@ -9,116 +9,23 @@
 
 mod common;
 
+use common::flat_tokens::{names, options, seqs, single, small_v3, write_all, TOTAL};
+use common::rank;
+use common::stores::{objects, store};
+
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
 
-use futures::TryStreamExt;
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt};
-use shardkit::flat_tokens::{
-    self, Layout, PartOptions, PartWriter, Sharded, Split, Writer, WriterOptions,
-};
-use shardkit::{Error, Rank};
-
-const TOTAL: u64 = 1000;
-const PER_UNIT: u64 = 37; // 28 units, the last one short
-
-/// Sequence `i`: 0 to 40 tokens (some empty), ids from `i`.
-fn seq(i: u64) -> Vec<u32> {
-    let len = (i * 7919 % 41) as u32;
-    (0..len)
-        .map(|t| (i as u32 * 31 + t * 17) % 50_000 + 1)
-        .collect()
-}
-
-fn seqs(r: std::ops::Range<u64>) -> Vec<Vec<u32>> {
-    r.map(seq).collect()
-}
-
-fn small_v3() -> Layout {
-    Layout::V3(Sharded {
-        tokens_per_shard: 4096,
-        tokens_per_chunk: 512,
-        starts_per_shard: 256,
-        starts_per_chunk: 64,
-        zstd_level: 3,
-    })
-}
-
-fn options(layout: Layout) -> PartOptions {
-    PartOptions {
-        layout: Some(layout),
-        sequences_per_unit: PER_UNIT,
-    }
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
-}
-
-fn store(staging: &Path) -> Arc<InMemory> {
-    std::env::set_var("SHARDKIT_STAGING_DIR", staging);
-    let mem = Arc::new(InMemory::new());
-    shardkit::internals::stores::use_store("bucket", mem.clone());
-    mem
-}
-
-/// Every object under `prefix/` with its bytes, names relative to it.
-fn objects(mem: &InMemory, prefix: &str) -> BTreeMap<String, Vec<u8>> {
-    futures::executor::block_on(async {
-        let metas: Vec<_> = mem
-            .list(Some(&ObjectPath::from(prefix)))
-            .try_collect()
-            .await
-            .unwrap();
-        let mut out = BTreeMap::new();
-        for m in metas {
-            let bytes = mem.get(&m.location).await.unwrap().bytes().await.unwrap();
-            out.insert(
-                m.location.as_ref()[prefix.len() + 1..].to_string(),
-                bytes.to_vec(),
-            );
-        }
-        out
-    })
-}
-
-/// One `Writer` writes the split to `root` (a directory or a URL).
-fn single(root: &str, layout: Layout) {
-    let opts = WriterOptions {
-        layout: Some(layout),
-        ..WriterOptions::default()
-    };
-    let mut w = Writer::create(root, "train", opts).unwrap();
-    for c in (0..TOTAL).step_by(100) {
-        w.append(&seqs(c..(c + 100).min(TOTAL))).unwrap();
-    }
-    w.finish().unwrap();
-}
-
-/// Writes `w`'s pending sequences in batches of 7, finishing it.
-fn write_all(mut w: PartWriter) -> shardkit::Result<shardkit::PartsStatus> {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 7).min(r.end);
-            w.append(&seqs(at..end))?;
-            at = end;
-        }
-    }
-    w.finish()
-}
-
-fn names(t: &BTreeMap<String, Vec<u8>>) -> Vec<&String> {
-    t.keys().collect()
-}
+use object_store::ObjectStoreExt;
+use shardkit::flat_tokens::{self, Layout, PartOptions, PartWriter, Split, Writer, WriterOptions};
+use shardkit::Error;
 
 /// The reference objects of `layout`: what one writer puts in a store, checked equal, object
 /// by object, to the files it writes locally.
 fn reference(mem: &InMemory, dir: &Path, layout: Layout, name: &str) -> BTreeMap<String, Vec<u8>> {
-    single(&format!("s3://bucket/{name}"), layout);
+    single(format!("s3://bucket/{name}"), layout);
     let want = objects(mem, name);
     let local = dir.join(format!("{name}.zarr"));
     single(local.to_str().unwrap(), layout);

@@ -1,0 +1,75 @@
+//! The flat-tokens split of the parts tests (tests/flat_tokens_parts.rs and its object-store
+//! twin tests/flat_tokens_parts_s3.rs): 1000 sequences in units of 37, written whole or in
+//! parts.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use shardkit::flat_tokens::{Layout, PartOptions, PartWriter, Sharded, Writer, WriterOptions};
+
+pub const TOTAL: u64 = 1000;
+pub const PER_UNIT: u64 = 37; // 28 units, the last one short
+
+/// Sequence `i`: 0 to 40 tokens (some empty), ids from `i`.
+pub fn seq(i: u64) -> Vec<u32> {
+    let len = (i * 7919 % 41) as u32;
+    (0..len)
+        .map(|t| (i as u32 * 31 + t * 17) % 50_000 + 1)
+        .collect()
+}
+
+/// Sequences `r`, as [`seq`] makes them.
+pub fn seqs(r: std::ops::Range<u64>) -> Vec<Vec<u32>> {
+    r.map(seq).collect()
+}
+
+/// A v3 layout small enough that the split spans several shards and chunks.
+pub fn small_v3() -> Layout {
+    Layout::V3(Sharded {
+        tokens_per_shard: 4096,
+        tokens_per_chunk: 512,
+        starts_per_shard: 256,
+        starts_per_chunk: 64,
+        zstd_level: 3,
+    })
+}
+
+/// Part options of `layout`, in units of [`PER_UNIT`] sequences.
+pub fn options(layout: Layout) -> PartOptions {
+    PartOptions {
+        layout: Some(layout),
+        sequences_per_unit: PER_UNIT,
+    }
+}
+
+/// One `Writer` writes the split `train` of [`TOTAL`] sequences to `root` (a directory or a
+/// URL), 100 at a time.
+pub fn single(root: impl AsRef<Path>, layout: Layout) {
+    let opts = WriterOptions {
+        layout: Some(layout),
+        ..WriterOptions::default()
+    };
+    let mut w = Writer::create(root, "train", opts).unwrap();
+    for c in (0..TOTAL).step_by(100) {
+        w.append(&seqs(c..(c + 100).min(TOTAL))).unwrap();
+    }
+    w.finish().unwrap();
+}
+
+/// Writes `w`'s pending sequences in batches of 7, finishing it.
+pub fn write_all(mut w: PartWriter) -> shardkit::Result<shardkit::PartsStatus> {
+    for r in w.pending().to_vec() {
+        let mut at = r.start;
+        while at < r.end {
+            let end = (at + 7).min(r.end);
+            w.append(&seqs(at..end))?;
+            at = end;
+        }
+    }
+    w.finish()
+}
+
+/// The names of a tree of files or objects.
+pub fn names(t: &BTreeMap<String, Vec<u8>>) -> Vec<&String> {
+    t.keys().collect()
+}
