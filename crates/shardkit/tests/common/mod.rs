@@ -89,5 +89,6 @@ pub fn assert_same_tree(a: &Path, b: &Path, what: &str) {
     assert!(differ.is_empty(), "{what}: files differ: {differ:?}");
 }
 pub mod broadcast;
+pub mod eagle3;
 pub mod flat_tokens;
 pub mod stores;

@@ -1,0 +1,167 @@
+//! The EAGLE-3 caches of the parts and follow tests (tests/eagle3_parts.rs, eagle3_parts_s3.rs,
+//! eagle3_follow.rs and follow_s3.rs): seq 4, hidden 2 (aux 6), shards of 2, every sample
+//! `synthetic_sample`'s.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use shardkit::eagle3::{
+    synthetic_sample, Batch, Batches, FollowOptions, LoaderOptions, Manifest, PartOptions,
+    PartWriter, Writer, WriterOptions,
+};
+use shardkit::json::Value;
+
+use super::rank;
+
+/// The samples of the parts tests' cache: 6 shards, the last one short.
+pub const PARTS_N: u64 = 11;
+
+/// The samples of the follow tests' cache: 12 shards, the last one short.
+pub const FOLLOW_N: u64 = 23;
+
+/// The configuration: seq 4, hidden 2 (aux 6), shards of 2, 8 tokens; `num_samples` declared
+/// when given.
+pub fn config(num_samples: Option<u64>) -> Value {
+    let n = num_samples.map_or(String::new(), |n| format!(r#""num_samples": {n},"#));
+    shardkit::json::parse(
+        format!(
+            r#"{{"target_model": "demo", "target_vocab_size": 8, "draft_vocab_size": 8,
+            "seq_length": 4, "dtype": "bf16", {n} "shard_size": 2, "aux_hidden_dim": 6,
+            "aux_layer_ids": [1, 2, 3], "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
+            "input_data": "demo", "split": null, "shuffle_seed": 1}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap()
+}
+
+/// Samples `first..end`, each field's rows concatenated.
+pub fn batch(m: &Manifest, first: u64, end: u64) -> Vec<(&'static str, Vec<u8>)> {
+    let mut out: Vec<(&'static str, Vec<u8>)> = Vec::new();
+    for i in first..end {
+        for (f, (name, bytes)) in synthetic_sample(m, i).into_iter().enumerate() {
+            match out.get_mut(f) {
+                Some((_, b)) => b.extend(bytes),
+                None => out.push((name, bytes)),
+            }
+        }
+    }
+    out
+}
+
+/// The fields of a [`batch`] as `add` takes them.
+pub fn refs<'a>(b: &'a [(&'static str, Vec<u8>)]) -> Vec<(&'static str, &'a [u8])> {
+    b.iter().map(|(n, v)| (*n, v.as_slice())).collect()
+}
+
+/// The embedding table: 8 rows of hidden 2.
+pub fn table(seed: u8) -> Vec<u8> {
+    (0..16u8)
+        .flat_map(|i| f32::from(i.wrapping_mul(seed)).to_le_bytes())
+        .collect()
+}
+
+/// One `Writer` writes the parts tests' cache (`num_samples` declared) at `dir`, with the
+/// embedding table `table(3)` when `embeddings`.
+pub fn single(dir: &Path, version: u8, embeddings: bool) -> PathBuf {
+    let mut w = Writer::create(
+        dir,
+        &config(Some(PARTS_N)),
+        WriterOptions {
+            version,
+            resume: false,
+        },
+    )
+    .unwrap();
+    if embeddings {
+        w.write_target_embeddings(&table(3), 8, 2).unwrap();
+    }
+    let b = batch(w.manifest(), 0, PARTS_N);
+    w.add(PARTS_N, &refs(&b)).unwrap();
+    w.finish().unwrap()
+}
+
+/// Part options of cache `version`, with or without the embedding table.
+pub fn options(version: u8, embeddings: bool) -> PartOptions {
+    PartOptions {
+        version,
+        target_embeddings: embeddings,
+    }
+}
+
+/// Adds `w`'s pending samples `per` at a time, `pause` after each add, then finishes it.
+pub fn write_paced(mut w: PartWriter, per: u64, pause: Duration) -> shardkit::PartsStatus {
+    for r in w.pending().to_vec() {
+        let mut at = r.start;
+        while at < r.end {
+            let end = (at + per).min(r.end);
+            let b = batch(w.manifest(), at, end);
+            w.add(end - at, &refs(&b)).unwrap();
+            at = end;
+            std::thread::sleep(pause);
+        }
+    }
+    w.finish().unwrap()
+}
+
+/// Adds `w`'s pending samples in batches of 3, then finishes it.
+pub fn write_all(w: PartWriter) -> shardkit::PartsStatus {
+    write_paced(w, 3, Duration::ZERO)
+}
+
+/// Writes `w`'s samples one shard at a time, `pause` between, then finishes it.
+pub fn write_shards(w: PartWriter, pause: Duration) {
+    write_paced(w, 2, pause);
+}
+
+/// Rank `r` of `w` writing the follow tests' cache (version 2, no embeddings) at `dir`.
+pub fn writer(dir: &Path, r: u64, w: u64) -> PartWriter {
+    let o = PartOptions {
+        version: 2,
+        target_embeddings: false,
+    };
+    PartWriter::create(dir, &config(None), o, FOLLOW_N, rank(r, w)).unwrap()
+}
+
+/// Follow-mode loader options: rank 0 of 1, batches of 3, seed 7, polls of 5 ms.
+pub fn follow_opts(timeout_ms: u64) -> LoaderOptions {
+    let mut o = LoaderOptions::new(3);
+    (o.rank, o.world_size, o.seed) = (Some(0), Some(1), 7);
+    o.follow = Some(FollowOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        poll: Duration::from_millis(5),
+        interrupted: None,
+        broadcast: None,
+    });
+    o
+}
+
+/// Checks every row of `b` against what was written for its sample.
+pub fn check_whole(m: &Manifest, b: &Batch) {
+    for (row, &i) in b.indices.iter().enumerate() {
+        for (name, want) in synthetic_sample(m, i) {
+            let Some(f) = b.layout.iter().find(|f| f.name == name) else {
+                continue;
+            };
+            let bytes = b.data.field(f);
+            let rb = bytes.len() / b.indices.len();
+            assert_eq!(&bytes[row * rb..(row + 1) * rb], &want[..], "{name} of {i}");
+        }
+    }
+}
+
+/// The samples of a pass until it ends or fails (the error's text, if it failed), each batch
+/// checked whole.
+pub fn drain(it: &mut Batches, m: &Manifest) -> (Vec<Vec<u64>>, Option<String>) {
+    let mut out = Vec::new();
+    for b in it {
+        match b {
+            Ok(b) => {
+                check_whole(m, &b);
+                out.push(b.indices.clone());
+            }
+            Err(e) => return (out, Some(e.to_string())),
+        }
+    }
+    (out, None)
+}
