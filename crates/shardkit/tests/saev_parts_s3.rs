@@ -7,107 +7,36 @@
 //! so the environment variables each sets are its own.
 #![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
 
+mod common;
+
+use common::saev::{acts, labels, metadata, single, write_all};
+use common::stores::store;
+use common::{rank, tree};
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use futures::TryStreamExt;
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use shardkit::saev::{self, Dataset, Metadata, PartWriter, Writer, WriterOptions};
-use shardkit::{Error, Rank};
+use shardkit::saev::{self, Dataset, PartWriter, Writer, WriterOptions};
+use shardkit::Error;
 
 const ROOT: &str = "s3://bucket/data";
 
-fn metadata(n_examples: u64) -> Metadata {
-    let md = format!(
-        r#"{{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
-        "cls_token": true, "d_model": 4, "n_examples": {n_examples}, "max_tokens_per_shard": 16,
-        "data": "d", "dataset": "t", "protocol": "2.1"}}"#
-    );
-    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
-}
-
-const EV: usize = 2 * 4 * 4;
-
-fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
-    examples
-        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
-        .collect()
-}
-
-fn labels(examples: std::ops::Range<u64>) -> Vec<u8> {
-    examples
-        .flat_map(|e| (0..3).map(move |t| (e * 7 + t) as u8))
-        .collect()
-}
-
-/// A fresh in-memory store in place of `s3://bucket`, staging under `staging`.
-fn store(staging: &Path) -> Arc<InMemory> {
-    std::env::set_var("SHARDKIT_STAGING_DIR", staging);
-    let mem = Arc::new(InMemory::new());
-    shardkit::internals::stores::use_store("bucket", mem.clone());
-    mem
-}
-
-/// Every object under `data/<dir>/` with its bytes, names relative to it.
+/// Every object of the dataset `data/<dir>` with its bytes, names relative to it.
 fn objects(mem: &InMemory, dir: &str) -> BTreeMap<String, Vec<u8>> {
-    let prefix = format!("data/{dir}");
-    futures::executor::block_on(async {
-        let metas: Vec<_> = mem
-            .list(Some(&ObjectPath::from(prefix.as_str())))
-            .try_collect()
-            .await
-            .unwrap();
-        let mut out = BTreeMap::new();
-        for m in metas {
-            let bytes = mem.get(&m.location).await.unwrap().bytes().await.unwrap();
-            let name = m.location.as_ref()[prefix.len() + 1..].to_string();
-            out.insert(name, bytes.to_vec());
-        }
-        out
-    })
+    common::stores::objects(mem, &format!("data/{dir}"))
 }
 
-/// Every file below `dir`, as [`objects`].
-fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        out.insert(name, std::fs::read(&p).unwrap());
-    }
-    out
-}
-
+/// Every file one writer writes locally, as [`objects`].
 fn single_local(root: &Path, n: u64, with_labels: bool) -> BTreeMap<String, Vec<u8>> {
-    let mut w = Writer::create(root, metadata(n), WriterOptions::default()).unwrap();
-    let l = labels(0..n);
-    w.write(&acts(0..n), with_labels.then_some(&l[..])).unwrap();
-    tree(&w.finish().unwrap())
-}
-
-fn write_all(mut w: PartWriter, with_labels: bool) -> shardkit::PartsStatus {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 3).min(r.end);
-            let l = labels(at..end);
-            w.write(&acts(at..end), with_labels.then_some(&l[..]))
-                .unwrap();
-            at = end;
-        }
-    }
-    w.finish().unwrap()
+    tree(&single(root, n, with_labels))
 }
 
 fn url(dir: &str) -> PathBuf {
     PathBuf::from(format!("{ROOT}/{dir}"))
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
 }
 
 #[test]

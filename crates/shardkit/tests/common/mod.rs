@@ -91,4 +91,5 @@ pub fn assert_same_tree(a: &Path, b: &Path, what: &str) {
 pub mod broadcast;
 pub mod eagle3;
 pub mod flat_tokens;
+pub mod saev;
 pub mod stores;
