@@ -10,11 +10,12 @@
 
 mod common;
 
+use common::rank;
 use common::saev::{
     assert_each_row_once, drain, metadata, options, rounds_of, rows_of, take, write_meanwhile,
     write_shard, FOLLOW_N,
 };
-use common::{rank, stores};
+use common::stores::{self, Hook, Hooked};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -22,42 +23,38 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
-use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, PutPayload};
+use object_store::ObjectStore;
 use shardkit::engine::Order;
 use shardkit::saev::{FollowOptions, Loader, PartWriter};
 use shardkit::Error;
 
 const ROOT: &str = "s3://bucket/data";
 
-/// An in-memory store that logs each request: (operation, object or prefix).
+/// The requests to a store, each (operation, object or prefix).
 #[derive(Debug, Default)]
-struct Logged {
-    inner: InMemory,
-    log: Mutex<Vec<(&'static str, String)>>,
-}
+struct Log(Mutex<Vec<(&'static str, String)>>);
 
-impl std::fmt::Display for Logged {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Logged({})", self.inner)
+impl Hook for Log {
+    fn before(&self, op: &'static str, path: Option<&ObjectPath>) -> object_store::Result<()> {
+        let p = path.map(|p| p.as_ref().to_string()).unwrap_or_default();
+        self.0.lock().unwrap().push((op, p));
+        Ok(())
     }
 }
+
+/// An in-memory store that logs each request.
+type Logged = Hooked<Log>;
 
 impl Logged {
-    fn note(&self, op: &'static str, path: Option<&ObjectPath>) {
-        let p = path.map(|p| p.as_ref().to_string()).unwrap_or_default();
-        self.log.lock().unwrap().push((op, p));
-    }
-
     /// The requests logged so far.
     fn mark(&self) -> usize {
-        self.log.lock().unwrap().len()
+        self.hook.0.lock().unwrap().len()
     }
 
     /// The requests logged since `mark`.
     fn since(&self, mark: usize) -> Vec<(&'static str, String)> {
-        self.log.lock().unwrap()[mark..].to_vec()
+        self.hook.0.lock().unwrap()[mark..].to_vec()
     }
 
     /// Whether shards `shards` of the dataset `dir` (its URL) are recorded durable.
@@ -87,71 +84,6 @@ impl Logged {
             );
             std::thread::sleep(Duration::from_millis(2));
         }
-    }
-}
-
-#[async_trait::async_trait]
-impl ObjectStore for Logged {
-    async fn put_opts(
-        &self,
-        location: &ObjectPath,
-        payload: PutPayload,
-        opts: object_store::PutOptions,
-    ) -> object_store::Result<object_store::PutResult> {
-        self.note("put", Some(location));
-        self.inner.put_opts(location, payload, opts).await
-    }
-
-    async fn put_multipart_opts(
-        &self,
-        location: &ObjectPath,
-        opts: object_store::PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-        self.note("put", Some(location));
-        self.inner.put_multipart_opts(location, opts).await
-    }
-
-    async fn get_opts(
-        &self,
-        location: &ObjectPath,
-        options: object_store::GetOptions,
-    ) -> object_store::Result<object_store::GetResult> {
-        self.note(if options.head { "head" } else { "get" }, Some(location));
-        self.inner.get_opts(location, options).await
-    }
-
-    fn delete_stream(
-        &self,
-        locations: futures::stream::BoxStream<'static, object_store::Result<ObjectPath>>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<ObjectPath>> {
-        self.note("delete", None);
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
-        self.note("list", prefix);
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> object_store::Result<object_store::ListResult> {
-        self.note("list", prefix);
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &ObjectPath,
-        to: &ObjectPath,
-        options: object_store::CopyOptions,
-    ) -> object_store::Result<()> {
-        self.note("copy", Some(to));
-        self.inner.copy_opts(from, to, options).await
     }
 }
 

@@ -10,16 +10,15 @@
 mod common;
 
 use common::saev::{acts, labels, metadata, single, write_all};
-use common::stores::store;
+use common::stores::{self, store, Hook, Hooked};
 use common::{rank, tree};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+use object_store::{ObjectStoreExt, PutPayload};
 use shardkit::saev::{self, Dataset, PartWriter, Writer, WriterOptions};
 use shardkit::Error;
 
@@ -213,16 +212,8 @@ fn the_commit_lock_in_a_store_is_one_ranks_and_a_dead_holders_is_taken_over() {
     let w1 = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
     assert!(!write_all(w0, true).committed);
     // Another machine's committer holds the commit lock (renewed just now).
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let held = format!(
-        "{{\"shardkit_lock\": 1, \"host\": \"elsewhere\", \"boot_id\": \"b\", \"pid\": 7, \
-         \"token\": \"t\", \"renewed_unix\": {now}, \"lease_s\": 2}}"
-    );
-    let key = ObjectPath::from(format!("data/{dir}/.shardkit-parts/commit.lock"));
-    futures::executor::block_on(mem.put(&key, PutPayload::from(held.into_bytes()))).unwrap();
+    let key = format!("data/{dir}/.shardkit-parts/commit.lock");
+    stores::plant_held_lock(&mem, &key, 2);
     // The last rank waits for the holder, whose lease runs out (it stopped renewing): then
     // it commits.
     let started = std::time::Instant::now();
@@ -309,23 +300,14 @@ fn a_rank_whose_claim_was_taken_over_uploads_and_records_nothing_more() {
     assert!(saev::status(url(&dir)).unwrap().done.is_empty());
 }
 
-/// A store that refuses every write of an object whose name contains `refuse`, as a store
-/// answering 500 to it would.
+/// Refuses every write of an object whose name contains its text, as a store answering 500
+/// to it would.
 #[derive(Debug)]
-struct RefusingPuts {
-    inner: InMemory,
-    refuse: &'static str,
-}
+struct RefusePuts(&'static str);
 
-impl std::fmt::Display for RefusingPuts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RefusingPuts({})", self.inner)
-    }
-}
-
-impl RefusingPuts {
-    fn check(&self, location: &ObjectPath) -> object_store::Result<()> {
-        if location.as_ref().contains(self.refuse) {
+impl Hook for RefusePuts {
+    fn before(&self, op: &'static str, path: Option<&ObjectPath>) -> object_store::Result<()> {
+        if op == "put" && path.is_some_and(|p| p.as_ref().contains(self.0)) {
             return Err(object_store::Error::Generic {
                 store: "RefusingPuts",
                 source: "Server returned non-2xx status code: 500 Internal Server Error".into(),
@@ -335,75 +317,10 @@ impl RefusingPuts {
     }
 }
 
-#[async_trait::async_trait]
-impl ObjectStore for RefusingPuts {
-    async fn put_opts(
-        &self,
-        location: &ObjectPath,
-        payload: PutPayload,
-        opts: object_store::PutOptions,
-    ) -> object_store::Result<object_store::PutResult> {
-        self.check(location)?;
-        self.inner.put_opts(location, payload, opts).await
-    }
-
-    async fn put_multipart_opts(
-        &self,
-        location: &ObjectPath,
-        opts: object_store::PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-        self.check(location)?;
-        self.inner.put_multipart_opts(location, opts).await
-    }
-
-    async fn get_opts(
-        &self,
-        location: &ObjectPath,
-        options: object_store::GetOptions,
-    ) -> object_store::Result<object_store::GetResult> {
-        self.inner.get_opts(location, options).await
-    }
-
-    fn delete_stream(
-        &self,
-        locations: futures::stream::BoxStream<'static, object_store::Result<ObjectPath>>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<ObjectPath>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> object_store::Result<object_store::ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &ObjectPath,
-        to: &ObjectPath,
-        options: object_store::CopyOptions,
-    ) -> object_store::Result<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
-}
-
 #[test]
 fn a_shard_whose_upload_fails_behind_the_writer_is_its_error_and_is_never_recorded() {
     let tmp = tempfile::tempdir().unwrap();
-    std::env::set_var("SHARDKIT_STAGING_DIR", tmp.path());
-    let mem = Arc::new(RefusingPuts {
-        inner: InMemory::new(),
-        refuse: "acts000002.bin",
-    });
-    shardkit::internals::stores::use_store("bucket", mem);
+    stores::install(tmp.path(), Hooked::new(RefusePuts("acts000002.bin")));
     let dir = metadata(11).dir_name();
     let mut w = PartWriter::create(ROOT, metadata(11), rank(0, 1)).unwrap();
     // Shards go up behind the writer: the failure is the error of a later write or of finish.
