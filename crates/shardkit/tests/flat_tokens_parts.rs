@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::flat_tokens::{names, options, seq, seqs, single, small_v3, write_all, TOTAL};
+use common::flat_tokens::{
+    names, options, seq, seqs, single, small_v3, write_all, write_ranks, TOTAL,
+};
 use common::{rank, tree};
 
 use std::path::Path;
@@ -26,26 +28,7 @@ fn one_to_four_writers_commit_the_split_one_writer_writes_byte_for_byte() {
         assert!(want.contains_key("shardkit.checksums.json"));
         for world in 1..=4u64 {
             let root = dir.path().join(format!("w{world}.zarr"));
-            // The ranks run together, as processes would (each its own locks and claims).
-            let statuses: Vec<_> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..world)
-                    .map(|r| {
-                        let root = root.clone();
-                        s.spawn(move || {
-                            let w = PartWriter::create(
-                                &root,
-                                "train",
-                                TOTAL,
-                                options(layout),
-                                rank(r, world),
-                            )
-                            .unwrap();
-                            write_all(w).unwrap()
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let statuses = write_ranks(&root, layout, world);
             assert!(statuses.iter().any(|s| s.committed), "{statuses:?}");
             let got = tree(&root);
             assert_eq!(names(&got), names(&want), "{layout:?}, {world} writers");

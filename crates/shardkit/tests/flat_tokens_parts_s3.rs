@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::flat_tokens::{names, options, seqs, single, small_v3, write_all, TOTAL};
+use common::flat_tokens::{names, options, seqs, single, small_v3, write_all, write_ranks, TOTAL};
 use common::rank;
 use common::stores::{objects, store};
 
@@ -17,8 +17,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use object_store::memory::InMemory;
-use object_store::path::Path as ObjectPath;
-use object_store::ObjectStoreExt;
 use shardkit::flat_tokens::{self, Layout, PartOptions, PartWriter, Split, Writer, WriterOptions};
 use shardkit::Error;
 
@@ -48,25 +46,7 @@ fn one_to_three_writers_in_a_store_commit_the_objects_one_writer_writes() {
         for world in 1..=3u64 {
             let name = format!("w{l}{world}");
             let url = format!("s3://bucket/{name}");
-            let statuses: Vec<_> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..world)
-                    .map(|r| {
-                        let url = url.clone();
-                        s.spawn(move || {
-                            let w = PartWriter::create(
-                                &url,
-                                "train",
-                                TOTAL,
-                                options(layout),
-                                rank(r, world),
-                            )
-                            .unwrap();
-                            write_all(w).unwrap()
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let statuses = write_ranks(Path::new(&url), layout, world);
             assert!(statuses.iter().any(|s| s.committed), "{statuses:?}");
             let got = objects(&mem, &name);
             assert_eq!(names(&got), names(&want), "{layout:?}, {world} writers");
@@ -218,16 +198,7 @@ fn a_rank_finishing_while_a_unit_is_missing_does_not_queue_on_a_live_commit_lock
     let w0 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(0, 2)).unwrap();
     let w1 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(1, 2)).unwrap();
     // Another machine's committer holds the split's commit lock (renewed just now, 30 s lease).
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let held = format!(
-        "{{\"shardkit_lock\": 1, \"host\": \"elsewhere\", \"boot_id\": \"b\", \"pid\": 7, \
-         \"token\": \"t\", \"renewed_unix\": {now}, \"lease_s\": 30}}"
-    );
-    let key = ObjectPath::from("ds/.shardkit-parts/train/commit.lock");
-    futures::executor::block_on(mem.put(&key, held.into_bytes().into())).unwrap();
+    common::stores::plant_held_lock(&mem, "ds/.shardkit-parts/train/commit.lock", 30);
     // Rank 0 finishes with rank 1's units missing: it sees so from the records alone and
     // returns at once, instead of waiting out the holder's lease to find the same.
     let started = std::time::Instant::now();

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use super::rank;
 use shardkit::flat_tokens::{Layout, PartOptions, PartWriter, Sharded, Writer, WriterOptions};
 
 pub const TOTAL: u64 = 1000;
@@ -67,6 +68,24 @@ pub fn write_all(mut w: PartWriter) -> shardkit::Result<shardkit::PartsStatus> {
         }
     }
     w.finish()
+}
+
+/// Ranks `0..world` write the split `train` of `layout` at `root` (a directory or a URL) on
+/// threads, together as processes would (each its own locks and claims); their statuses.
+pub fn write_ranks(root: &Path, layout: Layout, world: u64) -> Vec<shardkit::PartsStatus> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                s.spawn(move || {
+                    let w =
+                        PartWriter::create(root, "train", TOTAL, options(layout), rank(r, world))
+                            .unwrap();
+                    write_all(w).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
 
 /// The names of a tree of files or objects.
