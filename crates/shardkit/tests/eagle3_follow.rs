@@ -11,7 +11,7 @@ use common::eagle3::{check_whole, drain, follow_opts, write_shards, writer, FOLL
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use shardkit::eagle3::{Cache, FollowOptions, Loader, LoaderOptions, PartWriter, RoundBroadcast};
+use shardkit::eagle3::{Cache, Loader, LoaderOptions, PartWriter, RoundBroadcast};
 
 const N: u64 = FOLLOW_N;
 
@@ -124,12 +124,7 @@ fn world_size_above_one_is_refused_on_an_unfinished_cache() {
 fn ranked(r: u64, w: u64, bc: &RoundBroadcast, timeout_ms: u64) -> LoaderOptions {
     let mut o = follow_opts(timeout_ms);
     (o.rank, o.world_size) = (Some(r), Some(w));
-    o.follow = Some(FollowOptions {
-        timeout: Duration::from_millis(timeout_ms),
-        poll: Duration::from_millis(5),
-        broadcast: Some(bc.clone()),
-        ..FollowOptions::default()
-    });
+    o.follow = Some(common::broadcast::follow_with(bc, timeout_ms));
     o
 }
 

@@ -233,12 +233,7 @@ fn follow_mode_refuses_what_it_cannot_keep_exact_and_without_it_an_unfinished_da
 fn ranked(order: Order, r: u64, w: u64, bc: &RoundBroadcast, timeout_ms: u64) -> LoaderOptions {
     let mut o = options(true, order);
     (o.rank, o.world_size) = (Some(r), Some(w));
-    o.follow = Some(FollowOptions {
-        timeout: Duration::from_millis(timeout_ms),
-        poll: Duration::from_millis(5),
-        broadcast: Some(bc.clone()),
-        ..FollowOptions::default()
-    });
+    o.follow = Some(common::broadcast::follow_with(bc, timeout_ms));
     o
 }
 
