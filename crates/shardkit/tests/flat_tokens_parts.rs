@@ -9,7 +9,8 @@
 mod common;
 
 use common::flat_tokens::{
-    names, options, seq, seqs, single, small_v3, write_all, write_ranks, TOTAL,
+    assert_other_configurations_refused, names, options, seq, seqs, single, small_v3, write_all,
+    write_ranks, TOTAL,
 };
 use common::{rank, tree};
 
@@ -96,30 +97,7 @@ fn ranks_with_another_configuration_are_refused_naming_the_key_before_writing() 
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("ds.zarr");
     let _w0 = PartWriter::create(&root, "train", TOTAL, options(small_v3()), rank(0, 2)).unwrap();
-    let before = tree(&root);
-    let cases: [(u64, PartOptions, &str); 4] = [
-        (TOTAL + 1, options(small_v3()), "total_sequences"),
-        (
-            TOTAL,
-            PartOptions {
-                sequences_per_unit: 40,
-                ..options(small_v3())
-            },
-            "sequences_per_unit",
-        ),
-        (TOTAL, options(Layout::default()), "tokens_per_shard"),
-        (TOTAL, options(Layout::V2), "layout"),
-    ];
-    for (total, opts, key) in cases {
-        let e = PartWriter::create(&root, "train", total, opts, rank(1, 2)).unwrap_err();
-        let msg = e.to_string();
-        assert!(matches!(e, Error::Exists { .. }), "{e:?}");
-        assert!(
-            msg.contains(&format!("{key:?}")) && msg.contains("flat_tokens.json"),
-            "{key}: {msg}"
-        );
-        assert!(tree(&root) == before, "{key}: something was written");
-    }
+    assert_other_configurations_refused(&root, || tree(&root));
     // A whole-split writer is refused while the split is written in parts.
     drop(_w0);
     let e = Writer::create(&root, "train", WriterOptions::default()).unwrap_err();

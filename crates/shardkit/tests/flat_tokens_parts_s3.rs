@@ -9,7 +9,10 @@
 
 mod common;
 
-use common::flat_tokens::{names, options, seqs, single, small_v3, write_all, write_ranks, TOTAL};
+use common::flat_tokens::{
+    assert_other_configurations_refused, names, options, seqs, single, small_v3, write_all,
+    write_ranks, TOTAL,
+};
 use common::rank;
 use common::stores::{objects, store};
 
@@ -17,7 +20,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use object_store::memory::InMemory;
-use shardkit::flat_tokens::{self, Layout, PartOptions, PartWriter, Split, Writer, WriterOptions};
+use shardkit::flat_tokens::{self, Layout, PartWriter, Split, Writer, WriterOptions};
 use shardkit::Error;
 
 /// The reference objects of `layout`: what one writer puts in a store, checked equal, object
@@ -129,33 +132,7 @@ fn in_a_store_another_configuration_an_overlapping_rank_and_a_whole_writer_are_r
     let mem = store(&dir.path().join("staging"));
     let url = "s3://bucket/ds";
     let w0 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(0, 2)).unwrap();
-    let before = objects(&mem, "ds");
-    let cases: [(u64, PartOptions, &str); 4] = [
-        (TOTAL + 1, options(small_v3()), "total_sequences"),
-        (
-            TOTAL,
-            PartOptions {
-                sequences_per_unit: 40,
-                ..options(small_v3())
-            },
-            "sequences_per_unit",
-        ),
-        (TOTAL, options(Layout::default()), "tokens_per_shard"),
-        (TOTAL, options(Layout::V2), "layout"),
-    ];
-    for (total, opts, key) in cases {
-        let e = PartWriter::create(url, "train", total, opts, rank(1, 2)).unwrap_err();
-        let msg = e.to_string();
-        assert!(matches!(e, Error::Exists { .. }), "{e:?}");
-        assert!(
-            msg.contains(&format!("{key:?}")) && msg.contains("flat_tokens.json"),
-            "{key}: {msg}"
-        );
-        assert!(
-            objects(&mem, "ds") == before,
-            "{key}: something was written"
-        );
-    }
+    assert_other_configurations_refused(Path::new(url), || objects(&mem, "ds"));
     // Rank 0 of 3 (units 0..10) overlaps the live rank 0 of 2 (units 0..14).
     let e = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(0, 3)).unwrap_err();
     let msg = e.to_string();

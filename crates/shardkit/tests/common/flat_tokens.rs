@@ -7,6 +7,7 @@ use std::path::Path;
 
 use super::rank;
 use shardkit::flat_tokens::{Layout, PartOptions, PartWriter, Sharded, Writer, WriterOptions};
+use shardkit::Error;
 
 pub const TOTAL: u64 = 1000;
 pub const PER_UNIT: u64 = 37; // 28 units, the last one short
@@ -86,6 +87,36 @@ pub fn write_ranks(root: &Path, layout: Layout, world: u64) -> Vec<shardkit::Par
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// Checks that rank 1 of 2 is refused at `root`, while rank 0 of 2 with `options(small_v3())`
+/// holds it, for another total and for options differing in one key each, the refusal naming
+/// the key and flat_tokens.json, with what `written` reads unchanged (nothing written).
+pub fn assert_other_configurations_refused<T: PartialEq>(root: &Path, written: impl Fn() -> T) {
+    let before = written();
+    let cases: [(u64, PartOptions, &str); 4] = [
+        (TOTAL + 1, options(small_v3()), "total_sequences"),
+        (
+            TOTAL,
+            PartOptions {
+                sequences_per_unit: 40,
+                ..options(small_v3())
+            },
+            "sequences_per_unit",
+        ),
+        (TOTAL, options(Layout::default()), "tokens_per_shard"),
+        (TOTAL, options(Layout::V2), "layout"),
+    ];
+    for (total, opts, key) in cases {
+        let e = PartWriter::create(root, "train", total, opts, rank(1, 2)).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, Error::Exists { .. }), "{e:?}");
+        assert!(
+            msg.contains(&format!("{key:?}")) && msg.contains("flat_tokens.json"),
+            "{key}: {msg}"
+        );
+        assert!(written() == before, "{key}: something was written");
+    }
 }
 
 /// The names of a tree of files or objects.
