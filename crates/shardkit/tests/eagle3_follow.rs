@@ -6,7 +6,10 @@
 
 mod common;
 
-use common::eagle3::{check_whole, drain, follow_opts, write_shards, writer, FOLLOW_N};
+use common::eagle3::{
+    assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, check_whole, drain,
+    follow_opts, write_shards, writer, FOLLOW_N,
+};
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
@@ -26,31 +29,12 @@ fn a_follow_loader_serves_every_sample_once_while_ranks_write_then_reads_as_a_pl
         .into_iter()
         .map(|w| std::thread::spawn(move || write_shards(w, Duration::from_millis(30))))
         .collect();
-    let (batches, err) = drain(&mut loader.iter(), &m);
-    assert_eq!(err, None);
-    let mut seen: Vec<u64> = batches.concat();
-    seen.sort_unstable();
-    assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
-    // It read while they wrote: several rounds (each a range count, then its ranges).
-    let Some(shardkit::engine::StateValue::List(flat)) =
-        loader.state().get("follow_rounds").cloned()
-    else {
-        panic!("no follow_rounds in {:?}", loader.state())
-    };
-    assert!(flat.len() > 3, "one round only: {flat:?}");
+    assert_every_sample_once_in_rounds(&loader, &m);
     for t in threads {
         t.join().unwrap();
     }
     // Committed now: epoch 1 is the plain loader's.
-    loader.set_epoch(1);
-    let (follow1, err) = drain(&mut loader.iter(), &m);
-    assert_eq!(err, None);
-    let mut o = follow_opts(0);
-    o.follow = None;
-    o.epoch = 1;
-    let plain = Loader::new(std::sync::Arc::new(Cache::open(&dir).unwrap()), o).unwrap();
-    let (plain1, _) = drain(&mut plain.iter(), &m);
-    assert_eq!(follow1, plain1);
+    assert_epoch_1_as_committed(&mut loader, &dir, &m);
 }
 
 #[test]

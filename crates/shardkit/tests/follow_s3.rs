@@ -12,8 +12,8 @@ mod common;
 
 use common::rank;
 use common::saev::{
-    assert_each_row_once, drain, metadata, options, rounds_of, rows_of, take, write_meanwhile,
-    write_shard, FOLLOW_N,
+    assert_committed_epochs_as_plain, assert_each_row_once, drain, metadata, options, rounds_of,
+    rows_of, take, write_meanwhile, write_shard, FOLLOW_N,
 };
 use common::stores::{self, Hook, Hooked};
 
@@ -134,18 +134,9 @@ fn a_follow_loader_on_a_store_serves_every_row_once_during_the_write_then_the_co
         assert!(rounds >= 2, "{order:?}: read in {rounds} round(s)");
         assert_eq!(loader.state().uint("cursor").unwrap(), Some(N * 3));
         // Committed: epoch 1 (its labels from labels.bin, the pieces gone) and epoch 0 read
-        // again are the committed loader's, batch for batch.
-        for epoch in [1, 0] {
-            loader.set_epoch(epoch).unwrap();
-            let mut plain_opts = options(false, order);
-            plain_opts.epoch = epoch;
-            let plain = Loader::new(&dir, plain_opts).unwrap();
-            assert_eq!(drain(&loader), drain(&plain), "{order:?} epoch {epoch}");
-        }
-        // Opened on the committed dataset, follow mode changes nothing.
-        let late = Loader::new(&dir, options(true, order)).unwrap();
-        let plain = Loader::new(&dir, options(false, order)).unwrap();
-        assert_eq!(drain(&late), drain(&plain));
+        // again are the committed loader's, batch for batch; opened on the committed dataset,
+        // follow mode changes nothing.
+        assert_committed_epochs_as_plain(&mut loader, &dir, order);
     }
 }
 
@@ -307,7 +298,10 @@ fn a_follow_loader_on_a_store_waits_listing_once_a_poll_writes_nothing_and_names
 
 mod eagle3 {
     use super::*;
-    use common::eagle3::{drain, follow_opts, write_shards, writer, FOLLOW_N};
+    use common::eagle3::{
+        assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, drain, follow_opts,
+        write_shards, writer, FOLLOW_N,
+    };
     use shardkit::eagle3::{Cache, Loader, PartWriter};
 
     const N: u64 = FOLLOW_N;
@@ -339,17 +333,7 @@ mod eagle3 {
             .into_iter()
             .map(|w| std::thread::spawn(move || write_shards(w, Duration::from_millis(30))))
             .collect();
-        let (batches, err) = drain(&mut loader.iter(), &m);
-        assert_eq!(err, None);
-        let mut seen: Vec<u64> = batches.concat();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
-        let Some(shardkit::engine::StateValue::List(flat)) =
-            loader.state().get("follow_rounds").cloned()
-        else {
-            panic!("no follow_rounds in {:?}", loader.state())
-        };
-        assert!(flat.len() > 3, "one round only: {flat:?}");
+        assert_every_sample_once_in_rounds(&loader, &m);
         for t in threads {
             t.join().unwrap();
         }
@@ -363,15 +347,7 @@ mod eagle3 {
             "{heads:?}"
         );
         // Committed now: epoch 1 is the committed loader's.
-        loader.set_epoch(1);
-        let (follow1, err) = drain(&mut loader.iter(), &m);
-        assert_eq!(err, None);
-        let mut o = follow_opts(0);
-        o.follow = None;
-        o.epoch = 1;
-        let plain = Loader::new(Arc::new(Cache::open(&dir).unwrap()), o).unwrap();
-        let (plain1, _) = drain(&mut plain.iter(), &m);
-        assert_eq!(follow1, plain1);
+        assert_epoch_1_as_committed(&mut loader, &dir, &m);
     }
 
     #[test]

@@ -8,8 +8,8 @@ mod common;
 
 use common::rank;
 use common::saev::{
-    assert_each_row_once, drain, metadata, options, rounds_of, rows_of, take, write_meanwhile,
-    write_shard, Rows, FOLLOW_N,
+    assert_committed_epochs_as_plain, assert_each_row_once, drain, metadata, options, rounds_of,
+    rows_of, take, write_meanwhile, write_shard, Rows, FOLLOW_N,
 };
 
 use std::sync::{Arc, Barrier};
@@ -45,18 +45,9 @@ fn a_follow_loader_reading_during_the_write_serves_every_row_once_and_later_epoc
             "{order:?}: the write was read in {rounds} round(s)"
         );
         assert_eq!(loader.state().uint("cursor").unwrap(), Some(N * 3));
-        // Committed: epoch 1 (and epoch 0 read again) are a finished dataset's, batch for batch.
-        for epoch in [1, 0] {
-            loader.set_epoch(epoch).unwrap();
-            let mut plain_opts = options(false, order);
-            plain_opts.epoch = epoch;
-            let plain = Loader::new(&dir, plain_opts).unwrap();
-            assert_eq!(drain(&loader), drain(&plain), "{order:?} epoch {epoch}");
-        }
-        // Opened on the committed dataset, follow mode changes nothing.
-        let late = Loader::new(&dir, options(true, order)).unwrap();
-        let plain = Loader::new(&dir, options(false, order)).unwrap();
-        assert_eq!(drain(&late), drain(&plain));
+        // Committed: epoch 1 (and epoch 0 read again) are a finished dataset's, batch for
+        // batch; opened on the committed dataset, follow mode changes nothing.
+        let late = assert_committed_epochs_as_plain(&mut loader, &dir, order);
         assert_eq!(late.state().uint("cursor").unwrap(), Some(N * 3));
     }
 }

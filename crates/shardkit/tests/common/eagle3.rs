@@ -3,11 +3,12 @@
 //! `synthetic_sample`'s.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use shardkit::eagle3::{
-    synthetic_sample, Batch, Batches, FollowOptions, LoaderOptions, Manifest, PartOptions,
-    PartWriter, Writer, WriterOptions,
+    synthetic_sample, Batch, Batches, Cache, FollowOptions, Loader, LoaderOptions, Manifest,
+    PartOptions, PartWriter, Writer, WriterOptions,
 };
 use shardkit::json::Value;
 
@@ -164,4 +165,33 @@ pub fn drain(it: &mut Batches, m: &Manifest) -> (Vec<Vec<u64>>, Option<String>) 
         }
     }
     (out, None)
+}
+
+/// Reads `loader`'s epoch while the ranks write the follow tests' cache: every sample once,
+/// none failing, in several rounds (each a range count, then its ranges).
+pub fn assert_every_sample_once_in_rounds(loader: &Loader, m: &Manifest) {
+    let (batches, err) = drain(&mut loader.iter(), m);
+    assert_eq!(err, None);
+    let mut seen: Vec<u64> = batches.concat();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..FOLLOW_N).collect::<Vec<_>>(), "every sample once");
+    let Some(shardkit::engine::StateValue::List(flat)) =
+        loader.state().get("follow_rounds").cloned()
+    else {
+        panic!("no follow_rounds in {:?}", loader.state())
+    };
+    assert!(flat.len() > 3, "one round only: {flat:?}");
+}
+
+/// Checks that epoch 1 of `loader`, on the committed cache at `dir`, is the plain loader's.
+pub fn assert_epoch_1_as_committed(loader: &mut Loader, dir: &Path, m: &Manifest) {
+    loader.set_epoch(1);
+    let (follow1, err) = drain(&mut loader.iter(), m);
+    assert_eq!(err, None);
+    let mut o = follow_opts(0);
+    o.follow = None;
+    o.epoch = 1;
+    let plain = Loader::new(Arc::new(Cache::open(dir).unwrap()), o).unwrap();
+    let (plain1, _) = drain(&mut plain.iter(), m);
+    assert_eq!(follow1, plain1);
 }

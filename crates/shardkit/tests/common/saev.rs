@@ -199,3 +199,20 @@ pub fn rounds_of(st: &LoaderState) -> usize {
     }
     n
 }
+
+/// Checks, once the dataset at `dir` is committed, that epochs 1 and 0 of `loader` (read in
+/// `order`) are the plain loader's, batch for batch, and that a follow-mode loader opened
+/// then reads as the plain one; that loader.
+pub fn assert_committed_epochs_as_plain(loader: &mut Loader, dir: &Path, order: Order) -> Loader {
+    for epoch in [1, 0] {
+        loader.set_epoch(epoch).unwrap();
+        let mut plain_opts = options(false, order);
+        plain_opts.epoch = epoch;
+        let plain = Loader::new(dir, plain_opts).unwrap();
+        assert_eq!(drain(loader), drain(&plain), "{order:?} epoch {epoch}");
+    }
+    let late = Loader::new(dir, options(true, order)).unwrap();
+    let plain = Loader::new(dir, options(false, order)).unwrap();
+    assert_eq!(drain(&late), drain(&plain));
+    late
+}
