@@ -7,8 +7,8 @@
 mod common;
 
 use common::eagle3::{
-    assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, check_whole, drain,
-    follow_opts, write_shards, writer, FOLLOW_N,
+    assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, assert_resumed_alike,
+    check_whole, drain, follow_opts, write_shards, writer, FOLLOW_N,
 };
 
 use std::sync::{Arc, Barrier};
@@ -64,25 +64,7 @@ fn a_state_saved_mid_epoch_resumes_exactly_and_the_timeout_names_the_missing_sha
     drop(it);
     a.advance_to(at);
     // Another loader from the saved state serves the rest of the round, then waits likewise.
-    let mut b = Loader::open(&dir, follow_opts(300)).unwrap();
-    b.load_state(saved).unwrap();
-    let mut it_b = b.iter();
-    let (rest_b, err_b) = drain(&mut it_b, &m);
-    assert_eq!(rest_b, rest_a);
-    assert!(err_b.unwrap().contains("shards 6..12"));
-    let at_b = it_b.cursor();
-    drop(it_b);
-    b.advance_to(at_b);
-    write_shards(w1, Duration::ZERO); // the last rank commits
-    let (last_a, err) = drain(&mut a.iter(), &m);
-    let (last_b, err_b) = drain(&mut b.iter(), &m);
-    assert_eq!((err, err_b), (None, None));
-    assert_eq!(last_a, last_b);
-    let mut seen: Vec<u64> = [vec![first.indices.clone()], rest_a, last_a]
-        .concat()
-        .concat();
-    seen.sort_unstable();
-    assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
+    assert_resumed_alike(&dir, &mut a, saved, &first.indices, rest_a, w1, &m);
 }
 
 #[test]

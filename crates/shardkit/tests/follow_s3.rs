@@ -12,8 +12,8 @@ mod common;
 
 use common::rank;
 use common::saev::{
-    assert_committed_epochs_as_plain, assert_each_row_once, drain, metadata, options, rounds_of,
-    rows_of, take, write_meanwhile, write_shard, FOLLOW_N,
+    assert_committed_epochs_as_plain, assert_each_row_once, assert_states_resume_exactly, drain,
+    metadata, options, rounds_of, rows_of, take, write_meanwhile, write_shard, FOLLOW_N,
 };
 use common::stores::{self, Hook, Hooked};
 
@@ -185,19 +185,9 @@ fn a_state_saved_mid_round_on_a_store_resumes_exactly() {
     seen.extend(it.map(|b| rows_of(b.unwrap())));
     assert_each_row_once(&seen);
 
-    // Across rounds: the rounds recorded are replayed, the last one is the rest, as it was.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(across).unwrap();
-    resumed.set_epoch(0).unwrap();
-    assert_eq!(drain(&resumed), seen[10..]);
-    // Mid-round: the round's remaining batches exactly, then the rest, each row once.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(mid_round).unwrap();
-    let rest = drain(&resumed);
-    assert_eq!(rest[..5], seen[3..8]);
-    let mut all = seen[..3].to_vec();
-    all.extend(rest);
-    assert_each_row_once(&all);
+    // Across rounds the rounds recorded are replayed; mid-round, the round's remaining
+    // batches come exactly, then the rest.
+    assert_states_resume_exactly(&dir, &across, &mid_round, &seen);
 }
 
 /// The LISTs of a pass's requests, by prefix under the dataset `dir`, and whether any
@@ -299,8 +289,8 @@ fn a_follow_loader_on_a_store_waits_listing_once_a_poll_writes_nothing_and_names
 mod eagle3 {
     use super::*;
     use common::eagle3::{
-        assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, drain, follow_opts,
-        write_shards, writer, FOLLOW_N,
+        assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, assert_resumed_alike,
+        drain, follow_opts, write_shards, writer, FOLLOW_N,
     };
     use shardkit::eagle3::{Cache, Loader, PartWriter};
 
@@ -387,24 +377,6 @@ mod eagle3 {
         drop(it);
         a.advance_to(at);
         // Another loader from the saved state serves the rest of the round, then waits likewise.
-        let mut b = Loader::open(&dir, follow_opts(300)).unwrap();
-        b.load_state(saved).unwrap();
-        let mut it_b = b.iter();
-        let (rest_b, err_b) = drain(&mut it_b, &m);
-        assert_eq!(rest_b, rest_a);
-        assert!(err_b.unwrap().contains("shards 6..12"));
-        let at_b = it_b.cursor();
-        drop(it_b);
-        b.advance_to(at_b);
-        write_shards(w1, Duration::ZERO); // the last rank commits
-        let (last_a, err) = drain(&mut a.iter(), &m);
-        let (last_b, err_b) = drain(&mut b.iter(), &m);
-        assert_eq!((err, err_b), (None, None));
-        assert_eq!(last_a, last_b);
-        let mut seen: Vec<u64> = [vec![first.indices.clone()], rest_a, last_a]
-            .concat()
-            .concat();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
+        assert_resumed_alike(&dir, &mut a, saved, &first.indices, rest_a, w1, &m);
     }
 }

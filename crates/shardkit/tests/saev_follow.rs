@@ -8,8 +8,8 @@ mod common;
 
 use common::rank;
 use common::saev::{
-    assert_committed_epochs_as_plain, assert_each_row_once, drain, metadata, options, rounds_of,
-    rows_of, take, write_meanwhile, write_shard, Rows, FOLLOW_N,
+    assert_committed_epochs_as_plain, assert_each_row_once, assert_states_resume_exactly, drain,
+    metadata, options, rounds_of, rows_of, take, write_meanwhile, write_shard, Rows, FOLLOW_N,
 };
 
 use std::sync::{Arc, Barrier};
@@ -94,19 +94,9 @@ fn a_state_saved_mid_round_or_across_rounds_resumes_exactly() {
     seen.extend(it.map(|b| rows_of(b.unwrap())));
     assert_each_row_once(&seen);
 
-    // Across rounds: the rounds recorded are replayed and the last one is the rest, as it was.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(across.clone()).unwrap();
-    resumed.set_epoch(0).unwrap(); // the training loop's call keeps the loaded position
-    assert_eq!(drain(&resumed), seen[10..]);
-    // Mid-round: the round's remaining batches exactly; then the rest, each row once.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(mid_round.clone()).unwrap();
-    let rest = drain(&resumed);
-    assert_eq!(rest[..5], seen[3..8]);
-    let mut all = seen[..3].to_vec();
-    all.extend(rest);
-    assert_each_row_once(&all);
+    // Across rounds the rounds recorded are replayed; mid-round, the round's remaining
+    // batches come exactly, then the rest.
+    assert_states_resume_exactly(&dir, &across, &mid_round, &seen);
     // A loader without follow mode cannot continue a state of several rounds.
     let mut plain = Loader::new(&dir, options(false, Order::Block)).unwrap();
     let e = plain.load_state(across).unwrap_err();

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use shardkit::eagle3::{
-    synthetic_sample, Batch, Batches, Cache, FollowOptions, Loader, LoaderOptions, Manifest,
-    PartOptions, PartWriter, Writer, WriterOptions,
+    synthetic_sample, Batch, Batches, Cache, FollowOptions, Loader, LoaderOptions, LoaderState,
+    Manifest, PartOptions, PartWriter, Writer, WriterOptions,
 };
 use shardkit::json::Value;
 
@@ -194,4 +194,36 @@ pub fn assert_epoch_1_as_committed(loader: &mut Loader, dir: &Path, m: &Manifest
     let plain = Loader::new(Arc::new(Cache::open(dir).unwrap()), o).unwrap();
     let (plain1, _) = drain(&mut plain.iter(), m);
     assert_eq!(follow1, plain1);
+}
+
+/// Checks that a loader resumed from `saved` (taken after the batch `first` of a pass of `a`
+/// that then served `rest_a` and stopped waiting for shards 6..12) serves the same and waits
+/// likewise; then that, once `w1` writes those shards and commits, both read the same rest,
+/// every sample once over the epoch.
+pub fn assert_resumed_alike(
+    dir: &Path,
+    a: &mut Loader,
+    saved: LoaderState,
+    first: &[u64],
+    rest_a: Vec<Vec<u64>>,
+    w1: PartWriter,
+    m: &Manifest,
+) {
+    let mut b = Loader::open(dir, follow_opts(300)).unwrap();
+    b.load_state(saved).unwrap();
+    let mut it_b = b.iter();
+    let (rest_b, err_b) = drain(&mut it_b, m);
+    assert_eq!(rest_b, rest_a);
+    assert!(err_b.unwrap().contains("shards 6..12"));
+    let at_b = it_b.cursor();
+    drop(it_b);
+    b.advance_to(at_b);
+    write_shards(w1, Duration::ZERO); // the last rank commits
+    let (last_a, err) = drain(&mut a.iter(), m);
+    let (last_b, err_b) = drain(&mut b.iter(), m);
+    assert_eq!((err, err_b), (None, None));
+    assert_eq!(last_a, last_b);
+    let mut seen: Vec<u64> = [vec![first.to_vec()], rest_a, last_a].concat().concat();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..FOLLOW_N).collect::<Vec<_>>(), "every sample once");
 }

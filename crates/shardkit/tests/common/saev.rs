@@ -216,3 +216,27 @@ pub fn assert_committed_epochs_as_plain(loader: &mut Loader, dir: &Path, order: 
     assert_eq!(drain(&late), drain(&plain));
     late
 }
+
+/// Checks the states saved during the pass that read `seen` (over the round 1 of 8 batches
+/// and the round 2 of 2 of the resume tests) resume exactly on the committed dataset at
+/// `dir`: from `across` (after round 2) the rounds are replayed and the rest is as it was;
+/// from `mid_round` (after 3 batches) the round's remaining batches, then the rest, each row
+/// once.
+pub fn assert_states_resume_exactly(
+    dir: &Path,
+    across: &LoaderState,
+    mid_round: &LoaderState,
+    seen: &[Rows],
+) {
+    let mut resumed = Loader::new(dir, options(true, Order::Block)).unwrap();
+    resumed.load_state(across.clone()).unwrap();
+    resumed.set_epoch(0).unwrap(); // the training loop's call keeps the loaded position
+    assert_eq!(drain(&resumed), seen[10..]);
+    let mut resumed = Loader::new(dir, options(true, Order::Block)).unwrap();
+    resumed.load_state(mid_round.clone()).unwrap();
+    let rest = drain(&resumed);
+    assert_eq!(rest[..5], seen[3..8]);
+    let mut all = seen[..3].to_vec();
+    all.extend(rest);
+    assert_each_row_once(&all);
+}
