@@ -8,7 +8,7 @@ mod common;
 
 use common::eagle3::{
     assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, assert_resumed_alike,
-    check_whole, drain, follow_opts, write_shards, writer, FOLLOW_N,
+    check_whole, drain, follow_opts, write_meanwhile, write_shards, writer, FOLLOW_N,
 };
 
 use std::sync::{Arc, Barrier};
@@ -25,10 +25,7 @@ fn a_follow_loader_serves_every_sample_once_while_ranks_write_then_reads_as_a_pl
     let ws: Vec<PartWriter> = (0..3).map(|r| writer(&dir, r, 3)).collect();
     let m = ws[0].manifest().clone();
     let mut loader = Loader::open(&dir, follow_opts(20_000)).unwrap();
-    let threads: Vec<_> = ws
-        .into_iter()
-        .map(|w| std::thread::spawn(move || write_shards(w, Duration::from_millis(30))))
-        .collect();
+    let threads = write_meanwhile(ws);
     assert_every_sample_once_in_rounds(&loader, &m);
     for t in threads {
         t.join().unwrap();
@@ -128,10 +125,7 @@ fn ranks_reading_together_serve_every_sample_once_but_the_last_rounds_padding() 
             })
         })
         .collect();
-    let threads: Vec<_> = ws
-        .into_iter()
-        .map(|w| std::thread::spawn(move || write_shards(w, Duration::from_millis(30))))
-        .collect();
+    let threads = write_meanwhile(ws);
     for t in threads {
         t.join().unwrap();
     }

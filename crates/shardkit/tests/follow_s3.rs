@@ -13,7 +13,8 @@ mod common;
 use common::rank;
 use common::saev::{
     assert_committed_epochs_as_plain, assert_each_row_once, assert_states_resume_exactly, drain,
-    metadata, options, rounds_of, rows_of, take, write_meanwhile, write_shard, FOLLOW_N,
+    metadata, options, rounds_of, rows_of, take, two_ranks_after_round_1, write_meanwhile,
+    write_shard, FOLLOW_N,
 };
 use common::stores::{self, Hook, Hooked};
 
@@ -144,16 +145,8 @@ fn a_follow_loader_on_a_store_serves_every_row_once_during_the_write_then_the_co
 fn a_state_saved_mid_round_on_a_store_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let store = store(tmp.path());
-    let mut a = PartWriter::create(ROOT, metadata(N), rank(0, 2)).unwrap();
-    let mut b = PartWriter::create(ROOT, metadata(N), rank(1, 2)).unwrap();
-    let dir = a.path().to_path_buf();
     // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 7 batches of 4 and one of 2).
-    for s in [0, 1, 2] {
-        write_shard(&mut a, s);
-    }
-    for s in [10, 11] {
-        write_shard(&mut b, s);
-    }
+    let (mut a, mut b, dir) = two_ranks_after_round_1(ROOT);
     let round1: Vec<String> = [0, 1, 2, 10, 11].map(shard).to_vec();
     store.wait_durable(&dir, &round1.iter().map(String::as_str).collect::<Vec<_>>());
     let loader = Loader::new(&dir, options(true, Order::Block)).unwrap();
@@ -290,7 +283,7 @@ mod eagle3 {
     use super::*;
     use common::eagle3::{
         assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, assert_resumed_alike,
-        drain, follow_opts, write_shards, writer, FOLLOW_N,
+        drain, follow_opts, write_meanwhile, write_shards, writer, FOLLOW_N,
     };
     use shardkit::eagle3::{Cache, Loader, PartWriter};
 
@@ -319,10 +312,7 @@ mod eagle3 {
             "{msg}"
         );
         let mut loader = Loader::open(&dir, follow_opts(20_000)).unwrap();
-        let threads: Vec<_> = ws
-            .into_iter()
-            .map(|w| std::thread::spawn(move || write_shards(w, Duration::from_millis(30))))
-            .collect();
+        let threads = write_meanwhile(ws);
         assert_every_sample_once_in_rounds(&loader, &m);
         for t in threads {
             t.join().unwrap();

@@ -9,7 +9,8 @@ mod common;
 use common::rank;
 use common::saev::{
     assert_committed_epochs_as_plain, assert_each_row_once, assert_states_resume_exactly, drain,
-    metadata, options, rounds_of, rows_of, take, write_meanwhile, write_shard, Rows, FOLLOW_N,
+    metadata, options, rounds_of, rows_of, take, two_ranks_after_round_1, write_meanwhile,
+    write_shard, Rows, FOLLOW_N,
 };
 
 use std::sync::{Arc, Barrier};
@@ -55,16 +56,8 @@ fn a_follow_loader_reading_during_the_write_serves_every_row_once_and_later_epoc
 #[test]
 fn a_state_saved_mid_round_or_across_rounds_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = PartWriter::create(tmp.path(), metadata(N), rank(0, 2)).unwrap();
-    let mut b = PartWriter::create(tmp.path(), metadata(N), rank(1, 2)).unwrap();
-    let dir = a.path().to_path_buf();
     // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 7 batches of 4 and one of 2).
-    for s in [0, 1, 2] {
-        write_shard(&mut a, s);
-    }
-    for s in [10, 11] {
-        write_shard(&mut b, s);
-    }
+    let (mut a, mut b, dir) = two_ranks_after_round_1(tmp.path());
     let loader = Loader::new(&dir, options(true, Order::Block)).unwrap();
     let mut it = loader.iter().unwrap();
     let mut seen = take(&mut it, 3);
@@ -286,16 +279,8 @@ fn ranks_reading_together_serve_every_row_once_and_after_the_commit_as_the_plain
 fn ranks_reading_together_resume_mid_round_each_from_its_own_state() {
     const W: u64 = 2;
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = PartWriter::create(tmp.path(), metadata(N), rank(0, 2)).unwrap();
-    let mut b = PartWriter::create(tmp.path(), metadata(N), rank(1, 2)).unwrap();
-    let dir = a.path().to_path_buf();
     // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 3 global batches of 2 x 4, then 3 rows each).
-    for s in [0, 1, 2] {
-        write_shard(&mut a, s);
-    }
-    for s in [10, 11] {
-        write_shard(&mut b, s);
-    }
+    let (mut a, mut b, dir) = two_ranks_after_round_1(tmp.path());
     let (bcs, _) = common::broadcast::channel(W as usize);
     let halfway = Arc::new(Barrier::new(W as usize + 1));
     let readers: Vec<_> = (0..W)

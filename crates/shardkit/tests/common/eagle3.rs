@@ -115,6 +115,13 @@ pub fn write_shards(w: PartWriter, pause: Duration) {
     write_paced(w, 2, pause);
 }
 
+/// Each writer on a thread writing its samples a shard every 30 ms, then finishing.
+pub fn write_meanwhile(ws: Vec<PartWriter>) -> Vec<std::thread::JoinHandle<()>> {
+    ws.into_iter()
+        .map(|w| std::thread::spawn(move || write_shards(w, Duration::from_millis(30))))
+        .collect()
+}
+
 /// Rank `r` of `w` writing the follow tests' cache (version 2, no embeddings) at `dir`.
 pub fn writer(dir: &Path, r: u64, w: u64) -> PartWriter {
     let o = PartOptions {

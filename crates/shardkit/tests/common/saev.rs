@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use super::rank;
 use shardkit::engine::Order;
 use shardkit::saev::{
     Batch, Batches, FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata,
@@ -78,6 +79,23 @@ pub fn write_shard(w: &mut PartWriter, s: u64) {
         Some(&labels(s * EPS..(s + 1) * EPS)),
     )
     .unwrap();
+}
+
+/// Ranks 0 and 1 of 2 writing the follow tests' dataset under `root`, the dataset's path, once
+/// they have written round 1 of the resume tests: shards 0, 1, 2 (rank 0) and 10, 11 (rank 1),
+/// 30 rows.
+pub fn two_ranks_after_round_1(root: impl AsRef<Path>) -> (PartWriter, PartWriter, PathBuf) {
+    let root = root.as_ref();
+    let mut a = PartWriter::create(root, metadata(FOLLOW_N), rank(0, 2)).unwrap();
+    let mut b = PartWriter::create(root, metadata(FOLLOW_N), rank(1, 2)).unwrap();
+    let dir = a.path().to_path_buf();
+    for s in [0, 1, 2] {
+        write_shard(&mut a, s);
+    }
+    for s in [10, 11] {
+        write_shard(&mut b, s);
+    }
+    (a, b, dir)
 }
 
 /// Each writer writing its shards every few milliseconds on a thread, then finishing.
