@@ -20,8 +20,7 @@ pub const PARTS_N: u64 = 11;
 /// The samples of the follow tests' cache: 12 shards, the last one short.
 pub const FOLLOW_N: u64 = 23;
 
-/// The configuration: seq 4, hidden 2 (aux 6), shards of 2, 8 tokens; `num_samples` declared
-/// when given.
+/// The configuration (seq 4, shards of 2, 8 tokens), `num_samples` declared when given.
 pub fn config(num_samples: Option<u64>) -> Value {
     let n = num_samples.map_or(String::new(), |n| format!(r#""num_samples": {n},"#));
     shardkit::json::parse(
@@ -62,8 +61,7 @@ pub fn table(seed: u8) -> Vec<u8> {
         .collect()
 }
 
-/// One `Writer` writes the parts tests' cache (`num_samples` declared) at `dir`, with the
-/// embedding table `table(3)` when `embeddings`.
+/// One `Writer` writes the parts tests' cache at `dir`, the table `table(3)` if `embeddings`.
 pub fn single(dir: &Path, version: u8, embeddings: bool) -> PathBuf {
     let mut w = Writer::create(
         dir,
@@ -158,8 +156,7 @@ pub fn check_whole(m: &Manifest, b: &Batch) {
     }
 }
 
-/// The samples of a pass until it ends or fails (the error's text, if it failed), each batch
-/// checked whole.
+/// The samples of a pass until it ends or fails (with the error's text), each batch whole.
 pub fn drain(it: &mut Batches, m: &Manifest) -> (Vec<Vec<u64>>, Option<String>) {
     let mut out = Vec::new();
     for b in it {
@@ -174,9 +171,9 @@ pub fn drain(it: &mut Batches, m: &Manifest) -> (Vec<Vec<u64>>, Option<String>) 
     (out, None)
 }
 
-/// Reads `loader`'s epoch while the ranks write the follow tests' cache: every sample once,
-/// none failing, in several rounds (each a range count, then its ranges).
+/// Checks `loader`'s pass, read while the ranks write, serves every sample once in rounds.
 pub fn assert_every_sample_once_in_rounds(loader: &Loader, m: &Manifest) {
+    // Several rounds: the state holds more than one (each a range count, then its ranges).
     let (batches, err) = drain(&mut loader.iter(), m);
     assert_eq!(err, None);
     let mut seen: Vec<u64> = batches.concat();
@@ -203,10 +200,7 @@ pub fn assert_epoch_1_as_committed(loader: &mut Loader, dir: &Path, m: &Manifest
     assert_eq!(follow1, plain1);
 }
 
-/// Checks that a loader resumed from `saved` (taken after the batch `first` of a pass of `a`
-/// that then served `rest_a` and stopped waiting for shards 6..12) serves the same and waits
-/// likewise; then that, once `w1` writes those shards and commits, both read the same rest,
-/// every sample once over the epoch.
+/// Checks a loader resumed from `saved` reads as `a` did, then both the rest, once `w1` writes.
 pub fn assert_resumed_alike(
     dir: &Path,
     a: &mut Loader,
@@ -216,6 +210,8 @@ pub fn assert_resumed_alike(
     w1: PartWriter,
     m: &Manifest,
 ) {
+    // `saved` was taken after the batch `first` of `a`'s pass, which then served `rest_a` and
+    // stopped waiting for shards 6..12 (`w1`'s); over the epoch, every sample once.
     let mut b = Loader::open(dir, follow_opts(300)).unwrap();
     b.load_state(saved).unwrap();
     let mut it_b = b.iter();

@@ -44,8 +44,7 @@ pub fn options(layout: Layout) -> PartOptions {
     }
 }
 
-/// One `Writer` writes the split `train` of [`TOTAL`] sequences to `root` (a directory or a
-/// URL), 100 at a time.
+/// One `Writer` writes the split `train` at `root` (a directory or a URL), 100 at a time.
 pub fn single(root: impl AsRef<Path>, layout: Layout) {
     let opts = WriterOptions {
         layout: Some(layout),
@@ -71,9 +70,9 @@ pub fn write_all(mut w: PartWriter) -> shardkit::Result<shardkit::PartsStatus> {
     w.finish()
 }
 
-/// Ranks `0..world` write the split `train` of `layout` at `root` (a directory or a URL) on
-/// threads, together as processes would (each its own locks and claims); their statuses.
+/// Ranks `0..world` write the split at `root` on threads, together; their statuses.
 pub fn write_ranks(root: &Path, layout: Layout, world: u64) -> Vec<shardkit::PartsStatus> {
+    // Each its own locks and claims, as processes would have.
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
@@ -89,10 +88,10 @@ pub fn write_ranks(root: &Path, layout: Layout, world: u64) -> Vec<shardkit::Par
     })
 }
 
-/// Checks that rank 1 of 2 is refused at `root`, while rank 0 of 2 with `options(small_v3())`
-/// holds it, for another total and for options differing in one key each, the refusal naming
-/// the key and flat_tokens.json, with what `written` reads unchanged (nothing written).
+/// Checks rank 1 of 2 with another configuration is refused at `root`, nothing written.
 pub fn assert_other_configurations_refused<T: PartialEq>(root: &Path, written: impl Fn() -> T) {
+    // Rank 0 of 2 with `options(small_v3())` holds the split; each case differs in one key,
+    // which the refusal names with flat_tokens.json; `written` reads what is there.
     let before = written();
     let cases: [(u64, PartOptions, &str); 4] = [
         (TOTAL + 1, options(small_v3()), "total_sequences"),

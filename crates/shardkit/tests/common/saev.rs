@@ -81,9 +81,7 @@ pub fn write_shard(w: &mut PartWriter, s: u64) {
     .unwrap();
 }
 
-/// Ranks 0 and 1 of 2 writing the follow tests' dataset under `root`, the dataset's path, once
-/// they have written round 1 of the resume tests: shards 0, 1, 2 (rank 0) and 10, 11 (rank 1),
-/// 30 rows.
+/// Ranks 0 and 1 of 2 under `root`, after round 1 (shards 0, 1, 2 and 10, 11); the dataset.
 pub fn two_ranks_after_round_1(root: impl AsRef<Path>) -> (PartWriter, PartWriter, PathBuf) {
     let root = root.as_ref();
     let mut a = PartWriter::create(root, metadata(FOLLOW_N), rank(0, 2)).unwrap();
@@ -117,8 +115,7 @@ pub fn write_meanwhile(
         .collect()
 }
 
-/// Loader options of the follow tests: layer 3, batches of 4, windows of 4 blocks, one
-/// thread; in follow mode (20 s timeout, 5 ms polls) when `follow`.
+/// Loader options: layer 3, batches of 4, seed 7, one thread; follow mode if `follow`.
 pub fn options(follow: bool, order: Order) -> LoaderOptions {
     let mut o = LoaderOptions::new(LayerSel::Value(3));
     o.batch_size = 4;
@@ -218,10 +215,9 @@ pub fn rounds_of(st: &LoaderState) -> usize {
     n
 }
 
-/// Checks, once the dataset at `dir` is committed, that epochs 1 and 0 of `loader` (read in
-/// `order`) are the plain loader's, batch for batch, and that a follow-mode loader opened
-/// then reads as the plain one; that loader.
+/// Checks committed epochs 1 and 0, and a late follow loader, read as the plain loader.
 pub fn assert_committed_epochs_as_plain(loader: &mut Loader, dir: &Path, order: Order) -> Loader {
+    // Batch for batch; the late loader (opened on the committed dataset) is handed back.
     for epoch in [1, 0] {
         loader.set_epoch(epoch).unwrap();
         let mut plain_opts = options(false, order);
@@ -235,17 +231,16 @@ pub fn assert_committed_epochs_as_plain(loader: &mut Loader, dir: &Path, order: 
     late
 }
 
-/// Checks the states saved during the pass that read `seen` (over the round 1 of 8 batches
-/// and the round 2 of 2 of the resume tests) resume exactly on the committed dataset at
-/// `dir`: from `across` (after round 2) the rounds are replayed and the rest is as it was;
-/// from `mid_round` (after 3 batches) the round's remaining batches, then the rest, each row
-/// once.
+/// Checks the states `across` and `mid_round` of the resume tests' pass resume exactly.
 pub fn assert_states_resume_exactly(
     dir: &Path,
     across: &LoaderState,
     mid_round: &LoaderState,
     seen: &[Rows],
 ) {
+    // `seen`: that pass (round 1: 8 batches; `mid_round` after 3, `across` after round 2's 2).
+    // From `across` the rounds are replayed, then the rest as it was; from `mid_round` the
+    // round's remaining batches, then the rest, each row once.
     let mut resumed = Loader::new(dir, options(true, Order::Block)).unwrap();
     resumed.load_state(across.clone()).unwrap();
     resumed.set_epoch(0).unwrap(); // the training loop's call keeps the loaded position

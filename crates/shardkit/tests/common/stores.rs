@@ -44,8 +44,7 @@ pub fn objects(mem: &InMemory, prefix: &str) -> BTreeMap<String, Vec<u8>> {
     })
 }
 
-/// Puts at `key` a lock held by another machine's process (host `elsewhere`, pid 7), renewed
-/// just now with a lease of `lease_s` seconds.
+/// Puts at `key` a lock of another machine's process, renewed now with a lease of `lease_s`.
 pub fn plant_held_lock(mem: &InMemory, key: &str, lease_s: u64) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
