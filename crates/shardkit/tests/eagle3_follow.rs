@@ -6,103 +6,17 @@
 
 mod common;
 
-use std::path::Path;
+use common::eagle3::{
+    assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, assert_resumed_alike,
+    check_whole, drain, follow_opts, write_meanwhile, write_shards, writer, FOLLOW_N,
+};
+
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use shardkit::eagle3::{
-    synthetic_sample, Batch, Cache, FollowOptions, Loader, LoaderOptions, Manifest, PartOptions,
-    PartWriter, RoundBroadcast,
-};
-use shardkit::json::Value;
-use shardkit::Rank;
+use shardkit::eagle3::{Cache, Loader, LoaderOptions, PartWriter, RoundBroadcast};
 
-/// 23 samples in shards of 2 (12 shards, the last one short), seq 4, hidden 2 (aux 6).
-const N: u64 = 23;
-
-fn config() -> Value {
-    shardkit::json::parse(
-        br#"{"target_model": "demo", "target_vocab_size": 8, "draft_vocab_size": 8,
-        "seq_length": 4, "dtype": "bf16", "shard_size": 2, "aux_hidden_dim": 6,
-        "aux_layer_ids": [1, 2, 3], "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
-        "input_data": "demo", "split": null, "shuffle_seed": 1}"#,
-    )
-    .unwrap()
-}
-
-fn writer(dir: &Path, r: u64, w: u64) -> PartWriter {
-    let o = PartOptions {
-        version: 2,
-        target_embeddings: false,
-    };
-    PartWriter::create(dir, &config(), o, N, Rank::new(r, w).unwrap()).unwrap()
-}
-
-/// Writes `w`'s samples one shard at a time, `pause` between, then finishes it.
-fn write_all(mut w: PartWriter, pause: Duration) {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 2).min(r.end);
-            let mut fields: Vec<(&'static str, Vec<u8>)> = Vec::new();
-            for i in at..end {
-                for (f, (name, bytes)) in synthetic_sample(w.manifest(), i).into_iter().enumerate()
-                {
-                    match fields.get_mut(f) {
-                        Some((_, b)) => b.extend(bytes),
-                        None => fields.push((name, bytes)),
-                    }
-                }
-            }
-            let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, v)| (*n, &v[..])).collect();
-            w.add(end - at, &refs).unwrap();
-            at = end;
-            std::thread::sleep(pause);
-        }
-    }
-    w.finish().unwrap();
-}
-
-fn follow_opts(timeout_ms: u64) -> LoaderOptions {
-    let mut o = LoaderOptions::new(3);
-    (o.rank, o.world_size, o.seed) = (Some(0), Some(1), 7);
-    o.follow = Some(FollowOptions {
-        timeout: Duration::from_millis(timeout_ms),
-        poll: Duration::from_millis(5),
-        interrupted: None,
-        broadcast: None,
-    });
-    o
-}
-
-/// Checks every row of `b` against what was written for its sample.
-fn check_whole(m: &Manifest, b: &Batch) {
-    for (row, &i) in b.indices.iter().enumerate() {
-        for (name, want) in synthetic_sample(m, i) {
-            let Some(f) = b.layout.iter().find(|f| f.name == name) else {
-                continue;
-            };
-            let bytes = b.data.field(f);
-            let rb = bytes.len() / b.indices.len();
-            assert_eq!(&bytes[row * rb..(row + 1) * rb], &want[..], "{name} of {i}");
-        }
-    }
-}
-
-/// The samples of a pass until it ends or fails (the error's text, if it failed).
-fn drain(it: &mut shardkit::eagle3::Batches, m: &Manifest) -> (Vec<Vec<u64>>, Option<String>) {
-    let mut out = Vec::new();
-    for b in it {
-        match b {
-            Ok(b) => {
-                check_whole(m, &b);
-                out.push(b.indices.clone());
-            }
-            Err(e) => return (out, Some(e.to_string())),
-        }
-    }
-    (out, None)
-}
+const N: u64 = FOLLOW_N;
 
 #[test]
 fn a_follow_loader_serves_every_sample_once_while_ranks_write_then_reads_as_a_plain_one() {
@@ -111,35 +25,13 @@ fn a_follow_loader_serves_every_sample_once_while_ranks_write_then_reads_as_a_pl
     let ws: Vec<PartWriter> = (0..3).map(|r| writer(&dir, r, 3)).collect();
     let m = ws[0].manifest().clone();
     let mut loader = Loader::open(&dir, follow_opts(20_000)).unwrap();
-    let threads: Vec<_> = ws
-        .into_iter()
-        .map(|w| std::thread::spawn(move || write_all(w, Duration::from_millis(30))))
-        .collect();
-    let (batches, err) = drain(&mut loader.iter(), &m);
-    assert_eq!(err, None);
-    let mut seen: Vec<u64> = batches.concat();
-    seen.sort_unstable();
-    assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
-    // It read while they wrote: several rounds (each a range count, then its ranges).
-    let Some(shardkit::engine::StateValue::List(flat)) =
-        loader.state().get("follow_rounds").cloned()
-    else {
-        panic!("no follow_rounds in {:?}", loader.state())
-    };
-    assert!(flat.len() > 3, "one round only: {flat:?}");
+    let threads = write_meanwhile(ws);
+    assert_every_sample_once_in_rounds(&loader, &m);
     for t in threads {
         t.join().unwrap();
     }
     // Committed now: epoch 1 is the plain loader's.
-    loader.set_epoch(1);
-    let (follow1, err) = drain(&mut loader.iter(), &m);
-    assert_eq!(err, None);
-    let mut o = follow_opts(0);
-    o.follow = None;
-    o.epoch = 1;
-    let plain = Loader::new(std::sync::Arc::new(Cache::open(&dir).unwrap()), o).unwrap();
-    let (plain1, _) = drain(&mut plain.iter(), &m);
-    assert_eq!(follow1, plain1);
+    assert_epoch_1_as_committed(&mut loader, &dir, &m);
 }
 
 #[test]
@@ -149,7 +41,7 @@ fn a_state_saved_mid_epoch_resumes_exactly_and_the_timeout_names_the_missing_sha
     let w0 = writer(&dir, 0, 2);
     let w1 = writer(&dir, 1, 2); // claims shards 6..12, writes later
     let m = w0.manifest().clone();
-    write_all(w0, Duration::ZERO);
+    write_shards(w0, Duration::ZERO);
     let mut a = Loader::open(&dir, follow_opts(300)).unwrap();
     let mut it = a.iter();
     let first = it.next().unwrap().unwrap();
@@ -169,25 +61,7 @@ fn a_state_saved_mid_epoch_resumes_exactly_and_the_timeout_names_the_missing_sha
     drop(it);
     a.advance_to(at);
     // Another loader from the saved state serves the rest of the round, then waits likewise.
-    let mut b = Loader::open(&dir, follow_opts(300)).unwrap();
-    b.load_state(saved).unwrap();
-    let mut it_b = b.iter();
-    let (rest_b, err_b) = drain(&mut it_b, &m);
-    assert_eq!(rest_b, rest_a);
-    assert!(err_b.unwrap().contains("shards 6..12"));
-    let at_b = it_b.cursor();
-    drop(it_b);
-    b.advance_to(at_b);
-    write_all(w1, Duration::ZERO); // the last rank commits
-    let (last_a, err) = drain(&mut a.iter(), &m);
-    let (last_b, err_b) = drain(&mut b.iter(), &m);
-    assert_eq!((err, err_b), (None, None));
-    assert_eq!(last_a, last_b);
-    let mut seen: Vec<u64> = [vec![first.indices.clone()], rest_a, last_a]
-        .concat()
-        .concat();
-    seen.sort_unstable();
-    assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
+    assert_resumed_alike(&dir, &mut a, saved, &first.indices, rest_a, w1, &m);
 }
 
 #[test]
@@ -213,12 +87,7 @@ fn world_size_above_one_is_refused_on_an_unfinished_cache() {
 fn ranked(r: u64, w: u64, bc: &RoundBroadcast, timeout_ms: u64) -> LoaderOptions {
     let mut o = follow_opts(timeout_ms);
     (o.rank, o.world_size) = (Some(r), Some(w));
-    o.follow = Some(FollowOptions {
-        timeout: Duration::from_millis(timeout_ms),
-        poll: Duration::from_millis(5),
-        broadcast: Some(bc.clone()),
-        ..FollowOptions::default()
-    });
+    o.follow = Some(common::broadcast::follow_with(bc, timeout_ms));
     o
 }
 
@@ -256,10 +125,7 @@ fn ranks_reading_together_serve_every_sample_once_but_the_last_rounds_padding() 
             })
         })
         .collect();
-    let threads: Vec<_> = ws
-        .into_iter()
-        .map(|w| std::thread::spawn(move || write_all(w, Duration::from_millis(30))))
-        .collect();
+    let threads = write_meanwhile(ws);
     for t in threads {
         t.join().unwrap();
     }
@@ -310,7 +176,7 @@ fn a_round_that_would_split_unevenly_over_the_ranks_waits_for_more_shards() {
     let mut ws: Vec<Option<PartWriter>> = (0..12).map(|r| Some(writer(&dir, r, 12))).collect();
     let m = ws[0].as_ref().unwrap().manifest().clone();
     for s in [0, 1, 2, 11] {
-        write_all(ws[s].take().unwrap(), Duration::ZERO);
+        write_shards(ws[s].take().unwrap(), Duration::ZERO);
     }
     // 7 samples over 2 ranks in batches of 3: 4 samples (2 batches) and 3 (1 batch). Nothing
     // more comes: the wait ends saying why.
@@ -355,10 +221,10 @@ fn a_round_that_would_split_unevenly_over_the_ranks_waits_for_more_shards() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(200));
-    write_all(ws[3].take().unwrap(), Duration::ZERO);
+    write_shards(ws[3].take().unwrap(), Duration::ZERO);
     formed.wait();
     for w in ws.iter_mut().filter_map(Option::take) {
-        write_all(w, Duration::ZERO);
+        write_shards(w, Duration::ZERO);
     }
     let mut seen = Vec::new();
     for t in readers {
@@ -387,7 +253,7 @@ fn ranks_reading_together_resume_mid_round_each_from_its_own_state() {
     let w1 = writer(&dir, 1, 2);
     let m = w0.manifest().clone();
     // Round 1: shards 0..6, 12 samples: 6 a rank, 2 batches each.
-    write_all(w0, Duration::ZERO);
+    write_shards(w0, Duration::ZERO);
     let (bcs, _) = common::broadcast::channel(W as usize);
     let (round1, written) = (
         Arc::new(Barrier::new(W as usize + 1)),
@@ -414,7 +280,7 @@ fn ranks_reading_together_resume_mid_round_each_from_its_own_state() {
         })
         .collect();
     round1.wait();
-    write_all(w1, Duration::ZERO);
+    write_shards(w1, Duration::ZERO);
     written.wait();
     let out: Vec<_> = readers.into_iter().map(|t| t.join().unwrap()).collect();
     for (all, _) in &out {

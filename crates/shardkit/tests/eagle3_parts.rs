@@ -7,103 +7,18 @@
 
 mod common;
 
-use common::tree;
+use common::eagle3::{batch, options, refs, single, table, write_all, PARTS_N};
+use common::{rank, tree};
 
-use std::path::{Path, PathBuf};
-
-use shardkit::eagle3::{
-    self, synthetic_sample, Cache, Manifest, PartOptions, PartWriter, Writer, WriterOptions,
-};
+use shardkit::eagle3::{self, Cache, PartWriter, Writer, WriterOptions};
 use shardkit::json::Value;
-use shardkit::{Error, Rank};
+use shardkit::Error;
 
-/// 11 samples in shards of 2 (6 shards, the last one short), seq 4, hidden 2 (aux 6).
+const N: u64 = PARTS_N;
+
+/// The configuration, `num_samples` declared or not.
 fn config(with_num_samples: bool) -> Value {
-    let n = if with_num_samples {
-        r#""num_samples": 11,"#
-    } else {
-        ""
-    };
-    shardkit::json::parse(
-        format!(
-            r#"{{"target_model": "demo", "target_vocab_size": 8, "draft_vocab_size": 8,
-            "seq_length": 4, "dtype": "bf16", {n} "shard_size": 2, "aux_hidden_dim": 6,
-            "aux_layer_ids": [1, 2, 3], "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
-            "input_data": "demo", "split": null, "shuffle_seed": 1}}"#
-        )
-        .as_bytes(),
-    )
-    .unwrap()
-}
-
-const N: u64 = 11;
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
-}
-
-/// Samples `first..end`, each field's rows concatenated.
-fn batch(m: &Manifest, first: u64, end: u64) -> Vec<(&'static str, Vec<u8>)> {
-    let mut out: Vec<(&'static str, Vec<u8>)> = Vec::new();
-    for i in first..end {
-        for (f, (name, bytes)) in synthetic_sample(m, i).into_iter().enumerate() {
-            match out.get_mut(f) {
-                Some((_, b)) => b.extend(bytes),
-                None => out.push((name, bytes)),
-            }
-        }
-    }
-    out
-}
-
-fn refs<'a>(b: &'a [(&'static str, Vec<u8>)]) -> Vec<(&'static str, &'a [u8])> {
-    b.iter().map(|(n, v)| (*n, v.as_slice())).collect()
-}
-
-/// The embedding table: 8 rows of hidden 2.
-fn table(seed: u8) -> Vec<u8> {
-    (0..16u8)
-        .flat_map(|i| f32::from(i.wrapping_mul(seed)).to_le_bytes())
-        .collect()
-}
-
-fn single(dir: &Path, version: u8, embeddings: bool) -> PathBuf {
-    let mut w = Writer::create(
-        dir,
-        &config(true),
-        WriterOptions {
-            version,
-            resume: false,
-        },
-    )
-    .unwrap();
-    if embeddings {
-        w.write_target_embeddings(&table(3), 8, 2).unwrap();
-    }
-    let b = batch(w.manifest(), 0, N);
-    w.add(N, &refs(&b)).unwrap();
-    w.finish().unwrap()
-}
-
-fn options(version: u8, embeddings: bool) -> PartOptions {
-    PartOptions {
-        version,
-        target_embeddings: embeddings,
-    }
-}
-
-/// Adds `w`'s pending samples in batches of 3, then finishes it.
-fn write_all(mut w: PartWriter) -> shardkit::PartsStatus {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 3).min(r.end);
-            let b = batch(w.manifest(), at, end);
-            w.add(end - at, &refs(&b)).unwrap();
-            at = end;
-        }
-    }
-    w.finish().unwrap()
+    common::eagle3::config(with_num_samples.then_some(N))
 }
 
 #[test]

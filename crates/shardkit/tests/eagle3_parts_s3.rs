@@ -6,128 +6,36 @@
 //! process under nextest, so the environment variables each sets are its own.
 #![allow(clippy::single_range_in_vec_init)]
 
+mod common;
+
+use common::eagle3::{batch, options, refs, single, table, write_all, PARTS_N};
+use common::stores::store;
+use common::{rank, tree};
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use futures::TryStreamExt;
 use object_store::memory::InMemory;
-use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt};
-use shardkit::eagle3::{
-    self, synthetic_sample, Cache, Manifest, PartOptions, PartWriter, Writer, WriterOptions,
-};
+use shardkit::eagle3::{self, Cache, PartWriter, Writer, WriterOptions};
 use shardkit::json::Value;
-use shardkit::{Error, Rank};
+use shardkit::Error;
 
 const URL: &str = "s3://bucket/c";
-const N: u64 = 11;
+const N: u64 = PARTS_N;
 
-/// 11 samples in shards of 2 (6 shards, the last one short), seq 4, hidden 2 (aux 6).
+/// The configuration, `num_samples` declared.
 fn config() -> Value {
-    shardkit::json::parse(
-        br#"{"target_model": "demo", "target_vocab_size": 8, "draft_vocab_size": 8,
-        "seq_length": 4, "dtype": "bf16", "num_samples": 11, "shard_size": 2,
-        "aux_hidden_dim": 6, "aux_layer_ids": [1, 2, 3],
-        "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7], "input_data": "demo", "split": null,
-        "shuffle_seed": 1}"#,
-    )
-    .unwrap()
+    common::eagle3::config(Some(N))
 }
 
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
-}
-
-fn batch(m: &Manifest, first: u64, end: u64) -> Vec<(&'static str, Vec<u8>)> {
-    let mut out: Vec<(&'static str, Vec<u8>)> = Vec::new();
-    for i in first..end {
-        for (f, (name, bytes)) in synthetic_sample(m, i).into_iter().enumerate() {
-            match out.get_mut(f) {
-                Some((_, b)) => b.extend(bytes),
-                None => out.push((name, bytes)),
-            }
-        }
-    }
-    out
-}
-
-fn refs<'a>(b: &'a [(&'static str, Vec<u8>)]) -> Vec<(&'static str, &'a [u8])> {
-    b.iter().map(|(n, v)| (*n, v.as_slice())).collect()
-}
-
-fn table(seed: u8) -> Vec<u8> {
-    (0..16u8)
-        .flat_map(|i| f32::from(i.wrapping_mul(seed)).to_le_bytes())
-        .collect()
-}
-
-fn store(staging: &Path) -> Arc<InMemory> {
-    std::env::set_var("SHARDKIT_STAGING_DIR", staging);
-    let mem = Arc::new(InMemory::new());
-    shardkit::internals::stores::use_store("bucket", mem.clone());
-    mem
-}
-
-/// Every object under `c/` with its bytes, names relative to it.
+/// Every object of the cache with its bytes, names relative to it.
 fn objects(mem: &InMemory) -> BTreeMap<String, Vec<u8>> {
-    futures::executor::block_on(async {
-        let metas: Vec<_> = mem
-            .list(Some(&ObjectPath::from("c")))
-            .try_collect()
-            .await
-            .unwrap();
-        let mut out = BTreeMap::new();
-        for m in metas {
-            let bytes = mem.get(&m.location).await.unwrap().bytes().await.unwrap();
-            out.insert(m.location.as_ref()[2..].to_string(), bytes.to_vec());
-        }
-        out
-    })
+    common::stores::objects(mem, "c")
 }
 
-fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        out.insert(name, std::fs::read(&p).unwrap());
-    }
-    out
-}
-
+/// Every file one writer writes locally, as [`objects`].
 fn single_local(dir: &Path, version: u8, embeddings: bool) -> BTreeMap<String, Vec<u8>> {
-    let opts = WriterOptions {
-        version,
-        resume: false,
-    };
-    let mut w = Writer::create(dir, &config(), opts).unwrap();
-    if embeddings {
-        w.write_target_embeddings(&table(3), 8, 2).unwrap();
-    }
-    let b = batch(w.manifest(), 0, N);
-    w.add(N, &refs(&b)).unwrap();
-    tree(&w.finish().unwrap())
-}
-
-fn options(version: u8, embeddings: bool) -> PartOptions {
-    PartOptions {
-        version,
-        target_embeddings: embeddings,
-    }
-}
-
-fn write_all(mut w: PartWriter) -> shardkit::PartsStatus {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 3).min(r.end);
-            let b = batch(w.manifest(), at, end);
-            w.add(end - at, &refs(&b)).unwrap();
-            at = end;
-        }
-    }
-    w.finish().unwrap()
+    tree(&single(dir, version, embeddings))
 }
 
 fn open(r: u64, w: u64, version: u8, embeddings: bool) -> Result<PartWriter, Error> {

@@ -8,80 +8,16 @@
 
 mod common;
 
-use common::tree;
+use common::flat_tokens::{
+    assert_other_configurations_refused, names, options, seq, seqs, single, small_v3, write_all,
+    write_ranks, TOTAL,
+};
+use common::{rank, tree};
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use shardkit::flat_tokens::{
-    self, Layout, PartOptions, PartWriter, Sharded, Split, Writer, WriterOptions,
-};
-use shardkit::{Error, Rank};
-
-const TOTAL: u64 = 1000;
-const PER_UNIT: u64 = 37; // 28 units, the last one short
-
-/// Sequence `i`: 0 to 40 tokens (some empty), ids from `i`.
-fn seq(i: u64) -> Vec<u32> {
-    let len = (i * 7919 % 41) as u32;
-    (0..len)
-        .map(|t| (i as u32 * 31 + t * 17) % 50_000 + 1)
-        .collect()
-}
-
-fn seqs(r: std::ops::Range<u64>) -> Vec<Vec<u32>> {
-    r.map(seq).collect()
-}
-
-fn small_v3() -> Layout {
-    Layout::V3(Sharded {
-        tokens_per_shard: 4096,
-        tokens_per_chunk: 512,
-        starts_per_shard: 256,
-        starts_per_chunk: 64,
-        zstd_level: 3,
-    })
-}
-
-fn options(layout: Layout) -> PartOptions {
-    PartOptions {
-        layout: Some(layout),
-        sequences_per_unit: PER_UNIT,
-    }
-}
-
-fn single(root: &Path, layout: Layout) {
-    let opts = WriterOptions {
-        layout: Some(layout),
-        ..WriterOptions::default()
-    };
-    let mut w = Writer::create(root, "train", opts).unwrap();
-    for c in (0..TOTAL).step_by(100) {
-        w.append(&seqs(c..(c + 100).min(TOTAL))).unwrap();
-    }
-    w.finish().unwrap();
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
-}
-
-/// Writes `w`'s pending sequences in batches of 7, finishing it.
-fn write_all(mut w: PartWriter) -> shardkit::Result<shardkit::PartsStatus> {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 7).min(r.end);
-            w.append(&seqs(at..end))?;
-            at = end;
-        }
-    }
-    w.finish()
-}
-
-fn names(t: &BTreeMap<String, Vec<u8>>) -> Vec<&String> {
-    t.keys().collect()
-}
+use shardkit::flat_tokens::{self, Layout, PartOptions, PartWriter, Split, Writer, WriterOptions};
+use shardkit::Error;
 
 #[test]
 fn one_to_four_writers_commit_the_split_one_writer_writes_byte_for_byte() {
@@ -93,26 +29,7 @@ fn one_to_four_writers_commit_the_split_one_writer_writes_byte_for_byte() {
         assert!(want.contains_key("shardkit.checksums.json"));
         for world in 1..=4u64 {
             let root = dir.path().join(format!("w{world}.zarr"));
-            // The ranks run together, as processes would (each its own locks and claims).
-            let statuses: Vec<_> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..world)
-                    .map(|r| {
-                        let root = root.clone();
-                        s.spawn(move || {
-                            let w = PartWriter::create(
-                                &root,
-                                "train",
-                                TOTAL,
-                                options(layout),
-                                rank(r, world),
-                            )
-                            .unwrap();
-                            write_all(w).unwrap()
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let statuses = write_ranks(&root, layout, world);
             assert!(statuses.iter().any(|s| s.committed), "{statuses:?}");
             let got = tree(&root);
             assert_eq!(names(&got), names(&want), "{layout:?}, {world} writers");
@@ -180,30 +97,7 @@ fn ranks_with_another_configuration_are_refused_naming_the_key_before_writing() 
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("ds.zarr");
     let _w0 = PartWriter::create(&root, "train", TOTAL, options(small_v3()), rank(0, 2)).unwrap();
-    let before = tree(&root);
-    let cases: [(u64, PartOptions, &str); 4] = [
-        (TOTAL + 1, options(small_v3()), "total_sequences"),
-        (
-            TOTAL,
-            PartOptions {
-                sequences_per_unit: 40,
-                ..options(small_v3())
-            },
-            "sequences_per_unit",
-        ),
-        (TOTAL, options(Layout::default()), "tokens_per_shard"),
-        (TOTAL, options(Layout::V2), "layout"),
-    ];
-    for (total, opts, key) in cases {
-        let e = PartWriter::create(&root, "train", total, opts, rank(1, 2)).unwrap_err();
-        let msg = e.to_string();
-        assert!(matches!(e, Error::Exists { .. }), "{e:?}");
-        assert!(
-            msg.contains(&format!("{key:?}")) && msg.contains("flat_tokens.json"),
-            "{key}: {msg}"
-        );
-        assert!(tree(&root) == before, "{key}: something was written");
-    }
+    assert_other_configurations_refused(&root, || tree(&root));
     // A whole-split writer is refused while the split is written in parts.
     drop(_w0);
     let e = Writer::create(&root, "train", WriterOptions::default()).unwrap_err();

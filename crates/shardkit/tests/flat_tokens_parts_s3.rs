@@ -9,116 +9,24 @@
 
 mod common;
 
+use common::flat_tokens::{
+    assert_other_configurations_refused, names, options, seqs, single, small_v3, write_all,
+    write_ranks, TOTAL,
+};
+use common::rank;
+use common::stores::{objects, store};
+
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
 
-use futures::TryStreamExt;
 use object_store::memory::InMemory;
-use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt};
-use shardkit::flat_tokens::{
-    self, Layout, PartOptions, PartWriter, Sharded, Split, Writer, WriterOptions,
-};
-use shardkit::{Error, Rank};
-
-const TOTAL: u64 = 1000;
-const PER_UNIT: u64 = 37; // 28 units, the last one short
-
-/// Sequence `i`: 0 to 40 tokens (some empty), ids from `i`.
-fn seq(i: u64) -> Vec<u32> {
-    let len = (i * 7919 % 41) as u32;
-    (0..len)
-        .map(|t| (i as u32 * 31 + t * 17) % 50_000 + 1)
-        .collect()
-}
-
-fn seqs(r: std::ops::Range<u64>) -> Vec<Vec<u32>> {
-    r.map(seq).collect()
-}
-
-fn small_v3() -> Layout {
-    Layout::V3(Sharded {
-        tokens_per_shard: 4096,
-        tokens_per_chunk: 512,
-        starts_per_shard: 256,
-        starts_per_chunk: 64,
-        zstd_level: 3,
-    })
-}
-
-fn options(layout: Layout) -> PartOptions {
-    PartOptions {
-        layout: Some(layout),
-        sequences_per_unit: PER_UNIT,
-    }
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
-}
-
-fn store(staging: &Path) -> Arc<InMemory> {
-    std::env::set_var("SHARDKIT_STAGING_DIR", staging);
-    let mem = Arc::new(InMemory::new());
-    shardkit::internals::stores::use_store("bucket", mem.clone());
-    mem
-}
-
-/// Every object under `prefix/` with its bytes, names relative to it.
-fn objects(mem: &InMemory, prefix: &str) -> BTreeMap<String, Vec<u8>> {
-    futures::executor::block_on(async {
-        let metas: Vec<_> = mem
-            .list(Some(&ObjectPath::from(prefix)))
-            .try_collect()
-            .await
-            .unwrap();
-        let mut out = BTreeMap::new();
-        for m in metas {
-            let bytes = mem.get(&m.location).await.unwrap().bytes().await.unwrap();
-            out.insert(
-                m.location.as_ref()[prefix.len() + 1..].to_string(),
-                bytes.to_vec(),
-            );
-        }
-        out
-    })
-}
-
-/// One `Writer` writes the split to `root` (a directory or a URL).
-fn single(root: &str, layout: Layout) {
-    let opts = WriterOptions {
-        layout: Some(layout),
-        ..WriterOptions::default()
-    };
-    let mut w = Writer::create(root, "train", opts).unwrap();
-    for c in (0..TOTAL).step_by(100) {
-        w.append(&seqs(c..(c + 100).min(TOTAL))).unwrap();
-    }
-    w.finish().unwrap();
-}
-
-/// Writes `w`'s pending sequences in batches of 7, finishing it.
-fn write_all(mut w: PartWriter) -> shardkit::Result<shardkit::PartsStatus> {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 7).min(r.end);
-            w.append(&seqs(at..end))?;
-            at = end;
-        }
-    }
-    w.finish()
-}
-
-fn names(t: &BTreeMap<String, Vec<u8>>) -> Vec<&String> {
-    t.keys().collect()
-}
+use shardkit::flat_tokens::{self, Layout, PartWriter, Split, Writer, WriterOptions};
+use shardkit::Error;
 
 /// The reference objects of `layout`: what one writer puts in a store, checked equal, object
 /// by object, to the files it writes locally.
 fn reference(mem: &InMemory, dir: &Path, layout: Layout, name: &str) -> BTreeMap<String, Vec<u8>> {
-    single(&format!("s3://bucket/{name}"), layout);
+    single(format!("s3://bucket/{name}"), layout);
     let want = objects(mem, name);
     let local = dir.join(format!("{name}.zarr"));
     single(local.to_str().unwrap(), layout);
@@ -141,25 +49,7 @@ fn one_to_three_writers_in_a_store_commit_the_objects_one_writer_writes() {
         for world in 1..=3u64 {
             let name = format!("w{l}{world}");
             let url = format!("s3://bucket/{name}");
-            let statuses: Vec<_> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..world)
-                    .map(|r| {
-                        let url = url.clone();
-                        s.spawn(move || {
-                            let w = PartWriter::create(
-                                &url,
-                                "train",
-                                TOTAL,
-                                options(layout),
-                                rank(r, world),
-                            )
-                            .unwrap();
-                            write_all(w).unwrap()
-                        })
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().unwrap()).collect()
-            });
+            let statuses = write_ranks(Path::new(&url), layout, world);
             assert!(statuses.iter().any(|s| s.committed), "{statuses:?}");
             let got = objects(&mem, &name);
             assert_eq!(names(&got), names(&want), "{layout:?}, {world} writers");
@@ -242,33 +132,7 @@ fn in_a_store_another_configuration_an_overlapping_rank_and_a_whole_writer_are_r
     let mem = store(&dir.path().join("staging"));
     let url = "s3://bucket/ds";
     let w0 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(0, 2)).unwrap();
-    let before = objects(&mem, "ds");
-    let cases: [(u64, PartOptions, &str); 4] = [
-        (TOTAL + 1, options(small_v3()), "total_sequences"),
-        (
-            TOTAL,
-            PartOptions {
-                sequences_per_unit: 40,
-                ..options(small_v3())
-            },
-            "sequences_per_unit",
-        ),
-        (TOTAL, options(Layout::default()), "tokens_per_shard"),
-        (TOTAL, options(Layout::V2), "layout"),
-    ];
-    for (total, opts, key) in cases {
-        let e = PartWriter::create(url, "train", total, opts, rank(1, 2)).unwrap_err();
-        let msg = e.to_string();
-        assert!(matches!(e, Error::Exists { .. }), "{e:?}");
-        assert!(
-            msg.contains(&format!("{key:?}")) && msg.contains("flat_tokens.json"),
-            "{key}: {msg}"
-        );
-        assert!(
-            objects(&mem, "ds") == before,
-            "{key}: something was written"
-        );
-    }
+    assert_other_configurations_refused(Path::new(url), || objects(&mem, "ds"));
     // Rank 0 of 3 (units 0..10) overlaps the live rank 0 of 2 (units 0..14).
     let e = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(0, 3)).unwrap_err();
     let msg = e.to_string();
@@ -311,16 +175,7 @@ fn a_rank_finishing_while_a_unit_is_missing_does_not_queue_on_a_live_commit_lock
     let w0 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(0, 2)).unwrap();
     let w1 = PartWriter::create(url, "train", TOTAL, options(small_v3()), rank(1, 2)).unwrap();
     // Another machine's committer holds the split's commit lock (renewed just now, 30 s lease).
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let held = format!(
-        "{{\"shardkit_lock\": 1, \"host\": \"elsewhere\", \"boot_id\": \"b\", \"pid\": 7, \
-         \"token\": \"t\", \"renewed_unix\": {now}, \"lease_s\": 30}}"
-    );
-    let key = ObjectPath::from("ds/.shardkit-parts/train/commit.lock");
-    futures::executor::block_on(mem.put(&key, held.into_bytes().into())).unwrap();
+    common::stores::plant_held_lock(&mem, "ds/.shardkit-parts/train/commit.lock", 30);
     // Rank 0 finishes with rank 1's units missing: it sees so from the records alone and
     // returns at once, instead of waiting out the holder's lease to find the same.
     let started = std::time::Instant::now();

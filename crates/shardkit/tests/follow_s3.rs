@@ -8,51 +8,54 @@
 //! Each test is its own process under nextest, so the store each installs is its own.
 #![allow(clippy::single_range_in_vec_init)] // rounds of one range
 
+mod common;
+
+use common::rank;
+use common::saev::{
+    assert_committed_epochs_as_plain, assert_each_row_once, assert_states_resume_exactly, drain,
+    metadata, options, rounds_of, rows_of, take, two_ranks_after_round_1, write_meanwhile,
+    write_shard, FOLLOW_N,
+};
+use common::stores::{self, Hook, Hooked};
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::TryStreamExt;
-use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, PutPayload};
+use object_store::ObjectStore;
 use shardkit::engine::Order;
-use shardkit::saev::{
-    Batch, Batches, FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata,
-    PartWriter,
-};
-use shardkit::{Error, Rank};
+use shardkit::saev::{FollowOptions, Loader, PartWriter};
+use shardkit::Error;
 
 const ROOT: &str = "s3://bucket/data";
 
-/// An in-memory store that logs each request: (operation, object or prefix).
+/// The requests to a store, each (operation, object or prefix).
 #[derive(Debug, Default)]
-struct Logged {
-    inner: InMemory,
-    log: Mutex<Vec<(&'static str, String)>>,
-}
+struct Log(Mutex<Vec<(&'static str, String)>>);
 
-impl std::fmt::Display for Logged {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Logged({})", self.inner)
+impl Hook for Log {
+    fn before(&self, op: &'static str, path: Option<&ObjectPath>) -> object_store::Result<()> {
+        let p = path.map(|p| p.as_ref().to_string()).unwrap_or_default();
+        self.0.lock().unwrap().push((op, p));
+        Ok(())
     }
 }
+
+/// An in-memory store that logs each request.
+type Logged = Hooked<Log>;
 
 impl Logged {
-    fn note(&self, op: &'static str, path: Option<&ObjectPath>) {
-        let p = path.map(|p| p.as_ref().to_string()).unwrap_or_default();
-        self.log.lock().unwrap().push((op, p));
-    }
-
     /// The requests logged so far.
     fn mark(&self) -> usize {
-        self.log.lock().unwrap().len()
+        self.hook.0.lock().unwrap().len()
     }
 
     /// The requests logged since `mark`.
     fn since(&self, mark: usize) -> Vec<(&'static str, String)> {
-        self.log.lock().unwrap()[mark..].to_vec()
+        self.hook.0.lock().unwrap()[mark..].to_vec()
     }
 
     /// Whether shards `shards` of the dataset `dir` (its URL) are recorded durable.
@@ -85,71 +88,6 @@ impl Logged {
     }
 }
 
-#[async_trait::async_trait]
-impl ObjectStore for Logged {
-    async fn put_opts(
-        &self,
-        location: &ObjectPath,
-        payload: PutPayload,
-        opts: object_store::PutOptions,
-    ) -> object_store::Result<object_store::PutResult> {
-        self.note("put", Some(location));
-        self.inner.put_opts(location, payload, opts).await
-    }
-
-    async fn put_multipart_opts(
-        &self,
-        location: &ObjectPath,
-        opts: object_store::PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-        self.note("put", Some(location));
-        self.inner.put_multipart_opts(location, opts).await
-    }
-
-    async fn get_opts(
-        &self,
-        location: &ObjectPath,
-        options: object_store::GetOptions,
-    ) -> object_store::Result<object_store::GetResult> {
-        self.note(if options.head { "head" } else { "get" }, Some(location));
-        self.inner.get_opts(location, options).await
-    }
-
-    fn delete_stream(
-        &self,
-        locations: futures::stream::BoxStream<'static, object_store::Result<ObjectPath>>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<ObjectPath>> {
-        self.note("delete", None);
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
-        self.note("list", prefix);
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> object_store::Result<object_store::ListResult> {
-        self.note("list", prefix);
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &ObjectPath,
-        to: &ObjectPath,
-        options: object_store::CopyOptions,
-    ) -> object_store::Result<()> {
-        self.note("copy", Some(to));
-        self.inner.copy_opts(from, to, options).await
-    }
-}
-
 /// The object key of the dataset at URL `dir`.
 fn key_of(dir: &Path) -> String {
     dir.to_str()
@@ -161,129 +99,12 @@ fn key_of(dir: &Path) -> String {
 
 /// A fresh logged store in place of `s3://bucket`, staging under `tmp`.
 fn store(tmp: &Path) -> Arc<Logged> {
-    std::env::set_var("SHARDKIT_STAGING_DIR", tmp.join("staging"));
-    let s = Arc::new(Logged::default());
-    shardkit::internals::stores::use_store("bucket", s.clone());
-    s
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
+    stores::install(&tmp.join("staging"), Logged::default())
 }
 
 // ---- saev: the dataset of tests/saev_follow.rs ----
 
-/// 40 examples, 2 layers, CLS + 3 content tokens, d_model 4; 2 examples per shard: 20 shards.
-fn metadata() -> Metadata {
-    let md = r#"{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
-        "cls_token": true, "d_model": 4, "n_examples": 40, "max_tokens_per_shard": 16,
-        "data": "d", "dataset": "t", "protocol": "2.1"}"#;
-    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
-}
-
-const N: u64 = 40;
-const EPS: u64 = 2;
-const EV: usize = 2 * 4 * 4; // values of one example: L x T x D
-
-fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
-    examples
-        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
-        .collect()
-}
-
-fn label(e: u64, c: u64) -> u8 {
-    (e * 7 + c) as u8
-}
-
-/// Writes shard `s` (its examples, with labels) through `w`, whose next example it must be.
-fn write_shard(w: &mut PartWriter, s: u64) {
-    assert_eq!(w.next_example(), Some(s * EPS));
-    let labels: Vec<u8> = (s * EPS..(s + 1) * EPS)
-        .flat_map(|e| (0..3).map(move |c| label(e, c)))
-        .collect();
-    w.write(&acts(s * EPS..(s + 1) * EPS), Some(&labels))
-        .unwrap();
-}
-
-fn options(follow: bool, order: Order) -> LoaderOptions {
-    let mut o = LoaderOptions::new(LayerSel::Value(3));
-    o.batch_size = 4;
-    o.order = order;
-    o.seed = 7;
-    o.memory_budget = Some(1024);
-    o.threads = 1;
-    if follow {
-        o.follow = Some(FollowOptions {
-            timeout: Duration::from_secs(20),
-            poll: Duration::from_millis(5),
-            interrupted: None,
-            broadcast: None,
-        });
-    }
-    o
-}
-
-/// One batch as compared: its rows' examples and tokens, values and labels.
-type Rows = (Vec<i64>, Vec<i64>, Vec<f32>, Option<Vec<i64>>);
-
-fn rows_of(b: Batch) -> Rows {
-    (
-        b.example_idx.clone(),
-        b.token_idx.clone(),
-        b.act.as_f32()[..b.n * b.d_model].to_vec(),
-        b.token_label.clone(),
-    )
-}
-
-fn take(it: &mut Batches, n: usize) -> Vec<Rows> {
-    (0..n)
-        .map(|_| rows_of(it.next().expect("a batch").unwrap()))
-        .collect()
-}
-
-fn drain(loader: &Loader) -> Vec<Rows> {
-    loader
-        .iter()
-        .unwrap()
-        .map(|b| rows_of(b.unwrap()))
-        .collect()
-}
-
-/// Checks every row (values and label) against what was written; each (example, token) once.
-fn assert_each_row_once(batches: &[Rows]) {
-    let mut seen = BTreeMap::new();
-    for (ex, tok, act, labels) in batches {
-        let labels = labels.as_ref().expect("every batch has the labels written");
-        for (i, (&e, &c)) in ex.iter().zip(tok).enumerate() {
-            assert_eq!(
-                labels[i],
-                i64::from(label(e as u64, c as u64)),
-                "e={e} c={c}"
-            );
-            let want: Vec<f32> = (0..4)
-                .map(|d| (e * 1000 + (c + 1) * 4 + d) as f32)
-                .collect();
-            assert_eq!(act[i * 4..i * 4 + 4], want[..], "row e={e} c={c} is torn");
-            *seen.entry((e, c)).or_insert(0) += 1;
-        }
-    }
-    let want: BTreeMap<(i64, i64), u32> = (0..N as i64)
-        .flat_map(|e| (0..3).map(move |c| ((e, c), 1)))
-        .collect();
-    assert_eq!(seen, want);
-}
-
-fn rounds_of(st: &LoaderState) -> usize {
-    let Some(shardkit::engine::StateValue::List(flat)) = st.get("follow_rounds") else {
-        panic!("no follow_rounds in {st:?}");
-    };
-    let (mut i, mut n) = (0, 0);
-    while i < flat.len() {
-        i += 1 + 2 * flat[i] as usize;
-        n += 1;
-    }
-    n
-}
+const N: u64 = FOLLOW_N;
 
 fn shard(s: u64) -> String {
     format!("acts{s:06}.bin")
@@ -295,26 +116,14 @@ fn a_follow_loader_on_a_store_serves_every_row_once_during_the_write_then_the_co
         let tmp = tempfile::tempdir().unwrap();
         let _store = store(tmp.path());
         let writers: Vec<PartWriter> = (0..2)
-            .map(|r| PartWriter::create(ROOT, metadata(), rank(r, 2)).unwrap())
+            .map(|r| PartWriter::create(ROOT, metadata(N), rank(r, 2)).unwrap())
             .collect();
         let dir = writers[0].path().to_path_buf();
         // Not committed: without follow mode it is refused, as locally.
         let e = Loader::new(&dir, options(false, order)).unwrap_err();
         assert!(matches!(e, Error::Incomplete { .. }), "{e:?}");
         let mut loader = Loader::new(&dir, options(true, order)).unwrap();
-        let threads: Vec<_> = writers
-            .into_iter()
-            .map(|mut w| {
-                std::thread::spawn(move || {
-                    let shards = w.examples().start / EPS..w.examples().end / EPS;
-                    for s in shards {
-                        std::thread::sleep(Duration::from_millis(10));
-                        write_shard(&mut w, s);
-                    }
-                    w.finish().unwrap()
-                })
-            })
-            .collect();
+        let threads = write_meanwhile(writers);
         let epoch0 = drain(&loader);
         let rounds = rounds_of(&loader.state());
         let committed = threads
@@ -326,18 +135,9 @@ fn a_follow_loader_on_a_store_serves_every_row_once_during_the_write_then_the_co
         assert!(rounds >= 2, "{order:?}: read in {rounds} round(s)");
         assert_eq!(loader.state().uint("cursor").unwrap(), Some(N * 3));
         // Committed: epoch 1 (its labels from labels.bin, the pieces gone) and epoch 0 read
-        // again are the committed loader's, batch for batch.
-        for epoch in [1, 0] {
-            loader.set_epoch(epoch).unwrap();
-            let mut plain_opts = options(false, order);
-            plain_opts.epoch = epoch;
-            let plain = Loader::new(&dir, plain_opts).unwrap();
-            assert_eq!(drain(&loader), drain(&plain), "{order:?} epoch {epoch}");
-        }
-        // Opened on the committed dataset, follow mode changes nothing.
-        let late = Loader::new(&dir, options(true, order)).unwrap();
-        let plain = Loader::new(&dir, options(false, order)).unwrap();
-        assert_eq!(drain(&late), drain(&plain));
+        // again are the committed loader's, batch for batch; opened on the committed dataset,
+        // follow mode changes nothing.
+        assert_committed_epochs_as_plain(&mut loader, &dir, order);
     }
 }
 
@@ -345,16 +145,8 @@ fn a_follow_loader_on_a_store_serves_every_row_once_during_the_write_then_the_co
 fn a_state_saved_mid_round_on_a_store_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let store = store(tmp.path());
-    let mut a = PartWriter::create(ROOT, metadata(), rank(0, 2)).unwrap();
-    let mut b = PartWriter::create(ROOT, metadata(), rank(1, 2)).unwrap();
-    let dir = a.path().to_path_buf();
     // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 7 batches of 4 and one of 2).
-    for s in [0, 1, 2] {
-        write_shard(&mut a, s);
-    }
-    for s in [10, 11] {
-        write_shard(&mut b, s);
-    }
+    let (mut a, mut b, dir) = two_ranks_after_round_1(ROOT);
     let round1: Vec<String> = [0, 1, 2, 10, 11].map(shard).to_vec();
     store.wait_durable(&dir, &round1.iter().map(String::as_str).collect::<Vec<_>>());
     let loader = Loader::new(&dir, options(true, Order::Block)).unwrap();
@@ -386,19 +178,9 @@ fn a_state_saved_mid_round_on_a_store_resumes_exactly() {
     seen.extend(it.map(|b| rows_of(b.unwrap())));
     assert_each_row_once(&seen);
 
-    // Across rounds: the rounds recorded are replayed, the last one is the rest, as it was.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(across).unwrap();
-    resumed.set_epoch(0).unwrap();
-    assert_eq!(drain(&resumed), seen[10..]);
-    // Mid-round: the round's remaining batches exactly, then the rest, each row once.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(mid_round).unwrap();
-    let rest = drain(&resumed);
-    assert_eq!(rest[..5], seen[3..8]);
-    let mut all = seen[..3].to_vec();
-    all.extend(rest);
-    assert_each_row_once(&all);
+    // Across rounds the rounds recorded are replayed; mid-round, the round's remaining
+    // batches come exactly, then the rest.
+    assert_states_resume_exactly(&dir, &across, &mid_round, &seen);
 }
 
 /// The LISTs of a pass's requests, by prefix under the dataset `dir`, and whether any
@@ -420,7 +202,7 @@ fn lists_and_writes(log: &[(&'static str, String)], dir: &Path) -> (BTreeMap<Str
 fn a_follow_loader_on_a_store_waits_listing_once_a_poll_writes_nothing_and_names_the_missing() {
     let tmp = tempfile::tempdir().unwrap();
     let store = store(tmp.path());
-    let mut a = PartWriter::create(ROOT, metadata(), rank(0, 2)).unwrap();
+    let mut a = PartWriter::create(ROOT, metadata(N), rank(0, 2)).unwrap();
     let dir = a.path().to_path_buf();
     write_shard(&mut a, 0);
     write_shard(&mut a, 1);
@@ -499,97 +281,13 @@ fn a_follow_loader_on_a_store_waits_listing_once_a_poll_writes_nothing_and_names
 
 mod eagle3 {
     use super::*;
-    use shardkit::eagle3::{
-        synthetic_sample, Cache, Loader, LoaderOptions, Manifest, PartOptions, PartWriter,
+    use common::eagle3::{
+        assert_epoch_1_as_committed, assert_every_sample_once_in_rounds, assert_resumed_alike,
+        drain, follow_opts, write_meanwhile, write_shards, writer, FOLLOW_N,
     };
-    use shardkit::json::Value;
+    use shardkit::eagle3::{Cache, Loader, PartWriter};
 
-    /// 23 samples in shards of 2 (12 shards, the last one short), seq 4, hidden 2 (aux 6).
-    const N: u64 = 23;
-
-    fn config() -> Value {
-        shardkit::json::parse(
-            br#"{"target_model": "demo", "target_vocab_size": 8, "draft_vocab_size": 8,
-            "seq_length": 4, "dtype": "bf16", "shard_size": 2, "aux_hidden_dim": 6,
-            "aux_layer_ids": [1, 2, 3], "selected_token_ids": [0, 1, 2, 3, 4, 5, 6, 7],
-            "input_data": "demo", "split": null, "shuffle_seed": 1}"#,
-        )
-        .unwrap()
-    }
-
-    fn writer(dir: &Path, r: u64, w: u64) -> PartWriter {
-        let o = PartOptions {
-            version: 2,
-            target_embeddings: false,
-        };
-        PartWriter::create(dir, &config(), o, N, rank(r, w)).unwrap()
-    }
-
-    /// Writes `w`'s samples a shard at a time, `pause` between, then finishes it.
-    fn write_all(mut w: PartWriter, pause: Duration) {
-        for r in w.pending().to_vec() {
-            let mut at = r.start;
-            while at < r.end {
-                let end = (at + 2).min(r.end);
-                let mut fields: Vec<(&'static str, Vec<u8>)> = Vec::new();
-                for i in at..end {
-                    for (f, (name, bytes)) in
-                        synthetic_sample(w.manifest(), i).into_iter().enumerate()
-                    {
-                        match fields.get_mut(f) {
-                            Some((_, b)) => b.extend(bytes),
-                            None => fields.push((name, bytes)),
-                        }
-                    }
-                }
-                let refs: Vec<(&str, &[u8])> = fields.iter().map(|(n, v)| (*n, &v[..])).collect();
-                w.add(end - at, &refs).unwrap();
-                at = end;
-                std::thread::sleep(pause);
-            }
-        }
-        w.finish().unwrap();
-    }
-
-    fn follow_opts(timeout_ms: u64) -> LoaderOptions {
-        let mut o = LoaderOptions::new(3);
-        (o.rank, o.world_size, o.seed) = (Some(0), Some(1), 7);
-        o.follow = Some(FollowOptions {
-            timeout: Duration::from_millis(timeout_ms),
-            poll: Duration::from_millis(5),
-            interrupted: None,
-            broadcast: None,
-        });
-        o
-    }
-
-    /// The samples of a pass until it ends or fails (the error's text), each checked whole.
-    fn drain(it: &mut shardkit::eagle3::Batches, m: &Manifest) -> (Vec<Vec<u64>>, Option<String>) {
-        let mut out = Vec::new();
-        for b in it {
-            match b {
-                Ok(b) => {
-                    for (row, &i) in b.indices.iter().enumerate() {
-                        for (name, want) in synthetic_sample(m, i) {
-                            let Some(f) = b.layout.iter().find(|f| f.name == name) else {
-                                continue;
-                            };
-                            let bytes = b.data.field(f);
-                            let rb = bytes.len() / b.indices.len();
-                            assert_eq!(
-                                &bytes[row * rb..(row + 1) * rb],
-                                &want[..],
-                                "{name} of {i}"
-                            );
-                        }
-                    }
-                    out.push(b.indices.clone());
-                }
-                Err(e) => return (out, Some(e.to_string())),
-            }
-        }
-        (out, None)
-    }
+    const N: u64 = FOLLOW_N;
 
     #[test]
     fn a_follow_loader_on_a_store_serves_every_sample_once_while_ranks_write_then_as_committed() {
@@ -614,21 +312,8 @@ mod eagle3 {
             "{msg}"
         );
         let mut loader = Loader::open(&dir, follow_opts(20_000)).unwrap();
-        let threads: Vec<_> = ws
-            .into_iter()
-            .map(|w| std::thread::spawn(move || write_all(w, Duration::from_millis(30))))
-            .collect();
-        let (batches, err) = drain(&mut loader.iter(), &m);
-        assert_eq!(err, None);
-        let mut seen: Vec<u64> = batches.concat();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
-        let Some(shardkit::engine::StateValue::List(flat)) =
-            loader.state().get("follow_rounds").cloned()
-        else {
-            panic!("no follow_rounds in {:?}", loader.state())
-        };
-        assert!(flat.len() > 3, "one round only: {flat:?}");
+        let threads = write_meanwhile(ws);
+        assert_every_sample_once_in_rounds(&loader, &m);
         for t in threads {
             t.join().unwrap();
         }
@@ -642,15 +327,7 @@ mod eagle3 {
             "{heads:?}"
         );
         // Committed now: epoch 1 is the committed loader's.
-        loader.set_epoch(1);
-        let (follow1, err) = drain(&mut loader.iter(), &m);
-        assert_eq!(err, None);
-        let mut o = follow_opts(0);
-        o.follow = None;
-        o.epoch = 1;
-        let plain = Loader::new(Arc::new(Cache::open(&dir).unwrap()), o).unwrap();
-        let (plain1, _) = drain(&mut plain.iter(), &m);
-        assert_eq!(follow1, plain1);
+        assert_epoch_1_as_committed(&mut loader, &dir, &m);
     }
 
     #[test]
@@ -661,7 +338,7 @@ mod eagle3 {
         let w0 = writer(&dir, 0, 2);
         let w1 = writer(&dir, 1, 2); // claims shards 6..12, writes later
         let m = w0.manifest().clone();
-        write_all(w0, Duration::ZERO); // its finish waits for its uploads
+        write_shards(w0, Duration::ZERO); // its finish waits for its uploads
         let mut a = Loader::open(&dir, follow_opts(300)).unwrap();
         let mut it = a.iter();
         let first = it.next().unwrap().unwrap();
@@ -690,24 +367,6 @@ mod eagle3 {
         drop(it);
         a.advance_to(at);
         // Another loader from the saved state serves the rest of the round, then waits likewise.
-        let mut b = Loader::open(&dir, follow_opts(300)).unwrap();
-        b.load_state(saved).unwrap();
-        let mut it_b = b.iter();
-        let (rest_b, err_b) = drain(&mut it_b, &m);
-        assert_eq!(rest_b, rest_a);
-        assert!(err_b.unwrap().contains("shards 6..12"));
-        let at_b = it_b.cursor();
-        drop(it_b);
-        b.advance_to(at_b);
-        write_all(w1, Duration::ZERO); // the last rank commits
-        let (last_a, err) = drain(&mut a.iter(), &m);
-        let (last_b, err_b) = drain(&mut b.iter(), &m);
-        assert_eq!((err, err_b), (None, None));
-        assert_eq!(last_a, last_b);
-        let mut seen: Vec<u64> = [vec![first.indices.clone()], rest_a, last_a]
-            .concat()
-            .concat();
-        seen.sort_unstable();
-        assert_eq!(seen, (0..N).collect::<Vec<_>>(), "every sample once");
+        assert_resumed_alike(&dir, &mut a, saved, &first.indices, rest_a, w1, &m);
     }
 }

@@ -6,148 +6,23 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use common::rank;
+use common::saev::{
+    assert_committed_epochs_as_plain, assert_each_row_once, assert_states_resume_exactly, drain,
+    metadata, options, rounds_of, rows_of, take, two_ranks_after_round_1, write_meanwhile,
+    write_shard, Rows, FOLLOW_N,
+};
+
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use shardkit::engine::Order;
-use shardkit::saev::{
-    FollowOptions, LayerSel, Loader, LoaderOptions, LoaderState, Metadata, PartWriter,
-    RoundBroadcast, WaitCheck,
-};
-use shardkit::{Error, Rank};
+use shardkit::saev::{FollowOptions, Loader, LoaderOptions, PartWriter, RoundBroadcast, WaitCheck};
+use shardkit::Error;
 
-/// 40 examples, 2 layers, CLS + 3 content tokens, d_model 4; 2 examples per shard: 20 shards.
-fn metadata() -> Metadata {
-    let md = r#"{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
-        "cls_token": true, "d_model": 4, "n_examples": 40, "max_tokens_per_shard": 16,
-        "data": "d", "dataset": "t", "protocol": "2.1"}"#;
-    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
-}
-
-const N: u64 = 40;
-const EPS: u64 = 2;
+/// 40 examples, 2 examples per shard: 20 shards.
+const N: u64 = FOLLOW_N;
 const SHARDS: u64 = 20;
-const EV: usize = 2 * 4 * 4; // values of one example: L x T x D
-
-fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
-    examples
-        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
-        .collect()
-}
-
-/// Row of example `e`, layer 3 (slot 0), content token `c` (slot c + 1), as written.
-fn expected_row(e: i64, c: i64) -> Vec<f32> {
-    (0..4)
-        .map(|d| (e * 1000 + (c + 1) * 4 + d) as f32)
-        .collect()
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
-}
-
-fn options(follow: bool, order: Order) -> LoaderOptions {
-    let mut o = LoaderOptions::new(LayerSel::Value(3));
-    o.batch_size = 4;
-    o.order = order;
-    o.seed = 7;
-    // Windows of 4 blocks (a block: 4 tokens x 4 values x 4 bytes).
-    o.memory_budget = Some(1024);
-    o.threads = 1;
-    if follow {
-        o.follow = Some(FollowOptions {
-            timeout: Duration::from_secs(20),
-            poll: Duration::from_millis(5),
-            interrupted: None,
-            broadcast: None,
-        });
-    }
-    o
-}
-
-/// One batch as compared: its rows' examples and tokens, values and labels.
-type Rows = (Vec<i64>, Vec<i64>, Vec<f32>, Option<Vec<i64>>);
-
-fn rows_of(b: shardkit::saev::Batch) -> Rows {
-    (
-        b.example_idx.clone(),
-        b.token_idx.clone(),
-        b.act.as_f32()[..b.n * b.d_model].to_vec(),
-        b.token_label.clone(),
-    )
-}
-
-/// The label of example `e`'s content token `c`, as written.
-fn label(e: u64, c: u64) -> u8 {
-    (e * 7 + c) as u8
-}
-
-fn take(it: &mut shardkit::saev::Batches, n: usize) -> Vec<Rows> {
-    (0..n)
-        .map(|_| rows_of(it.next().expect("a batch").unwrap()))
-        .collect()
-}
-
-fn drain(loader: &Loader) -> Vec<Rows> {
-    loader
-        .iter()
-        .unwrap()
-        .map(|b| rows_of(b.unwrap()))
-        .collect()
-}
-
-/// Checks every row against the data written and counts each (example, token).
-fn count_rows(batches: &[Rows]) -> BTreeMap<(i64, i64), u32> {
-    let mut seen = BTreeMap::new();
-    for (ex, tok, act, labels) in batches {
-        let labels = labels.as_ref().expect("every batch has the labels written");
-        for (i, (&e, &c)) in ex.iter().zip(tok).enumerate() {
-            assert_eq!(
-                labels[i],
-                i64::from(label(e as u64, c as u64)),
-                "label of e={e} c={c}"
-            );
-            assert_eq!(
-                act[i * 4..i * 4 + 4],
-                expected_row(e, c)[..],
-                "row e={e} c={c} is torn"
-            );
-            *seen.entry((e, c)).or_insert(0) += 1;
-        }
-    }
-    seen
-}
-
-fn assert_each_row_once(batches: &[Rows]) {
-    let seen = count_rows(batches);
-    let want: BTreeMap<(i64, i64), u32> = (0..N as i64)
-        .flat_map(|e| (0..3).map(move |c| ((e, c), 1)))
-        .collect();
-    assert_eq!(seen, want);
-}
-
-/// Writes shard `s` (its examples) through `w`, whose next example it must be.
-fn write_shard(w: &mut PartWriter, s: u64) {
-    assert_eq!(w.next_example(), Some(s * EPS));
-    let labels: Vec<u8> = (s * EPS..(s + 1) * EPS)
-        .flat_map(|e| (0..3).map(move |c| label(e, c)))
-        .collect();
-    w.write(&acts(s * EPS..(s + 1) * EPS), Some(&labels))
-        .unwrap();
-}
-
-fn rounds_of(st: &LoaderState) -> usize {
-    let Some(shardkit::engine::StateValue::List(flat)) = st.get("follow_rounds") else {
-        panic!("no follow_rounds in {st:?}");
-    };
-    let (mut i, mut n) = (0, 0);
-    while i < flat.len() {
-        i += 1 + 2 * flat[i] as usize;
-        n += 1;
-    }
-    n
-}
 
 #[test]
 fn a_follow_loader_reading_during_the_write_serves_every_row_once_and_later_epochs_as_finished() {
@@ -155,23 +30,11 @@ fn a_follow_loader_reading_during_the_write_serves_every_row_once_and_later_epoc
         let tmp = tempfile::tempdir().unwrap();
         // Both ranks open (metadata.json exists), then write a shard every few milliseconds.
         let writers: Vec<PartWriter> = (0..2)
-            .map(|r| PartWriter::create(tmp.path(), metadata(), rank(r, 2)).unwrap())
+            .map(|r| PartWriter::create(tmp.path(), metadata(N), rank(r, 2)).unwrap())
             .collect();
         let dir = writers[0].path().to_path_buf();
         let mut loader = Loader::new(&dir, options(true, order)).unwrap();
-        let threads: Vec<_> = writers
-            .into_iter()
-            .map(|mut w| {
-                std::thread::spawn(move || {
-                    let shards = w.examples().start / EPS..w.examples().end / EPS;
-                    for s in shards {
-                        std::thread::sleep(Duration::from_millis(10));
-                        write_shard(&mut w, s);
-                    }
-                    w.finish().unwrap()
-                })
-            })
-            .collect();
+        let threads = write_meanwhile(writers);
         let epoch0 = drain(&loader);
         let rounds = rounds_of(&loader.state());
         for t in threads {
@@ -183,18 +46,9 @@ fn a_follow_loader_reading_during_the_write_serves_every_row_once_and_later_epoc
             "{order:?}: the write was read in {rounds} round(s)"
         );
         assert_eq!(loader.state().uint("cursor").unwrap(), Some(N * 3));
-        // Committed: epoch 1 (and epoch 0 read again) are a finished dataset's, batch for batch.
-        for epoch in [1, 0] {
-            loader.set_epoch(epoch).unwrap();
-            let mut plain_opts = options(false, order);
-            plain_opts.epoch = epoch;
-            let plain = Loader::new(&dir, plain_opts).unwrap();
-            assert_eq!(drain(&loader), drain(&plain), "{order:?} epoch {epoch}");
-        }
-        // Opened on the committed dataset, follow mode changes nothing.
-        let late = Loader::new(&dir, options(true, order)).unwrap();
-        let plain = Loader::new(&dir, options(false, order)).unwrap();
-        assert_eq!(drain(&late), drain(&plain));
+        // Committed: epoch 1 (and epoch 0 read again) are a finished dataset's, batch for
+        // batch; opened on the committed dataset, follow mode changes nothing.
+        let late = assert_committed_epochs_as_plain(&mut loader, &dir, order);
         assert_eq!(late.state().uint("cursor").unwrap(), Some(N * 3));
     }
 }
@@ -202,16 +56,8 @@ fn a_follow_loader_reading_during_the_write_serves_every_row_once_and_later_epoc
 #[test]
 fn a_state_saved_mid_round_or_across_rounds_resumes_exactly() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
-    let mut b = PartWriter::create(tmp.path(), metadata(), rank(1, 2)).unwrap();
-    let dir = a.path().to_path_buf();
     // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 7 batches of 4 and one of 2).
-    for s in [0, 1, 2] {
-        write_shard(&mut a, s);
-    }
-    for s in [10, 11] {
-        write_shard(&mut b, s);
-    }
+    let (mut a, mut b, dir) = two_ranks_after_round_1(tmp.path());
     let loader = Loader::new(&dir, options(true, Order::Block)).unwrap();
     let mut it = loader.iter().unwrap();
     let mut seen = take(&mut it, 3);
@@ -241,19 +87,9 @@ fn a_state_saved_mid_round_or_across_rounds_resumes_exactly() {
     seen.extend(it.map(|b| rows_of(b.unwrap())));
     assert_each_row_once(&seen);
 
-    // Across rounds: the rounds recorded are replayed and the last one is the rest, as it was.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(across.clone()).unwrap();
-    resumed.set_epoch(0).unwrap(); // the training loop's call keeps the loaded position
-    assert_eq!(drain(&resumed), seen[10..]);
-    // Mid-round: the round's remaining batches exactly; then the rest, each row once.
-    let mut resumed = Loader::new(&dir, options(true, Order::Block)).unwrap();
-    resumed.load_state(mid_round.clone()).unwrap();
-    let rest = drain(&resumed);
-    assert_eq!(rest[..5], seen[3..8]);
-    let mut all = seen[..3].to_vec();
-    all.extend(rest);
-    assert_each_row_once(&all);
+    // Across rounds the rounds recorded are replayed; mid-round, the round's remaining
+    // batches come exactly, then the rest.
+    assert_states_resume_exactly(&dir, &across, &mid_round, &seen);
     // A loader without follow mode cannot continue a state of several rounds.
     let mut plain = Loader::new(&dir, options(false, Order::Block)).unwrap();
     let e = plain.load_state(across).unwrap_err();
@@ -266,7 +102,7 @@ fn a_state_saved_mid_round_or_across_rounds_resumes_exactly() {
 #[test]
 fn a_follow_loader_waiting_too_long_names_the_missing_shards_and_their_holders() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(N), rank(0, 2)).unwrap();
     let dir = a.path().to_path_buf();
     write_shard(&mut a, 0);
     let mut o = options(true, Order::Block);
@@ -321,7 +157,7 @@ fn a_follow_loader_waiting_too_long_names_the_missing_shards_and_their_holders()
 #[test]
 fn follow_mode_refuses_what_it_cannot_keep_exact_and_without_it_an_unfinished_dataset_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 1)).unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(N), rank(0, 1)).unwrap();
     let dir = a.path().to_path_buf();
     write_shard(&mut a, 0);
     let e = Loader::new(&dir, options(false, Order::Block)).unwrap_err();
@@ -371,30 +207,8 @@ fn follow_mode_refuses_what_it_cannot_keep_exact_and_without_it_an_unfinished_da
 fn ranked(order: Order, r: u64, w: u64, bc: &RoundBroadcast, timeout_ms: u64) -> LoaderOptions {
     let mut o = options(true, order);
     (o.rank, o.world_size) = (Some(r), Some(w));
-    o.follow = Some(FollowOptions {
-        timeout: Duration::from_millis(timeout_ms),
-        poll: Duration::from_millis(5),
-        broadcast: Some(bc.clone()),
-        ..FollowOptions::default()
-    });
+    o.follow = Some(common::broadcast::follow_with(bc, timeout_ms));
     o
-}
-
-/// Two writer ranks, each writing its shards every few milliseconds on a thread.
-fn write_meanwhile(writers: Vec<PartWriter>) -> Vec<std::thread::JoinHandle<()>> {
-    writers
-        .into_iter()
-        .map(|mut w| {
-            std::thread::spawn(move || {
-                let shards = w.examples().start / EPS..w.examples().end / EPS;
-                for s in shards {
-                    std::thread::sleep(Duration::from_millis(10));
-                    write_shard(&mut w, s);
-                }
-                w.finish().unwrap();
-            })
-        })
-        .collect()
 }
 
 #[test]
@@ -403,7 +217,7 @@ fn ranks_reading_together_serve_every_row_once_and_after_the_commit_as_the_plain
     for order in [Order::Block, Order::Exact] {
         let tmp = tempfile::tempdir().unwrap();
         let writers: Vec<PartWriter> = (0..2)
-            .map(|r| PartWriter::create(tmp.path(), metadata(), rank(r, 2)).unwrap())
+            .map(|r| PartWriter::create(tmp.path(), metadata(N), rank(r, 2)).unwrap())
             .collect();
         let dir = writers[0].path().to_path_buf();
         let (bcs, calls) = common::broadcast::channel(W as usize);
@@ -465,16 +279,8 @@ fn ranks_reading_together_serve_every_row_once_and_after_the_commit_as_the_plain
 fn ranks_reading_together_resume_mid_round_each_from_its_own_state() {
     const W: u64 = 2;
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
-    let mut b = PartWriter::create(tmp.path(), metadata(), rank(1, 2)).unwrap();
-    let dir = a.path().to_path_buf();
     // Round 1: shards 0, 1, 2, 10, 11 (30 rows: 3 global batches of 2 x 4, then 3 rows each).
-    for s in [0, 1, 2] {
-        write_shard(&mut a, s);
-    }
-    for s in [10, 11] {
-        write_shard(&mut b, s);
-    }
+    let (mut a, mut b, dir) = two_ranks_after_round_1(tmp.path());
     let (bcs, _) = common::broadcast::channel(W as usize);
     let halfway = Arc::new(Barrier::new(W as usize + 1));
     let readers: Vec<_> = (0..W)
@@ -537,7 +343,7 @@ fn ranks_reading_together_resume_mid_round_each_from_its_own_state() {
 fn a_stop_on_rank_0_reaches_every_rank_as_the_same_incomplete_error() {
     const W: u64 = 2;
     let tmp = tempfile::tempdir().unwrap();
-    let mut a = PartWriter::create(tmp.path(), metadata(), rank(0, 2)).unwrap();
+    let mut a = PartWriter::create(tmp.path(), metadata(N), rank(0, 2)).unwrap();
     let dir = a.path().to_path_buf();
     write_shard(&mut a, 0);
     let (bcs, _) = common::broadcast::channel(W as usize);

@@ -6,59 +6,11 @@
 
 mod common;
 
+use common::saev::{acts, labels, metadata, single, write_all};
 use common::tree;
 
-use std::path::{Path, PathBuf};
-
-use shardkit::saev::{self, Dataset, Metadata, PartWriter, Writer, WriterOptions};
+use shardkit::saev::{self, Dataset, PartWriter, Writer, WriterOptions};
 use shardkit::{Error, Rank};
-
-/// 11 examples, 2 layers, CLS + 3 content tokens, d_model 4; 2 examples per shard (6 shards,
-/// the last one short).
-fn metadata(n_examples: u64) -> Metadata {
-    let md = format!(
-        r#"{{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
-        "cls_token": true, "d_model": 4, "n_examples": {n_examples}, "max_tokens_per_shard": 16,
-        "data": "d", "dataset": "t", "protocol": "2.1"}}"#
-    );
-    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
-}
-
-const EV: usize = 2 * 4 * 4; // values of one example: L x T x D
-
-fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
-    examples
-        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
-        .collect()
-}
-
-fn labels(examples: std::ops::Range<u64>) -> Vec<u8> {
-    examples
-        .flat_map(|e| (0..3).map(move |t| (e * 7 + t) as u8))
-        .collect()
-}
-
-fn single(root: &Path, n: u64, with_labels: bool) -> PathBuf {
-    let mut w = Writer::create(root, metadata(n), WriterOptions::default()).unwrap();
-    let l = labels(0..n);
-    w.write(&acts(0..n), with_labels.then_some(&l[..])).unwrap();
-    w.finish().unwrap()
-}
-
-/// Writes `w`'s pending examples in batches of 3, finishing it.
-fn write_all(mut w: PartWriter, with_labels: bool) -> shardkit::PartsStatus {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 3).min(r.end);
-            let l = labels(at..end);
-            w.write(&acts(at..end), with_labels.then_some(&l[..]))
-                .unwrap();
-            at = end;
-        }
-    }
-    w.finish().unwrap()
-}
 
 #[test]
 fn two_three_and_four_writers_commit_the_dataset_one_writer_writes_byte_for_byte() {

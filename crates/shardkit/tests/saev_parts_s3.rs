@@ -7,107 +7,35 @@
 //! so the environment variables each sets are its own.
 #![allow(clippy::single_range_in_vec_init)] // one pending range is what most parts have
 
+mod common;
+
+use common::saev::{acts, labels, metadata, single, write_all};
+use common::stores::{self, store, Hook, Hooked};
+use common::{rank, tree};
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use futures::TryStreamExt;
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
-use shardkit::saev::{self, Dataset, Metadata, PartWriter, Writer, WriterOptions};
-use shardkit::{Error, Rank};
+use object_store::{ObjectStoreExt, PutPayload};
+use shardkit::saev::{self, Dataset, PartWriter, Writer, WriterOptions};
+use shardkit::Error;
 
 const ROOT: &str = "s3://bucket/data";
 
-fn metadata(n_examples: u64) -> Metadata {
-    let md = format!(
-        r#"{{"family": "clip", "ckpt": "x", "layers": [3, 7], "content_tokens_per_example": 3,
-        "cls_token": true, "d_model": 4, "n_examples": {n_examples}, "max_tokens_per_shard": 16,
-        "data": "d", "dataset": "t", "protocol": "2.1"}}"#
-    );
-    Metadata::for_writing(&shardkit::json::parse(md.as_bytes()).unwrap()).unwrap()
-}
-
-const EV: usize = 2 * 4 * 4;
-
-fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
-    examples
-        .flat_map(|e| (0..EV).map(move |v| (e * 1000 + v as u64) as f32))
-        .collect()
-}
-
-fn labels(examples: std::ops::Range<u64>) -> Vec<u8> {
-    examples
-        .flat_map(|e| (0..3).map(move |t| (e * 7 + t) as u8))
-        .collect()
-}
-
-/// A fresh in-memory store in place of `s3://bucket`, staging under `staging`.
-fn store(staging: &Path) -> Arc<InMemory> {
-    std::env::set_var("SHARDKIT_STAGING_DIR", staging);
-    let mem = Arc::new(InMemory::new());
-    shardkit::internals::stores::use_store("bucket", mem.clone());
-    mem
-}
-
-/// Every object under `data/<dir>/` with its bytes, names relative to it.
+/// Every object of the dataset `data/<dir>` with its bytes, names relative to it.
 fn objects(mem: &InMemory, dir: &str) -> BTreeMap<String, Vec<u8>> {
-    let prefix = format!("data/{dir}");
-    futures::executor::block_on(async {
-        let metas: Vec<_> = mem
-            .list(Some(&ObjectPath::from(prefix.as_str())))
-            .try_collect()
-            .await
-            .unwrap();
-        let mut out = BTreeMap::new();
-        for m in metas {
-            let bytes = mem.get(&m.location).await.unwrap().bytes().await.unwrap();
-            let name = m.location.as_ref()[prefix.len() + 1..].to_string();
-            out.insert(name, bytes.to_vec());
-        }
-        out
-    })
+    common::stores::objects(mem, &format!("data/{dir}"))
 }
 
-/// Every file below `dir`, as [`objects`].
-fn tree(dir: &Path) -> BTreeMap<String, Vec<u8>> {
-    let mut out = BTreeMap::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        out.insert(name, std::fs::read(&p).unwrap());
-    }
-    out
-}
-
+/// Every file one writer writes locally, as [`objects`].
 fn single_local(root: &Path, n: u64, with_labels: bool) -> BTreeMap<String, Vec<u8>> {
-    let mut w = Writer::create(root, metadata(n), WriterOptions::default()).unwrap();
-    let l = labels(0..n);
-    w.write(&acts(0..n), with_labels.then_some(&l[..])).unwrap();
-    tree(&w.finish().unwrap())
-}
-
-fn write_all(mut w: PartWriter, with_labels: bool) -> shardkit::PartsStatus {
-    for r in w.pending().to_vec() {
-        let mut at = r.start;
-        while at < r.end {
-            let end = (at + 3).min(r.end);
-            let l = labels(at..end);
-            w.write(&acts(at..end), with_labels.then_some(&l[..]))
-                .unwrap();
-            at = end;
-        }
-    }
-    w.finish().unwrap()
+    tree(&single(root, n, with_labels))
 }
 
 fn url(dir: &str) -> PathBuf {
     PathBuf::from(format!("{ROOT}/{dir}"))
-}
-
-fn rank(r: u64, w: u64) -> Rank {
-    Rank::new(r, w).unwrap()
 }
 
 #[test]
@@ -284,16 +212,8 @@ fn the_commit_lock_in_a_store_is_one_ranks_and_a_dead_holders_is_taken_over() {
     let w1 = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
     assert!(!write_all(w0, true).committed);
     // Another machine's committer holds the commit lock (renewed just now).
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let held = format!(
-        "{{\"shardkit_lock\": 1, \"host\": \"elsewhere\", \"boot_id\": \"b\", \"pid\": 7, \
-         \"token\": \"t\", \"renewed_unix\": {now}, \"lease_s\": 2}}"
-    );
-    let key = ObjectPath::from(format!("data/{dir}/.shardkit-parts/commit.lock"));
-    futures::executor::block_on(mem.put(&key, PutPayload::from(held.into_bytes()))).unwrap();
+    let key = format!("data/{dir}/.shardkit-parts/commit.lock");
+    stores::plant_held_lock(&mem, &key, 2);
     // The last rank waits for the holder, whose lease runs out (it stopped renewing): then
     // it commits.
     let started = std::time::Instant::now();
@@ -380,23 +300,14 @@ fn a_rank_whose_claim_was_taken_over_uploads_and_records_nothing_more() {
     assert!(saev::status(url(&dir)).unwrap().done.is_empty());
 }
 
-/// A store that refuses every write of an object whose name contains `refuse`, as a store
-/// answering 500 to it would.
+/// Refuses every write of an object whose name contains its text, as a store answering 500
+/// to it would.
 #[derive(Debug)]
-struct RefusingPuts {
-    inner: InMemory,
-    refuse: &'static str,
-}
+struct RefusePuts(&'static str);
 
-impl std::fmt::Display for RefusingPuts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "RefusingPuts({})", self.inner)
-    }
-}
-
-impl RefusingPuts {
-    fn check(&self, location: &ObjectPath) -> object_store::Result<()> {
-        if location.as_ref().contains(self.refuse) {
+impl Hook for RefusePuts {
+    fn before(&self, op: &'static str, path: Option<&ObjectPath>) -> object_store::Result<()> {
+        if op == "put" && path.is_some_and(|p| p.as_ref().contains(self.0)) {
             return Err(object_store::Error::Generic {
                 store: "RefusingPuts",
                 source: "Server returned non-2xx status code: 500 Internal Server Error".into(),
@@ -406,75 +317,10 @@ impl RefusingPuts {
     }
 }
 
-#[async_trait::async_trait]
-impl ObjectStore for RefusingPuts {
-    async fn put_opts(
-        &self,
-        location: &ObjectPath,
-        payload: PutPayload,
-        opts: object_store::PutOptions,
-    ) -> object_store::Result<object_store::PutResult> {
-        self.check(location)?;
-        self.inner.put_opts(location, payload, opts).await
-    }
-
-    async fn put_multipart_opts(
-        &self,
-        location: &ObjectPath,
-        opts: object_store::PutMultipartOptions,
-    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
-        self.check(location)?;
-        self.inner.put_multipart_opts(location, opts).await
-    }
-
-    async fn get_opts(
-        &self,
-        location: &ObjectPath,
-        options: object_store::GetOptions,
-    ) -> object_store::Result<object_store::GetResult> {
-        self.inner.get_opts(location, options).await
-    }
-
-    fn delete_stream(
-        &self,
-        locations: futures::stream::BoxStream<'static, object_store::Result<ObjectPath>>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<ObjectPath>> {
-        self.inner.delete_stream(locations)
-    }
-
-    fn list(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
-        self.inner.list(prefix)
-    }
-
-    async fn list_with_delimiter(
-        &self,
-        prefix: Option<&ObjectPath>,
-    ) -> object_store::Result<object_store::ListResult> {
-        self.inner.list_with_delimiter(prefix).await
-    }
-
-    async fn copy_opts(
-        &self,
-        from: &ObjectPath,
-        to: &ObjectPath,
-        options: object_store::CopyOptions,
-    ) -> object_store::Result<()> {
-        self.inner.copy_opts(from, to, options).await
-    }
-}
-
 #[test]
 fn a_shard_whose_upload_fails_behind_the_writer_is_its_error_and_is_never_recorded() {
     let tmp = tempfile::tempdir().unwrap();
-    std::env::set_var("SHARDKIT_STAGING_DIR", tmp.path());
-    let mem = Arc::new(RefusingPuts {
-        inner: InMemory::new(),
-        refuse: "acts000002.bin",
-    });
-    shardkit::internals::stores::use_store("bucket", mem);
+    stores::install(tmp.path(), Hooked::new(RefusePuts("acts000002.bin")));
     let dir = metadata(11).dir_name();
     let mut w = PartWriter::create(ROOT, metadata(11), rank(0, 1)).unwrap();
     // Shards go up behind the writer: the failure is the error of a later write or of finish.

@@ -1,11 +1,12 @@
 //! An in-memory round broadcast between loaders on threads of one process (what a
 //! torch.distributed broadcast does between processes), for follow-mode loaders reading as
-//! several ranks.
+//! several ranks (and the follow options that take such a broadcast).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
+use std::time::Duration;
 
-use shardkit::engine::RoundBroadcast;
+use shardkit::engine::{FollowOptions, RoundBroadcast};
 
 /// One broadcast per rank of `world` (rank `r` passes the `r`-th to its loader), and how many
 /// times each rank called it.
@@ -30,4 +31,14 @@ pub fn channel(world: usize) -> (Vec<RoundBroadcast>, Arc<Vec<AtomicU64>>) {
         })
         .collect();
     (per_rank, calls)
+}
+
+/// Follow mode for a rank whose rounds come through `bc`: waits of `timeout_ms`, polls of 5 ms.
+pub fn follow_with(bc: &RoundBroadcast, timeout_ms: u64) -> FollowOptions {
+    FollowOptions {
+        timeout: Duration::from_millis(timeout_ms),
+        poll: Duration::from_millis(5),
+        broadcast: Some(bc.clone()),
+        ..FollowOptions::default()
+    }
 }

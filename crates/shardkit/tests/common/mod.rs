@@ -4,6 +4,13 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use shardkit::Rank;
+
+/// Rank `r` of `w`.
+pub fn rank(r: u64, w: u64) -> Rank {
+    Rank::new(r, w).unwrap()
+}
+
 /// `shared/fixtures/saev`, beside the repository.
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/saev")
@@ -82,3 +89,7 @@ pub fn assert_same_tree(a: &Path, b: &Path, what: &str) {
     assert!(differ.is_empty(), "{what}: files differ: {differ:?}");
 }
 pub mod broadcast;
+pub mod eagle3;
+pub mod flat_tokens;
+pub mod saev;
+pub mod stores;
