@@ -396,3 +396,38 @@ def test_transformer_lens_style_hook_points_are_recorded_by_name(tmp_path):
     with torch.no_grad():
         want = model.blocks[1](model.blocks[0](model.embed(x)))
     np.testing.assert_array_equal(acts(rec.path)[:, 0], want.numpy())
+
+
+def test_the_entry_point_records_a_language_model_over_windows_of_a_corpus(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardkit.record import token_ids
+
+    model = tiny_llama()
+    model.model.save_pretrained(tmp_path / "model")  # the base model: its blocks, no head
+    words = ["<s>", "</s>"] + [f"w{i}" for i in range(62)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(tmp_path / "model")
+    rng = np.random.default_rng(7)
+    docs = [" ".join(f"w{int(i)}" for i in rng.integers(0, 62, rng.integers(3, 20))) for _ in range(12)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    r = run_child([sys.executable, "-m", "shardkit.record", "--model", str(tmp_path / "model"), "--text",
+                   str(tmp_path / "corpus.jsonl"), "--context", "8", "--layers", "0", "1", "--batch-size", "3",
+                   "--device", "cpu", "--out", str(tmp_path / "out")])
+    status = json.loads(r[1][-1])
+    assert status["committed"] and status["token_ids"]["committed"]
+    # The windows: every document's ids (as the tokenizer gives them) then EOS, concatenated.
+    stream = [t for d in docs for t in fast(d)["input_ids"] + [fast.eos_token_id]]
+    n = len(stream) // 8
+    ids = token_ids(status["path"])
+    assert len(ids) == n and [t for e in range(n) for t in ids[e]] == stream[: n * 8]
+    md = saev.open(status["path"]).metadata
+    assert md["family"] == "llama" and md["content_tokens_per_example"] == 8 and md["n_examples"] == n
+    got = acts(status["path"])
+    windows = torch.tensor(stream[: n * 8]).reshape(n, 8)
+    with torch.no_grad():  # in the recorder's batches, as this process computes them
+        hidden = [torch.cat(h) for h in zip(*[model.model(windows[b:b + 3], output_hidden_states=True).hidden_states
+                                             for b in range(0, n, 3)])]
+    np.testing.assert_allclose(got[:, 0], hidden[1].numpy(), rtol=1e-5, atol=1e-6)

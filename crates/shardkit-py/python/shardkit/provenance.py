@@ -63,7 +63,7 @@ def model_digest(model: Any) -> Dict[str, Any]:
         t = t.detach()
         h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
         if t.numel():
-            h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy())  # no copy on the host
+            h.update(t.reshape(-1).contiguous().view(torch.uint8).cpu().numpy().data)  # no host copy
         count += t.numel()
         dtypes.add(str(t.dtype).removeprefix("torch."))
     return {"sha256": h.hexdigest(), "tensors": len(state), "parameters": count, "dtypes": sorted(dtypes)}

@@ -460,8 +460,9 @@ def _images(directory: str, config: Dict[str, Any], side: int) -> Tuple[List[str
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """``python -m shardkit.record``: records a vision model's blocks over a folder of images
-    (or preprocessed pixels in a .npy file) into a saev dataset, this process's part of it
-    (rank and world size from the launcher). Prints and returns the dataset's status."""
+    (or preprocessed pixels in a .npy file), or a language model's over windows of a text
+    corpus, into a saev dataset, this process's part of it (rank and world size from the
+    launcher). Prints and returns the dataset's status."""
     import argparse
     import json
 
@@ -470,9 +471,14 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", help="a folder of images (sorted by path; needs Pillow)")
     src.add_argument("--pixels", help="a .npy of float32 (n, 3, H, W), already preprocessed")
+    src.add_argument("--text", help="a language model's corpus: JSONL (one document a line, its "
+                     "--text-key) or plain text (one document a line), tokenized with the model's tokenizer")
+    ap.add_argument("--text-key", default="text", help="the JSONL field holding a document (default: text)")
+    ap.add_argument("--context", type=int, default=1024, help="--text: tokens per window (one example)")
     ap.add_argument("--out", required=True, help="the dataset root (a directory or s3:// URL)")
     ap.add_argument("--layers", required=True, type=int, nargs="+", help="block indices (saev layer labels)")
-    ap.add_argument("--family", required=True, help="saev's family: clip, siglip, dinov2, ...")
+    ap.add_argument("--family", help="saev's family: clip, siglip, dinov2, ... (required for images; "
+                    "--text: the model's model_type)")
     ap.add_argument("--ckpt", help="the checkpoint's name in metadata.json (default: --model)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -485,6 +491,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from transformers import AutoModel
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.text:
+        return _main_text(args, device)
+    if not args.family:
+        ap.error("--family is required for --images and --pixels")
     model = AutoModel.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype))
     model = getattr(model, "vision_model", model).eval().to(device)  # CLIP/SigLIP: the vision tower
     config_path = os.path.join(args.model, "preprocessor_config.json")
@@ -518,6 +528,62 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         for first, end in rec.batches(args.batch_size):
             rec(load(first, end).to(device=device, dtype=getattr(torch, args.dtype)))
     bar.close()
+    status = rec.close()
+    print(json.dumps({"path": rec.path, **status}))
+    return status
+
+
+def _windows(path: str, key: str, tokenizer: Any, context: int) -> "torch.Tensor":
+    """The corpus at ``path`` as windows of ``context`` token ids: each document tokenized as
+    the tokenizer does by default (a BOS first, for most), followed by the EOS token when the
+    tokenizer has one, all concatenated, cut into whole windows (the tail shorter than a window
+    is left out)."""
+    import json
+
+    ids: List[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if path.endswith((".jsonl", ".json")):
+                try:
+                    doc = json.loads(line)[key]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise InvalidArgumentError(f"{path}:{n}: not a JSON object with a string {key!r}: {e}") from None
+                if not isinstance(doc, str):
+                    raise InvalidArgumentError(f"{path}:{n}: {key!r} is not a string")
+            else:
+                doc = line.rstrip("\n")
+            ids.extend(tokenizer(doc)["input_ids"])
+            if eos is not None:
+                ids.append(int(eos))
+    n_windows = len(ids) // context
+    if n_windows == 0:
+        raise InvalidArgumentError(f"{path}: {len(ids)} tokens, fewer than one window of {context}")
+    return torch.tensor(ids[: n_windows * context], dtype=torch.long).reshape(n_windows, context)
+
+
+def _main_text(args: Any, device: "torch.device") -> Dict[str, Any]:
+    """``main`` for ``--text``: a language model over windows of the corpus (TextRecorder)."""
+    import json
+
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    windows = _windows(args.text, args.text_key, tokenizer, _args.count("context", args.context, lo=1))
+    model = AutoModel.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype)).eval().to(device)
+    md: Dict[str, Any] = {"ckpt": args.ckpt or args.model, "data": args.text, "dataset": os.path.abspath(args.text),
+                          "max_tokens_per_shard": args.max_tokens_per_shard}
+    if args.family:
+        md["family"] = args.family
+    rec = TextRecorder(model, args.out, layers=args.layers, n_examples=len(windows), context=args.context,
+                       metadata=md, tokenizer=tokenizer, inputs={"corpus": os.path.abspath(args.text),
+                                                                 "windows": len(windows)},
+                       progress=None)
+    with rec:
+        for first, end in rec.batches(args.batch_size):
+            rec(windows[first:end].to(device))
     status = rec.close()
     print(json.dumps({"path": rec.path, **status}))
     return status
