@@ -513,6 +513,24 @@ fn provenance_read(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Option<
         .map_err(to_py)
 }
 
+/// Writes note `name` (bytes) of the dataset at `path`, replacing it.
+#[pyfunction]
+fn note_put(py: Python<'_>, path: std::path::PathBuf, name: String, data: Vec<u8>) -> PyResult<()> {
+    py.allow_threads(|| shardkit::notes::put(&path, &name, &data))
+        .map_err(to_py)
+}
+
+/// The notes of the dataset at `path` whose names start with `prefix`: [(name, bytes)].
+#[pyfunction]
+fn notes_list(
+    py: Python<'_>,
+    path: std::path::PathBuf,
+    prefix: String,
+) -> PyResult<Vec<(String, Vec<u8>)>> {
+    py.allow_threads(|| shardkit::notes::list(&path, &prefix))
+        .map_err(to_py)
+}
+
 /// Removes the cached objects at or below `url` (every one with None): {"files", "bytes"}.
 #[pyfunction]
 #[pyo3(signature = (url=None, dir=None))]
@@ -615,6 +633,8 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(clear_cache, m)?)?;
     m.add_function(wrap_pyfunction!(provenance_record, m)?)?;
     m.add_function(wrap_pyfunction!(provenance_read, m)?)?;
+    m.add_function(wrap_pyfunction!(note_put, m)?)?;
+    m.add_function(wrap_pyfunction!(notes_list, m)?)?;
     m.add_function(wrap_pyfunction!(verify_checksums, m)?)?;
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_clear_faults, m)?)?;

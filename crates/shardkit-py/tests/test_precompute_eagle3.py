@@ -118,6 +118,24 @@ def test_the_cache_equals_the_reference_computation(tmp_path, dtype, topk):
         names = set(f.keys())
     assert ("target_probs_values" in names and "target_probs_indices" in names) == bool(topk)
     assert ("target_probs" in names) == (not topk)
+    # A top-k cache notes, shard by shard, what its top k kept of the draft distribution at the
+    # supervised positions (before renormalising); a lossless one notes nothing.
+    from shardkit.precompute_eagle3 import retained_mass
+
+    kept = retained_mass(out)
+    if not topk:
+        assert kept == {"shards": [], "positions": 0}
+        return
+    full, _, _ = reference("fp32", 0)
+    mass = np.sort(full["target_probs"], -1)[..., -topk:].sum(-1)
+    supervised = full["loss_mask"].astype(bool)
+    assert [x["shard"] for x in kept["shards"]] == [0, 1, 2]  # 11 samples in shards of 4
+    for x in kept["shards"]:
+        rows = slice(4 * x["shard"], 4 * x["shard"] + 4)
+        m = mass[rows][supervised[rows]]
+        assert x["topk"] == topk and x["positions"] == m.size
+        np.testing.assert_allclose([x["mean"], x["min"]], [m.mean(), m.min()], rtol=1e-5)
+    assert kept["positions"] == supervised.sum() and 0 < kept["min"] <= kept["mean"] < 1
 
 
 def test_templates_with_and_without_generation_marks_and_pre_tokenized_samples_give_the_same_bytes(tmp_path):

@@ -63,8 +63,8 @@ pub mod saev;
 pub mod sdnb;
 
 pub use commit::parts::{part_of, PartsStatus, Rank};
-pub use commit::provenance;
 pub use commit::transfer::{download, upload, Transfer};
+pub use commit::{notes, provenance};
 pub use error::{Error, Result};
 
 /// The container (a dataset made of files, not a directory) at `path`, as checksums see it.

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from . import _args, eagle3, provenance
+from . import _shardkit as _core
 from ._pipeline import Pipeline, Slot
 from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
@@ -45,6 +46,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 __all__ = [
     "precompute",
+    "retained_mass",
     "tokenize",
     "draft_vocab",
     "default_aux_layer_ids",
@@ -54,6 +56,24 @@ __all__ = [
 
 #: The cache dtypes NeMo's ``--dtype`` takes.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# A top-k cache's per-shard notes (shardkit.notes/topk-retained-SHARD.json): the share of the
+# draft distribution the stored top k kept, at the supervised positions.
+RETAINED_NOTE = "topk-retained-"
+
+
+def retained_mass(path: PathLike) -> Dict[str, Any]:
+    """What a top-k cache's shards kept of the draft distribution, from the notes
+    :func:`precompute` writes beside each shard (before the shard is durable): ``{"shards":
+    [{"shard", "topk", "positions", "mean", "min", "p01", "p10", "p50"}], "positions", "mean",
+    "min"}`` over the supervised positions (loss mask 1). Empty for a lossless cache."""
+    shards = [json.loads(b) for _, b in _core.notes_list(_args.path("path", path), RETAINED_NOTE)]
+    n = sum(int(x["positions"]) for x in shards)
+    out: Dict[str, Any] = {"shards": shards, "positions": n}
+    if n:
+        out["mean"] = sum(x["mean"] * x["positions"] for x in shards if x["positions"]) / n
+        out["min"] = min(x["min"] for x in shards if x["positions"])
+    return out
 
 # A chat template that marks assistant text with {% generation %} lets the tokenizer return the
 # assistant mask itself (NeMo's test, kept as it is).
@@ -554,7 +574,7 @@ def precompute(
             record["processor"] = provenance.processor_digest(tokenizer)
         provenance.record(writer.path, record)
         run = _Run(model, tokenizer, samples, writer, layers, aux, sel, vocab, hidden, seq_length, DTYPES[dtype],
-                   topk if compressed else 0, n_buffers)
+                   topk if compressed else 0, n_buffers, shard_size)
     except BaseException:
         writer.abort()
         raise
@@ -576,7 +596,7 @@ def precompute(
                 assert ahead is not None
                 rows = ahead.result()
                 ahead = pool.submit(run.rows, *batches[k + 1]) if k + 1 < len(batches) else None
-                run.batch(rows)
+                run.batch(rows, first, end)
     except BaseException:
         run.abort()
         writer.abort()
@@ -593,7 +613,7 @@ class _Run:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, samples: Sequence[Any], writer: eagle3.PartWriter,
                  layers: torch.nn.ModuleList, aux: List[int], sel: List[int], vocab: int, hidden: int,
-                 seq_length: int, cache_dtype: torch.dtype, topk: int, buffers: int) -> None:
+                 seq_length: int, cache_dtype: torch.dtype, topk: int, buffers: int, shard_size: int) -> None:
         self.model, self.tokenizer, self.samples, self.writer = model.eval(), tokenizer, samples, writer
         self.aux, self.hidden, self.seq, self.cache_dtype, self.topk = aux, hidden, seq_length, cache_dtype, topk
         self.device = next(iter(model.parameters())).device
@@ -601,6 +621,8 @@ class _Run:
         self.sel_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
         self.sel_mask[self.sel] = True
         self.progress = _Progress(False, 0)
+        self.shard_size = shard_size
+        self.retained: Dict[int, List[np.ndarray]] = {}  # top-k: a shard's retained mass, batch by batch
         self.current: Optional[Slot] = None
         self.captured: List[bool] = []
         self.handles = [layers[i].register_forward_hook(self._hook(j)) for j, i in enumerate(aux)]
@@ -624,14 +646,35 @@ class _Run:
         return take
 
     def _write(self, t: Dict[str, torch.Tensor], meta: Any) -> None:
+        first, end = meta
         batch = {k: _to_numpy(v) for k, v in t.items()}
+        retained = batch.pop("retained", None)
+        if retained is not None:
+            self._note_retained(first, end, retained, batch["loss_mask"])
         self.writer.add_batch(batch)
-        self.progress.advance(int(meta), sum(a.nbytes for a in batch.values()))
+        self.progress.advance(end - first, sum(a.nbytes for a in batch.values()))
+
+    def _note_retained(self, first: int, end: int, retained: np.ndarray, loss: np.ndarray) -> None:
+        """Gathers the batch's retained top-k mass at its supervised positions; once a shard's
+        last batch is in, writes the shard's note (before the batch goes to the writer, so a
+        durable shard has its note)."""
+        k = first // self.shard_size
+        self.retained.setdefault(k, []).append(retained[loss.astype(bool)].astype(np.float64))
+        shard_end = min((k + 1) * self.shard_size, len(self.samples))
+        if end < shard_end:
+            return
+        values = np.concatenate(self.retained.pop(k))
+        stats: Dict[str, Any] = {"shard": k, "topk": self.topk, "positions": int(values.size)}
+        if values.size:
+            q = np.quantile(values, [0.01, 0.1, 0.5])
+            stats.update(mean=float(values.mean()), min=float(values.min()), p01=float(q[0]), p10=float(q[1]),
+                         p50=float(q[2]))
+        _core.note_put(self.writer.path, f"{RETAINED_NOTE}{k:06d}.json", json.dumps(stats, sort_keys=True).encode())
 
     def rows(self, first: int, end: int) -> List[Dict[str, List[int]]]:
         return [tokenize(self.samples[i], self.tokenizer, self.seq) for i in range(first, end)]
 
-    def batch(self, rows: List[Dict[str, List[int]]]) -> None:
+    def batch(self, rows: List[Dict[str, List[int]]], first: int, end: int) -> None:
         b = len(rows)
         s = self.pipe.take()  # waits while every slot is being written: backpressure
         self.captured = [False] * 3
@@ -643,7 +686,7 @@ class _Run:
             self.pipe.give_back(s)
             raise
         self.current = None
-        self.pipe.submit(s, b, b)
+        self.pipe.submit(s, b, (first, end))
 
     @torch.no_grad()
     def _compute(self, s: Slot, rows: List[Dict[str, List[int]]], b: int) -> None:
@@ -676,7 +719,11 @@ class _Run:
         probs = torch.softmax(draft.float(), dim=-1)
         if self.topk:
             values, indices = torch.topk(probs, self.topk, dim=-1)
-            values = values / values.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+            mass = values.sum(dim=-1)
+            # The share of the draft distribution the top k keep (before renormalising): the
+            # shard's note summarises it at the supervised positions.
+            s.tensor("retained", (b, seq), torch.float32, dev).copy_(mass)
+            values = values / mass.unsqueeze(-1).clamp_min(torch.finfo(probs.dtype).tiny)
             s.tensor("target_probs_values", (b, seq, self.topk), self.cache_dtype, dev).copy_(values)
             s.tensor("target_probs_indices", (b, seq, self.topk), torch.int32, dev).copy_(indices)
         else:

@@ -15,6 +15,7 @@
 //! rest is uploaded with the commit record last.
 
 pub(crate) mod lock;
+pub mod notes;
 pub(crate) mod parts;
 pub(crate) mod parts_read;
 pub(crate) mod parts_store;
