@@ -431,3 +431,11 @@ def test_the_entry_point_records_a_language_model_over_windows_of_a_corpus(tmp_p
         hidden = [torch.cat(h) for h in zip(*[model.model(windows[b:b + 3], output_hidden_states=True).hidden_states
                                              for b in range(0, n, 3)])]
     np.testing.assert_allclose(got[:, 0], hidden[1].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_progress_reports_each_written_batch_against_what_the_run_owes(tmp_path):
+    model = built("vit")
+    x = torch.randn(7, 3, 16, 16)
+    calls = []
+    record(model, str(tmp_path), x, batch=3, layers=[0], progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(3, 7), (6, 7), (7, 7)]

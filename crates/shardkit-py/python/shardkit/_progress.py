@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar
 
 
@@ -18,6 +19,9 @@ class Progress:
         self.callback: Optional[Callable[..., None]] = None
         self._bar = None
         self.position = initial
+        self.total = total
+        self.bytes = 0
+        self._t0 = time.monotonic()
         if callable(progress) and not isinstance(progress, bool):
             self.callback = progress
         elif progress or (progress is None and sys.stderr.isatty()):
@@ -32,15 +36,21 @@ class Progress:
         """Whether there is anything to report to."""
         return self._bar is not None or self.callback is not None
 
-    def advance(self, n: int, *args: Any) -> None:
-        """Moves the bar by ``n`` and calls the callback with ``args``."""
+    def advance(self, n: int, *args: Any, nbytes: int = 0) -> None:
+        """Moves the bar by ``n`` and calls the callback with ``args``; ``nbytes`` written
+        with them show on the bar as GB/s since the bar started (the producers' bars)."""
         self.position += n
+        self.bytes += nbytes
         if self._bar is not None:
+            if self.bytes:
+                rate = self.bytes / max(time.monotonic() - self._t0, 1e-9) / 1e9
+                self._bar.set_postfix_str(f"{rate:.2f} GB/s", refresh=False)
             self._bar.update(n)
         if self.callback is not None:
             self.callback(*args)
 
     def set_total(self, total: int) -> None:
+        self.total = total
         if self._bar is not None:
             self._bar.total = total
 

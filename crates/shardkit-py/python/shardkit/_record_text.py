@@ -111,16 +111,9 @@ class TextRecorder:
     def batches(self, batch_size: int) -> List[Tuple[int, int]]:
         """The pending windows in batches that start at shard starts and never cross a shard
         (see :meth:`ActivationRecorder.batches`)."""
-        size = _args.count("batch_size", batch_size, lo=1)
-        per = self._acts._per_shard
-        out = []
-        for first, end in self._pending:
-            at = first
-            while at < end:
-                stop = min(end, (at // per + 1) * per, at + size)
-                out.append((at, stop))
-                at = stop
-        return out
+        from .record import shard_batches
+
+        return shard_batches(self._pending, self._acts._per_shard, batch_size)
 
     def forward(self, input_ids: Any, *args: Any, attention_mask: Any = None, **kwargs: Any) -> Any:
         """Records the next pending windows: ``input_ids`` of shape (batch, context); an

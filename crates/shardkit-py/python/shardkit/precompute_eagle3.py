@@ -40,6 +40,7 @@ import torch
 from . import _args, eagle3, provenance
 from . import _shardkit as _core
 from ._pipeline import Pipeline, Slot
+from ._progress import Progress
 from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -425,36 +426,10 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-class _Progress:
+def _progress_of(progress: Any, total: int) -> Progress:
     """The bar (samples/s, GB/s, ETA) or the callback ``progress(done, total, bytes)``, moved by
     the writer thread as batches become written."""
-
-    def __init__(self, progress: Any, total: int) -> None:
-        self.callback: Optional[Callable[..., None]] = None
-        self.bar: Any = None
-        self.total, self.done, self.bytes, self.t0 = total, 0, 0, time.monotonic()
-        if callable(progress) and not isinstance(progress, bool):
-            self.callback = progress
-        elif progress or (progress is None and sys.stderr.isatty()):
-            try:
-                from tqdm.auto import tqdm  # type: ignore
-            except ImportError:
-                return
-            self.bar = tqdm(total=total, unit="sample", desc="precompute_eagle3", dynamic_ncols=True)
-
-    def advance(self, n: int, nbytes: int) -> None:
-        self.done += n
-        self.bytes += nbytes
-        if self.bar is not None:
-            rate = self.bytes / max(time.monotonic() - self.t0, 1e-9) / 1e9
-            self.bar.set_postfix_str(f"{rate:.3f} GB/s", refresh=False)
-            self.bar.update(n)
-        if self.callback is not None:
-            self.callback(self.done, self.total, self.bytes)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    return Progress(progress, unit="sample", desc="precompute_eagle3", total=total)
 
 
 def precompute(
@@ -585,7 +560,7 @@ def precompute(
             writer.write_target_embeddings(emb.detach().float().cpu().numpy())
         pending = writer.pending
         owed = sum(e - b for b, e in pending)
-        run.progress = _Progress(progress, owed)
+        run.progress = _progress_of(progress, owed)
         batches = [(at, min(at + batch_size, end)) for first, end in pending for at in range(first, end, batch_size)]
         # The next batch is tokenized on a thread while this one runs (chat templates are
         # Python); only that thread uses the tokenizer meanwhile (a fast tokenizer is not safe
@@ -620,7 +595,7 @@ class _Run:
         self.sel = torch.tensor(sel, dtype=torch.long, device=self.device)
         self.sel_mask = torch.zeros(vocab, dtype=torch.bool, device=self.device)
         self.sel_mask[self.sel] = True
-        self.progress = _Progress(False, 0)
+        self.progress = _progress_of(False, 0)
         self.shard_size = shard_size
         self.retained: Dict[int, List[np.ndarray]] = {}  # top-k: a shard's retained mass, batch by batch
         self.current: Optional[Slot] = None
@@ -652,7 +627,9 @@ class _Run:
         if retained is not None:
             self._note_retained(first, end, retained, batch["loss_mask"])
         self.writer.add_batch(batch)
-        self.progress.advance(end - first, sum(a.nbytes for a in batch.values()))
+        nbytes = sum(a.nbytes for a in batch.values())
+        p = self.progress
+        p.advance(end - first, p.position + end - first, p.total, p.bytes + nbytes, nbytes=nbytes)
 
     def _note_retained(self, first: int, end: int, retained: np.ndarray, loss: np.ndarray) -> None:
         """Gathers the batch's retained top-k mass at its supervised positions; once a shard's

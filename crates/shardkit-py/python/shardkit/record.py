@@ -36,6 +36,7 @@ import torch
 
 from . import _args, provenance, saev
 from ._pipeline import Pipeline, Slot
+from ._progress import Progress
 from .errors import InvalidArgumentError
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -61,6 +62,21 @@ _BLOCK_LISTS = (
     "transformer.resblocks",
     "visual.trunk.blocks",
 )
+
+
+def shard_batches(pending: Sequence[Tuple[int, int]], per_shard: int, batch_size: int) -> List[Tuple[int, int]]:
+    """The examples of the ``pending`` (first, end) ranges cut into batches of at most
+    ``batch_size`` that start at each shard's first example (shards of ``per_shard``) and never
+    cross a shard: the same batches for any world size and any restart point."""
+    size = _args.count("batch_size", batch_size, lo=1)
+    out = []
+    for first, end in pending:
+        at = first
+        while at < end:
+            stop = min(end, (at // per_shard + 1) * per_shard, at + size)
+            out.append((at, stop))
+            at = stop
+    return out
 
 
 def find_blocks(model: torch.nn.Module) -> Tuple[str, torch.nn.ModuleList]:
@@ -138,7 +154,9 @@ class ActivationRecorder:
       :class:`shardkit.saev.PartWriter`.
     - ``buffers``: batches in flight between the model and the disk (memory: this many
       staging tensors on the device and as many pinned host buffers).
-    - ``progress``: as every writer's.
+    - ``progress``: None (a bar on a terminal, with examples/s, GB/s written and the ETA), a
+      bool, or a callable ``f(examples recorded, examples this run owes)``, called on the writer
+      thread after each batch is written.
 
     Call it as the model (``rec(x)``, or ``rec.forward(x, labels=...)`` with per-patch labels
     ``(batch, content_tokens)``): the batch's examples are the next pending ones, in order;
@@ -204,7 +222,7 @@ class ActivationRecorder:
         self._capture = capture
         n_buffers = _args.count("buffers", buffers, lo=1)
         record = self._provenance(model, processor, inputs, labels)
-        self._writer = saev.PartWriter(root, md, rank=rank, world_size=world_size, progress=progress)
+        self._writer = saev.PartWriter(root, md, rank=rank, world_size=world_size, progress=False)
         try:
             provenance.record(self._writer.path, record)
         except BaseException:
@@ -221,8 +239,11 @@ class ActivationRecorder:
         self._aborted = False
         self._handles = [self._hook(m, slot) for slot, (_, m) in enumerate(self._recorded)]
         # Looked up at each write (not bound now), so the writer can be swapped in tests.
-        self._pipe = Pipeline(lambda t, labels: self._writer.write(t["acts"].numpy(), labels),
-                              buffers=n_buffers, name="shardkit-record")
+        owed = sum(e - f for f, e in self._pending)
+        self._progress = Progress(progress, unit="ex", desc=f"recording (rank {self._rank} of {self._world})",
+                                  total=owed)
+        self._row_bytes = len(labels) * self._tokens * self._d * 4
+        self._pipe = Pipeline(self._write, buffers=n_buffers, name="shardkit-record")
 
     def _provenance(self, model: torch.nn.Module, processor: Any, inputs: Any, labels: List[int]) -> Dict[str, Any]:
         """What decides the dataset's bytes beyond its metadata (see shardkit.provenance)."""
@@ -293,6 +314,13 @@ class ActivationRecorder:
             return module.register_forward_hook(lambda _m, _args, out: take(out))
         return module.register_forward_pre_hook(lambda _m, args: take(args))
 
+    def _write(self, t: Dict[str, torch.Tensor], labels: Any) -> None:
+        """The writer thread's part: one batch to the saev writer, then the progress."""
+        n = int(t["acts"].shape[0])
+        self._writer.write(t["acts"].numpy(), labels)
+        p = self._progress
+        p.advance(n, p.position + n, p.total, nbytes=n * self._row_bytes)
+
     def forward(self, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
         """Runs ``model(*args, **kwargs)`` without gradients, recording its batch (the next
         pending examples); ``labels`` are the batch's per-patch labels (batch, content tokens),
@@ -338,18 +366,7 @@ class ActivationRecorder:
         recording in these batches is what makes the dataset byte-identical across world
         sizes and restarts (with deterministic kernels on an accelerator:
         ``torch.use_deterministic_algorithms(True)``)."""
-        size = _args.count("batch_size", batch_size, lo=1)
-        if size < 1:
-            raise InvalidArgumentError("batch_size must be at least 1")
-        out = []
-        for first, end in self._pending:
-            at = first
-            while at < end:
-                shard_end = (at // self._per_shard + 1) * self._per_shard
-                stop = min(end, shard_end, at + size)
-                out.append((at, stop))
-                at = stop
-        return out
+        return shard_batches(self._pending, self._per_shard, batch_size)
 
     @property
     def path(self) -> str:
@@ -387,6 +404,7 @@ class ActivationRecorder:
             self._closed = True
             error = self._pipe.drain()
             self._remove_hooks()
+            self._progress.close()
             if error is not None:
                 self._writer.abort()
                 raise error
@@ -399,6 +417,7 @@ class ActivationRecorder:
             self._closed = True
             self._pipe.abort()
             self._remove_hooks()
+            self._progress.close()
             self._writer.abort()
 
     def __enter__(self) -> "ActivationRecorder":
@@ -519,15 +538,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     md = {"family": args.family, "ckpt": args.ckpt or args.model, "data": args.images or args.pixels,
           "dataset": os.path.abspath(args.images or args.pixels), "max_tokens_per_shard": args.max_tokens_per_shard}
-    bar = _Bar()
     rec = ActivationRecorder(model, args.out, layers=args.layers, n_examples=n, metadata=md,
                              cls_token=not args.no_cls, processor=json.dumps(processor, sort_keys=True),
-                             inputs=inputs, progress=bar.update)
-    bar.start(rec)
+                             inputs=inputs)
     with rec:
         for first, end in rec.batches(args.batch_size):
             rec(load(first, end).to(device=device, dtype=getattr(torch, args.dtype)))
-    bar.close()
     status = rec.close()
     print(json.dumps({"path": rec.path, **status}))
     return status
@@ -578,55 +594,14 @@ def _main_text(args: Any, device: "torch.device") -> Dict[str, Any]:
     if args.family:
         md["family"] = args.family
     rec = TextRecorder(model, args.out, layers=args.layers, n_examples=len(windows), context=args.context,
-                       metadata=md, tokenizer=tokenizer, inputs={"corpus": os.path.abspath(args.text),
-                                                                 "windows": len(windows)},
-                       progress=None)
+                       metadata=md, tokenizer=tokenizer,
+                       inputs={"corpus": os.path.abspath(args.text), "windows": len(windows)})
     with rec:
         for first, end in rec.batches(args.batch_size):
             rec(windows[first:end].to(device))
     status = rec.close()
     print(json.dumps({"path": rec.path, **status}))
     return status
-
-
-class _Bar:
-    """A tqdm bar of this rank's examples with examples/s, GB/s written and the ETA (none
-    when tqdm is missing or stderr is not a terminal)."""
-
-    def __init__(self) -> None:
-        self._bar: Any = None
-        self._row_bytes = 0
-        self._t0 = 0.0
-        self._done0 = 0
-
-    def start(self, rec: ActivationRecorder) -> None:
-        import sys
-        import time
-
-        try:
-            from tqdm.auto import tqdm  # type: ignore
-        except ImportError:
-            return
-        total = sum(e - f for f, e in rec.pending)
-        first, end = rec._writer.examples  # before any write: the writer thread is idle
-        self._done0 = end - first - total
-        self._row_bytes = len(rec.modules) * rec._tokens * rec._d * 4
-        self._t0 = time.perf_counter()
-        if sys.stderr.isatty():
-            self._bar = tqdm(total=total, unit="ex", desc=f"recording (rank {rec.rank} of {rec.world_size})")
-
-    def update(self, done: int, total: int) -> None:
-        import time
-
-        if self._bar is None:
-            return
-        self._bar.update(done - self._done0 - self._bar.n)
-        dt = max(time.perf_counter() - self._t0, 1e-9)
-        self._bar.set_postfix_str(f"{self._bar.n * self._row_bytes / dt / 1e9:.2f} GB/s", refresh=False)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 if __name__ == "__main__":
