@@ -439,3 +439,17 @@ def test_progress_reports_each_written_batch_against_what_the_run_owes(tmp_path)
     calls = []
     record(model, str(tmp_path), x, batch=3, layers=[0], progress=lambda done, total: calls.append((done, total)))
     assert calls == [(3, 7), (6, 7), (7, 7)]
+
+
+def test_patch_labels_are_recorded_into_labels_bin(tmp_path):
+    model = built("vit")  # 16 content tokens
+    x = torch.randn(5, 3, 16, 16)
+    labels = np.arange(5 * 16).reshape(5, 16) % 7
+    with ActivationRecorder(model, str(tmp_path), layers=[0], n_examples=5,
+                            metadata={"family": "clip", "ckpt": "x", "max_tokens_per_shard": 17 * 2}) as rec:
+        for first, end in rec.batches(2):
+            rec(x[first:end], labels=torch.from_numpy(labels[first:end]))
+    stored = np.fromfile(os.path.join(rec.path, "labels.bin"), dtype=np.uint8).reshape(5, 16)
+    np.testing.assert_array_equal(stored, labels)
+    batch = next(iter(saev.Loader(rec.path, layer=0, batch_size=80, order="sequential")))
+    np.testing.assert_array_equal(batch["token_label"], labels.reshape(-1))
