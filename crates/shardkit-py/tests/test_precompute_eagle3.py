@@ -134,7 +134,8 @@ def test_the_cache_equals_the_reference_computation(tmp_path, dtype, topk):
         rows = slice(4 * x["shard"], 4 * x["shard"] + 4)
         m = mass[rows][supervised[rows]]
         assert x["topk"] == topk and x["positions"] == m.size
-        np.testing.assert_allclose([x["mean"], x["min"]], [m.mean(), m.min()], rtol=1e-5)
+        np.testing.assert_allclose([x["mean"], x["min"], x["kl_mean"]], [m.mean(), m.min(), -np.log(m).mean()],
+                                   rtol=1e-5)
     assert kept["positions"] == supervised.sum() and 0 < kept["min"] <= kept["mean"] < 1
 
 

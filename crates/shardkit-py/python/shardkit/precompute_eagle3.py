@@ -66,14 +66,17 @@ RETAINED_NOTE = "topk-retained-"
 def retained_mass(path: PathLike) -> Dict[str, Any]:
     """What a top-k cache's shards kept of the draft distribution, from the notes
     :func:`precompute` writes beside each shard (before the shard is durable): ``{"shards":
-    [{"shard", "topk", "positions", "mean", "min", "p01", "p10", "p50"}], "positions", "mean",
-    "min"}`` over the supervised positions (loss mask 1). Empty for a lossless cache."""
+    [{"shard", "topk", "positions", "mean", "min", "p01", "p10", "p50", "kl_mean"}],
+    "positions", "mean", "min", "kl_mean"}`` over the supervised positions (loss mask 1);
+    ``kl_mean`` is the mean KL divergence of the stored (renormalised) distribution from the
+    full one, ``-log(retained mass)``. Empty for a lossless cache."""
     shards = [json.loads(b) for _, b in _core.notes_list(_args.path("path", path), RETAINED_NOTE)]
     n = sum(int(x["positions"]) for x in shards)
     out: Dict[str, Any] = {"shards": shards, "positions": n}
     if n:
         out["mean"] = sum(x["mean"] * x["positions"] for x in shards if x["positions"]) / n
         out["min"] = min(x["min"] for x in shards if x["positions"])
+        out["kl_mean"] = sum(x["kl_mean"] * x["positions"] for x in shards if x["positions"]) / n
     return out
 
 # A chat template that marks assistant text with {% generation %} lets the tokenizer return the
@@ -644,8 +647,11 @@ class _Run:
         stats: Dict[str, Any] = {"shard": k, "topk": self.topk, "positions": int(values.size)}
         if values.size:
             q = np.quantile(values, [0.01, 0.1, 0.5])
+            # KL(stored || full) of a renormalised top k is -log(retained mass) exactly (the
+            # other direction is infinite: the stored distribution is 0 where the full is not).
+            kl = -np.log(np.clip(values, np.finfo(np.float64).tiny, 1.0))
             stats.update(mean=float(values.mean()), min=float(values.min()), p01=float(q[0]), p10=float(q[1]),
-                         p50=float(q[2]))
+                         p50=float(q[2]), kl_mean=float(kl.mean()))
         _core.note_put(self.writer.path, f"{RETAINED_NOTE}{k:06d}.json", json.dumps(stats, sort_keys=True).encode())
 
     def rows(self, first: int, end: int) -> List[Dict[str, List[int]]]:
