@@ -453,3 +453,25 @@ def test_patch_labels_are_recorded_into_labels_bin(tmp_path):
     np.testing.assert_array_equal(stored, labels)
     batch = next(iter(saev.Loader(rec.path, layer=0, batch_size=80, order="sequential")))
     np.testing.assert_array_equal(batch["token_label"], labels.reshape(-1))
+
+
+def test_a_text_batch_owing_part_of_its_windows_to_one_writer_is_refused(tmp_path):
+    from shardkit.record import TextRecorder
+
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (9, 8), generator=torch.Generator().manual_seed(3))
+    md = {"max_tokens_per_shard": 8 * 3, "ckpt": "tiny-llama", "data": "w", "dataset": "s"}  # 3 windows a shard
+    rec = TextRecorder(model, str(tmp_path), layers=[0], n_examples=9, context=8, metadata=md)
+    rec(ids[0:3])
+    rec._ids.append(list(ids[3:6].numpy()))  # killed after shard 1's ids, before its activations
+    rec.abort()
+    rec = TextRecorder(model, str(tmp_path), layers=[0], n_examples=9, context=8, metadata=md)
+    assert rec.pending == [(3, 9)] and rec.batches(3) == [(3, 6), (6, 9)]
+    with pytest.raises(InvalidArgumentError, match=r"windows 3\.\.7 are partly owed to the token ids"):
+        rec(ids[3:7])
+    assert rec(ids[3:6]) is not None  # shard 1: its activations only
+    rec(ids[6:9])
+    assert rec.close()["token_ids"]["committed"]
+    from shardkit.record import token_ids
+
+    assert [list(token_ids(rec.path)[e]) for e in range(9)] == ids.tolist()

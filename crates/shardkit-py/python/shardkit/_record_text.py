@@ -31,6 +31,18 @@ def _covers(ranges: List[Tuple[int, int]], first: int, end: int) -> bool:
     return any(f <= first and end <= e for f, e in ranges)
 
 
+def _owed(ranges: List[Tuple[int, int]], first: int, end: int, what: str) -> bool:
+    """Whether windows ``first..end`` are all in ``ranges`` (owed), or none; a batch owing
+    some of them only is refused (it would shift the rows of what follows)."""
+    if _covers(ranges, first, end):
+        return True
+    if any(f < end and first < e for f, e in ranges):
+        raise InvalidArgumentError(
+            f"windows {first}..{end} are partly owed to the {what} ({ranges}): cut the batches with batches(), "
+            "whose batches never cross a shard")
+    return False
+
+
 class TextRecorder:
     """Records named modules of a causal or masked language model over windows of ``context``
     token ids into a saev dataset of shardkit's text dialect (docs/record.md "Language
@@ -139,11 +151,13 @@ class TextRecorder:
         host = ids.detach().to("cpu", torch.int64).numpy()
         if host.min(initial=0) < 0:
             raise InvalidArgumentError("input_ids holds a negative token id")
+        owe_ids = _owed(self._ids_pending, first, end, "token ids")
+        owe_acts = _owed(self._acts_pending, first, end, "activations")
         # The ids first: a shard whose activations are durable has its ids durable too.
-        if _covers(self._ids_pending, first, end):
+        if owe_ids:
             self._ids.append(list(host))
         out = None
-        if _covers(self._acts_pending, first, end):
+        if owe_acts:
             out = self._acts.forward(ids, *args, attention_mask=attention_mask, **kwargs) \
                 if attention_mask is not None else self._acts.forward(ids, *args, **kwargs)
         self._advance(end)
