@@ -193,6 +193,8 @@ def test_batches_start_at_shard_starts_and_never_cross_a_shard(tmp_path):
     md = {"family": "clip", "ckpt": "x", "max_tokens_per_shard": 34 * 5}  # 5 examples a shard
     rec = ActivationRecorder(model, str(tmp_path), layers=[0, 1], n_examples=12, metadata=md, rank=1, world_size=2)
     assert rec.pending == [(10, 12)]  # 3 shards: rank 1 of 2 has the last
+    with pytest.raises(InvalidArgumentError, match=r"a batch of 3 examples from example 10 runs past"):
+        rec(torch.randn(3, 3, 16, 16))
     rec.abort()
     rec = ActivationRecorder(model, str(tmp_path / "one"), layers=[0, 1], n_examples=12, metadata=md)
     assert rec.batches(2) == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10), (10, 12)]

@@ -230,6 +230,7 @@ class ActivationRecorder:
             raise
         # Read once: the writer thread holds the core writer while it writes.
         self._pending = self._writer.pending
+        self._next = self._pending[0][0] if self._pending else n_examples  # the next example owed
         self._rank, self._world = self._writer.rank, self._writer.world_size
         self._path = self._writer.path
         self._per_shard = int(md["max_tokens_per_shard"]) // (self._tokens * len(labels))
@@ -343,10 +344,23 @@ class ActivationRecorder:
             self._pipe.give_back(s)
             raise InvalidArgumentError(
                 f"the forward did not run the recorded module(s) {', '.join(missing)}; nothing was recorded")
+        # The batch is the next pending examples: within one pending range (the writer would
+        # otherwise put the rows after a gap where the caller did not mean them).
+        first = self._next
+        owed = [r for r in self._pending if r[0] <= first < r[1]]
+        if not owed or first + s.rows > owed[0][1]:
+            self._pipe.give_back(s)
+            raise InvalidArgumentError(
+                f"a batch of {s.rows} examples from example {first} runs past this rank's pending examples "
+                f"{self._pending}; cut them with batches() (nothing was recorded)")
         lab = None
         if labels is not None:
             lab = labels.detach().cpu().numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
         self._pipe.submit(s, s.rows, lab)
+        self._next = first + s.rows
+        later = [r[0] for r in self._pending if r[0] >= self._next]
+        if self._next == owed[0][1] and later:
+            self._next = later[0]
         return out
 
     __call__ = forward
