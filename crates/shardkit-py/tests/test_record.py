@@ -477,3 +477,19 @@ def test_a_text_batch_owing_part_of_its_windows_to_one_writer_is_refused(tmp_pat
     from shardkit.record import token_ids
 
     assert [list(token_ids(rec.path)[e]) for e in range(9)] == ids.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device on this machine: the pinned-buffer, side-stream path runs where a GPU is lent")
+def test_on_cuda_rows_are_the_blocks_outputs_through_pinned_buffers_reused(tmp_path):
+    model = built("vit").cuda()
+    x = torch.randn(11, 3, 16, 16, generator=torch.Generator().manual_seed(9)).cuda()
+    # One buffer: every batch reuses the same staging tensors and pinned host buffers, so a
+    # copy read before it completed, or a slot reused too early, shows in the rows.
+    rec = record(model, str(tmp_path), x, batch=2, layers=[2, 0], buffers=1)
+    got = acts(rec.path)
+    with torch.no_grad():
+        runs = [model(x[a:a + 2], output_hidden_states=True).hidden_states for a in range(0, 11, 2)]
+    hidden = [torch.cat(h).cpu() for h in zip(*runs)]
+    for slot, block in enumerate([2, 0]):
+        np.testing.assert_array_equal(got[:, slot], hidden[block + 1].numpy())
