@@ -25,6 +25,7 @@ or ``python -m shardkit.precompute_eagle3 --model LOCAL_PATH --data FILE.jsonl -
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -61,6 +62,31 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # A top-k cache's per-shard notes (shardkit.notes/topk-retained-SHARD.json): the share of the
 # draft distribution the stored top k kept, at the supervised positions.
 RETAINED_NOTE = "topk-retained-"
+
+
+# The draft vocabulary a run used (shardkit.notes/draft-vocab.json), for a restart to reuse.
+DRAFT_VOCAB_NOTE = "draft-vocab.json"
+
+
+def _ids_digest(ids: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()
+
+
+def _recorded_draft_vocab(out: str, record: Dict[str, Any], size: Optional[int], vocab: int) -> Optional[List[int]]:
+    """The draft vocabulary an earlier run over the same model, tokenizer and samples recorded
+    at ``out`` (its note, checked against the provenance record's digest), or None."""
+    prior = provenance.read(out)
+    if prior is None or any(prior.get(k) != v for k, v in record.items()):
+        return None
+    want = prior.get("draft_vocab")
+    expected = vocab if size is None else min(size, vocab)
+    if not isinstance(want, dict) or want.get("size") != expected:
+        return None
+    notes = dict(_core.notes_list(out, DRAFT_VOCAB_NOTE))
+    ids = json.loads(notes[DRAFT_VOCAB_NOTE]) if DRAFT_VOCAB_NOTE in notes else None
+    if not isinstance(ids, list) or _ids_digest(ids) != want.get("sha256"):
+        return None
+    return [int(t) for t in ids]
 
 
 def retained_mass(path: PathLike) -> Dict[str, Any]:
@@ -520,9 +546,18 @@ def precompute(
         if draft_vocab_size is not None and draft_vocab_size != len(sel):
             raise InvalidArgumentError(
                 f"draft_vocab_size {draft_vocab_size} differs from the {len(sel)} selected_token_ids given")
-    else:
-        sel = draft_vocab(samples, tokenizer, target_vocab_size=vocab, draft_vocab_size=draft_vocab_size,
-                          seq_length=seq_length)
+    # What decides the bytes beyond the manifest: a restart from another model, tokenizer or
+    # sample list is refused naming it (the manifest holds only the model's name).
+    record: Dict[str, Any] = {"model": provenance.model_digest(model), "inputs": provenance.inputs_digest(samples)}
+    if tokenizer is not None:
+        record["processor"] = provenance.processor_digest(tokenizer)
+    if selected_token_ids is None:
+        # A restart from the same model, tokenizer and samples takes the draft vocabulary the
+        # first run computed (kept as a note) instead of making the pass again.
+        reused = _recorded_draft_vocab(out, record, draft_vocab_size, vocab)
+        sel = reused if reused is not None else draft_vocab(
+            samples, tokenizer, target_vocab_size=vocab, draft_vocab_size=draft_vocab_size, seq_length=seq_length)
+    record["draft_vocab"] = {"sha256": _ids_digest(sel), "size": len(sel)}
     compressed = 0 < topk < len(sel)
     if target_model is None:
         target_model = str(getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", "") or "")
@@ -545,12 +580,8 @@ def precompute(
     writer = eagle3.PartWriter(out, manifest, len(samples), rank=rank, world_size=world_size,
                                format_version=format_version, target_embeddings=True, progress=False)
     try:
-        # What decides the bytes beyond the manifest: a restart from another model, tokenizer
-        # or sample list is refused naming it (the manifest holds only the model's name).
-        record: Dict[str, Any] = {"model": provenance.model_digest(model), "inputs": provenance.inputs_digest(samples)}
-        if tokenizer is not None:
-            record["processor"] = provenance.processor_digest(tokenizer)
         provenance.record(writer.path, record)
+        _core.note_put(writer.path, DRAFT_VOCAB_NOTE, json.dumps(sel).encode())
         run = _Run(model, tokenizer, samples, writer, layers, aux, sel, vocab, hidden, seq_length, DTYPES[dtype],
                    topk if compressed else 0, n_buffers, shard_size)
     except BaseException:
