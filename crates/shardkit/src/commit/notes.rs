@@ -37,7 +37,21 @@ pub fn put(dir: impl AsRef<Path>, name: &str, bytes: &[u8]) -> Result<()> {
         Target::Local(dir) => {
             let notes = dir.join(DIR);
             std::fs::create_dir_all(&notes).at(&notes)?;
-            fsutil::atomic_write(&notes.join(name), bytes)
+            // A temporary of this process and call (`.NAME.PID-N.tmp`): ranks may write the
+            // same note at once (a shared name would be renamed away under one of them).
+            static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let tmp = notes.join(format!(".{name}.{}-{n}.tmp", std::process::id()));
+            let written = (|| {
+                let mut f = std::fs::File::create(&tmp).at(&tmp)?;
+                std::io::Write::write_all(&mut f, bytes).at(&tmp)?;
+                f.sync_all().at(&tmp)?;
+                fsutil::publish(&tmp, &notes.join(name))
+            })();
+            if written.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            written
         }
         Target::Store(target) => target.put(&format!("{DIR}/{name}"), bytes.to_vec()),
     }
@@ -97,6 +111,13 @@ mod tests {
                 ("topk-shard-000001.json".to_string(), b"{\"a\": 2}".to_vec()),
             ]
         );
+        // Ranks writing one note at once: each write lands whole.
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| put(tmp.path(), "same.json", b"[1, 2, 3]").unwrap());
+            }
+        });
+        assert_eq!(list(tmp.path(), "same").unwrap()[0].1, b"[1, 2, 3]");
         for bad in ["", ".hidden", "a/b", "../x", "sp ace"] {
             let e = put(tmp.path(), bad, b"x").unwrap_err();
             assert!(e.to_string().contains("a plain file name"), "{bad}: {e}");
