@@ -400,6 +400,7 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
         md,
         WriterOptions {
             resume: args.resume,
+            ..Default::default()
         },
     )?;
     match w.start() {
@@ -636,6 +637,7 @@ pub fn synth(args: &SynthArgs) -> Result<PathBuf> {
         md,
         WriterOptions {
             resume: args.resume,
+            ..Default::default()
         },
     )?;
     let pb = progress::bar(Some(n * eb), "writing", Unit::Bytes);

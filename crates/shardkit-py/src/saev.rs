@@ -84,7 +84,16 @@ impl Writer {
         );
         let content_tokens = layout.content_tokens as usize;
         let w = py
-            .allow_threads(|| saev::Writer::create(root, md, saev::WriterOptions { resume }))
+            .allow_threads(|| {
+                saev::Writer::create(
+                    root,
+                    md,
+                    saev::WriterOptions {
+                        resume,
+                        ..Default::default()
+                    },
+                )
+            })
             .map_err(to_py)?;
         let start = match w.start() {
             saev::WriteStart::Fresh => "fresh".to_string(),

@@ -1080,7 +1080,15 @@ fn writer_refuses_a_directory_holding_different_metadata() {
     fs::write(&md_path, &other).unwrap();
     let before = snapshot(&dir);
     for resume in [false, true] {
-        let err = Writer::create(tmp.path(), md.clone(), WriterOptions { resume }).unwrap_err();
+        let err = Writer::create(
+            tmp.path(),
+            md.clone(),
+            WriterOptions {
+                resume,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
         assert_exists(
             &err,
             &md_path,
@@ -1093,7 +1101,15 @@ fn writer_refuses_a_directory_holding_different_metadata() {
     let mut reformatted = ours.clone();
     reformatted.push(b'\n');
     fs::write(&md_path, &reformatted).unwrap();
-    let err = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap_err();
+    let err = Writer::create(
+        tmp.path(),
+        md.clone(),
+        WriterOptions {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap_err();
     assert_exists(&err, &md_path, &["different dataset"]);
     assert_eq!(fs::read(&md_path).unwrap(), reformatted);
 }
@@ -1108,7 +1124,15 @@ fn writer_refuses_a_directory_with_foreign_files() {
     fs::write(dir.join("acts000000.bin"), [7u8; 384]).unwrap();
     let before = snapshot(&dir);
     for resume in [false, true] {
-        let err = Writer::create(tmp.path(), md.clone(), WriterOptions { resume }).unwrap_err();
+        let err = Writer::create(
+            tmp.path(),
+            md.clone(),
+            WriterOptions {
+                resume,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
         assert_exists(
             &err,
             &dir,
@@ -1143,7 +1167,15 @@ fn writer_leaves_a_complete_dataset_untouched() {
     let dir = write_uninterrupted(tmp.path(), &md, true);
     let before = identity(&dir);
     for resume in [false, true] {
-        let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume }).unwrap();
+        let mut w = Writer::create(
+            tmp.path(),
+            md.clone(),
+            WriterOptions {
+                resume,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(w.start(), WriteStart::AlreadyComplete);
         assert_eq!(w.next_example(), 11);
         assert_eq!(w.path(), dir);
@@ -1286,7 +1318,15 @@ fn finish_early_is_incomplete_and_leaves_the_directory_resumable() {
     ));
     let err = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap_err();
     assert_exists(&err, &dir, &["interrupted write", "3 of 11"]);
-    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+    let mut w = Writer::create(
+        tmp.path(),
+        md.clone(),
+        WriterOptions {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     assert_eq!(w.start(), WriteStart::Resumed { from: 3 });
     write_range(&mut w, 3, 11, 2, true);
     let out = w.finish().unwrap();
@@ -1377,7 +1417,15 @@ fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) 
     assert!(snapshot(&dir) == before, "{what}: refusal changed files");
 
     // Resume: from a shard boundary (or N), at most k, with the leftovers gone.
-    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+    let mut w = Writer::create(
+        tmp.path(),
+        md.clone(),
+        WriterOptions {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     let WriteStart::Resumed { from } = w.start() else {
         panic!("{what}: {:?}", w.start());
     };
@@ -1409,7 +1457,15 @@ fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) 
     if from + 2 < n {
         write_range(&mut w, from, from + 2, 1, with_labels);
         drop(w);
-        w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+        w = Writer::create(
+            tmp.path(),
+            md.clone(),
+            WriterOptions {
+                resume: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let again = (from + 2) / EPS * EPS;
         assert_eq!(w.start(), WriteStart::Resumed { from: again }, "{what}");
     }
@@ -1481,7 +1537,15 @@ fn crash_inside_finish(n: u64) {
         Dataset::open(&dir).unwrap_err(),
         Error::Incomplete { present, total, .. } if present == n && total == n
     ));
-    let w = Writer::create(tmp.path(), md.clone(), WriterOptions { resume: true }).unwrap();
+    let w = Writer::create(
+        tmp.path(),
+        md.clone(),
+        WriterOptions {
+            resume: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
     assert_eq!(w.start(), WriteStart::Resumed { from: n });
     let out = w.finish().unwrap();
     assert_identical(&out, &reference, &format!("finish crash, N={n}"));
@@ -1579,7 +1643,15 @@ fn resume_of_a_saev_written_crash_trusts_only_shards_json() {
             &dir,
             &[&format!("{} of {n}", entries * eps), "interrupted write"],
         );
-        let mut w = Writer::create(tmp.path(), md, WriterOptions { resume: true }).unwrap();
+        let mut w = Writer::create(
+            tmp.path(),
+            md,
+            WriterOptions {
+                resume: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         let from = entries * eps;
         assert_eq!(w.start(), WriteStart::Resumed { from }, "{fixture}");
         let (l, t, d) = (layout.n_layers, layout.tokens, layout.d_model);

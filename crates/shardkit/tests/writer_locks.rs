@@ -65,7 +65,14 @@ fn saev_writers_exclude_each_other() {
     let dir = tmp.path().join(md.dir_name());
     let before = tree(&dir);
     for resume in [false, true] {
-        let e = saev::Writer::create(tmp.path(), md.clone(), saev::WriterOptions { resume });
+        let e = saev::Writer::create(
+            tmp.path(),
+            md.clone(),
+            saev::WriterOptions {
+                resume,
+                ..Default::default()
+            },
+        );
         assert_locked(e.unwrap_err(), &dir);
     }
     assert_eq!(

@@ -117,6 +117,17 @@ impl Buffer {
     }
 }
 
+impl Buffer {
+    /// The bytes as native float32 values, mutably (the length rounded down to whole values).
+    pub(crate) fn as_mut_f32(&mut self) -> &mut [f32] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: ALIGN-aligned, uniquely borrowed, every bit pattern is a valid f32.
+        unsafe { std::slice::from_raw_parts_mut(self.raw().ptr.cast::<f32>(), self.len / 4) }
+    }
+}
+
 /// The bytes: `&buf[..]`, `buf.len()`, `buf.as_ptr()` (for zero-copy hand-off to other
 /// runtimes; the buffer is page-aligned).
 impl std::ops::Deref for Buffer {

@@ -15,6 +15,7 @@
 //! | 2.1 | `shards.py` on `main` | bird-mae, clip, dinov2, dinov3, fake-clip, pe-core, pe-spatial, siglip | string: base64 of a pickled dataset config | majority, prefer-fg |
 
 use crate::json::Value;
+use crate::precision::Dtype;
 
 /// The metadata key naming a shardkit dialect of protocol 2.1: `"text"` marks token
 /// activations of a language model (docs/record.md "Language models"). saev's `Metadata`
@@ -169,12 +170,14 @@ pub(crate) struct Findings {
     pub warnings: Vec<String>,
     /// A shardkit dialect (`text`): saev does not load it, by design.
     pub dialect: Option<&'static str>,
+    /// A reduced-precision `dtype` (shardkit's dialect of 2.1): saev loads float32 only.
+    pub reduced: Option<Dtype>,
 }
 
 impl Findings {
     /// Whether saev's own code loads the file.
     pub(crate) fn saev_loads(&self) -> bool {
-        self.errors.is_empty() && self.dialect.is_none()
+        self.errors.is_empty() && self.dialect.is_none() && self.reduced.is_none()
     }
 }
 
@@ -221,6 +224,23 @@ pub(crate) fn check(md: &Value, protocol: &str, writing: bool) -> Findings {
              models), found {} in protocol {protocol}",
             shown(v)
         )),
+    }
+    if let Some(Value::String(d)) = md.get("dtype") {
+        match Dtype::parse(d) {
+            Some(t) if t.is_reduced() && protocol == "2.1" && d == t.name() => {
+                f.reduced = Some(t);
+                f.warnings.push(format!(
+                    "dtype {d}: shardkit's reduced-precision dialect of protocol 2.1; saev does \
+                     not load it ({who} declares `dtype: Literal[\"float32\"]`); \
+                     `shardkit saev convert --dtype float32` writes a copy saev loads"
+                ));
+            }
+            Some(Dtype::F32) if d == "float32" => {}
+            _ => f.errors.push(format!(
+                "`dtype` must be \"float32\" ({who}), or \"bfloat16\" / \"float16\" in \
+                 shardkit's reduced-precision dialect of protocol 2.1; found {d:?}"
+            )),
+        }
     }
     for (k, _) in members {
         if f.dialect.is_some() && k == DIALECT_KEY {

@@ -14,6 +14,7 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::io::ReadRange;
 use crate::io::{self, Location, Source};
+use crate::precision::{self, Dtype};
 use crate::saev::layout::{parse_shards_json, Layout, ShardEntry};
 use crate::saev::Metadata;
 
@@ -212,27 +213,29 @@ pub(crate) fn leading_full_with(
         .count() as u64
 }
 
-/// Reads `out.len()` float32 values at `offset`, failing (with the file named) on a short read.
-pub(crate) fn read_f32_at(file: &File, path: &Path, offset: u64, out: &mut [f32]) -> Result<()> {
-    // SAFETY: every bit pattern is a valid f32, and the byte view covers exactly `out`.
-    let bytes = unsafe {
-        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
-    };
-    file.read_exact_at(bytes, offset).map_err(|e| {
+/// Reads `out.len()` bytes at `offset`, failing (with the file named) on a short read.
+pub(crate) fn read_bytes_at(file: &File, path: &Path, offset: u64, out: &mut [u8]) -> Result<()> {
+    file.read_exact_at(out, offset).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             Error::format(
                 path,
                 format!(
                     "file ended before byte {}; it shrank after the dataset was opened",
-                    offset + bytes.len() as u64
+                    offset + out.len() as u64
                 ),
             )
         } else {
             Error::io(path, e)
         }
-    })?;
-    from_le_in_place(out);
-    Ok(())
+    })
+}
+
+/// `out` seen as its bytes (to read float32 values straight into it).
+fn f32_bytes_mut(out: &mut [f32]) -> &mut [u8] {
+    // SAFETY: every bit pattern is a valid f32, and the byte view covers exactly `out`.
+    unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
+    }
 }
 
 /// Little-endian values read as native ones (a no-op on little-endian machines).
@@ -380,30 +383,38 @@ impl Dataset {
         self.remote.as_ref().map(|(r, n)| (&**r, &n[..]))
     }
 
-    /// Reads `out.len()` bytes of shard `s` at `offset`, from its file or with ranged GETs.
-    fn read_shard_at(&self, s: u64, offset: u64, out: &mut [f32]) -> Result<()> {
+    /// Reads `out.len()` stored bytes of shard `s` at `offset`, from its file or with ranged
+    /// GETs.
+    fn read_shard_bytes(&self, s: u64, offset: u64, out: &mut [u8]) -> Result<()> {
         match &self.remote {
-            None => read_f32_at(self.shard_file(s)?, &self.shard_path(s), offset, out),
+            None => read_bytes_at(self.shard_file(s)?, &self.shard_path(s), offset, out),
             Some((remote, names)) => {
-                // SAFETY: every bit pattern is a valid f32, and the view covers exactly `out`.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        out.as_mut_ptr().cast::<u8>(),
-                        std::mem::size_of_val(out),
-                    )
-                };
-                let len = bytes.len() as u64;
                 let r = ReadRange {
                     file: s as u32,
                     offset,
-                    len,
+                    len: out.len() as u64,
                     dst: 0,
                 };
-                remote.read_into(names, &[r], bytes, &io::Stop::never())?;
-                from_le_in_place(out);
-                Ok(())
+                remote.read_into(names, &[r], out, &io::Stop::never())
             }
         }
+    }
+
+    /// Reads `out.len()` values of shard `s` from byte `offset`, as float32 (widened from the
+    /// stored type when it is a reduced one).
+    fn read_shard_at(&self, s: u64, offset: u64, out: &mut [f32]) -> Result<()> {
+        match self.layout.dtype {
+            Dtype::F32 => {
+                self.read_shard_bytes(s, offset, f32_bytes_mut(out))?;
+                from_le_in_place(out);
+            }
+            dtype => {
+                let mut stored = vec![0u8; out.len() * dtype.size()];
+                self.read_shard_bytes(s, offset, &mut stored)?;
+                precision::decode(dtype, &stored, out);
+            }
+        }
+        Ok(())
     }
 
     /// The dataset directory.
@@ -530,9 +541,32 @@ impl Dataset {
     }
 
     /// Many vectors at once, `(example, layer value, token slot)` each, returned row-major
-    /// (`coords.len() × D`). Reads run in parallel, in file order.
+    /// (`coords.len() × D`) as float32 (widened from a reduced stored type). Reads run in
+    /// parallel, in file order.
     pub fn take(&self, coords: &[(u64, i64, u64)]) -> Result<Vec<f32>> {
         let d = self.layout.d_model as usize;
+        match self.layout.dtype {
+            Dtype::F32 => {
+                let mut out = vec![0f32; coords.len() * d];
+                self.take_into(coords, f32_bytes_mut(&mut out))?;
+                from_le_in_place(&mut out);
+                Ok(out)
+            }
+            dtype => Ok(precision::decoded(dtype, &self.take_stored(coords)?)),
+        }
+    }
+
+    /// [`Dataset::take`] as stored: `coords.len() × D` values of the dataset's
+    /// [`dtype`](Layout::dtype), little-endian bytes (half of float32's for bfloat16).
+    pub fn take_stored(&self, coords: &[(u64, i64, u64)]) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; coords.len() * self.layout.vector_bytes() as usize];
+        self.take_into(coords, &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads the stored bytes of the vectors at `coords` into `out` (rows in `coords` order).
+    fn take_into(&self, coords: &[(u64, i64, u64)], out: &mut [u8]) -> Result<()> {
+        let rb = self.layout.vector_bytes() as usize;
         let mut resolved = Vec::with_capacity(coords.len());
         for (i, &(e, layer, t)) in coords.iter().enumerate() {
             self.check_example(e)?;
@@ -542,26 +576,18 @@ impl Dataset {
             resolved.push((s, self.layout.offset(e, slot, t), i));
         }
         resolved.sort_unstable();
-        let mut out = vec![0f32; coords.len() * d];
         if let Some((remote, names)) = &self.remote {
             // One coalesced batch of ranged GETs, many in flight.
-            let rb = d as u64 * 4;
             let ranges: Vec<ReadRange> = resolved
                 .iter()
                 .map(|&(s, off, i)| ReadRange {
                     file: s as u32,
                     offset: off,
-                    len: rb,
-                    dst: i as u64 * rb,
+                    len: rb as u64,
+                    dst: (i * rb) as u64,
                 })
                 .collect();
-            // SAFETY: every bit pattern is a valid f32, and the view covers exactly `out`.
-            let bytes = unsafe {
-                std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), out.len() * 4)
-            };
-            remote.read_into(names, &ranges, bytes, &io::Stop::never())?;
-            from_le_in_place(&mut out);
-            return Ok(out);
+            return remote.read_into(names, &ranges, out, &io::Stop::never());
         }
         // Hand each thread a contiguous run of the sorted requests; scatter by original index.
         let threads = std::thread::available_parallelism()
@@ -580,9 +606,9 @@ impl Dataset {
                             // written by different threads never overlap, and `out` outlives
                             // the scope.
                             let row = unsafe {
-                                std::slice::from_raw_parts_mut(out_ptr.get().add(i * d), d)
+                                std::slice::from_raw_parts_mut(out_ptr.get().add(i * rb), rb)
                             };
-                            read_f32_at(self.shard_file(s)?, &self.shard_path(s), off, row)?;
+                            read_bytes_at(self.shard_file(s)?, &self.shard_path(s), off, row)?;
                         }
                         Ok(())
                     })
@@ -592,8 +618,7 @@ impl Dataset {
                 h.join()
                     .unwrap_or_else(|_| Err(Error::Internal("reader thread panicked".into())))
             })
-        })?;
-        Ok(out)
+        })
     }
 
     /// The labels of one example's content tokens (`P` values), if labels.bin exists.
@@ -689,11 +714,11 @@ impl Dataset {
 }
 
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
+struct SendPtr(*mut u8);
 // SAFETY: used only for disjoint writes inside a thread scope (see `take`).
 unsafe impl Send for SendPtr {}
 impl SendPtr {
-    fn get(self) -> *mut f32 {
+    fn get(self) -> *mut u8 {
         self.0
     }
 }

@@ -1,8 +1,10 @@
 //! Where every float of a saev directory lives, and `shards.json`.
 //!
-//! Shard `s` is `acts{s:06}.bin`: raw little-endian float32 of shape `(eps, L, T, D)` with
+//! Shard `s` is `acts{s:06}.bin`: raw little-endian values of the metadata's `dtype` (float32;
+//! bfloat16 or float16 in shardkit's reduced-precision dialect) of shape `(eps, L, T, D)` with
 //! `eps = max_tokens_per_shard // (T·L)`. Example `g` is row `g % eps` of shard `g // eps`;
-//! every shard file, the last included, is `eps·L·T·D·4` bytes (saev.md §6).
+//! every shard file, the last included, is `eps·L·T·D·size` bytes (saev.md §6). The budget
+//! counts tokens, not bytes: a bfloat16 dataset has float32's shards at half the size.
 
 use std::path::Path;
 
@@ -10,8 +12,7 @@ use crate::error::{Error, Result};
 use crate::json::{self, Escape, Value};
 use crate::saev::Metadata;
 
-/// Bytes per stored value (float32).
-pub(crate) const VALUE_BYTES: u64 = 4;
+use crate::precision::Dtype;
 
 /// The shape of a saev directory, derived from its metadata (plain data: read the fields).
 /// All byte sizes are checked once, at construction, so the crate's index arithmetic on it
@@ -35,6 +36,8 @@ pub struct Layout {
     pub examples_per_shard: u64,
     /// Number of shards holding data, `ceil(N / eps)`.
     pub n_shards: u64,
+    /// The stored element type.
+    pub dtype: Dtype,
 }
 
 impl Layout {
@@ -52,13 +55,15 @@ impl Layout {
             d_model: md.d_model(),
             examples_per_shard: eps,
             n_shards: md.n_examples().div_ceil(eps),
+            dtype: md.dtype(),
         };
+        let value_bytes = layout.value_bytes();
         // Every byte offset must fit in i64 (file offsets) and usize (buffers).
         let shard = eps
             .checked_mul(l)
             .and_then(|x| x.checked_mul(t))
             .and_then(|x| x.checked_mul(md.d_model()))
-            .and_then(|x| x.checked_mul(VALUE_BYTES))
+            .and_then(|x| x.checked_mul(value_bytes))
             .filter(|&b| b <= i64::MAX as u64 && usize::try_from(b).is_ok());
         let rows = md
             .n_examples()
@@ -69,7 +74,7 @@ impl Layout {
                 src,
                 format!(
                     "sizes overflow: {eps} examples per shard x {l} layers x {t} tokens x {} \
-                     dims x 4 bytes per shard, {} shards in all (or {} examples x {t} tokens) \
+                     dims x {value_bytes} bytes per shard, {} shards in all (or {} examples x {t} tokens) \
                      does not fit in 63 bits",
                     md.d_model(),
                     layout.n_shards,
@@ -80,15 +85,19 @@ impl Layout {
         Ok(layout)
     }
 
-    /// Bytes of one vector (`D·4`).
-    pub(crate) fn vector_bytes(&self) -> u64 {
-        self.d_model * VALUE_BYTES
+    /// Bytes per stored value (4 for float32, 2 for bfloat16 and float16).
+    pub fn value_bytes(&self) -> u64 {
+        self.dtype.size() as u64
     }
-    /// Bytes of one example's slab of one layer (`T·D·4`), contiguous on disk.
+    /// Bytes of one vector (`D·size`).
+    pub(crate) fn vector_bytes(&self) -> u64 {
+        self.d_model * self.value_bytes()
+    }
+    /// Bytes of one example's slab of one layer (`T·D·size`), contiguous on disk.
     pub(crate) fn slab_bytes(&self) -> u64 {
         self.tokens * self.vector_bytes()
     }
-    /// Bytes of one whole example (`L·T·D·4`), contiguous on disk.
+    /// Bytes of one whole example (`L·T·D·size`), contiguous on disk.
     pub(crate) fn example_bytes(&self) -> u64 {
         self.n_layers * self.slab_bytes()
     }
@@ -96,7 +105,7 @@ impl Layout {
     pub(crate) fn total_bytes(&self) -> u64 {
         self.n_shards * self.shard_bytes()
     }
-    /// Size of every shard file (`eps·L·T·D·4`).
+    /// Size of every shard file (`eps·L·T·D·size`).
     pub(crate) fn shard_bytes(&self) -> u64 {
         self.examples_per_shard * self.example_bytes()
     }

@@ -29,6 +29,7 @@ use crate::error::{Error, Result};
 use crate::io::buffer::{self, BufferPool};
 use crate::io::local::{self, plan_reads, read_all, Files, ReadRange};
 use crate::io::{HeldPages, PendingRead, Stop};
+use crate::precision::Dtype;
 use crate::saev::{Dataset, TokenMode};
 
 use super::options::{LoaderOptions, DEFAULT_MEMORY_BUDGET};
@@ -216,11 +217,14 @@ impl SaevSource {
     }
 }
 
-/// One batch: `act` is `(n, d_model)` float32 in a page-aligned buffer.
+/// One batch: `act` is `(n, d_model)` values of `dtype` in a page-aligned buffer.
 #[derive(Debug)]
 pub struct Batch {
-    /// Activations, row-major `(n, d_model)`.
+    /// Activations, row-major `(n, d_model)`, little-endian values of `dtype`.
     pub act: Buffer,
+    /// The type of `act`'s values: the dataset's, or float32 with
+    /// [`SaevOptions::upcast`](super::SaevOptions::upcast).
+    pub dtype: Dtype,
     /// Rows in the batch.
     pub n: usize,
     /// Width.
@@ -261,6 +265,8 @@ pub struct Loader {
     pub(super) cursor: Arc<AtomicU64>,
     batches: BufferPool,
     windows: BufferPool,
+    /// Float32 batches widened from a reduced-precision dataset's (`upcast`).
+    upcast: BufferPool,
     /// Started on the first pass and kept (a failure to start is reported by that pass).
     gather: GatherCell,
     /// With `verify`: the shards' checksums and which blocks this pass has checked.
@@ -407,6 +413,7 @@ impl Loader {
             cursor: Arc::new(AtomicU64::new(0)),
             batches: BufferPool::new(BATCH_POOL),
             windows: BufferPool::new(3),
+            upcast: BufferPool::new(BATCH_POOL),
             gather: GatherCell::default(),
             verifier,
             resumed: AtomicBool::new(false),
@@ -565,6 +572,8 @@ impl Loader {
             verifier: self.verifier.clone(),
             batches: self.batches.clone(),
             windows: self.windows.clone(),
+            upcast: (self.opts.upcast && self.src.ds.layout().dtype.is_reduced())
+                .then(|| self.upcast.clone()),
             order: self.opts.order,
             direct_io: self.opts.direct_io,
             io_threads: self.opts.io_threads,
@@ -579,6 +588,8 @@ pub(super) struct PassParts {
     verifier: Option<Arc<Verifier>>,
     batches: BufferPool,
     windows: BufferPool,
+    /// Where batches widened to float32 go (`upcast` of a reduced-precision dataset).
+    upcast: Option<BufferPool>,
     order: Order,
     direct_io: bool,
     io_threads: usize,
@@ -603,6 +614,7 @@ impl PassParts {
             order,
             batches: self.batches.clone(),
             windows: self.windows.clone(),
+            upcast: self.upcast.clone(),
             // Reads from an object store always go into window buffers.
             direct: self.direct_io || self.src.ds.remote().is_some(),
             io_threads: self.io_threads.max(1),
@@ -697,6 +709,7 @@ struct SaevJob {
     order: Arc<EpochOrder>,
     batches: BufferPool,
     windows: BufferPool,
+    upcast: Option<BufferPool>,
     direct: bool,
     io_threads: usize,
     piece_rows: usize,
@@ -1086,8 +1099,18 @@ impl Job for SaevJob {
                 });
             }
         }
+        let (act, dtype) = match &self.upcast {
+            Some(pool) => {
+                let mut wide = pool.get(n * layout.d_model as usize * 4);
+                let out = wide.as_mut_f32();
+                crate::precision::decode(layout.dtype, &p.buf[..out.len() * 2], out);
+                (wide, Dtype::F32)
+            }
+            None => (p.buf, layout.dtype),
+        };
         Ok(Batch {
-            act: p.buf,
+            act,
+            dtype,
             n,
             d_model: layout.d_model as usize,
             example_idx,

@@ -11,6 +11,7 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::fsutil;
 use crate::json::{self, Escape, Value};
+use crate::precision::Dtype;
 
 /// A logical metadata field and its key names in protocol 1.x and 2.x files.
 struct Field {
@@ -213,7 +214,8 @@ impl Recipe {
 /// Parsed and validated `metadata.json`.
 ///
 /// Invariants checked at parse time: `layers` is non-empty; the token count, width, example
-/// count and budget are positive; `dtype` is `float32`; the budget holds at least one example
+/// count and budget are positive; `dtype` is `float32` (or, in protocol 2.1, shardkit's
+/// `bfloat16` / `float16` dialect); the budget holds at least one example
 /// (`max_tokens_per_shard ≥ tokens_per_example · n_layers`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Metadata {
@@ -230,6 +232,7 @@ pub struct Metadata {
     max_tokens_per_shard: u64,
     dataset: Option<String>,
     pixel_agg: Option<String>,
+    dtype: Dtype,
 }
 
 /// Where metadata came from, for error messages.
@@ -514,19 +517,37 @@ impl Metadata {
             None | Some(Value::Null) => None,
             Some(val) => Some(string("pixel_agg", val)?),
         };
-        match v.get("dtype") {
-            Some(Value::String(d)) if d == "float32" => {}
+        let dtype = match v.get("dtype") {
+            Some(Value::String(d)) if d == "float32" => Dtype::F32,
+            Some(Value::String(d)) if Dtype::parse(d).is_some_and(|t| t.name() == d) => {
+                let t = Dtype::parse(d).expect("parsed above");
+                if protocol != "2.1" {
+                    return Err(bad(
+                        src,
+                        format!(
+                            "dtype {d:?} is shardkit's reduced-precision dialect of protocol \
+                             2.1; this file says protocol {protocol:?}, whose activations are \
+                             float32"
+                        ),
+                    ));
+                }
+                t
+            }
             Some(other) => {
                 return Err(bad(
                     src,
                     format!(
-                        "unsupported dtype {}: saev activations are float32",
+                        "unsupported dtype {}: saev activations are float32 (shardkit also \
+                         reads \"bfloat16\" and \"float16\" in protocol 2.1)",
                         json::to_compact(other, false, Escape::Utf8)
                     ),
                 ))
             }
-            None => warnings.push("no `dtype` key; assuming float32".into()),
-        }
+            None => {
+                warnings.push("no `dtype` key; assuming float32".into());
+                Dtype::F32
+            }
+        };
 
         let tokens = content + u64::from(cls_token);
         let per_example = tokens
@@ -560,13 +581,15 @@ impl Metadata {
             max_tokens_per_shard: budget,
             dataset,
             pixel_agg,
+            dtype,
         };
         Ok((md, warnings))
     }
 
     /// Canonical metadata for writing, from a caller's JSON object in any key order and with
     /// the key names of any version. Its `protocol` (1.0.0, 2.0 or 2.1) selects the version
-    /// written. Optional keys: `dtype` (default "float32"); for 2.x `pixel_agg` (default null
+    /// written. Optional keys: `dtype` (default "float32"; "bfloat16" or "float16" for shardkit's
+    /// reduced-precision dialect, protocol 2.1 only); for 2.x `pixel_agg` (default null
     /// for 2.0, "majority" for 2.1). Unknown keys are refused, and so is anything the saev
     /// release of that protocol would refuse to load (its `family` list, the type of `data`:
     /// a JSON object for 1.0.0 and 2.0, a base64 pickle string for 2.1; a null `pixel_agg` in
@@ -644,7 +667,7 @@ impl Metadata {
             data,
             md.dataset.clone().map_or(Value::Null, Value::String),
             md.pixel_agg.clone().map_or(Value::Null, Value::String),
-            Value::String("float32".into()),
+            Value::String(md.dtype.name().into()),
             Value::String(version.protocol().into()),
         ];
         let mut raw: Vec<(String, Value)> = match version {
@@ -726,6 +749,23 @@ impl Metadata {
     pub(crate) fn ckpt(&self) -> &str {
         &self.ckpt
     }
+    /// The stored element type (`dtype`): float32, or bfloat16 / float16 in shardkit's
+    /// reduced-precision dialect of protocol 2.1.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// This metadata with another stored element type (protocol 2.1 only for reduced types):
+    /// the dataset a conversion to `dtype` writes (a new directory name, as the hash covers
+    /// `dtype`).
+    pub fn with_dtype(&self, dtype: Dtype) -> Result<Metadata> {
+        let mut raw = self.raw.clone();
+        raw.set("dtype", Value::String(dtype.name().into()));
+        let (md, _) = Self::from_value(raw, Path::new("<metadata>"))
+            .map_err(|e| Error::Invalid(e.to_string().replacen("<metadata>: ", "metadata: ", 1)))?;
+        Ok(md)
+    }
+
     /// Recorded layer values, in slot order.
     pub fn layers(&self) -> &[i64] {
         &self.layers

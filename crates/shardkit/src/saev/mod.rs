@@ -5,6 +5,7 @@
 //!     metadata.json         the configuration (keys and bytes per protocol version)
 //!     shards.json           [{"name": "acts000000.bin", "n_examples": k}, ...]
 //!     acts000000.bin ...    float32 LE, C order (examples_per_shard, L, T, D), all full size
+//!     acts000000.error.json ...  bfloat16/float16 datasets only: each shard's rounding error
 //!     labels.bin            optional uint8 (N, P), content tokens only
 //! ```
 //!
@@ -53,6 +54,7 @@ mod loader;
 mod metadata;
 mod options;
 mod parts;
+mod rounding;
 #[cfg(test)]
 mod tests;
 mod validate;

@@ -46,6 +46,10 @@ pub struct SaevOptions {
     /// default) reads only a committed dataset. Applied by [`Loader::new`] (a loader made with
     /// [`Loader::with_dataset`] reads the dataset given, as without follow).
     pub follow: Option<super::FollowOptions>,
+    /// Serve float32 rows from a bfloat16 / float16 dataset, widened (exactly) once a batch is
+    /// gathered: the disk and the page cache still move the stored bytes. Default false: rows
+    /// as stored ([`Batch::dtype`](super::Batch::dtype)). No effect on a float32 dataset.
+    pub upcast: bool,
 }
 
 /// Options of a [`Loader`]: the common knobs (`batch_size` is rows per batch on each rank)
@@ -66,6 +70,7 @@ impl crate::engine::LoaderOptions<SaevOptions> {
                 io_threads: 16,
                 direct_io: false,
                 follow: None,
+                upcast: false,
             },
         )
     }

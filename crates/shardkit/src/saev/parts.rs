@@ -19,6 +19,7 @@
 //! uploads.
 
 use std::fs::{self, File};
+use std::io::Write;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -34,10 +35,12 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::io::Remote;
 use crate::json::Value;
+use crate::precision::ErrorStats;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{shards_json_bytes, Layout};
+use crate::saev::rounding;
 use crate::saev::validate::shard_index;
-use crate::saev::writer::{examples_in, label_piece, write_le, LABEL_PIECES, MARKER};
+use crate::saev::writer::{examples_in, label_piece, LABEL_PIECES, MARKER};
 use crate::saev::Metadata;
 
 /// Writes rank `rank`'s part of a saev dataset; see the module documentation.
@@ -57,6 +60,10 @@ pub struct PartWriter {
     next: Option<u64>,
     /// The shard being filled: (index, where, rows written, its labels).
     shard: Option<(u64, Sink, u64, Vec<u8>)>,
+    /// The rounding error of the shard being filled (reduced-precision datasets).
+    shard_errors: ErrorStats,
+    /// Refuse rows rounded worse than this ([`PartWriter::set_max_rel_error`]).
+    max_rel_error: Option<f64>,
     /// Whether the dataset has labels, once the first write (or a durable shard) says.
     labels: Option<bool>,
     /// Full shards going up to the store behind the writer. Declared before the claim: a
@@ -138,6 +145,8 @@ impl PartWriter {
             pending: Vec::new(),
             next: None,
             shard: None,
+            shard_errors: ErrorStats::default(),
+            max_rel_error: None,
             uploads: Uploads::default(),
             labels: None,
             parts: None,
@@ -193,6 +202,8 @@ impl PartWriter {
             pending: Vec::new(),
             next: None,
             shard: None,
+            shard_errors: ErrorStats::default(),
+            max_rel_error: None,
             uploads: Uploads::default(),
             labels: None,
             parts: None,
@@ -253,7 +264,11 @@ impl PartWriter {
             if done.contains_key(&name) {
                 parts.forget(&name)?;
             }
-            for p in [self.dir.join(&name), self.dir.join(label_piece(s))] {
+            for p in [
+                self.dir.join(&name),
+                self.dir.join(label_piece(s)),
+                self.dir.join(rounding::sidecar_name(s)),
+            ] {
                 match fs::remove_file(&p) {
                     Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                         return Err(Error::io(&p, e))
@@ -313,9 +328,30 @@ impl PartWriter {
         self.next
     }
 
+    /// For a reduced-precision dataset: refuse a write holding a row whose relative L2 rounding
+    /// error exceeds `bound` (or that overflows), naming the shard and the row (as
+    /// [`WriterOptions::max_rel_error`](super::WriterOptions::max_rel_error)).
+    pub fn set_max_rel_error(&mut self, bound: Option<f64>) {
+        self.max_rel_error = bound;
+    }
+
+    /// The global example the `k`-th example of the next write goes to.
+    fn example_at(&self, k: u64) -> u64 {
+        // The first pending range starts at the next example (`advance` keeps it so).
+        let mut k = k;
+        for r in &self.pending {
+            if k < r.end - r.start {
+                return r.start + k;
+            }
+            k -= r.end - r.start;
+        }
+        self.layout.n_examples
+    }
+
     /// Writes the next `b` examples of [`PartWriter::pending`]: `acts` holds `b·L·T·D`
-    /// float32 values, C order; `labels`, when the dataset has labels, `b·P` bytes. The ranks
-    /// of one dataset must agree on whether it has labels.
+    /// float32 values, C order, rounded to the dataset's dtype when it is a reduced one;
+    /// `labels`, when the dataset has labels, `b·P` bytes. The ranks of one dataset must agree
+    /// on whether it has labels. A write refused (bad sizes, `max_rel_error`) stores nothing.
     pub fn write(&mut self, acts: &[f32], labels: Option<&[u8]>) -> Result<()> {
         let b = examples_in(&self.layout, acts, labels)?;
         let p = self.layout.content_tokens;
@@ -343,11 +379,12 @@ impl PartWriter {
                 self.examples().end
             )));
         }
+        let stored =
+            rounding::store_examples(&self.md, &self.layout, acts, self.max_rel_error, |k| {
+                self.example_at(k)
+            })?;
+        let bytes = &stored.bytes[..];
         self.note_labels(labels.is_some())?;
-        // SAFETY: f32 has no padding; the byte view covers exactly `acts`.
-        let bytes: &[u8] = unsafe {
-            std::slice::from_raw_parts(acts.as_ptr().cast::<u8>(), std::mem::size_of_val(acts))
-        };
         let eb = self.layout.example_bytes() as usize;
         let eps = self.layout.examples_per_shard;
         let mut done = 0u64;
@@ -363,6 +400,7 @@ impl PartWriter {
                     Sink::File(file, tmp)
                 };
                 self.shard = Some((s, sink, 0, Vec::new()));
+                self.shard_errors = ErrorStats::default();
             }
             let count = self.layout.shard_count(s);
             let (_, sink, rows, shard_labels) = self.shard.as_mut().expect("opened");
@@ -370,11 +408,12 @@ impl PartWriter {
             let chunk = &bytes[done as usize * eb..(done + n) as usize * eb];
             match sink {
                 Sink::File(file, tmp) => {
-                    write_le(file, chunk).at(&*tmp)?;
+                    file.write_all(chunk).at(&*tmp)?;
                     fsutil::start_writeback(file, *rows * eb as u64, chunk.len() as u64);
                 }
-                Sink::Memory(buf) => write_le(buf, chunk).at(&self.location)?,
+                Sink::Memory(buf) => buf.extend_from_slice(chunk),
             }
+            self.shard_errors.merge(&stored.errors_of(done..done + n));
             if let Some(l) = labels {
                 shard_labels.extend_from_slice(&l[(done * p) as usize..((done + n) * p) as usize]);
             }
@@ -418,6 +457,13 @@ impl PartWriter {
         claim.check()?;
         let name = Layout::shard_name(s);
         let with_labels = self.labels == Some(true);
+        let dtype = self.layout.dtype;
+        let sidecar = dtype.is_reduced().then(|| {
+            (
+                rounding::sidecar_name(s),
+                rounding::sidecar_bytes(dtype, &self.shard_errors),
+            )
+        });
         let (file, tmp) = match sink {
             Sink::File(file, tmp) => (file, tmp),
             Sink::Memory(mut bytes) => {
@@ -437,6 +483,10 @@ impl PartWriter {
                         files.insert(piece.clone(), FileSums::of_bytes(&labels));
                         store.put(&piece, labels)?;
                     }
+                    if let Some((sidecar, body)) = sidecar {
+                        files.insert(sidecar.clone(), FileSums::of_bytes(&body));
+                        store.put(&sidecar, body)?;
+                    }
                     files.insert(name.clone(), FileSums::of_bytes(&bytes));
                     store.put_owned(&name, bytes)?;
                     claim.check()?;
@@ -452,6 +502,11 @@ impl PartWriter {
             fs::create_dir_all(dir).at(dir)?;
             fsutil::atomic_write(&path, &labels)?;
             files.insert(piece, FileSums::of_bytes(&labels));
+        }
+        // The error sidecar is durable before the shard it describes.
+        if let Some((sidecar, body)) = sidecar {
+            fsutil::atomic_write(&self.dir.join(&sidecar), &body)?;
+            files.insert(sidecar, FileSums::of_bytes(&body));
         }
         fsutil::sync_data(&file, &tmp)?;
         drop(file);

@@ -11,6 +11,7 @@ use crate::io::{self, Location, Source};
 use crate::json::Value;
 use crate::saev::dataset::{check_complete, check_complete_with, check_entries, leading_full_with};
 use crate::saev::layout::{parse_shards_json, Layout};
+use crate::saev::rounding;
 use crate::saev::Metadata;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -231,6 +232,57 @@ pub fn validate(dir: impl AsRef<Path>) -> Validation {
         start = gap_end + 1;
     }
 
+    // A reduced-precision dataset's shards each carry their rounding error; a float32 one has
+    // no such sidecar.
+    let sidecars: Vec<u64> = files
+        .entries
+        .keys()
+        .filter_map(|n| rounding::sidecar_index(n))
+        .collect();
+    if layout.dtype.is_reduced() {
+        let have = |name: &str| match files.entries.get(name) {
+            Some(_) => files.read(name).map(Some),
+            None => Ok(None),
+        };
+        let durable = present.keys().filter(|&&s| s < layout.n_shards).count() as u64;
+        match rounding::Sidecars::read(&dir, &layout, durable, have) {
+            Ok(found) => {
+                for s in found
+                    .missing
+                    .into_iter()
+                    .filter(|s| present.contains_key(s))
+                {
+                    push(
+                        Severity::Error,
+                        &dir.join(rounding::sidecar_name(s)),
+                        format!(
+                            "missing: every shard of a {} dataset carries its rounding error \
+                             (written before the shard; restore it, or rewrite the shard)",
+                            layout.dtype
+                        ),
+                    );
+                }
+                for e in found.bad {
+                    let file = e.path().map_or_else(|| dir.clone(), Path::to_path_buf);
+                    push(Severity::Error, &file, strip_path(&e, &file));
+                }
+            }
+            Err(e) => {
+                let file = e.path().map_or_else(|| dir.clone(), Path::to_path_buf);
+                push(Severity::Error, &file, strip_path(&e, &file));
+            }
+        }
+    } else if let Some(&s) = sidecars.first() {
+        push(
+            Severity::Note,
+            &dir.join(rounding::sidecar_name(s)),
+            format!(
+                "{} error sidecar(s) in a float32 dataset, which rounds nothing (ignored)",
+                sidecars.len()
+            ),
+        );
+    }
+
     let labels = dir.join("labels.bin");
     match files.entries.get("labels.bin") {
         None => {}
@@ -369,7 +421,7 @@ fn strip_path(e: &Error, path: &Path) -> String {
 pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
     let location = Location::parse(dir.as_ref())?;
     let dir = &location.to_path();
-    let (md, warnings, layout, complete, labels) = if !location.is_local() {
+    let (md, warnings, layout, complete, labels, precision) = if !location.is_local() {
         let remote = io::open_uncached(&location)?;
         let objects: HashMap<String, u64> = remote.list()?.into_iter().collect();
         if !objects.contains_key("metadata.json") {
@@ -396,19 +448,32 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
                 .copied()
                 .ok_or("listed in shards.json but missing")
         });
+        let precision = precision_summary(dir, &layout, |n| match objects.get(n) {
+            Some(_) => remote.get(n).map(Some),
+            None => Ok(None),
+        })?;
         (
             md,
             warnings,
             layout,
             complete,
             objects.get("labels.bin").copied(),
+            precision,
         )
     } else {
         let (md, warnings) = Metadata::read(dir)?;
         let layout = Layout::new(&md, &dir.join("metadata.json"))?;
         let complete = check_complete(dir, &layout);
         let labels = fsutil::regular_file_len(&dir.join("labels.bin"));
-        (md, warnings, layout, complete, labels)
+        let precision = precision_summary(dir, &layout, |n| {
+            let p = dir.join(n);
+            match fsutil::read_json_file(&p) {
+                Ok(b) => Ok(Some(b)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(Error::io(&p, e)),
+            }
+        })?;
+        (md, warnings, layout, complete, labels, precision)
     };
     let name = dir
         .file_name()
@@ -433,6 +498,9 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
         ("ckpt".into(), Value::String(md.ckpt().into())),
         ("dataset".into(), opt_str(md.dataset())),
         ("pixel_agg".into(), opt_str(md.pixel_agg())),
+        ("dtype".into(), Value::String(layout.dtype.name().into())),
+        // The rounding error the shards' sidecars record (null for float32).
+        ("precision".into(), precision),
         (
             "layers".into(),
             Value::Array(md.layers().iter().map(|&l| Value::int(l)).collect()),
@@ -499,6 +567,20 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
             provenance::read(dir)?.unwrap_or(Value::Null),
         ),
     ]))
+}
+
+/// What the error sidecars of a reduced-precision dataset record, merged (`Null` for float32):
+/// the shards that are full size on disk are measured.
+fn precision_summary(
+    dir: &Path,
+    layout: &Layout,
+    fetch: impl Fn(&str) -> crate::Result<Option<Vec<u8>>>,
+) -> crate::Result<Value> {
+    if !layout.dtype.is_reduced() {
+        return Ok(Value::Null);
+    }
+    let found = rounding::Sidecars::read(dir, layout, layout.n_shards, fetch)?;
+    Ok(found.to_json(layout.dtype))
 }
 
 /// The index of a shard file name `acts%06d.bin` (any number of digits).

@@ -28,8 +28,10 @@ use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::io::{self, Remote};
 use crate::json::Value;
+use crate::precision::ErrorStats;
 use crate::saev::dataset::check_complete;
 use crate::saev::layout::{parse_shards_json, shards_json_bytes, Layout};
+use crate::saev::rounding;
 use crate::saev::validate::shard_index;
 use crate::saev::Metadata;
 
@@ -67,6 +69,10 @@ pub enum WriteStart {
 pub struct WriterOptions {
     /// Continue an interrupted write of the same dataset instead of refusing it.
     pub resume: bool,
+    /// For a reduced-precision dataset: refuse a write holding a row whose relative L2
+    /// rounding error exceeds this (or that overflows), naming the shard and the row. Nothing
+    /// of a refused write is stored.
+    pub max_rel_error: Option<f64>,
 }
 
 struct OpenShard {
@@ -74,6 +80,8 @@ struct OpenShard {
     file: File,
     tmp: PathBuf,
     rows: u64,
+    /// The rounding error of its rows so far (reduced-precision datasets).
+    errors: ErrorStats,
 }
 
 /// Streams examples, in global order, into `root/<name>/`.
@@ -95,6 +103,8 @@ pub struct Writer {
     /// The shards published so far, checksummed (see [`crate::checksum`]) and, writing to an
     /// object store (staged in `dir`), streamed there as they are published.
     files: Files,
+    /// Refuse rows rounded worse than this ([`WriterOptions::max_rel_error`]).
+    max_rel_error: Option<f64>,
 }
 
 /// The journal fact saying whether the dataset has labels.
@@ -168,6 +178,7 @@ impl Writer {
             finished: false,
             lock: Some(lock),
             files: Files::default(),
+            max_rel_error: opts.max_rel_error,
         };
         let md_path = dir.join("metadata.json");
         match fsutil::read_json_file(&md_path) {
@@ -332,7 +343,10 @@ impl Writer {
         // Every shard holding examples below `from` is complete, the last partial one included.
         let keep_shards = from.div_ceil(eps);
         for (name, sums) in &uploaded.files.files {
-            if shard_index(name).is_some_and(|i| i < keep_shards) {
+            if shard_index(name)
+                .or_else(|| rounding::sidecar_index(name))
+                .is_some_and(|i| i < keep_shards)
+            {
                 self.files.insert(name, sums.clone());
             }
         }
@@ -350,7 +364,9 @@ impl Writer {
                 LABELS_TMP => !self.labels_decided || self.labels.is_none(),
                 "shards.json" | "labels.bin" => true,
                 n if fsutil::is_temp_name(n) => true,
-                n => shard_index(n).is_some_and(|i| i >= keep_shards),
+                n => shard_index(n)
+                    .or_else(|| rounding::sidecar_index(n))
+                    .is_some_and(|i| i >= keep_shards),
             };
             if remove {
                 let p = dir.join(&name);
@@ -441,6 +457,7 @@ impl Writer {
                     finished: true,
                     lock: None,
                     files: Files::default(),
+                    max_rel_error: opts.max_rel_error,
                 });
             }
         }
@@ -534,9 +551,10 @@ impl Writer {
     }
 
     /// Writes the next `b` examples: `acts` holds `b·L·T·D` float32 values, C order
-    /// `(b, L, T, D)`; `labels`, when the dataset has labels, `b·P` bytes `(b, P)`. The first
-    /// call decides whether the dataset has labels; later calls must agree. On an
-    /// already-complete dataset the data are discarded.
+    /// `(b, L, T, D)`, rounded to the dataset's dtype when it is a reduced one; `labels`, when
+    /// the dataset has labels, `b·P` bytes `(b, P)`. The first call decides whether the dataset
+    /// has labels; later calls must agree. On an already-complete dataset the data are
+    /// discarded. A write refused (bad sizes, `max_rel_error`) stores nothing.
     pub fn write(&mut self, acts: &[f32], labels: Option<&[u8]>) -> Result<()> {
         let b = examples_in(&self.layout, acts, labels)?;
         let p = self.layout.content_tokens;
@@ -555,15 +573,17 @@ impl Writer {
         if b == 0 {
             return Ok(()); // an empty batch decides nothing
         }
+        let first = self.next;
+        let stored =
+            rounding::store_examples(&self.md, &self.layout, acts, self.max_rel_error, |k| {
+                first + k
+            })?;
+        let bytes = &stored.bytes[..];
         self.decide_labels(labels.is_some())?;
         if let (Some(f), Some(l)) = (&self.labels, labels) {
             let tmp = self.dir.join(LABELS_TMP);
             f.write_all_at(l, self.next * p).at(&tmp)?;
         }
-        // SAFETY: f32 has no padding; the byte view covers exactly `acts`.
-        let bytes: &[u8] = unsafe {
-            std::slice::from_raw_parts(acts.as_ptr().cast::<u8>(), std::mem::size_of_val(acts))
-        };
         let eb = self.layout.example_bytes() as usize;
         let eps = self.layout.examples_per_shard;
         let mut done = 0u64;
@@ -571,8 +591,9 @@ impl Writer {
             let shard = self.open_shard()?;
             let n = (eps - shard.rows).min(b - done);
             let chunk = &bytes[done as usize * eb..(done + n) as usize * eb];
-            write_le(&mut shard.file, chunk).at(&shard.tmp)?;
+            shard.file.write_all(chunk).at(&shard.tmp)?;
             fsutil::start_writeback(&shard.file, shard.rows * eb as u64, chunk.len() as u64);
+            shard.errors.merge(&stored.errors_of(done..done + n));
             shard.rows += n;
             let shard_full = shard.rows == eps;
             done += n;
@@ -622,6 +643,7 @@ impl Writer {
                 file,
                 tmp,
                 rows: 0,
+                errors: ErrorStats::default(),
             });
         }
         Ok(self.shard.as_mut().expect("opened above"))
@@ -638,12 +660,25 @@ impl Writer {
             fsutil::sync_data(l, &self.dir.join(LABELS_TMP))?;
         }
         let name = Layout::shard_name(shard.index);
+        // The error sidecar is durable before the shard it describes.
+        let sidecar = if self.layout.dtype.is_reduced() {
+            rounding::write_sidecar(&self.dir, shard.index, self.layout.dtype, &shard.errors)?;
+            let sidecar = rounding::sidecar_name(shard.index);
+            let sums = self.files.record(&self.dir, &sidecar)?;
+            Some((sidecar, sums))
+        } else {
+            None
+        };
         fsutil::publish(&shard.tmp, &self.dir.join(&name))?;
         // Hashed now, while its pages are still in memory.
         let sums = self.files.record(&self.dir, &name)?;
         if let Some(mut up) = self.files.take_streaming() {
             let sent = self
                 .send_labels(&mut up, shard.index)
+                .and_then(|()| match sidecar {
+                    Some((sidecar, sums)) => self.send(&mut up, &sidecar, sums),
+                    None => Ok(()),
+                })
                 .and_then(|()| self.send(&mut up, &name, sums));
             self.files.stream(up);
             sent?;
@@ -764,18 +799,6 @@ pub(super) fn examples_in(layout: &Layout, acts: &[f32], labels: Option<&[u8]>) 
         )));
     }
     Ok(b)
-}
-
-/// Writes native float32 bytes as little-endian.
-pub(super) fn write_le(f: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
-    if cfg!(target_endian = "little") {
-        return f.write_all(bytes);
-    }
-    let swapped: Vec<u8> = bytes
-        .chunks_exact(4)
-        .flat_map(|c| [c[3], c[2], c[1], c[0]])
-        .collect();
-    f.write_all(&swapped)
 }
 
 fn list_dir(dir: &Path) -> Result<Vec<String>> {

@@ -1,0 +1,388 @@
+//! Reduced-precision saev datasets (bfloat16 / float16, shardkit's dialect of protocol 2.1):
+//! rounding, the per-shard error sidecar, `max_rel_error`, readers serving rows as stored or
+//! widened, validation, resume and the parallel writers.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::saev::{acts, metadata, EV};
+use shardkit::engine::Order;
+use shardkit::precision::{self, Dtype};
+use shardkit::saev::{
+    self, Dataset, LayerSel, Loader, LoaderOptions, PartWriter, Severity, Writer, WriterOptions,
+};
+use shardkit::{Error, Rank};
+
+/// The test dataset (2 layers, CLS + 3 tokens, d_model 4, 2 examples per shard) in `dtype`.
+fn md(n: u64, dtype: Dtype) -> saev::Metadata {
+    metadata(n).with_dtype(dtype).unwrap()
+}
+
+/// Activations with every kind of value a rounding must handle: ties, subnormals, NaN, ±inf,
+/// values beyond float16's range, zeros.
+fn hard_acts(n: u64) -> Vec<f32> {
+    let mut a: Vec<f32> = acts(0..n)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (v + 0.1) * (1.0 + i as f32 * 1e-3) * if i % 3 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    a[1] = 1.0 + f32::powi(2.0, -8); // a bfloat16 tie
+    a[2] = 1e-40; // a float32 subnormal
+    a[5] = f32::NAN;
+    a[6] = f32::INFINITY;
+    a[7] = f32::NEG_INFINITY;
+    a[9] = 0.0;
+    a
+}
+
+fn write(root: &Path, n: u64, dtype: Dtype, data: &[f32], opts: WriterOptions) -> PathBuf {
+    let mut w = Writer::create(root, md(n, dtype), opts).unwrap();
+    w.write(data, None).unwrap();
+    w.finish().unwrap()
+}
+
+/// What the shard bytes must be: every value rounded to nearest even.
+fn expected_bytes(dtype: Dtype, data: &[f32], eps_values: usize) -> Vec<u8> {
+    let mut out = precision::encoded(dtype, data);
+    let shard_bytes = eps_values * dtype.size();
+    out.resize(out.len().div_ceil(shard_bytes) * shard_bytes, 0);
+    out
+}
+
+fn shard_bytes_of(dir: &Path) -> Vec<u8> {
+    let mut all = Vec::new();
+    for s in 0.. {
+        match std::fs::read(dir.join(format!("acts{s:06}.bin"))) {
+            Ok(b) => all.extend(b),
+            Err(_) => break,
+        }
+    }
+    all
+}
+
+/// The error sidecar statistics recomputed independently, in f64, for the rows `data`.
+fn reference_stats(dtype: Dtype, data: &[f32]) -> (f64, f64, f64, u64, u64) {
+    let q = precision::decoded(dtype, &precision::encoded(dtype, data));
+    let (mut max_abs, mut max_rel, mut sum_rel, mut overflow, mut flushed) =
+        (0f64, 0f64, 0f64, 0u64, 0u64);
+    let rows = data.len() / 4;
+    for r in 0..rows {
+        let (mut e2, mut n2) = (0f64, 0f64);
+        for i in r * 4..r * 4 + 4 {
+            let (x, y) = (data[i], q[i]);
+            if !x.is_finite() {
+                continue;
+            }
+            if y.is_infinite() {
+                overflow += 1;
+                continue;
+            }
+            if x != 0.0 && y == 0.0 {
+                flushed += 1;
+            }
+            let e = (f64::from(x) - f64::from(y)).abs();
+            max_abs = max_abs.max(e);
+            e2 += e * e;
+            n2 += f64::from(x) * f64::from(x);
+        }
+        let rel = if n2 > 0.0 { (e2 / n2).sqrt() } else { 0.0 };
+        max_rel = max_rel.max(rel);
+        sum_rel += rel;
+    }
+    (max_abs, max_rel, sum_rel / rows as f64, overflow, flushed)
+}
+
+#[test]
+fn shards_hold_rounded_values_and_sidecars_their_error() {
+    for dtype in [Dtype::BF16, Dtype::F16] {
+        let tmp = tempfile::tempdir().unwrap();
+        let n = 5;
+        let data = hard_acts(n);
+        let dir = write(tmp.path(), n, dtype, &data, WriterOptions::default());
+        assert_eq!(
+            shard_bytes_of(&dir),
+            expected_bytes(dtype, &data, 2 * EV),
+            "{dtype}"
+        );
+        let md_text = std::fs::read_to_string(dir.join("metadata.json")).unwrap();
+        assert!(md_text.contains(&format!("\"dtype\": \"{}\"", dtype.name())));
+        assert_ne!(
+            dir.file_name(),
+            write(tmp.path(), n, Dtype::F32, &data, WriterOptions::default()).file_name(),
+            "the content hash covers dtype"
+        );
+        for s in 0..3u64 {
+            let rows = &data[(s * 2) as usize * EV..((s * 2 + 2).min(n)) as usize * EV];
+            let side = dir.join(format!("acts{s:06}.error.json"));
+            let v = shardkit::json::parse(&std::fs::read(&side).unwrap()).unwrap();
+            let (max_abs, max_rel, mean_rel, overflow, flushed) = reference_stats(dtype, rows);
+            let f = |k: &str| v.get(k).unwrap().as_f64().unwrap();
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1e-30);
+            assert!(close(f("max_abs_error"), max_abs), "{dtype} shard {s}");
+            assert!(close(f("max_rel_l2_error"), max_rel), "{dtype} shard {s}");
+            assert!(close(f("mean_rel_l2_error"), mean_rel), "{dtype} shard {s}");
+            assert_eq!(v.get("overflow").unwrap().as_i64(), Some(overflow as i64));
+            assert_eq!(
+                v.get("flushed_to_zero").unwrap().as_i64(),
+                Some(flushed as i64)
+            );
+            assert_eq!(
+                v.get("rows").unwrap().as_i64(),
+                Some(rows.len() as i64 / 4),
+                "rows of the short last shard count only its examples"
+            );
+        }
+        let report = saev::validate(&dir);
+        assert!(report.is_valid(), "{report:?}");
+        assert!(
+            report
+                .findings
+                .iter()
+                .any(|f| f.severity == Severity::Note && f.message.contains("saev does not load")),
+            "validate names why saev refuses it: {report:?}"
+        );
+        let info = saev::inspect(&dir).unwrap();
+        assert_eq!(info.get("dtype").unwrap().as_str(), Some(dtype.name()));
+        assert_eq!(
+            info.get("saev_loads"),
+            Some(&shardkit::json::Value::Bool(false))
+        );
+        let p = info.get("precision").unwrap();
+        assert_eq!(p.get("shards_measured").unwrap().as_i64(), Some(3));
+    }
+}
+
+#[test]
+fn float16_overflow_is_counted_and_float32_is_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut data = acts(0..2);
+    data[3] = 1e6; // beyond float16's 65504
+    let dir = write(tmp.path(), 2, Dtype::F16, &data, WriterOptions::default());
+    let info = saev::inspect(&dir).unwrap();
+    assert_eq!(
+        info.get("precision")
+            .unwrap()
+            .get("overflow")
+            .unwrap()
+            .as_i64(),
+        Some(1)
+    );
+
+    let f32_dir = write(tmp.path(), 2, Dtype::F32, &data, WriterOptions::default());
+    let names: Vec<String> = std::fs::read_dir(&f32_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !names.iter().any(|n| n.ends_with(".error.json")),
+        "{names:?}"
+    );
+    assert_eq!(
+        shard_bytes_of(&f32_dir),
+        precision::encoded(Dtype::F32, &data)
+    );
+    assert_eq!(
+        saev::inspect(&f32_dir).unwrap().get("precision"),
+        Some(&shardkit::json::Value::Null)
+    );
+}
+
+#[test]
+fn readers_serve_rows_as_stored_or_widened() {
+    let tmp = tempfile::tempdir().unwrap();
+    let n = 6;
+    let data = acts(0..n)
+        .iter()
+        .map(|v| v * 1.001 + 0.37)
+        .collect::<Vec<_>>();
+    let dir = write(tmp.path(), n, Dtype::BF16, &data, WriterOptions::default());
+    let widened = precision::decoded(Dtype::BF16, &precision::encoded(Dtype::BF16, &data));
+    let ds = Dataset::open(&dir).unwrap();
+    // example 1, layer 7 (slot 1), token slot 2
+    let at = (EV + 4 * 4 + 2 * 4) as usize;
+    assert_eq!(ds.get(1, 7, 2).unwrap(), widened[at..at + 4]);
+    assert_eq!(ds.take(&[(1, 7, 2)]).unwrap(), widened[at..at + 4]);
+    assert_eq!(
+        ds.take_stored(&[(1, 7, 2)]).unwrap(),
+        precision::encoded(Dtype::BF16, &data[at..at + 4])
+    );
+
+    for upcast in [false, true] {
+        let mut opts = LoaderOptions::new(LayerSel::Value(3));
+        opts.order = Order::Sequential;
+        opts.batch_size = 4;
+        opts.upcast = upcast;
+        let loader = Loader::new(&dir, opts).unwrap();
+        let mut seen = 0;
+        for b in loader.iter().unwrap() {
+            let b = b.unwrap();
+            assert_eq!(b.dtype, if upcast { Dtype::F32 } else { Dtype::BF16 });
+            for r in 0..b.n {
+                let (e, t) = (b.example_idx[r] as usize, (b.token_idx[r] + 1) as usize);
+                let at = e * EV + t * 4;
+                let row = &b.act[r * 4 * b.dtype.size()..(r + 1) * 4 * b.dtype.size()];
+                assert_eq!(precision::decoded(b.dtype, row), widened[at..at + 4]);
+                seen += 1;
+            }
+        }
+        assert_eq!(seen, n * 3);
+    }
+}
+
+#[test]
+fn max_rel_error_refuses_the_write_naming_shard_and_row() {
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = WriterOptions {
+        max_rel_error: Some(1e-3),
+        ..Default::default()
+    };
+    let mut w = Writer::create(tmp.path(), md(4, Dtype::BF16), opts).unwrap();
+    // Whole numbers up to 256 are exact in bfloat16; 1001.9 rounds to 1000 (relative 1.9e-3).
+    let mut data = vec![1.0f32; 4 * EV];
+    w.write(&data[..2 * EV], None).unwrap();
+    data[3 * EV + 4 * 4 + 5] = 1001.9; // example 3, layer 7, token slot 1
+    let e = w.write(&data[2 * EV..], None).unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Invalid(_)), "{e:?}");
+    for part in [
+        "acts000001.bin",
+        "example 3",
+        "row 1 of the shard",
+        "layer 7",
+        "token slot 1",
+    ] {
+        assert!(msg.contains(part), "{part}: {msg}");
+    }
+    assert_eq!(
+        w.next_example(),
+        2,
+        "nothing of the refused write was stored"
+    );
+    data[3 * EV + 4 * 4 + 5] = 1.0;
+    w.write(&data[2 * EV..], None).unwrap();
+    w.finish().unwrap();
+}
+
+#[test]
+fn reduced_precision_needs_protocol_2_1() {
+    let v = shardkit::json::parse(
+        br#"{"family": "clip", "ckpt": "x", "layers": [3], "patches_per_ex": 3,
+        "cls_token": true, "d_model": 4, "n_ex": 2, "patches_per_shard": 16,
+        "data": {}, "dataset": "t", "dtype": "bfloat16", "protocol": "2.0"}"#,
+    )
+    .unwrap();
+    let e = saev::Metadata::for_writing(&v).unwrap_err();
+    assert!(e.to_string().contains("protocol 2.1"), "{e}");
+}
+
+#[test]
+fn a_killed_write_resumes_byte_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let n = 7;
+    let data = hard_acts(n);
+    let whole = write(
+        &tmp.path().join("a"),
+        n,
+        Dtype::BF16,
+        &data,
+        WriterOptions::default(),
+    );
+    let root = tmp.path().join("b");
+    let mut w = Writer::create(&root, md(n, Dtype::BF16), WriterOptions::default()).unwrap();
+    w.write(&data[..5 * EV], None).unwrap(); // shards 0 and 1 published, shard 2 half full
+    w.abandon();
+    let opts = WriterOptions {
+        resume: true,
+        ..Default::default()
+    };
+    let mut w = Writer::create(&root, md(n, Dtype::BF16), opts).unwrap();
+    let from = w.next_example() as usize;
+    assert_eq!(from, 4);
+    w.write(&data[from * EV..], None).unwrap();
+    let resumed = w.finish().unwrap();
+    for name in [
+        "acts000002.bin",
+        "acts000002.error.json",
+        "acts000003.error.json",
+        "shards.json",
+    ] {
+        assert_eq!(
+            std::fs::read(whole.join(name)).unwrap(),
+            std::fs::read(resumed.join(name)).unwrap(),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn parallel_writers_produce_the_single_writers_dataset() {
+    let tmp = tempfile::tempdir().unwrap();
+    let n = 11;
+    let data = hard_acts(n);
+    let whole = write(
+        &tmp.path().join("a"),
+        n,
+        Dtype::F16,
+        &data,
+        WriterOptions::default(),
+    );
+    let root = tmp.path().join("b");
+    let mut dir = PathBuf::new();
+    for r in 0..3 {
+        let mut w = PartWriter::create(&root, md(n, Dtype::F16), Rank::new(r, 3).unwrap()).unwrap();
+        let range = w.pending()[0].clone();
+        let part = &data[range.start as usize * EV..range.end as usize * EV];
+        // Every row of these values rounds with a relative error far above 1e-9: the first
+        // row of the part is refused, named by its global example.
+        w.set_max_rel_error(Some(1e-9));
+        let e = w.write(part, None).unwrap_err().to_string();
+        let shard = format!("acts{:06}.bin", range.start / 2);
+        assert!(
+            e.contains(&shard) && e.contains(&format!("example {}", range.start)),
+            "{e}"
+        );
+        w.set_max_rel_error(None);
+        w.write(part, None).unwrap();
+        dir = w.path().to_path_buf();
+        w.finish().unwrap();
+    }
+    for s in 0..6 {
+        for name in [format!("acts{s:06}.bin"), format!("acts{s:06}.error.json")] {
+            assert_eq!(
+                std::fs::read(whole.join(&name)).unwrap(),
+                std::fs::read(dir.join(&name)).unwrap(),
+                "{name}"
+            );
+        }
+    }
+    assert!(saev::validate(&dir).is_valid());
+}
+
+#[test]
+fn validate_names_a_missing_or_foreign_sidecar() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = write(
+        tmp.path(),
+        4,
+        Dtype::BF16,
+        &acts(0..4),
+        WriterOptions::default(),
+    );
+    std::fs::remove_file(dir.join("acts000001.error.json")).unwrap();
+    let report = saev::validate(&dir);
+    let f = report
+        .findings
+        .iter()
+        .find(|f| f.severity == Severity::Error)
+        .expect("an error");
+    assert!(f.file.ends_with("acts000001.error.json"), "{f:?}");
+    assert!(f.message.contains("rounding error"), "{f:?}");
+    std::fs::write(dir.join("acts000001.error.json"), b"{\"format\": 1}").unwrap();
+    let report = saev::validate(&dir);
+    assert!(
+        report.findings.iter().any(|f| f.severity == Severity::Error
+            && f.message.contains("not a precision sidecar")),
+        "{report:?}"
+    );
+}
