@@ -200,7 +200,7 @@ fn readers_serve_rows_as_stored_or_widened() {
     let widened = precision::decoded(Dtype::BF16, &precision::encoded(Dtype::BF16, &data));
     let ds = Dataset::open(&dir).unwrap();
     // example 1, layer 7 (slot 1), token slot 2
-    let at = (EV + 4 * 4 + 2 * 4) as usize;
+    let at = EV + 4 * 4 + 2 * 4;
     assert_eq!(ds.get(1, 7, 2).unwrap(), widened[at..at + 4]);
     assert_eq!(ds.take(&[(1, 7, 2)]).unwrap(), widened[at..at + 4]);
     assert_eq!(
