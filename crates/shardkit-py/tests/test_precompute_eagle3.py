@@ -123,8 +123,9 @@ def test_the_cache_equals_the_reference_computation(tmp_path, dtype, topk):
     from shardkit.precompute_eagle3 import retained_mass
 
     kept = retained_mass(out)
+    summary = eagle3.inspect(out)["topk_retained"]
     if not topk:
-        assert kept == {"shards": [], "positions": 0}
+        assert kept == {"shards": [], "positions": 0} and summary is None
         return
     full, _, _ = reference("fp32", 0)
     mass = np.sort(full["target_probs"], -1)[..., -topk:].sum(-1)
@@ -137,6 +138,11 @@ def test_the_cache_equals_the_reference_computation(tmp_path, dtype, topk):
         np.testing.assert_allclose([x["mean"], x["min"], x["kl_mean"]], [m.mean(), m.min(), -np.log(m).mean()],
                                    rtol=1e-5)
     assert kept["positions"] == supervised.sum() and 0 < kept["min"] <= kept["mean"] < 1
+    # inspect merges the same notes: the smallest mass, position-weighted mean mass and KL.
+    assert (summary["shards"], summary["positions"]) == (3, kept["positions"])
+    np.testing.assert_allclose([summary["min"], summary["mean"], summary["kl_mean"]],
+                               [mass[supervised].min(), mass[supervised].mean(), -np.log(mass[supervised]).mean()],
+                               rtol=1e-5)
 
 
 def test_templates_with_and_without_generation_marks_and_pre_tokenized_samples_give_the_same_bytes(tmp_path):

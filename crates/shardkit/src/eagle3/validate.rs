@@ -286,11 +286,65 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
         ("bytes_per_sample".into(), Value::int(sample_bytes)),
         ("bytes_on_disk".into(), Value::int(on_disk)),
         ("target_embeddings".into(), Value::Bool(embeddings)),
+        // What a top-k producer recorded of the truncation, merged over its shards' notes
+        // (null when none did).
+        ("topk_retained".into(), retained_summary(dir)?),
         // What a producer recorded about the model and inputs (null when none did).
         (
             "provenance".into(),
             provenance::read(dir)?.unwrap_or(Value::Null),
         ),
+    ]))
+}
+
+/// The note prefix of a top-k shard's retained probability mass (`shardkit.precompute_eagle3`
+/// writes `topk-retained-SHARD.json`: `{"shard", "topk", "positions", "mean", "min", "kl_mean",
+/// ...}` over the shard's supervised positions).
+const RETAINED_NOTE: &str = "topk-retained-";
+
+/// The retained-mass notes of the cache at `dir` merged: shards noted, positions, the smallest
+/// retained mass, and the position-weighted mean mass and mean KL (full ‖ truncated).
+fn retained_summary(dir: &Path) -> Result<Value> {
+    let notes = crate::commit::notes::list(dir, RETAINED_NOTE)?;
+    if notes.is_empty() {
+        return Ok(Value::Null);
+    }
+    let (mut positions, mut mass, mut kl, mut min) = (0u64, 0f64, 0f64, f64::INFINITY);
+    for (name, bytes) in &notes {
+        let src = dir.join(crate::commit::notes::DIR).join(name);
+        let v = crate::json::parse(bytes).map_err(|e| Error::format(&src, e.to_string()))?;
+        let n = v
+            .get("positions")
+            .and_then(Value::as_i64)
+            .unwrap_or(0)
+            .max(0) as u64;
+        if n == 0 {
+            continue;
+        }
+        let num = |k: &str| {
+            v.get(k).and_then(Value::as_f64).ok_or_else(|| {
+                Error::format(&src, format!("a retained-mass note needs a number `{k}`"))
+            })
+        };
+        positions += n;
+        mass += num("mean")? * n as f64;
+        kl += num("kl_mean")? * n as f64;
+        min = min.min(num("min")?);
+    }
+    let real = |x: f64| Value::Number(format!("{x:e}"));
+    let per = |x: f64| {
+        if positions == 0 {
+            0.0
+        } else {
+            x / positions as f64
+        }
+    };
+    Ok(Value::Object(vec![
+        ("shards".into(), Value::int(notes.len() as u64)),
+        ("positions".into(), Value::int(positions)),
+        ("min".into(), real(if positions == 0 { 0.0 } else { min })),
+        ("mean".into(), real(per(mass))),
+        ("kl_mean".into(), real(per(kl))),
     ]))
 }
 
