@@ -571,6 +571,15 @@ fn store_committed(target: &Remote, md: &Metadata) -> Result<bool> {
         && crate::saev::Dataset::open(PathBuf::from(target.url())).is_ok())
 }
 
+/// Lists shard `s`'s error sidecar (reduced-precision datasets), as its record has it, in the
+/// dataset's checksums: one writer's sidecar lists it too.
+fn insert_error_sidecar(files: &mut Files, s: u64, unit: &UnitFiles) {
+    let name = rounding::sidecar_name(s);
+    if let Some(sums) = unit.get(&name) {
+        files.insert(&name, sums.clone());
+    }
+}
+
 /// Whether every shard is recorded durable; then whether they carry labels (all, or none:
 /// a mix is refused, naming the counts). `None` while shards are missing.
 fn all_recorded(
@@ -674,6 +683,7 @@ fn commit(dir: &Path, md: &Metadata, layout: &Layout, parts: &Parts) -> Result<b
             ));
         }
         files.insert(&name, sums.clone());
+        insert_error_sidecar(&mut files, s, unit);
     }
     if with_labels {
         build_labels(&dir.join("labels.bin"), layout, &done, |s| {
@@ -745,6 +755,7 @@ fn commit_store_once(
             ));
         }
         files.insert(&name, sums.clone());
+        insert_error_sidecar(&mut files, s, &done[&name]);
     }
     // The committer's own directory (another rank of this machine may stage shards beside).
     let dir = staging_dir(&url).join(format!(".shardkit-commit-{}", std::process::id()));
