@@ -350,15 +350,7 @@ fn resuming_the_crashed_fixture_completes_it_exactly() {
     // Without resume the interrupted dataset is kept and the call refused.
     let err = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap_err();
     assert!(err.to_string().contains("2 of 7"), "{err}");
-    let mut w = Writer::create(
-        tmp.path(),
-        md,
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut w = Writer::create(tmp.path(), md, WriterOptions::resuming()).unwrap();
     assert_eq!(w.start(), WriteStart::Resumed { from: 0 });
     let from = w.next_example();
     w.write(&coded_acts(from, 7 - from, 2, 5, 8), None).unwrap();

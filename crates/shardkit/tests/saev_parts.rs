@@ -137,26 +137,10 @@ fn another_dataset_an_overlapping_rank_and_a_whole_dataset_writer_are_refused() 
     );
     // A whole-dataset writer cannot start while parts are being written, nor parts while it
     // writes.
-    let e = Writer::create(
-        root,
-        metadata(11),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_err();
+    let e = Writer::create(root, metadata(11), WriterOptions::resuming()).unwrap_err();
     assert!(matches!(e, Error::Locked { .. }), "{e:?}");
     drop(a);
-    let whole = Writer::create(
-        root,
-        metadata(11),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let whole = Writer::create(root, metadata(11), WriterOptions::resuming()).unwrap();
     let e = PartWriter::create(root, metadata(11), Rank::new(1, 2).unwrap()).unwrap_err();
     assert!(matches!(e, Error::Locked { .. }), "{e:?}");
     drop(whole);

@@ -159,15 +159,7 @@ fn in_a_store_an_overlapping_live_rank_another_dataset_and_a_whole_writer_are_re
         "{msg}"
     );
     // A whole-dataset writer does not start beside the parts, naming the claim.
-    let e = Writer::create(
-        ROOT,
-        metadata(11),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_err();
+    let e = Writer::create(ROOT, metadata(11), WriterOptions::resuming()).unwrap_err();
     assert!(matches!(e, Error::LockedRemote { .. }), "{e:?}");
     assert!(e.to_string().contains("write in parts is under way"), "{e}");
     assert!(e.to_string().contains("rank 0 of 2"), "{e}");
@@ -176,15 +168,7 @@ fn in_a_store_an_overlapping_live_rank_another_dataset_and_a_whole_writer_are_re
     let mut b = PartWriter::create(ROOT, metadata(11), rank(1, 2)).unwrap();
     b.write(&acts(6..8), None).unwrap();
     drop(b);
-    let e = Writer::create(
-        ROOT,
-        metadata(11),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_err();
+    let e = Writer::create(ROOT, metadata(11), WriterOptions::resuming()).unwrap_err();
     assert!(e.to_string().contains("1 unit(s) durable"), "{e}");
     // A part writer does not start while a whole-dataset writer holds the lock.
     let other = metadata(12);

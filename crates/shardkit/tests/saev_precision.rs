@@ -292,10 +292,7 @@ fn a_killed_write_resumes_byte_identically() {
     let mut w = Writer::create(&root, md(n, Dtype::BF16), WriterOptions::default()).unwrap();
     w.write(&data[..5 * EV], None).unwrap(); // shards 0 and 1 published, shard 2 half full
     w.abandon();
-    let opts = WriterOptions {
-        resume: true,
-        ..Default::default()
-    };
+    let opts = WriterOptions::resuming();
     let mut w = Writer::create(&root, md(n, Dtype::BF16), opts).unwrap();
     let from = w.next_example() as usize;
     assert_eq!(from, 4);

@@ -61,10 +61,7 @@ fn writers_in_a_store_upload_what_a_local_writer_writes_sidecars_included() {
     let mut w = Writer::create(ROOT, md(11), WriterOptions::default()).unwrap();
     w.write(&acts(0..5), Some(&labels(0..5))).unwrap();
     drop(w); // as a kill, but the lock goes with it (this process lives on)
-    let opts = WriterOptions {
-        resume: true,
-        ..Default::default()
-    };
+    let opts = WriterOptions::resuming();
     let mut w = Writer::create(ROOT, md(11), opts).unwrap();
     let from = w.next_example();
     assert!(from > 0 && from <= 4, "resumed from {from}");

@@ -1101,15 +1101,7 @@ fn writer_refuses_a_directory_holding_different_metadata() {
     let mut reformatted = ours.clone();
     reformatted.push(b'\n');
     fs::write(&md_path, &reformatted).unwrap();
-    let err = Writer::create(
-        tmp.path(),
-        md.clone(),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap_err();
+    let err = Writer::create(tmp.path(), md.clone(), WriterOptions::resuming()).unwrap_err();
     assert_exists(&err, &md_path, &["different dataset"]);
     assert_eq!(fs::read(&md_path).unwrap(), reformatted);
 }
@@ -1318,15 +1310,7 @@ fn finish_early_is_incomplete_and_leaves_the_directory_resumable() {
     ));
     let err = Writer::create(tmp.path(), md.clone(), WriterOptions::default()).unwrap_err();
     assert_exists(&err, &dir, &["interrupted write", "3 of 11"]);
-    let mut w = Writer::create(
-        tmp.path(),
-        md.clone(),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::resuming()).unwrap();
     assert_eq!(w.start(), WriteStart::Resumed { from: 3 });
     write_range(&mut w, 3, 11, 2, true);
     let out = w.finish().unwrap();
@@ -1417,15 +1401,7 @@ fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) 
     assert!(snapshot(&dir) == before, "{what}: refusal changed files");
 
     // Resume: from a shard boundary (or N), at most k, with the leftovers gone.
-    let mut w = Writer::create(
-        tmp.path(),
-        md.clone(),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut w = Writer::create(tmp.path(), md.clone(), WriterOptions::resuming()).unwrap();
     let WriteStart::Resumed { from } = w.start() else {
         panic!("{what}: {:?}", w.start());
     };
@@ -1457,15 +1433,7 @@ fn crash_and_resume(md: &Metadata, with_labels: bool, k: u64, reference: &Path) 
     if from + 2 < n {
         write_range(&mut w, from, from + 2, 1, with_labels);
         drop(w);
-        w = Writer::create(
-            tmp.path(),
-            md.clone(),
-            WriterOptions {
-                resume: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        w = Writer::create(tmp.path(), md.clone(), WriterOptions::resuming()).unwrap();
         let again = (from + 2) / EPS * EPS;
         assert_eq!(w.start(), WriteStart::Resumed { from: again }, "{what}");
     }
@@ -1537,15 +1505,7 @@ fn crash_inside_finish(n: u64) {
         Dataset::open(&dir).unwrap_err(),
         Error::Incomplete { present, total, .. } if present == n && total == n
     ));
-    let w = Writer::create(
-        tmp.path(),
-        md.clone(),
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let w = Writer::create(tmp.path(), md.clone(), WriterOptions::resuming()).unwrap();
     assert_eq!(w.start(), WriteStart::Resumed { from: n });
     let out = w.finish().unwrap();
     assert_identical(&out, &reference, &format!("finish crash, N={n}"));
@@ -1643,15 +1603,7 @@ fn resume_of_a_saev_written_crash_trusts_only_shards_json() {
             &dir,
             &[&format!("{} of {n}", entries * eps), "interrupted write"],
         );
-        let mut w = Writer::create(
-            tmp.path(),
-            md,
-            WriterOptions {
-                resume: true,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let mut w = Writer::create(tmp.path(), md, WriterOptions::resuming()).unwrap();
         let from = entries * eps;
         assert_eq!(w.start(), WriteStart::Resumed { from }, "{fixture}");
         let (l, t, d) = (layout.n_layers, layout.tokens, layout.d_model);

@@ -75,6 +75,16 @@ pub struct WriterOptions {
     pub max_rel_error: Option<f64>,
 }
 
+impl WriterOptions {
+    /// The defaults, resuming an interrupted write ([`WriterOptions::resume`]).
+    pub fn resuming() -> WriterOptions {
+        WriterOptions {
+            resume: true,
+            ..WriterOptions::default()
+        }
+    }
+}
+
 struct OpenShard {
     index: u64,
     file: File,
