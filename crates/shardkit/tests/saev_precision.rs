@@ -387,3 +387,48 @@ fn validate_names_a_missing_or_foreign_sidecar() {
         "{report:?}"
     );
 }
+
+#[test]
+fn a_large_write_rounded_on_every_core_is_the_same_and_refuses_its_first_bad_row() {
+    // 80 examples of 16 tokens x 1024 values: over a million values, rounded in parallel.
+    let md = |n: u64| {
+        let text = format!(
+            r#"{{"family": "clip", "ckpt": "x", "layers": [0], "content_tokens_per_example": 15,
+            "cls_token": true, "d_model": 1024, "n_examples": {n}, "max_tokens_per_shard": 512,
+            "data": "d", "dataset": "t", "dtype": "bfloat16", "protocol": "2.1"}}"#
+        );
+        saev::Metadata::for_writing(&shardkit::json::parse(text.as_bytes()).unwrap()).unwrap()
+    };
+    let ev = 16 * 1024;
+    let mut data: Vec<f32> = (0..80 * ev)
+        .map(|i| (i as f32 * 0.618).sin() * 3.0)
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = Writer::create(tmp.path().join("a"), md(80), WriterOptions::default()).unwrap();
+    w.write(&data, None).unwrap();
+    let dir = w.finish().unwrap();
+    // 32 examples a shard: the last of the 3 shards is zero-padded.
+    let same = shard_bytes_of(&dir) == expected_bytes(Dtype::BF16, &data, 32 * ev);
+    assert!(
+        same,
+        "the parallel rounding differs from one value at a time"
+    );
+
+    let opts = WriterOptions {
+        max_rel_error: Some(0.01),
+        ..Default::default()
+    };
+    for e in [70usize, 50] {
+        // One row that rounds badly (rows of these values err by about 1e-3): a float32
+        // subnormal alone, which bfloat16's coarser subnormals miss by about a fifth.
+        data[e * ev + 3 * 1024..e * ev + 4 * 1024].fill(0.0);
+        data[e * ev + 3 * 1024] = 1.5e-40;
+    }
+    let mut w = Writer::create(tmp.path().join("b"), md(80), opts).unwrap();
+    let err = w.write(&data, None).unwrap_err().to_string();
+    assert!(
+        err.contains("example 50 ") && err.contains("token slot 3"),
+        "{err}"
+    );
+    assert_eq!(w.next_example(), 0);
+}

@@ -8,6 +8,8 @@
 //! dataset has none.
 
 use std::borrow::Cow;
+
+use rayon::prelude::*;
 use std::path::Path;
 
 use crate::error::{Error, Result};
@@ -16,6 +18,9 @@ use crate::json;
 use crate::precision::{Dtype, ErrorStats};
 use crate::saev::layout::Layout;
 use crate::saev::Metadata;
+
+/// Writes of at least this many values are rounded on every core.
+const PARALLEL_VALUES: usize = 1 << 20;
 
 /// The error sidecar of shard `s`.
 pub(crate) fn sidecar_name(s: u64) -> String {
@@ -80,27 +85,42 @@ pub(crate) fn store_examples<'a>(
     let eb = layout.example_bytes() as usize;
     let d = layout.d_model as usize;
     let mut bytes = vec![0u8; acts.len() * layout.value_bytes() as usize];
-    let mut errors = Vec::with_capacity(acts.len() / ev.max(1));
-    for (k, (src, dst)) in acts
-        .chunks_exact(ev)
-        .zip(bytes.chunks_exact_mut(eb))
-        .enumerate()
-    {
-        let stats = ErrorStats::encode_rows(layout.dtype, src, d, dst, bound).map_err(|over| {
-            let g = example_of(k as u64);
-            let (slot, t) = (over.row / layout.tokens, over.row % layout.tokens);
-            let layer = md.layers().get(slot as usize).copied().unwrap_or_default();
-            Error::Invalid(format!(
-                "{}: example {g} (row {} of the shard), layer {layer}, token slot {t}: {over}, \
-                 above max_rel_error = {} for {}; nothing of this write was stored",
-                Layout::shard_name(g / layout.examples_per_shard),
-                g % layout.examples_per_shard,
-                bound.unwrap_or_default(),
-                layout.dtype
-            ))
-        })?;
-        errors.push(stats);
-    }
+    let round = |(k, (src, dst)): (usize, (&[f32], &mut [u8]))| {
+        ErrorStats::encode_rows(layout.dtype, src, d, dst, bound).map_err(|over| (k, over))
+    };
+    // Rounding and measuring cost a few ns a value: a large write (a producer's batch of many
+    // examples) is spread over the cores so that it keeps up with the disk.
+    let rounded: Vec<std::result::Result<ErrorStats, _>> =
+        if acts.len() >= PARALLEL_VALUES && acts.len() > ev {
+            acts.par_chunks_exact(ev)
+                .zip(bytes.par_chunks_exact_mut(eb))
+                .enumerate()
+                .map(round)
+                .collect()
+        } else {
+            acts.chunks_exact(ev)
+                .zip(bytes.chunks_exact_mut(eb))
+                .enumerate()
+                .map(round)
+                .collect()
+        };
+    // The first refused example in order, whichever thread found it.
+    let errors = rounded
+        .into_iter()
+        .collect::<std::result::Result<Vec<_>, _>>();
+    let errors = errors.map_err(|(k, over)| {
+        let g = example_of(k as u64);
+        let (slot, t) = (over.row / layout.tokens, over.row % layout.tokens);
+        let layer = md.layers().get(slot as usize).copied().unwrap_or_default();
+        Error::Invalid(format!(
+            "{}: example {g} (row {} of the shard), layer {layer}, token slot {t}: {over}, \
+             above max_rel_error = {} for {}; nothing of this write was stored",
+            Layout::shard_name(g / layout.examples_per_shard),
+            g % layout.examples_per_shard,
+            bound.unwrap_or_default(),
+            layout.dtype
+        ))
+    })?;
     Ok(Stored {
         bytes: Cow::Owned(bytes),
         errors,
