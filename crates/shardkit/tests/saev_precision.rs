@@ -291,7 +291,17 @@ fn a_killed_write_resumes_byte_identically() {
     let root = tmp.path().join("b");
     let mut w = Writer::create(&root, md(n, Dtype::BF16), WriterOptions::default()).unwrap();
     w.write(&data[..5 * EV], None).unwrap(); // shards 0 and 1 published, shard 2 half full
+    let dir = w.path();
     w.abandon();
+    // inspect of the unfinished dataset measures the shards written, and misses none.
+    let info = saev::inspect(&dir).unwrap();
+    let p = info.get("precision").unwrap();
+    assert_eq!(p.get("shards_measured").unwrap().as_i64(), Some(2));
+    assert_eq!(p.get("rows").unwrap().as_i64(), Some(4 * 8));
+    assert_eq!(
+        p.get("shards_without_sidecar"),
+        Some(&shardkit::json::Value::Array(vec![]))
+    );
     let opts = WriterOptions::resuming();
     let mut w = Writer::create(&root, md(n, Dtype::BF16), opts).unwrap();
     let from = w.next_example() as usize;

@@ -448,7 +448,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
                 .copied()
                 .ok_or("listed in shards.json but missing")
         });
-        let precision = precision_summary(dir, &layout, |n| match objects.get(n) {
+        let precision = precision_summary(dir, &layout, &complete, |n| match objects.get(n) {
             Some(_) => remote.get(n).map(Some),
             None => Ok(None),
         })?;
@@ -465,7 +465,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
         let layout = Layout::new(&md, &dir.join("metadata.json"))?;
         let complete = check_complete(dir, &layout);
         let labels = fsutil::regular_file_len(&dir.join("labels.bin"));
-        let precision = precision_summary(dir, &layout, |n| {
+        let precision = precision_summary(dir, &layout, &complete, |n| {
             let p = dir.join(n);
             match fsutil::read_json_file(&p) {
                 Ok(b) => Ok(Some(b)),
@@ -570,16 +570,22 @@ pub fn inspect(dir: impl AsRef<Path>) -> crate::Result<Value> {
 }
 
 /// What the error sidecars of a reduced-precision dataset record, merged (`Null` for float32):
-/// the shards that are full size on disk are measured.
+/// every shard of a complete dataset, the leading shards present of one being written.
 fn precision_summary(
     dir: &Path,
     layout: &Layout,
+    complete: &crate::Result<()>,
     fetch: impl Fn(&str) -> crate::Result<Option<Vec<u8>>>,
 ) -> crate::Result<Value> {
     if !layout.dtype.is_reduced() {
         return Ok(Value::Null);
     }
-    let found = rounding::Sidecars::read(dir, layout, layout.n_shards, fetch)?;
+    let shards = match complete {
+        Ok(()) => layout.n_shards,
+        Err(Error::Incomplete { present, .. }) => present / layout.examples_per_shard,
+        Err(_) => 0,
+    };
+    let found = rounding::Sidecars::read(dir, layout, shards, fetch)?;
     Ok(found.to_json(layout.dtype))
 }
 
