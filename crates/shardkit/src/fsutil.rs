@@ -61,20 +61,9 @@ pub(crate) fn remove_dir_files_parallel(dir: &Path) -> Result<()> {
     if files.len() < 2 * THREADS {
         remove(&files)?;
     } else {
-        let per = files.len().div_ceil(THREADS);
-        std::thread::scope(|s| {
-            let workers: Vec<_> = files
-                .chunks(per)
-                .map(|chunk| s.spawn(move || remove(chunk)))
-                .collect();
-            workers.into_iter().try_for_each(|w| {
-                w.join().unwrap_or_else(|_| {
-                    Err(Error::Internal(format!(
-                        "{}: a thread removing its files panicked",
-                        dir.display()
-                    )))
-                })
-            })
+        let what = format!("removing the files of {}", dir.display());
+        crate::par::chunked(&files, THREADS, &what, |c| {
+            remove(c).map(|()| Vec::<()>::new())
         })?;
     }
     match fs::remove_dir_all(dir) {

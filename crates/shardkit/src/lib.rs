@@ -58,6 +58,7 @@ pub mod fsutil;
 pub mod internals;
 pub mod io;
 pub mod json;
+pub(crate) mod par;
 pub mod precision;
 pub mod report;
 pub mod saev;

@@ -176,43 +176,21 @@ impl StoreParts {
             return Ok(BTreeMap::new());
         }
         // The records read several at once: a commit reads one per unit.
-        let per = names.len().div_ceil(DELETERS);
-        let read: Vec<Result<Vec<(String, UnitFiles)>>> = std::thread::scope(|s| {
-            let workers: Vec<_> = names
-                .chunks(per)
-                .map(|chunk| {
-                    let done = &done;
-                    s.spawn(move || {
-                        let mut out = Vec::new();
-                        for name in chunk {
-                            // Removed meanwhile (a commit cleaning up): not durable any more,
-                            // the dataset is.
-                            let Some(bytes) = done.get_opt(name)? else {
-                                continue;
-                            };
-                            let unit = name.trim_end_matches(".json").to_string();
-                            out.push((unit, parse_record(&bytes, &done.url_of(name))?));
-                        }
-                        Ok(out)
-                    })
-                })
-                .collect();
-            workers
-                .into_iter()
-                .map(|w| {
-                    w.join().unwrap_or_else(|_| {
-                        Err(Error::Internal(format!(
-                            "{}: a thread reading the unit records panicked",
-                            done.url()
-                        )))
-                    })
-                })
-                .collect()
-        });
-        let mut out = BTreeMap::new();
-        for chunk in read {
-            out.extend(chunk?);
-        }
+        let what = format!("reading the unit records of {}", done.url());
+        let read = crate::par::chunked(&names, DELETERS, &what, |chunk| {
+            let mut out = Vec::new();
+            for name in chunk {
+                // Removed meanwhile (a commit cleaning up): not durable any more, the
+                // dataset is.
+                let Some(bytes) = done.get_opt(name)? else {
+                    continue;
+                };
+                let unit = name.trim_end_matches(".json").to_string();
+                out.push((unit, parse_record(&bytes, &done.url_of(name))?));
+            }
+            Ok(out)
+        })?;
+        let out: BTreeMap<String, UnitFiles> = read.into_iter().collect();
         Ok(out)
     }
 
@@ -265,24 +243,12 @@ impl StoreParts {
         if names.is_empty() {
             return Ok(());
         }
-        let per = names.len().div_ceil(DELETERS);
-        std::thread::scope(|s| {
-            let workers: Vec<_> = names
-                .chunks(per)
-                .map(|chunk| {
-                    let under = &under;
-                    s.spawn(move || chunk.iter().try_for_each(|n| under.delete(n)))
-                })
-                .collect();
-            workers.into_iter().try_for_each(|w| {
-                w.join().unwrap_or_else(|_| {
-                    Err(Error::Internal(format!(
-                        "{}: a thread deleting its objects panicked",
-                        under.url()
-                    )))
-                })
-            })
+        let what = format!("deleting the objects under {}", under.url());
+        crate::par::chunked(&names, DELETERS, &what, |chunk| {
+            chunk.iter().try_for_each(|n| under.delete(n))?;
+            Ok(Vec::<()>::new())
         })
+        .map(|_| ())
     }
 
     /// Removes the state (after the commit record is uploaded): every object under

@@ -497,28 +497,9 @@ fn sizes_of(
     which: &[usize],
 ) -> Result<Vec<u64>> {
     let head = |i: &usize| remote.len(&shards[*i].0);
-    if which.len() < 2 {
-        return which.iter().map(head).collect();
-    }
-    let per = which.len().div_ceil(HEADS);
-    let got: Result<Vec<Vec<u64>>> = std::thread::scope(|s| {
-        let head = &head;
-        let workers: Vec<_> = which
-            .chunks(per)
-            .map(|chunk| s.spawn(move || chunk.iter().map(head).collect::<Result<Vec<_>>>()))
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| {
-                w.join().unwrap_or_else(|_| {
-                    Err(Error::Internal(
-                        "internal: a thread asking for shard sizes panicked".into(),
-                    ))
-                })
-            })
-            .collect()
-    });
-    Ok(got?.concat())
+    crate::par::chunked(which, HEADS, "asking for shard sizes", |c| {
+        c.iter().map(head).collect()
+    })
 }
 
 /// The most HEADs [`sizes_of`] keeps in flight.

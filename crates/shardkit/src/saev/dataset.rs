@@ -594,31 +594,18 @@ impl Dataset {
             .map_or(4, |n| n.get() * 4)
             .clamp(1, 16)
             .min(coords.len().div_ceil(64).max(1));
-        let per = resolved.len().div_ceil(threads).max(1);
         let out_ptr = SendPtr(out.as_mut_ptr());
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = resolved
-                .chunks(per)
-                .map(|chunk| {
-                    scope.spawn(move || -> Result<()> {
-                        for &(s, off, i) in chunk {
-                            // SAFETY: each original index appears once, so the row slices
-                            // written by different threads never overlap, and `out` outlives
-                            // the scope.
-                            let row = unsafe {
-                                std::slice::from_raw_parts_mut(out_ptr.get().add(i * rb), rb)
-                            };
-                            read_bytes_at(self.shard_file(s)?, &self.shard_path(s), off, row)?;
-                        }
-                        Ok(())
-                    })
-                })
-                .collect();
-            handles.into_iter().try_for_each(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::Internal("reader thread panicked".into())))
-            })
+        let what = format!("reading rows of {}", self.dir.display());
+        crate::par::chunked(&resolved, threads, &what, |chunk| {
+            for &(s, off, i) in chunk {
+                // SAFETY: each original index appears once, so the row slices written by
+                // different threads never overlap, and `out` outlives the threads.
+                let row = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(i * rb), rb) };
+                read_bytes_at(self.shard_file(s)?, &self.shard_path(s), off, row)?;
+            }
+            Ok(Vec::<()>::new())
         })
+        .map(|_| ())
     }
 
     /// The labels of one example's content tokens (`P` values), if labels.bin exists.
@@ -715,8 +702,10 @@ impl Dataset {
 
 #[derive(Clone, Copy)]
 struct SendPtr(*mut u8);
-// SAFETY: used only for disjoint writes inside a thread scope (see `take`).
+// SAFETY: used only for disjoint writes inside a thread scope (see `take_into`).
 unsafe impl Send for SendPtr {}
+// SAFETY: as above: threads share the pointer, never the bytes they write through it.
+unsafe impl Sync for SendPtr {}
 impl SendPtr {
     fn get(self) -> *mut u8 {
         self.0

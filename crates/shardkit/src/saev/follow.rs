@@ -432,28 +432,9 @@ fn pieces(dir: &PartsReader, shards: &[u64]) -> Result<Vec<Option<Vec<u8>>>> {
     if dir.local().is_some() || shards.len() < 2 {
         return shards.iter().map(get).collect();
     }
-    let per = shards
-        .len()
-        .div_ceil(crate::config::inflight().clamp(1, PIECE_READERS));
-    let got: Result<Vec<Vec<Option<Vec<u8>>>>> = std::thread::scope(|sc| {
-        let get = &get;
-        let workers: Vec<_> = shards
-            .chunks(per)
-            .map(|chunk| sc.spawn(move || chunk.iter().map(get).collect::<Result<Vec<_>>>()))
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| {
-                w.join().unwrap_or_else(|_| {
-                    Err(Error::Internal(format!(
-                        "{}: a thread reading label pieces panicked",
-                        dir.path().display()
-                    )))
-                })
-            })
-            .collect()
-    });
-    Ok(got?.concat())
+    let width = crate::config::inflight().clamp(1, PIECE_READERS);
+    let what = format!("reading the label pieces of {}", dir.path().display());
+    crate::par::chunked(shards, width, &what, |c| c.iter().map(get).collect())
 }
 
 /// The most label pieces read at once from a store.
