@@ -342,6 +342,14 @@ fn assert_identical(out: &Path, reference: &Path, what: &str) {
 // 1. Bad inputs
 // ---------------------------------------------------------------------------------------------
 
+/// Writer options resuming or not.
+fn opts(resume: bool) -> WriterOptions {
+    WriterOptions {
+        resume,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn truncated_shard_is_refused_naming_the_file() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1088,15 +1096,7 @@ fn writer_refuses_a_directory_holding_different_metadata() {
     fs::write(&md_path, &other).unwrap();
     let before = snapshot(&dir);
     for resume in [false, true] {
-        let err = Writer::create(
-            tmp.path(),
-            md.clone(),
-            WriterOptions {
-                resume,
-                ..Default::default()
-            },
-        )
-        .unwrap_err();
+        let err = Writer::create(tmp.path(), md.clone(), opts(resume)).unwrap_err();
         assert_exists(
             &err,
             &md_path,
@@ -1124,15 +1124,7 @@ fn writer_refuses_a_directory_with_foreign_files() {
     fs::write(dir.join("acts000000.bin"), [7u8; 384]).unwrap();
     let before = snapshot(&dir);
     for resume in [false, true] {
-        let err = Writer::create(
-            tmp.path(),
-            md.clone(),
-            WriterOptions {
-                resume,
-                ..Default::default()
-            },
-        )
-        .unwrap_err();
+        let err = Writer::create(tmp.path(), md.clone(), opts(resume)).unwrap_err();
         assert_exists(
             &err,
             &dir,
@@ -1167,15 +1159,7 @@ fn writer_leaves_a_complete_dataset_untouched() {
     let dir = write_uninterrupted(tmp.path(), &md, true);
     let before = identity(&dir);
     for resume in [false, true] {
-        let mut w = Writer::create(
-            tmp.path(),
-            md.clone(),
-            WriterOptions {
-                resume,
-                ..Default::default()
-            },
-        )
-        .unwrap();
+        let mut w = Writer::create(tmp.path(), md.clone(), opts(resume)).unwrap();
         assert_eq!(w.start(), WriteStart::AlreadyComplete);
         assert_eq!(w.next_example(), 11);
         assert_eq!(w.path(), dir);
