@@ -20,7 +20,20 @@ pub fn temp_sibling(path: &Path) -> PathBuf {
     path.with_file_name(format!(".{name}.tmp"))
 }
 
-/// Whether `name` is a temporary created by [`temp_sibling`].
+/// A temporary beside `path` of this process and call (`.NAME.PID-N.tmp`), for a file that
+/// several processes (ranks) may write at once: one shared temporary would be renamed away
+/// under one of them.
+pub(crate) fn unique_temp_sibling(path: &Path) -> PathBuf {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    path.with_file_name(format!(".{name}.{}-{n}.tmp", std::process::id()))
+}
+
+/// Whether `name` is a temporary created by [`temp_sibling`] or [`unique_temp_sibling`].
 pub fn is_temp_name(name: &str) -> bool {
     name.starts_with('.') && name.ends_with(".tmp")
 }
@@ -181,18 +194,30 @@ pub(crate) mod trace {
 
 /// Writes `bytes` to `path` atomically: temporary sibling, fsync, rename, fsync of the directory.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = temp_sibling(path);
-    let result = (|| {
-        let mut f = File::create(&tmp).at(&tmp)?;
-        f.write_all(bytes).at(&tmp)?;
-        sync_file(&f, &tmp)?;
-        drop(f);
-        publish(&tmp, path)
-    })();
+    write_through(&temp_sibling(path), path, bytes)
+}
+
+/// [`atomic_write`] through a [`unique_temp_sibling`]: for a file several processes may
+/// write at once (each lands whole; the last rename wins).
+pub(crate) fn atomic_write_shared(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_through(&unique_temp_sibling(path), path, bytes)
+}
+
+/// Writes `bytes` to the temporary `tmp` durably, then publishes it as `path` (removing the
+/// temporary on failure).
+fn write_through(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
+    let result = write_synced(tmp, bytes).and_then(|()| publish(tmp, path));
     if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = fs::remove_file(tmp);
     }
     result
+}
+
+/// Creates `path` holding `bytes`, fsynced (not its directory: the caller publishes it).
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).at(path)?;
+    f.write_all(bytes).at(path)?;
+    sync_file(&f, path)
 }
 
 /// Renames a finished, already-fsynced temporary to its final name and fsyncs the directory.

@@ -37,21 +37,8 @@ pub fn put(dir: impl AsRef<Path>, name: &str, bytes: &[u8]) -> Result<()> {
         Target::Local(dir) => {
             let notes = dir.join(DIR);
             std::fs::create_dir_all(&notes).at(&notes)?;
-            // A temporary of this process and call (`.NAME.PID-N.tmp`): ranks may write the
-            // same note at once (a shared name would be renamed away under one of them).
-            static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let tmp = notes.join(format!(".{name}.{}-{n}.tmp", std::process::id()));
-            let written = (|| {
-                let mut f = std::fs::File::create(&tmp).at(&tmp)?;
-                std::io::Write::write_all(&mut f, bytes).at(&tmp)?;
-                f.sync_all().at(&tmp)?;
-                fsutil::publish(&tmp, &notes.join(name))
-            })();
-            if written.is_err() {
-                let _ = std::fs::remove_file(&tmp);
-            }
-            written
+            // Ranks may write the same note at once.
+            fsutil::atomic_write_shared(&notes.join(name), bytes)
         }
         Target::Store(target) => target.put(&format!("{DIR}/{name}"), bytes.to_vec()),
     }

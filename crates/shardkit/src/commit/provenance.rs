@@ -74,11 +74,12 @@ pub fn read(dir: impl AsRef<Path>) -> Result<Option<Value>> {
 
 /// Creates `path` holding `bytes` unless it exists: `None` when created, else what it holds.
 fn create_local(path: &Path, bytes: &[u8]) -> Result<Option<Vec<u8>>> {
-    // A temporary of this process and call (`.NAME.PID-N.tmp`): ranks may create at once.
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = path.with_file_name(format!(".{FILE}.{}-{n}.tmp", std::process::id()));
-    fsutil::atomic_write(&tmp, bytes)?;
+    // Ranks may create it at once: each writes a temporary of its own.
+    let tmp = fsutil::unique_temp_sibling(path);
+    if let Err(e) = fsutil::write_synced(&tmp, bytes) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     // A hard link fails if the name exists: of two ranks creating it at once, one wins.
     let linked = std::fs::hard_link(&tmp, path);
     let _ = std::fs::remove_file(&tmp);
