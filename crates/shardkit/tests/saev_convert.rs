@@ -247,7 +247,8 @@ fn a_refused_row_names_where_it_is_and_leaves_the_destination_resumable() {
     let tmp = tempfile::tempdir().unwrap();
     let mut data = acts(0..N);
     data.iter_mut().for_each(|x| *x /= 1000.0);
-    data[5 * EV + 4 * 4 + 2 * 4 + 1] = 1048576.0; // example 5, layer slot 1, token 2: 2^20 overflows f16
+    // Example 5, layer slot 1, token 2: 2^20 overflows float16.
+    data[5 * EV + 4 * 4 + 2 * 4 + 1] = 1048576.0;
     let src = write_direct(&tmp.path().join("src"), Dtype::F32, &data);
     let mut opts = runs_of(2);
     opts.max_rel_error = Some(1e-2);
