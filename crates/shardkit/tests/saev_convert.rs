@@ -395,3 +395,51 @@ fn converts_from_and_to_an_object_store() {
         "the store holds the local conversion's files"
     );
 }
+
+#[test]
+fn runs_of_whole_examples_read_across_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = hard_acts(N);
+    for dtype in [Dtype::F32, Dtype::BF16] {
+        let ds = Dataset::open(write_direct(&tmp.path().join(dtype.name()), dtype, &data)).unwrap();
+        let stored = precision::encoded(dtype, &data);
+        let mut out = vec![0f32; 3 * EV];
+        ds.read_examples_into(1, &mut out).unwrap(); // shards 0, 1
+        let want = precision::decoded(dtype, &stored[dtype.size() * EV..dtype.size() * 4 * EV]);
+        assert_eq!(
+            out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{dtype}: NaN, infinities and signed zeros included"
+        );
+        let mut raw = vec![0u8; 2 * EV * dtype.size()];
+        ds.read_examples_stored(5, &mut raw).unwrap(); // the last shard's one example too
+        assert_eq!(raw, stored[5 * EV * dtype.size()..]);
+        let mut l = vec![0u8; 2 * 3];
+        assert!(ds.read_labels_run(5, &mut l).unwrap());
+        assert_eq!(l, labels(5..7));
+
+        let e = ds
+            .read_examples_into(0, &mut vec![0f32; EV + 1])
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "read_examples_into: the buffer holds {} values, not a whole number of examples \
+                 (L*T*D = {EV} each)",
+                EV + 1
+            )
+        );
+        let e = ds.read_examples_into(6, &mut out).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::OutOfRange {
+                    what: "example",
+                    index: 8,
+                    len: N
+                }
+            ),
+            "{e}"
+        );
+    }
+}
