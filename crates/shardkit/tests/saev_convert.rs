@@ -394,6 +394,26 @@ fn converts_from_and_to_an_object_store() {
         tree(&local),
         "the store holds the local conversion's files"
     );
+    // Stopped, then run again: the store ends holding the same files.
+    for stop_after in [3, 5] {
+        let root = format!("s3://bucket/stopped{stop_after}");
+        let (opts, _) = recording(1, Some(stop_after));
+        let e = convert(&remote_src, &root, Dtype::BF16, opts).unwrap_err();
+        assert!(matches!(e, Error::Interrupted { .. }), "{e}");
+        let (opts, seen) = recording(2, None);
+        convert(&remote_src, &root, Dtype::BF16, opts).unwrap();
+        let start = seen.lock().unwrap()[0].start;
+        assert!(
+            matches!(start, WriteStart::Resumed { from } if from > 0),
+            "{start:?}"
+        );
+        let objects = common::stores::objects(&mem, &format!("stopped{stop_after}/{name}"));
+        assert_eq!(
+            objects,
+            tree(&local),
+            "stopped after {stop_after}, then resumed"
+        );
+    }
 }
 
 #[test]
@@ -442,4 +462,39 @@ fn runs_of_whole_examples_read_across_shards() {
             "{e}"
         );
     }
+}
+
+#[test]
+fn an_interrupted_conversion_of_other_data_with_the_same_metadata_is_not_continued() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = hard_acts(N);
+    let a = write_direct(&tmp.path().join("a"), Dtype::F32, &data);
+    // The same metadata, other values (activations recorded again, say).
+    let other: Vec<f32> = data.iter().map(|x| x * 2.0).collect();
+    let b = write_direct(&tmp.path().join("b"), Dtype::F32, &other);
+    assert_eq!(a.file_name(), b.file_name());
+    let root = tmp.path().join("dst");
+    let (opts, _) = recording(3, Some(3));
+    convert(&a, &root, Dtype::BF16, opts).unwrap_err();
+    let e = convert(&b, &root, Dtype::BF16, ConvertOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::Exists { .. }), "{e}");
+    let dir = root.join(metadata(N).with_dtype(Dtype::BF16).unwrap().dir_name());
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}: holds an interrupted write of a dataset with the same metadata whose example 1 \
+             is not {}'s converted: other data (the name hashes the metadata only); refusing to \
+             continue it. Delete it, or convert into another root",
+            dir.display(),
+            b.display()
+        )
+    );
+    // The kept shard is still the first source's, and that conversion still completes.
+    assert_eq!(
+        std::fs::read(dir.join("acts000000.bin")).unwrap(),
+        precision::encoded(Dtype::BF16, &data[..2 * EV])
+    );
+    let whole = convert(&a, tmp.path().join("whole"), Dtype::BF16, runs_of(3)).unwrap();
+    let got = convert(&a, &root, Dtype::BF16, ConvertOptions::default()).unwrap();
+    assert_same_tree(&whole, &got, "resumed after the refusal");
 }

@@ -29,8 +29,9 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 use crate::error::{Error, Result};
-use crate::precision::Dtype;
-use crate::saev::{Dataset, Metadata, WriteStart, Writer, WriterOptions};
+use crate::io::{self, Location, ReadRange};
+use crate::precision::{self, Dtype};
+use crate::saev::{Dataset, Layout, Metadata, WriteStart, Writer, WriterOptions};
 
 /// Where a conversion stands, as its progress callback sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -130,6 +131,7 @@ pub fn convert(
     let ds = Dataset::open(src)?;
     let md = converted_metadata(ds.metadata(), dtype, ds.path())?;
     let layout = *ds.layout();
+    let dst_layout = Layout::new(&md, Path::new("metadata.json"))?;
     let mut w = Writer::create(
         dst_root.as_ref(),
         md,
@@ -140,6 +142,9 @@ pub fn convert(
     )?;
     let n = layout.n_examples;
     let start = w.start();
+    if let WriteStart::Resumed { from } = start {
+        check_resumed(&ds, &w.path(), &dst_layout, from)?;
+    }
     let mut report = |done: u64| match &mut opts.progress {
         Some(f) => f(&ConvertProgress {
             start,
@@ -205,6 +210,45 @@ pub fn convert(
         }
         w.finish()
     })
+}
+
+/// On a resumed conversion, checks that the destination's last kept example is the source's
+/// example converted. The destination's name hashes the metadata only, so an interrupted
+/// conversion of other data with the same metadata (activations recorded again with the same
+/// configuration) would otherwise be continued into a mix of the two. A kept shard only
+/// staged for a store (not uploaded yet) is not checked.
+fn check_resumed(ds: &Dataset, dst: &Path, layout: &Layout, from: u64) -> Result<()> {
+    let Some(e) = from.checked_sub(1) else {
+        return Ok(());
+    };
+    let mut acts = vec![0f32; layout.example_values() as usize];
+    ds.read_examples_into(e, &mut acts)?;
+    let want = precision::encoded(layout.dtype, &acts);
+    let name = format!("acts{:06}.bin", e / layout.examples_per_shard);
+    let range = ReadRange {
+        file: 0,
+        offset: (e % layout.examples_per_shard) * want.len() as u64,
+        len: want.len() as u64,
+        dst: 0,
+    };
+    let source = io::open_uncached(&Location::parse(dst)?)?;
+    if !source.is_local() && source.len(&name).is_err() {
+        return Ok(()); // staged, not in the store yet
+    }
+    let mut got = vec![0u8; want.len()];
+    source.read_into(&[name], &[range], &mut got, &io::Stop::never())?;
+    if got != want {
+        return Err(Error::Exists {
+            path: dst.to_path_buf(),
+            why: format!(
+                "holds an interrupted write of a dataset with the same metadata whose example {e} \
+                 is not {}'s converted: other data (the name hashes the metadata only); refusing \
+                 to continue it. Delete it, or convert into another root",
+                ds.path().display()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// One run of whole examples read from the source.
