@@ -438,9 +438,7 @@ fn runs_of_whole_examples_read_across_shards() {
         assert!(ds.read_labels_run(5, &mut l).unwrap());
         assert_eq!(l, labels(5..7));
 
-        let e = ds
-            .read_examples_into(0, &mut vec![0f32; EV + 1])
-            .unwrap_err();
+        let e = ds.read_examples_into(0, &mut [0f32; EV + 1]).unwrap_err();
         assert_eq!(
             e.to_string(),
             format!(
