@@ -168,7 +168,8 @@ pub fn convert(
 
     std::thread::scope(|scope| -> Result<PathBuf> {
         // Runs of examples read ahead: one being read, one queued. Buffers come back to the
-        // reader once written, so no run allocates after the first two.
+        // reader once written, so no run allocates after the first three (read, queued,
+        // being written).
         let (tx, rx) = mpsc::sync_channel::<Result<Run>>(1);
         let (back_tx, back_rx) = mpsc::channel::<Run>();
         let ds = &ds;

@@ -248,6 +248,18 @@ fn from_le_in_place(out: &mut [f32]) {
     }
 }
 
+/// The dataset's local shard files, as the parallel reader takes them.
+struct ShardFiles<'a>(&'a Dataset);
+
+impl Files for ShardFiles<'_> {
+    fn file(&self, i: u32) -> Result<&File> {
+        self.0.shard_file(u64::from(i))
+    }
+    fn path(&self, i: u32) -> PathBuf {
+        self.0.shard_path(u64::from(i))
+    }
+}
+
 /// A complete saev directory opened for reading.
 #[derive(Debug)]
 pub struct Dataset {
@@ -831,18 +843,6 @@ impl Dataset {
             per_example,
             len: self.layout.n_examples * per_example,
         })
-    }
-}
-
-/// The dataset's local shard files, as the parallel reader takes them.
-struct ShardFiles<'a>(&'a Dataset);
-
-impl Files for ShardFiles<'_> {
-    fn file(&self, i: u32) -> Result<&File> {
-        self.0.shard_file(u64::from(i))
-    }
-    fn path(&self, i: u32) -> PathBuf {
-        self.0.shard_path(u64::from(i))
     }
 }
 
