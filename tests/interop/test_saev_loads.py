@@ -138,3 +138,46 @@ def test_activations_recorded_from_a_vision_model_load_in_saev(tmp_path):
             for slot, token in ((0, 0), (4, 4)):  # CLS; the last content token
                 v = saev_ref.vector(rec.path, loaded, e, block, slot)
                 assert np.array_equal(v, hidden[block + 1][e, token]), (e, block, slot)
+
+
+def _convert(shardkit_bin, src, dtype, out):
+    r = subprocess.run([shardkit_bin, "saev", "convert", str(src), "--dtype", dtype, "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_reduced_dataset_converted_to_float32_loads_in_saev(shardkit_bin, tmp_path, dtype):
+    """saev refuses a reduced dataset by its `dtype: Literal["float32"]` (and the validator
+    names why); `saev convert --dtype float32` writes one saev loads, holding the stored values
+    widened exactly (numpy/ml_dtypes' own rounding of the coded float32 values)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    n, d = 9, 8
+    reduced = _synth(shardkit_bin, tmp_path / "reduced", "2.1", "--examples", n, "--layers=-2,-1",
+                     "--content-tokens", 4, "--d-model", d, "--budget", 30, "--dtype", dtype)
+    with pytest.raises(TypeError, match=rf"dtype='{dtype}' violates type hint Literal\['float32'\]"):
+        saev_ref.load_metadata(reduced)
+    r = subprocess.run([shardkit_bin, "saev", "validate", str(reduced)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+    assert (f"dtype {dtype}: shardkit's reduced-precision dialect of protocol 2.1; saev does not load "
+            "it (saev's protocol 2.1 Metadata declares `dtype: Literal[\"float32\"]`)") in r.stdout
+
+    wide = _convert(shardkit_bin, reduced, "float32", tmp_path / "wide")
+    md = saev_ref.load_metadata(wide)
+    assert md["dtype"] == "float32"
+    assert saev_ref.make_data_cfg(md) == saev_ref.FakeImg(n_examples=n)
+    np_type = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    for e in (0, n // 2, n - 1):
+        for slot, lv in enumerate((-2, -1)):
+            for t in (0, 4):
+                coded = np.float32(1000 * e + 100 * slot + t) + np.arange(d, dtype=np.float32) / 16
+                want = coded.astype(np.float32).astype(np_type).astype(np.float32)
+                assert np.array_equal(saev_ref.vector(wide, md, e, lv, t), want), (e, lv, t)
+    r = subprocess.run([shardkit_bin, "saev", "validate", str(wide)], capture_output=True, text=True)
+    assert r.returncode == 0 and "note:" not in r.stdout and "error:" not in r.stdout, r.stdout
+    # The float32 dataset converted is saev's own float32 dataset's name and metadata again.
+    f32 = _synth(shardkit_bin, tmp_path / "f32", "2.1", "--examples", n, "--layers=-2,-1",
+                 "--content-tokens", 4, "--d-model", d, "--budget", 30)
+    assert wide.name == f32.name
+    assert (wide / "metadata.json").read_bytes() == (f32 / "metadata.json").read_bytes()

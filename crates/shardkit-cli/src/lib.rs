@@ -12,6 +12,7 @@ pub mod npy;
 pub mod parts_cmd;
 pub mod progress;
 pub mod saev_cmd;
+pub mod saev_convert_cmd;
 pub mod sdnb_cmd;
 pub mod tokens_cmd;
 

@@ -25,6 +25,10 @@ pub enum Dtype {
     I32,
     /// `|b1`
     Bool,
+    /// `<f2` (IEEE float16: a float16 saev dataset exported as stored)
+    F16,
+    /// `<u2` (the bits of bfloat16 values, which numpy has no type for)
+    U16,
 }
 
 impl Dtype {
@@ -35,6 +39,8 @@ impl Dtype {
             Dtype::I64 => "<i8",
             Dtype::I32 => "<i4",
             Dtype::Bool => "|b1",
+            Dtype::F16 => "<f2",
+            Dtype::U16 => "<u2",
         }
     }
 }

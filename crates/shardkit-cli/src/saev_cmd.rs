@@ -1,4 +1,4 @@
-//! `shardkit saev ...`: validate, inspect, write, export, get, synth.
+//! `shardkit saev ...`: validate, inspect, write, convert, export, get, synth.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -7,6 +7,7 @@ use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
 use shardkit::engine::{shuffle_quality, StateValue};
 use shardkit::json::{self, Escape, Value};
+use shardkit::precision;
 use shardkit::saev::{
     self, inspect, validate, Dataset, LayerSel, Layout, Loader, LoaderOptions, LoaderState,
     Metadata, TokenMode, WriteStart, Writer, WriterOptions,
@@ -47,6 +48,23 @@ pub enum SaevCmd {
     },
     /// Write ROOT/<hash>/ from a metadata JSON file and .npy arrays; prints the directory.
     Write(WriteArgs),
+    /// Convert a dataset to another dtype (float32 <-> bfloat16 / float16) as ROOT/<hash>/,
+    /// streaming; prints the new directory. Run it again after a kill to resume.
+    Convert {
+        /// The dataset (a directory or an s3:// URL), complete.
+        src: PathBuf,
+        /// The dtype to store: float32 (f32, fp32), bfloat16 (bf16) or float16 (f16, fp16,
+        /// half). float32 is what saev's own loaders read; reduced types need protocol 2.1.
+        #[arg(long)]
+        dtype: String,
+        /// Root directory (or s3:// prefix); the dataset goes to ROOT/<hash of its metadata>/.
+        #[arg(long)]
+        out: PathBuf,
+        /// Refuse a row whose relative L2 rounding error exceeds this, or that overflows
+        /// (naming shard, example, layer and token); what was converted before it is kept.
+        #[arg(long)]
+        max_rel_error: Option<f64>,
+    },
     /// Export the ordered stream of one layer as an .npz (act, example_idx, token_idx).
     Export {
         /// The dataset directory.
@@ -60,8 +78,13 @@ pub enum SaevCmd {
         /// Output .npz path (written atomically).
         #[arg(long)]
         out: PathBuf,
+        /// `act` as float32 (the default: bfloat16 and float16 widen exactly), or `stored`:
+        /// float16 as '<f2'; bfloat16, which numpy has no type for, as its bits ('<u2')
+        /// named `act_bf16_bits` (`.view(ml_dtypes.bfloat16)` reads them).
+        #[arg(long, default_value = "float32")]
+        dtype: String,
     },
-    /// Print one vector as JSON.
+    /// Print one vector as JSON (float32: a reduced dataset's values widened exactly).
     Get {
         /// The dataset directory.
         dir: PathBuf,
@@ -76,7 +99,7 @@ pub enum SaevCmd {
         token: u64,
     },
     /// Make a synthetic dataset with coded values v[e,l,t,d] = 1000e + 100l + t + d/16.
-    Synth(SynthArgs),
+    Synth(SynthCmd),
     /// Run a loader over one epoch (from a saved state) and write what it yields to an .npz:
     /// example_idx, token_idx (and act with --with-acts), plus the final state.
     Stream {
@@ -204,6 +227,40 @@ pub struct WriteArgs {
     /// Continue an interrupted write of the same dataset.
     #[arg(long)]
     resume: bool,
+    #[command(flatten)]
+    store: DtypeArgs,
+}
+
+/// The stored type of a dataset being written (`saev write`, `saev synth`).
+#[derive(Args, Clone, Default)]
+pub struct DtypeArgs {
+    /// Store float32 (the default), bfloat16 (bf16) or float16 (fp16, half): float32 input is
+    /// rounded to nearest even, each shard's error recorded beside it. Reduced types need
+    /// protocol 2.1, and saev's own loaders read float32 only.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Refuse a row whose relative L2 rounding error exceeds this, or that overflows.
+    #[arg(long)]
+    pub max_rel_error: Option<f64>,
+}
+
+impl DtypeArgs {
+    /// The dtype asked for, if any (an unknown name: an error listing the accepted ones).
+    pub fn dtype(&self) -> Result<Option<precision::Dtype>> {
+        self.dtype
+            .as_deref()
+            .map(precision::Dtype::from_name)
+            .transpose()
+    }
+}
+
+/// Arguments of `saev synth`: the shape, and the stored type.
+#[derive(Args)]
+pub struct SynthCmd {
+    #[command(flatten)]
+    pub args: SynthArgs,
+    #[command(flatten)]
+    pub store: DtypeArgs,
 }
 
 /// Arguments of `saev synth`.
@@ -270,17 +327,27 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
             if json {
                 println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             } else {
-                crate::inspect_text::print(&v);
+                crate::inspect_text::print(&crate::saev_convert_cmd::precision_text(v, &dir));
             }
             Ok(true)
         }
         SaevCmd::Write(args) => write_cmd(args).map(|_| true),
+        SaevCmd::Convert {
+            src,
+            dtype,
+            out,
+            max_rel_error,
+        } => crate::saev_convert_cmd::convert(&src, &dtype, &out, max_rel_error).map(|_| true),
         SaevCmd::Export {
             dir,
             layer,
             tokens,
             out,
-        } => export(&dir, layer, tokens.parse()?, &out).map(|_| true),
+            dtype,
+        } => {
+            let stored = crate::saev_convert_cmd::export_stored(&dtype)?;
+            export(&dir, layer, tokens.parse()?, &out, stored).map(|_| true)
+        }
         SaevCmd::Get {
             dir,
             example,
@@ -318,7 +385,7 @@ pub fn run(cmd: SaevCmd) -> Result<bool> {
             || shardkit::saev::status(&dir),
             || shardkit::saev::commit_parts(&dir),
         ),
-        SaevCmd::Synth(args) => synth(&args).map(|p| {
+        SaevCmd::Synth(cmd) => synth_as(&cmd.args, &cmd.store).map(|p| {
             println!("{}", p.display());
             true
         }),
@@ -343,14 +410,29 @@ fn as_f32(bytes: &[u8]) -> std::borrow::Cow<'_, [f32]> {
     }
 }
 
-fn read_metadata(path: &Path) -> Result<Metadata> {
+/// The metadata file `path`, stored as `dtype` when given. `dtype` replaces a recorded
+/// "float32" (every saev metadata.json records it), not another reduced type.
+fn read_metadata(path: &Path, dtype: Option<precision::Dtype>) -> Result<Metadata> {
     let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-    let v = json::parse(&bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    let mut v = json::parse(&bytes).map_err(|e| Error::format(path, e.to_string()))?;
+    if let Some(dtype) = dtype {
+        let theirs = v.get("dtype").and_then(Value::as_str);
+        if let Some(t) = theirs.filter(|t| {
+            let t = precision::Dtype::parse(t);
+            t != Some(dtype) && t != Some(precision::Dtype::F32)
+        }) {
+            return Err(Error::format(
+                path,
+                format!("records \"dtype\": {t:?}, but --dtype asks for {dtype}; drop one"),
+            ));
+        }
+        v.set("dtype", Value::String(dtype.name().into()));
+    }
     Metadata::for_writing(&v).map_err(|e| Error::format(path, e.to_string()))
 }
 
 fn write_cmd(args: WriteArgs) -> Result<()> {
-    let md = read_metadata(&args.metadata)?;
+    let md = read_metadata(&args.metadata, args.store.dtype()?)?;
     let layout = Layout::new(&md, Path::new("metadata.json"))?;
     let (n, l, t, d, p) = (
         layout.n_examples,
@@ -400,7 +482,7 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
         md,
         WriterOptions {
             resume: args.resume,
-            ..Default::default()
+            max_rel_error: args.store.max_rel_error,
         },
     )?;
     match w.start() {
@@ -436,7 +518,9 @@ fn write_cmd(args: WriteArgs) -> Result<()> {
     Ok(())
 }
 
-fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
+/// Writes the `.npz` of `saev export`; `stored` keeps a reduced dataset's values as stored
+/// (see [`crate::saev_convert_cmd::stored_array`]) instead of widening them to float32.
+fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path, stored: bool) -> Result<()> {
     let ds = Dataset::open(dir)?;
     let view = ds.indexed(layer, mode)?;
     let layout = *ds.layout();
@@ -448,20 +532,35 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
         .map(|j| view.locate(j).map(|(_, t, c)| (t, c)))
         .collect::<Result<_>>()?;
     let d = layout.d_model as usize;
+    let (name, npy_type, size) = match stored {
+        true => crate::saev_convert_cmd::stored_array(layout.dtype),
+        false => ("act", Dtype::F32, 4),
+    };
     let mut npz = NpzWriter::create(out)?;
     let tmp = npz.tmp().to_path_buf();
     let io = |e| Error::io(&tmp, e);
-    let pb = progress::bar(Some(n * layout.d_model * 4), "exporting", Unit::Bytes);
+    let pb = progress::bar(Some(n * (d * size) as u64), "exporting", Unit::Bytes);
     {
-        let w = npz.start("act", Dtype::F32, &[n, d as u64])?;
+        let w = npz.start(name, npy_type, &[n, d as u64])?;
         let mut slab = vec![0f32; (layout.tokens * layout.d_model) as usize];
-        let mut rows: Vec<u8> = Vec::with_capacity(per as usize * d * 4);
+        let slab_bytes = (layout.tokens * layout.d_model) as usize * layout.dtype.size();
+        let mut raw = vec![0u8; if stored { slab_bytes } else { 0 }];
+        let mut rows: Vec<u8> = Vec::with_capacity(per as usize * d * size);
         for e in 0..layout.n_examples {
-            ds.read_slab_into(e, layer, &mut slab)?;
             rows.clear();
-            for &(t, _) in &tokens {
-                let v = &slab[t as usize * d..(t as usize + 1) * d];
-                rows.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+            if stored {
+                ds.read_slab_stored_into(e, layer, &mut raw)?;
+                for &(t, _) in &tokens {
+                    rows.extend_from_slice(
+                        &raw[t as usize * d * size..(t as usize + 1) * d * size],
+                    );
+                }
+            } else {
+                ds.read_slab_into(e, layer, &mut slab)?;
+                for &(t, _) in &tokens {
+                    let v = &slab[t as usize * d..(t as usize + 1) * d];
+                    rows.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+                }
             }
             w.write_all(&rows).map_err(io)?;
             pb.inc(rows.len() as u64);
@@ -513,6 +612,12 @@ fn export(dir: &Path, layer: i64, mode: TokenMode, out: &Path) -> Result<()> {
 /// 2.1 the base64 pickle saev writes), so saev loads the result and, with the fixtures' shapes
 /// and checkpoint, the directory equals the fixture byte for byte.
 pub fn synth_metadata(args: &SynthArgs) -> Result<Metadata> {
+    synth_metadata_as(args, precision::Dtype::F32)
+}
+
+/// [`synth_metadata`] of a dataset storing `dtype` (the same shards' examples: the default
+/// budget counts float32 bytes, so `synth --dtype` writes what `synth` then `convert` does).
+pub fn synth_metadata_as(args: &SynthArgs, dtype: precision::Dtype) -> Result<Metadata> {
     let t = args.content_tokens + u64::from(!args.no_cls);
     let per_example = t * args.layers.len() as u64;
     // Default budget: shards of about 256 MiB.
@@ -562,6 +667,9 @@ pub fn synth_metadata(args: &SynthArgs) -> Result<Metadata> {
         ("data".into(), data),
     ];
     members.extend(extra.into_iter().map(|(k, v)| (k.to_string(), v)));
+    if dtype.is_reduced() {
+        members.push(("dtype".into(), Value::String(dtype.name().into())));
+    }
     members.push(("protocol".into(), Value::String(args.protocol.clone())));
     Metadata::for_writing(&Value::Object(members))
 }
@@ -587,7 +695,14 @@ fn coded_labels(first: u64, n: u64, p: u64) -> Vec<u8> {
 
 /// Writes the synthetic dataset (or .npy inputs) of `args` and returns where it went.
 pub fn synth(args: &SynthArgs) -> Result<PathBuf> {
-    let md = synth_metadata(args)?;
+    synth_as(args, &DtypeArgs::default())
+}
+
+/// [`synth`] storing the dtype `store` names (float32 by default), rounding the coded float32
+/// values; with `--npy` the metadata records it and acts.npy stays float32 (what `saev write`
+/// takes).
+pub fn synth_as(args: &SynthArgs, store: &DtypeArgs) -> Result<PathBuf> {
+    let md = synth_metadata_as(args, store.dtype()?.unwrap_or_default())?;
     let layout = Layout::new(&md, Path::new("metadata.json"))?;
     let (n, l, t, d, p) = (
         layout.n_examples,
@@ -637,7 +752,7 @@ pub fn synth(args: &SynthArgs) -> Result<PathBuf> {
         md,
         WriterOptions {
             resume: args.resume,
-            ..Default::default()
+            max_rel_error: store.max_rel_error,
         },
     )?;
     let pb = progress::bar(Some(n * eb), "writing", Unit::Bytes);

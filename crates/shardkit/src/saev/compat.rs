@@ -231,8 +231,8 @@ pub(crate) fn check(md: &Value, protocol: &str, writing: bool) -> Findings {
                 f.reduced = Some(t);
                 f.warnings.push(format!(
                     "dtype {d}: shardkit's reduced-precision dialect of protocol 2.1; saev does \
-                     not load it ({who} declares `dtype: Literal[\"float32\"]`); \
-                     `shardkit saev convert --dtype float32` writes a copy saev loads"
+                     not load it ({who} declares `dtype: Literal[\"float32\"]`); `shardkit saev \
+                     convert DIR --dtype float32 --out ROOT` writes a copy saev loads"
                 ));
             }
             Some(Dtype::F32) if d == "float32" => {}

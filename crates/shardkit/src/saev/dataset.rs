@@ -12,6 +12,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
+use crate::io::local::{plan_reads, read_all, Files};
 use crate::io::ReadRange;
 use crate::io::{self, Location, Source};
 use crate::precision::{self, Dtype};
@@ -244,6 +245,18 @@ fn from_le_in_place(out: &mut [f32]) {
         for v in out.iter_mut() {
             *v = f32::from_bits(v.to_bits().swap_bytes());
         }
+    }
+}
+
+/// The dataset's local shard files, as the parallel reader takes them.
+struct ShardFiles<'a>(&'a Dataset);
+
+impl Files for ShardFiles<'_> {
+    fn file(&self, i: u32) -> Result<&File> {
+        self.0.shard_file(u64::from(i))
+    }
+    fn path(&self, i: u32) -> PathBuf {
+        self.0.shard_path(u64::from(i))
     }
 }
 
@@ -531,6 +544,94 @@ impl Dataset {
         self.read_shard_at(s, off, out)
     }
 
+    /// [`Dataset::read_slab_into`] as stored: `T·D` values of the dataset's
+    /// [`dtype`](Layout::dtype), little-endian bytes.
+    pub fn read_slab_stored_into(&self, example: u64, layer: i64, out: &mut [u8]) -> Result<()> {
+        let slot = self.md.layer_slot(layer)?;
+        self.check_example(example)?;
+        if out.len() as u64 != self.layout.slab_bytes() {
+            return Err(Error::Invalid(format!(
+                "read_slab_stored_into: need a buffer of T*D*{} = {} bytes",
+                self.layout.dtype.size(),
+                self.layout.slab_bytes()
+            )));
+        }
+        let (s, _) = self.layout.locate(example);
+        let off = self.layout.offset(example, slot as u64, 0);
+        self.read_shard_bytes(s, off, out)
+    }
+
+    /// Reads whole examples from `first` as stored into `out` (`k` examples: `k` times
+    /// `L·T·D` little-endian values of the dataset's [`dtype`](Layout::dtype), C order
+    /// `(k, L, T, D)`), across shards as needed. The bytes of consecutive examples lie
+    /// together in a shard, so this is a few large reads: split over threads for local shards,
+    /// concurrent ranged GETs for a store (what a conversion or a copy streams through).
+    pub fn read_examples_stored(&self, first: u64, out: &mut [u8]) -> Result<()> {
+        let eb = self.layout.example_bytes();
+        let n = out.len() as u64 / eb.max(1);
+        if eb == 0 || n * eb != out.len() as u64 {
+            return Err(Error::Invalid(format!(
+                "read_examples_stored: the buffer holds {} bytes, not a whole number of examples \
+                 ({eb} bytes each)",
+                out.len()
+            )));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.check_example(first)?;
+        self.check_example(first + n - 1)?;
+        let eps = self.layout.examples_per_shard;
+        let mut ranges = Vec::new();
+        let mut e = first;
+        while e < first + n {
+            let (s, k) = (e / eps, e % eps);
+            let count = (eps - k).min(first + n - e);
+            ranges.push(ReadRange {
+                file: s as u32,
+                offset: k * eb,
+                len: count * eb,
+                dst: (e - first) * eb,
+            });
+            e += count;
+        }
+        match &self.remote {
+            Some((remote, names)) => remote.read_into(names, &ranges, out, &io::Stop::never()),
+            None => read_all(
+                &ShardFiles(self),
+                &plan_reads(ranges),
+                out,
+                crate::config::available_cores(),
+                false,
+            ),
+        }
+    }
+
+    /// [`Dataset::read_examples_stored`] widened to float32 (exact): `out` holds `k` whole
+    /// examples, `k·L·T·D` values.
+    pub fn read_examples_into(&self, first: u64, out: &mut [f32]) -> Result<()> {
+        let ev = self.layout.example_values() as usize;
+        if ev == 0 || !out.len().is_multiple_of(ev) {
+            return Err(Error::Invalid(format!(
+                "read_examples_into: the buffer holds {} values, not a whole number of examples \
+                 (L*T*D = {ev} each)",
+                out.len()
+            )));
+        }
+        match self.layout.dtype {
+            Dtype::F32 => {
+                self.read_examples_stored(first, f32_bytes_mut(out))?;
+                from_le_in_place(out);
+            }
+            dtype => {
+                let mut stored = vec![0u8; out.len() * dtype.size()];
+                self.read_examples_stored(first, &mut stored)?;
+                precision::decode(dtype, &stored, out);
+            }
+        }
+        Ok(())
+    }
+
     /// One vector: `example`, recorded layer value `layer`, stored token slot `token` (slot 0 is
     /// CLS when the dataset has one).
     pub fn get(&self, example: u64, layer: i64, token: u64) -> Result<Vec<f32>> {
@@ -633,6 +734,38 @@ impl Dataset {
         let path = self.dir.join("labels.bin");
         f.read_exact_at(out, example * self.layout.content_tokens)
             .map_err(|e| Error::io(&path, e))?;
+        Ok(true)
+    }
+
+    /// The labels of examples `first..first + k` (`k·P` bytes, `out.len()` a multiple of
+    /// `P`) into `out`; `false` (and `out` untouched) when the dataset has no labels.
+    pub fn read_labels_run(&self, first: u64, out: &mut [u8]) -> Result<bool> {
+        let p = self.layout.content_tokens;
+        if !self.has_labels() || out.is_empty() {
+            return Ok(self.has_labels());
+        }
+        let k = out.len() as u64 / p.max(1);
+        if p == 0 || k * p != out.len() as u64 {
+            return Err(Error::Invalid(format!(
+                "read_labels_run: the buffer holds {} bytes, not a multiple of P = {p}",
+                out.len()
+            )));
+        }
+        self.check_example(first)?;
+        self.check_example(first + k - 1)?;
+        match (&self.labels, &self.remote) {
+            (Some(f), _) => read_bytes_at(f, &self.dir.join("labels.bin"), first * p, out)?,
+            (None, Some((remote, names))) => {
+                let r = ReadRange {
+                    file: names.len() as u32 - 1,
+                    offset: first * p,
+                    len: out.len() as u64,
+                    dst: 0,
+                };
+                remote.read_into(names, &[r], out, &io::Stop::never())?;
+            }
+            (None, None) => return Err(Error::Internal("internal: no labels.bin".into())),
+        }
         Ok(true)
     }
 

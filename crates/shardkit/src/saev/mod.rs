@@ -5,6 +5,7 @@
 //!     metadata.json         the configuration (keys and bytes per protocol version)
 //!     shards.json           [{"name": "acts000000.bin", "n_examples": k}, ...]
 //!     acts000000.bin ...    float32 LE, C order (examples_per_shard, L, T, D), all full size
+//!                           (bfloat16 / float16 LE in shardkit's dialect of 2.1; see [`convert`])
 //!     acts000000.error.json ...  bfloat16/float16 datasets only: each shard's rounding error
 //!     labels.bin            optional uint8 (N, P), content tokens only
 //! ```
@@ -47,6 +48,7 @@
 //! ```
 
 mod compat;
+mod convert;
 mod dataset;
 mod follow;
 mod layout;
@@ -62,6 +64,9 @@ mod writer;
 
 pub use crate::engine::LoaderState;
 pub use compat::fake_dataset_data;
+pub use convert::{
+    convert, converted_metadata, ConvertOptions, ConvertProgress, ProgressFn, DEFAULT_CHUNK_BYTES,
+};
 pub use dataset::{Dataset, Indexed, Row, TokenMode};
 pub use follow::{FollowOptions, RoundBroadcast, WaitCheck};
 pub use layout::Layout;
