@@ -307,6 +307,36 @@ def test_loaders_serve_rows_as_stored_or_widened(tmp_path, dtype):
     assert "dtype='float32'" in repr(b) and b.stored_dtype == dtype
 
 
+def test_a_follow_loader_reads_a_bfloat16_dataset_while_its_ranks_write_it(tmp_path):
+    import threading
+    import time
+
+    x = activations()
+    with saev.PartWriter(tmp_path, MD, rank=0, world_size=2, dtype="bf16", progress=False) as first:
+        first.write(x[0:4])  # shards 0 and 1 of 3: rank 1 owes shard 2
+    assert not saev.status(first.path)["committed"]
+
+    def rank1():
+        time.sleep(0.5)
+        with saev.PartWriter(tmp_path, MD, rank=1, world_size=2, dtype="bf16", progress=False) as w:
+            w.write(x[4:6])
+
+    writer = threading.Thread(target=rank1)
+    writer.start()
+    loader = saev.Loader(first.path, layer=7, batch_size=5, seed=2, follow=True, follow_timeout=60, rank=0,
+                         world_size=1)
+    got = {}
+    for b in loader:
+        assert b["act"].dtype == BF16 and not b["act"].flags.owndata  # a view of the loader's buffer
+        for e, t, act in zip(b["example_idx"].tolist(), b["token_idx"].tolist(), bits(b["act"])):
+            assert (e, t) not in got
+            got[(e, t)] = act
+    writer.join()
+    assert saev.status(first.path)["committed"] and len(got) == N * T
+    for (e, t), act in got.items():
+        np.testing.assert_array_equal(act, bits(x[e, 1, t].astype(BF16)))
+
+
 def test_bfloat16_as_stored_without_ml_dtypes_says_what_to_do(tmp_path, monkeypatch):
     w = write(tmp_path, activations(), dtype="bf16")
     monkeypatch.setattr(saev, "_BF16", None)
@@ -436,6 +466,53 @@ def test_the_recorder_writes_bfloat16_rows_equal_to_the_float32_recording_rounde
     assert info["dtype"] == "bfloat16" and 0 < info["precision"]["max_rel_l2_error"] <= 0.01
     assert info["precision"]["rows"] == 7 * 2 * 17
     assert saev.validate(out["bf16"])["valid"]
+
+
+def test_a_recorder_over_max_rel_error_fails_naming_the_row_and_a_restart_finishes(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from shardkit.record import ActivationRecorder
+
+    torch.manual_seed(0)
+    model = transformers.ViTModel(transformers.ViTConfig(**TINY)).eval()
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(4))
+    md = {"family": "clip", "ckpt": "tiny"}
+
+    def run(**kw):
+        with ActivationRecorder(model, str(tmp_path), layers=[0], n_examples=4, metadata=md, rank=0, world_size=1,
+                                dtype="fp16", **kw) as rec:
+            for first, end in rec.batches(2):
+                rec(x[first:end])
+        return rec
+
+    # A bound of 0 refuses the first row float16 rounds: the batch fails, nothing of it is stored.
+    with pytest.raises(InvalidArgumentError, match=r"acts000000\.bin: example 0 \(row 0 of the shard\), layer 0, "
+                                                     r"token slot \d+: its relative L2 error is .* above max_rel_error = 0 "
+                                                     r"for float16; nothing of this write was stored"):
+        run(max_rel_error=0.0)
+    rec = run()  # the same dataset (the bound is no part of it), finished by a restart
+    assert saev.status(rec.path)["committed"] and rec.dtype == "float16"
+    assert saev.inspect(rec.path)["precision"]["rows"] == 4 * 17
+
+
+def test_the_text_recorder_writes_bfloat16(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from shardkit.record import TextRecorder
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, intermediate_size=32, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (5, 8), generator=torch.Generator().manual_seed(1))
+    paths = {}
+    for dtype in ("float32", "bf16"):
+        with TextRecorder(model, str(tmp_path / dtype), layers=[1], n_examples=5, context=8, dtype=dtype,
+                          metadata={"max_tokens_per_shard": 16}, rank=0, world_size=1) as rec:
+            for first, end in rec.batches(2):
+                rec(ids[first:end])
+        paths[dtype] = rec.path
+    assert rec.dtype == "bfloat16" and saev.open(paths["bf16"]).dtype == "bfloat16"
+    np.testing.assert_array_equal(bits(stored_rows(paths["bf16"], BF16)),
+                                  bits(stored_rows(paths["float32"], np.float32).astype(BF16)))
 
 
 def test_the_command_line_records_with_store_dtype(tmp_path, capsys):
