@@ -102,7 +102,7 @@ def test_rows_are_stored_as_numpy_rounds_them_and_read_back_as_stored_or_widened
     w = write(tmp_path, x, dtype=alias)
     with np.errstate(over="ignore"):  # float16's overflows: infinities, as stored
         want = x.astype(NP[dtype])
-    assert w.dtype == dtype and json.loads((Path(w.path) / "metadata.json").read_text())["dtype"] == dtype
+    assert w.dtype == dtype and f"dtype={dtype!r}" in repr(w) and json.loads((Path(w.path) / "metadata.json").read_text())["dtype"] == dtype
     for s in range(3):  # the shard files hold numpy's bytes
         assert (Path(w.path) / f"acts{s:06d}.bin").read_bytes() == want[2 * s:2 * s + 2].tobytes()
     ds = saev.open(w.path)
@@ -196,7 +196,7 @@ def test_max_rel_error_refuses_naming_the_shard_and_row_stores_nothing_and_the_w
     big[4, 0, 3, 5] = 1e5
     with saev.PartWriter(tmp_path / "parts", MD, rank=0, world_size=1, dtype="float16", max_rel_error=1.0,
                          progress=False) as pw:
-        assert pw.dtype == "float16"
+        assert pw.dtype == "float16" and "dtype='float16'" in repr(pw)
         pw.write(exact[:4])
         with pytest.raises(InvalidArgumentError, match=r"acts000002\.bin: example 4 \(row 0 of the shard\), layer 3, "
                                                          r"token slot 3: 1 value\(s\) of the row overflow to infinity"):

@@ -218,7 +218,8 @@ class Writer(Closing[str]):
     def __repr__(self) -> str:
         n = self._w.shape["n_examples"]
         state = "closed" if self._closed else "open"
-        return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}, {state})"
+        dt = "" if self.dtype == "float32" else f", dtype={self.dtype!r}"
+        return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}{dt}, {state})"
 
 
 class PartWriter(Parting):
@@ -308,8 +309,9 @@ class PartWriter(Parting):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         first, end = self.examples
+        dt = "" if self.dtype == "float32" else f", dtype={self.dtype!r}"
         return (f"saev.PartWriter({self._path!r}, rank={self.rank}, world_size={self.world_size}, "
-                f"examples={first}..{end}, {state})")
+                f"examples={first}..{end}{dt}, {state})")
 
 
 def status(path: PathLike) -> Dict[str, Any]:
