@@ -84,7 +84,9 @@ pub(crate) fn py_error(class: &str, msg: impl Into<String>) -> PyErr {
 }
 
 pub(crate) enum Storage {
-    Engine(Buffer),
+    /// A batch buffer of the engine holding values of the buffer-protocol format (and item
+    /// size) given.
+    Engine(Buffer, (&'static CStr, isize)),
     F32(Vec<f32>),
     I64(Vec<i64>),
     U32(Vec<u32>),
@@ -126,6 +128,23 @@ pub(crate) fn format(d: safetensors::Dtype) -> PyResult<(&'static CStr, isize)> 
         Dtype::F32 => (c"f", 4),
         Dtype::F16 => (c"e", 2),
         Dtype::BF16 => (c"H", 2),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "dtype {other} has no buffer-protocol format here"
+            )))
+        }
+    })
+}
+
+/// The buffer-protocol format of a stored activation type: bfloat16 as its uint16 bit pattern
+/// (the Python wrappers view it as `ml_dtypes.bfloat16` or `torch.bfloat16`), float16 as
+/// numpy's `e`.
+pub(crate) fn value_format(d: shardkit::precision::Dtype) -> PyResult<(&'static CStr, isize)> {
+    use shardkit::precision::Dtype;
+    Ok(match d {
+        Dtype::F32 => (c"f", 4),
+        Dtype::BF16 => (c"H", 2),
+        Dtype::F16 => (c"e", 2),
         other => {
             return Err(PyValueError::new_err(format!(
                 "dtype {other} has no buffer-protocol format here"
@@ -259,7 +278,7 @@ impl RustBuffer {
             )
         }
         match &self.storage {
-            Storage::Engine(b) => (b.as_ptr(), b.len(), c"f", 4),
+            Storage::Engine(b, (format, item)) => (b.as_ptr(), b.len(), format, *item),
             Storage::F32(v) => raw(v, c"f"),
             Storage::I64(v) => raw(v, c"q"),
             Storage::U32(v) => raw(v, c"I"),

@@ -6,13 +6,54 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use shardkit::engine::Order;
 use shardkit::json;
+use shardkit::precision::Dtype;
 use shardkit::saev;
 
 use crate::loader::{rank_world, state_dict, state_from_dict, BatchIter, IntoDict};
 use crate::{
-    contiguous, drop_without_gil, external_pool, json_of, obj, py_error, record, to_py, RustBuffer,
-    SendSlice, Storage,
+    contiguous, drop_without_gil, external_pool, json_of, obj, py_error, record, to_py,
+    value_format, RustBuffer, SendSlice, Storage,
 };
+
+/// The metadata a writer writes: `metadata_json` (what the user gave) with the stored element
+/// type `dtype` when one is given. A `dtype` key in the metadata that names another type is
+/// refused (naming both), not silently overridden.
+fn writing_metadata(metadata_json: &str, dtype: Option<&str>) -> PyResult<saev::Metadata> {
+    let v = json::parse(metadata_json.as_bytes())
+        .map_err(|e| py_error("InvalidArgumentError", format!("metadata: {e}")))?;
+    let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
+    let Some(name) = dtype else {
+        return Ok(md);
+    };
+    let want = Dtype::from_name(name).map_err(to_py)?;
+    if want == md.dtype() {
+        return Ok(md);
+    }
+    if let Some(given) = v.get("dtype") {
+        return Err(py_error(
+            "InvalidArgumentError",
+            format!(
+                "dtype={name:?} contradicts the metadata's \"dtype\": {}; give one of them",
+                json_of(given)
+            ),
+        ));
+    }
+    md.with_dtype(want).map_err(to_py)
+}
+
+/// A writer's `max_rel_error`: a relative L2 error (finite, >= 0), or None for no bound.
+fn rel_error_bound(bound: Option<f64>) -> PyResult<Option<f64>> {
+    match bound {
+        Some(b) if !(b.is_finite() && b >= 0.0) => Err(py_error(
+            "InvalidArgumentError",
+            format!(
+                "max_rel_error must be a finite number >= 0 (the largest relative L2 error \
+                 ||x - q|| / ||x|| of a row, e.g. 0.01), got {b}"
+            ),
+        )),
+        b => Ok(b),
+    }
+}
 
 /// Runs `write` on the examples `acts` and `labels` hold, without the GIL (the buffers are
 /// the exporters' views, held for the call).
@@ -51,6 +92,7 @@ pub struct Writer {
     start: String,
     shape: (usize, usize, usize, usize),
     content_tokens: usize,
+    dtype: Dtype,
 }
 
 impl Drop for Writer {
@@ -64,16 +106,18 @@ impl Drop for Writer {
 #[pymethods]
 impl Writer {
     #[new]
-    #[pyo3(signature = (root, metadata_json, resume=false))]
+    #[pyo3(signature = (root, metadata_json, resume=false, dtype=None, max_rel_error=None))]
     fn new(
         py: Python<'_>,
         root: std::path::PathBuf,
         metadata_json: &str,
         resume: bool,
+        dtype: Option<&str>,
+        max_rel_error: Option<f64>,
     ) -> PyResult<Self> {
-        let v = json::parse(metadata_json.as_bytes())
-            .map_err(|e| py_error("InvalidArgumentError", format!("metadata: {e}")))?;
-        let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
+        let md = writing_metadata(metadata_json, dtype)?;
+        let max_rel_error = rel_error_bound(max_rel_error)?;
+        let dtype = md.dtype();
         let layout =
             saev::Layout::new(&md, std::path::Path::new("metadata.json")).map_err(to_py)?;
         let shape = (
@@ -90,7 +134,7 @@ impl Writer {
                     md,
                     saev::WriterOptions {
                         resume,
-                        ..Default::default()
+                        max_rel_error,
                     },
                 )
             })
@@ -106,7 +150,14 @@ impl Writer {
             start,
             shape,
             content_tokens,
+            dtype,
         })
+    }
+
+    /// The stored element type ("float32", "bfloat16" or "float16").
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
     }
 
     /// The dataset directory.
@@ -244,6 +295,7 @@ impl Dataset {
                 ("cls_token", obj(py, l.cls)?),
                 ("examples_per_shard", obj(py, l.examples_per_shard)?),
                 ("n_shards", obj(py, l.n_shards)?),
+                ("dtype", obj(py, l.dtype.name())?),
             ],
         )
     }
@@ -262,22 +314,37 @@ impl Dataset {
     fn warnings(&self) -> Vec<String> {
         self.inner.warnings().to_vec()
     }
-    /// One vector (D,) of (example, recorded layer, token slot).
-    fn get(&self, py: Python<'_>, example: i64, layer: i64, token: i64) -> PyResult<RustBuffer> {
+    /// One vector (D,) of (example, recorded layer, token slot): float32 (widened from a
+    /// reduced stored type), or with `stored` the stored values.
+    #[pyo3(signature = (example, layer, token, stored=false))]
+    fn get(
+        &self,
+        py: Python<'_>,
+        example: i64,
+        layer: i64,
+        token: i64,
+        stored: bool,
+    ) -> PyResult<RustBuffer> {
         let (e, t) = (index(example, "example")?, index(token, "token")?);
+        if stored && self.inner.layout().dtype.is_reduced() {
+            return self.stored_rows(py, &[(e, layer, t)], &[self.d_model()]);
+        }
         let v = py
             .allow_threads(|| self.inner.get(e, layer, t))
             .map_err(to_py)?;
         let d = v.len();
         Ok(RustBuffer::new(Storage::F32(v), &[d]))
     }
-    /// Many vectors (n, D): coordinates given as three equal-length sequences.
+    /// Many vectors (n, D): coordinates given as three equal-length sequences; float32, or
+    /// with `stored` the stored values.
+    #[pyo3(signature = (examples, layers, tokens, stored=false))]
     fn take(
         &self,
         py: Python<'_>,
         examples: Vec<i64>,
         layers: Vec<i64>,
         tokens: Vec<i64>,
+        stored: bool,
     ) -> PyResult<RustBuffer> {
         if examples.len() != layers.len() || examples.len() != tokens.len() {
             return Err(py_error(
@@ -298,10 +365,13 @@ impl Dataset {
                 index(tokens[i], "token")?,
             ));
         }
+        let d = self.d_model();
+        if stored && self.inner.layout().dtype.is_reduced() {
+            return self.stored_rows(py, &coords, &[coords.len(), d]);
+        }
         let v = py
             .allow_threads(|| self.inner.take(&coords))
             .map_err(to_py)?;
-        let d = self.inner.layout().d_model as usize;
         Ok(RustBuffer::new(Storage::F32(v), &[coords.len(), d]))
     }
     /// Rows of saev's indexed view for (layer, tokens).
@@ -310,13 +380,15 @@ impl Dataset {
         Ok(self.inner.indexed(layer, mode).map_err(to_py)?.len())
     }
     /// Row `i` of saev's indexed view: {"act", "example_idx", "token_idx", "token_label"
-    /// (None without labels)}.
+    /// (None without labels)}; `act` float32, or with `stored` the stored values.
+    #[pyo3(signature = (layer, tokens, i, stored=false))]
     fn indexed_get<'py>(
         &self,
         py: Python<'py>,
         layer: i64,
         tokens: &str,
         i: i64,
+        stored: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let mode: saev::TokenMode = tokens.parse().map_err(to_py)?;
         let view = self.inner.indexed(layer, mode).map_err(to_py)?;
@@ -333,18 +405,41 @@ impl Dataset {
         }
         let row = py.allow_threads(|| view.get(i as u64)).map_err(to_py)?;
         let d = row.act.len();
+        let act = if stored && self.inner.layout().dtype.is_reduced() {
+            let (e, t, _) = view.locate(i as u64).map_err(to_py)?;
+            self.stored_rows(py, &[(e, layer, t)], &[d])?
+        } else {
+            RustBuffer::new(Storage::F32(row.act), &[d])
+        };
         record(
             py,
             [
-                (
-                    "act",
-                    obj(py, RustBuffer::new(Storage::F32(row.act), &[d]))?,
-                ),
+                ("act", obj(py, act)?),
                 ("example_idx", obj(py, row.example_idx)?),
                 ("token_idx", obj(py, row.token_idx)?),
                 ("token_label", obj(py, row.token_label)?),
             ],
         )
+    }
+}
+
+impl Dataset {
+    fn d_model(&self) -> usize {
+        self.inner.layout().d_model as usize
+    }
+
+    /// The stored values of the vectors at `coords`, as an array of `shape`.
+    fn stored_rows(
+        &self,
+        py: Python<'_>,
+        coords: &[(u64, i64, u64)],
+        shape: &[usize],
+    ) -> PyResult<RustBuffer> {
+        let (format, item) = value_format(self.inner.layout().dtype)?;
+        let bytes = py
+            .allow_threads(|| self.inner.take_stored(coords))
+            .map_err(to_py)?;
+        Ok(RustBuffer::new(Storage::Bytes(bytes, format, item), shape))
     }
 }
 
@@ -421,7 +516,7 @@ impl Loader {
     #[pyo3(signature = (path, layer, tokens="content", batch_size=16384, order=None,
         seed=0, epoch=0, rank=None, world_size=None, drop_last=false, memory_budget=None,
         ignore_labels=Vec::new(), io_threads=16, direct_io=false, threads=0, verify=false,
-        follow=false, follow_timeout=None, follow_broadcast=None))]
+        follow=false, follow_timeout=None, follow_broadcast=None, upcast=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -444,6 +539,7 @@ impl Loader {
         follow: bool,
         follow_timeout: Option<f64>,
         follow_broadcast: Option<PyObject>,
+        upcast: bool,
     ) -> PyResult<Self> {
         let layer = if let Ok(s) = layer.extract::<String>() {
             s.parse::<saev::LayerSel>().map_err(to_py)?
@@ -475,6 +571,7 @@ impl Loader {
         o.threads = threads;
         o.verify = verify;
         o.follow = follow_options(follow, follow_timeout, follow_broadcast)?;
+        o.upcast = upcast;
         let inner = py
             .allow_threads(|| saev::Loader::new(path, o))
             .map_err(to_py)?;
@@ -514,10 +611,23 @@ impl Loader {
     fn set_epoch(&mut self, epoch: u64) -> PyResult<()> {
         self.inner.set_epoch(epoch).map_err(to_py)
     }
-    /// Bytes of the `act` buffer of a full batch.
+    /// The type of the `act` values served: the stored type, or float32 with `upcast`.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.served().name()
+    }
+    /// The dataset's stored type.
+    #[getter]
+    fn stored_dtype(&self) -> &'static str {
+        self.inner.dataset().layout().dtype.name()
+    }
+    /// Bytes of the `act` buffer of a full batch (of the type served: a bfloat16 batch is half
+    /// a float32 one).
     #[getter]
     fn batch_bytes(&self) -> u64 {
-        self.inner.options().batch_size * self.inner.dataset().layout().d_model * 4
+        self.inner.options().batch_size
+            * self.inner.dataset().layout().d_model
+            * self.served().size() as u64
     }
     /// Gathers batches into caller-owned memory from now on (internal: shardkit.torch passes
     /// pinned tensors held by `keeper`).
@@ -548,7 +658,7 @@ impl Loader {
             let mut bytes = 0u64;
             for b in self.inner.iter()? {
                 let b = b?;
-                bytes += (b.n * b.d_model * 4) as u64;
+                bytes += (b.n * b.d_model * b.dtype.size()) as u64;
             }
             Ok(bytes)
         })
@@ -563,7 +673,17 @@ impl Loader {
     }
 }
 
-/// `shardkit saev validate --json` as a JSON string.
+impl Loader {
+    /// The type of the values batches hold.
+    fn served(&self) -> Dtype {
+        if self.inner.options().upcast {
+            Dtype::F32
+        } else {
+            self.inner.dataset().layout().dtype
+        }
+    }
+}
+
 /// Writer of one rank's part of a saev dataset that several processes write together.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct PartWriter {
@@ -573,6 +693,7 @@ pub struct PartWriter {
     examples: (u64, u64),
     shape: (usize, usize, usize, usize),
     content_tokens: usize,
+    dtype: Dtype,
 }
 
 impl Drop for PartWriter {
@@ -604,23 +725,27 @@ pub(crate) fn status_json(st: &shardkit::PartsStatus) -> String {
 #[pymethods]
 impl PartWriter {
     #[new]
-    #[pyo3(signature = (root, metadata_json, rank=None, world_size=None))]
+    #[pyo3(signature = (root, metadata_json, rank=None, world_size=None, dtype=None,
+        max_rel_error=None))]
     fn new(
         py: Python<'_>,
         root: std::path::PathBuf,
         metadata_json: &str,
         rank: Option<u64>,
         world_size: Option<u64>,
+        dtype: Option<&str>,
+        max_rel_error: Option<f64>,
     ) -> PyResult<Self> {
-        let v = json::parse(metadata_json.as_bytes())
-            .map_err(|e| py_error("InvalidArgumentError", format!("metadata: {e}")))?;
-        let md = saev::Metadata::for_writing(&v).map_err(to_py)?;
+        let md = writing_metadata(metadata_json, dtype)?;
+        let max_rel_error = rel_error_bound(max_rel_error)?;
+        let dtype = md.dtype();
         let layout =
             saev::Layout::new(&md, std::path::Path::new("metadata.json")).map_err(to_py)?;
         let rank = rank_of(rank, world_size)?;
-        let w = py
+        let mut w = py
             .allow_threads(|| saev::PartWriter::create(root, md, rank))
             .map_err(to_py)?;
+        w.set_max_rel_error(max_rel_error);
         let examples = w.examples();
         Ok(PartWriter {
             path: w.path().display().to_string(),
@@ -633,8 +758,15 @@ impl PartWriter {
                 layout.d_model as usize,
             ),
             content_tokens: layout.content_tokens as usize,
+            dtype,
             inner: Some(w),
         })
+    }
+
+    /// The stored element type ("float32", "bfloat16" or "float16").
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.dtype.name()
     }
 
     /// The dataset directory.
@@ -731,6 +863,7 @@ fn commit_parts(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
         .map_err(to_py)
 }
 
+/// `shardkit saev validate --json` as a JSON string.
 #[pyfunction]
 fn validate(py: Python<'_>, path: std::path::PathBuf) -> String {
     let r = py.allow_threads(|| saev::validate(&path));
@@ -757,7 +890,10 @@ impl IntoDict for saev::Batch {
                     "act",
                     crate::obj(
                         py,
-                        RustBuffer::new(Storage::Engine(self.act), &[n, self.d_model]),
+                        RustBuffer::new(
+                            Storage::Engine(self.act, value_format(self.dtype)?),
+                            &[n, self.d_model],
+                        ),
                     )?,
                 ),
                 ("example_idx", crate::obj(py, i64s(self.example_idx))?),

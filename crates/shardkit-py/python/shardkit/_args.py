@@ -168,6 +168,52 @@ def optional_path(name: str, value: Any) -> Optional[str]:
     return None if value is None else path(name, value)
 
 
+#: The names of the value types activations are stored in, and what each is called.
+_DTYPES = {
+    "float32": "float32", "f32": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "f16": "float16", "fp16": "float16", "half": "float16",
+}
+
+
+def dtype(name: str, value: Any) -> Optional[str]:
+    """A stored value type as its canonical name (``"float32"``, ``"bfloat16"``,
+    ``"float16"``), or None: a name (``"bf16"``, ``"fp16"``, ...), a numpy dtype (``ml_dtypes``'
+    bfloat16 included) or a torch dtype (``torch.bfloat16``)."""
+    if value is None:
+        return None
+    allowed = "'float32', 'bfloat16' ('bf16') or 'float16' ('fp16'), or the numpy/torch dtype"
+    if isinstance(value, str):
+        text = value
+    elif type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        text = str(value).replace("torch.", "", 1)
+    elif isinstance(value, bool):
+        raise InvalidArgumentTypeError(f"{name} must be {allowed}, got {_show(value)} ({_kind(value)})")
+    else:
+        try:
+            text = np.dtype(value).name
+        except TypeError:
+            raise InvalidArgumentTypeError(f"{name} must be {allowed}, got {_show(value)} ({_kind(value)})") from None
+    canonical = _DTYPES.get(text.lower())
+    if canonical is None:
+        raise InvalidArgumentError(f"{name} must be {allowed}, got {_show(value)}{_suggest(text, list(_DTYPES))}")
+    return canonical
+
+
+def rel_error(name: str, value: Any) -> Optional[float]:
+    """A bound on a row's relative L2 rounding error: a finite number >= 0, or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentTypeError(
+            f"{name} must be a number (a row's relative L2 error, e.g. 0.01) or None, got {_show(value)} ({_kind(value)})")
+    v = float(value)
+    if not (0.0 <= v < float("inf")):
+        raise InvalidArgumentError(
+            f"{name} must be a finite number >= 0 (a row's relative L2 error ||x - q|| / ||x||, e.g. 0.01), got {value!r}")
+    return v
+
+
 def callback(name: str, value: Any) -> Any:
     """``progress``-style arguments: None, a bool, or a callable."""
     if value is None or isinstance(value, bool) or callable(value):

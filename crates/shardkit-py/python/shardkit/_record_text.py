@@ -84,6 +84,8 @@ class TextRecorder:
         world_size: Optional[int] = None,
         buffers: int = 4,
         progress: Any = None,
+        dtype: Any = None,
+        max_rel_error: Optional[float] = None,
     ) -> None:
         from .record import ActivationRecorder
 
@@ -96,7 +98,8 @@ class TextRecorder:
         self._acts = ActivationRecorder(
             model, root, layers=layers, n_examples=n_examples, metadata=md, modules=modules, capture=capture,
             cls_token=False, content_tokens=self._context, prefix_tokens=0, d_model=d_model, rank=rank,
-            world_size=world_size, buffers=buffers, processor=tokenizer, inputs=inputs, progress=progress)
+            world_size=world_size, buffers=buffers, processor=tokenizer, inputs=inputs, progress=progress,
+            dtype=dtype, max_rel_error=max_rel_error)
         try:
             self._ids = flat_tokens.PartWriter(
                 os.path.join(self._acts.path, TOKEN_IDS), SPLIT, n_examples,
@@ -114,6 +117,11 @@ class TextRecorder:
     def path(self) -> str:
         """The dataset directory (``root/<hash>``)."""
         return self._acts.path
+
+    @property
+    def dtype(self) -> str:
+        """The stored value type of the activations (``"float32"``, ``"bfloat16"`` or ``"float16"``)."""
+        return self._acts.dtype
 
     @property
     def pending(self) -> List[Tuple[int, int]]:

@@ -152,6 +152,13 @@ class ActivationRecorder:
       here) and ``n_examples``.
     - ``rank``/``world_size``: this process's part (default: the launcher's variables); see
       :class:`shardkit.saev.PartWriter`.
+    - ``dtype``: the stored value type, ``"float32"`` (default, saev's) or ``"bfloat16"``
+      (``"bf16"``) / ``"float16"`` (``"fp16"``): half the bytes, shardkit's reduced-precision
+      dialect (see :class:`shardkit.saev.Writer`). Whatever the model computes in, the rows are
+      staged as float32 (a bf16 model's values exactly) and rounded to nearest even by the
+      writer, which records each shard's rounding error. ``max_rel_error`` bounds a row's
+      relative L2 error: a batch holding a row rounded worse fails (naming the shard and the
+      row) at the next ``forward`` or at ``close``, and the part is left to a restart.
     - ``buffers``: batches in flight between the model and the disk (memory: this many
       staging tensors on the device and as many pinned host buffers).
     - ``progress``: None (a bar on a terminal, with examples/s, GB/s written and the ETA), a
@@ -186,6 +193,8 @@ class ActivationRecorder:
         processor: Any = None,
         inputs: Any = None,
         progress: Any = None,
+        dtype: Any = None,
+        max_rel_error: Optional[float] = None,
     ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise _args.InvalidArgumentTypeError(
@@ -222,7 +231,8 @@ class ActivationRecorder:
         self._capture = capture
         n_buffers = _args.count("buffers", buffers, lo=1)
         record = self._provenance(model, processor, inputs, labels)
-        self._writer = saev.PartWriter(root, md, rank=rank, world_size=world_size, progress=False)
+        self._writer = saev.PartWriter(root, md, rank=rank, world_size=world_size, progress=False, dtype=dtype,
+                                       max_rel_error=max_rel_error)
         try:
             provenance.record(self._writer.path, record)
         except BaseException:
@@ -243,7 +253,7 @@ class ActivationRecorder:
         owed = sum(e - f for f, e in self._pending)
         self._progress = Progress(progress, unit="ex", desc=f"recording (rank {self._rank} of {self._world})",
                                   total=owed)
-        self._row_bytes = len(labels) * self._tokens * self._d * 4
+        self._row_bytes = len(labels) * self._tokens * self._d * (4 if self._writer.dtype == "float32" else 2)
         self._pipe = Pipeline(self._write, buffers=n_buffers, name="shardkit-record")
 
     def _provenance(self, model: torch.nn.Module, processor: Any, inputs: Any, labels: List[int]) -> Dict[str, Any]:
@@ -398,6 +408,11 @@ class ActivationRecorder:
         return self._world
 
     @property
+    def dtype(self) -> str:
+        """The stored value type (``"float32"``, ``"bfloat16"`` or ``"float16"``)."""
+        return self._writer.dtype
+
+    @property
     def modules(self) -> List[str]:
         """The recorded modules' names, one per layer slot."""
         return [n for n, _ in self._recorded]
@@ -516,7 +531,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                    help="the model's compute dtype (activations are stored as float32)")
+                    help="the model's compute dtype (the stored type is --store-dtype)")
+    ap.add_argument("--store-dtype", default="float32", choices=["float32", "bfloat16", "bf16", "float16", "fp16"],
+                    help="the type activations are stored in: float32 (saev's, default), or bfloat16/float16 "
+                    "(half the bytes, rounded to nearest even, with each shard's error recorded)")
+    ap.add_argument("--max-rel-error", type=float, default=None,
+                    help="refuse a row whose relative L2 rounding error exceeds this (with --store-dtype "
+                    "bfloat16/float16)")
     ap.add_argument("--max-tokens-per-shard", type=int, default=2_400_000)
     ap.add_argument("--no-cls", action="store_true", help="the model has no CLS token (SigLIP)")
     args = ap.parse_args(argv)
@@ -548,13 +569,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         inputs = os.path.abspath(args.pixels)
 
         def load(first: int, end: int) -> "torch.Tensor":
-            return torch.from_numpy(np.ascontiguousarray(pixels[first:end]))
+            return torch.from_numpy(np.array(pixels[first:end]))  # a writable copy of the memory map
 
     md = {"family": args.family, "ckpt": args.ckpt or args.model, "data": args.images or args.pixels,
           "dataset": os.path.abspath(args.images or args.pixels), "max_tokens_per_shard": args.max_tokens_per_shard}
     rec = ActivationRecorder(model, args.out, layers=args.layers, n_examples=n, metadata=md,
                              cls_token=not args.no_cls, processor=json.dumps(processor, sort_keys=True),
-                             inputs=inputs)
+                             inputs=inputs, dtype=args.store_dtype, max_rel_error=args.max_rel_error)
     with rec:
         for first, end in rec.batches(args.batch_size):
             rec(load(first, end).to(device=device, dtype=getattr(torch, args.dtype)))
@@ -609,7 +630,8 @@ def _main_text(args: Any, device: "torch.device") -> Dict[str, Any]:
         md["family"] = args.family
     rec = TextRecorder(model, args.out, layers=args.layers, n_examples=len(windows), context=args.context,
                        metadata=md, tokenizer=tokenizer,
-                       inputs={"corpus": os.path.abspath(args.text), "windows": len(windows)})
+                       inputs={"corpus": os.path.abspath(args.text), "windows": len(windows)},
+                       dtype=args.store_dtype, max_rel_error=args.max_rel_error)
     with rec:
         for first, end in rec.batches(args.batch_size):
             rec(windows[first:end].to(device))

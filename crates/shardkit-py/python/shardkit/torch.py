@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from datetime import timedelta
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -140,9 +140,10 @@ def _round_broadcast(follow: bool, rank: Optional[int], world_size: Optional[int
     return broadcast
 
 
-def _to_tensors(batch: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    """numpy arrays (bf16 included) as tensors sharing their memory."""
-    return {k: _host_tensor(np.asarray(v)) for k, v in batch.items()}
+def _to_tensors(batch: Dict[str, Any], bf16: FrozenSet[str] = frozenset()) -> Dict[str, torch.Tensor]:
+    """numpy arrays (bf16 included, and the ``bf16`` keys' uint16 bit patterns) as tensors
+    sharing their memory."""
+    return {k: _host_tensor(np.asarray(v), k in bf16) for k, v in batch.items()}
 
 
 class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
@@ -243,8 +244,13 @@ class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
         if get_worker_info() is not None:
             self._in_workers[0] = 1
         self._loader = self._make()
+        bf16 = self._bf16_keys(self._loader)
         for batch in self._loader:
-            yield _to_tensors(batch)
+            yield _to_tensors(batch, bf16)
+
+    def _bf16_keys(self, loader: Any) -> FrozenSet[str]:
+        """The keys whose arrays ``loader`` serves as bfloat16 bit patterns (none by default)."""
+        return frozenset()
 
     def __len__(self) -> int:
         """Batches per epoch over this rank's workers."""
@@ -289,9 +295,12 @@ class _LoaderDataset(IterableDataset):  # type: ignore[type-arg]
 
 class SaevDataset(_LoaderDataset):
     """saev batches (:class:`shardkit.saev.Loader`'s arguments) as dicts of torch tensors.
-    Every argument is checked here, in the constructing process (the dataset is opened once)."""
+    Every argument is checked here, in the constructing process (the dataset is opened once).
+    ``act`` is as stored (``torch.bfloat16`` / ``torch.float16`` for a reduced-precision
+    dataset, sharing the loader's memory; no ml_dtypes needed), or float32 with
+    ``dtype="float32"`` (widened by the loader)."""
 
-    _SHOWN = ("layer", "tokens", "batch_size", "order", "seed", "drop_last")
+    _SHOWN = ("layer", "tokens", "batch_size", "order", "seed", "drop_last", "dtype")
 
     def __init__(
         self,
@@ -315,6 +324,7 @@ class SaevDataset(_LoaderDataset):
         direct_io: bool = False,
         follow: bool = False,
         follow_timeout: Optional[float] = None,
+        dtype: Any = None,
     ) -> None:
         super().__init__(path, rank, world_size, epoch)
         self._kw: Dict[str, Any] = dict(
@@ -322,6 +332,7 @@ class SaevDataset(_LoaderDataset):
             drop_last=drop_last, num_threads=num_threads, verify=verify, memory_budget=memory_budget,
             ignore_labels=tuple(ignore_labels) if isinstance(ignore_labels, (list, tuple)) else ignore_labels,
             io_threads=io_threads, direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
+            dtype=_args.dtype("dtype", dtype),
         )
         self._broadcast = _round_broadcast(follow, self._rank, self._world, follow_timeout)
         checked = self._check()
@@ -334,12 +345,20 @@ class SaevDataset(_LoaderDataset):
             kw.pop("shuffle")
         # This process's broadcast: not a DataLoader worker's (refused in _make).
         bc = self._broadcast if world_size == self._world else None
-        return saev.Loader(self._path, rank=rank, world_size=world_size,
-                           epoch=epoch if kw["order"] != "sequential" else 0, follow_broadcast=bc, **kw)
+        return _TorchSaevLoader(self._path, rank=rank, world_size=world_size,
+                                epoch=epoch if kw["order"] != "sequential" else 0, follow_broadcast=bc, **kw)
+
+    def _bf16_keys(self, loader: Any) -> FrozenSet[str]:
+        return frozenset({"act"}) if loader.dtype == "bfloat16" else frozenset()
 
     @property
     def layer(self) -> Union[int, str]:
         return self._kw["layer"]  # type: ignore[no-any-return]
+
+    @property
+    def dtype(self) -> Optional[str]:
+        """The ``dtype`` asked for (None: as stored)."""
+        return self._kw["dtype"]  # type: ignore[no-any-return]
 
     @property
     def order(self) -> str:
@@ -465,19 +484,28 @@ class Eagle3Dataset(_LoaderDataset):
 _ALIGN = 4096  # the engine's buffer alignment (page size: O_DIRECT and pinned copies need it)
 
 
-def _torch_dtype(a: np.ndarray) -> "torch.dtype":
-    if a.dtype.name == "bfloat16":  # ml_dtypes
+def _torch_dtype(a: np.ndarray, bf16: bool = False) -> "torch.dtype":
+    """The torch dtype of ``a``'s values (``bf16``: ``a`` holds bfloat16 bit patterns)."""
+    if a.dtype.name == "bfloat16" or bf16:  # ml_dtypes, or the bit patterns
         return torch.bfloat16
     if a.dtype == np.bool_:
         return torch.bool
     return torch.from_numpy(np.empty(0, dtype=a.dtype)).dtype
 
 
-def _host_tensor(a: np.ndarray) -> "torch.Tensor":
-    """A CPU tensor sharing ``a``'s memory (bfloat16 through its bit pattern)."""
-    if a.dtype.name == "bfloat16":
+def _host_tensor(a: np.ndarray, bf16: bool = False) -> "torch.Tensor":
+    """A CPU tensor sharing ``a``'s memory (bfloat16 through its bit pattern: an
+    ``ml_dtypes.bfloat16`` array, or with ``bf16`` a uint16 array of the bit patterns)."""
+    if a.dtype.name == "bfloat16" or bf16:
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
+
+
+class _TorchSaevLoader(saev.Loader):
+    """:class:`shardkit.saev.Loader` serving bfloat16 rows as their uint16 bit patterns, which
+    the adapters here view as ``torch.bfloat16`` (so that torch users need no ml_dtypes)."""
+
+    _bf16_bits = True
 
 
 class _HostBuffers:
@@ -494,15 +522,15 @@ class _HostBuffers:
             self.tensors.append(t[skip : skip + nbytes])
             self.regions.append((t.data_ptr() + skip, nbytes))
 
-    def view(self, a: np.ndarray) -> Optional["torch.Tensor"]:
+    def view(self, a: np.ndarray, bf16: bool = False) -> Optional["torch.Tensor"]:
         """``a`` as a view of the buffer it lies in (so torch knows the memory is pinned), or
-        None when it lies in none of them."""
+        None when it lies in none of them (``bf16``: ``a`` holds bfloat16 bit patterns)."""
         ptr = a.__array_interface__["data"][0]
         for t, (start, n) in zip(self.tensors, self.regions):
             if start <= ptr and ptr + a.nbytes <= start + n:
                 off = ptr - start
                 flat = t[off : off + a.nbytes]
-                return flat.view(_torch_dtype(a)).view(a.shape)
+                return flat.view(_torch_dtype(a, bf16)).view(a.shape)
         return None
 
 
@@ -514,7 +542,20 @@ class _DeviceLoader:
     buffering), and the training stream waits on the copy's event only when it takes the batch.
     The host buffer goes back to the engine as soon as its copy has finished. On CPU, batches
     are the loader's own memory, shared without a copy.
+
+    ``widen``: keys whose (bfloat16/float16) tensors are widened to float32 on the device, after
+    the copy, so the host gathers and copies the stored bytes (half of float32's). ``bf16``:
+    keys the host loader serves as bfloat16 bit patterns (uint16 arrays).
     """
+
+    @staticmethod
+    def _mode_of(device: "torch.device", host_buffers: Optional[str]) -> Optional[str]:
+        """The host buffers a loader on ``device`` uses: ``"pinned"`` on CUDA, ``"plain"`` (copies
+        through unpinned torch buffers: other accelerators, and the same path tested on machines
+        without a GPU), or None (the loader's own memory, shared: CPU only)."""
+        if host_buffers is None and device.type != "cpu":
+            return "pinned" if device.type == "cuda" else "plain"
+        return host_buffers
 
     @staticmethod
     def _options(device: Device, num_buffers: int, host_buffers: Optional[str]) -> Tuple["torch.device", int, Optional[str]]:
@@ -532,17 +573,15 @@ class _DeviceLoader:
             raise InvalidArgumentError(f"host_buffers='pinned' needs a CUDA device, got device={str(d)!r}")
         return d, num_buffers, host_buffers
 
-    def __init__(self, host: Any, core: Any, device: "torch.device", num_buffers: int, host_buffers: Optional[str]) -> None:
+    def __init__(self, host: Any, core: Any, device: "torch.device", num_buffers: int, host_buffers: Optional[str],
+                 *, widen: FrozenSet[str] = frozenset(), bf16: FrozenSet[str] = frozenset()) -> None:
         self._host = host
         self._core = core
         self.device = device
         self._num_buffers = int(num_buffers)
-        # "pinned" on CUDA; "plain" copies through unpinned torch buffers (other accelerators,
-        # and the same path tested on machines without a GPU); None shares the loader's memory
-        # (CPU only).
-        if host_buffers is None and self.device.type != "cpu":
-            host_buffers = "pinned" if self.device.type == "cuda" else "plain"
-        self._mode = host_buffers
+        self._mode = self._mode_of(device, host_buffers)
+        self._widen = widen
+        self._bf16 = bf16
         self._buffers: Optional[_HostBuffers] = None
         self._state: Optional[Dict[str, Any]] = None  # the position after the last batch handed out
 
@@ -624,11 +663,12 @@ class _DeviceLoader:
         self._core._set_batch_buffers(bufs.tensors, bufs.regions)
         self._buffers = bufs
 
-    def _source(self, a: np.ndarray) -> "torch.Tensor":
-        view = self._buffers.view(a) if self._buffers is not None else None
+    def _source(self, k: str, a: np.ndarray) -> "torch.Tensor":
+        bf16 = k in self._bf16
+        view = self._buffers.view(a, bf16) if self._buffers is not None else None
         if view is not None:
             return view
-        t = _host_tensor(a)
+        t = _host_tensor(a, bf16)
         # Small side arrays (saev's indices) are not in the engine's buffers: pin a copy so the
         # device copy stays asynchronous (torch's host allocator recycles it after the copy).
         return t.pin_memory() if self._mode == "pinned" else t
@@ -637,7 +677,7 @@ class _DeviceLoader:
         if self._mode is None:
             for batch in self._host_batches():
                 self._state = self._host.state_dict()
-                yield {k: _host_tensor(a) for k, a in batch.items()}
+                yield {k: _host_tensor(a, k in self._bf16) for k, a in batch.items()}
             return
         self._ensure_buffers()
         if self._state is not None and self._state != self._host.state_dict():
@@ -665,17 +705,24 @@ class _DeviceLoader:
             if cuda:
                 with torch.cuda.stream(stream):
                     for k, a in batch.items():
-                        src = self._source(a)
+                        src = self._source(k, a)
                         dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
                         dst.copy_(src, non_blocking=True)
-                        out[k] = dst
+                        # Widened on the GPU, on the copy's stream, after the copy: the host
+                        # moved the stored bytes.
+                        out[k] = dst.float() if k in self._widen else dst
                     ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     ev.record(stream)
             elif self.device.type == "cpu":
-                out = {k: self._source(a).clone() for k, a in batch.items()}
+                # .float() of a reduced tensor is a new float32 tensor: the copy the clone makes.
+                out = {k: self._source(k, a).float() if k in self._widen else self._source(k, a).clone()
+                       for k, a in batch.items()}
                 ev = None
             else:  # another accelerator (MPS, XPU, ...): a synchronous copy from the plain buffers
-                out = {k: self._source(a).to(self.device, copy=True) for k, a in batch.items()}
+                out = {}
+                for k, a in batch.items():
+                    t = self._source(k, a).to(self.device, copy=True)
+                    out[k] = t.float() if k in self._widen else t
                 ev = None
             pending.append((batch, ev))
             return out, ev, state
@@ -704,10 +751,16 @@ class _DeviceLoader:
 
 
 class SaevLoader(_DeviceLoader):
-    """saev batches (``act`` float32 ``[n, d_model]``, ``example_idx``, ``token_idx``, ...) as
+    """saev batches (``act`` ``[n, d_model]``, ``example_idx``, ``token_idx``, ...) as
     tensors on ``device`` (default: :func:`default_device`); shuffled (``order="block"`` or
     ``"exact"``) or in storage order (``shuffle=False`` or ``order="sequential"``). Other
-    arguments are :class:`shardkit.saev.Loader`'s."""
+    arguments are :class:`shardkit.saev.Loader`'s.
+
+    ``act`` is as stored (``dtype=None``): float32, or ``torch.bfloat16`` / ``torch.float16``
+    for a reduced-precision dataset (no ml_dtypes needed); ``dtype="float32"`` widens it. On a
+    GPU (any device but the CPU) the host gathers and copies the stored bytes (half of float32's,
+    so the pinned buffers are half the size) and the rows are widened on the device after the
+    copy; on the CPU the loader widens them as it gathers."""
 
     def __init__(
         self,
@@ -734,16 +787,36 @@ class SaevLoader(_DeviceLoader):
         device: Device = None,
         num_buffers: int = 4,
         host_buffers: Optional[str] = None,
+        dtype: Any = None,
     ) -> None:
         d, n, hb = self._options(device, num_buffers, host_buffers)
-        host = saev.Loader(
+        want = _args.dtype("dtype", dtype)
+        # Through host buffers (a device), float32 is made on the device: the host serves the
+        # stored rows. Sharing the loader's memory (CPU), the loader widens them.
+        on_device = want == "float32" and self._mode_of(d, hb) is not None
+        host = _TorchSaevLoader(
             path, layer=layer, tokens=tokens, batch_size=batch_size, shuffle=shuffle, order=order, seed=seed,
             epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
             verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
             direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
             follow_broadcast=_round_broadcast(follow, rank, world_size, follow_timeout),
+            dtype=None if on_device else want,
         )
-        super().__init__(host, host._l, d, n, hb)
+        widen = on_device and host.dtype != "float32"
+        super().__init__(host, host._l, d, n, hb, widen=frozenset({"act"}) if widen else frozenset(),
+                         bf16=frozenset({"act"}) if host.dtype == "bfloat16" else frozenset())
+        self._dtype = "float32" if widen else str(host.dtype)
+
+    @property
+    def dtype(self) -> str:
+        """The type of the ``act`` tensors served (``"float32"``, ``"bfloat16"`` or
+        ``"float16"``)."""
+        return self._dtype
+
+    def __repr__(self) -> str:
+        r = super().__repr__()
+        # Widened on the device: the host loader (whose words these are) serves the stored type.
+        return r.replace(f", dtype={self._host.dtype!r}", f", dtype={self._dtype!r}") if self._widen else r
 
     @property
     def layer(self) -> Union[int, str]:

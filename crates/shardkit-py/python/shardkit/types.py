@@ -31,7 +31,8 @@ class SaevBatch(TypedDict):
     """A batch of activation rows (numpy arrays over the loader's buffers)."""
 
     act: np.ndarray
-    """``(n, d_model)`` float32 activations."""
+    """``(n, d_model)`` activations: float32, or as a reduced-precision dataset stores them
+    (``ml_dtypes.bfloat16`` / ``np.float16``) unless the loader was given ``dtype="float32"``."""
     example_idx: np.ndarray
     """``(n,)`` int64: the example of each row."""
     token_idx: np.ndarray

@@ -4,6 +4,16 @@ A directory ``<root>/<hash>/`` holds ``metadata.json``, ``shards.json``, float32
 ``acts%06d.bin`` of shape (examples_per_shard, n_layers, tokens_per_example, d_model) and an
 optional uint8 ``labels.bin`` (n_examples, content_tokens). See the README for the format and the
 guarantees (crash safety, exact resume, deterministic orders).
+
+Reduced precision (shardkit's dialect of protocol 2.1, which saev's own loaders refuse): a
+writer given ``dtype="bfloat16"`` or ``"float16"`` rounds its float32 input to nearest even
+(as ``x.astype(ml_dtypes.bfloat16)`` / ``x.astype(np.float16)`` do), stores half the bytes, and
+records each shard's rounding error in ``acts%06d.error.json`` (``inspect(path)["precision"]``
+merges them); ``max_rel_error=`` refuses a row rounded worse. Readers serve rows as stored
+(``dtype=None``: ``ml_dtypes.bfloat16`` or ``np.float16`` arrays) or widened to float32
+(``dtype="float32"``). numpy has no bfloat16 of its own: bfloat16 rows as stored need
+``ml_dtypes`` (``pip install ml_dtypes``); ``shardkit.torch`` serves ``torch.bfloat16`` without
+it.
 """
 
 from __future__ import annotations
@@ -19,6 +29,13 @@ from .. import _shardkit as _core
 from .._progress import Closing, Parting, Progress
 from ..errors import IncompleteDatasetError, InvalidArgumentError
 from ..types import EngineLoader, FollowBroadcast, LoaderState, SaevBatch, Validation, check_state
+
+try:  # bfloat16 as a numpy dtype, when installed (an optional dependency)
+    import ml_dtypes as _ml_dtypes
+
+    _BF16: Any = np.dtype(_ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - exercised when ml_dtypes is absent
+    _BF16 = None
 
 PathLike = Union[str, "os.PathLike[str]"]
 Batch = SaevBatch  # the old name
@@ -43,6 +60,40 @@ __all__ = [
 def _array(buf: Any) -> np.ndarray:
     # The buffer protocol of RustBuffer: numpy wraps Rust memory, keeping it alive.
     return np.asarray(buf)
+
+
+def _values(buf: Any, dtype: str, bits: bool = False) -> np.ndarray:
+    """Activation values of ``dtype`` from the core (bfloat16 comes as its uint16 bit
+    patterns): a view as ``ml_dtypes.bfloat16``, or, with ``bits``, the bit patterns as they
+    are (shardkit.torch views them as ``torch.bfloat16``)."""
+    a = np.asarray(buf)
+    if dtype == "bfloat16" and not bits:
+        return a.view(_bf16("rows"))
+    return a
+
+
+def _bf16(what: str) -> Any:
+    """numpy's bfloat16 (ml_dtypes'), or the error saying how to do without it."""
+    if _BF16 is None:
+        raise InvalidArgumentError(
+            f"{what}: the dataset stores bfloat16, which numpy has no type of its own for: install "
+            "ml_dtypes (pip install ml_dtypes) for ml_dtypes.bfloat16 arrays, or pass dtype='float32' "
+            "for rows widened to float32 (shardkit.torch serves torch.bfloat16 without ml_dtypes)")
+    return _BF16
+
+
+def _read_dtype(path: str, stored: str, dtype: Any) -> bool:
+    """Whether a reader asked for ``dtype`` (None: as stored; ``"float32"``: widened) of a
+    dataset that stores ``stored`` serves float32 widened from it; another type is refused."""
+    want = _args.dtype("dtype", dtype)
+    if want is None or want == stored:
+        return False
+    if want == "float32":
+        return True
+    raise InvalidArgumentError(
+        f"{path}: dtype={dtype!r}, but the dataset stores {stored}: readers serve rows as stored "
+        f"(dtype=None) or widened to float32 (dtype='float32'); to store {want}, convert it "
+        f"(shardkit saev convert --dtype {want})")
 
 
 def _checked_examples(w: Any, path: str, acts: Any, labels: Any) -> Tuple[np.ndarray, Optional[np.ndarray]]:
@@ -81,6 +132,15 @@ class Writer(Closing[str]):
     soon as it is full (the local staging directory holds a few shards), the commit record last
     on exit; a killed write resumes (``resume=True``) from what the store holds, on any machine.
     A lock object in the store keeps out a second writer on any machine (``LockedError``).
+
+    ``dtype`` is the stored value type: ``"float32"`` (saev's, the default), or ``"bfloat16"``
+    (``"bf16"``) / ``"float16"`` (``"fp16"``), shardkit's reduced-precision dialect of protocol
+    2.1 (half the bytes; metadata.json's ``dtype``, which the directory's hash covers; saev's own
+    loaders refuse it). Input is still float32, rounded to nearest even; each shard's rounding
+    error goes to ``acts%06d.error.json``. ``max_rel_error`` bounds the relative L2 error
+    ``||x - q|| / ||x||`` of each row (``d_model`` values): a write holding a row rounded worse,
+    or a value that overflows (float16 beyond 65504), is refused with InvalidArgumentError naming
+    the shard, example, row, layer and token; nothing of it is stored and the writer goes on.
     """
 
     _w: _core.Writer
@@ -92,12 +152,15 @@ class Writer(Closing[str]):
         *,
         resume: bool = False,
         progress: Any = None,
+        dtype: Any = None,
+        max_rel_error: Optional[float] = None,
     ) -> None:
         root = _args.path("root", root)
         if not isinstance(metadata, Mapping):
             raise _args.InvalidArgumentTypeError(
                 f"metadata must be a dict (metadata.json's keys), got {type(metadata).__name__}")
-        self._w = _core.Writer(root, json.dumps(metadata), _args.boolean("resume", resume))
+        self._w = _core.Writer(root, json.dumps(metadata), _args.boolean("resume", resume),
+                               _args.dtype("dtype", dtype), _args.rel_error("max_rel_error", max_rel_error))
         self._progress = Progress(_args.callback("progress", progress), unit="ex", total=self._w.shape["n_examples"],
                                   initial=self._w.next_example)
         self._path: str = self._w.path
@@ -114,6 +177,11 @@ class Writer(Closing[str]):
         return self._w.next_example
 
     @property
+    def dtype(self) -> str:
+        """The stored value type: ``"float32"``, ``"bfloat16"`` or ``"float16"``."""
+        return self._w.dtype
+
+    @property
     def already_complete(self) -> bool:
         """True when the same dataset was already complete: writes are then discarded."""
         return self._w.start == "complete"
@@ -128,12 +196,13 @@ class Writer(Closing[str]):
         """Appends the next ``b`` examples: ``acts`` of shape (b, L, T, D) and, if the dataset
         has labels, ``labels`` of shape (b, P) (P content tokens per example).
 
-        ``acts`` may be a numpy array, a torch tensor or a nested list. shardkit stores float32:
-        float32 is written as it is, float16 and bfloat16 are widened exactly, and float64 or
-        integer input only when float32 holds every value exactly (otherwise
-        InvalidArgumentError: cast explicitly to write rounded values). ``labels`` are integers
-        of any dtype in 0 to 255 (labels.bin is uint8); a label outside is refused, not wrapped.
-        A refused write stores nothing: the dataset stays as it was, and resumable.
+        ``acts`` may be a numpy array, a torch tensor or a nested list. The writer takes float32:
+        float32 as it is, float16 and bfloat16 (numpy, ``ml_dtypes``, torch) widened exactly,
+        and float64 or integer input only when float32 holds every value exactly (otherwise
+        InvalidArgumentError: cast explicitly to write rounded values); a bfloat16 or float16
+        dataset then rounds it to nearest even. ``labels`` are integers of any dtype in 0 to 255
+        (labels.bin is uint8); a label outside is refused, not wrapped. A refused write (also
+        one over ``max_rel_error``) stores nothing: the dataset stays as it was, and resumable.
         """
         s = self._w.shape
         a, lab = _checked_examples(self._w, self._path, acts, labels)
@@ -149,7 +218,8 @@ class Writer(Closing[str]):
     def __repr__(self) -> str:
         n = self._w.shape["n_examples"]
         state = "closed" if self._closed else "open"
-        return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}, {state})"
+        dt = "" if self.dtype == "float32" else f", dtype={self.dtype!r}"
+        return f"saev.Writer({self._path!r}, next_example={self.next_example}, n_examples={n}{dt}, {state})"
 
 
 class PartWriter(Parting):
@@ -170,6 +240,8 @@ class PartWriter(Parting):
     already durable are kept), and ``write`` takes them in that order. Use as a context
     manager: a clean exit finishes the part (and commits if it was the last); an exception
     leaves it to a restart. ``close()`` returns the dataset's status (``status()``).
+    ``dtype`` and ``max_rel_error`` are :class:`Writer`'s (every rank gives the same ``dtype``:
+    it is part of the dataset's hash).
     """
 
     _w: _core.PartWriter
@@ -182,6 +254,8 @@ class PartWriter(Parting):
         rank: Optional[int] = None,
         world_size: Optional[int] = None,
         progress: Any = None,
+        dtype: Any = None,
+        max_rel_error: Optional[float] = None,
     ) -> None:
         root = _args.path("root", root)
         if not isinstance(metadata, Mapping):
@@ -189,7 +263,8 @@ class PartWriter(Parting):
                 f"metadata must be a dict (metadata.json's keys), got {type(metadata).__name__}")
         rank = None if rank is None else _args.count("rank", rank)
         world_size = None if world_size is None else _args.count("world_size", world_size)
-        self._w = _core.PartWriter(root, json.dumps(metadata), rank, world_size)
+        self._w = _core.PartWriter(root, json.dumps(metadata), rank, world_size, _args.dtype("dtype", dtype),
+                                   _args.rel_error("max_rel_error", max_rel_error))
         first, end = self._w.examples
         self._progress = Progress(_args.callback("progress", progress), unit="ex", total=end - first,
                                   initial=end - first - self._owed())
@@ -200,6 +275,11 @@ class PartWriter(Parting):
     def path(self) -> str:
         """The dataset directory."""
         return self._path
+
+    @property
+    def dtype(self) -> str:
+        """The stored value type: ``"float32"``, ``"bfloat16"`` or ``"float16"``."""
+        return self._w.dtype
 
     @property
     def examples(self) -> Tuple[int, int]:
@@ -229,8 +309,9 @@ class PartWriter(Parting):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         first, end = self.examples
+        dt = "" if self.dtype == "float32" else f", dtype={self.dtype!r}"
         return (f"saev.PartWriter({self._path!r}, rank={self.rank}, world_size={self.world_size}, "
-                f"examples={first}..{end}, {state})")
+                f"examples={first}..{end}{dt}, {state})")
 
 
 def status(path: PathLike) -> Dict[str, Any]:
@@ -248,12 +329,16 @@ def commit_parts(path: PathLike) -> Dict[str, Any]:
 
 
 class IndexedView:
-    """saev's indexed semantics: ``len()`` rows, ``view[i]`` -> dict for one row."""
+    """saev's indexed semantics: ``len()`` rows, ``view[i]`` -> dict for one row (``act`` as
+    stored, or float32 for a view made with ``dtype="float32"``)."""
 
-    def __init__(self, ds: "Dataset", layer: int, tokens: str) -> None:
+    def __init__(self, ds: "Dataset", layer: int, tokens: str, dtype: Any = None) -> None:
         self._ds = ds
         self._layer = layer
         self._tokens = tokens
+        self._stored = not _read_dtype(ds.path, ds.dtype, dtype)
+        if self._stored and ds.dtype == "bfloat16":
+            _bf16(ds.path)
         self._len = ds._d.indexed_len(layer, tokens)
 
     def __len__(self) -> int:
@@ -263,15 +348,20 @@ class IndexedView:
         return f"saev.IndexedView({self._ds.path!r}, layer={self._layer}, tokens={self._tokens!r}, rows={self._len})"
 
     def __getitem__(self, i: int) -> Dict[str, Any]:
-        r = self._ds._d.indexed_get(self._layer, self._tokens, _args.integer("i", i))
-        row: Dict[str, Any] = {"act": _array(r["act"]), "example_idx": r["example_idx"], "token_idx": r["token_idx"]}
+        r = self._ds._d.indexed_get(self._layer, self._tokens, _args.integer("i", i), self._stored)
+        act = _values(r["act"], self._ds.dtype if self._stored else "float32")
+        row: Dict[str, Any] = {"act": act, "example_idx": r["example_idx"], "token_idx": r["token_idx"]}
         if r["token_label"] is not None:
             row["token_label"] = r["token_label"]
         return row
 
 
 class Dataset:
-    """A complete saev directory opened for random access (see :func:`open`)."""
+    """A complete saev directory opened for random access (see :func:`open`).
+
+    ``dtype`` is the stored value type. ``get``, ``take`` and ``indexed`` return rows as stored
+    (``dtype=None``: float32, ``ml_dtypes.bfloat16`` or ``np.float16`` arrays) or widened to
+    float32 (``dtype="float32"``)."""
 
     def __init__(self, path: PathLike) -> None:
         self._d = _core.Dataset(_args.path("path", path))
@@ -284,17 +374,28 @@ class Dataset:
         self.cls_token: bool = lay["cls_token"]
         self.examples_per_shard: int = lay["examples_per_shard"]
         self.n_shards: int = lay["n_shards"]
+        self.dtype: str = lay["dtype"]
         self.metadata: Dict[str, Any] = json.loads(self._d.metadata_json)
         self.protocol: str = self.metadata["protocol"]
         self.layers: List[int] = list(self._d.layers)
         self.has_labels: bool = self._d.has_labels
         self.path: str = self._d.path
 
-    def get(self, example: int, layer: int, token: int) -> np.ndarray:
+    def get(self, example: int, layer: int, token: int, *, dtype: Any = None) -> np.ndarray:
         """The (d_model,) vector of ``example``, recorded layer value ``layer`` and stored token
-        slot ``token`` (slot 0 is CLS when the dataset has one)."""
-        return _array(self._d.get(
-            _args.integer("example", example), self._layer_value(layer), _args.integer("token", token)))
+        slot ``token`` (slot 0 is CLS when the dataset has one); as stored, or float32 with
+        ``dtype="float32"``."""
+        stored = self._stored(dtype)
+        return _values(self._d.get(
+            _args.integer("example", example), self._layer_value(layer), _args.integer("token", token), stored),
+            self.dtype if stored else "float32")
+
+    def _stored(self, dtype: Any) -> bool:
+        """Whether a read asked for ``dtype`` serves the stored values (see ``get``)."""
+        stored = not _read_dtype(self.path, self.dtype, dtype)
+        if stored and self.dtype == "bfloat16":
+            _bf16(self.path)
+        return stored
 
     def _layer_value(self, layer: Any) -> int:
         """A recorded layer value of this dataset."""
@@ -303,23 +404,27 @@ class Dataset:
             raise InvalidArgumentError(f"{self.path}: layer {v} was not recorded (layers: {self.layers})")
         return v
 
-    def take(self, examples: Any, layer: Any, tokens: Any) -> np.ndarray:
-        """Many vectors at once, (n, d_model); arguments broadcast like numpy arrays."""
+    def take(self, examples: Any, layer: Any, tokens: Any, *, dtype: Any = None) -> np.ndarray:
+        """Many vectors at once, (n, d_model); arguments broadcast like numpy arrays. As stored,
+        or float32 with ``dtype="float32"``."""
+        stored = self._stored(dtype)
         e, l, t = np.broadcast_arrays(
             _int_array("examples", examples), _int_array("layer", layer), _int_array("tokens", tokens)
         )
-        out = _array(self._d.take(e.ravel().tolist(), l.ravel().tolist(), t.ravel().tolist()))
+        out = _values(self._d.take(e.ravel().tolist(), l.ravel().tolist(), t.ravel().tolist(), stored),
+                      self.dtype if stored else "float32")
         return out.reshape(e.shape + (self.d_model,))
 
-    def indexed(self, layer: int, tokens: str = "content") -> IndexedView:
-        """saev's indexed view of one layer: ``tokens`` is content, special (CLS) or all."""
-        return IndexedView(self, self._layer_value(layer), _args.choice("tokens", tokens, TOKENS))
+    def indexed(self, layer: int, tokens: str = "content", *, dtype: Any = None) -> IndexedView:
+        """saev's indexed view of one layer: ``tokens`` is content, special (CLS) or all; rows
+        as stored, or float32 with ``dtype="float32"``."""
+        return IndexedView(self, self._layer_value(layer), _args.choice("tokens", tokens, TOKENS), dtype)
 
     def __repr__(self) -> str:
         return (
             f"saev.Dataset({self.path!r}, protocol={self.protocol!r}, n_examples={self.n_examples}, "
             f"layers={self.layers}, tokens_per_example={self.tokens_per_example}, "
-            f"d_model={self.d_model})"
+            f"d_model={self.d_model}, dtype={self.dtype!r})"
         )
 
 
@@ -370,8 +475,15 @@ class Loader(EngineLoader):
     round to the others, which split it as the epoch is split. On a committed dataset without
     it, it changes nothing. See docs/saev.md, "Reading while it is written".
 
+    ``dtype=None`` (the default) serves rows as stored: float32, or for a reduced-precision
+    dataset ``ml_dtypes.bfloat16`` / ``np.float16`` arrays over the loader's buffers (half the
+    bytes); ``dtype="float32"`` widens them to float32 (exactly, once a batch is gathered).
+
     Yields :class:`shardkit.types.SaevBatch` dicts of numpy arrays.
     """
+
+    #: Serve bfloat16 as uint16 bit patterns (shardkit.torch's loaders, which need no ml_dtypes).
+    _bf16_bits = False
 
     def __init__(
         self,
@@ -396,8 +508,10 @@ class Loader(EngineLoader):
         follow: bool = False,
         follow_timeout: Optional[float] = None,
         follow_broadcast: Optional[FollowBroadcast] = None,
+        dtype: Any = None,
     ) -> None:
         path = _args.path("path", path)
+        want = _args.dtype("dtype", dtype)
         if not (isinstance(layer, str) and layer == "all"):
             if isinstance(layer, str):
                 raise InvalidArgumentError(f"layer must be a recorded layer value (an integer) or 'all', got {layer!r}")
@@ -449,12 +563,17 @@ class Loader(EngineLoader):
             follow=follow,
             follow_timeout=follow_timeout,
             follow_broadcast=follow_broadcast,
+            upcast=want == "float32",
         )
         if order != "sequential":
             kw.update(seed=seed, epoch=epoch, ignore_labels=[int(x) for x in ignore_labels])
         elif seed or epoch or ignore_labels:
             raise InvalidArgumentError("seed, epoch and ignore_labels apply to shuffled orders only")
         self._l = _core.Loader(path, **kw)
+        _read_dtype(path, self._l.stored_dtype, dtype)  # refuses a type other than stored or float32
+        self._dtype: str = self._l.dtype
+        if self._dtype == "bfloat16" and not self._bf16_bits:
+            _bf16(path)
         self._path = path
         self._opts: Dict[str, Any] = dict(
             layer=layer, tokens=tokens, batch_size=batch_size, order=self._l.order, seed=seed, drop_last=drop_last)
@@ -484,13 +603,24 @@ class Loader(EngineLoader):
         """Whether the order is shuffled (not ``"sequential"``)."""
         return self.order != "sequential"
 
+    @property
+    def dtype(self) -> str:
+        """The type of the ``act`` values served: the stored one, or ``"float32"`` widened."""
+        return self._dtype
+
+    @property
+    def stored_dtype(self) -> str:
+        """The dataset's stored value type."""
+        return str(self._l.stored_dtype)
+
     def __repr__(self) -> str:
         o = self._opts
+        dt = "" if self._dtype == "float32" == self.stored_dtype else f", dtype={self._dtype!r}"
         return (
             f"{type(self).__module__.replace('shardkit.', '')}.{type(self).__name__}({self._path!r}, "
             f"layer={o['layer']!r}, tokens={o['tokens']!r}, batch_size={o['batch_size']}, order={o['order']!r}, "
             f"seed={o['seed']}, rank={self.rank}, world_size={self.world_size}, drop_last={o['drop_last']}, "
-            f"epoch={self.epoch}, batches={len(self)})"
+            f"epoch={self.epoch}, batches={len(self)}{dt})"
         )
 
     @property
@@ -518,7 +648,7 @@ class Loader(EngineLoader):
         try:
             for b in it:
                 batch: SaevBatch = {
-                    "act": _array(b["act"]),
+                    "act": _values(b["act"], self._dtype, self._bf16_bits),
                     "example_idx": _array(b["example_idx"]),
                     "token_idx": _array(b["token_idx"]),
                 }
@@ -553,12 +683,13 @@ class OrderedLoader(Loader):
         follow: bool = False,
         follow_timeout: Optional[float] = None,
         follow_broadcast: Optional[FollowBroadcast] = None,
+        dtype: Any = None,
     ) -> None:
         super().__init__(
             path, shuffle=False, layer=layer, tokens=tokens, batch_size=batch_size, rank=rank,
             world_size=world_size, drop_last=drop_last, num_threads=num_threads, verify=verify,
             memory_budget=memory_budget, io_threads=io_threads, direct_io=direct_io, follow=follow,
-            follow_timeout=follow_timeout, follow_broadcast=follow_broadcast,
+            follow_timeout=follow_timeout, follow_broadcast=follow_broadcast, dtype=dtype,
         )
 
 
@@ -588,13 +719,14 @@ class ShuffledLoader(Loader):
         follow: bool = False,
         follow_timeout: Optional[float] = None,
         follow_broadcast: Optional[FollowBroadcast] = None,
+        dtype: Any = None,
     ) -> None:
         super().__init__(
             path, shuffle=True, layer=layer, tokens=tokens, batch_size=batch_size, order=order, seed=seed,
             epoch=epoch, rank=rank, world_size=world_size, drop_last=drop_last, num_threads=num_threads,
             verify=verify, memory_budget=memory_budget, ignore_labels=ignore_labels, io_threads=io_threads,
             direct_io=direct_io, follow=follow, follow_timeout=follow_timeout,
-            follow_broadcast=follow_broadcast,
+            follow_broadcast=follow_broadcast, dtype=dtype,
         )
 
 
@@ -606,7 +738,12 @@ def validate(path: PathLike) -> Validation:
 
 
 def inspect(path: PathLike) -> Dict[str, Any]:
-    """Version, shapes, layers, counts, sizes, completeness and hash recipe of a directory."""
+    """Version, shapes, layers, counts, sizes, completeness and hash recipe of a directory.
+
+    ``"dtype"`` is the stored value type; ``"precision"`` (None for float32) is the rounding
+    error of a bfloat16/float16 dataset, its shards' ``acts%06d.error.json`` merged:
+    ``{"dtype", "rows", "values", "max_abs_error", "max_rel_l2_error", "mean_rel_l2_error",
+    "overflow", "flushed_to_zero", ...}``."""
     info: Dict[str, Any] = json.loads(_core.inspect(_args.path("path", path)))
     return info
 
