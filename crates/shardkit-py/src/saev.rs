@@ -878,6 +878,58 @@ fn inspect(py: Python<'_>, path: std::path::PathBuf) -> PyResult<String> {
         .map_err(to_py)
 }
 
+/// `saev.convert`: the dataset `src` written again in `dtype` under `dst_root`; its path.
+/// `progress(examples_done, examples, source_example_bytes, resumed_from)` is called as it
+/// goes (with the GIL); an exception it raises, or a signal (Ctrl-C), stops the conversion
+/// there, leaving the destination resumable, and is raised.
+#[pyfunction]
+#[pyo3(signature = (src, dst_root, dtype, max_rel_error=None, progress=None))]
+fn convert(
+    py: Python<'_>,
+    src: std::path::PathBuf,
+    dst_root: std::path::PathBuf,
+    dtype: &str,
+    max_rel_error: Option<f64>,
+    progress: Option<PyObject>,
+) -> PyResult<String> {
+    let dtype = Dtype::from_name(dtype).map_err(to_py)?;
+    let raised: Arc<std::sync::Mutex<Option<PyErr>>> = Arc::default();
+    let mut opts = saev::ConvertOptions {
+        max_rel_error: rel_error_bound(max_rel_error)?,
+        ..Default::default()
+    };
+    let stash = raised.clone();
+    opts.progress = Some(Box::new(move |p: &saev::ConvertProgress| {
+        Python::with_gil(|py| {
+            let from = match p.start {
+                saev::WriteStart::Resumed { from } => Some(from),
+                _ => None,
+            };
+            let called = py.check_signals().and_then(|()| match &progress {
+                Some(f) => f
+                    .call1(
+                        py,
+                        (p.examples_done, p.examples, p.source_example_bytes, from),
+                    )
+                    .map(|_| ()),
+                None => Ok(()),
+            });
+            match called {
+                Ok(()) => std::ops::ControlFlow::Continue(()),
+                Err(e) => {
+                    *stash.lock().unwrap_or_else(|e| e.into_inner()) = Some(e);
+                    std::ops::ControlFlow::Break(())
+                }
+            }
+        })
+    }));
+    let done = py.allow_threads(|| saev::convert(&src, &dst_root, dtype, opts));
+    if let Some(e) = raised.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        return Err(e);
+    }
+    done.map(|p| p.display().to_string()).map_err(to_py)
+}
+
 impl IntoDict for saev::Batch {
     /// {"act", "example_idx", "token_idx", "layer", "token_label", "cursor"}.
     fn into_dict(self, py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
@@ -916,5 +968,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Loader>()?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(inspect, m)?)?;
+    m.add_function(wrap_pyfunction!(convert, m)?)?;
     Ok(())
 }

@@ -537,3 +537,43 @@ def test_the_command_line_records_with_store_dtype(tmp_path, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def tree(path):
+    """Every file under ``path`` with its bytes."""
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in Path(path).rglob("*") if p.is_file()}
+
+
+def test_convert_both_ways_equals_writing_in_that_dtype_and_an_interrupted_one_resumes(tmp_path):
+    x = activations()
+    f32 = write(str(tmp_path / "f32"), x).path
+    for dtype in ("bfloat16", "float16"):
+        direct = write(str(tmp_path / f"direct-{dtype}"), x, dtype=dtype).path
+        seen = []
+        out = saev.convert(f32, str(tmp_path / f"conv-{dtype}"), dtype, progress=lambda d, n: seen.append((d, n)))
+        assert Path(out).name == Path(direct).name
+        assert tree(out) == tree(direct), dtype
+        assert seen and seen[-1] == (N, N) and all(n == N for _, n in seen)
+        # Back to float32: exact, and the original float32 dataset's name and bytes.
+        back = saev.convert(out, str(tmp_path / f"back-{dtype}"), "float32", progress=False)
+        assert Path(back).name == Path(f32).name
+        with np.errstate(over="ignore"):  # float16 overflows to inf, as stored
+            widened = x.astype(NP[dtype]).astype(np.float32)
+        got = saev.open(back).take(np.arange(N)[:, None], 3, np.arange(T)[None, :])  # (N, T, D)
+        np.testing.assert_array_equal(got.view(np.uint32), widened[:, 0].view(np.uint32))
+
+    # An exception from the progress callback stops the conversion; calling again finishes it,
+    # with the bytes of an uninterrupted run.
+    def stop(done, total):
+        if done > 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        saev.convert(f32, str(tmp_path / "stopped"), "bf16", progress=stop)
+    out = saev.convert(f32, str(tmp_path / "stopped"), "bf16", progress=False)
+    assert tree(out) == tree(str(tmp_path / "conv-bfloat16" / Path(out).name))
+
+    with pytest.raises(InvalidArgumentError, match="already"):
+        saev.convert(f32, str(tmp_path / "same"), "float32", progress=False)
+    with pytest.raises(InvalidArgumentError, match="dtype must name the type"):
+        saev.convert(f32, str(tmp_path / "none"), None)

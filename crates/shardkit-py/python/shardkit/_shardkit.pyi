@@ -153,6 +153,13 @@ class Loader:
 
 def validate(path: str) -> str: ...
 def inspect(path: str) -> str: ...
+def convert(
+    src: str,
+    dst_root: str,
+    dtype: str,
+    max_rel_error: Optional[float] = ...,
+    progress: Optional[Callable[[int, int, int, Optional[int]], None]] = ...,
+) -> str: ...
 
 class PartWriter:
     def __init__(
