@@ -32,28 +32,8 @@ use crate::io::{HeldPages, PendingRead, Stop};
 use crate::precision::Dtype;
 use crate::saev::{Dataset, TokenMode};
 
+pub use super::options::LayerSel;
 use super::options::{LoaderOptions, DEFAULT_MEMORY_BUDGET};
-
-/// Which layer a loader reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerSel {
-    /// The slot recorded with this value.
-    Value(i64),
-    /// Every recorded layer (batches then carry `layer`).
-    All,
-}
-
-impl std::str::FromStr for LayerSel {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<LayerSel> {
-        if s == "all" {
-            return Ok(LayerSel::All);
-        }
-        s.parse()
-            .map(LayerSel::Value)
-            .map_err(|_| Error::Invalid(format!("layer must be an integer or \"all\", got {s:?}")))
-    }
-}
 
 /// The saev directory seen as blocks of selected rows.
 pub(crate) struct SaevSource {
@@ -239,15 +219,6 @@ pub struct Batch {
     pub token_label: Option<Vec<i64>>,
     /// The loader's cursor once this batch is consumed.
     pub cursor: u64,
-}
-
-impl std::fmt::Display for LayerSel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LayerSel::Value(v) => write!(f, "{v}"),
-            LayerSel::All => f.write_str("all"),
-        }
-    }
 }
 
 /// Free batch buffers kept for reuse: the batches in flight (prefetched, two lanes, queued,
