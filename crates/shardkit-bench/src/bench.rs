@@ -588,6 +588,8 @@ pub(crate) fn gather_ceiling(threads: usize, row: usize) -> f64 {
 pub(crate) struct Pass {
     pub(crate) bytes_per_s: f64,
     pub(crate) rows_per_s: f64,
+    /// CPU seconds of the whole process per wall second of the pass (cores kept busy).
+    pub(crate) cores_busy: f64,
     pub(crate) samples: Vec<(f64, u64)>,
 }
 
@@ -596,6 +598,7 @@ impl Pass {
         crate::bench_precision::Rate {
             rows_per_s: self.rows_per_s,
             bytes_per_s: self.bytes_per_s,
+            cores_busy: self.cores_busy,
         }
     }
 }
@@ -637,7 +640,7 @@ fn loader_run(
             evict(p)?;
         }
     }
-    let t0 = Instant::now();
+    let (t0, cpu0) = (Instant::now(), cpu_seconds());
     let (mut bytes, mut rows) = (0u64, 0u64);
     let mut samples = vec![(0.0, 0u64)];
     for b in loader.iter()? {
@@ -653,6 +656,7 @@ fn loader_run(
     Ok(Pass {
         bytes_per_s: bytes as f64 / secs,
         rows_per_s: rows as f64 / secs,
+        cores_busy: (cpu_seconds() - cpu0) / secs,
         samples,
     })
 }
@@ -732,6 +736,13 @@ pub fn saev_read(
         }
         if run("rand4k") {
             best(&mut r4k, rand4k(&files, 20_000)?);
+        }
+        // The read ceiling of one layer's slabs (the block loader's pattern), per dtype.
+        if let (Some(b), true) = (&bf16, run("seq")) {
+            use shardkit::precision::Dtype;
+            let bds = shardkit::saev::Dataset::open(&b.dir)?;
+            tally.layer_ceiling(Dtype::F32, crate::bench_precision::layer_read(&ds, 16)?);
+            tally.layer_ceiling(Dtype::BF16, crate::bench_precision::layer_read(&bds, 16)?);
         }
         // The cold loaders, each evicted first; exact over its first GiB of payload.
         for (name, label, order, max_bytes, runs) in [

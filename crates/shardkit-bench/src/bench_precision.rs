@@ -225,11 +225,60 @@ pub fn to_dtype(args: ToDtypeArgs) -> Result<()> {
     Ok(())
 }
 
+/// The read ceiling of the block loader's pattern: the last layer's slab of every example (what
+/// a loader of layer -1 reads: runs of T·D values at the stored width, separated by the other
+/// layers' slabs), in file order, `inflight` buffered reads at a time after eviction; bytes/s.
+/// Beside the sequential ceiling it separates what the pattern costs on this disk from what the
+/// loader costs.
+pub fn layer_read(ds: &Dataset, inflight: usize) -> Result<f64> {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let l = *ds.layout();
+    let slab = l.tokens * l.d_model * l.value_bytes();
+    let mut files = Vec::new();
+    for s in 0..l.n_shards {
+        let p = ds.path().join(format!("acts{s:06}.bin"));
+        crate::bench::evict(&p)?;
+        files.push(std::fs::File::open(&p).map_err(|e| Error::io(&p, e))?);
+    }
+    let jobs: Vec<(usize, u64)> = (0..l.n_examples)
+        .map(|g| {
+            let row = g % l.examples_per_shard;
+            let at = (row * l.n_layers + l.n_layers - 1) * slab;
+            ((g / l.examples_per_shard) as usize, at)
+        })
+        .collect();
+    let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let t0 = std::time::Instant::now();
+    std::thread::scope(|sc| {
+        for _ in 0..inflight.max(1) {
+            sc.spawn(|| {
+                use std::os::unix::fs::FileExt;
+                let mut buf = vec![0u8; slab as usize];
+                while let Some(&(f, at)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    if files[f].read_exact_at(&mut buf, at).is_err() {
+                        failed.store(true, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    if failed.into_inner() {
+        return Err(Error::Invalid(format!(
+            "{}: a shard read failed while measuring the layer-read ceiling",
+            ds.path().display()
+        )));
+    }
+    Ok((jobs.len() as u64 * slab) as f64 / t0.elapsed().as_secs_f64())
+}
+
 /// One measurement of a loader: rows and stored bytes per second.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Rate {
     pub rows_per_s: f64,
     pub bytes_per_s: f64,
+    /// Cores the process kept busy during the pass (CPU seconds per wall second): near the core
+    /// count, the pass was CPU-bound; well below it, it waited on the disk.
+    pub cores_busy: f64,
 }
 
 impl Rate {
@@ -251,6 +300,8 @@ pub struct Tally {
     cold: Vec<(Variant, Vec<Rate>)>,
     /// Warm block-shuffled runs, per variant and gather thread count.
     warm: Vec<(Variant, usize, Vec<Rate>)>,
+    /// The layer-read ceiling of each dataset (float32, bfloat16), every round.
+    layer: Vec<(Dtype, Vec<f64>)>,
 }
 
 impl Tally {
@@ -259,6 +310,18 @@ impl Tally {
             Some((_, runs)) => runs.push(r),
             None => self.cold.push((v, vec![r])),
         }
+    }
+    pub fn layer_ceiling(&mut self, dtype: Dtype, bytes_per_s: f64) {
+        match self.layer.iter_mut().find(|(d, _)| *d == dtype) {
+            Some((_, runs)) => runs.push(bytes_per_s),
+            None => self.layer.push((dtype, vec![bytes_per_s])),
+        }
+    }
+    fn best_layer(&self, dtype: Dtype) -> Option<f64> {
+        self.layer
+            .iter()
+            .find(|(d, _)| *d == dtype)
+            .map(|(_, r)| r.iter().cloned().fold(0f64, f64::max))
     }
     pub fn warm(&mut self, v: Variant, threads: usize, r: Rate) {
         match self
@@ -269,6 +332,12 @@ impl Tally {
             Some((_, _, runs)) => runs.push(r),
             None => self.warm.push((v, threads, vec![r])),
         }
+    }
+    fn cold_runs(&self, v: Variant) -> &[Rate] {
+        self.cold
+            .iter()
+            .find(|(w, _)| *w == v)
+            .map_or(&[], |(_, r)| &r[..])
     }
     fn best_cold(&self, v: Variant) -> Option<Rate> {
         self.cold
@@ -326,6 +395,27 @@ impl Tally {
                 kv.push(("cold_block_rows_per_s".into(), f(c.rows_per_s, 0)));
                 kv.push(("cold_block_bytes_per_s".into(), f(c.bytes_per_s, 0)));
                 kv.push(("cold_block_gb_per_s".into(), f(c.bytes_per_s / 1e9, 3)));
+                kv.push(("cold_block_cores_busy".into(), f(c.cores_busy, 2)));
+                let dtype = if v == Variant::F32 {
+                    Dtype::F32
+                } else {
+                    Dtype::BF16
+                };
+                if let Some(lc) = self.best_layer(dtype) {
+                    kv.push(("layer_read_ceiling_gb_per_s".into(), f(lc / 1e9, 3)));
+                    let r = ratio(
+                        &format!("{} cold block vs layer-read ceiling", v.key()),
+                        c.bytes_per_s,
+                        lc,
+                    )?;
+                    kv.push(("cold_block_bytes_vs_layer_ceiling".into(), f(r, 3)));
+                }
+                // Every round (the best is reported above): a virtual disk's speed drifts.
+                let runs = self.cold_runs(v);
+                kv.push((
+                    "cold_block_runs_rows_per_s".into(),
+                    Value::Array(runs.iter().map(|r| f(r.rows_per_s, 0)).collect()),
+                ));
                 if seq > 0.0 {
                     let r = ratio(
                         &format!("{} cold block vs sequential read", v.key()),
@@ -375,6 +465,7 @@ impl Tally {
                         ("threads".into(), Value::int(t as u64)),
                         ("rows_per_s".into(), f(r.rows_per_s, 0)),
                         ("gb_per_s".into(), f(r.bytes_per_s / 1e9, 3)),
+                        ("cores_busy".into(), f(r.cores_busy, 2)),
                     ];
                     if let (Some(b), true) = (self.best_warm_at(Variant::F32, t), v != Variant::F32)
                     {
@@ -445,6 +536,7 @@ mod tests {
         let r = |rows: f64, bytes: f64| Rate {
             rows_per_s: rows,
             bytes_per_s: bytes,
+            cores_busy: 1.0,
         };
         t.cold(Variant::F32, r(100.0, 400.0));
         t.cold(Variant::F32, r(120.0, 480.0));
