@@ -58,6 +58,12 @@ pub enum BenchCmd {
         /// with as many threads (comma-separated; default 1, 2, 4, ... and every core).
         #[arg(long, value_delimiter = ',')]
         threads: Vec<usize>,
+        /// Reduced-precision variants measured beside float32, comma-separated: bf16 (a
+        /// bfloat16 dataset of the same rows, written beside the float32 one; rows as stored),
+        /// bf16-upcast (the same, widened to float32 by the loader), or none. Cold and warm
+        /// block-shuffled only.
+        #[arg(long, value_delimiter = ',', default_value = "bf16,bf16-upcast")]
+        dtypes: Vec<String>,
     },
     /// flat-tokens: time to the first batch at a random step, sustained packed-batch
     /// throughput against zarr-python + numpy and the sequential ceilings, writer throughput.
@@ -78,6 +84,11 @@ pub enum BenchCmd {
     /// job) against the sequential write ceiling, each checked byte-identical to 1 writer;
     /// and the commit time of a 1,000-shard dataset, in the same run.
     Parts(crate::bench_parts::PartsBenchArgs),
+    /// A saev dataset rewritten in another dtype through the library's writer (rounded to
+    /// nearest even, error sidecars and all), beside the source; prints the new directory.
+    /// Internal: scripts/sae_quality.py uses it where the Python writer takes no `dtype`.
+    #[command(hide = true)]
+    SaevToDtype(crate::bench_precision::ToDtypeArgs),
     /// One writer process of `parts` (internal: the benchmark spawns it).
     #[command(hide = true)]
     PartsRank(crate::bench_parts::RankArgs),
@@ -99,7 +110,9 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
             only,
             plot,
             threads,
+            dtypes,
         } => {
+            let variants = crate::bench_precision::Variant::parse_list(&dtypes)?;
             let threads = if threads.is_empty() {
                 thread_counts()
             } else {
@@ -112,6 +125,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
                 &only,
                 plot.as_deref(),
                 &threads,
+                &variants,
             )?;
             println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
             Ok(())
@@ -123,6 +137,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Link(args) => crate::bench_link::run(args),
         BenchCmd::Parts(args) => crate::bench_parts::run(args),
         BenchCmd::PartsRank(args) => crate::bench_parts::rank(args),
+        BenchCmd::SaevToDtype(args) => crate::bench_precision::to_dtype(args),
     }
 }
 
@@ -568,9 +583,30 @@ pub(crate) fn gather_ceiling(threads: usize, row: usize) -> f64 {
     best
 }
 
-/// Payload bytes/s of a loader over at most `max_bytes` of payload, after `warmup_epochs`
-/// unmeasured passes (which also fill the loader's buffer pools), gathering on `threads`
-/// threads (0: every core), checking every block against the checksums sidecar if `verify`.
+/// One loader pass: payload bytes/s (the bytes stored: 2 a value in a bfloat16 dataset, even
+/// when the loader widens them), rows/s, and the bytes read over time (for --plot).
+pub(crate) struct Pass {
+    pub(crate) bytes_per_s: f64,
+    pub(crate) rows_per_s: f64,
+    /// CPU seconds of the whole process per wall second of the pass (cores kept busy).
+    pub(crate) cores_busy: f64,
+    pub(crate) samples: Vec<(f64, u64)>,
+}
+
+impl Pass {
+    fn rate(&self) -> crate::bench_precision::Rate {
+        crate::bench_precision::Rate {
+            rows_per_s: self.rows_per_s,
+            bytes_per_s: self.bytes_per_s,
+            cores_busy: self.cores_busy,
+        }
+    }
+}
+
+/// A loader over at most `max_bytes` of payload, after `warmup_epochs` unmeasured passes
+/// (which also fill the loader's buffer pools), gathering on `threads` threads (0: every core),
+/// checking every block against the checksums sidecar if `verify`, widening a reduced-precision
+/// dataset's rows to float32 if `upcast`.
 #[allow(clippy::too_many_arguments)]
 fn loader_run(
     dir: &Path,
@@ -581,14 +617,17 @@ fn loader_run(
     warmup_epochs: u32,
     threads: usize,
     verify: bool,
-) -> Result<(f64, Vec<(f64, u64)>)> {
+    upcast: bool,
+) -> Result<Pass> {
     use shardkit::saev::{LayerSel, Loader, LoaderOptions};
     let mut o = LoaderOptions::new(LayerSel::Value(-1));
     o.order = order;
     o.seed = 1;
     o.threads = threads;
     o.verify = verify;
+    o.upcast = upcast;
     let mut loader = Loader::new(dir, o)?;
+    let stored = loader.dataset().layout().value_bytes() as usize;
     for e in 0..warmup_epochs {
         loader.set_epoch(100 + e as u64)?;
         for b in loader.iter()? {
@@ -601,18 +640,25 @@ fn loader_run(
             evict(p)?;
         }
     }
-    let t0 = Instant::now();
-    let mut bytes = 0u64;
+    let (t0, cpu0) = (Instant::now(), cpu_seconds());
+    let (mut bytes, mut rows) = (0u64, 0u64);
     let mut samples = vec![(0.0, 0u64)];
     for b in loader.iter()? {
         let b = b?;
-        bytes += (b.n * b.d_model * 4) as u64;
+        bytes += (b.n * b.d_model * stored) as u64;
+        rows += b.n as u64;
         samples.push((t0.elapsed().as_secs_f64(), bytes));
         if bytes >= max_bytes {
             break;
         }
     }
-    Ok((bytes as f64 / t0.elapsed().as_secs_f64(), samples))
+    let secs = t0.elapsed().as_secs_f64();
+    Ok(Pass {
+        bytes_per_s: bytes as f64 / secs,
+        rows_per_s: rows as f64 / secs,
+        cores_busy: (cpu_seconds() - cpu0) / secs,
+        samples,
+    })
 }
 
 /// `shardkit bench saev-read`.
@@ -623,7 +669,9 @@ pub fn saev_read(
     only: &[String],
     plot: Option<&Path>,
     threads: &[usize],
+    variants: &[crate::bench_precision::Variant],
 ) -> Result<Value> {
+    use crate::bench_precision::{Tally, Variant};
     let run = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
     use shardkit::engine::Order;
     let examples = (size_gib * (1u64 << 30) as f64) as u64 / VIT_L_EXAMPLE_BYTES;
@@ -644,16 +692,23 @@ pub fn saev_read(
         .collect();
     // Every shard file is full size: eps x L x T x D float32 values.
     let total: u64 = l.examples_per_shard * l.n_layers * l.tokens * l.d_model * 4 * l.n_shards;
+    // The bfloat16 dataset of the same rows, when a reduced variant is measured.
+    let bf16 = if variants.is_empty() || !(run("block") || run("warm")) {
+        None
+    } else {
+        Some(crate::bench_precision::bf16_beside(&args, &md, &ds)?)
+    };
+    let mut tally = Tally::default();
     let best = |v: &mut Vec<f64>, x: f64| v.push(x);
     // The last round's time series of each loader, for --plot.
     let mut series: Vec<crate::plot::Series> = Vec::new();
-    let mut keep = |name: &str, (rate, samples): (f64, Vec<(f64, u64)>)| -> f64 {
+    let mut keep = |name: &str, pass: Pass| -> Pass {
         series.retain(|s| s.name != name);
         series.push(crate::plot::Series {
             name: name.to_string(),
-            samples,
+            samples: pass.samples.clone(),
         });
-        rate
+        pass
     };
     let (mut seq_ways, mut r4k, mut ord, mut blk, mut ex, mut warm) = (
         Vec::new(),
@@ -682,6 +737,13 @@ pub fn saev_read(
         if run("rand4k") {
             best(&mut r4k, rand4k(&files, 20_000)?);
         }
+        // The read ceiling of one layer's slabs (the block loader's pattern), per dtype.
+        if let (Some(b), true) = (&bf16, run("seq")) {
+            use shardkit::precision::Dtype;
+            let bds = shardkit::saev::Dataset::open(&b.dir)?;
+            tally.layer_ceiling(Dtype::F32, crate::bench_precision::layer_read(&ds, 16)?);
+            tally.layer_ceiling(Dtype::BF16, crate::bench_precision::layer_read(&bds, 16)?);
+        }
         // The cold loaders, each evicted first; exact over its first GiB of payload.
         for (name, label, order, max_bytes, runs) in [
             (
@@ -707,8 +769,30 @@ pub fn saev_read(
             ),
         ] {
             if run(name) {
-                let measured = loader_run(&ds_dir, order, &files, max_bytes, true, 0, 0, false)?;
-                best(runs, keep(label, measured));
+                let p = loader_run(&ds_dir, order, &files, max_bytes, true, 0, 0, false, false)?;
+                let p = keep(label, p);
+                if order == Order::Block {
+                    tally.cold(Variant::F32, p.rate());
+                }
+                best(runs, p.bytes_per_s);
+            }
+        }
+        // The same block-shuffled read of the bfloat16 rows, right after float32's.
+        if let (Some(b), true) = (&bf16, run("block")) {
+            for &v in variants {
+                let label = format!("block shuffle, {} (cold)", v.key());
+                let p = loader_run(
+                    &b.dir,
+                    Order::Block,
+                    &b.files,
+                    u64::MAX,
+                    true,
+                    0,
+                    0,
+                    false,
+                    v.upcast(),
+                )?;
+                tally.cold(v, keep(&label, p).rate());
             }
         }
     }
@@ -721,7 +805,7 @@ pub fn saev_read(
             shardkit::checksum::record(&ds_dir)?;
         }
         let mut buf = vec![0u8; 8 << 20];
-        for p in &files {
+        for p in files.iter().chain(bf16.iter().flat_map(|b| &b.files)) {
             use std::io::Read;
             let mut f = File::open(p).map_err(|e| Error::io(p, e))?;
             while f.read(&mut buf).map_err(|e| Error::io(p, e))? > 0 {}
@@ -732,16 +816,58 @@ pub fn saev_read(
             let mut rates = Vec::new();
             for _ in 0..rounds {
                 let label = format!("block shuffle (page cache, {t} threads)");
-                let r = loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2, t, false)?;
-                rates.push(keep(&label, r));
+                let r = loader_run(
+                    &ds_dir,
+                    Order::Block,
+                    &files,
+                    u64::MAX,
+                    false,
+                    2,
+                    t,
+                    false,
+                    false,
+                )?;
+                let r = keep(&label, r);
+                tally.warm(Variant::F32, t, r.rate());
+                rates.push(r.bytes_per_s);
+            }
+            // The bfloat16 rows at the same thread count, right after float32's.
+            if let Some(b) = &bf16 {
+                for &v in variants {
+                    for _ in 0..rounds {
+                        let label = format!("block shuffle, {} (page cache, {t} threads)", v.key());
+                        let r = loader_run(
+                            &b.dir,
+                            Order::Block,
+                            &b.files,
+                            u64::MAX,
+                            false,
+                            2,
+                            t,
+                            false,
+                            v.upcast(),
+                        )?;
+                        tally.warm(v, t, keep(&label, r).rate());
+                    }
+                }
             }
             let w = rates.iter().cloned().fold(0f64, f64::max);
             // The same with every block checked against the checksums sidecar (each pass).
             let mut verified = 0f64;
             for _ in 0..rounds {
                 let label = format!("block shuffle, verified (page cache, {t} threads)");
-                let r = loader_run(&ds_dir, Order::Block, &files, u64::MAX, false, 2, t, true)?;
-                verified = verified.max(keep(&label, r));
+                let r = loader_run(
+                    &ds_dir,
+                    Order::Block,
+                    &files,
+                    u64::MAX,
+                    false,
+                    2,
+                    t,
+                    true,
+                    false,
+                )?;
+                verified = verified.max(keep(&label, r).bytes_per_s);
             }
             let verified_vs_unverified = ratio(
                 &format!("verified vs unverified ({t} threads)"),
@@ -864,6 +990,17 @@ pub fn saev_read(
         ("block_warm_by_threads".into(), Value::Array(scaling)),
     ];
     report.extend(ratios);
+    if let Some(b) = &bf16 {
+        let dirs = [(Variant::F32, ds_dir.as_path(), total)];
+        let mut dirs = dirs.to_vec();
+        for &v in variants {
+            dirs.push((v, b.dir.as_path(), b.bytes));
+        }
+        report.push((
+            "precision".into(),
+            tally.report(variants, seq, threads, &dirs)?,
+        ));
+    }
     Ok(Value::Object(report))
 }
 

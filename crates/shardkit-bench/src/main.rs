@@ -13,6 +13,7 @@ mod bench_corpus;
 mod bench_eagle3;
 mod bench_link;
 mod bench_parts;
+mod bench_precision;
 mod bench_remote;
 mod bench_sdnb;
 mod bench_tokens;

@@ -32,28 +32,8 @@ use crate::io::{HeldPages, PendingRead, Stop};
 use crate::precision::Dtype;
 use crate::saev::{Dataset, TokenMode};
 
+pub use super::options::LayerSel;
 use super::options::{LoaderOptions, DEFAULT_MEMORY_BUDGET};
-
-/// Which layer a loader reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerSel {
-    /// The slot recorded with this value.
-    Value(i64),
-    /// Every recorded layer (batches then carry `layer`).
-    All,
-}
-
-impl std::str::FromStr for LayerSel {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<LayerSel> {
-        if s == "all" {
-            return Ok(LayerSel::All);
-        }
-        s.parse()
-            .map(LayerSel::Value)
-            .map_err(|_| Error::Invalid(format!("layer must be an integer or \"all\", got {s:?}")))
-    }
-}
 
 /// The saev directory seen as blocks of selected rows.
 pub(crate) struct SaevSource {
@@ -241,15 +221,6 @@ pub struct Batch {
     pub cursor: u64,
 }
 
-impl std::fmt::Display for LayerSel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LayerSel::Value(v) => write!(f, "{v}"),
-            LayerSel::All => f.write_str("all"),
-        }
-    }
-}
-
 /// Free batch buffers kept for reuse: the batches in flight (prefetched, two lanes, queued,
 /// held by the consumer).
 const BATCH_POOL: usize = 8;
@@ -422,7 +393,8 @@ impl Loader {
     }
 
     /// Gathers batches into `pool` from now on (e.g. pinned host memory for copies to a GPU;
-    /// each buffer must hold `batch_size x d_model x 4` bytes).
+    /// each buffer must hold `batch_size x d_model x 4` bytes: float32 rows, widened ones with
+    /// `upcast` included).
     pub fn set_batch_buffers(&mut self, pool: BufferPool) {
         self.batches = pool;
     }
@@ -728,6 +700,10 @@ struct SaevBatch {
     /// The windows the batch draws from (kept alive until it is gathered).
     windows: Vec<Arc<LoadedWindow>>,
     cursor: u64,
+    /// With `upcast`: the stored type of rows widened to float32 as they are gathered (each
+    /// gather thread widens its own rows, which it has just read; `None` where the rows arrive
+    /// as stored, e.g. fetched at once from an object store, and are widened afterwards).
+    widen: Option<Dtype>,
 }
 
 impl SaevJob {
@@ -917,6 +893,7 @@ impl SaevJob {
             in_windows,
             windows,
             cursor: 0,
+            widen: None,
         })
     }
 }
@@ -961,6 +938,7 @@ impl Job for SaevJob {
                 in_windows: false,
                 windows: Vec::new(),
                 cursor,
+                widen: None,
             }
         } else {
             self.prepare_windowed(s, e, cx)?
@@ -982,10 +960,8 @@ impl Job for SaevJob {
         }
         let rb = self.src.row_bytes() as usize;
         let n = state.rows.len();
-        let step = self.piece_rows * rb;
-        let regions = exec::even_pieces(n * rb, step);
-        let mut buf = cx.buffer(&self.batches, n * rb)?;
         if let (Some((store, names)), true) = (self.src.ds.remote(), state.windows.is_empty()) {
+            let mut buf = cx.buffer(&self.batches, n * rb)?;
             let ranges: Vec<ReadRange> = state
                 .src
                 .iter()
@@ -1008,6 +984,17 @@ impl Job for SaevJob {
                 state,
             });
         }
+        // Widened rows are gathered straight into the float32 batch: one pass over the rows,
+        // on every gather thread, instead of a copy at the stored width and then a pass of one
+        // thread over the whole batch.
+        let layout = self.src.ds.layout();
+        state.widen = self.upcast.is_some().then_some(layout.dtype);
+        let ob = match state.widen {
+            Some(_) => (layout.d_model * 4) as usize,
+            None => rb,
+        };
+        let regions = exec::even_pieces(n * ob, self.piece_rows * ob);
+        let buf = cx.buffer(&self.batches, n * ob)?;
         Ok(Prepared {
             buf,
             regions,
@@ -1018,12 +1005,26 @@ impl Job for SaevJob {
     fn fill(&self, b: &SaevBatch, piece: usize, out: &mut [&mut [u8]]) -> Result<()> {
         let src = &*self.src;
         let rb = src.row_bytes() as usize;
+        // Bytes of a row in the batch: stored, or float32 when widened here.
+        let ob = match b.widen {
+            Some(_) => src.ds.layout().d_model as usize * 4,
+            None => rb,
+        };
         let first = piece * self.piece_rows;
-        let rows = out[0].len() / rb;
+        let rows = out[0].len() / ob;
+        // A row that cannot be widened from where it lies is copied here first.
+        let mut scratch = Vec::new();
         if self.direct && b.windows.is_empty() {
-            for (k, dst) in out[0].chunks_exact_mut(rb).enumerate() {
+            for (k, dst) in out[0].chunks_exact_mut(ob).enumerate() {
                 let (shard, offset) = b.src[first + k];
-                read_row(src, shard, offset, dst)?;
+                match b.widen {
+                    Some(dtype) => {
+                        scratch.resize(rb, 0);
+                        read_row(src, shard, offset, &mut scratch)?;
+                        crate::precision::decode_bytes(dtype, &scratch, dst);
+                    }
+                    None => read_row(src, shard, offset, dst)?,
+                }
             }
             return Ok(());
         }
@@ -1048,7 +1049,7 @@ impl Job for SaevJob {
                 .map(Row::Bytes)
                 .ok_or_else(|| outside(k))
         };
-        let dsts = out[0].chunks_exact_mut(rb);
+        let dsts = out[0].chunks_exact_mut(ob);
         for (k, dst) in (first..first + rows).zip(dsts) {
             if k + AHEAD < first + rows {
                 match row(k + AHEAD) {
@@ -1061,18 +1062,28 @@ impl Job for SaevJob {
                     Err(_) => {}
                 }
             }
-            match row(k)? {
-                Row::Bytes(bytes) => buffer::copy_streaming(dst, bytes),
-                Row::Held(pages, off) => pages
+            match (row(k)?, b.widen) {
+                (Row::Bytes(bytes), None) => buffer::copy_streaming(dst, bytes),
+                (Row::Held(pages, off), None) => pages
                     .copy_into(off, dst, buffer::copy_streaming)
                     .ok_or_else(|| outside(k))?,
+                (Row::Bytes(bytes), Some(dtype)) => {
+                    crate::precision::decode_bytes(dtype, bytes, dst)
+                }
+                (Row::Held(pages, off), Some(dtype)) => {
+                    scratch.resize(rb, 0);
+                    pages
+                        .copy_into(off, &mut scratch, |d, s| d.copy_from_slice(s))
+                        .ok_or_else(|| outside(k))?;
+                    crate::precision::decode_bytes(dtype, &scratch, dst);
+                }
             }
         }
         buffer::copy_done();
         Ok(())
     }
 
-    fn finish(&self, p: Prepared<SaevBatch>, _: &rayon::ThreadPool) -> Result<Batch> {
+    fn finish(&self, p: Prepared<SaevBatch>, gather_pool: &rayon::ThreadPool) -> Result<Batch> {
         let src = &*self.src;
         let layout = src.ds.layout();
         let layers = src.ds.metadata().layers();
@@ -1099,14 +1110,25 @@ impl Job for SaevJob {
                 });
             }
         }
-        let (act, dtype) = match &self.upcast {
-            Some(pool) => {
+        let (act, dtype) = match (&self.upcast, p.state.widen) {
+            // Widened while gathered.
+            (Some(_), Some(_)) => (p.buf, Dtype::F32),
+            // Rows that arrived as stored (fetched at once from a store): widened now, in
+            // pieces on the gather threads.
+            (Some(pool), None) => {
                 let mut wide = pool.get(n * layout.d_model as usize * 4);
+                let (stored, d) = (layout.value_bytes() as usize, layout.d_model as usize);
                 let out = wide.as_mut_f32();
-                crate::precision::decode(layout.dtype, &p.buf[..out.len() * 2], out);
+                let piece = self.piece_rows * d;
+                gather_pool.install(|| {
+                    use rayon::prelude::*;
+                    out.par_chunks_mut(piece)
+                        .zip(p.buf[..n * d * stored].par_chunks(piece * stored))
+                        .for_each(|(o, s)| crate::precision::decode(layout.dtype, s, o));
+                });
                 (wide, Dtype::F32)
             }
-            None => (p.buf, layout.dtype),
+            (None, _) => (p.buf, layout.dtype),
         };
         Ok(Batch {
             act,

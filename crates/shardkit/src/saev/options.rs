@@ -8,12 +8,42 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::follow;
-use super::loader::{LayerSel, Loader};
+use super::loader::Loader;
 use crate::engine::dist::{differ, refuse};
 use crate::engine::order::Order;
 use crate::engine::{LoaderState, StateValue};
 use crate::error::{Error, Result};
 use crate::saev::TokenMode;
+
+/// Which layer a loader reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerSel {
+    /// The slot recorded with this value.
+    Value(i64),
+    /// Every recorded layer (batches then carry `layer`).
+    All,
+}
+
+impl std::str::FromStr for LayerSel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<LayerSel> {
+        if s == "all" {
+            return Ok(LayerSel::All);
+        }
+        s.parse()
+            .map(LayerSel::Value)
+            .map_err(|_| Error::Invalid(format!("layer must be an integer or \"all\", got {s:?}")))
+    }
+}
+
+impl std::fmt::Display for LayerSel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LayerSel::Value(v) => write!(f, "{v}"),
+            LayerSel::All => f.write_str("all"),
+        }
+    }
+}
 
 /// Default memory budget: 1 GiB.
 pub const DEFAULT_MEMORY_BUDGET: u64 = 1 << 30;
