@@ -14,10 +14,8 @@ frequencies falling off as a power law, magnitudes log-normal), plus a shared me
 small dense noise. An SAE learns it within a CPU minute, so a precision effect on what it learns
 would show, unlike on random activations where every SAE does equally badly.
 
-How each dataset is written: float32 with ``shardkit.saev.Writer``; bfloat16 with the same writer
-given ``"dtype": "bfloat16"`` in its metadata when this build's writer takes it (the library
-rounds to nearest even and writes the error sidecars), else by rewriting the float32 dataset
-through the library's writer with ``shardkit-bench saev-to-dtype`` (the same Rust code path). How
+Each dataset is written with ``shardkit.saev.Writer``, the bfloat16 one given
+``dtype="bfloat16"`` (the library rounds to nearest even and writes the error sidecars). How
 rows are read: the float32 loader's batches give the order (``example_idx``, ``token_idx``);
 the bfloat16 run takes the same rows from the bfloat16 dataset with ``Dataset.take``, which
 widens them to float32 in Rust, so both runs see the same rows in the same order and differ only
@@ -33,11 +31,9 @@ this tree: see docs/development.md).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -92,44 +88,12 @@ def write_float32(root: Path, md: Dict[str, Any], acts: np.ndarray) -> str:
     return w.path
 
 
-def bench_binary() -> str:
-    """shardkit-bench: $SHARDKIT_BENCH, else next to $SHARDKIT_BIN, else target/debug or PATH."""
-    if os.environ.get("SHARDKIT_BENCH"):
-        return os.environ["SHARDKIT_BENCH"]
-    here = Path(__file__).resolve().parent.parent
-    candidates = []
-    if os.environ.get("SHARDKIT_BIN"):
-        candidates.append(Path(os.environ["SHARDKIT_BIN"]).parent / "shardkit-bench")
-    candidates += [here / "target" / "release" / "shardkit-bench", here / "target" / "debug" / "shardkit-bench"]
-    for c in candidates:
-        if c.is_file():
-            return str(c)
-    found = shutil.which("shardkit-bench")
-    if found:
-        return found
-    sys.exit("sae_quality: the bfloat16 dataset needs shardkit-bench (cargo build -p shardkit-bench) "
-             "where the Python writer takes no dtype; set SHARDKIT_BENCH to it")
-
-
-def write_bfloat16(root: Path, md: Dict[str, Any], acts: np.ndarray, f32_path: str) -> Tuple[str, str]:
-    """The bfloat16 dataset of the same activations, and how it was written."""
-    params = inspect.signature(saev.Writer.__init__).parameters
-    if "dtype" in params:
-        with saev.Writer(root, md, dtype="bfloat16", progress=False) as w:
-            for i in range(0, acts.shape[0], 256):
-                w.write(acts[i:i + 256])
-        return w.path, "saev.Writer(dtype='bfloat16')"
-    try:
-        with saev.Writer(root, {**md, "dtype": "bfloat16"}, progress=False) as w:
-            for i in range(0, acts.shape[0], 256):
-                w.write(acts[i:i + 256])
-        return w.path, "saev.Writer(metadata['dtype'] = 'bfloat16')"
-    except Exception as e:  # noqa: BLE001 - an older writer refuses the key: use the Rust route
-        print(f"sae_quality: the Python writer refused dtype bfloat16 ({e}); rewriting with shardkit-bench",
-              file=sys.stderr)
-    out = subprocess.run([bench_binary(), "saev-to-dtype", "--src", f32_path, "--dtype", "bfloat16",
-                          "--out", str(root)], check=True, capture_output=True, text=True)
-    return out.stdout.strip().splitlines()[-1], "shardkit-bench saev-to-dtype"
+def write_bfloat16(root: Path, md: Dict[str, Any], acts: np.ndarray) -> str:
+    """The bfloat16 dataset of the same activations (rounded to nearest even by the writer)."""
+    with saev.Writer(root, md, dtype="bfloat16", progress=False) as w:
+        for i in range(0, acts.shape[0], 256):
+            w.write(acts[i:i + 256])
+    return w.path
 
 
 class TopKSAE(torch.nn.Module):
@@ -207,7 +171,7 @@ def main() -> int:
         acts, held_out = make_data(args.seed, d, args.features, args.examples, args.tokens, args.held_out)
         md = metadata(args.examples, args.tokens, d)
         f32_path = write_float32(root, md, acts)
-        bf16_path, bf16_how = write_bfloat16(root, md, acts, f32_path)
+        bf16_path = write_bfloat16(root, md, acts)
         f32_ds, bf16_ds = saev.open(f32_path), saev.open(bf16_path)
         t_written = time.monotonic()
 
@@ -258,7 +222,6 @@ def main() -> int:
             "tolerance": args.tolerance,
             "float32": results["float32"],
             "bfloat16_upcast": results["bfloat16"],
-            "bfloat16_written_by": bf16_how,
             "bfloat16_read_by": "Dataset.take (widened to float32 in Rust), rows in the float32 loader's order",
             "bfloat16_dataset": {"path": bf16_path, "inspect_precision": saev_precision(bf16_path)},
             "data": {

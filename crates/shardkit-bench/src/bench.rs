@@ -84,11 +84,6 @@ pub enum BenchCmd {
     /// job) against the sequential write ceiling, each checked byte-identical to 1 writer;
     /// and the commit time of a 1,000-shard dataset, in the same run.
     Parts(crate::bench_parts::PartsBenchArgs),
-    /// A saev dataset rewritten in another dtype through the library's writer (rounded to
-    /// nearest even, error sidecars and all), beside the source; prints the new directory.
-    /// Internal: scripts/sae_quality.py uses it where the Python writer takes no `dtype`.
-    #[command(hide = true)]
-    SaevToDtype(crate::bench_precision::ToDtypeArgs),
     /// One writer process of `parts` (internal: the benchmark spawns it).
     #[command(hide = true)]
     PartsRank(crate::bench_parts::RankArgs),
@@ -137,7 +132,6 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Link(args) => crate::bench_link::run(args),
         BenchCmd::Parts(args) => crate::bench_parts::run(args),
         BenchCmd::PartsRank(args) => crate::bench_parts::rank(args),
-        BenchCmd::SaevToDtype(args) => crate::bench_precision::to_dtype(args),
     }
 }
 

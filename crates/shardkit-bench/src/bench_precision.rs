@@ -167,64 +167,6 @@ fn same_rows(f32_ds: &Dataset, bf16_ds: &Dataset) -> Result<()> {
     Ok(())
 }
 
-/// `bench saev-to-dtype`.
-#[derive(clap::Args)]
-pub struct ToDtypeArgs {
-    /// The saev dataset directory to read (any dtype).
-    #[arg(long)]
-    pub src: PathBuf,
-    /// The dtype to write: float32, bfloat16 (bf16) or float16 (fp16).
-    #[arg(long)]
-    pub dtype: String,
-    /// Root to write under (the dataset's own directory, named by its hash, goes inside);
-    /// default: the source's root.
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-}
-
-/// Rewrites `args.src` in `args.dtype`, example by example (every layer, labels kept), resuming
-/// a rewrite that was cut short; prints the new dataset's directory.
-pub fn to_dtype(args: ToDtypeArgs) -> Result<()> {
-    let dtype = Dtype::from_name(&args.dtype)?;
-    let src = Dataset::open(&args.src)?;
-    let md = src.metadata().with_dtype(dtype)?;
-    let root = match &args.out {
-        Some(r) => r.clone(),
-        None => args
-            .src
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_else(|| PathBuf::from(".")),
-    };
-    let l = *src.layout();
-    let (layers, d, t, p) = (
-        src.metadata().layers().to_vec(),
-        l.d_model as usize,
-        l.tokens as usize,
-        l.content_tokens as usize,
-    );
-    let mut w = Writer::create(
-        &root,
-        md,
-        WriterOptions {
-            resume: true,
-            ..Default::default()
-        },
-    )?;
-    let mut acts = vec![0f32; layers.len() * t * d];
-    let mut labels = vec![0u8; p];
-    for e in w.next_example()..l.n_examples {
-        for (k, &layer) in layers.iter().enumerate() {
-            src.read_slab_into(e, layer, &mut acts[k * t * d..(k + 1) * t * d])?;
-        }
-        let has = src.read_labels_into(e, &mut labels)?;
-        w.write(&acts, has.then_some(&labels[..]))?;
-    }
-    let dir = w.finish()?;
-    println!("{}", dir.display());
-    Ok(())
-}
-
 /// The read ceiling of the block loader's pattern: the last layer's slab of every example (what
 /// a loader of layer -1 reads: runs of T·D values at the stored width, separated by the other
 /// layers' slabs), in file order, `inflight` buffered reads at a time after eviction; bytes/s.
