@@ -4,13 +4,11 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::{run, run_and_kill, snapshot, Rng};
+use common::{check_saev_state, run, run_and_kill, snapshot, Rng};
 
-use shardkit::saev::Dataset;
-use shardkit::Error;
 
 fn write_args<'a>(src: &'a str, root: &'a str, resume: bool) -> Vec<String> {
     let mut a: Vec<String> = [
@@ -37,29 +35,6 @@ fn write_args<'a>(src: &'a str, root: &'a str, resume: bool) -> Vec<String> {
 /// Starts a write and kills it with SIGKILL after `delay`.
 fn write_and_kill(src: &str, root: &str, resume: bool, delay: Duration) {
     run_and_kill(&write_args(src, root, resume), delay);
-}
-
-/// Either incomplete (never served) or complete and identical to the reference.
-fn check_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str {
-    if !dir.join("metadata.json").exists() {
-        return "not started";
-    }
-    match Dataset::open(dir) {
-        Ok(_) => {
-            // A kill between shards.json (the commit record) and the removal of the in-progress
-            // marker leaves the marker behind: harmless, ignored by readers, removed by the
-            // next writer run.
-            let mut files = snapshot(dir);
-            files.remove(".shardkit-writing");
-            assert_eq!(&files, reference, "a complete dataset must be exact");
-            "complete"
-        }
-        Err(Error::Incomplete { present, total, .. }) => {
-            assert!(present <= total);
-            "incomplete"
-        }
-        Err(e) => panic!("a killed write left neither an incomplete nor a valid dataset: {e}"),
-    }
 }
 
 #[test]
@@ -112,7 +87,9 @@ fn sigkill_at_random_points_then_resume_is_exact() {
             false,
             Duration::from_micros(rng.next() % span),
         );
-        *outcomes.entry(check_state(&dir, &reference)).or_default() += 1;
+        *outcomes
+            .entry(check_saev_state(&dir, &reference))
+            .or_default() += 1;
         // Sometimes kill the resumed run too.
         if rng.next().is_multiple_of(2) {
             write_and_kill(
@@ -121,7 +98,7 @@ fn sigkill_at_random_points_then_resume_is_exact() {
                 true,
                 Duration::from_micros(rng.next() % span),
             );
-            check_state(&dir, &reference);
+            check_saev_state(&dir, &reference);
         }
         let printed = run(&write_args(src_s, root_s, true)
             .iter()

@@ -13,10 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{run, run_and_kill, snapshot, Rng, BIN};
+use common::{check_saev_state, run, run_and_kill, snapshot, Rng, BIN};
 use shardkit::precision::{self, Dtype};
 use shardkit::saev::Dataset;
-use shardkit::Error;
 
 /// Runs the CLI, expecting failure; its stderr.
 fn fails(args: &[&str]) -> String {
@@ -383,26 +382,6 @@ fn refusals_say_why() {
     assert!(!out.exists());
 }
 
-/// Either not started, incomplete (refused as such), or complete and identical.
-fn check_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str {
-    if !dir.join("metadata.json").exists() {
-        return "not started";
-    }
-    match Dataset::open(dir) {
-        Ok(_) => {
-            let mut files = snapshot(dir);
-            files.remove(".shardkit-writing");
-            assert_eq!(&files, reference, "a complete dataset must be exact");
-            "complete"
-        }
-        Err(Error::Incomplete { present, total, .. }) => {
-            assert!(present <= total);
-            "incomplete"
-        }
-        Err(e) => panic!("a killed conversion left neither an incomplete nor a valid dataset: {e}"),
-    }
-}
-
 #[test]
 fn sigkill_at_random_points_then_rerun_is_exact() {
     let tmp = tempfile::tempdir().unwrap();
@@ -453,10 +432,12 @@ fn sigkill_at_random_points_then_rerun_is_exact() {
         let root = tmp.path().join(format!("t{trial}"));
         let dir = root.join(ref_dir.file_name().unwrap());
         run_and_kill(&args(&root), Duration::from_micros(rng.next() % span));
-        *outcomes.entry(check_state(&dir, &reference)).or_default() += 1;
+        *outcomes
+            .entry(check_saev_state(&dir, &reference))
+            .or_default() += 1;
         if rng.next().is_multiple_of(2) {
             run_and_kill(&args(&root), Duration::from_micros(rng.next() % span));
-            check_state(&dir, &reference);
+            check_saev_state(&dir, &reference);
         }
         assert_eq!(PathBuf::from(run(&args(&root)).trim()), dir);
         assert_eq!(snapshot(&dir), reference, "trial {trial} (seed {seed})");

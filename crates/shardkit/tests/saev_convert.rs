@@ -10,7 +10,7 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use common::saev::{acts, labels, metadata, EV};
+use common::saev::{acts, hard_acts, labels, metadata, EV};
 use common::{assert_same_tree, tree};
 use shardkit::precision::{self, Dtype};
 use shardkit::saev::{
@@ -20,22 +20,6 @@ use shardkit::saev::{
 use shardkit::Error;
 
 const N: u64 = 7; // 4 shards of 2 examples, the last one holding 1
-
-/// Rows with ties, subnormals, NaN, ±inf, values beyond float16's range and zeros.
-fn hard_acts(n: u64) -> Vec<f32> {
-    let mut a: Vec<f32> = acts(0..n)
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (v + 0.1) * (1.0 + i as f32 * 1e-3) * if i % 3 == 0 { -1.0 } else { 1.0 })
-        .collect();
-    a[1] = 1.0 + f32::powi(2.0, -8); // a bfloat16 tie
-    a[2] = 1e-40; // a float32 subnormal
-    a[5] = f32::NAN;
-    a[6] = f32::INFINITY;
-    a[9] = 0.0;
-    a[40] = 1e5; // beyond float16's largest value
-    a
-}
 
 /// Writes `data` (float32 rows) with labels as the test dataset in `dtype`, directly.
 fn write_direct(root: &Path, dtype: Dtype, data: &[f32]) -> PathBuf {

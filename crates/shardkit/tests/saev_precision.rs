@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::saev::{acts, metadata, EV};
+use common::saev::{acts, hard_acts, metadata, EV};
 use shardkit::engine::Order;
 use shardkit::precision::{self, Dtype};
 use shardkit::saev::{
@@ -17,23 +17,6 @@ use shardkit::{Error, Rank};
 /// The test dataset (2 layers, CLS + 3 tokens, d_model 4, 2 examples per shard) in `dtype`.
 fn md(n: u64, dtype: Dtype) -> saev::Metadata {
     metadata(n).with_dtype(dtype).unwrap()
-}
-
-/// Activations with every kind of value a rounding must handle: ties, subnormals, NaN, ±inf,
-/// values beyond float16's range, zeros.
-fn hard_acts(n: u64) -> Vec<f32> {
-    let mut a: Vec<f32> = acts(0..n)
-        .iter()
-        .enumerate()
-        .map(|(i, v)| (v + 0.1) * (1.0 + i as f32 * 1e-3) * if i % 3 == 0 { -1.0 } else { 1.0 })
-        .collect();
-    a[1] = 1.0 + f32::powi(2.0, -8); // a bfloat16 tie
-    a[2] = 1e-40; // a float32 subnormal
-    a[5] = f32::NAN;
-    a[6] = f32::INFINITY;
-    a[7] = f32::NEG_INFINITY;
-    a[9] = 0.0;
-    a
 }
 
 fn write(root: &Path, n: u64, dtype: Dtype, data: &[f32], opts: WriterOptions) -> PathBuf {

@@ -100,3 +100,27 @@ pub fn run_and_kill<S: AsRef<std::ffi::OsStr>>(args: &[S], delay: Duration) {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// What a killed saev write or conversion left at `dir`: not started, incomplete (refused as
+/// such by readers), or complete and identical to `reference`. A kill between shards.json (the
+/// commit record) and the removal of the in-progress marker leaves the marker behind: harmless,
+/// ignored by readers, removed by the next run.
+#[allow(dead_code)] // not every test binary kills a saev writer
+pub fn check_saev_state(dir: &Path, reference: &BTreeMap<String, String>) -> &'static str {
+    if !dir.join("metadata.json").exists() {
+        return "not started";
+    }
+    match shardkit::saev::Dataset::open(dir) {
+        Ok(_) => {
+            let mut files = snapshot(dir);
+            files.remove(".shardkit-writing");
+            assert_eq!(&files, reference, "a complete dataset must be exact");
+            "complete"
+        }
+        Err(shardkit::Error::Incomplete { present, total, .. }) => {
+            assert!(present <= total);
+            "incomplete"
+        }
+        Err(e) => panic!("a killed run left neither an incomplete nor a valid dataset: {e}"),
+    }
+}

@@ -36,6 +36,25 @@ pub fn acts(examples: std::ops::Range<u64>) -> Vec<f32> {
         .collect()
 }
 
+/// [`acts`] with every kind of value a rounding to bfloat16 / float16 must handle (`n` >= 2):
+/// ties, a float32 subnormal, NaN, ±inf, a value beyond float16's range, zeros.
+#[allow(dead_code)] // used by the reduced-precision tests only
+pub fn hard_acts(n: u64) -> Vec<f32> {
+    let mut a: Vec<f32> = acts(0..n)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| (v + 0.1) * (1.0 + i as f32 * 1e-3) * if i % 3 == 0 { -1.0 } else { 1.0 })
+        .collect();
+    a[1] = 1.0 + f32::powi(2.0, -8); // a bfloat16 tie
+    a[2] = 1e-40; // a float32 subnormal
+    a[5] = f32::NAN;
+    a[6] = f32::INFINITY;
+    a[7] = f32::NEG_INFINITY;
+    a[9] = 0.0;
+    a[40] = 1e5; // beyond float16's largest value
+    a
+}
+
 /// The label of example `e`'s content token `c`, as written.
 pub fn label(e: u64, c: u64) -> u8 {
     (e * 7 + c) as u8
