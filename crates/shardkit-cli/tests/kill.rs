@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use common::{check_saev_state, run, run_and_kill, snapshot, Rng};
 
-
 fn write_args<'a>(src: &'a str, root: &'a str, resume: bool) -> Vec<String> {
     let mut a: Vec<String> = [
         "saev",
