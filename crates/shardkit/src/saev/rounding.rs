@@ -19,6 +19,9 @@ use crate::precision::{Dtype, ErrorStats};
 use crate::saev::layout::Layout;
 use crate::saev::Metadata;
 
+/// Sidecars read at once by [`Sidecars::read`].
+const FETCHERS: usize = 16;
+
 /// Writes of at least this many values are rounded on every core.
 const PARALLEL_VALUES: usize = 1 << 20;
 
@@ -190,7 +193,7 @@ impl Sidecars {
         dir: &Path,
         layout: &Layout,
         n: u64,
-        fetch: impl Fn(&str) -> Result<Option<Vec<u8>>>,
+        fetch: impl Fn(&str) -> Result<Option<Vec<u8>>> + Sync,
     ) -> Result<Sidecars> {
         let mut out = Sidecars {
             total: ErrorStats::default(),
@@ -198,17 +201,26 @@ impl Sidecars {
             missing: Vec::new(),
             bad: Vec::new(),
         };
-        for s in 0..n.min(layout.n_shards) {
-            let name = sidecar_name(s);
-            match fetch(&name)? {
+        // From a store each sidecar is a GET: many in flight, not one round trip a shard.
+        let shards: Vec<u64> = (0..n.min(layout.n_shards)).collect();
+        let fetched = crate::par::chunked(&shards, FETCHERS, "reading error sidecars", |c| {
+            c.iter()
+                .map(|&s| Ok((s, fetch(&sidecar_name(s))?)))
+                .collect()
+        })?;
+        for (s, got) in fetched {
+            match got {
                 None => out.missing.push(s),
-                Some(bytes) => match parse_sidecar(&bytes, &dir.join(&name), layout, s) {
-                    Ok(stats) => {
-                        out.total.merge(&stats);
-                        out.shards += 1;
+                Some(bytes) => {
+                    let src = dir.join(sidecar_name(s));
+                    match parse_sidecar(&bytes, &src, layout, s) {
+                        Ok(stats) => {
+                            out.total.merge(&stats);
+                            out.shards += 1;
+                        }
+                        Err(e) => out.bad.push(e),
                     }
-                    Err(e) => out.bad.push(e),
-                },
+                }
             }
         }
         Ok(out)

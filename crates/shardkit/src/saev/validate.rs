@@ -575,7 +575,7 @@ fn precision_summary(
     dir: &Path,
     layout: &Layout,
     complete: &crate::Result<()>,
-    fetch: impl Fn(&str) -> crate::Result<Option<Vec<u8>>>,
+    fetch: impl Fn(&str) -> crate::Result<Option<Vec<u8>>> + Sync,
 ) -> crate::Result<Value> {
     if !layout.dtype.is_reduced() {
         return Ok(Value::Null);
