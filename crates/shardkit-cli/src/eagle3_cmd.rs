@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
 use memmap2::Mmap;
-use shardkit::eagle3::{self, read_header, synthetic_sample, Writer, WriterOptions};
+use shardkit::eagle3::{
+    self, read_header, synthetic_sample, Schema, WeightTable, Writer, WriterOptions,
+};
 use shardkit::json::{self, Escape, Value};
 use shardkit::{Error, Result};
 
@@ -65,23 +67,23 @@ pub enum Eagle3Cmd {
 pub struct WriteArgs {
     /// The cache directory.
     #[arg(long)]
-    out: PathBuf,
+    pub out: PathBuf,
     /// The run configuration (JSON object with the keys NeMo's producer writes).
     #[arg(long)]
-    manifest: PathBuf,
+    pub manifest: PathBuf,
     /// format_version to write: 1 (default) or 2.
     #[arg(long, default_value_t = 1)]
-    version: u8,
+    pub version: u8,
     /// Continue a cache that already has shards (its first samples are skipped in the input).
     #[arg(long)]
-    resume: bool,
+    pub resume: bool,
     /// A safetensors file whose `weight` (F32 [V, H]) becomes target_embeddings.safetensors.
     #[arg(long)]
-    embeddings: Option<PathBuf>,
+    pub embeddings: Option<PathBuf>,
     /// Batch files in sample order: safetensors with input_ids, attention_mask, loss_mask,
     /// aux_hidden_states, position_mask and target_probs (or the top-k pair), each [b, ...].
     #[arg(required = true)]
-    from: Vec<PathBuf>,
+    pub from: Vec<PathBuf>,
 }
 
 /// `shardkit eagle3 synth`.
@@ -142,7 +144,7 @@ pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
                 "{}: format_version {} ({})",
                 dir.display(),
                 m.format_version,
-                if m.topk.is_some() {
+                if m.topk().is_some() {
                     "top-k"
                 } else {
                     "lossless"
@@ -242,7 +244,7 @@ fn open_input(path: &Path) -> Result<Input> {
     })
 }
 
-fn write(a: WriteArgs) -> Result<bool> {
+pub fn write(a: WriteArgs) -> Result<bool> {
     let text = std::fs::read(&a.manifest).map_err(|e| Error::io(&a.manifest, e))?;
     let config = json::parse(&text).map_err(|e| Error::format(&a.manifest, e.to_string()))?;
     let options = WriterOptions {
@@ -324,29 +326,46 @@ fn write(a: WriteArgs) -> Result<bool> {
         pb.set_position(w.next_sample());
     }
     if let Some(p) = &a.embeddings {
-        let input = open_input(p)?;
-        let info = input
-            .meta
-            .info("weight")
-            .ok_or_else(|| Error::format(p, "has no tensor `weight`"))?;
-        if info.dtype != safetensors::Dtype::F32 || info.shape.len() != 2 {
-            return Err(Error::format(
-                p,
-                format!(
-                    "`weight` is {} {:?}; expected F32 [V, H]",
-                    info.dtype, info.shape
-                ),
-            ));
-        }
-        let (s, e) = info.data_offsets;
-        w.write_target_embeddings(
-            &input.map[input.data_start + s..input.data_start + e],
-            info.shape[0] as u64,
-            info.shape[1] as u64,
-        )?;
+        write_weights_from(&w, p)?;
     }
     pb.finish_and_clear();
     let dir = w.finish()?;
     println!("{}", dir.display());
     Ok(true)
+}
+
+/// Writes the cache's target weights from the safetensors file `path`, which holds the tables
+/// under the names the cache stores them (EAGLE-3: `weight`, F32 [V, H]; DSpark:
+/// `embed_tokens.weight` and `lm_head.weight`, [V, H] in the cache dtype).
+pub fn write_weights_from(w: &Writer, path: &Path) -> Result<()> {
+    let input = open_input(path)?;
+    let m = w.manifest();
+    let want = match m.schema() {
+        Schema::Eagle3 => safetensors::Dtype::F32,
+        Schema::DSpark => m.dtype,
+    };
+    let mut tables = Vec::new();
+    for &name in m.schema().weight_tensors() {
+        let info = input
+            .meta
+            .info(name)
+            .ok_or_else(|| Error::format(path, format!("has no tensor `{name}`")))?;
+        if info.dtype != want || info.shape.len() != 2 {
+            return Err(Error::format(
+                path,
+                format!(
+                    "`{name}` is {} {:?}; expected {want} [V, H]",
+                    info.dtype, info.shape
+                ),
+            ));
+        }
+        let (s, e) = info.data_offsets;
+        tables.push(WeightTable {
+            name,
+            rows: info.shape[0] as u64,
+            cols: info.shape[1] as u64,
+            data: &input.map[input.data_start + s..input.data_start + e],
+        });
+    }
+    w.write_target_weights(&tables)
 }

@@ -6,6 +6,7 @@
 
 pub mod cache_cmd;
 pub mod checksum_cmd;
+pub mod dspark_cmd;
 pub mod eagle3_cmd;
 pub mod inspect_text;
 pub mod npy;

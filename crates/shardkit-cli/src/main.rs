@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use shardkit_cli::{
-    cache_cmd, eagle3_cmd, env_logger_lite, progress, saev_cmd, sdnb_cmd, tokens_cmd,
+    cache_cmd, dspark_cmd, eagle3_cmd, env_logger_lite, progress, saev_cmd, sdnb_cmd, tokens_cmd,
 };
 
 mod bench_forward;
@@ -30,6 +30,9 @@ enum Cmd {
     /// EAGLE-3 offline caches (NeMo Automodel): manifest + safetensors shards.
     #[command(subcommand)]
     Eagle3(eagle3_cmd::Eagle3Cmd),
+    /// DSpark offline caches (NeMo Automodel): manifest + safetensors shards + target weights.
+    #[command(subcommand)]
+    Dspark(dspark_cmd::DsparkCmd),
     /// SameDiff containers (Deeplearning4j): SDNB files, shard sets and SDZ archives.
     #[command(subcommand)]
     Sdnb(sdnb_cmd::SdnbCmd),
@@ -111,6 +114,7 @@ fn main() -> ExitCode {
         Cmd::Saev(c) => saev_cmd::run(c),
         Cmd::Tokens(c) => tokens_cmd::run(c),
         Cmd::Eagle3(c) => eagle3_cmd::run(c),
+        Cmd::Dspark(c) => dspark_cmd::run(c),
         Cmd::Sdnb(c) => sdnb_cmd::run(c),
         Cmd::Upload { src, dst } => transfer(&src, &dst, true),
         Cmd::Download { src, dst } => transfer(&src, &dst, false),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, Writer};
+use shardkit::eagle3::{self, Cache, Loader, LoaderOptions, WeightTable, Writer};
 use shardkit::json;
 
 use crate::loader::{rank_world, state_dict, state_from_dict, BatchIter, IntoDict};
@@ -105,6 +105,45 @@ fn bytes_without_gil(
     py.allow_threads(|| f(unsafe { s.get() })).map_err(to_py)
 }
 
+/// Calls `f` without the GIL on the target weights `tables`: (name, bytes of the table in the
+/// file's dtype, rows, cols) each, for both writers' `write_target_weights`.
+fn tables_without_gil(
+    py: Python<'_>,
+    tables: Vec<(String, Bound<'_, PyAny>, u64, u64)>,
+    f: impl FnOnce(&[WeightTable<'_>]) -> shardkit::Result<()> + Send,
+) -> PyResult<()> {
+    let mut bufs = Vec::new();
+    for (name, data, rows, cols) in &tables {
+        let b = contiguous::<u8>(data, &format!("{name} (bytes)"))?;
+        bufs.push((name.clone(), b, *rows, *cols));
+    }
+    let slices: Vec<(String, SendSlice<u8>, u64, u64)> = bufs
+        .iter()
+        .map(|(n, b, r, c)| {
+            (
+                n.clone(),
+                SendSlice(b.buf_ptr() as *const u8, b.item_count()),
+                *r,
+                *c,
+            )
+        })
+        .collect();
+    // SAFETY: the exporters' views (`bufs`) outlive the closure.
+    py.allow_threads(|| {
+        let tables: Vec<WeightTable<'_>> = slices
+            .iter()
+            .map(|(name, s, rows, cols)| WeightTable {
+                name,
+                rows: *rows,
+                cols: *cols,
+                data: unsafe { s.get() },
+            })
+            .collect();
+        f(&tables)
+    })
+    .map_err(to_py)
+}
+
 /// Writes one cache directory.
 #[pyclass(module = "shardkit._shardkit")]
 pub struct Eagle3Writer {
@@ -192,6 +231,22 @@ impl Eagle3Writer {
         bytes_without_gil(py, data, "embeddings (bytes)", |b| {
             w.write_target_embeddings(b, rows, cols)
         })
+    }
+    /// Writes the target weights file from `tables`: (name, bytes, rows, cols) each, in the
+    /// file's dtype (EAGLE-3 float32; DSpark the cache dtype).
+    fn write_target_weights(
+        &self,
+        py: Python<'_>,
+        tables: Vec<(String, Bound<'_, PyAny>, u64, u64)>,
+    ) -> PyResult<()> {
+        let w = self.inner.as_ref().ok_or_else(closed)?;
+        tables_without_gil(py, tables, |t| w.write_target_weights(t))
+    }
+    /// The cache's member of the family: "eagle3" or "dspark".
+    #[getter]
+    fn schema(&self) -> PyResult<&'static str> {
+        let w = self.inner.as_ref().ok_or_else(closed)?;
+        Ok(w.manifest().schema().name())
     }
     /// Finishes the cache (every sample must have been added) and returns its directory.
     fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
@@ -325,6 +380,15 @@ impl Eagle3PartWriter {
             w.write_target_embeddings(b, rows, cols)
         })
     }
+    /// Writes the target weights file from `tables` (as the Writer's), once for the cache.
+    fn write_target_weights(
+        &self,
+        py: Python<'_>,
+        tables: Vec<(String, Bound<'_, PyAny>, u64, u64)>,
+    ) -> PyResult<()> {
+        let w = self.inner.as_ref().ok_or_else(closed)?;
+        tables_without_gil(py, tables, |t| w.write_target_weights(t))
+    }
     /// Ends the part and commits the cache when every part is durable; returns the status as
     /// JSON.
     fn finish(&mut self, py: Python<'_>) -> PyResult<String> {
@@ -410,6 +474,31 @@ impl Eagle3Cache {
                 field_out(py, f.name, f.dtype.to_string(), f.shape, array)
             })
             .collect()
+    }
+    /// The cache's member of the family: "eagle3" or "dspark".
+    #[getter]
+    fn schema(&self) -> &'static str {
+        self.inner.manifest().schema().name()
+    }
+    /// The target weights: (name, dtype code, view of its map [rows, cols]) per table.
+    fn target_weights(&self, py: Python<'_>) -> PyResult<Vec<(String, String, RustBuffer)>> {
+        let cache = &self.inner;
+        let w = py.allow_threads(|| cache.target_weights()).map_err(to_py)?;
+        let w = Arc::new(w);
+        let mut out = Vec::new();
+        for t in w.tables() {
+            let bytes = w.table(&t.name).unwrap_or(&[]);
+            let view = RustBuffer::view(
+                w.clone(),
+                bytes,
+                format(t.dtype)?,
+                &[t.rows, t.cols],
+                false,
+                false,
+            );
+            out.push((t.name.clone(), t.dtype.to_string(), view));
+        }
+        Ok(out)
     }
     /// The embedding table (F32 [rows, hidden]), viewing its map.
     fn target_embeddings(&self, py: Python<'_>) -> PyResult<RustBuffer> {

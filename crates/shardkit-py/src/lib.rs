@@ -423,6 +423,16 @@ impl<T> SendSlice<T> {
 /// Copies a local dataset directory to an `s3://` prefix (or back, `upload=False`), commit
 /// record last, skipping objects already there; `progress(done_bytes, total_bytes)` is called
 /// after each object. Returns {"copied", "skipped", "bytes"}.
+/// The contiguous block of `units` (shards, sequences) that rank `rank` of `world_size`
+/// writes: NeMo's `partition_cache_shards` (the first `units % world_size` ranks take one
+/// more), as `(start, end)`.
+#[pyfunction]
+fn part_of(units: u64, rank: u64, world_size: u64) -> PyResult<(u64, u64)> {
+    let r = shardkit::Rank::new(rank, world_size).map_err(to_py)?;
+    let p = shardkit::part_of(units, r);
+    Ok((p.start, p.end))
+}
+
 #[pyfunction]
 #[pyo3(signature = (src, dst, upload, progress=None))]
 fn transfer<'py>(
@@ -645,6 +655,7 @@ fn _shardkit(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "fault-injection")]
     m.add_function(wrap_pyfunction!(_inject_fault, m)?)?;
     m.add_function(wrap_pyfunction!(checksum, m)?)?;
+    m.add_function(wrap_pyfunction!(part_of, m)?)?;
     m.add_function(wrap_pyfunction!(transfer, m)?)?;
     m.add_function(wrap_pyfunction!(storage_counters, m)?)?;
     m.add_function(wrap_pyfunction!(wait_for_cache, m)?)?;

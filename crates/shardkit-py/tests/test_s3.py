@@ -736,7 +736,7 @@ def test_tokens_and_eagle3_remote_writes_killed_after_every_object_resume_identi
                 opener(url)
             refusal = (type(e.value), str(e.value))
             if what == "eagle3":
-                assert refusal == (shardkit.NotFoundError, f"{url}/manifest.json: no manifest.json: not an EAGLE-3 cache, or one not uploaded yet"), refusal
+                assert refusal == (shardkit.NotFoundError, f"{url}/manifest.json: no manifest.json: not an EAGLE-3 or DSpark cache, or one not uploaded yet"), refusal
             else:
                 assert refusal in [
                     (shardkit.NotFoundError, f"{url}: holds neither a train nor a validation split (a zarr group with either)"),
@@ -1746,7 +1746,7 @@ def test_eagle3_validated_in_a_store_reports_what_a_local_check_reports(tmp_path
     _, local, url = damaged("no-manifest", lambda d: (d / "manifest.json").unlink())
     for report, where in [(eagle3.validate(local), "written"), (eagle3.validate(url), "uploaded")]:
         assert [Path(e["file"]).name for e in report["errors"]] == ["manifest.json"], report
-        assert f"not an EAGLE-3 cache, or one not {where} yet" in report["errors"][0]["message"]
+        assert f"not an EAGLE-3 or DSpark cache, or one not {where} yet" in report["errors"][0]["message"]
     shardkit.upload(good, f"s3://{bucket}/good")
     assert same_report(eagle3.validate, good, f"s3://{bucket}/good")["valid"]
 

@@ -7,7 +7,8 @@
 //!   sparse-autoencoder training), every protocol version in use.
 //! * [`flat_tokens`]: MatX seqax's token datasets in zarr (v2 exactly as seqax writes them, or
 //!   sharded v3), with seqax's shuffled order served step by step.
-//! * [`eagle3`]: NeMo Automodel's EAGLE-3 offline cache (manifest and safetensors shards).
+//! * [`eagle3`] and [`dspark`]: NeMo Automodel's EAGLE-3 and DSpark offline caches (manifest
+//!   and safetensors shards), two schemas of one implementation ([`offline`]).
 //! * [`sdnb`]: SameDiff (Deeplearning4j) model containers: single SDNB files, shard sets and
 //!   SDZ archives, served from a memory map.
 //!
@@ -36,7 +37,8 @@
 // The layers, bottom to top. A module uses only modules of its own layer or below
 // (`../shared/tools/layers.py crates/shardkit/src` shows no cycle, at depth 1 and 2):
 //
-//   formats   saev, flat_tokens, eagle3, sdnb     parse, lay out, validate; describe batches
+//   formats   saev, flat_tokens, offline, sdnb    parse, lay out, validate; describe batches
+//             (eagle3, dspark: offline's members)
 //   engine    engine                              orders, gathers, batches, the loader contract
 //   commit    commit, checksum, report            locks, staging, upload journal, sidecars,
 //                                                 the commit record written last
@@ -46,6 +48,7 @@
 pub mod checksum;
 pub(crate) mod commit;
 pub(crate) mod config;
+pub mod dspark;
 pub mod eagle3;
 pub mod engine;
 mod error;
@@ -58,6 +61,7 @@ pub mod fsutil;
 pub mod internals;
 pub mod io;
 pub mod json;
+pub mod offline;
 pub(crate) mod par;
 pub mod precision;
 pub mod report;
@@ -91,6 +95,10 @@ pub(crate) struct FlatTokensDocs;
 #[doc = include_str!("../../../docs/eagle3.md")]
 #[cfg(doctest)]
 pub(crate) struct Eagle3Docs;
+
+#[doc = include_str!("../../../docs/dspark.md")]
+#[cfg(doctest)]
+pub(crate) struct DSparkDocs;
 
 #[doc = include_str!("../../../docs/sdnb.md")]
 #[cfg(doctest)]

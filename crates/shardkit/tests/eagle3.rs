@@ -52,7 +52,9 @@ fn sample(w_specs: &[eagle3::FieldSpec], m: &eagle3::Manifest, i: u64) -> Vec<(S
                 (0..s)
                     .flat_map(|p| {
                         (0..k).map(move |j| {
-                            ((p * 3 + j * 5 + i as usize) % m.draft_vocab_size as usize) as i32
+                            ((p * 3 + j * 5 + i as usize)
+                                % m.eagle3().unwrap().draft_vocab_size as usize)
+                                as i32
                         })
                     })
                     .flat_map(|x| x.to_le_bytes())
@@ -364,7 +366,7 @@ fn topk_caches_expand_to_full_width() {
     let specs = write_cache(&dir, &cfg, 2, 2);
     let c = Cache::open(&dir).unwrap();
     let m = c.manifest();
-    assert_eq!((m.format_version, m.topk), (2, Some(3)));
+    assert_eq!((m.format_version, m.topk()), (2, Some(3)));
     let names: Vec<&str> = specs.iter().map(|s| s.name).collect();
     assert!(names.contains(&"target_probs_values") && names.contains(&"target_probs_indices"));
     let item = c.item(3).unwrap();
@@ -586,7 +588,7 @@ fn version_switching_rewrites_only_the_manifest() {
         .filter(|(n, _)| n.starts_with("shard-"))
         .collect();
     let m = eagle3::set_version(&dir, 2).unwrap();
-    assert_eq!((m.format_version, m.topk), (2, None));
+    assert_eq!((m.format_version, m.topk()), (2, None));
     let text = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
     assert!(text.contains("\"format_version\": 2") && text.contains("\"target_probs_topk\": 0"));
     eagle3::set_version(&dir, 1).unwrap();

@@ -30,10 +30,10 @@ from .errors import (
     ShardkitError,
     ShardkitOSError,
 )
-from . import eagle3, flat_tokens, saev, sdnb
+from . import dspark, eagle3, flat_tokens, saev, sdnb
 
 __all__ = [
-    "saev", "flat_tokens", "eagle3", "sdnb", "checksum", "verify", "upload", "download",
+    "saev", "flat_tokens", "eagle3", "dspark", "sdnb", "part_of", "checksum", "verify", "upload", "download",
     "storage_counters", "wait_for_cache", "cache_info", "clear_cache", "errors", "__version__",
     "ShardkitError", "CorruptDataError", "IncompleteDatasetError", "InvalidArgumentError",
     "InvalidArgumentTypeError", "ShardkitOSError", "NotFoundError", "AlreadyExistsError", "LockedError", "RemoteError", "PermissionDeniedError",
@@ -131,6 +131,17 @@ def _keep_cache_at_exit() -> None:
 
 
 atexit.register(_keep_cache_at_exit)
+
+
+def part_of(units: int, rank: int, world_size: int) -> range:
+    """The contiguous block of ``units`` (shards, sequences) that rank ``rank`` of
+    ``world_size`` writes in a write in parts: NeMo's ``partition_cache_shards`` (the first
+    ``units % world_size`` ranks take one unit more; ranks beyond ``units`` get none)."""
+    units = _args.count("units", units)
+    rank = _args.count("rank", rank)
+    world_size = _args.count("world_size", world_size, lo=1)
+    start, end = _core.part_of(units, rank, world_size)
+    return range(start, end)
 
 
 def checksum(path: Union[str, "os.PathLike[str]"]) -> str:

@@ -2,8 +2,8 @@
 //! writing them through the `safetensors` crate (eagle3.md §1–2, §8).
 //!
 //! A shard `shard-NNNNNN.safetensors` holds rows `[k·s, k·s + n)` of every field, stacked on
-//! dim 0 and stored tensor after tensor, so a sample is one row of each tensor: six (seven for
-//! top-k) byte ranges of the file.
+//! dim 0 and stored tensor after tensor, so a sample is one row of each tensor: one byte range
+//! per tensor (EAGLE-3: six, seven for top-k; DSpark: four).
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;
@@ -14,7 +14,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensorError, SafeTensors, View};
 
-use super::manifest::Manifest;
+use super::manifest::{Layout, Manifest};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::io::{Source, Stop};
@@ -125,57 +125,53 @@ impl FieldSpec {
     }
 }
 
-/// The tensors every shard of `m` holds, in name order.
+/// The tensors every shard of `m` holds, in name order (the order `save_file` stores them).
 pub(crate) fn field_specs(m: &Manifest) -> Vec<FieldSpec> {
     let s = m.seq_length as usize;
     let d = m.dtype;
-    let mut v = vec![
-        FieldSpec {
-            name: "attention_mask",
-            dtype: Dtype::I64,
-            row: vec![s],
-        },
-        FieldSpec {
-            name: "aux_hidden_states",
-            dtype: d,
-            row: vec![s, m.aux_hidden_dim as usize],
-        },
-        FieldSpec {
-            name: "input_ids",
-            dtype: Dtype::I64,
-            row: vec![s],
-        },
-        FieldSpec {
-            name: "loss_mask",
-            dtype: Dtype::I64,
-            row: vec![s],
-        },
-        FieldSpec {
-            name: "position_mask",
-            dtype: Dtype::BOOL,
-            row: vec![s, 1],
-        },
-    ];
-    match m.topk {
-        None => v.push(FieldSpec {
-            name: "target_probs",
-            dtype: d,
-            row: vec![s, m.draft_vocab_size as usize],
-        }),
-        Some(k) => {
-            v.push(FieldSpec {
-                name: "target_probs_indices",
-                dtype: Dtype::I32,
-                row: vec![s, k as usize],
-            });
-            v.push(FieldSpec {
-                name: "target_probs_values",
-                dtype: d,
-                row: vec![s, k as usize],
-            });
+    let ints = |name| FieldSpec {
+        name,
+        dtype: Dtype::I64,
+        row: vec![s],
+    };
+    let floats = |name, width: u64| FieldSpec {
+        name,
+        dtype: d,
+        row: vec![s, width as usize],
+    };
+    match &m.layout {
+        Layout::DSpark(l) => vec![
+            ints("input_ids"),
+            ints("loss_mask"),
+            floats("target_hidden_states", l.target_hidden_dim),
+            floats("target_last_hidden_states", l.target_last_hidden_dim),
+        ],
+        Layout::Eagle3(l) => {
+            let mut v = vec![
+                ints("attention_mask"),
+                floats("aux_hidden_states", l.aux_hidden_dim),
+                ints("input_ids"),
+                ints("loss_mask"),
+                FieldSpec {
+                    name: "position_mask",
+                    dtype: Dtype::BOOL,
+                    row: vec![s, 1],
+                },
+            ];
+            match l.topk {
+                None => v.push(floats("target_probs", l.draft_vocab_size)),
+                Some(k) => {
+                    v.push(FieldSpec {
+                        name: "target_probs_indices",
+                        dtype: Dtype::I32,
+                        row: vec![s, k as usize],
+                    });
+                    v.push(floats("target_probs_values", k));
+                }
+            }
+            v
         }
     }
-    v
 }
 
 fn st_err(path: &Path, source: safetensors::SafeTensorError) -> Error {

@@ -1,5 +1,5 @@
-//! One EAGLE-3 cache written by many processes ([`PartWriter`]), as NeMo's distributed
-//! producer does: the sample count is known up front, and rank `r` of `W` writes the shards
+//! One cache (EAGLE-3 or DSpark) written by many processes ([`PartWriter`]), as NeMo's
+//! distributed producer does: the sample count is known up front, and rank `r` of `W` writes the shards
 //! [`part_of`]`(ceil(N/s), r of W)`, i.e. samples `first·s .. min(end·s, N)`, into the one
 //! cache directory. The rank that completes the set commits it exactly as a single
 //! [`Writer`](super::Writer) finishes: the checksum sidecar, then manifest.json. The committed
@@ -9,12 +9,20 @@
 //! configuration), a write in parts keeps its configuration in `.shardkit-parts/eagle3.json`
 //! and writes manifest.json **last**, as the commit record: a directory without it is no
 //! cache to any reader (NeMo's included), and shardkit's readers and `validate` name it an
-//! unfinished write in parts, with the shards still missing ([`unfinished`]).
+//! unfinished write in parts, with the shards still missing ([`unfinished`]). A DSpark
+//! manifest is committed with `"complete": true`.
 //!
-//! `target_embeddings.safetensors`, when the ranks declare it ([`PartOptions::target_embeddings`]),
+//! A DSpark directory NeMo's distributed producer began (its manifest written first with
+//! `"complete": false`, some shards, perhaps `.tmp` leftovers) is finished by part writers of
+//! the same configuration (any other is refused, naming the keys): as NeMo's own rerun does,
+//! they write every shard of their blocks again, then commit. The other way round, NeMo's
+//! producer finishes a directory shardkit's ranks began by writing everything again.
+//!
+//! The target weights file (EAGLE-3 `target_embeddings.safetensors`, DSpark
+//! `target_weights.safetensors`), when the ranks declare it ([`PartOptions::target_embeddings`]),
 //! is one more thing the commit waits for: any rank may write it (NeMo's producer writes it on
-//! every run, before any shard; typically rank 0 does, or every rank with the same table), the
-//! first one writes it, and a later one whose table differs is refused.
+//! every run, before any shard; typically rank 0 does, or every rank with the same tables), the
+//! first one writes it, and a later one whose tables differ is refused.
 //!
 //! Each shard is durable on its own: written through a temporary, fsynced, renamed, then its
 //! record (`commit::parts`). A killed rank loses at most the shard it was filling; a restart,
@@ -29,12 +37,10 @@ use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use safetensors::Dtype;
-
 use super::manifest::{self, Manifest, MANIFEST};
 use super::rules;
-use super::shard::{self, field_specs, shard_index, shard_name, FieldSpec, Tensor};
-use super::writer::{check_embeddings, EMBEDDINGS};
+use super::shard::{self, field_specs, shard_index, shard_name, FieldSpec};
+use super::weights::{self, WeightTable};
 use crate::checksum::FileSums;
 use crate::commit::parts::every_unit_listed;
 use crate::commit::parts::CommitStart;
@@ -48,6 +54,7 @@ use crate::io::Remote;
 use crate::json::{self, Value};
 
 /// The configuration of a write in parts, written by the first rank, checked by the others.
+/// (Named before DSpark joined the family; it holds either member's manifest.)
 const SETUP: &str = "eagle3.json";
 
 /// Options of [`PartWriter::create`]; every rank of one cache must give the same.
@@ -70,7 +77,7 @@ impl Default for PartOptions {
     }
 }
 
-/// Writes rank `rank`'s part of an EAGLE-3 cache; see the module documentation.
+/// Writes rank `rank`'s part of a cache; see the module documentation.
 pub struct PartWriter {
     /// Where shards are written: the dataset directory, or for a store the local staging.
     dir: PathBuf,
@@ -152,8 +159,8 @@ fn mismatch(path: PathBuf, keys: &[String]) -> Error {
     Error::Exists {
         path,
         why: format!(
-            "holds an EAGLE-3 cache of another configuration: manifest key(s) {} differ from \
-             this rank's; every rank must give the same configuration (nothing was written)",
+            "holds a cache of another configuration: manifest key(s) {} differ from this \
+             rank's; every rank must give the same configuration (nothing was written)",
             keys.join(", ")
         ),
     }
@@ -161,6 +168,24 @@ fn mismatch(path: PathBuf, keys: &[String]) -> Error {
 
 /// The manifest a part writer writes: `config` with `num_samples` = `total` (added when
 /// absent; a differing one is refused, naming the key).
+/// Whether `dir/manifest.json` is a commit record: there, and not DSpark's `"complete": false`,
+/// which NeMo's producer writes before its first shard (a manifest that does not parse counts
+/// as there: readers report it).
+fn committed_local(dir: &Path) -> bool {
+    fs::read(dir.join(MANIFEST)).is_ok_and(|b| is_commit_record(&b))
+}
+
+/// [`committed_local`] of the cache at the store prefix `target`.
+fn committed_store(target: &Remote) -> Result<bool> {
+    Ok(target
+        .get_opt(MANIFEST)?
+        .is_some_and(|b| is_commit_record(&b)))
+}
+
+fn is_commit_record(bytes: &[u8]) -> bool {
+    Manifest::parse(bytes, Path::new(MANIFEST)).map_or(true, |m| m.is_complete())
+}
+
 fn manifest_for(config: &Value, version: u8, total: u64) -> Result<Manifest> {
     let mut config = config.clone();
     match config.get("num_samples").map(Value::as_i64) {
@@ -177,7 +202,8 @@ fn manifest_for(config: &Value, version: u8, total: u64) -> Result<Manifest> {
             )))
         }
     }
-    Manifest::for_writing(&config, version)
+    // Written at the commit only, so DSpark's marker is already the committed one.
+    Manifest::for_writing(&config, version).map(|m| m.with_complete(true))
 }
 
 impl PartWriter {
@@ -232,7 +258,7 @@ impl PartWriter {
             Ok(()) => Ok(w),
             // The rank completing the set committed meanwhile, removing the parts' state this
             // rank was reading: as if started after the commit (its configuration checked).
-            Err(_) if w.dir.join(MANIFEST).is_file() => {
+            Err(_) if committed_local(&w.dir) => {
                 w.parts = None;
                 w.pending.clear();
                 w.committed_before()?;
@@ -301,6 +327,9 @@ impl PartWriter {
         if !keys.is_empty() {
             return Err(mismatch(path, &keys));
         }
+        if !theirs.is_complete() {
+            return Ok(false);
+        }
         if let Some(parts) = Parts::existing_store(target)? {
             if let Some(_committing) = parts.commit_lock()? {
                 clean_after_commit(parts)?;
@@ -348,7 +377,8 @@ impl PartWriter {
         match fsutil::read_json_file(&setup) {
             Ok(bytes) => self.check_setup(&bytes, setup)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                if !shard::shard_set(&self.dir)?.is_empty() {
+                // A DSpark manifest marked incomplete records the run (checked above).
+                if !shard::shard_set(&self.dir)?.is_empty() && !self.dir.join(MANIFEST).is_file() {
                     return Err(Error::Exists {
                         path: self.dir.clone(),
                         why: "has shards but neither manifest.json nor the state of a write in \
@@ -379,6 +409,11 @@ impl PartWriter {
         if !keys.is_empty() {
             return Err(mismatch(path, &keys));
         }
+        if !theirs.is_complete() {
+            // A DSpark cache its producer (NeMo's, or a single shardkit writer) began: the
+            // parts write the shards (again, as NeMo's rerun does) and commit it.
+            return Ok(false);
+        }
         if let Some(parts) = Parts::existing(&self.dir) {
             // manifest.json is the last thing a commit in parts writes: committed, and killed
             // while cleaning up.
@@ -396,7 +431,7 @@ impl PartWriter {
         Err(Error::Exists {
             path: self.dir.clone(),
             why: format!(
-                "holds a cache a single eagle3 Writer started and did not finish ({} of {} \
+                "holds a cache a single Writer started and did not finish ({} of {} \
                  shards); resume it with that Writer (resume), or write the parts elsewhere",
                 present.len(),
                 self.manifest.num_shards()
@@ -562,40 +597,35 @@ impl PartWriter {
         Ok(())
     }
 
-    /// Writes `target_embeddings.safetensors` (one F32 tensor `weight`, `rows × cols`), once
-    /// for the cache: the first rank to call it writes the file and records it; a later call
-    /// (any rank, any run) with the same table writes nothing, and one with another table is
+    /// Writes the target weights file (see [`super::Writer::write_target_weights`]), once for
+    /// the cache: the first rank to call it writes the file and records it; a later call (any
+    /// rank, any run) with the same tables writes nothing, and one with other tables is
     /// refused. Only for a cache whose ranks declared [`PartOptions::target_embeddings`].
-    pub fn write_target_embeddings(&self, data: &[u8], rows: u64, cols: u64) -> Result<()> {
-        let path = self.dir.join(EMBEDDINGS);
+    pub fn write_target_weights(&self, tables: &[WeightTable<'_>]) -> Result<()> {
+        let name = self.manifest.schema().weights_file();
+        let path = self.dir.join(name);
         if !self.options.target_embeddings {
             return Err(Error::Invalid(format!(
-                "{}: this cache's ranks were started without target_embeddings; start every \
-                 rank with it to write the embeddings in parts",
+                "{}: this cache's ranks were started without target_embeddings \
+                 (target_weights in shardkit.dspark); start every rank with it to write the \
+                 target weights in parts",
                 path.display()
             )));
         }
-        check_embeddings(&self.manifest, data, rows, cols)?;
-        let tensors = vec![(
-            "weight",
-            Tensor {
-                dtype: Dtype::F32,
-                shape: vec![rows as usize, cols as usize],
-                data,
-            },
-        )];
+        weights::check_tables(&self.manifest, tables)?;
+        let tensors = weights::tensors(&self.manifest, tables);
         let differs = || Error::Exists {
             path: path.clone(),
-            why: "was written by another rank with another table; every rank must give the \
-                  same target embeddings"
+            why: "was written by another rank with other tables; every rank must give the \
+                  same target weights"
                 .into(),
         };
         let same = || {
             let holds = match &self.store {
                 Some(store) => store
-                    .get_opt(EMBEDDINGS)?
-                    .is_some_and(|b| holds_table_bytes(&b, data, rows, cols)),
-                None => holds_table(&path, data, rows, cols)?,
+                    .get_opt(name)?
+                    .is_some_and(|b| weights::bytes_hold(&b, &self.manifest, tables)),
+                None => weights::file_holds(&path, &self.manifest, tables)?,
             };
             match holds {
                 true => Ok(()),
@@ -608,26 +638,36 @@ impl PartWriter {
         };
         let written = (|| {
             let _writing = parts.lock_named("embeddings.lock")?;
-            if let Some(files) = parts.done()?.get(EMBEDDINGS) {
-                if parts.intact(EMBEDDINGS, files)? {
+            if let Some(files) = parts.done()?.get(name) {
+                if parts.intact(name, files)? {
                     return same();
                 }
-                parts.forget(EMBEDDINGS)?;
+                parts.forget(name)?;
             }
             shard::write_safetensors(&path, tensors)?;
             let mut files = UnitFiles::new();
-            files.insert(EMBEDDINGS.to_string(), FileSums::of_file(&path)?);
+            files.insert(name.to_string(), FileSums::of_file(&path)?);
             if let Some(store) = &self.store {
-                store.put_file(EMBEDDINGS, &path)?;
+                store.put_file(name, &path)?;
                 fs::remove_file(&path).at(&path)?;
             }
-            parts.record_done(EMBEDDINGS, &files)
+            parts.record_done(name, &files)
         })();
         match written {
             // Committed meanwhile (the table was recorded, and the parts' state is gone).
             Err(_) if self.committed_now()? => same(),
             r => r,
         }
+    }
+
+    /// EAGLE-3's `target_embeddings.safetensors`: one F32 table `weight` of `rows × cols`.
+    pub fn write_target_embeddings(&self, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+        self.write_target_weights(&[WeightTable {
+            name: "weight",
+            rows,
+            cols,
+            data,
+        }])
     }
 
     /// Ends this rank's part, then commits the cache if every shard (and the embeddings, when
@@ -668,34 +708,10 @@ impl PartWriter {
     /// Whether manifest.json, the commit record, is there now.
     fn committed_now(&self) -> Result<bool> {
         match &self.store {
-            Some(store) => Ok(store.get_opt(MANIFEST)?.is_some()),
-            None => Ok(self.dir.join(MANIFEST).is_file()),
+            Some(store) => Ok(committed_store(store)?),
+            None => Ok(committed_local(&self.dir)),
         }
     }
-}
-
-/// Whether the embeddings file at `path` holds exactly the table `data` of `rows × cols`
-/// (which, written, gives the same bytes: serialisation is deterministic).
-fn holds_table(path: &Path, data: &[u8], rows: u64, cols: u64) -> Result<bool> {
-    let Ok(file) = fs::File::open(path) else {
-        return Ok(false);
-    };
-    // SAFETY: a finished file, replaced only by rename (never written in place).
-    let map = unsafe { memmap2::Mmap::map(&file) }.at(path)?;
-    Ok(holds_table_bytes(&map, data, rows, cols))
-}
-
-/// [`holds_table`] of a file's bytes.
-fn holds_table_bytes(bytes: &[u8], data: &[u8], rows: u64, cols: u64) -> bool {
-    let Ok(st) = safetensors::SafeTensors::deserialize(bytes) else {
-        return false;
-    };
-    st.names().len() == 1
-        && st.tensor("weight").is_ok_and(|t| {
-            t.dtype() == Dtype::F32
-                && t.shape() == [rows as usize, cols as usize]
-                && t.data() == data
-        })
 }
 
 /// Commits the cache in `dir` if every shard (and the embeddings when `emb`) is durable and
@@ -703,11 +719,11 @@ fn holds_table_bytes(bytes: &[u8], data: &[u8], rows: u64, cols: u64) -> bool {
 fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     let mut names: Vec<String> = (0..m.num_shards()).map(shard_name).collect();
     if emb {
-        names.push(EMBEDDINGS.to_string());
+        names.push(m.schema().weights_file().to_string());
     }
     let (_committing, done) = match parts.begin_commit(
         names.iter().cloned(),
-        || Ok(dir.join(MANIFEST).is_file()),
+        || Ok(committed_local(dir)),
         || clean_after_commit(parts.clone()),
     )? {
         CommitStart::Committed => return Ok(true),
@@ -733,7 +749,13 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     let bytes = m.to_bytes();
     files.record_bytes(MANIFEST, &bytes);
     files.write_sidecar(dir)?;
-    fsutil::atomic_write(&dir.join(MANIFEST), &bytes)?;
+    if dir.join(MANIFEST).is_file() {
+        // A DSpark manifest its producer wrote marked incomplete: replaced so that the
+        // sidecar ends up covering the new bytes alone.
+        manifest::write(dir, m)?;
+    } else {
+        fsutil::atomic_write(&dir.join(MANIFEST), &bytes)?;
+    }
     // Committed: the rest is cleaning up, which a later open, status or commit finishes.
     clean_after_commit(parts.clone())?;
     Ok(true)
@@ -744,7 +766,7 @@ fn commit(dir: &Path, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
 fn commit_store(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     commit_surviving_takeover(
         || commit_store_once(target, m, emb, parts),
-        || Ok(target.get_opt(MANIFEST)?.is_some()),
+        || committed_store(target),
     )
 }
 
@@ -752,7 +774,7 @@ fn commit_store(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Resu
 fn commit_store_once(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) -> Result<bool> {
     if !every_unit_listed(parts, (0..m.num_shards()).map(shard_name))? {
         // Or committed by another rank (its records removed, or being removed: finished here).
-        if target.get_opt(MANIFEST)?.is_some() {
+        if committed_store(target)? {
             clean_after_commit(parts.clone())?;
             return Ok(true);
         }
@@ -760,11 +782,11 @@ fn commit_store_once(target: &Remote, m: &Manifest, emb: bool, parts: &Parts) ->
     }
     let mut names: Vec<String> = (0..m.num_shards()).map(shard_name).collect();
     if emb {
-        names.push(EMBEDDINGS.to_string());
+        names.push(m.schema().weights_file().to_string());
     }
     let (committing, done) = match parts.begin_commit(
         names.iter().cloned(),
-        || Ok(target.get_opt(MANIFEST)?.is_some()),
+        || committed_store(target),
         || clean_after_commit(parts.clone()),
     )? {
         CommitStart::Committed => return Ok(true),
@@ -821,8 +843,9 @@ fn status_of(
     match parts.filter(|_| !committed) {
         Some(p) => {
             let (mut st, done) = p.status(units, shard_index)?;
-            if emb && !done.contains_key(EMBEDDINGS) {
-                st.missing_files.push(EMBEDDINGS.to_string());
+            let weights = m.schema().weights_file();
+            if emb && !done.contains_key(weights) {
+                st.missing_files.push(weights.to_string());
             }
             Ok(st)
         }
@@ -851,7 +874,7 @@ fn setup_of(dir: &Path) -> Result<Option<(Manifest, bool, Parts)>> {
 /// The manifest of the unfinished write in parts in `dir` (no manifest.json yet), as its part
 /// writers share it; `None` when `dir` holds none (committed, or not written in parts).
 pub(super) fn setup_manifest(dir: &Path) -> Result<Option<Manifest>> {
-    if dir.join(MANIFEST).is_file() {
+    if committed_local(dir) {
         return Ok(None);
     }
     Ok(setup_of(dir)?.map(|(m, _, _)| m))
@@ -859,7 +882,7 @@ pub(super) fn setup_manifest(dir: &Path) -> Result<Option<Manifest>> {
 
 /// [`setup_manifest`] of the cache at the store prefix `target`.
 pub(super) fn setup_manifest_store(target: &Remote) -> Result<Option<Manifest>> {
-    if target.get_opt(MANIFEST)?.is_some() {
+    if committed_store(target)? {
         return Ok(None);
     }
     Ok(setup_of_store(target)?.map(|(m, _, _)| m))
@@ -875,19 +898,23 @@ pub fn status(dir: impl AsRef<Path>) -> Result<PartsStatus> {
         Target::Store(target) => return status_store(&target),
     };
     let dir = dir.as_path();
-    if dir.join(MANIFEST).is_file() {
+    if committed_local(dir) {
         let m = manifest::read(dir)?;
         let complete = shard::shard_set_problem(&shard::shard_set(dir)?, m.num_shards()).is_none();
         return status_of(&m, false, None, complete);
     }
     let st = match setup_of(dir) {
         Ok(Some((m, emb, parts))) => status_of(&m, emb, Some(&parts), false),
+        // A DSpark cache its producer began and did not mark complete, not written in parts.
+        Ok(None) if dir.join(MANIFEST).is_file() => {
+            status_of(&manifest::read(dir)?, false, None, false)
+        }
         Ok(None) => Err(manifest::missing(dir)),
         Err(e) => Err(e),
     };
     match st {
         // Committed while it was being read (the parts' state removed).
-        Err(_) if dir.join(MANIFEST).is_file() => status(dir),
+        Err(_) if committed_local(dir) => status(dir),
         st => st,
     }
 }
@@ -909,7 +936,7 @@ fn setup_of_store(target: &Remote) -> Result<Option<(Manifest, bool, Parts)>> {
 
 /// [`status`] of the cache at the store prefix `target`.
 fn status_store(target: &Remote) -> Result<PartsStatus> {
-    if let Some(bytes) = target.get_opt(MANIFEST)? {
+    if let Some(bytes) = target.get_opt(MANIFEST)?.filter(|b| is_commit_record(b)) {
         let m = Manifest::parse(&bytes, &target.url_of(MANIFEST))?;
         let present: std::collections::BTreeSet<u64> = target
             .list()?
@@ -923,7 +950,8 @@ fn status_store(target: &Remote) -> Result<PartsStatus> {
         Some((m, emb, parts)) => status_of(&m, emb, Some(&parts), false),
         None => Err(Error::NotFound {
             path: target.url_of(MANIFEST),
-            what: "no EAGLE-3 cache (no manifest.json) nor a write of one in parts".into(),
+            what: "no EAGLE-3 or DSpark cache (no manifest.json) nor a write of one in parts"
+                .into(),
         }),
     }
 }
@@ -937,7 +965,7 @@ pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
         Target::Store(target) => {
             let Some((m, emb, parts)) = setup_of_store(&target)? else {
                 if let Some(parts) = Parts::existing_store(&target)? {
-                    if target.get_opt(MANIFEST)?.is_some() {
+                    if committed_store(&target)? {
                         if let Some(_committing) = parts.commit_lock()? {
                             clean_after_commit(parts)?;
                         }
@@ -951,7 +979,7 @@ pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
     };
     let dir = dir.as_path();
     let Some((m, emb, parts)) = setup_of(dir)? else {
-        if let Some(parts) = Parts::existing(dir).filter(|_| dir.join(MANIFEST).is_file()) {
+        if let Some(parts) = Parts::existing(dir).filter(|_| committed_local(dir)) {
             let _lock = WriteLock::dir_shared(dir)?;
             if let Some(_committing) = parts.commit_lock()? {
                 clean_after_commit(parts)?;
@@ -969,13 +997,13 @@ pub fn commit_parts(dir: impl AsRef<Path>) -> Result<PartsStatus> {
 pub(crate) fn unfinished(dir: &Path) -> Option<Error> {
     let (m, emb, parts) = match Target::parse(dir).ok()? {
         Target::Store(target) => {
-            if target.get_opt(MANIFEST).ok()?.is_some() {
+            if committed_store(&target).ok()? {
                 return None;
             }
             setup_of_store(&target).ok()??
         }
         Target::Local(_) => {
-            if dir.join(MANIFEST).is_file() {
+            if committed_local(dir) {
                 return None;
             }
             setup_of(dir).ok()??
@@ -997,16 +1025,19 @@ pub(crate) fn unfinished(dir: &Path) -> Option<Error> {
         present,
         total: m.num_samples,
         detail: format!(
-            "an EAGLE-3 cache being written in parts, not committed (manifest.json is written \
-             last, once every part is durable); missing: {}; `shardkit eagle3 status` says \
-             more",
+            "{} cache being written in parts, not committed (manifest.json is written last, \
+             once every part is durable); missing: {}; `shardkit {} status` says more",
+            m.schema().a(),
             if missing.is_empty() {
-                "nothing (its last rank was killed while committing: commit it with \
-                 `shardkit eagle3 status --commit`)"
-                    .to_string()
+                format!(
+                    "nothing (its last rank was killed while committing: commit it with \
+                     `shardkit {} status --commit`)",
+                    m.schema().name()
+                )
             } else {
                 missing.join(", ")
-            }
+            },
+            m.schema().name()
         ),
     })
 }

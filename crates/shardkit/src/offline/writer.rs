@@ -16,23 +16,20 @@
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use safetensors::Dtype;
-
 use super::manifest::{self, Manifest};
 use super::rules;
+use super::schema::Schema;
 use super::shard::{
-    self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile, Tensor,
+    self, field_specs, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile,
 };
-use crate::checksum::{FileSums, Journal};
+use super::weights::{self, WeightTable};
+use crate::checksum::Journal;
 use crate::commit::parts::PARTS_DIR;
 use crate::commit::{self, Files, StoreWrite, Streaming, Target, WriteLock};
 use crate::error::{Error, IoContext, Result};
 use crate::fsutil;
 use crate::io::{self, Remote};
 use crate::json::Value;
-
-/// The embeddings file's name.
-pub(crate) const EMBEDDINGS: &str = "target_embeddings.safetensors";
 
 /// Options of [`Writer::create`].
 #[derive(Debug, Clone)]
@@ -105,8 +102,9 @@ impl Writer {
                 return Err(Error::Exists {
                     path,
                     why: format!(
-                        "the prefix already holds an EAGLE-3 cache of another configuration \
+                        "the prefix already holds {} cache of another configuration \
                          (these keys differ: {}); write to another prefix",
+                        theirs.schema().a(),
                         differ.join(", ")
                     ),
                 });
@@ -114,9 +112,11 @@ impl Writer {
             if !options.resume {
                 return Err(Error::Exists {
                     path,
-                    why: "the prefix already holds this EAGLE-3 cache, complete; resume finds \
-                          nothing to write"
-                        .into(),
+                    why: format!(
+                        "the prefix already holds this {} cache, complete; resume finds nothing \
+                         to write",
+                        m.schema().title()
+                    ),
                 });
             }
             Streaming::clear_leftovers(&remote, &commit::staging_dir(Path::new(&remote.url())));
@@ -184,7 +184,8 @@ impl Writer {
         uploaded: &Journal,
     ) -> Result<Writer> {
         let dir = io::local_path(dir);
-        let m = Manifest::for_writing(config, options.version)?;
+        // DSpark's manifest goes down marked incomplete; `finish` marks it complete.
+        let m = Manifest::for_writing(config, options.version)?.with_complete(false);
         if dir.exists() && !dir.is_dir() {
             return Err(Error::Exists {
                 path: dir,
@@ -203,11 +204,16 @@ impl Writer {
             // shards without a manifest, or write a manifest the ranks' commit decides.
             return Err(Error::Exists {
                 path: dir,
-                why: "is being written in parts (eagle3 PartWriter; .shardkit-parts holds its \
-                      state): continue it with part writers (any world size), or write the \
-                      cache elsewhere"
-                    .into(),
+                why: format!(
+                    "is being written in parts ({} PartWriter; .shardkit-parts holds its \
+                     state): continue it with part writers (any world size), or write the cache \
+                     elsewhere",
+                    m.schema().name()
+                ),
             });
+        }
+        if m.schema() == Schema::DSpark {
+            refuse_other_run(&dir, &m)?;
         }
         let in_store: BTreeSet<u64> = uploaded
             .files
@@ -401,17 +407,29 @@ impl Writer {
         Ok(())
     }
 
-    /// Writes `target_embeddings.safetensors`: one F32 tensor `weight` of `rows × cols`
-    /// (little-endian bytes), replacing any previous one by rename.
-    pub fn write_target_embeddings(&self, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+    /// Writes the target weights beside the shards, replacing any previous file by rename:
+    /// EAGLE-3's `target_embeddings.safetensors` (one F32 table, `weight`), DSpark's
+    /// `target_weights.safetensors` (`embed_tokens.weight` and `lm_head.weight`, in the cache
+    /// dtype). Each table's bytes are little-endian values of that dtype.
+    pub fn write_target_weights(&self, tables: &[WeightTable<'_>]) -> Result<()> {
         if self.complete_in_store() {
             return Err(Error::Exists {
-                path: self.dir.join(EMBEDDINGS),
+                path: self.dir.join(self.manifest.schema().weights_file()),
                 why: "the cache is complete in the store; a writer resuming it writes nothing"
                     .into(),
             });
         }
-        write_embeddings(&self.dir, &self.manifest, data, rows, cols)
+        weights::write(&self.dir, &self.manifest, tables)
+    }
+
+    /// EAGLE-3's `target_embeddings.safetensors`: one F32 table `weight` of `rows × cols`.
+    pub fn write_target_embeddings(&self, data: &[u8], rows: u64, cols: u64) -> Result<()> {
+        self.write_target_weights(&[WeightTable {
+            name: "weight",
+            rows,
+            cols,
+            data,
+        }])
     }
 
     /// Finishes the cache: every sample must have been added (the last shard is written when
@@ -439,13 +457,44 @@ impl Writer {
         if self.complete_in_store() {
             return Ok(self.dir);
         }
-        // The sidecar covers the manifest, every shard and the embeddings.
+        // The sidecar covers the manifest, every shard and the target weights.
         self.files.write_sidecar(&self.dir)?;
+        if self.manifest.complete == Some(false) {
+            // DSpark's commit record: the manifest marked complete, once all else is durable
+            // (rewriting it keeps the sidecar true).
+            let done = self.manifest.with_complete(true);
+            manifest::write(&self.dir, &done)?;
+            self.manifest = done;
+        }
         fsutil::fsync_dir(&self.dir)?;
         // Streaming, the embeddings, the sidecar and manifest.json last are what is left to
         // upload.
         std::mem::take(&mut self.files).finish(&self.dir, &[])
     }
+}
+
+/// NeMo's `_ensure_output_dir_compatible`: a directory whose manifest records another run
+/// (any key but `format_version` and `complete` differs) is refused, naming the keys, whether
+/// or not it has shards yet, so that supervision of two runs is never mixed.
+pub(crate) fn refuse_other_run(dir: &Path, m: &Manifest) -> Result<()> {
+    let recorded = match manifest::read(dir) {
+        Ok(r) => r,
+        Err(Error::NotFound { .. }) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let differ = m.differing_keys(&recorded);
+    if differ.is_empty() && recorded.schema() == m.schema() {
+        return Ok(());
+    }
+    Err(Error::Exists {
+        path: dir.join(manifest::MANIFEST),
+        why: format!(
+            "already holds {} cache of another configuration (mismatched fields: {}); write \
+             to a fresh directory or delete it (nothing was written)",
+            recorded.schema().a(),
+            differ.join(", ")
+        ),
+    })
 }
 
 /// The bytes of each stored tensor in `fields` for `n` samples, in the order of `specs`:
@@ -489,65 +538,4 @@ pub(crate) fn given_fields<'a>(
         )));
     }
     Ok(given)
-}
-
-/// Checks an embedding table of `rows × cols` float32 (`data`, little-endian) against the
-/// manifest `m`: its size, and its width against `aux_hidden_dim` / the aux layers.
-pub(crate) fn check_embeddings(m: &Manifest, data: &[u8], rows: u64, cols: u64) -> Result<()> {
-    let want = rows
-        .checked_mul(cols)
-        .and_then(|e| e.checked_mul(4))
-        .ok_or_else(|| Error::Invalid(format!("embeddings of {rows} x {cols} overflow")))?;
-    if data.len() as u64 != want {
-        return Err(Error::Invalid(format!(
-            "embeddings: {} bytes given; {rows} x {cols} float32 need {want}",
-            data.len()
-        )));
-    }
-    if let Some(Value::Array(layers)) = m.raw().get("aux_layer_ids") {
-        if !layers.is_empty() && cols * layers.len() as u64 != m.aux_hidden_dim {
-            return Err(Error::Invalid(format!(
-                "embeddings have {cols} columns; the hidden size is aux_hidden_dim {} / {} \
-                 layers",
-                m.aux_hidden_dim,
-                layers.len()
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// Writes the embeddings file of the cache at `dir` (see [`Writer::write_target_embeddings`]).
-pub(crate) fn write_embeddings(
-    dir: &Path,
-    m: &Manifest,
-    data: &[u8],
-    rows: u64,
-    cols: u64,
-) -> Result<()> {
-    check_embeddings(m, data, rows, cols)?;
-    std::fs::create_dir_all(dir).at(dir)?;
-    let path = dir.join(EMBEDDINGS);
-    shard::write_safetensors_then(
-        &path,
-        vec![(
-            "weight",
-            Tensor {
-                dtype: Dtype::F32,
-                shape: vec![rows as usize, cols as usize],
-                data,
-            },
-        )],
-        |tmp| {
-            // A finished cache's sidecar is kept true: the new file (hashed from its temporary,
-            // still in the page cache) is accepted beside the old one (or its absence) before
-            // the rename, and alone after it (see crate::checksum::Change).
-            let sidecar = dir.join(crate::checksum::SIDECAR);
-            let change = crate::checksum::Change::begin(&sidecar, dir, |_| {
-                Ok(vec![(EMBEDDINGS.to_string(), FileSums::of_file(tmp)?)])
-            })?;
-            fsutil::publish(tmp, &path)?;
-            change.map_or(Ok(()), crate::checksum::Change::commit)
-        },
-    )
 }

@@ -2,12 +2,12 @@
 
 use std::path::Path;
 
-use super::manifest::{self, Manifest};
+use super::manifest::{self, Layout, Manifest};
 use super::rules;
+use super::schema::Schema;
 use super::shard::{
     self, field_specs, is_temporary, shard_name, shard_set, shard_set_problem, ShardFile,
 };
-use super::writer::EMBEDDINGS;
 use crate::commit::provenance;
 use crate::error::{Error, Result};
 use crate::io::{self, Location};
@@ -52,6 +52,9 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
     if let Some(problem) = shard_set_problem(&present, m.num_shards()) {
         v.error(dir, problem);
     }
+    if !m.is_complete() {
+        v.error(dir.join(manifest::MANIFEST), INCOMPLETE_MARKER);
+    }
     let specs = field_specs(&m);
     for &k in &present {
         if k >= m.num_shards() {
@@ -64,13 +67,14 @@ pub fn validate(dir: impl AsRef<Path>, deep: bool) -> Validation {
             Ok(_) => {}
         }
     }
-    match std::fs::metadata(dir.join(EMBEDDINGS)) {
+    let weights_file = m.schema().weights_file();
+    match std::fs::metadata(dir.join(weights_file)) {
         Err(_) => v.note(
-            dir.join(EMBEDDINGS),
-            format!("no {EMBEDDINGS} (NeMo's training recipe needs it)"),
+            dir.join(weights_file),
+            format!("no {weights_file} (NeMo's training recipe needs it)"),
         ),
         Ok(_) => {
-            if let Err(e) = super::cache::open_embeddings(dir) {
+            if let Err(e) = super::weights::open(dir, &m) {
                 v.error_from(&e);
             }
         }
@@ -119,6 +123,9 @@ fn validate_remote(url: &Path, location: Result<Location>, deep: bool) -> Valida
             return v;
         }
     };
+    if !m.is_complete() {
+        v.error(remote.path_of(manifest::MANIFEST), INCOMPLETE_MARKER);
+    }
     let present: std::collections::BTreeSet<u64> = objects
         .keys()
         .filter_map(|n| shard::shard_index(n))
@@ -147,13 +154,14 @@ fn validate_remote(url: &Path, location: Result<Location>, deep: bool) -> Valida
             }
         }
     }
-    match objects.get(EMBEDDINGS) {
+    let weights_file = m.schema().weights_file();
+    match objects.get(weights_file) {
         None => v.note(
-            remote.path_of(EMBEDDINGS),
-            format!("no {EMBEDDINGS} (NeMo's training recipe needs it)"),
+            remote.path_of(weights_file),
+            format!("no {weights_file} (NeMo's training recipe needs it)"),
         ),
         Some(&size) => {
-            if let Err(e) = super::cache::check_remote_embeddings(&*remote, size) {
+            if let Err(e) = super::weights::check_remote(&*remote, &m, size) {
                 v.error_from(&e);
             }
         }
@@ -199,6 +207,11 @@ fn note_temporaries(v: &mut Validation, dir: &Path, mut names: Vec<String>) {
     }
 }
 
+/// The finding for a DSpark manifest marked `"complete": false`, which NeMo's reader refuses.
+const INCOMPLETE_MARKER: &str = "says \"complete\": false: the producer that began this cache \
+     was interrupted or is still running, and NeMo's reader refuses it; rerun it with the same \
+     configuration (or shardkit part writers / a resumed writer) to finish it";
+
 /// Checks every value of shard `k` against the cache's rules (the writer's, [`rules::check`]):
 /// one finding per rule broken, with how many values break it and the first one.
 fn deep_check(f: &ShardFile, k: u64, m: &Manifest, v: &mut Validation) {
@@ -230,7 +243,7 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
             .iter()
             .filter_map(|(n, size)| Some((super::shard::shard_index(n)?, *size)))
             .collect();
-        let embeddings = objects.iter().any(|(n, _)| n == EMBEDDINGS);
+        let embeddings = objects.iter().any(|(n, _)| n == m.schema().weights_file());
         (
             m,
             shards.iter().map(|s| s.0).collect(),
@@ -248,7 +261,8 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
             .filter_map(|&i| std::fs::metadata(dir.join(shard_name(i))).ok())
             .map(|md| md.len())
             .sum();
-        (m, present, on_disk, dir.join(EMBEDDINGS).is_file())
+        let weights = dir.join(m.schema().weights_file()).is_file();
+        (m, present, on_disk, weights)
     };
     let present: std::collections::BTreeSet<u64> = present;
     let k = m.num_shards();
@@ -256,45 +270,137 @@ pub fn inspect(dir: impl AsRef<Path>) -> Result<Value> {
     let samples_present = (prefix * m.shard_size).min(m.num_samples);
     let sample_bytes = m.sample_bytes().unwrap_or(0);
     let get = |key: &str| m.raw().get(key).cloned().unwrap_or(Value::Null);
-    Ok(Value::Object(vec![
+    let dtype = Value::String(super::manifest::dtype_name(m.dtype).into());
+    let mut out = vec![
+        ("schema".into(), Value::String(m.schema().name().into())),
         ("format_version".into(), Value::int(m.format_version)),
+        (
+            "manifest_variant".into(),
+            Value::String(manifest_variant(&m)),
+        ),
+        ("input_identity".into(), input_identity(&m)),
         ("target_model".into(), get("target_model")),
-        (
-            "dtype".into(),
-            Value::String(super::manifest::dtype_name(m.dtype).into()),
-        ),
+        ("dtype".into(), dtype),
         ("seq_length".into(), Value::int(m.seq_length)),
-        ("aux_hidden_dim".into(), Value::int(m.aux_hidden_dim)),
-        ("draft_vocab_size".into(), Value::int(m.draft_vocab_size)),
         ("target_vocab_size".into(), get("target_vocab_size")),
-        (
-            "target_probs".into(),
-            Value::String(match m.topk {
-                Some(k) => format!("top-{k}"),
-                None => "lossless".into(),
-            }),
-        ),
+    ];
+    match &m.layout {
+        Layout::Eagle3(l) => out.extend([
+            ("aux_hidden_dim".into(), Value::int(l.aux_hidden_dim)),
+            ("draft_vocab_size".into(), Value::int(l.draft_vocab_size)),
+            (
+                "target_probs".into(),
+                Value::String(match l.topk {
+                    Some(k) => format!("top-{k}"),
+                    None => "lossless".into(),
+                }),
+            ),
+        ]),
+        Layout::DSpark(l) => out.extend([
+            ("target_model_type".into(), get("target_model_type")),
+            ("target_layer_ids".into(), get("target_layer_ids")),
+            ("target_hidden_dim".into(), Value::int(l.target_hidden_dim)),
+            (
+                "target_last_hidden_dim".into(),
+                Value::int(l.target_last_hidden_dim),
+            ),
+        ]),
+    }
+    let marker = m.complete.map_or(Value::Null, Value::Bool);
+    out.extend([
         ("num_samples".into(), Value::int(m.num_samples)),
         ("shard_size".into(), Value::int(m.shard_size)),
         ("shards_expected".into(), Value::int(k)),
         ("shards_present".into(), Value::int(present.len() as u64)),
         ("samples_present".into(), Value::int(samples_present)),
+        // Every shard there, and (DSpark) not marked incomplete by its producer.
         (
             "complete".into(),
-            Value::Bool(shard_set_problem(&present, k).is_none()),
+            Value::Bool(shard_set_problem(&present, k).is_none() && m.is_complete()),
         ),
+        // DSpark's `complete` marker as the manifest records it (null: absent).
+        ("complete_marker".into(), marker),
         ("bytes_per_sample".into(), Value::int(sample_bytes)),
         ("bytes_on_disk".into(), Value::int(on_disk)),
-        ("target_embeddings".into(), Value::Bool(embeddings)),
+        (
+            "target_weights_file".into(),
+            Value::String(m.schema().weights_file().into()),
+        ),
+        ("target_weights".into(), Value::Bool(embeddings)),
+    ]);
+    if m.schema() == Schema::Eagle3 {
+        // The key EAGLE-3's summary always had.
+        out.push(("target_embeddings".into(), Value::Bool(embeddings)));
         // What a top-k producer recorded of the truncation, merged over its shards' notes
         // (null when none did).
-        ("topk_retained".into(), retained_summary(dir)?),
-        // What a producer recorded about the model and inputs (null when none did).
-        (
-            "provenance".into(),
-            provenance::read(dir)?.unwrap_or(Value::Null),
+        out.push(("topk_retained".into(), retained_summary(dir)?));
+    }
+    // What a producer recorded about the model and inputs (null when none did).
+    out.push((
+        "provenance".into(),
+        provenance::read(dir)?.unwrap_or(Value::Null),
+    ));
+    Ok(Value::Object(out))
+}
+
+/// The keys that record a run's input identity: EAGLE-3's arrived inside version 2 without a
+/// version bump (NeMo PR #3396), DSpark's came with its manifest.
+fn identity_keys(schema: Schema) -> &'static [&'static str] {
+    match schema {
+        Schema::Eagle3 => &["input_data", "split", "shuffle_seed"],
+        Schema::DSpark => &[
+            "train_data_path",
+            "train_split",
+            "shuffle_seed",
+            "mask_reasoning_content",
+            "chat_template_sha256",
+        ],
+    }
+}
+
+/// The input-identity keys the manifest has, with their values; null when it has none.
+fn input_identity(m: &Manifest) -> Value {
+    let found: Vec<(String, Value)> = identity_keys(m.schema())
+        .iter()
+        .filter_map(|k| Some((k.to_string(), m.raw().get(k)?.clone())))
+        .collect();
+    if found.is_empty() {
+        Value::Null
+    } else {
+        Value::Object(found)
+    }
+}
+
+/// Which variant of its member's manifest `m` is, in words: the version, and the keys that
+/// came and went inside it (EAGLE-3 v2 with or without the input identity, DSpark with or
+/// without the `complete` marker).
+fn manifest_variant(m: &Manifest) -> String {
+    let keys = identity_keys(m.schema());
+    let have: Vec<&str> = keys
+        .iter()
+        .copied()
+        .filter(|k| m.raw().get(k).is_some())
+        .collect();
+    match m.schema() {
+        Schema::Eagle3 => {
+            let identity = if have.len() == keys.len() {
+                "with the input identity (input_data, split, shuffle_seed)".to_string()
+            } else if have.is_empty() {
+                "without the input identity (as NeMo wrote it before PR #3396)".to_string()
+            } else {
+                format!("with part of the input identity ({})", have.join(", "))
+            };
+            format!("v{} {identity}", m.format_version)
+        }
+        Schema::DSpark => format!(
+            "v{} {}",
+            m.format_version,
+            match m.complete {
+                Some(_) => "with the complete marker",
+                None => "without the complete marker (as NeMo wrote it before the marker)",
+            }
         ),
-    ]))
+    }
 }
 
 /// The note prefix of a top-k shard's retained probability mass (`shardkit.precompute_eagle3`

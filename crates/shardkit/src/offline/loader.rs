@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
-use super::cache::{scatter, Cache, ITEM_FIELDS};
+use super::cache::{scatter, Cache};
 use super::follow::Follow;
 use super::shard::shard_name;
 use crate::checksum::{self, Verifier};
@@ -64,9 +64,6 @@ impl crate::engine::LoaderOptions<Eagle3Options> {
         )
     }
 }
-
-/// The format's name in a [`LoaderState`].
-const FORMAT: &str = "eagle3";
 
 /// Where one field of a batch lies in the batch's buffer (the engine's [`Field`](crate::engine::Field)).
 pub use crate::io::buffer::Field as BatchField;
@@ -318,10 +315,10 @@ impl Loader {
     }
 
     /// The position to save with a checkpoint: the common position (`batch`: batches of this
-    /// epoch consumed on this rank), then EAGLE-3's `shuffle`, `drop_last` and `samples`.
+    /// epoch consumed on this rank), then the cache loader's `shuffle`, `drop_last` and `samples`.
     pub fn state(&self) -> LoaderState {
         let st = LoaderState::new(
-            FORMAT,
+            self.inner.cache.manifest().schema().name(),
             self.opts.seed,
             self.opts.epoch,
             self.cursor,
@@ -342,7 +339,7 @@ impl Loader {
     /// number of samples) is refused, naming each parameter that differs.
     pub fn load_state(&mut self, s: LoaderState) -> Result<()> {
         use crate::engine::dist::{differ, refuse};
-        s.check_format(FORMAT)?;
+        s.check_format(self.inner.cache.manifest().schema().name())?;
         let shuffle = s.flag("shuffle")?;
         let drop_last = s.flag("drop_last")?;
         let samples = s.uint("samples")?;
@@ -550,12 +547,9 @@ fn batch_layout(
     let mut layout = Vec::new();
     let mut off = 0usize;
     let align = |x: usize| x.next_multiple_of(64);
-    for name in ITEM_FIELDS {
-        let (dtype, row) = if name == "target_probs" {
-            (
-                m.dtype,
-                vec![m.seq_length as usize, m.draft_vocab_size as usize],
-            )
+    for &name in m.schema().item_fields() {
+        let (dtype, row) = if let (Some(vd), "target_probs") = (cache.topk_width(), name) {
+            (m.dtype, vec![m.seq_length as usize, vd])
         } else {
             let spec = specs
                 .iter()
@@ -575,7 +569,7 @@ fn batch_layout(
         layout.push(field);
     }
     let mut staging = Vec::new();
-    if m.topk.is_some() {
+    if m.topk().is_some() {
         for name in ["target_probs_values", "target_probs_indices"] {
             let spec = specs
                 .iter()
@@ -771,9 +765,8 @@ impl Job for Eagle3Job {
         }
         let cache = &self.inner.cache;
         let m = cache.manifest();
-        if m.topk.is_some() {
+        if let Some(vd) = cache.topk_width() {
             let elem = m.dtype.bitsize() / 8;
-            let vd = m.draft_vocab_size as usize;
             let probs = b
                 .layout
                 .iter()

@@ -10,15 +10,14 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use memmap2::Mmap;
 use safetensors::Dtype;
 
 use super::manifest::{self, Manifest};
 use super::shard::{
     field_specs, shard_index, shard_name, shard_set, shard_set_problem, FieldSpec, ShardFile,
 };
-use super::writer::EMBEDDINGS;
-use crate::error::{Error, IoContext, Result};
+use super::weights::{self, Embeddings, Weights};
+use crate::error::{Error, Result};
 use crate::io::{self, Location, Source};
 
 /// Shard handles kept open by default.
@@ -27,16 +26,6 @@ pub const DEFAULT_OPEN_SHARDS: usize = 64;
 /// Shards of a cache in an object store kept open (their checked headers, a few hundred bytes
 /// each), whatever `max_open` says: that bounds maps and descriptors, which these do not hold.
 const REMOTE_SHARDS_KEPT: usize = 1 << 16;
-
-/// The fields of an item (and of a batch), in the order NeMo's collate stacks them.
-pub(crate) const ITEM_FIELDS: [&str; 6] = [
-    "input_ids",
-    "attention_mask",
-    "loss_mask",
-    "aux_hidden_states",
-    "position_mask",
-    "target_probs",
-];
 
 /// An opened cache.
 pub struct Cache {
@@ -109,10 +98,11 @@ impl Item {
 }
 
 impl Cache {
-    /// Opens the cache at `dir`: the manifest (version 1 or 2) and the shard set, which must be
-    /// exactly `0..ceil(num_samples / shard_size)`, keeping at most [`DEFAULT_OPEN_SHARDS`]
-    /// shards mapped at once. A cache whose writer has not finished is reported as incomplete
-    /// with the samples that are missing.
+    /// Opens the cache at `dir`: the manifest (EAGLE-3 version 1 or 2, DSpark version 1) and
+    /// the shard set, which must be exactly `0..ceil(num_samples / shard_size)`, keeping at
+    /// most [`DEFAULT_OPEN_SHARDS`] shards mapped at once. A cache whose writer has not
+    /// finished is reported as incomplete with the samples that are missing; so is a DSpark
+    /// cache whose manifest says `"complete": false`.
     ///
     /// `dir` may be an `s3://bucket/prefix` URL: the manifest is fetched and the objects listed
     /// once; each shard's header is read when the shard is first used (usually one ranged GET;
@@ -197,6 +187,18 @@ impl Cache {
         remote: Option<(Arc<dyn Source>, HashMap<String, u64>)>,
     ) -> Result<Cache> {
         check_shard_set(&dir, &m, present)?;
+        if !m.is_complete() {
+            // NeMo's `ensure_manifest_complete`: the producer is still running, or was killed.
+            return Err(Error::Incomplete {
+                path: dir.join(manifest::MANIFEST),
+                present: m.num_samples,
+                total: m.num_samples,
+                detail: "every shard is there, but the manifest says \"complete\": false: its \
+                         producer was interrupted or is still running; rerun it with the same \
+                         configuration (or resume the shardkit writer) to finish it"
+                    .into(),
+            });
+        }
         Ok(Cache {
             specs: field_specs(&m),
             dir,
@@ -387,19 +389,19 @@ impl Cache {
         })
     }
 
-    /// The fields of `item`, in the order NeMo's collate stacks them: input_ids, attention_mask,
-    /// loss_mask, aux_hidden_states, position_mask, target_probs.
+    /// The fields of `item`, in the order NeMo's collate stacks them
+    /// ([`Schema::item_fields`](super::Schema::item_fields)); EAGLE-3: input_ids,
+    /// attention_mask, loss_mask, aux_hidden_states, position_mask, target_probs; DSpark:
+    /// input_ids, loss_mask, target_hidden_states, target_last_hidden_states.
     pub fn fields<'a>(&self, item: &'a Item) -> Result<Vec<Field<'a>>> {
-        let mut out = Vec::with_capacity(ITEM_FIELDS.len());
-        for name in ITEM_FIELDS {
-            if name == "target_probs" && self.manifest.topk.is_some() {
+        let names = self.manifest.schema().item_fields();
+        let mut out = Vec::with_capacity(names.len());
+        for &name in names {
+            if let (Some(vd), "target_probs") = (self.topk_width(), name) {
                 out.push(Field {
                     name,
                     dtype: self.manifest.dtype,
-                    shape: vec![
-                        self.manifest.seq_length as usize,
-                        self.manifest.draft_vocab_size as usize,
-                    ],
+                    shape: vec![self.manifest.seq_length as usize, vd],
                     bytes: std::borrow::Cow::Owned(self.scatter_topk(item)?),
                 });
                 continue;
@@ -436,41 +438,39 @@ impl Cache {
             ix,
             &mut out,
             self.manifest.dtype.bitsize() / 8,
-            self.manifest.draft_vocab_size as usize,
+            self.topk_width().unwrap_or(0),
             item.file.path(),
         )?;
         Ok(out)
     }
 
-    /// Bytes of one sample's full-width `target_probs`.
+    /// Bytes of one sample's full-width `target_probs` (0 unless top-k).
     pub(crate) fn full_probs_bytes(&self) -> usize {
-        (self.manifest.seq_length * self.manifest.draft_vocab_size) as usize
+        self.manifest.seq_length as usize
+            * self.topk_width().unwrap_or(0)
             * (self.manifest.dtype.bitsize() / 8)
     }
 
-    /// The embedding table: `weight`, F32 `[rows, H]`, mapped.
-    pub fn target_embeddings(&self) -> Result<Embeddings> {
+    /// The draft vocabulary's width that a top-k EAGLE-3 cache's `target_probs` is expanded
+    /// to; `None` for every other cache.
+    pub(crate) fn topk_width(&self) -> Option<usize> {
+        let e = self.manifest.eagle3()?;
+        e.topk.map(|_| e.draft_vocab_size as usize)
+    }
+
+    /// The target weights beside the shards ([`Weights`]): EAGLE-3's embedding table
+    /// `weight` (F32 `[rows, H]`), DSpark's `embed_tokens.weight` and `lm_head.weight`; mapped,
+    /// or fetched whole from a store.
+    pub fn target_weights(&self) -> Result<Weights> {
         match &self.remote {
-            None => open_embeddings(&self.dir),
-            // The table is wanted whole: one object, fetched with parallel ranged GETs.
-            Some((remote, sizes)) => {
-                let path = remote.path_of(EMBEDDINGS);
-                let Some(&size) = sizes.get(EMBEDDINGS) else {
-                    return Err(Error::NotFound {
-                        path,
-                        what: "no such object".into(),
-                    });
-                };
-                let mut bytes = vec![0u8; size as usize];
-                remote.read_ranges(
-                    &[EMBEDDINGS.to_string()],
-                    &[(0, 0, size, 0)],
-                    &mut bytes,
-                    &io::Stop::never(),
-                )?;
-                embeddings_in(EmbeddingBytes::Owned(bytes), &path)
-            }
+            None => weights::open(&self.dir, &self.manifest),
+            Some((remote, sizes)) => weights::fetch(&**remote, sizes, &self.manifest),
         }
+    }
+
+    /// [`Cache::target_weights`] under EAGLE-3's name.
+    pub fn target_embeddings(&self) -> Result<Embeddings> {
+        self.target_weights()
     }
 }
 
@@ -483,7 +483,8 @@ pub(crate) fn remote_manifest(
     if !objects.contains_key(manifest::MANIFEST) {
         return Err(Error::NotFound {
             path,
-            what: "no manifest.json: not an EAGLE-3 cache, or one not uploaded yet".into(),
+            what: "no manifest.json: not an EAGLE-3 or DSpark cache, or one not uploaded yet"
+                .into(),
         });
     }
     Manifest::parse(&remote.get(manifest::MANIFEST)?, &path)
@@ -546,63 +547,6 @@ fn check_shard_set(dir: &Path, m: &Manifest, present: &BTreeSet<u64>) -> Result<
     Ok(())
 }
 
-/// Maps and checks `dir/target_embeddings.safetensors`: one tensor, `weight`, F32 2-D.
-pub(crate) fn open_embeddings(dir: &Path) -> Result<Embeddings> {
-    let path = dir.join(EMBEDDINGS);
-    let file = crate::fsutil::open_regular(&path)?;
-    // SAFETY: written only by rename (never in place), see `ShardFile::open`.
-    let map = unsafe { Mmap::map(&file) }.at(&path)?;
-    embeddings_in(EmbeddingBytes::Map(map), &path)
-}
-
-/// The embedding table in `bytes` (a whole safetensors file), checked.
-fn embeddings_in(bytes: EmbeddingBytes, path: &Path) -> Result<Embeddings> {
-    let (n, meta) = super::shard::read_header(bytes.as_slice(), path)?;
-    let (rows, cols, offset) = embedding_weight(&meta, path)?;
-    Ok(Embeddings {
-        rows,
-        cols,
-        start: 8 + n + offset,
-        map: bytes,
-    })
-}
-
-/// Checks the header of the embedding table in `remote` (`size` bytes) without fetching the
-/// table (`validate`).
-pub(crate) fn check_remote_embeddings(remote: &dyn Source, size: u64) -> Result<()> {
-    let never = io::Stop::never();
-    let head = super::shard::remote_head(remote, EMBEDDINGS, size, &never)?;
-    let (_, meta) = super::shard::remote_header(remote, EMBEDDINGS, size, head, &never)?;
-    embedding_weight(&meta, &remote.path_of(EMBEDDINGS)).map(|_| ())
-}
-
-/// The rows, columns and data offset of the table's one tensor, `weight`, F32 `[rows, H]`.
-fn embedding_weight(
-    meta: &safetensors::tensor::Metadata,
-    path: &Path,
-) -> Result<(usize, usize, usize)> {
-    let tensors = meta.tensors();
-    let info = match (tensors.len(), tensors.get("weight")) {
-        (1, Some(info)) => *info,
-        _ => {
-            return Err(Error::format(
-                path,
-                "must hold exactly one tensor, `weight`",
-            ))
-        }
-    };
-    if info.dtype != Dtype::F32 || info.shape.len() != 2 {
-        return Err(Error::format(
-            path,
-            format!(
-                "`weight` is {} {:?}; expected F32 [vocab_rows, hidden]",
-                info.dtype, info.shape
-            ),
-        ));
-    }
-    Ok((info.shape[0], info.shape[1], info.data_offsets.0))
-}
-
 /// Scatters `values` (`[S, k]`, `elem` bytes each) at `indices` (`[S, k]` i32) into `out`
 /// (`[S, vd]`, zeroed). An index outside `0..vd` is an error naming `path`.
 pub(crate) fn scatter(
@@ -631,37 +575,6 @@ pub(crate) fn scatter(
     Ok(())
 }
 
-/// The embedding file's bytes: mapped, or fetched from an object store.
-enum EmbeddingBytes {
-    Map(Mmap),
-    Owned(Vec<u8>),
-}
-
-impl EmbeddingBytes {
-    fn as_slice(&self) -> &[u8] {
-        match self {
-            EmbeddingBytes::Map(m) => m,
-            EmbeddingBytes::Owned(v) => v,
-        }
-    }
-}
-
-/// The embedding table (mapped, or fetched from an object store).
-pub struct Embeddings {
-    map: EmbeddingBytes,
-    start: usize,
-    /// Vocabulary rows.
-    pub rows: usize,
-    /// Hidden size.
-    pub cols: usize,
-}
-
-impl Embeddings {
-    /// The table's bytes (F32, little-endian, `rows × cols`).
-    pub fn bytes(&self) -> &[u8] {
-        &self.map.as_slice()[self.start..self.start + self.rows * self.cols * 4]
-    }
-}
 /// "sample 4 is" or "samples 4 to 9 are": an inclusive span of `noun`s in words.
 pub(crate) fn span_words(noun: &str, first: u64, last: u64, one: &str, many: &str) -> String {
     if first == last {

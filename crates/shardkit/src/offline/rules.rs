@@ -1,8 +1,9 @@
-//! The rules a cache's values follow (eagle3.md §5), in one place for the two that check them:
+//! The rules a cache's values follow (eagle3.md §5, dspark.md), in one place for the two that check them:
 //! the writer, which refuses a batch breaking one before any of it is stored, and
 //! `validate --deep`, which reports every shard breaking one.
 //!
-//! * float fields (`aux_hidden_states`, `target_probs`, `target_probs_values`): finite;
+//! * float fields (EAGLE-3's `aux_hidden_states`, `target_probs`, `target_probs_values`;
+//!   DSpark's `target_hidden_states`, `target_last_hidden_states`): finite;
 //! * probabilities (`target_probs`, `target_probs_values`): not negative, and each lossless
 //!   `target_probs` row sums to 1 within [`sum_tolerance`] of the cache dtype;
 //! * `attention_mask`, `loss_mask`: 0 or 1; `position_mask`: 0 or 1, and set only where
@@ -159,10 +160,12 @@ pub(crate) fn check(m: &Manifest, specs: &[FieldSpec], data: &[&[u8]]) -> Vec<Br
         });
     };
 
-    for name in ["aux_hidden_states", "target_probs", "target_probs_values"] {
-        let Some((spec, bytes)) = get(name) else {
-            continue;
-        };
+    let float_fields = specs
+        .iter()
+        .zip(data)
+        .filter(|(s, _)| matches!(s.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32));
+    for (spec, &bytes) in float_fields {
+        let name = spec.name;
         let size = spec.dtype.bitsize() / 8;
         let (n, first) = tally(bytes.chunks_exact(size), |c| non_finite(c, spec.dtype));
         if let Some((i, c)) = first {
@@ -175,7 +178,7 @@ pub(crate) fn check(m: &Manifest, specs: &[FieldSpec], data: &[&[u8]]) -> Vec<Br
                 format!("finite {} values", dtype_name(spec.dtype)),
             );
         }
-        if name != "aux_hidden_states" {
+        if name.starts_with("target_probs") {
             let (n, first) = tally(floats(bytes, spec.dtype), |&x| x < 0.0);
             if let Some((i, x)) = first {
                 push(
@@ -253,8 +256,8 @@ pub(crate) fn check(m: &Manifest, specs: &[FieldSpec], data: &[&[u8]]) -> Vec<Br
             );
         }
     }
-    if let Some((spec, ix)) = get("target_probs_indices") {
-        let vd = m.draft_vocab_size as i64;
+    if let (Some((spec, ix)), Some(e)) = (get("target_probs_indices"), m.eagle3()) {
+        let vd = e.draft_vocab_size as i64;
         let (n, first) = tally(i32s(ix), |&x| x < 0 || i64::from(x) >= vd);
         if let Some((i, x)) = first {
             push(
@@ -272,7 +275,7 @@ pub(crate) fn check(m: &Manifest, specs: &[FieldSpec], data: &[&[u8]]) -> Vec<Br
             );
         }
     }
-    if m.topk.is_none() {
+    if m.topk().is_none() {
         if let Some((spec, probs)) = get("target_probs") {
             let vd = spec.row.get(1).copied().unwrap_or(1).max(1);
             let tol = sum_tolerance(spec.dtype);

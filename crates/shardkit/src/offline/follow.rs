@@ -297,7 +297,7 @@ impl Follow {
             |s| m.rows_in_shard(s),
             m.num_samples,
             &claims,
-            "shardkit eagle3 status",
+            &format!("shardkit {} status", m.schema().name()),
             why.map_or(Stopped::TimedOut(self.opts.timeout), Stopped::Because),
         )
     }

@@ -62,8 +62,8 @@ pub fn synthetic_sample(m: &Manifest, i: u64) -> Vec<(&'static str, Vec<u8>)> {
                     u8::from(p >= first_loss && p < len && !(p * 7 + i as usize).is_multiple_of(3))
                 })
                 .collect(),
-            "aux_hidden_states" => {
-                let v: Vec<f32> = (0..s * m.aux_hidden_dim as usize)
+            "aux_hidden_states" | "target_hidden_states" | "target_last_hidden_states" => {
+                let v: Vec<f32> = (0..s * spec.row[1])
                     .map(|_| (unit(&mut rng) - 0.5) * 4.0)
                     .collect();
                 encode_floats(spec.dtype, &v)
@@ -84,7 +84,8 @@ pub fn synthetic_sample(m: &Manifest, i: u64) -> Vec<(&'static str, Vec<u8>)> {
                 encode_floats(spec.dtype, &v)
             }
             "target_probs_indices" => {
-                let (k, vd) = (spec.row[1] as u64, m.draft_vocab_size);
+                let k = spec.row[1] as u64;
+                let vd = m.eagle3().map_or(1, |e| e.draft_vocab_size);
                 (0..s)
                     .flat_map(|_| {
                         let start = rng.below(vd);

@@ -18,6 +18,9 @@
 //! the `safetensors` crate, so shards are byte-identical to Python `save_file` of the same
 //! arrays, and malformed files are typed errors ([`crate::Error::Safetensors`]).
 //!
+//! The types are the offline-cache family's ([`crate::offline`]), shared with [`crate::dspark`];
+//! an EAGLE-3 manifest (it has `aux_hidden_dim`) makes them EAGLE-3's.
+//!
 //! * [`Writer`]: samples into shards, each file written atomically and durably, the manifest
 //!   first; resume continues a killed run byte-identically.
 //! * [`PartWriter`]: one cache written by many processes (ranks of `torchrun`, a Slurm
@@ -66,26 +69,4 @@
 //! # }
 //! ```
 
-mod cache;
-mod follow;
-mod loader;
-mod manifest;
-mod parts;
-mod rules;
-mod shard;
-mod synth;
-#[cfg(test)]
-mod tests;
-mod validate;
-mod writer;
-
-pub use crate::engine::follow::{FollowOptions, RoundBroadcast, WaitCheck};
-pub use crate::engine::LoaderState;
-pub use cache::{Cache, Embeddings, Field, Item, DEFAULT_OPEN_SHARDS};
-pub use loader::{Batch, BatchField, Batches, Eagle3Options, Loader, LoaderOptions};
-pub use manifest::Manifest;
-pub use parts::{commit_parts, status, PartOptions, PartWriter};
-pub use shard::{read_header, FieldSpec};
-pub use synth::synthetic_sample;
-pub use validate::{inspect, set_version, validate, Validation};
-pub use writer::{Writer, WriterOptions};
+pub use crate::offline::*;
