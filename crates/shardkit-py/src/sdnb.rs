@@ -78,10 +78,10 @@ impl SdnbContainer {
         };
         Ok(SdnbContainer {
             path: c.path().display().to_string(),
+            bundle: c.bundle_manifest().map(|p| p.display().to_string()),
             inner: RwLock::new(Some(Arc::new(c))),
             kind,
             shards,
-            bundle: c.bundle_manifest().map(|p| p.display().to_string()),
         })
     }
     /// The path it was opened from.
@@ -346,6 +346,7 @@ pub fn sdnb_save(
 /// written. Metadata given overrides the source's keys.
 #[pyfunction]
 #[pyo3(signature = (src, dst, format, shard_size, metadata, progress=None, bundle=false))]
+#[allow(clippy::too_many_arguments)] // the Python keyword arguments, one by one
 pub fn sdnb_convert(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,

@@ -107,11 +107,10 @@ pub(crate) fn read_manifest(manifest: &Path) -> Result<PathBuf> {
                      text: write it plainly"
                 )))
             }
-            Some(Value::String(s)) => {
-                if MODEL_KEYS.contains(key) && model.is_none() {
-                    model = Some((*key, s.clone()));
-                }
+            Some(Value::String(s)) if MODEL_KEYS.contains(key) && model.is_none() => {
+                model = Some((*key, s.clone()));
             }
+            Some(Value::String(_)) => {}
             Some(_) => return Err(bad(format!("\"{key}\" must be a string"))),
         }
     }

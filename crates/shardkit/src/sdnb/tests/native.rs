@@ -431,7 +431,10 @@ fn bundles_are_written_read_and_checked() {
     let p = d.join("m.sdz");
     let mut o = save_opts(Format::Sdz, None, 0);
     o.bundle = true;
-    assert_eq!(sdnb::save(&p, &tensor_ins(&ts), &o).unwrap(), [p.clone()]);
+    assert_eq!(
+        sdnb::save(&p, &tensor_ins(&ts), &o).unwrap(),
+        std::slice::from_ref(&p)
+    );
     let manifest = d.join("manifest.json");
     assert_eq!(
         fs::read_to_string(&manifest).unwrap(),
