@@ -567,6 +567,10 @@ def check_sdz(path, java, zip_t, jobj, model_names, extra=None):
         assert zf.testzip() is None
         infos = zf.infolist()
         assert sorted(zi.filename for zi in infos) == sorted([*model_names, *extra])
+        # Deeplearning4j's native SdzReader (ADR 0073) takes the graph from the first .sdnb
+        # entry and reads no ZIP64 and no entry whose name does not end in .sdnb.
+        assert [zi.filename for zi in infos if zi.filename in model_names] == list(model_names)
+        assert all(n.endswith(".sdnb") for n in model_names) and zf.comment == b""
         contents = {zi.filename: zf.read(zi) for zi in infos}
     for zi in infos:
         lh = local_header(raw, zi)
@@ -585,6 +589,7 @@ def check_sdz(path, java, zip_t, jobj, model_names, extra=None):
         assert len(rec[0xD935]) >= 2 and struct.unpack_from("<H", rec[0xD935])[0] == ALIGN
         assert not rec[0xD935][2:].strip(b"\x00")
         assert 0xD935 not in extra_records(zi.extra), "the record is in the local header only"
+        assert 0x0001 not in rec and 0x0001 not in extra_records(zi.extra), "no ZIP64 extra field"
         layout(jobj, contents[zi.filename])
     zip_t(path)
     (res,) = java("zip", path)
@@ -608,8 +613,8 @@ def shard_names(n):
 
 
 def test_single_sdz(model, java, zip_t, jobj, flatc, shardkit_bin, tmp_path):
-    contents = check_sdz(model.sdz, java, zip_t, jobj, ["model"])
-    data = contents["model"]
+    contents = check_sdz(model.sdz, java, zip_t, jobj, ["model.sdnb"])
+    data = contents["model.sdnb"]
     lay = layout(jobj, data)
     (part,) = inspect(shardkit_bin, model.sdz)["parts"]
     g = flatc_decode(flatc, graph_region(data, lay, part["blob_start"]), tmp_path)
@@ -672,7 +677,7 @@ def test_sdz_after_in_place_metadata_edit(model, which, java, zip_t, jobj, flatc
     edit = {"edited": "oui é 😀", "author": "someone else"}
     sk(shardkit_bin, "sdnb", "meta", "set", path, *(f"{k}={v}" for k, v in edit.items()))
     assert path.stat().st_size == src.stat().st_size, "an in-place edit keeps the archive's size"
-    names = ["model"] if which == "sdz" else shard_names(len(model.shards))
+    names = ["model.sdnb"] if which == "sdz" else shard_names(len(model.shards))
     after = check_sdz(path, java, zip_t, jobj, names)
     info = inspect(shardkit_bin, path)
     for i, name in enumerate(names):

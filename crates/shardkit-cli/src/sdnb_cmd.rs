@@ -22,7 +22,9 @@ pub enum SdnbCmd {
     /// Open a container, checking its structure; with --deep also every byte against its
     /// checksums sidecar (NAME.checksums.json; a shard set's: BASE.shard-set.checksums.json).
     Validate {
-        /// An .sdnb file, an .sdz archive, a shard file or a shard set's base name.
+        /// An .sdnb file, an .sdz archive, a shard file, a shard set's base name, or a native
+        /// runtime bundle (a directory with manifest.json, or the manifest). Notes say what
+        /// would keep Deeplearning4j's native runtime from loading it.
         file: PathBuf,
         /// Check every byte against the checksums sidecar.
         #[arg(long)]
@@ -133,6 +135,10 @@ pub struct LayoutArgs {
     /// Metadata key=value (repeatable); overrides the source's.
     #[arg(long = "meta")]
     meta: Vec<String>,
+    /// Also write manifest.json beside the output (one .sdz or .sdnb file), making its
+    /// directory a bundle of Deeplearning4j's native runtime (sdxLoadBundle).
+    #[arg(long)]
+    bundle: bool,
 }
 
 /// `shardkit sdnb pack`.
@@ -292,6 +298,7 @@ fn save_options(l: &LayoutArgs, out: &Path) -> Result<SaveOptions> {
         slack: l.slack,
         metadata: parse_pairs(&l.meta)?,
         extra_entries: Vec::new(),
+        bundle: l.bundle,
         progress: None,
     })
 }

@@ -48,6 +48,7 @@ pub struct SdnbContainer {
     path: String,
     kind: String,
     shards: usize,
+    bundle: Option<String>,
 }
 
 impl SdnbContainer {
@@ -77,6 +78,7 @@ impl SdnbContainer {
         };
         Ok(SdnbContainer {
             path: c.path().display().to_string(),
+            bundle: c.bundle_manifest().map(|p| p.display().to_string()),
             inner: RwLock::new(Some(Arc::new(c))),
             kind,
             shards,
@@ -91,6 +93,11 @@ impl SdnbContainer {
     #[getter]
     fn kind(&self) -> &str {
         &self.kind
+    }
+    /// The native runtime's bundle manifest it was opened through, if any.
+    #[getter]
+    fn bundle_manifest(&self) -> Option<&str> {
+        self.bundle.as_deref()
     }
     /// The number of SDNB parts (shards) that make up the model.
     #[getter]
@@ -260,7 +267,7 @@ fn paths(files: Vec<PathBuf>) -> Vec<String> {
 /// Writes tensors as a container; returns the files written. The bytes are read in place
 /// (no copy) with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (path, tensors, metadata, format, shard_size, align, slack, extra_entries, progress=None))]
+#[pyo3(signature = (path, tensors, metadata, format, shard_size, align, slack, extra_entries, progress=None, bundle=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn sdnb_save(
     py: Python<'_>,
@@ -273,9 +280,11 @@ pub fn sdnb_save(
     slack: u64,
     extra_entries: Vec<(String, Bound<'_, PyBytes>)>,
     progress: Option<PyObject>,
+    bundle: bool,
 ) -> PyResult<Vec<String>> {
     let mut opts = save_options(&path, format, shard_size, metadata)?;
     opts.progress = progress.map(py_progress);
+    opts.bundle = bundle;
     // Only an archive has room for them; the library would drop them silently.
     if !extra_entries.is_empty() && opts.format != Format::Sdz {
         return Err(crate::py_error(
@@ -336,7 +345,8 @@ pub fn sdnb_save(
 /// Writes `src` (a path or an open [`SdnbContainer`]) again as `dst`; returns the files
 /// written. Metadata given overrides the source's keys.
 #[pyfunction]
-#[pyo3(signature = (src, dst, format, shard_size, metadata, progress=None))]
+#[pyo3(signature = (src, dst, format, shard_size, metadata, progress=None, bundle=false))]
+#[allow(clippy::too_many_arguments)] // the Python keyword arguments, one by one
 pub fn sdnb_convert(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
@@ -345,9 +355,11 @@ pub fn sdnb_convert(
     shard_size: Option<u64>,
     metadata: Vec<(String, String)>,
     progress: Option<PyObject>,
+    bundle: bool,
 ) -> PyResult<Vec<String>> {
     let mut opts = save_options(&dst, format, shard_size, metadata)?;
     opts.progress = progress.map(py_progress);
+    opts.bundle = bundle;
     enum Source {
         Open(Arc<Container>),
         Path(PathBuf),

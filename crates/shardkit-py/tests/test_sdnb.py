@@ -262,7 +262,7 @@ def test_sdz_archives_are_stored_zips_with_extra_entries(tmp_path):
             assert "tokenizer.json" in names and z.read("tokenizer.json") == tok
             models = [n for n in names if n != "tokenizer.json"]
             if shard_size is None:
-                assert models == ["model"]
+                assert models == ["model.sdnb"]
             else:
                 assert len(models) >= 2 and all(re.fullmatch(r"model\.shard\d+-of-\d+\.sdnb", n) for n in models)
         with sdnb.open(p) as c:

@@ -323,7 +323,7 @@ fn sdz_archives_hold_single_or_sharded_models_and_extra_entries() {
             names.push(e.name().to_string());
         }
         if shard_size.is_none() {
-            assert_eq!(names, ["model", "tokenizer.json"]);
+            assert_eq!(names, ["model.sdnb", "tokenizer.json"]);
         } else {
             assert!(names[0].starts_with("model.shard0-of-"), "{names:?}");
         }

@@ -128,6 +128,8 @@ class Container(collections.abc.Mapping):  # type: ignore[type-arg]
         self.parts: List[str] = list(self._c.parts)
         #: Archive entries besides the model (SDZ only), e.g. ``tokenizer.json``.
         self.extra_entries: List[str] = list(self._c.extra_entries)
+        #: The native runtime's ``manifest.json`` it was opened through (a bundle), else None.
+        self.bundle_manifest: Optional[str] = getattr(self._c, "bundle_manifest", None)
         self._names = [v.name for v in self.variables if v.storage != "none"]
         self._known = frozenset(self._names)
 
@@ -287,6 +289,7 @@ def save(
     slack: int = 65536,
     extra_entries: Optional[Mapping[str, bytes]] = None,
     progress: Any = None,
+    bundle: bool = False,
 ) -> List[str]:
     """Writes ``tensors`` (name -> numpy array, torch tensor or array-like) as a container;
     returns the files written.
@@ -297,7 +300,9 @@ def save(
     when ``shard_size`` is given, else "sdnb". ``var_types`` maps names to "VARIABLE" (the
     default) or "CONSTANT". ``align`` (a power of two, 8 to 32768) aligns blobs and archive
     entries; ``slack`` zero bytes after the graph leave room for in-place ``set_metadata``.
-    ``extra_entries`` (SDZ only) adds archive entries such as ``tokenizer.json``. Files are
+    ``extra_entries`` (SDZ only) adds archive entries such as ``tokenizer.json`` (names ending
+    in ``.sdnb`` are refused). ``bundle=True`` also writes ``manifest.json`` beside a ``.sdz`` or
+    ``.sdnb`` file, making its directory a bundle of Deeplearning4j's native runtime. Files are
     published atomically; the GIL is released while writing. ``progress``: None (a byte bar
     on a terminal when tqdm is installed), a bool, or a callable ``(bytes_done, bytes_total)``.
     """
@@ -329,7 +334,7 @@ def save(
     try:
         return _core.sdnb_save(
             where, entries, _pairs(metadata, where), format, _size(shard_size), int(align), int(slack), extras,
-            _bytes_done(bar),
+            _bytes_done(bar), **_bundle(bundle),
         )
     finally:
         bar.close()
@@ -342,10 +347,11 @@ def convert(
     shard_size: Optional[int] = None,
     metadata: Optional[Mapping[str, str]] = None,
     progress: Any = None,
+    bundle: bool = False,
 ) -> List[str]:
     """Writes ``src`` (a path or an open Container) again as ``dst`` in another layout: the same
     variables and bytes, ops and other graph parts carried verbatim; ``metadata`` overrides the
-    source's keys. ``format`` and ``progress`` as in ``save``. Returns the files written."""
+    source's keys. ``format``, ``progress`` and ``bundle`` as in ``save``. Returns the files written."""
     where = _args.path("dst", dst)
     core = src._c if isinstance(src, Container) else _args.path("src", src)
     _format(format)
@@ -353,10 +359,17 @@ def convert(
     bar = _byte_progress(progress)
     try:
         return _core.sdnb_convert(
-            core, where, format, _size(shard_size), _pairs(metadata, where), _bytes_done(bar)
+            core, where, format, _size(shard_size), _pairs(metadata, where), _bytes_done(bar), **_bundle(bundle)
         )
     finally:
         bar.close()
+
+
+def _bundle(bundle: Any) -> Dict[str, bool]:
+    """The ``bundle`` keyword for the extension, passed only when set."""
+    if not isinstance(bundle, bool):
+        raise _args.InvalidArgumentTypeError(f"bundle must be a bool, got {type(bundle).__name__}")
+    return {"bundle": True} if bundle else {}
 
 
 def _byte_progress(progress: Any) -> Progress:

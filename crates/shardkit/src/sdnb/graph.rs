@@ -166,6 +166,8 @@ pub(crate) struct Graph {
     pub training_config: Option<String>,
     /// The number of ops (`nodes`), which are not decoded.
     pub node_count: usize,
+    /// Whether `nodes` is present (possibly empty); DL4J's native reader needs it.
+    pub has_nodes: bool,
     /// The number of `subInstances`.
     pub sub_instance_count: usize,
     pub(crate) opaque: OpaqueParts,

@@ -39,10 +39,12 @@
 //! # }
 //! ```
 
+mod bundle;
 mod edit;
 pub(crate) mod graph;
 pub(crate) mod header;
 pub(crate) mod manifest;
+mod native;
 pub(crate) mod read;
 pub(crate) mod sdz;
 pub(crate) mod sidecar;
@@ -73,8 +75,17 @@ pub fn validate(path: impl AsRef<std::path::Path>, deep: bool) -> crate::report:
                     files.len()
                 ),
             );
+            if let Some(m) = c.bundle_manifest() {
+                v.note(
+                    m,
+                    format!("bundle manifest: modelPath is {}", c.path().display()),
+                );
+            }
+            for (file, msg) in native::notes(&c) {
+                v.note(file, msg);
+            }
             if deep {
-                crate::checksum::verify_into(path, &mut v);
+                crate::checksum::verify_into(c.path(), &mut v);
             }
         }
     }

@@ -472,6 +472,8 @@ pub struct Container {
     index: HashMap<String, usize>,
     /// The archive's map and its entries that are not part of the model.
     extras: Option<(Arc<Backing>, Vec<ZipEntry>)>,
+    /// The bundle manifest it was opened through.
+    bundle: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Container {
@@ -511,6 +513,12 @@ impl Container {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
+        // A bundle directory of the native runtime, or its manifest (see the bundle module).
+        if let Some((manifest, model)) = super::bundle::resolve(path)? {
+            let mut c = Container::open_with(&model, limits)?;
+            c.bundle = Some(manifest);
+            return Ok(c);
+        }
         let dir = crate::fsutil::parent_of(path);
         if let Some((base, _, _)) = sdz::parse_shard_name(&name) {
             return open_sharded(path, dir, base, limits);
@@ -518,11 +526,6 @@ impl Container {
         let base = base_name(&name);
         let meta = fs::metadata(path);
         match meta {
-            Ok(m) if m.is_dir() => Err(Error::format(
-                path,
-                "is a directory; pass an .sdnb or .sdz file, a shard file, or a shard set's \
-                 base name",
-            )),
             Ok(_) => {
                 let mut head = [0u8; 4];
                 let mut f = crate::fsutil::open_regular(path)?;
@@ -570,9 +573,19 @@ impl Container {
         }
     }
 
-    /// The path it was opened from.
+    /// The path it was opened from (the model file, for a bundle).
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The native runtime's bundle manifest (`manifest.json`) it was opened through, if any.
+    pub fn bundle_manifest(&self) -> Option<&Path> {
+        self.bundle.as_deref()
+    }
+
+    /// An archive's bytes (as opening read them, for a remote one).
+    pub(crate) fn archive_bytes(&self) -> Option<&[u8]> {
+        self.extras.as_ref().map(|(b, _)| b.bytes())
     }
 
     /// The files the container is made of: the file itself, or every shard of a set.
@@ -1171,6 +1184,7 @@ fn assemble(
         variables,
         index,
         extras,
+        bundle: None,
     })
 }
 

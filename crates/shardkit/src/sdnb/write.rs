@@ -40,7 +40,8 @@ pub enum Format {
     Sdnb,
     /// `<base>.shard<i>-of-<N>.sdnb` beside the given path.
     Sharded,
-    /// A ZIP: entry `model`, or a `model.shard*` set when a shard size is given.
+    /// A ZIP that Deeplearning4j's native runtime and Java both load: STORED entry
+    /// `model.sdnb`, or a `model.shard*` set (graph shard first) when a shard size is given.
     Sdz,
 }
 
@@ -89,8 +90,13 @@ pub struct SaveOptions {
     /// User metadata; overrides a source container's keys. `nd4j.format.*` and `shard.*` are
     /// set by the writer.
     pub metadata: Vec<(String, String)>,
-    /// Further SDZ entries (e.g. `tokenizer.json`), kept as they are.
+    /// Further SDZ entries (e.g. `tokenizer.json`), kept as they are. Names ending in
+    /// `.sdnb` and SDNB bytes are refused: loaders would take them for part of the model.
     pub extra_entries: Vec<(String, Vec<u8>)>,
+    /// Also write `manifest.json` beside the container (replacing one there), making its
+    /// directory a bundle of Deeplearning4j's native runtime: `{"modelPath": "<file name>"}`.
+    /// Needs one `.sdz` or `.sdnb` file (the runtime loads no shard set).
+    pub bundle: bool,
     /// Told (bytes written, bytes in all) as a write proceeds, about every 16 MiB and once at
     /// the end; for progress bars.
     pub progress: Option<Arc<dyn Fn(u64, u64) + Send + Sync>>,
@@ -105,6 +111,7 @@ impl std::fmt::Debug for SaveOptions {
             .field("slack", &self.slack)
             .field("metadata", &self.metadata)
             .field("extra_entries", &self.extra_entries)
+            .field("bundle", &self.bundle)
             .field("progress", &self.progress.as_ref().map(|_| ".."))
             .finish()
     }
@@ -137,6 +144,7 @@ impl Default for SaveOptions {
             slack: DEFAULT_SLACK,
             metadata: Vec::new(),
             extra_entries: Vec::new(),
+            bundle: false,
             progress: None,
         }
     }
@@ -406,6 +414,18 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
         .file_name()
         .and_then(|n| n.to_str())
         .ok_or_else(|| Error::Invalid(format!("{}: not a file name", path.display())))?;
+    if opts.bundle {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let one_file = opts.format != Format::Sharded
+            && (ext.eq_ignore_ascii_case("sdz") || ext.eq_ignore_ascii_case("sdnb"));
+        if !one_file || name.chars().any(char::is_control) {
+            return Err(Error::Invalid(format!(
+                "{}: a bundle's model is one file named *.sdz or *.sdnb (the native runtime \
+                 chooses its reader by the extension and loads no shard set)",
+                path.display()
+            )));
+        }
+    }
     let dir = fsutil::parent_of(path);
     if !dir.is_dir() {
         return Err(Error::NotFound {
@@ -439,6 +459,10 @@ fn write_model(path: &Path, model: &Model, opts: &SaveOptions) -> Result<Vec<Pat
     // The container's own sidecar (see crate::checksum), while the lock is still held.
     if let Some(first) = files.first() {
         crate::checksum::record(first)?;
+    }
+    if opts.bundle {
+        let manifest = dir.join(super::bundle::MANIFEST);
+        fsutil::atomic_write(&manifest, super::bundle::manifest_text(name).as_bytes())?;
     }
     Ok(files)
 }
@@ -928,21 +952,28 @@ fn write_sdz(
     tracker: &mut Tracker,
 ) -> Result<()> {
     let n = plans.len();
+    // Names that Deeplearning4j's native SdzReader reads (it skips entries not ending in
+    // `.sdnb`) and Java's SDZSerializer prefers (`model.sdnb` first); shard 0, which holds the
+    // graph, is written first, as the native reader takes the graph from the first entry.
     let names: Vec<String> = if n == 1 {
-        vec!["model".into()]
+        vec!["model.sdnb".into()]
     } else {
         (0..n)
             .map(|i| format!("model.shard{i}-of-{n}.sdnb"))
             .collect()
     };
-    for (name, _) in extras {
+    for (name, data) in extras {
         super::sdz::check_name(name.as_bytes(), path)?;
+        // The native reader merges every `.sdnb` entry (its newest revision, and Java, any
+        // entry with SDNB bytes) into the model.
         if names.contains(name)
-            || name == "model.sdnb"
-            || super::sdz::parse_shard_name(name).is_some()
+            || name.to_ascii_lowercase().ends_with(".sdnb")
+            || name == "model"
+            || data.starts_with(&super::header::MAGIC)
         {
             return Err(Error::Invalid(format!(
-                "extra entry {name:?} would be taken for part of the model"
+                "extra entry {name:?} would be taken for part of the model (a name ending in \
+                 .sdnb, the name model, or SDNB bytes)"
             )));
         }
     }

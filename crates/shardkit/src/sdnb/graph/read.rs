@@ -214,6 +214,7 @@ impl Graph {
             }
             Ok(Some((Opaque { pos: v, lo }, elems.len())))
         };
+        let has_nodes = r.child(root, fg::NODES)?.is_some();
         let nodes = vector_of_tables(fg::NODES)?;
         let subs = vector_of_tables(fg::SUB_INSTANCES)?;
         let configuration = match r.child(root, fg::CONFIGURATION)? {
@@ -266,6 +267,7 @@ impl Graph {
             loss_variables: r.strings(root, fg::LOSS_VARIABLES)?,
             training_config: r.string(root, fg::TRAINING_CONFIG)?.map(str::to_owned),
             node_count: nodes.map_or(0, |n| n.1),
+            has_nodes,
             sub_instance_count: subs.map_or(0, |s| s.1),
             opaque,
             extent,

@@ -45,6 +45,7 @@ use proptest::test_runner::RngSeed;
 
 mod hostile;
 mod mutate;
+mod native;
 mod stores;
 
 // ---- Heap accounting ----
