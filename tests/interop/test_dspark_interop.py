@@ -104,10 +104,10 @@ def ours(path, m, x, w, *, cast=False):
 
 
 def differing_keys(err):
-    """The keys a refusal names, in its order: shardkit's wording (as eagle3's) is
-    "manifest key(s) a, b differ"; the cache's path is cut out first."""
+    """The keys a refusal names, in its order: a writer says NeMo's "mismatched fields: a, b",
+    a part writer (as eagle3's) "manifest key(s) a, b differ"."""
     msg = str(err)
-    found = re.search(r"manifest key\(s\) (.+?) differ", msg)
+    found = re.search(r"mismatched fields: (.+?)\)", msg) or re.search(r"manifest key\(s\) (.+?) differ", msg)
     assert found, msg
     return found.group(1).split(", ")
 

@@ -22,8 +22,15 @@ def variant(m, with_identity):
 
 
 def input_identity(info):
-    """Where inspect() reports it (the one place to adjust if the report moves it)."""
-    return info["manifest_keys"]["input_identity"]
+    """Whether inspect() reports the input identity: its ``input_identity`` holds the three keys
+    with their values, or is None; ``manifest_variant`` says it in words."""
+    ident = info["input_identity"]
+    if ident is None:
+        assert "without the input identity" in info["manifest_variant"], info["manifest_variant"]
+        return False
+    assert sorted(ident) == sorted(IDENTITY), ident
+    assert "with the input identity" in info["manifest_variant"], info["manifest_variant"]
+    return True
 
 
 @pytest.mark.parametrize("with_identity", [True, False], ids=["with-identity", "without-identity"])

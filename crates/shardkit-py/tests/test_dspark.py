@@ -135,7 +135,7 @@ def test_writer_argument_refusals(tmp_path):
         bad = good["target_hidden_states"].copy()
         bad[1, 0] = np.nan
         w.add({**good, "target_hidden_states": bad})
-    with pytest.raises(shardkit.InvalidArgumentError, match="shape"):
+    with pytest.raises(shardkit.InvalidArgumentError, match="`lm_head.weight` has 4 columns; the hidden size is target_last_hidden_dim 3"):
         w.write_target_weights(np.zeros((D.VOCAB, 3), np.float32), np.zeros((D.VOCAB, 4), np.float32))
     with pytest.raises(shardkit.InvalidArgumentError, match="shape"):
         w.write_target_weights(np.zeros(D.VOCAB * 3, np.float32), np.zeros(D.VOCAB * 3, np.float32))

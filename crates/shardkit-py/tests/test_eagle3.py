@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import shardkit
-from shardkit import CorruptDataError, IncompleteDatasetError, eagle3
+from shardkit import CorruptDataError, IncompleteDatasetError, _offline, eagle3
 
 import ml_dtypes  # noqa: E402 - a required test dependency
 
@@ -106,12 +106,12 @@ def test_resume_after_an_exception(tmp_path):
 def test_bf16_without_ml_dtypes_is_uint16_bits(tmp_path, monkeypatch):
     path = write(tmp_path / "c")
     want = eagle3.open(path)[2]["aux_hidden_states"].view(np.uint16)
-    monkeypatch.setattr(eagle3, "_BF16", None)
+    monkeypatch.setattr(_offline, "_BF16", None)  # where EAGLE-3 and DSpark decode bf16
     got = eagle3.open(path)[2]["aux_hidden_states"]
     assert got.dtype == np.uint16 and np.array_equal(got, want)
     # The writer's own rounding equals ml_dtypes' (round to nearest even).
     x = np.array([1.0, 1.00390625, 1.01171875, -2.5e-8, np.inf, 3.4e38], dtype=np.float32)
-    assert np.array_equal(eagle3._bf16_bits(x), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    assert np.array_equal(_offline._bf16_bits(x), x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 def _read_in_worker(cache):

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 # Each format's reference page must show its Python API in at least one runnable snippet.
-FORMAT_PAGES = ["saev.md", "flat_tokens.md", "eagle3.md", "sdnb.md"]
+FORMAT_PAGES = ["saev.md", "flat_tokens.md", "eagle3.md", "dspark.md", "sdnb.md"]
 
 
 def doc_files():

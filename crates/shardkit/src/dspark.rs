@@ -20,7 +20,7 @@
 //! behaviour and NeMo's quirks: docs/dspark.md.
 //!
 //! The types are the offline-cache family's ([`crate::offline`]), shared with
-//! [`crate::eagle3`]; a DSpark manifest (it has `target_hidden_dim`) makes them DSpark's:
+//! `shardkit::eagle3`; a DSpark manifest (it has `target_hidden_dim`) makes them DSpark's:
 //! [`Writer`] (crash-safe, resumable), [`PartWriter`] (NeMo's shard partition, so a cache begun
 //! by NeMo's distributed producer can be finished by shardkit and the other way round),
 //! [`Cache`], [`Loader`], [`validate`], [`inspect`].

@@ -18,7 +18,7 @@
 //! the `safetensors` crate, so shards are byte-identical to Python `save_file` of the same
 //! arrays, and malformed files are typed errors ([`crate::Error::Safetensors`]).
 //!
-//! The types are the offline-cache family's ([`crate::offline`]), shared with [`crate::dspark`];
+//! The types are the offline-cache family's ([`crate::offline`]), shared with `shardkit::dspark`;
 //! an EAGLE-3 manifest (it has `aux_hidden_dim`) makes them EAGLE-3's.
 //!
 //! * [`Writer`]: samples into shards, each file written atomically and durably, the manifest

@@ -665,3 +665,10 @@ def inspect(cache_dir: PathLike) -> Dict[str, Any]:
     """Configuration, sizes and completeness."""
     info: Dict[str, Any] = json.loads(_core.eagle3_inspect(_args.path("cache_dir", cache_dir)))
     return info
+
+
+# Guarded here, where they are defined: each member's module re-exports them or subclasses them.
+_args.guard_module(globals(), [
+    "Writer", "PartWriter", "Cache", "Loader", "status", "commit_parts", "open_cache", "collate",
+    "to_torch", "validate", "inspect",
+])

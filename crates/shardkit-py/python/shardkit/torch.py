@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from . import _args, eagle3, flat_tokens, saev
+from . import _args, dspark, eagle3, flat_tokens, saev
 from .errors import InvalidArgumentError
 from .types import FollowBroadcast
 
@@ -45,8 +45,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 Device = Union[str, "torch.device", int, None]
 
 __all__ = [
-    "SaevLoader", "TokensLoader", "Eagle3Loader",
-    "SaevDataset", "TokensDataset", "Eagle3Dataset", "SaevIterableDataset", "default_device",
+    "SaevLoader", "TokensLoader", "Eagle3Loader", "DSparkLoader",
+    "SaevDataset", "TokensDataset", "Eagle3Dataset", "DSparkDataset", "SaevIterableDataset", "default_device",
 ]
 
 
@@ -439,6 +439,8 @@ class Eagle3Dataset(_LoaderDataset):
     (bf16 as ``torch.bfloat16``). Every argument is checked here, in the constructing process."""
 
     _SHOWN = ("batch_size", "shuffle", "seed", "drop_last")
+    #: The cache's module (its Loader serves the batches).
+    _module: Any = eagle3
 
     def __init__(
         self,
@@ -467,8 +469,9 @@ class Eagle3Dataset(_LoaderDataset):
     def _build(self, rank: int, world_size: int, epoch: int) -> eagle3.Loader:
         # This process's broadcast: not a DataLoader worker's (refused in _make).
         bc = self._broadcast if world_size == self._world else None
-        return eagle3.Loader(self._path, rank=rank, world_size=world_size, epoch=epoch,
-                             follow_broadcast=bc, **self._kw)
+        loader: eagle3.Loader = self._module.Loader(
+            self._path, rank=rank, world_size=world_size, epoch=epoch, follow_broadcast=bc, **self._kw)
+        return loader
 
     @property
     def shuffle(self) -> bool:
@@ -886,6 +889,8 @@ class Eagle3Loader(_DeviceLoader):
     ``device`` (default: :func:`default_device`). Other arguments are
     :class:`shardkit.eagle3.Loader`'s."""
 
+    _module: Any = eagle3
+
     def __init__(
         self,
         cache_dir: PathLike,
@@ -907,13 +912,29 @@ class Eagle3Loader(_DeviceLoader):
         host_buffers: Optional[str] = None,
     ) -> None:
         d, n, hb = self._options(device, num_buffers, host_buffers)
-        host = eagle3.Loader(
+        host = self._module.Loader(
             cache_dir, batch_size=batch_size, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size,
             drop_last=drop_last, epoch=epoch, num_threads=num_threads, prefetch=prefetch, verify=verify,
             follow=follow, follow_timeout=follow_timeout,
             follow_broadcast=_round_broadcast(follow, rank, world_size, follow_timeout),
         )
         super().__init__(host, host._l, d, n, hb)
+
+
+class DSparkDataset(Eagle3Dataset):
+    """DSpark batches (:class:`shardkit.dspark.Loader`'s arguments: ``input_ids``,
+    ``loss_mask``, ``target_hidden_states``, ``target_last_hidden_states``) as dicts of torch
+    tensors (bf16 as ``torch.bfloat16``). Every argument is checked here, in the constructing
+    process."""
+
+    _module = dspark
+
+
+class DSparkLoader(Eagle3Loader):
+    """DSpark batches as tensors on ``device`` (default: :func:`default_device`), bf16 as
+    ``torch.bfloat16``; other arguments are :class:`shardkit.dspark.Loader`'s."""
+
+    _module = dspark
 
 
 _args.guard_module(globals(), __all__)

@@ -186,19 +186,31 @@ impl Cache {
         max_open: usize,
         remote: Option<(Arc<dyn Source>, HashMap<String, u64>)>,
     ) -> Result<Cache> {
-        check_shard_set(&dir, &m, present)?;
         if !m.is_complete() {
-            // NeMo's `ensure_manifest_complete`: the producer is still running, or was killed.
+            // NeMo's `ensure_manifest_complete`: the producer is still running, or was killed
+            // (whatever shards it left, in any order: its ranks write blocks side by side).
+            let k = m.num_shards();
+            let have: u64 = present
+                .iter()
+                .filter(|&&s| s < k)
+                .map(|&s| m.rows_in_shard(s))
+                .sum();
+            let shards = match shard_set_problem(present, k) {
+                None => "every shard is there".to_string(),
+                Some(_) => format!("{} of {k} shards are there", present.len()),
+            };
             return Err(Error::Incomplete {
                 path: dir.join(manifest::MANIFEST),
-                present: m.num_samples,
+                present: have,
                 total: m.num_samples,
-                detail: "every shard is there, but the manifest says \"complete\": false: its \
-                         producer was interrupted or is still running; rerun it with the same \
-                         configuration (or resume the shardkit writer) to finish it"
-                    .into(),
+                detail: format!(
+                    "the manifest says \"complete\": false ({shards}): its producer was \
+                     interrupted or is still running; rerun it with the same configuration \
+                     (shardkit part writers, or a resumed writer) to finish it"
+                ),
             });
         }
+        check_shard_set(&dir, &m, present)?;
         Ok(Cache {
             specs: field_specs(&m),
             dir,

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Sample i is row `i % s` of shard `i // s`; the shard set is exactly `0..ceil(N/s)`. The
-//! members' pages: [`crate::eagle3`] and [`crate::dspark`], which re-export this module's types.
+//! members' pages: `shardkit::eagle3` and `shardkit::dspark`, which re-export this module's types.
 //! One implementation serves both: the writers ([`Writer`], [`PartWriter`] with NeMo's own
 //! shard partition), the reader ([`Cache`]), the shuffled distributed [`Loader`], [`validate`]
 //! and [`inspect`]; a manifest's keys say which member a cache is, checked once at parse time.

@@ -9,8 +9,10 @@
 //! configuration), a write in parts keeps its configuration in `.shardkit-parts/eagle3.json`
 //! and writes manifest.json **last**, as the commit record: a directory without it is no
 //! cache to any reader (NeMo's included), and shardkit's readers and `validate` name it an
-//! unfinished write in parts, with the shards still missing ([`unfinished`]). A DSpark
-//! manifest is committed with `"complete": true`.
+//! unfinished write in parts, with the shards still missing ([`unfinished`]). DSpark's
+//! manifest carries its own commit record, the `complete` marker: in a directory, the first
+//! rank writes it marked `false` beside the setup record (as NeMo's rank 0 does), and the
+//! commit marks it `true`; in a store it is uploaded at the commit only.
 //!
 //! A DSpark directory NeMo's distributed producer began (its manifest written first with
 //! `"complete": false`, some shards, perhaps `.tmp` leftovers) is finished by part writers of
@@ -387,6 +389,14 @@ impl PartWriter {
                     });
                 }
                 fsutil::atomic_write(&setup, &setup_bytes(&self.manifest, &self.options))?;
+                if self.manifest.schema().has_complete_marker()
+                    && !self.dir.join(MANIFEST).is_file()
+                {
+                    // As NeMo's rank 0 does: the run's manifest, marked incomplete, so that a
+                    // rerun of NeMo's producer checks its configuration against it (and may
+                    // finish the cache). Readers refuse it until the commit marks it complete.
+                    manifest::write(&self.dir, &self.manifest.with_complete(false))?;
+                }
             }
             Err(e) => return Err(Error::io(&setup, e)),
         }
@@ -616,7 +626,7 @@ impl PartWriter {
         let tensors = weights::tensors(&self.manifest, tables);
         let differs = || Error::Exists {
             path: path.clone(),
-            why: "was written by another rank with other tables; every rank must give the \
+            why: "was written by another rank with another table; every rank must give the \
                   same target weights"
                 .into(),
         };

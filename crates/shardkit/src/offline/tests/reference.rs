@@ -4,8 +4,8 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use crate::eagle3::{Cache, Writer, WriterOptions};
 use crate::json::{self, sha256_hex, Value};
+use crate::offline::{Cache, Writer, WriterOptions};
 
 /// The reference's run configuration: `n` samples in shards of `s`, S = `seq`, 3H = `aux`,
 /// Vd = `vd`.

@@ -7,10 +7,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use crate::eagle3::{self, Manifest, Writer, WriterOptions};
 use crate::json::{self, Value};
 use crate::offline::rules::sum_tolerance;
 use crate::offline::shard::field_specs;
+use crate::offline::{self as eagle3, Manifest, Writer, WriterOptions};
 use crate::Error;
 
 /// A manifest: `n` samples in shards of 2, S = 4, 3H = 6, Vd = 5, vocab 100.
