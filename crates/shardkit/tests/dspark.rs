@@ -444,3 +444,124 @@ fn a_cache_in_a_store_is_committed_with_the_marker_and_read_back() {
     let v = dspark::validate(url, false);
     assert!(v.is_valid(), "{:?}", v.errors().collect::<Vec<_>>());
 }
+
+#[test]
+fn hostile_manifests_are_errors_naming_the_file_and_the_rule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("c");
+    single(&dir);
+    let good = manifest_text(&dir);
+    for (from, to, words) in [
+        (
+            "\"format_version\": 1",
+            "\"format_version\": 2",
+            "DSpark caches have 1",
+        ),
+        (
+            "\"format_version\": 1",
+            "\"format_version\": \"1\"",
+            "format_version \"1\"",
+        ),
+        (
+            "\"complete\": true",
+            "\"complete\": 1",
+            "`complete` must be true or false",
+        ),
+        (
+            "\"complete\": true",
+            "\"complete\": null",
+            "`complete` must be true or false",
+        ),
+        (
+            "\"target_hidden_dim\": 8",
+            "\"target_hidden_dim\": -8",
+            "`target_hidden_dim` must be a non-negative integer",
+        ),
+        (
+            "\"target_hidden_dim\": 8",
+            "\"hidden_dim\": 8",
+            "neither `aux_hidden_dim`",
+        ),
+        // Read as EAGLE-3's (its marker key), which needs its own keys.
+        (
+            "\"target_hidden_dim\": 8",
+            "\"aux_hidden_dim\": 8",
+            "missing key `selected_token_ids`",
+        ),
+        (
+            "\"target_last_hidden_dim\": 4",
+            "\"target_last_hidden_dim\": 4, \"aux_hidden_dim\": 2",
+            "has both",
+        ),
+        (
+            "\"shard_size\": 3",
+            "\"shard_size\": 0",
+            "`shard_size` must be at least 1",
+        ),
+        (
+            "\"dtype\": \"bf16\"",
+            "\"dtype\": \"fp8\"",
+            "`dtype` must be",
+        ),
+        (
+            "\"seq_length\": 5",
+            "\"seq_length\": 9223372036854775807",
+            "overflow 64 bits",
+        ),
+        (
+            "\"num_samples\": 7",
+            "\"num_samples\": 9000000000",
+            "6-digit shard names",
+        ),
+        ("{", "[", "JSON"),
+    ] {
+        assert!(good.contains(from), "{from}");
+        std::fs::write(dir.join("manifest.json"), good.replacen(from, to, 1)).unwrap();
+        let e = Cache::open(&dir)
+            .err()
+            .expect("a hostile manifest is refused");
+        let text = e.to_string();
+        assert!(matches!(e, Error::Format { .. }), "{to}: {text}");
+        assert!(
+            text.contains("manifest.json") && text.contains(words),
+            "{to}: {text}"
+        );
+        let v = dspark::validate(&dir, false);
+        assert!(
+            v.errors().any(|f| f.message.contains(words)),
+            "{to}: {:?}",
+            v.errors().collect::<Vec<_>>()
+        );
+    }
+    // A shard of NeMo's first layout (a fifth tensor, attention_mask) is refused by name.
+    std::fs::write(dir.join("manifest.json"), &good).unwrap();
+    let path = dir.join("shard-000000.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let (_, meta) = dspark::read_header(&bytes, &path).unwrap();
+    let mut tensors = Vec::new();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    for (name, info) in meta.tensors() {
+        let (s, e) = info.data_offsets;
+        tensors.push((
+            name.clone(),
+            safetensors::tensor::TensorView::new(
+                info.dtype,
+                info.shape.clone(),
+                &bytes[8 + n + s..8 + n + e],
+            )
+            .unwrap(),
+        ));
+    }
+    let mask = vec![0u8; 3 * 5 * 8];
+    tensors.push((
+        "attention_mask".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![3, 5], &mask).unwrap(),
+    ));
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    let v = dspark::validate(&dir, false);
+    assert!(
+        v.errors().any(|f| f.message.contains("attention_mask")),
+        "{:?}",
+        v.errors().collect::<Vec<_>>()
+    );
+}
