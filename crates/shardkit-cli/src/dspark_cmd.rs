@@ -3,54 +3,18 @@
 
 use std::path::PathBuf;
 
-use crate::eagle3_cmd::{self, WriteArgs};
+use crate::eagle3_cmd::{self, CacheCmd, WriteArgs};
 use crate::progress::{self, Unit};
 use clap::{Args, Subcommand};
-use shardkit::dspark::{self, synthetic_sample, WeightTable, Writer, WriterOptions};
-use shardkit::json::{self, Escape, Value};
+use shardkit::dspark::{synthetic_sample, WeightTable, Writer, WriterOptions};
+use shardkit::json::{self, Value};
 use shardkit::{Error, Result};
 
 /// Subcommands of `shardkit dspark`.
 #[derive(Subcommand)]
 pub enum DsparkCmd {
-    /// Hash every file into the checksums sidecar (shardkit.checksums.json), for caches
-    /// written by other tools (NeMo's producers); `validate --deep` and loaders with verify
-    /// then check them.
-    Checksum {
-        /// The cache directory.
-        path: PathBuf,
-    },
-    /// Check a cache: manifest (and its `complete` marker), shard set, headers, shapes and
-    /// dtypes, target_weights.safetensors (--deep: every value, and every byte against the
-    /// checksums sidecar).
-    Validate {
-        /// The cache directory.
-        dir: PathBuf,
-        /// Also read every tensor: NaN/Inf, loss_mask 0 or 1, input_ids in the vocabulary.
-        #[arg(long)]
-        deep: bool,
-        /// Print {"valid", "errors", "notes"} as JSON.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Summarise a cache: configuration, input identity, sizes and completeness (text;
-    /// --json for JSON).
-    Inspect {
-        /// The cache directory.
-        dir: PathBuf,
-        /// Print the summary as JSON (stable keys, for scripts).
-        #[arg(long)]
-        json: bool,
-    },
-    /// Where a cache written in parts (dspark.PartWriter, or begun by NeMo's distributed
-    /// producer) stands: shards durable, missing, claimed by live ranks, and what a restart
-    /// would write.
-    Status {
-        /// The cache directory.
-        dir: PathBuf,
-        #[command(flatten)]
-        show: crate::parts_cmd::StatusArgs,
-    },
+    #[command(flatten)]
+    Common(CacheCmd),
     /// Write a cache from safetensors batch files holding the stored tensors, [b, ...] each.
     Write(DsparkWriteArgs),
     /// Write a synthetic cache of valid, deterministic samples (for tests and benchmarks).
@@ -110,27 +74,7 @@ pub struct DsparkSynthArgs {
 
 pub fn run(cmd: DsparkCmd) -> Result<bool> {
     match cmd {
-        DsparkCmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
-        DsparkCmd::Validate { dir, deep, json } => Ok(crate::checksum_cmd::print_report(
-            &dspark::validate(&dir, deep),
-            json,
-            deep,
-        )),
-        DsparkCmd::Inspect { dir, json } => {
-            let v = dspark::inspect(&dir)?;
-            if json {
-                println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
-            } else {
-                crate::inspect_text::print(&v);
-            }
-            Ok(true)
-        }
-        DsparkCmd::Status { dir, show } => show.run(
-            &dir,
-            "shard",
-            || dspark::status(&dir),
-            || dspark::commit_parts(&dir),
-        ),
+        DsparkCmd::Common(c) => eagle3_cmd::run_common(c),
         DsparkCmd::Write(a) => {
             require_dspark(&a.manifest)?;
             eagle3_cmd::write(WriteArgs {

@@ -14,32 +14,8 @@ use shardkit::{Error, Result};
 /// Subcommands of `shardkit eagle3`.
 #[derive(Subcommand)]
 pub enum Eagle3Cmd {
-    /// Hash every file into the checksums sidecar (shardkit.checksums.json), for caches
-    /// written by other tools; `validate --deep` and loaders with verify then check them.
-    Checksum {
-        /// The cache directory.
-        path: PathBuf,
-    },
-    /// Check a cache: manifest, shard set, headers, shapes and dtypes (--deep: every value,
-    /// and every byte against the checksums sidecar).
-    Validate {
-        /// The cache directory.
-        dir: PathBuf,
-        /// Also read every tensor: NaN/Inf, masks, probability rows summing to 1, indices.
-        #[arg(long)]
-        deep: bool,
-        /// Print {"valid", "errors", "notes"} as JSON.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Summarise a cache: configuration, sizes and completeness (text; --json for JSON).
-    Inspect {
-        /// The cache directory.
-        dir: PathBuf,
-        /// Print the summary as JSON (stable keys, for scripts).
-        #[arg(long)]
-        json: bool,
-    },
+    #[command(flatten)]
+    Common(CacheCmd),
     /// Switch a cache between format_version 1 and 2 by rewriting only its manifest.
     SetVersion {
         /// The cache directory.
@@ -47,19 +23,81 @@ pub enum Eagle3Cmd {
         /// 1 or 2 (a top-k cache can only be 2).
         version: u8,
     },
-    /// Where a cache written in parts (eagle3.PartWriter) stands: shards durable, missing,
-    /// claimed by live ranks (and by whom), the embeddings if still owed, and what a restart
-    /// would write.
+    /// Write a cache from safetensors batch files holding the stored tensors, [b, ...] each.
+    Write(WriteArgs),
+    /// Write a synthetic cache of valid, deterministic samples (for tests and benchmarks).
+    Synth(SynthArgs),
+}
+
+/// The subcommands every cache of NeMo's offline-cache family has (`shardkit eagle3 ...`,
+/// `shardkit dspark ...`): the library's functions are the family's, whatever the member.
+#[derive(Subcommand)]
+pub enum CacheCmd {
+    /// Hash every file into the checksums sidecar (shardkit.checksums.json), for caches
+    /// written by other tools (NeMo's producers); `validate --deep` and loaders with verify
+    /// then check them.
+    Checksum {
+        /// The cache directory.
+        path: PathBuf,
+    },
+    /// Check a cache: manifest (DSpark: and its `complete` marker), shard set, headers, shapes
+    /// and dtypes, the target weights file (--deep: every value, and every byte against the
+    /// checksums sidecar).
+    Validate {
+        /// The cache directory.
+        dir: PathBuf,
+        /// Also read every tensor: NaN/Inf, masks, ids, probability rows summing to 1, indices.
+        #[arg(long)]
+        deep: bool,
+        /// Print {"valid", "errors", "notes"} as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Summarise a cache: configuration, input identity, sizes and completeness (text;
+    /// --json for JSON).
+    Inspect {
+        /// The cache directory.
+        dir: PathBuf,
+        /// Print the summary as JSON (stable keys, for scripts).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Where a cache written in parts (PartWriter ranks, or NeMo's distributed DSpark
+    /// producer) stands: shards durable, missing, claimed by live ranks (and by whom), the
+    /// target weights if still owed, and what a restart would write.
     Status {
         /// The cache directory.
         dir: PathBuf,
         #[command(flatten)]
         show: crate::parts_cmd::StatusArgs,
     },
-    /// Write a cache from safetensors batch files holding the stored tensors, [b, ...] each.
-    Write(WriteArgs),
-    /// Write a synthetic cache of valid, deterministic samples (for tests and benchmarks).
-    Synth(SynthArgs),
+}
+
+/// Runs one of the family's common subcommands.
+pub fn run_common(cmd: CacheCmd) -> Result<bool> {
+    match cmd {
+        CacheCmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
+        CacheCmd::Validate { dir, deep, json } => Ok(crate::checksum_cmd::print_report(
+            &eagle3::validate(&dir, deep),
+            json,
+            deep,
+        )),
+        CacheCmd::Inspect { dir, json } => {
+            let v = eagle3::inspect(&dir)?;
+            if json {
+                println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
+            } else {
+                crate::inspect_text::print(&v);
+            }
+            Ok(true)
+        }
+        CacheCmd::Status { dir, show } => show.run(
+            &dir,
+            "shard",
+            || eagle3::status(&dir),
+            || eagle3::commit_parts(&dir),
+        ),
+    }
 }
 
 /// `shardkit eagle3 write`.
@@ -123,21 +161,7 @@ pub struct SynthArgs {
 
 pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
     match cmd {
-        Eagle3Cmd::Checksum { path } => crate::checksum_cmd::checksum(&path),
-        Eagle3Cmd::Validate { dir, deep, json } => Ok(crate::checksum_cmd::print_report(
-            &eagle3::validate(&dir, deep),
-            json,
-            deep,
-        )),
-        Eagle3Cmd::Inspect { dir, json } => {
-            let v = eagle3::inspect(&dir)?;
-            if json {
-                println!("{}", json::to_pretty(&v, 2, Escape::Utf8));
-            } else {
-                crate::inspect_text::print(&v);
-            }
-            Ok(true)
-        }
+        Eagle3Cmd::Common(c) => run_common(c),
         Eagle3Cmd::SetVersion { dir, version } => {
             let m = eagle3::set_version(&dir, version)?;
             eprintln!(
@@ -152,12 +176,6 @@ pub fn run(cmd: Eagle3Cmd) -> Result<bool> {
             );
             Ok(true)
         }
-        Eagle3Cmd::Status { dir, show } => show.run(
-            &dir,
-            "shard",
-            || eagle3::status(&dir),
-            || eagle3::commit_parts(&dir),
-        ),
         Eagle3Cmd::Write(a) => write(a),
         Eagle3Cmd::Synth(a) => synth_cache(&a).map(|p| {
             println!("{}", p.display());

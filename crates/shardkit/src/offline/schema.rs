@@ -82,11 +82,9 @@ impl Schema {
     }
 
     /// The versions, for messages: "1 or 2", "1".
-    pub(crate) fn versions_text(self) -> &'static str {
-        match self {
-            Schema::Eagle3 => "1 or 2",
-            Schema::DSpark => "1",
-        }
+    pub(crate) fn versions_text(self) -> String {
+        let v: Vec<String> = self.versions().iter().map(u8::to_string).collect();
+        v.join(" or ")
     }
 
     /// The key only this member's manifest has, which sizes its hidden states.
